@@ -1,0 +1,117 @@
+"""Placement plugins: which GPUs a job gets, given what is free.
+
+A placement sees a `FreeGpus` ledger, which the decision cycle stages grants on, so
+that jobs placed earlier in the same cycle are accounted for (all-or-nothing: a
+placement that cannot take every GPU it needs takes none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from brain.core.model import Grant, NodeView
+
+
+class FreeGpus:
+    """A staging ledger of free GPUs per node, for one decision cycle."""
+
+    def __init__(self, nodes: Iterable[NodeView]) -> None:
+        self._free: dict[str, list[int]] = {n.name: sorted(n.free) for n in nodes}
+        self._switch: dict[str, str] = {}
+        self._capacity: dict[str, int] = {}
+        for n in nodes:
+            self._switch[n.name] = n.switch
+            self._capacity[n.name] = len(n.gpus)
+
+    def free_on(self, node: str) -> int:
+        return len(self._free[node])
+
+    def nodes(self) -> list[str]:
+        return list(self._free)
+
+    def switch_of(self, node: str) -> str:
+        return self._switch[node]
+
+    def total_free(self) -> int:
+        return sum(len(v) for v in self._free.values())
+
+    def total_capacity(self) -> int:
+        return sum(self._capacity.values())
+
+    def largest_node(self) -> int:
+        return max(self._capacity.values(), default=0)
+
+    def take(self, grants: Iterable[Grant]) -> None:
+        for grant in grants:
+            free = self._free[grant.node]
+            for gpu in grant.gpus:
+                free.remove(gpu)
+
+    def give(self, grants: Iterable[Grant]) -> None:
+        for grant in grants:
+            if grant.node in self._free:
+                self._free[grant.node] = sorted({*self._free[grant.node], *grant.gpus})
+
+    def lowest(self, node: str, count: int) -> tuple[int, ...]:
+        return tuple(self._free[node][:count])
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    grants: tuple[Grant, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NoFit:
+    reason: str
+
+
+PlacementResult = Fit | NoFit
+Placement = Callable[[int, FreeGpus], PlacementResult]
+
+
+def _fewest_nodes(gpus: int, free: FreeGpus, candidates: list[str]) -> tuple[Grant, ...] | None:
+    """Greedy by most free GPUs: minimal node count for a gang across nodes."""
+    ordered = sorted(candidates, key=lambda n: (-free.free_on(n), n))
+    grants: list[Grant] = []
+    needed = gpus
+    for node in ordered:
+        if needed == 0:
+            break
+        take = min(needed, free.free_on(node))
+        if take == 0:
+            break
+        grants.append(Grant(node, free.lowest(node, take)))
+        needed -= take
+    return tuple(grants) if needed == 0 else None
+
+
+def consolidate(gpus: int, free: FreeGpus) -> PlacementResult:
+    """Pack a job on one node if any fits (best fit), else on the fewest nodes of one
+    switch, else on the fewest nodes anywhere."""
+    single = [n for n in free.nodes() if free.free_on(n) >= gpus]
+    if single:
+        # Best fit: the fullest node that still fits, to keep whole nodes free for
+        # large jobs.
+        node = min(single, key=lambda n: (free.free_on(n), n))
+        return Fit((Grant(node, free.lowest(node, gpus)),))
+    by_switch: dict[str, list[str]] = {}
+    for node in free.nodes():
+        by_switch.setdefault(free.switch_of(node), []).append(node)
+    best: tuple[Grant, ...] | None = None
+    for switch in sorted(by_switch):
+        grants = _fewest_nodes(gpus, free, by_switch[switch])
+        if grants is not None and (best is None or len(grants) < len(best)):
+            best = grants
+    if best is None:
+        best = _fewest_nodes(gpus, free, free.nodes())
+    if best is not None:
+        return Fit(best)
+    return NoFit(
+        f"needs {gpus} GPUs; {free.total_free()} free of {free.total_capacity()} schedulable"
+    )
+
+
+PLACEMENTS: Final[dict[str, Placement]] = {"consolidate": consolidate}

@@ -1,0 +1,373 @@
+"""Typed access to NATS for every Alnair component.
+
+`Bus` owns one connection. It validates every inbound message at the edge and sends
+what fails to `alnair.dlq.<origin>` with the reason; no bad message, and no failing
+handler, ever stops a subscription loop. JetStream publishes carry `Nats-Msg-Id` and
+are retried with the same id on timeout: the outcome of a timed-out publish is
+unknown, not failed, and the server's de-duplication makes the retry safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from pydantic import BaseModel, TypeAdapter
+
+from schemas import subjects
+from schemas.base import decode, encode
+from schemas.dlq import DLQ_PAYLOAD_PREVIEW_BYTES, DeadLetter
+from schemas.errors import BrainUnavailable, BusError, BusTimeout, InvalidMessage
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+Decoder = type[T] | TypeAdapter[T]
+Handler = Callable[[T, Msg], Awaitable[None]]
+
+DAY_S: Final = 86_400.0
+DEDUP_WINDOW_S: Final = 120.0
+# A poison message is dead-lettered after this many failed deliveries.
+MAX_HANDLER_ATTEMPTS: Final = 5
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float | None
+    description: str
+
+
+STREAMS: Final = (
+    StreamSpec(
+        subjects.STREAM_EVENTS,
+        (subjects.ALL_NODE_EVENTS,),
+        7 * DAY_S,
+        "node events: job exits, GPU faults, input errors (agent -> brain)",
+    ),
+    StreamSpec(
+        subjects.STREAM_COMMANDS,
+        (subjects.ALL_NODE_COMMANDS, subjects.ALL_JOB_COMMANDS),
+        DAY_S,
+        "commands to agents and supervisors, fenced by the brain's epoch",
+    ),
+    StreamSpec(
+        subjects.STREAM_STATE,
+        (subjects.ALL_STATE,),
+        None,
+        "the brain's journal: every job and node state change with its cause",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectOptions:
+    servers: tuple[str, ...]
+    name: str
+    credentials: str | None = None
+    tls_ca: str | None = None
+    connect_timeout_s: float = 5.0
+    # Keep trying for ever: a component outlives a restart of its NATS server.
+    max_reconnect_attempts: int = -1
+
+
+class Bus:
+    def __init__(self, nc: NatsClient, *, component: str, replicas: int = 1) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(timeout=5.0)
+        self.component = component
+        self.replicas = replicas
+        self.dead_lettered: Counter[str] = Counter()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subs: list[Subscription] = []
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, options: ConnectOptions, *, replicas: int = 1) -> Bus:
+        kwargs: dict[str, Any] = {
+            "servers": list(options.servers),
+            "name": options.name,
+            "connect_timeout": options.connect_timeout_s,
+            "max_reconnect_attempts": options.max_reconnect_attempts,
+            "reconnect_time_wait": 0.5,
+            "allow_reconnect": True,
+            "error_cb": _log_error,
+            "disconnected_cb": _log_disconnected(options.name),
+            "reconnected_cb": _log_reconnected(options.name),
+        }
+        if options.credentials:
+            kwargs["user_credentials"] = options.credentials
+        if options.tls_ca:
+            import ssl
+
+            kwargs["tls"] = ssl.create_default_context(cafile=options.tls_ca)
+        try:
+            nc = await nats.connect(**kwargs)
+        except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as error:
+            raise BusError(
+                f"cannot connect to NATS at {', '.join(options.servers)}: {error or 'timeout'}"
+            ) from error
+        return cls(nc, component=options.name, replicas=replicas)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+        if not self.nc.is_closed:
+            await self.nc.close()
+
+    def spawn(self, coro: Awaitable[None], *, name: str) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- streams ---------------------------------------------------------------------
+
+    async def ensure_streams(self) -> None:
+        """Create or update Alnair's streams; safe to call from every component."""
+        for spec in STREAMS:
+            config = StreamConfig(
+                name=spec.name,
+                description=spec.description,
+                subjects=list(spec.subjects),
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.OLD,
+                max_age=spec.max_age_s,
+                duplicate_window=DEDUP_WINDOW_S,
+                num_replicas=self.replicas,
+            )
+            try:
+                await self.js.stream_info(spec.name)
+            except nats.js.errors.NotFoundError:
+                await self.js.add_stream(config)
+            else:
+                await self.js.update_stream(config)
+
+    # -- publishing ------------------------------------------------------------------
+
+    async def publish(self, subject: str, message: BaseModel) -> None:
+        """Core NATS: fire and forget (telemetry, heartbeats, progress)."""
+        await self.nc.publish(subject, encode(message))
+
+    async def publish_durable(
+        self,
+        subject: str,
+        message: BaseModel,
+        *,
+        msg_id: str,
+        retry_for_s: float = 30.0,
+        attempt_timeout_s: float = 2.0,
+    ) -> int:
+        """Publish to JetStream and return the stream sequence once it is stored.
+
+        Retries a timed-out or unanswered publish with the same `Nats-Msg-Id` until
+        `retry_for_s` has passed: the server keeps one copy however many arrive.
+        """
+        payload = encode(message)
+        headers = {"Nats-Msg-Id": msg_id}
+        deadline = time.monotonic() + retry_for_s
+        delay = 0.05
+        while True:
+            try:
+                ack = await self.js.publish(
+                    subject, payload, timeout=attempt_timeout_s, headers=headers
+                )
+                return int(ack.seq)
+            except (
+                nats.errors.TimeoutError,
+                nats.js.errors.NoStreamResponseError,
+                nats.errors.ConnectionClosedError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.OutboundBufferLimitError,
+            ) as error:
+                if time.monotonic() + delay >= deadline:
+                    raise BusTimeout(subject, retry_for_s) from error
+                log.warning("publish to %s unconfirmed (%r); retrying as %s", subject, error, msg_id)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # -- receiving -------------------------------------------------------------------
+
+    async def dead_letter(self, subject: str, data: bytes, reason: str) -> None:
+        origin = subjects.dlq_origin(subject)
+        self.dead_lettered[origin] += 1
+        log.warning("dead-lettered message on %s: %s", subject, reason)
+        letter = DeadLetter(
+            subject=subject[:512],
+            reason=reason[:4000],
+            received_at=time.time(),
+            by=self.component,
+            payload_bytes=len(data),
+            payload_preview=data[:DLQ_PAYLOAD_PREVIEW_BYTES].decode("utf-8", "replace"),
+        )
+        with contextlib.suppress(Exception):
+            await self.nc.publish(subjects.dlq(origin), encode(letter))
+
+    async def subscribe(
+        self,
+        subject: str,
+        decoder: Decoder[T],
+        handler: Handler[T],
+        *,
+        queue: str = "",
+    ) -> Subscription:
+        """Core subscription; invalid messages go to the DLQ, handler errors are logged."""
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                message = decode(msg.data, decoder)
+            except InvalidMessage as error:
+                await self.dead_letter(msg.subject, msg.data, error.reason)
+                return
+            try:
+                await handler(message, msg)
+            except Exception:
+                log.exception("handler for %s failed", msg.subject)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        self._subs.append(sub)
+        return sub
+
+    async def consume(
+        self,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        decoder: Decoder[T],
+        handler: Handler[T],
+        *,
+        deliver_new: bool = False,
+        batch: int = 64,
+    ) -> asyncio.Task[None]:
+        """Run a durable pull consumer: each message is acked after its handler returns.
+
+        A handler that raises gets the message again (after a pause) up to
+        MAX_HANDLER_ATTEMPTS deliveries; then it is dead-lettered. Invalid messages are
+        dead-lettered at once and acknowledged.
+        """
+        config = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
+            ack_wait=30.0,
+            max_ack_pending=1000,
+            filter_subject=filter_subject,
+        )
+        psub = await self.js.pull_subscribe(
+            filter_subject, durable=durable, stream=stream, config=config
+        )
+
+        async def one(msg: Msg) -> None:
+            try:
+                message = decode(msg.data, decoder)
+            except InvalidMessage as error:
+                await self.dead_letter(msg.subject, msg.data, error.reason)
+                await msg.ack()
+                return
+            try:
+                await handler(message, msg)
+            except Exception as error:
+                log.exception("handler for %s failed", msg.subject)
+                if msg.metadata.num_delivered >= MAX_HANDLER_ATTEMPTS:
+                    await self.dead_letter(msg.subject, msg.data, f"handler failed: {error!r}")
+                    await msg.term()
+                else:
+                    await msg.nak(delay=1.0)
+                return
+            await msg.ack()
+
+        async def loop() -> None:
+            while True:
+                try:
+                    msgs = await psub.fetch(batch, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                    await asyncio.sleep(0.5)
+                    continue
+                except nats.js.errors.APIError as error:
+                    log.warning("fetch on %s failed: %s", durable, error)
+                    await asyncio.sleep(0.5)
+                    continue
+                for msg in msgs:
+                    try:
+                        await one(msg)
+                    except (nats.errors.Error, OSError) as error:
+                        # An ack lost in a disconnect: the message comes back, and the
+                        # handlers are idempotent.
+                        log.warning("ack on %s failed: %r", durable, error)
+
+        return self.spawn(loop(), name=f"consume:{durable}")
+
+    async def request(
+        self,
+        subject: str,
+        message: BaseModel,
+        reply: Decoder[R],
+        *,
+        timeout_s: float = 5.0,
+    ) -> R:
+        try:
+            msg = await self.nc.request(subject, encode(message), timeout=timeout_s)
+        except nats.errors.NoRespondersError:
+            raise BrainUnavailable(subject) from None
+        except nats.errors.TimeoutError:
+            raise BusTimeout(subject, timeout_s) from None
+        return decode(msg.data, reply)
+
+
+async def _log_error(error: Exception) -> None:
+    log.debug("nats: %r", error)
+
+
+def _log_disconnected(name: str) -> Callable[[], Awaitable[None]]:
+    async def callback() -> None:
+        log.warning("%s: disconnected from NATS", name)
+
+    return callback
+
+
+def _log_reconnected(name: str) -> Callable[[], Awaitable[None]]:
+    async def callback() -> None:
+        log.info("%s: reconnected to NATS", name)
+
+    return callback
+
+
+def connect_options(
+    servers: Sequence[str], *, name: str, credentials: str | None = None
+) -> ConnectOptions:
+    return ConnectOptions(servers=tuple(servers), name=name, credentials=credentials)

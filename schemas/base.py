@@ -1,0 +1,86 @@
+"""Base model for everything on the wire, and the codec.
+
+Every message is a frozen pydantic model carrying the schema version `v`, with
+unknown fields rejected, so a sender built against another schema is told so
+instead of silently half-understood.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from schemas.errors import InvalidMessage, InvalidName
+
+SCHEMA_VERSION: Final = 1
+# NATS' default max_payload is 1 MiB; refuse anything bigger before parsing it.
+MAX_MESSAGE_BYTES: Final = 1024 * 1024
+
+_NAME_RE: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def check_name(what: str, value: str) -> str:
+    if not _NAME_RE.match(value):
+        raise InvalidName(what, value)
+    return value
+
+
+def _node_name(value: str) -> str:
+    return check_name("node", value)
+
+
+def _tenant_name(value: str) -> str:
+    return check_name("tenant", value)
+
+
+def _queue_name(value: str) -> str:
+    return check_name("queue", value)
+
+
+NodeName = Annotated[str, AfterValidator(_node_name)]
+TenantName = Annotated[str, AfterValidator(_tenant_name)]
+QueueName = Annotated[str, AfterValidator(_queue_name)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+
+
+M = TypeVar("M")
+
+
+def encode(message: BaseModel) -> bytes:
+    return message.model_dump_json(exclude_none=False).encode()
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"]) or "message"
+        parts.append(f"{where}: {item['msg']}")
+    more = error.error_count() - 5
+    if more > 0:
+        parts.append(f"and {more} more")
+    return "; ".join(parts)
+
+
+def decode(data: bytes, kind: type[M] | TypeAdapter[M]) -> M:
+    """Parse and validate one message; raise InvalidMessage saying what is wrong."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise InvalidMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        if isinstance(kind, TypeAdapter):
+            return kind.validate_json(data)
+        if issubclass(kind, BaseModel):
+            return kind.model_validate_json(data)  # type: ignore[no-any-return]
+        return TypeAdapter(kind).validate_json(data)
+    except ValidationError as error:
+        raise InvalidMessage(_describe(error)) from None
+
+
+def to_jsonable(message: BaseModel) -> dict[str, Any]:
+    return message.model_dump(mode="json")

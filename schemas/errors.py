@@ -1,0 +1,69 @@
+"""Alnair's error hierarchy.
+
+One root, `AlnairError`; subclasses carry the data an operator needs to act on them
+(a subject, a job id, a node). Expected outcomes of a decision are values, never
+these exceptions: these are for bad input, broken infrastructure and bugs.
+"""
+
+from __future__ import annotations
+
+
+class AlnairError(Exception):
+    """Root of every error Alnair raises on purpose."""
+
+
+class InvalidMessage(AlnairError, ValueError):
+    """A message failed validation at the edge; `reason` says which field and why."""
+
+    def __init__(self, reason: str, *, subject: str | None = None) -> None:
+        super().__init__(reason if subject is None else f"{subject}: {reason}")
+        self.reason = reason
+        self.subject = subject
+
+
+class InvalidSubject(AlnairError, ValueError):
+    def __init__(self, subject: str, reason: str) -> None:
+        super().__init__(f"invalid subject {subject!r}: {reason}")
+        self.subject = subject
+
+
+class InvalidName(AlnairError, ValueError):
+    """A node, tenant or queue name that cannot be a subject token."""
+
+    def __init__(self, what: str, name: str) -> None:
+        super().__init__(
+            f"invalid {what} name {name!r}: use 1-64 letters, digits, '_' or '-'"
+        )
+        self.name = name
+
+
+class BusError(AlnairError):
+    pass
+
+
+class BusTimeout(BusError, TimeoutError):
+    def __init__(self, subject: str, timeout_s: float) -> None:
+        super().__init__(f"no answer on {subject} within {timeout_s:g}s")
+        self.subject = subject
+
+
+class BrainUnavailable(BusError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(
+            f"no brain is answering on {subject}: is the cluster up "
+            "(`make up` / `alnair up`, or `alnair brain`)?"
+        )
+        self.subject = subject
+
+
+class ApiError(AlnairError):
+    """The brain refused a request; `code` tells callers what kind of refusal."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ClusterNotFound(AlnairError):
+    pass

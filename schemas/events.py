@@ -1,0 +1,68 @@
+"""Node events (agent -> brain, JetStream EVENTS): things that happened and must not be lost."""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+from pydantic import Field, TypeAdapter
+
+from schemas.base import Message, NodeName
+
+LOG_TAIL_LINES: Final = 20
+
+
+class _NodeEvent(Message):
+    event_id: str = Field(min_length=1, max_length=64)
+    node: NodeName
+    ts: float
+
+
+class JobStarted(_NodeEvent):
+    kind: Literal["job_started"] = "job_started"
+    job_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    pid: int = Field(ge=1)
+    gpus: tuple[int, ...]
+    log_path: str
+
+
+class JobExited(_NodeEvent):
+    kind: Literal["job_exited"] = "job_exited"
+    job_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    # Exactly one of exit_code / signal is set, as with waitpid.
+    exit_code: int | None = None
+    signal: int | None = None
+    # True when the process ended because a stop command asked it to.
+    stopped: bool = False
+    runtime_s: float = Field(ge=0)
+    log_tail: tuple[str, ...] = Field(default=(), max_length=LOG_TAIL_LINES)
+
+
+class LaunchFailed(_NodeEvent):
+    kind: Literal["launch_failed"] = "launch_failed"
+    job_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    reason: str
+
+
+class CommandRejected(_NodeEvent):
+    kind: Literal["command_rejected"] = "command_rejected"
+    command_id: str
+    job_id: str | None = None
+    reason: str
+
+
+class GpuFault(_NodeEvent):
+    kind: Literal["gpu_fault"] = "gpu_fault"
+    gpu: int = Field(ge=0, le=255)
+    fault: Literal["xid", "ecc_dbe", "retired_pages", "row_remap_failure", "lost"]
+    xid: int | None = None
+    detail: str = ""
+
+
+NodeEvent = Annotated[
+    JobStarted | JobExited | LaunchFailed | CommandRejected | GpuFault,
+    Field(discriminator="kind"),
+]
+NODE_EVENT: Final[TypeAdapter[NodeEvent]] = TypeAdapter(NodeEvent)

@@ -1,0 +1,50 @@
+"""Nodes as the brain keeps them."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from schemas.base import NodeName
+from schemas.telemetry import GpuInfo, GpuSample
+
+
+class NodeState(StrEnum):
+    READY = "READY"
+    LOST = "LOST"  # stopped heartbeating; its jobs were taken back
+
+
+class NodeRecord(BaseModel):
+    """What the STATE log keeps about a node: identity and inventory, not liveness.
+
+    Liveness (the last heartbeat) changes every second and is kept only in memory;
+    a brain rebuilding from the log gives every node a fresh grace period.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: NodeName
+    state: NodeState
+    hostname: str
+    backend: Literal["nvml", "sim"]
+    instance: str
+    gpus: tuple[GpuInfo, ...]
+    joined_at: float
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+
+class NodeStatus(BaseModel):
+    """A node as `alnair nodes` shows it: the record plus what is live right now."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    record: NodeRecord
+    allocated_gpus: tuple[int, ...]
+    jobs: tuple[str, ...]
+    last_seen_s_ago: float | None
+    latest: tuple[GpuSample, ...] = ()

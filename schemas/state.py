@@ -1,0 +1,103 @@
+"""The STATE stream: the brain's journal.
+
+Every job and node state change is appended with its cause; so is every node event the
+brain folded. A job or node entry carries the whole record after the change, so the
+brain's state is the fold "last record wins" of this log, and replaying an entry twice
+changes nothing.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from schemas.base import Message
+from schemas.events import NodeEvent
+from schemas.jobs import JobRecord, JobState
+from schemas.nodes import NodeRecord, NodeState
+
+
+class CauseKind(StrEnum):
+    SUBMITTED = "submitted"
+    WAITING = "waiting"
+    PLACED = "placed"
+    STARTED = "started"
+    EXITED = "exited"
+    LAUNCH_FAILED = "launch_failed"
+    PEER_FAILED = "peer_failed"
+    CANCELLED = "cancelled"
+    NODE_JOINED = "node_joined"
+    NODE_UPDATED = "node_updated"
+    NODE_LOST = "node_lost"
+    NODE_RETURNED = "node_returned"
+    NODE_EVENT = "node_event"
+
+
+class Cause(BaseModel):
+    """Why something changed, in words an operator can act on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: CauseKind
+    message: str
+    node: str | None = None
+    job_id: str | None = None
+
+
+class JobChanged(Message):
+    kind: Literal["job"] = "job"
+    record_id: str
+    ts: float
+    epoch: int = Field(ge=0)
+    job: JobRecord
+    previous: JobState | None
+    cause: Cause
+
+
+class NodeChanged(Message):
+    kind: Literal["node"] = "node"
+    record_id: str
+    ts: float
+    epoch: int = Field(ge=0)
+    node: NodeRecord
+    previous: NodeState | None
+    cause: Cause
+
+
+class NodeEventRecorded(Message):
+    kind: Literal["node_event"] = "node_event"
+    record_id: str
+    ts: float
+    epoch: int = Field(ge=0)
+    event: NodeEvent
+
+
+StateRecord = Annotated[
+    JobChanged | NodeChanged | NodeEventRecorded, Field(discriminator="kind")
+]
+STATE_RECORD: Final[TypeAdapter[StateRecord]] = TypeAdapter(StateRecord)
+
+
+def record_job_id(record: StateRecord) -> str | None:
+    if isinstance(record, JobChanged):
+        return record.job.job_id
+    if isinstance(record, NodeEventRecorded):
+        return getattr(record.event, "job_id", None)
+    return None
+
+
+def record_node(record: StateRecord) -> str | None:
+    if isinstance(record, NodeChanged):
+        return record.node.name
+    if isinstance(record, NodeEventRecorded):
+        return record.event.node
+    return None
+
+
+def record_kind(record: StateRecord) -> str:
+    """The kind `alnair events --kind` filters on: the cause, or the node event's kind."""
+    if isinstance(record, NodeEventRecorded):
+        return record.event.kind
+    return record.cause.kind.value

@@ -1,0 +1,77 @@
+"""GPU inventory, telemetry samples and heartbeats (agent -> brain, core NATS)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.base import Message, NodeName
+
+
+class GpuHealth(StrEnum):
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # seen a critical fault; the agent still reports it
+    LOST = "lost"  # fell off the bus / no longer answers NVML
+
+
+class GpuInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, le=255)
+    uuid: str = Field(min_length=1, max_length=128)
+    model: str = Field(min_length=1, max_length=128)
+    memory_mib: int = Field(ge=0)
+    health: GpuHealth = GpuHealth.HEALTHY
+    health_reason: str | None = None
+
+
+class GpuSample(BaseModel):
+    """One GPU at one instant, in dcgm-exporter's units."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, le=255)
+    util_gpu_pct: float = Field(ge=0, le=100)
+    util_mem_pct: float = Field(ge=0, le=100)
+    mem_used_mib: float = Field(ge=0)
+    mem_total_mib: float = Field(ge=0)
+    power_w: float = Field(ge=0)
+    temp_c: float
+    sm_clock_mhz: float = Field(ge=0)
+    mem_clock_mhz: float = Field(ge=0)
+    ecc_dbe_total: int | None = Field(default=None, ge=0)
+
+
+class TelemetryBatch(Message):
+    """Every GPU of one node at one instant: one message per node per interval."""
+
+    node: NodeName
+    ts: float
+    samples: tuple[GpuSample, ...] = Field(max_length=256)
+
+
+class RunningJob(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    pid: int = Field(ge=1)
+    gpus: tuple[int, ...]
+
+
+class Heartbeat(Message):
+    node: NodeName
+    ts: float
+    seq: int = Field(ge=0)
+    # Changes each time the agent process starts: lets the brain tell a restart
+    # from a network blip.
+    instance: str = Field(min_length=1, max_length=64)
+    hostname: str = Field(min_length=1, max_length=255)
+    backend: Literal["nvml", "sim"]
+    interval_s: float = Field(gt=0)
+    gpus: tuple[GpuInfo, ...] = Field(max_length=256)
+    running: tuple[RunningJob, ...] = ()
+    # Highest brain epoch the agent has accepted commands from.
+    epoch_seen: int = Field(default=0, ge=0)
