@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -128,7 +128,7 @@ class Bus:
             kwargs["tls"] = ssl.create_default_context(cafile=options.tls_ca)
         try:
             nc = await nats.connect(**kwargs)
-        except (OSError, nats.errors.NoServersError, asyncio.TimeoutError) as error:
+        except (TimeoutError, OSError, nats.errors.NoServersError) as error:
             raise BusError(
                 f"cannot connect to NATS at {', '.join(options.servers)}: {error or 'timeout'}"
             ) from error
@@ -215,7 +215,9 @@ class Bus:
             ) as error:
                 if time.monotonic() + delay >= deadline:
                     raise BusTimeout(subject, retry_for_s) from error
-                log.warning("publish to %s unconfirmed (%r); retrying as %s", subject, error, msg_id)
+                log.warning(
+                    "publish to %s unconfirmed (%r); retrying as %s", subject, error, msg_id
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -331,6 +333,61 @@ class Bus:
                         log.warning("ack on %s failed: %r", durable, error)
 
         return self.spawn(loop(), name=f"consume:{durable}")
+
+    async def last_seq(self, stream: str) -> int:
+        info = await self.js.stream_info(stream)
+        return int(info.state.last_seq)
+
+    async def read(
+        self,
+        stream: str,
+        decoder: Decoder[T],
+        *,
+        start_seq: int = 1,
+        filter_subject: str | None = None,
+        follow: bool = False,
+        batch: int = 512,
+    ) -> AsyncIterator[tuple[T | InvalidMessage, int, str]]:
+        """Read a stream in order from `start_seq`: (message, sequence, subject).
+
+        Without `follow`, stops at the last message stored when called; with it, waits
+        for new ones for ever. An entry that fails validation is yielded as the
+        InvalidMessage, so a reader can report it and go on.
+        """
+        until = await self.last_seq(stream)
+        if not follow and until < start_seq:
+            return
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=max(1, start_seq),
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=60.0,
+            filter_subject=filter_subject,
+        )
+        psub = await self.js.pull_subscribe(
+            filter_subject or ">", durable=None, stream=stream, config=config
+        )
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(batch, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    if not follow and (filter_subject is not None or start_seq > until):
+                        # A filtered reader may never see `until` itself.
+                        return
+                    continue
+                for msg in msgs:
+                    seq = int(msg.metadata.sequence.stream)
+                    try:
+                        item: T | InvalidMessage = decode(msg.data, decoder)
+                    except InvalidMessage as error:
+                        item = error
+                    yield item, seq, msg.subject
+                    if not follow and seq >= until:
+                        return
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
 
     async def request(
         self,

@@ -31,9 +31,7 @@ class InvalidName(AlnairError, ValueError):
     """A node, tenant or queue name that cannot be a subject token."""
 
     def __init__(self, what: str, name: str) -> None:
-        super().__init__(
-            f"invalid {what} name {name!r}: use 1-64 letters, digits, '_' or '-'"
-        )
+        super().__init__(f"invalid {what} name {name!r}: use 1-64 letters, digits, '_' or '-'")
         self.name = name
 
 

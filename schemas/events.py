@@ -44,6 +44,9 @@ class LaunchFailed(_NodeEvent):
     job_id: str = Field(min_length=1, max_length=64)
     attempt: int = Field(ge=1)
     reason: str
+    # False when the job itself is at fault (no such program, bad directory): running
+    # it elsewhere would fail the same way.
+    retryable: bool = False
 
 
 class CommandRejected(_NodeEvent):

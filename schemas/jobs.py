@@ -10,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from schemas.base import NodeName, QueueName, TenantName
 
 MAX_GPUS_PER_JOB: Final = 4096
-_ENV_NAME_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+_ENV_NAME_CHARS: Final = frozenset(
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_"
+)
 # Set by the agent for every job; a spec may not override them.
 RESERVED_ENV_PREFIXES: Final = ("ALNAIR_", "CUDA_VISIBLE_DEVICES")
 

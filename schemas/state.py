@@ -74,9 +74,7 @@ class NodeEventRecorded(Message):
     event: NodeEvent
 
 
-StateRecord = Annotated[
-    JobChanged | NodeChanged | NodeEventRecorded, Field(discriminator="kind")
-]
+StateRecord = Annotated[JobChanged | NodeChanged | NodeEventRecorded, Field(discriminator="kind")]
 STATE_RECORD: Final[TypeAdapter[StateRecord]] = TypeAdapter(StateRecord)
 
 

@@ -1,0 +1,282 @@
+"""The node agent: inventory, telemetry, heartbeats, and the jobs the brain grants.
+
+It owns this node's GPUs and job processes and nothing else: it never decides where
+a job runs. Commands arrive on the node's own JetStream subject, are de-duplicated by
+id and fenced by the brain's epoch; what happens to jobs goes back as events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import nats.js.errors
+from nats.aio.msg import Msg
+
+from agents.gpu import GpuBackend
+from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
+from bus.client import Bus
+from schemas import subjects
+from schemas.commands import NODE_COMMAND, Launch, NodeCommand, Stop
+from schemas.events import CommandRejected, JobExited, JobStarted, LaunchFailed
+from schemas.telemetry import Heartbeat, RunningJob, TelemetryBatch
+
+log = logging.getLogger(__name__)
+
+SEEN_COMMANDS: Final = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    node: str
+    data_dir: Path
+    heartbeat_s: float = 1.0
+    telemetry_s: float = 1.0
+    stop_grace_s: float = 10.0
+    hostname: str = field(default_factory=socket.gethostname)
+    nats_url: str | None = None
+
+
+class Agent:
+    def __init__(
+        self,
+        bus: Bus,
+        config: AgentConfig,
+        backend: GpuBackend,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.bus = bus
+        self.config = config
+        self.backend = backend
+        self.clock = clock
+        self.instance = uuid.uuid4().hex[:12]
+        self.epoch = 0
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._heartbeat_seq = 0
+        self.launcher = Launcher(config.data_dir / "logs", self._on_exit, clock=clock)
+        self._loops: list[asyncio.Task[None]] = []
+        self._command_lock = asyncio.Lock()
+
+    @property
+    def node(self) -> str:
+        return self.config.node
+
+    async def start(self) -> None:
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        await self.heartbeat()  # announce ourselves before anything else
+        self._loops.append(
+            self.bus.spawn(self._every(self.config.heartbeat_s, self.heartbeat), name="heartbeat")
+        )
+        self._loops.append(
+            self.bus.spawn(
+                self._every(self.config.telemetry_s, self.publish_telemetry), name="telemetry"
+            )
+        )
+        self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
+
+    async def stop(self, *, stop_jobs: bool = True) -> None:
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._loops.clear()
+        if stop_jobs:
+            await self.launcher.stop_all(
+                reason="agent shutting down", grace_s=self.config.stop_grace_s
+            )
+            await self.launcher.wait_idle()
+
+    async def crash(self) -> list[int]:
+        """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""
+        for task in self._loops:
+            task.cancel()
+        self._loops.clear()
+        return list(self.launcher.abandon())
+
+    # -- periodic --------------------------------------------------------------------
+
+    async def _every(self, interval_s: float, fn: Callable[[], object]) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                result = fn()
+                if asyncio.iscoroutine(result):
+                    await result
+            except Exception:
+                log.exception("%s: periodic task failed", self.node)
+
+    async def heartbeat(self) -> None:
+        self._heartbeat_seq += 1
+        running = tuple(
+            RunningJob(job_id=p.job_id, attempt=p.attempt, pid=p.pid, gpus=p.gpus)
+            for p in self.launcher.running()
+        )
+        message = Heartbeat(
+            node=self.node,
+            ts=self.clock(),
+            seq=self._heartbeat_seq,
+            instance=self.instance,
+            hostname=self.config.hostname,
+            backend=self.backend.kind,
+            interval_s=self.config.heartbeat_s,
+            gpus=self.backend.inventory(),
+            running=running,
+            epoch_seen=self.epoch,
+        )
+        await self.bus.publish(subjects.node(self.node, "heartbeat"), message)
+
+    async def publish_telemetry(self) -> None:
+        self.backend.set_busy(self.launcher.busy_gpus())
+        batch = TelemetryBatch(node=self.node, ts=self.clock(), samples=self.backend.sample())
+        await self.bus.publish(subjects.node(self.node, "telemetry"), batch)
+
+    # -- commands --------------------------------------------------------------------
+
+    async def _consume_commands(self) -> None:
+        # The brain creates the streams; until it has, wait for them.
+        while True:
+            try:
+                await self.bus.consume(
+                    subjects.STREAM_COMMANDS,
+                    f"agent-{self.node}",
+                    subjects.node(self.node, "cmd"),
+                    NODE_COMMAND,
+                    self._on_command,
+                    deliver_new=True,
+                )
+                return
+            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError):
+                log.info("%s: waiting for the COMMANDS stream", self.node)
+                await asyncio.sleep(1.0)
+
+    async def _on_command(self, command: NodeCommand, msg: Msg) -> None:
+        async with self._command_lock:
+            await self.handle_command(command)
+
+    async def handle_command(self, command: NodeCommand) -> None:
+        if command.command_id in self._seen:
+            return
+        self._remember(command.command_id)
+        if command.epoch < self.epoch:
+            await self._reject(command, f"stale epoch {command.epoch} < {self.epoch}")
+            return
+        self.epoch = command.epoch
+        if isinstance(command, Launch):
+            await self._launch(command)
+        elif isinstance(command, Stop):
+            # Not awaited inside the command loop: a stop waits out its grace period,
+            # and other commands must not queue behind it.
+            self.bus.spawn(self._stop(command), name=f"stop:{command.job_id}")
+
+    def _remember(self, command_id: str) -> None:
+        self._seen[command_id] = None
+        while len(self._seen) > SEEN_COMMANDS:
+            self._seen.popitem(last=False)
+
+    async def _reject(self, command: NodeCommand, reason: str) -> None:
+        log.warning("%s: rejected command %s: %s", self.node, command.command_id, reason)
+        await self._event(
+            CommandRejected(
+                event_id=uuid.uuid4().hex,
+                node=self.node,
+                ts=self.clock(),
+                command_id=command.command_id,
+                job_id=getattr(command, "job_id", None),
+                reason=reason,
+            )
+        )
+
+    async def _launch(self, command: Launch) -> None:
+        if command.expires_at < self.clock():
+            await self._reject(command, "launch expired before it reached the node")
+            return
+        env = dict(command.env)
+        env.update(
+            ALNAIR_JOB_ID=command.job_id,
+            ALNAIR_ATTEMPT=str(command.attempt),
+            ALNAIR_NODE=self.node,
+            ALNAIR_NODE_RANK=str(command.node_rank),
+            ALNAIR_NUM_NODES=str(max(1, len(command.nodes))),
+            ALNAIR_NODES=",".join(command.nodes or (self.node,)),
+        )
+        if self.config.nats_url:
+            env["ALNAIR_NATS"] = self.config.nats_url
+        request = LaunchRequest(
+            job_id=command.job_id,
+            attempt=command.attempt,
+            gpus=command.gpus,
+            command=command.command,
+            env=env,
+            cwd=command.cwd,
+        )
+        try:
+            job = await self.launcher.launch(request)
+        except LaunchError as error:
+            await self._event(
+                LaunchFailed(
+                    event_id=uuid.uuid4().hex,
+                    node=self.node,
+                    ts=self.clock(),
+                    job_id=command.job_id,
+                    attempt=command.attempt,
+                    reason=error.reason,
+                    retryable=error.retryable,
+                )
+            )
+            return
+        log.info(
+            "%s: started job %s attempt %d pid %d", self.node, job.job_id, job.attempt, job.pid
+        )
+        await self._event(
+            JobStarted(
+                event_id=f"{self.node}-{job.job_id}-{job.attempt}-started",
+                node=self.node,
+                ts=job.started_at,
+                job_id=job.job_id,
+                attempt=job.attempt,
+                pid=job.pid,
+                gpus=job.gpus,
+                log_path=str(job.log_path),
+            )
+        )
+        self.backend.set_busy(self.launcher.busy_gpus())
+
+    async def _stop(self, command: Stop) -> None:
+        await self.launcher.stop(
+            command.job_id, command.attempt, reason=command.reason, grace_s=command.grace_s
+        )
+
+    async def _on_exit(self, job: JobProcess, status: ExitStatus) -> None:
+        how = f"code {status.exit_code}" if status.signal is None else f"signal {status.signal}"
+        log.info("%s: job %s attempt %d exited with %s", self.node, job.job_id, job.attempt, how)
+        await self._event(
+            JobExited(
+                event_id=f"{self.node}-{job.job_id}-{job.attempt}-exited",
+                node=self.node,
+                ts=self.clock(),
+                job_id=job.job_id,
+                attempt=job.attempt,
+                exit_code=status.exit_code,
+                signal=status.signal,
+                stopped=job.stop_reason is not None,
+                runtime_s=status.runtime_s,
+                log_tail=status.log_tail,
+            )
+        )
+        self.backend.set_busy(self.launcher.busy_gpus())
+
+    async def _event(self, event: JobStarted | JobExited | LaunchFailed | CommandRejected) -> None:
+        await self.bus.publish_durable(
+            subjects.node(self.node, "event"), event, msg_id=event.event_id
+        )

@@ -1,0 +1,236 @@
+"""GPU backends: the agent's only view of its GPUs.
+
+`GpuBackend` is a Protocol with two implementations: NVML (real GPUs, through the
+`pynvml` module that NVIDIA's nvidia-ml-py provides) and a simulated one. The
+simulated backend is only ever chosen explicitly (`--gpus sim:8xH100`), never as a
+fallback when NVML fails.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import uuid
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final, Literal, Protocol
+
+from schemas.errors import AlnairError
+from schemas.telemetry import GpuInfo, GpuSample
+
+
+class GpuBackendError(AlnairError):
+    pass
+
+
+class GpuBackend(Protocol):
+    kind: Literal["nvml", "sim"]
+
+    def inventory(self) -> tuple[GpuInfo, ...]: ...
+
+    def sample(self) -> tuple[GpuSample, ...]: ...
+
+    def set_busy(self, gpus: Iterable[int]) -> None:
+        """Which GPUs run jobs; only the simulated backend uses it, to look busy."""
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SimModel:
+    name: str
+    memory_mib: int
+    max_power_w: float
+    sm_clock_mhz: float
+    mem_clock_mhz: float
+
+
+SIM_MODELS: Final[dict[str, SimModel]] = {
+    m.name: m
+    for m in (
+        SimModel("H200", 143_771, 700.0, 1980.0, 3201.0),
+        SimModel("H100", 81_559, 700.0, 1980.0, 2619.0),
+        SimModel("A100", 81_920, 400.0, 1410.0, 1593.0),
+        SimModel("A10", 23_028, 150.0, 1695.0, 6251.0),
+        SimModel("L4", 23_034, 72.0, 2040.0, 6251.0),
+        SimModel("V100", 32_768, 300.0, 1530.0, 877.0),
+        SimModel("T4", 15_360, 70.0, 1590.0, 5001.0),
+    )
+}
+
+_SIM_SPEC: Final = re.compile(r"^sim:(?P<count>\d+)x(?P<model>[A-Za-z0-9]+)$")
+
+
+class SimulatedGpus:
+    """N GPUs of a named model whose telemetry follows what the agent runs on them."""
+
+    kind: Literal["sim"] = "sim"
+
+    def __init__(self, node: str, count: int, model: str, *, seed: int | None = None) -> None:
+        if model not in SIM_MODELS:
+            raise GpuBackendError(
+                f"unknown simulated GPU model {model!r}; known: {', '.join(SIM_MODELS)}"
+            )
+        if not 1 <= count <= 64:
+            raise GpuBackendError(f"simulated GPU count must be 1..64, not {count}")
+        self.model = SIM_MODELS[model]
+        self._gpus = tuple(
+            GpuInfo(
+                index=i,
+                uuid=f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}.{i}.alnair.sim')}",
+                model=f"NVIDIA {model} (simulated)",
+                memory_mib=self.model.memory_mib,
+            )
+            for i in range(count)
+        )
+        self._busy: frozenset[int] = frozenset()
+        self._rng = random.Random(seed if seed is not None else zlib.crc32(node.encode()))
+        self._ticks = 0
+
+    def inventory(self) -> tuple[GpuInfo, ...]:
+        return self._gpus
+
+    def set_busy(self, gpus: Iterable[int]) -> None:
+        self._busy = frozenset(gpus)
+
+    def sample(self) -> tuple[GpuSample, ...]:
+        self._ticks += 1
+        return tuple(self._sample_one(gpu.index) for gpu in self._gpus)
+
+    def _sample_one(self, index: int) -> GpuSample:
+        m = self.model
+        if index in self._busy:
+            # A training job: high utilisation with a periodic dip (data loading,
+            # checkpoints), as real jobs show.
+            wave = 0.5 + 0.5 * math.sin(self._ticks / 5.0 + index)
+            util = min(100.0, 70.0 + 28.0 * wave + self._rng.uniform(-2, 2))
+            mem_frac = 0.7 + 0.05 * wave
+        else:
+            util = 0.0
+            mem_frac = 0.005
+        used = m.memory_mib * mem_frac
+        return GpuSample(
+            index=index,
+            util_gpu_pct=round(max(0.0, util), 1),
+            util_mem_pct=round(max(0.0, util * 0.6), 1),
+            mem_used_mib=round(used, 1),
+            mem_total_mib=float(m.memory_mib),
+            power_w=round(m.max_power_w * (0.12 + 0.8 * util / 100.0), 1),
+            temp_c=round(32.0 + 0.4 * util + self._rng.uniform(-0.5, 0.5), 1),
+            sm_clock_mhz=m.sm_clock_mhz if util > 0 else 210.0,
+            mem_clock_mhz=m.mem_clock_mhz,
+            ecc_dbe_total=0,
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class NvmlGpus:
+    """Real GPUs through NVML. Raises GpuBackendError when there is no usable driver."""
+
+    kind: Literal["nvml"] = "nvml"
+
+    def __init__(self) -> None:
+        try:
+            import pynvml
+        except ImportError as error:  # pragma: no cover - it is a dependency
+            raise GpuBackendError("the pynvml module (package nvidia-ml-py) is missing") from error
+        self._nvml: Any = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as error:
+            raise GpuBackendError(f"NVML is not usable here: {error}") from error
+        count = pynvml.nvmlDeviceGetCount()
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        self._gpus = tuple(self._info(i, h) for i, h in enumerate(self._handles))
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One NVML query; a query the GPU does not support reads as None."""
+        try:
+            return fn(*args)
+        except self._nvml.NVMLError:
+            return None
+
+    def _info(self, index: int, handle: Any) -> GpuInfo:
+        nvml = self._nvml
+        name = self._call(nvml.nvmlDeviceGetName, handle) or "unknown"
+        uuid_ = self._call(nvml.nvmlDeviceGetUUID, handle) or f"GPU-index-{index}"
+        memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle)
+        return GpuInfo(
+            index=index,
+            uuid=_text(uuid_),
+            model=_text(name),
+            memory_mib=int(memory.total // (1024 * 1024)) if memory is not None else 0,
+        )
+
+    def inventory(self) -> tuple[GpuInfo, ...]:
+        return self._gpus
+
+    def set_busy(self, gpus: Iterable[int]) -> None:
+        pass
+
+    def sample(self) -> tuple[GpuSample, ...]:
+        return tuple(self._sample_one(i, h) for i, h in enumerate(self._handles))
+
+    def _sample_one(self, index: int, handle: Any) -> GpuSample:
+        nvml = self._nvml
+        util = self._call(nvml.nvmlDeviceGetUtilizationRates, handle)
+        memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle)
+        power_mw = self._call(nvml.nvmlDeviceGetPowerUsage, handle)
+        temp = self._call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
+        sm = self._call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM)
+        mem_clock = self._call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_MEM)
+        dbe = self._call(
+            nvml.nvmlDeviceGetTotalEccErrors,
+            handle,
+            nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+            nvml.NVML_VOLATILE_ECC,
+        )
+        mib = 1024 * 1024
+        return GpuSample(
+            index=index,
+            util_gpu_pct=float(util.gpu) if util is not None else 0.0,
+            util_mem_pct=float(util.memory) if util is not None else 0.0,
+            mem_used_mib=memory.used / mib if memory is not None else 0.0,
+            mem_total_mib=memory.total / mib if memory is not None else 0.0,
+            power_w=power_mw / 1000.0 if power_mw is not None else 0.0,
+            temp_c=float(temp) if temp is not None else 0.0,
+            sm_clock_mhz=float(sm or 0),
+            mem_clock_mhz=float(mem_clock or 0),
+            ecc_dbe_total=int(dbe) if dbe is not None else None,
+        )
+
+    def close(self) -> None:
+        self._call(self._nvml.nvmlShutdown)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def open_backend(spec: str, *, node: str) -> GpuBackend:
+    """`nvml` or `sim:<count>x<model>`; errors say what was wrong with the spec."""
+    if spec == "nvml":
+        return NvmlGpus()
+    match = _SIM_SPEC.match(spec)
+    if match is None:
+        raise GpuBackendError(
+            f"--gpus must be 'nvml' or 'sim:<count>x<model>' (e.g. sim:8xH100), not {spec!r}"
+        )
+    return SimulatedGpus(node, int(match["count"]), match["model"])
+
+
+def probe_nvml() -> tuple[int, str]:
+    """How many NVIDIA GPUs this machine has, and why none if none."""
+    try:
+        backend = NvmlGpus()
+    except GpuBackendError as error:
+        return 0, str(error)
+    try:
+        count = len(backend.inventory())
+    finally:
+        backend.close()
+    return count, "" if count else "NVML found no GPU"

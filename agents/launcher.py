@@ -1,0 +1,236 @@
+"""Job processes on one node: start, watch, stop.
+
+Each job attempt runs as its own process group with `CUDA_VISIBLE_DEVICES` set to its
+granted GPUs and its stdout/stderr appended to a per-attempt log file. Stopping sends
+SIGTERM to the whole group, then SIGKILL after the grace period, so a training
+launcher's workers go with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from schemas.errors import AlnairError
+from schemas.events import LOG_TAIL_LINES
+
+log = logging.getLogger(__name__)
+
+TAIL_BYTES: Final = 16 * 1024
+
+
+class LaunchError(AlnairError):
+    def __init__(self, job_id: str, reason: str, *, retryable: bool = False) -> None:
+        super().__init__(f"job {job_id}: {reason}")
+        self.job_id = job_id
+        self.reason = reason
+        self.retryable = retryable
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRequest:
+    job_id: str
+    attempt: int
+    gpus: tuple[int, ...]
+    command: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str | None
+
+
+@dataclass
+class JobProcess:
+    job_id: str
+    attempt: int
+    gpus: tuple[int, ...]
+    process: asyncio.subprocess.Process
+    log_path: Path
+    started_at: float
+    started_monotonic: float
+    stop_reason: str | None = None
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    exit_code: int | None
+    signal: int | None
+    runtime_s: float
+    log_tail: tuple[str, ...]
+
+
+ExitCallback = Callable[[JobProcess, ExitStatus], Awaitable[None]]
+
+
+def read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return ()
+    text = data.decode("utf-8", "replace").splitlines()
+    return tuple(line[:1000] for line in text[-lines:])
+
+
+class Launcher:
+    def __init__(
+        self,
+        log_dir: Path,
+        on_exit: ExitCallback,
+        *,
+        base_env: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.log_dir = log_dir
+        self._on_exit = on_exit
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._clock = clock
+        self._procs: dict[tuple[str, int], JobProcess] = {}
+        self._watchers: set[asyncio.Task[None]] = set()
+
+    def running(self) -> list[JobProcess]:
+        return [p for p in self._procs.values() if not p.exited.is_set()]
+
+    def find(self, job_id: str, attempt: int | None = None) -> list[JobProcess]:
+        return [
+            p
+            for p in self.running()
+            if p.job_id == job_id and (attempt is None or p.attempt == attempt)
+        ]
+
+    def busy_gpus(self) -> set[int]:
+        return {gpu for p in self.running() for gpu in p.gpus}
+
+    async def launch(self, request: LaunchRequest, *, gpu_wait_s: float = 30.0) -> JobProcess:
+        existing = self._procs.get((request.job_id, request.attempt))
+        if existing is not None and not existing.exited.is_set():
+            return existing  # the same launch again: idempotent
+        await self._wait_for_gpus(request, gpu_wait_s)
+        log_path = self.log_dir / request.job_id / f"attempt-{request.attempt}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**self._base_env, **request.env}
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, request.gpus))
+        cwd = request.cwd
+        if cwd is not None and not Path(cwd).is_dir():
+            raise LaunchError(request.job_id, f"working directory {cwd} does not exist")
+        with log_path.open("ab") as log_file:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    *request.command,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                raise LaunchError(
+                    request.job_id,
+                    f"cannot start {request.command[0]!r}: {error.strerror or error}",
+                ) from error
+        job = JobProcess(
+            job_id=request.job_id,
+            attempt=request.attempt,
+            gpus=request.gpus,
+            process=process,
+            log_path=log_path,
+            started_at=self._clock(),
+            started_monotonic=time.monotonic(),
+        )
+        self._procs[(request.job_id, request.attempt)] = job
+        watcher = asyncio.ensure_future(self._watch(job))
+        self._watchers.add(watcher)
+        watcher.add_done_callback(self._watchers.discard)
+        return job
+
+    async def _wait_for_gpus(self, request: LaunchRequest, wait_s: float) -> None:
+        """A GPU may still be held by a process being stopped: wait for it to go.
+
+        A GPU held by a process nobody asked to stop means the brain and this node
+        disagree; refuse rather than put two jobs on one GPU.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            holders = [p for p in self.running() if set(p.gpus) & set(request.gpus)]
+            if not holders:
+                return
+            live = [p for p in holders if p.stop_reason is None]
+            if live or time.monotonic() >= deadline:
+                who = ", ".join(f"job {p.job_id} attempt {p.attempt}" for p in holders)
+                raise LaunchError(
+                    request.job_id, f"GPUs {list(request.gpus)} are held by {who}", retryable=True
+                )
+            await asyncio.wait(
+                [asyncio.ensure_future(p.exited.wait()) for p in holders],
+                timeout=max(0.0, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+
+    async def _watch(self, job: JobProcess) -> None:
+        returncode = await job.process.wait()
+        status = ExitStatus(
+            exit_code=returncode if returncode >= 0 else None,
+            signal=-returncode if returncode < 0 else None,
+            runtime_s=time.monotonic() - job.started_monotonic,
+            log_tail=read_tail(job.log_path),
+        )
+        job.exited.set()
+        try:
+            await self._on_exit(job, status)
+        except Exception:
+            log.exception("exit handler failed for job %s", job.job_id)
+        finally:
+            self._procs.pop((job.job_id, job.attempt), None)
+
+    async def stop(
+        self, job_id: str, attempt: int | None, *, reason: str, grace_s: float
+    ) -> list[JobProcess]:
+        targets = self.find(job_id, attempt)
+        await asyncio.gather(*(self._stop_one(p, reason, grace_s) for p in targets))
+        return targets
+
+    async def _stop_one(self, job: JobProcess, reason: str, grace_s: float) -> None:
+        if job.stop_reason is None:
+            job.stop_reason = reason
+        _signal_group(job.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(job.exited.wait(), timeout=grace_s)
+        except TimeoutError:
+            log.warning("job %s ignored SIGTERM for %.0fs; killing", job.job_id, grace_s)
+            _signal_group(job.pid, signal.SIGKILL)
+            await job.exited.wait()
+
+    async def stop_all(self, *, reason: str, grace_s: float) -> None:
+        await asyncio.gather(*(self._stop_one(p, reason, grace_s) for p in self.running()))
+
+    async def wait_idle(self) -> None:
+        if self._watchers:
+            await asyncio.gather(*list(self._watchers), return_exceptions=True)
+
+    def abandon(self) -> Sequence[int]:
+        """Forget every process without stopping it (an agent crash, for tests)."""
+        pids = [p.pid for p in self.running()]
+        for watcher in list(self._watchers):
+            watcher.cancel()
+        self._procs.clear()
+        return pids
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)

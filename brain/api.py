@@ -1,0 +1,150 @@
+"""The brain's API: one implementation, served on NATS request/reply (and, later, HTTP).
+
+The tenant comes from the subject (`alnair.api.<tenant>.<verb>`), which NATS
+permissions tie to the caller's identity, never from the payload. A tenant sees and
+touches only its own jobs. Refusals are `ErrorReply` values with a code and a message
+naming what was wrong; invalid requests are also dead-lettered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.msg import Msg
+
+from brain.service import Brain, _Item
+from schemas import subjects
+from schemas.api import (
+    REQUEST_TYPES,
+    CancelRequest,
+    ErrorReply,
+    GetJobRequest,
+    JobReply,
+    JobsReply,
+    ListJobsRequest,
+    ListNodesRequest,
+    NodesReply,
+    StatusReply,
+    StatusRequest,
+    SubmitRequest,
+)
+from schemas.base import Message, decode, encode
+from schemas.errors import ApiError, InvalidMessage, InvalidName, InvalidSubject
+from schemas.jobs import JobRecord, JobState
+from schemas.nodes import NodeStatus
+
+log = logging.getLogger(__name__)
+
+Reply = JobReply | JobsReply | NodesReply | StatusReply | ErrorReply
+
+
+class ApiServer:
+    def __init__(self, brain: Brain) -> None:
+        self.brain = brain
+
+    async def serve(self) -> None:
+        await self.brain.bus.nc.subscribe(subjects.ALL_API, queue="brain", cb=self._on_request)
+
+    async def _on_request(self, msg: Msg) -> None:
+        reply = await self._answer(msg)
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+    async def _answer(self, msg: Msg) -> Reply:
+        try:
+            parsed = subjects.parse(msg.subject)
+        except (InvalidSubject, InvalidName) as error:
+            await self.brain.bus.dead_letter(msg.subject, msg.data, str(error))
+            return ErrorReply(code="invalid", error=str(error))
+        request_type = REQUEST_TYPES.get(parsed.channel)
+        if request_type is None:
+            reason = f"unknown API verb {parsed.channel!r}; known: {', '.join(REQUEST_TYPES)}"
+            await self.brain.bus.dead_letter(msg.subject, msg.data, reason)
+            return ErrorReply(code="invalid", error=reason)
+        try:
+            request = decode(msg.data, request_type)
+        except InvalidMessage as error:
+            await self.brain.bus.dead_letter(msg.subject, msg.data, error.reason)
+            return ErrorReply(
+                code="invalid", error=f"invalid {parsed.channel} request: {error.reason}"
+            )
+        return await self.handle(parsed.identity, request)
+
+    async def handle(self, tenant: str, request: Message) -> Reply:
+        try:
+            return await self._dispatch(tenant, request)
+        except ApiError as error:
+            return ErrorReply(code=error.code, error=error.message)  # type: ignore[arg-type]
+        except Exception as error:
+            log.exception("API request failed")
+            return ErrorReply(code="internal", error=f"internal error: {error!r}")
+
+    async def _dispatch(self, tenant: str, request: Message) -> Reply:
+        brain = self.brain
+        if isinstance(request, SubmitRequest):
+            job = await brain.submit_item(_Item("submit", request.spec, tenant))
+            assert isinstance(job, JobRecord)
+            return JobReply(job=job)
+        if isinstance(request, CancelRequest):
+            job = await brain.submit_item(_Item("cancel", request.job_id, tenant))
+            assert isinstance(job, JobRecord)
+            return JobReply(job=job)
+        if isinstance(request, GetJobRequest):
+            return JobReply(job=self._own_job(tenant, request.job_id))
+        if isinstance(request, ListJobsRequest):
+            return JobsReply(jobs=self._jobs(tenant, request))
+        if isinstance(request, ListNodesRequest):
+            return NodesReply(nodes=self._nodes())
+        if isinstance(request, StatusRequest):
+            return self._status()
+        raise ApiError("invalid", f"unsupported request {type(request).__name__}")
+
+    def _own_job(self, tenant: str, job_id: str) -> JobRecord:
+        job = self.brain.state.jobs.get(job_id)
+        if job is None or job.tenant != tenant:
+            raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
+        return job
+
+    def _jobs(self, tenant: str, request: ListJobsRequest) -> tuple[JobRecord, ...]:
+        wanted = set(request.states) if request.states else None
+        jobs = [
+            j
+            for j in self.brain.state.jobs.values()
+            if j.tenant == tenant and (wanted is None or j.state in wanted)
+        ]
+        jobs.sort(key=lambda j: (j.submitted_at, int(j.job_id) if j.job_id.isdigit() else 0))
+        return tuple(jobs[-request.limit :])
+
+    def _nodes(self) -> tuple[NodeStatus, ...]:
+        brain = self.brain
+        held = brain.state.allocated()
+        out = []
+        for name in sorted(brain.state.nodes):
+            record = brain.state.nodes[name]
+            batch = brain.telemetry.get(name)
+            out.append(
+                NodeStatus(
+                    record=record,
+                    allocated_gpus=tuple(sorted(held.get(name, ()))),
+                    jobs=tuple(j.job_id for j in brain.state.running_on(name)),
+                    last_seen_s_ago=brain.last_seen_ago(name),
+                    latest=batch.samples if batch is not None else (),
+                )
+            )
+        return tuple(out)
+
+    def _status(self) -> StatusReply:
+        brain = self.brain
+        counts = {s.value: 0 for s in JobState}
+        for job in brain.state.jobs.values():
+            counts[job.state.value] += 1
+        return StatusReply(
+            epoch=brain.epoch,
+            brain_host=brain.host,
+            brain_pid=brain.pid,
+            started_at=brain.started_at,
+            policy=brain.config.policy.describe(),
+            jobs_by_state=counts,
+            nodes=len(brain.state.nodes),
+            gpus=brain.state.capacity(),
+        )

@@ -1,0 +1,110 @@
+"""The brain's in-memory state: a fold of the STATE log, and the snapshot it yields.
+
+`BrainState.apply` is the only way state changes, and it takes a journal record; the
+live brain appends a record to the log before applying it, and a restarted brain
+replays the log through the same `apply`. Because every job or node record carries the
+whole entity, applying a record twice changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from brain.core.model import ClusterSnapshot, Grant, JobView, NodeView
+from schemas.jobs import JobRecord, JobState
+from schemas.nodes import NodeRecord, NodeState
+from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
+from schemas.telemetry import GpuHealth
+
+
+@dataclass
+class BrainState:
+    jobs: dict[str, JobRecord] = field(default_factory=dict)
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    last_seq: int = 0
+    last_job_number: int = 0
+
+    def apply(self, record: StateRecord, seq: int) -> None:
+        if isinstance(record, JobChanged):
+            job = record.job
+            self.jobs[job.job_id] = job
+            if job.job_id.isdigit():
+                self.last_job_number = max(self.last_job_number, int(job.job_id))
+        elif isinstance(record, NodeChanged):
+            self.nodes[record.node.name] = record.node
+        elif isinstance(record, NodeEventRecorded):
+            pass  # kept in the log and history; no state of its own yet
+        self.last_seq = max(self.last_seq, seq)
+
+    def next_job_id(self) -> str:
+        return str(self.last_job_number + 1)
+
+    def jobs_in(self, *states: JobState) -> list[JobRecord]:
+        return [j for j in self.jobs.values() if j.state in states]
+
+    def running_on(self, node: str) -> list[JobRecord]:
+        return [j for j in self.jobs.values() if j.state is JobState.RUNNING and node in j.nodes]
+
+    def allocated(self) -> dict[str, set[int]]:
+        """GPUs held by running jobs, per node."""
+        held: dict[str, set[int]] = {}
+        for job in self.jobs_in(JobState.RUNNING):
+            for grant in job.grants:
+                held.setdefault(grant.node, set()).update(grant.gpus)
+        return held
+
+    def schedulable_gpus(self, node: NodeRecord) -> tuple[int, ...]:
+        return tuple(g.index for g in node.gpus if g.health is GpuHealth.HEALTHY)
+
+    def capacity(self) -> int:
+        return sum(
+            len(self.schedulable_gpus(n)) for n in self.nodes.values() if n.state is NodeState.READY
+        )
+
+    def largest_node(self) -> int:
+        return max(
+            (
+                len(self.schedulable_gpus(n))
+                for n in self.nodes.values()
+                if n.state is NodeState.READY
+            ),
+            default=0,
+        )
+
+    def snapshot(self) -> ClusterSnapshot:
+        held = self.allocated()
+        nodes = tuple(
+            NodeView(
+                name=n.name,
+                gpus=self.schedulable_gpus(n),
+                free=frozenset(self.schedulable_gpus(n)) - held.get(n.name, set()),
+            )
+            for n in sorted(self.nodes.values(), key=lambda n: n.name)
+            if n.state is NodeState.READY
+        )
+        return ClusterSnapshot(
+            nodes=nodes,
+            pending=tuple(job_view(j) for j in self.jobs_in(JobState.PENDING)),
+            running=tuple(job_view(j) for j in self.jobs_in(JobState.RUNNING)),
+        )
+
+
+def job_view(job: JobRecord) -> JobView:
+    return JobView(
+        job_id=job.job_id,
+        gpus=job.spec.gpus,
+        submitted_at=job.submitted_at,
+        queue=job.spec.queue,
+        priority=job.spec.priority,
+        grants=tuple(Grant(g.node, g.gpus) for g in job.grants),
+        started_at=job.started_at,
+        waiting_reason=job.reason if job.state is JobState.PENDING else None,
+    )
+
+
+def fold(records: Iterable[tuple[StateRecord, int]]) -> BrainState:
+    state = BrainState()
+    for record, seq in records:
+        state.apply(record, seq)
+    return state

@@ -1,0 +1,128 @@
+"""Fixtures: a real nats-server on a free port, and factories for brains and agents.
+
+Nothing here mocks the bus. Every server, brain and agent is torn down in `finally`,
+and job processes left behind by a test are killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.agent import Agent, AgentConfig
+from agents.gpu import SimulatedGpus
+from brain.service import Brain, BrainConfig
+from bus.client import Bus, ConnectOptions
+from bus.server import EmbeddedNats
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(data_dir=tmp_path / "nats")
+    server.start()
+    assert server.port != 4222
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def connect(nats_server: EmbeddedNats) -> AsyncIterator[Callable[[str], Awaitable[Bus]]]:
+    opened: list[Bus] = []
+
+    async def make(name: str) -> Bus:
+        bus = await Bus.connect(ConnectOptions(servers=(nats_server.url,), name=name))
+        opened.append(bus)
+        return bus
+
+    try:
+        yield make
+    finally:
+        for bus in reversed(opened):
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+
+@pytest.fixture
+async def brain_factory(
+    connect: Callable[[str], Awaitable[Bus]], tmp_path: Path
+) -> AsyncIterator[Callable[..., Awaitable[Brain]]]:
+    brains: list[Brain] = []
+
+    async def make(**overrides: Any) -> Brain:
+        options: dict[str, Any] = {
+            "node_timeout_s": 2.0,
+            "tick_s": 0.2,
+            "stop_grace_s": 3.0,
+            "history_path": tmp_path / f"history-{len(brains)}.db",
+        }
+        options.update(overrides)
+        brain = Brain(await connect("brain"), BrainConfig(**options))
+        await brain.start()
+        brains.append(brain)
+        return brain
+
+    try:
+        yield make
+    finally:
+        for brain in reversed(brains):
+            with contextlib.suppress(Exception):
+                await brain.stop()
+
+
+@pytest.fixture
+async def agent_factory(
+    connect: Callable[[str], Awaitable[Bus]], tmp_path: Path, nats_server: EmbeddedNats
+) -> AsyncIterator[Callable[..., Awaitable[Agent]]]:
+    agents: list[Agent] = []
+    orphans: list[int] = []
+
+    async def make(node: str, gpus: int = 4, model: str = "A100") -> Agent:
+        config = AgentConfig(
+            node=node,
+            data_dir=tmp_path / "agents" / node,
+            heartbeat_s=0.2,
+            telemetry_s=0.5,
+            stop_grace_s=3.0,
+            nats_url=nats_server.url,
+        )
+        agent = Agent(await connect(f"agent:{node}"), config, SimulatedGpus(node, gpus, model))
+        await agent.start()
+        agents.append(agent)
+        return agent
+
+    make.orphans = orphans  # type: ignore[attr-defined]
+    try:
+        yield make
+    finally:
+        for agent in reversed(agents):
+            with contextlib.suppress(Exception):
+                await agent.stop(stop_jobs=True)
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+async def eventually(
+    condition: Callable[[], Any], *, timeout_s: float = 20.0, interval_s: float = 0.05
+) -> Any:
+    """Poll until `condition()` is truthy, with a deadline; return its value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)

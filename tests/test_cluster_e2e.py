@@ -1,0 +1,87 @@
+"""Brain + agents against a real nats-server, running real processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from brain.api import ApiServer
+from schemas.api import CancelRequest, ErrorReply, JobReply, SubmitRequest
+from schemas.jobs import JobSpec, JobState
+from tests.conftest import eventually
+
+
+async def submit(api: ApiServer, spec: JobSpec, tenant: str = "default") -> str:
+    reply = await api.handle(tenant, SubmitRequest(spec=spec))
+    assert isinstance(reply, JobReply), reply
+    return reply.job.job_id
+
+
+async def test_two_gpu_job_runs_and_succeeds(brain_factory, agent_factory) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=4)
+    await agent_factory("n2", gpus=4)
+    await eventually(lambda: len(brain.state.nodes) == 2)
+
+    job_id = await submit(
+        brain.api,
+        JobSpec(command=(sys.executable, "-c", "import os; print(42, os.environ['CUDA_VISIBLE_DEVICES'])"), gpus=2),
+    )
+    job = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state is JobState.SUCCEEDED and j
+    )
+    assert job.attempt == 1
+    assert job.exit_code == 0
+    (grant,) = job.grants
+    assert len(grant.gpus) == 2
+    assert grant.log_path is not None
+    assert Path(grant.log_path).read_text().split() == ["42", ",".join(map(str, grant.gpus))]
+
+
+async def test_failing_command_ends_failed_with_exit_code(brain_factory, agent_factory) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1")
+    await eventually(lambda: brain.state.nodes)
+    job_id = await submit(
+        brain.api,
+        JobSpec(command=(sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"), gpus=1),
+    )
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.FAILED
+    assert job.exit_code == 3
+    assert job.reason is not None and "boom" in job.reason
+
+
+async def test_cancel_stops_running_process(brain_factory, agent_factory) -> None:
+    brain = await brain_factory()
+    agent = await agent_factory("n1")
+    await eventually(lambda: brain.state.nodes)
+    job_id = await submit(
+        brain.api, JobSpec(command=(sys.executable, "-c", "import time; time.sleep(600)"), gpus=1)
+    )
+    await eventually(lambda: agent.launcher.find(job_id))
+    (process,) = agent.launcher.find(job_id)
+    reply = await brain.api.handle("default", CancelRequest(job_id=job_id))
+    assert isinstance(reply, JobReply) and reply.job.state is JobState.CANCELLED
+    await eventually(lambda: process.exited.is_set())
+    assert process.process.returncode is not None and process.process.returncode < 0
+    again = await brain.api.handle("default", CancelRequest(job_id=job_id))
+    assert isinstance(again, ErrorReply) and again.code == "conflict"
+
+
+async def test_lost_node_job_runs_on_other_node(brain_factory, agent_factory) -> None:
+    brain = await brain_factory(node_timeout_s=1.0)
+    first = await agent_factory("n1", gpus=2)
+    await eventually(lambda: len(brain.state.nodes) == 1)
+    job_id = await submit(
+        brain.api, JobSpec(command=(sys.executable, "-c", "import time; time.sleep(600)"), gpus=2)
+    )
+    await eventually(lambda: first.launcher.find(job_id))
+    second = await agent_factory("n2", gpus=2)
+    orphans = await first.crash()
+    agent_factory.orphans.extend(orphans)
+    await eventually(lambda: second.launcher.find(job_id), timeout_s=30)
+    job = brain.state.jobs[job_id]
+    assert job.state is JobState.RUNNING
+    assert job.nodes == ("n2",)
+    assert job.attempt == 2
