@@ -27,12 +27,15 @@ from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, Launc
 from bus.client import Bus
 from schemas import subjects
 from schemas.commands import NODE_COMMAND, Launch, NodeCommand, Stop
-from schemas.events import CommandRejected, JobExited, JobStarted, LaunchFailed
+from schemas.errors import BusError
+from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
 from schemas.telemetry import Heartbeat, RunningJob, TelemetryBatch
 
 log = logging.getLogger(__name__)
 
 SEEN_COMMANDS: Final = 10_000
+
+AgentEvent = JobStarted | JobExited | LaunchFailed | CommandRejected | GpuFault
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,10 @@ class Agent:
         self.launcher = Launcher(config.data_dir / "logs", self._on_exit, clock=clock)
         self._loops: list[asyncio.Task[None]] = []
         self._command_lock = asyncio.Lock()
+        # Events leave in order through one sender that retries until JetStream has
+        # stored each: a job's exit must reach the brain even across a NATS restart.
+        self._outbox: asyncio.Queue[AgentEvent] = asyncio.Queue()
+        self._sender: asyncio.Task[None] | None = None
 
     @property
     def node(self) -> str:
@@ -83,6 +90,7 @@ class Agent:
             )
         )
         self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
+        self._sender = self.bus.spawn(self._send_events(), name="events")
 
     async def stop(self, *, stop_jobs: bool = True) -> None:
         for task in self._loops:
@@ -96,12 +104,22 @@ class Agent:
                 reason="agent shutting down", grace_s=self.config.stop_grace_s
             )
             await self.launcher.wait_idle()
+        if self._sender is not None:
+            # Let the exits just reported reach the brain, within reason.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._outbox.join(), timeout=10.0)
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sender
+            self._sender = None
 
     async def crash(self) -> list[int]:
         """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""
-        for task in self._loops:
-            task.cancel()
+        for task in [*self._loops, self._sender]:
+            if task is not None:
+                task.cancel()
         self._loops.clear()
+        self._sender = None
         return list(self.launcher.abandon())
 
     # -- periodic --------------------------------------------------------------------
@@ -276,7 +294,23 @@ class Agent:
         )
         self.backend.set_busy(self.launcher.busy_gpus())
 
-    async def _event(self, event: JobStarted | JobExited | LaunchFailed | CommandRejected) -> None:
-        await self.bus.publish_durable(
-            subjects.node(self.node, "event"), event, msg_id=event.event_id
-        )
+    async def _event(self, event: AgentEvent) -> None:
+        await self._outbox.put(event)
+
+    async def _send_events(self) -> None:
+        while True:
+            event = await self._outbox.get()
+            subject = subjects.node(self.node, "event")
+            while True:
+                try:
+                    await self.bus.publish_durable(subject, event, msg_id=event.event_id)
+                    break
+                except BusError as error:
+                    log.warning(
+                        "%s: event %s not stored yet (%s); retrying",
+                        self.node,
+                        event.event_id,
+                        error,
+                    )
+                    await asyncio.sleep(1.0)
+            self._outbox.task_done()

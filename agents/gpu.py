@@ -26,7 +26,8 @@ class GpuBackendError(AlnairError):
 
 
 class GpuBackend(Protocol):
-    kind: Literal["nvml", "sim"]
+    @property
+    def kind(self) -> Literal["nvml", "sim"]: ...
 
     def inventory(self) -> tuple[GpuInfo, ...]: ...
 

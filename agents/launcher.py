@@ -125,7 +125,7 @@ class Launcher:
         env = {**self._base_env, **request.env}
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, request.gpus))
         cwd = request.cwd
-        if cwd is not None and not Path(cwd).is_dir():
+        if cwd is not None and not os.path.isdir(cwd):  # noqa: ASYNC240 - one stat
             raise LaunchError(request.job_id, f"working directory {cwd} does not exist")
         with log_path.open("ab") as log_file:
             try:

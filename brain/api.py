@@ -74,7 +74,7 @@ class ApiServer:
         try:
             return await self._dispatch(tenant, request)
         except ApiError as error:
-            return ErrorReply(code=error.code, error=error.message)  # type: ignore[arg-type]
+            return ErrorReply(code=error.code, error=error.message)
         except Exception as error:
             log.exception("API request failed")
             return ErrorReply(code="internal", error=f"internal error: {error!r}")

@@ -42,7 +42,7 @@ class History:
     def _ensure_tables(self) -> None:
         db = self.db
         if "events" not in db.table_names():
-            db["events"].create(
+            db.table("events").create(
                 {
                     "seq": int,
                     "ts": float,
@@ -56,9 +56,9 @@ class History:
                 },
                 pk="seq",
             )
-            db["events"].create_index(["job_id"])
+            db.table("events").create_index(["job_id"])
         if "jobs" not in db.table_names():
-            db["jobs"].create(
+            db.table("jobs").create(
                 {
                     "job_id": str,
                     "tenant": str,
@@ -79,7 +79,7 @@ class History:
                 pk="job_id",
             )
         if "attempts" not in db.table_names():
-            db["attempts"].create(
+            db.table("attempts").create(
                 {
                     "job_id": str,
                     "attempt": int,
@@ -101,7 +101,7 @@ class History:
 
     def record(self, record: StateRecord, seq: int) -> None:
         with self.db.conn:
-            self.db["events"].insert(
+            self.db.table("events").insert(
                 {
                     "seq": seq,
                     "ts": record.ts,
@@ -119,7 +119,7 @@ class History:
                 self._job(record.job)
 
     def _job(self, job: JobRecord) -> None:
-        self.db["jobs"].upsert(
+        self.db.table("jobs").upsert(
             {
                 "job_id": job.job_id,
                 "tenant": job.tenant,
@@ -140,7 +140,7 @@ class History:
             pk="job_id",
         )
         if job.attempt >= 1 and job.grants:
-            self.db["attempts"].upsert(
+            self.db.table("attempts").upsert(
                 {
                     "job_id": job.job_id,
                     "attempt": job.attempt,
@@ -157,7 +157,7 @@ class History:
             )
 
     def job_events(self, job_id: str) -> list[dict[str, Any]]:
-        return list(self.db["events"].rows_where("job_id = ?", [job_id], order_by="seq"))
+        return list(self.db.table("events").rows_where("job_id = ?", [job_id], order_by="seq"))
 
     def close(self) -> None:
         self.db.close()

@@ -454,7 +454,8 @@ class Brain:
                 Cause(
                     kind=CauseKind.NODE_LOST,
                     node=name,
-                    message=f"no heartbeat for {silent:.1f}s (limit {self.config.node_timeout_s:g}s)",
+                    message=f"no heartbeat for {silent:.1f}s "
+                    f"(limit {self.config.node_timeout_s:g}s)",
                 ),
             )
             for job in self.state.running_on(name):

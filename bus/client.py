@@ -104,6 +104,7 @@ class Bus:
         self.dead_lettered: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
+        self._pull_subs: list[JetStreamContext.PullSubscription] = []
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -140,9 +141,15 @@ class Bus:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        # A pull subscription whose fetch was cancelled would hold drain() for its
+        # whole timeout: let go of them first.
+        for psub in self._pull_subs:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+        self._pull_subs.clear()
         if not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await self.nc.drain()
+                await asyncio.wait_for(self.nc.drain(), timeout=5.0)
         if not self.nc.is_closed:
             await self.nc.close()
 
@@ -207,7 +214,7 @@ class Bus:
                 )
                 return int(ack.seq)
             except (
-                nats.errors.TimeoutError,
+                TimeoutError,  # nats.errors.TimeoutError is one too
                 nats.js.errors.NoStreamResponseError,
                 nats.errors.ConnectionClosedError,
                 nats.errors.ConnectionReconnectingError,
@@ -291,6 +298,7 @@ class Bus:
         psub = await self.js.pull_subscribe(
             filter_subject, durable=durable, stream=stream, config=config
         )
+        self._pull_subs.append(psub)
 
         async def one(msg: Msg) -> None:
             try:
@@ -315,13 +323,14 @@ class Bus:
             while True:
                 try:
                     msgs = await psub.fetch(batch, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, TimeoutError):
                     continue
-                except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
-                    await asyncio.sleep(0.5)
-                    continue
-                except nats.js.errors.APIError as error:
-                    log.warning("fetch on %s failed: %s", durable, error)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:
+                    # Disconnects, a restarting server, a consumer lost with it: wait
+                    # and fetch again; the consumer is durable.
+                    log.warning("fetch on %s failed: %r", durable, error)
                     await asyncio.sleep(0.5)
                     continue
                 for msg in msgs:
@@ -371,7 +380,7 @@ class Bus:
             while True:
                 try:
                     msgs = await psub.fetch(batch, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, TimeoutError):
                     if not follow and (filter_subject is not None or start_seq > until):
                         # A filtered reader may never see `until` itself.
                         return
@@ -412,7 +421,7 @@ async def _log_error(error: Exception) -> None:
 
 def _log_disconnected(name: str) -> Callable[[], Awaitable[None]]:
     async def callback() -> None:
-        log.warning("%s: disconnected from NATS", name)
+        log.info("%s: disconnected from NATS", name)
 
     return callback
 

@@ -76,7 +76,7 @@ def decode(data: bytes, kind: type[M] | TypeAdapter[M]) -> M:
         if isinstance(kind, TypeAdapter):
             return kind.validate_json(data)
         if issubclass(kind, BaseModel):
-            return kind.model_validate_json(data)  # type: ignore[no-any-return]
+            return kind.model_validate_json(data)
         return TypeAdapter(kind).validate_json(data)
     except ValidationError as error:
         raise InvalidMessage(_describe(error)) from None

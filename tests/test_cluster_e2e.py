@@ -25,7 +25,14 @@ async def test_two_gpu_job_runs_and_succeeds(brain_factory, agent_factory) -> No
 
     job_id = await submit(
         brain.api,
-        JobSpec(command=(sys.executable, "-c", "import os; print(42, os.environ['CUDA_VISIBLE_DEVICES'])"), gpus=2),
+        JobSpec(
+            command=(
+                sys.executable,
+                "-c",
+                "import os; print(42, os.environ['CUDA_VISIBLE_DEVICES'])",
+            ),
+            gpus=2,
+        ),
     )
     job = await eventually(
         lambda: (j := brain.state.jobs[job_id]).state is JobState.SUCCEEDED and j

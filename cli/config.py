@@ -1,0 +1,96 @@
+"""Where the CLI finds a cluster: `--nats`, then `ALNAIR_NATS`, then the file `alnair up`
+writes in the Alnair home (`ALNAIR_HOME`, default ~/.alnair)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from schemas.errors import ClusterNotFound
+
+CLUSTER_FILE: Final = "cluster.json"
+
+
+def alnair_home() -> Path:
+    return Path(os.environ.get("ALNAIR_HOME") or Path.home() / ".alnair").expanduser()
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    nats: tuple[str, ...]
+    pid: int
+    started_at: float
+    home: str
+
+    def write(self, home: Path) -> Path:
+        home.mkdir(parents=True, exist_ok=True)
+        path = home / CLUSTER_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "nats": list(self.nats),
+                    "pid": self.pid,
+                    "started_at": self.started_at,
+                    "home": self.home,
+                },
+                indent=2,
+            )
+        )
+        tmp.replace(path)
+        return path
+
+
+def read_cluster(home: Path) -> ClusterInfo | None:
+    path = home / CLUSTER_FILE
+    try:
+        data = json.loads(path.read_text())
+        info = ClusterInfo(
+            nats=tuple(data["nats"]),
+            pid=int(data["pid"]),
+            started_at=float(data["started_at"]),
+            home=str(data.get("home", home)),
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return info if _alive(info.pid) else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def resolve_nats(explicit: str | None) -> tuple[str, ...]:
+    if explicit:
+        return tuple(u.strip() for u in explicit.split(",") if u.strip())
+    env = os.environ.get("ALNAIR_NATS")
+    if env:
+        return tuple(u.strip() for u in env.split(",") if u.strip())
+    home = alnair_home()
+    info = read_cluster(home)
+    if info is not None:
+        return info.nats
+    raise ClusterNotFound(
+        f"no cluster found: nothing running per {home / CLUSTER_FILE}. Start one with "
+        "`make up` (or `alnair up`), or point at one with --nats URL or ALNAIR_NATS"
+    )
+
+
+def remove_cluster_file(home: Path, pid: int) -> None:
+    info = read_cluster(home)
+    if info is not None and info.pid == pid:
+        (home / CLUSTER_FILE).unlink(missing_ok=True)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,118 @@
+"""Plain-text tables and durations for the operator commands (squeue/sinfo style)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from schemas.jobs import JobRecord
+from schemas.nodes import NodeStatus
+from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    days, rest = divmod(seconds, 86_400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    if hours:
+        return f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{minutes}:{secs:02d}"
+
+
+def job_time(job: JobRecord, now: float) -> str:
+    if job.started_at is None:
+        return duration(now - job.submitted_at) if not job.state.terminal else "-"
+    end = job.finished_at if job.finished_at is not None else now
+    return duration(end - job.started_at)
+
+
+def grants_text(job: JobRecord) -> str:
+    return ",".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in job.grants) or "-"
+
+
+def jobs_table(jobs: Sequence[JobRecord]) -> str:
+    now = time.time()
+    rows = [
+        [
+            j.job_id,
+            j.spec.name[:20],
+            j.spec.queue,
+            j.state.value,
+            str(j.spec.gpus),
+            grants_text(j),
+            str(j.attempt),
+            "-"
+            if j.exit_code is None and j.signal is None
+            else (str(j.exit_code) if j.signal is None else f"sig{j.signal}"),
+            job_time(j, now),
+            (j.reason or "")[:60],
+        ]
+        for j in jobs
+    ]
+    return table(
+        ["JOBID", "NAME", "QUEUE", "STATE", "GPUS", "NODES", "ATTEMPT", "EXIT", "TIME", "REASON"],
+        rows,
+    )
+
+
+def nodes_table(nodes: Sequence[NodeStatus]) -> str:
+    rows = []
+    for n in nodes:
+        r = n.record
+        models = sorted({g.model for g in r.gpus}) or ["-"]
+        rows.append(
+            [
+                r.name,
+                r.state.value,
+                f"{len(n.allocated_gpus)}/{len(r.gpus)}",
+                ",".join(models)[:40],
+                r.backend,
+                "-" if n.last_seen_s_ago is None else f"{n.last_seen_s_ago:.1f}s",
+                ",".join(n.jobs) or "-",
+            ]
+        )
+    return table(["NODE", "STATE", "GPUS(A/T)", "MODEL", "BACKEND", "SEEN", "JOBS"], rows)
+
+
+def _change(previous: str | None, current: str) -> str:
+    return current if previous in (None, current) else f"{previous}->{current}"
+
+
+def record_line(record: StateRecord, seq: int) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(record.ts))
+    head = f"{seq:>6} {when}"
+    if isinstance(record, JobChanged):
+        job = record.job
+        previous = record.previous.value if record.previous else None
+        change = _change(previous, job.state.value)
+        what = f"job {job.job_id:<6} {change:<20}"
+    elif isinstance(record, NodeChanged):
+        node = record.node
+        previous = record.previous.value if record.previous else None
+        what = f"node {node.name:<5} {_change(previous, node.state.value):<20}"
+    else:
+        return f"{head} node {record.event.node:<5} {'event':<20} {_event_text(record)}"
+    return f"{head} {what} {record.cause.kind.value}: {record.cause.message}"
+
+
+def _event_text(record: NodeEventRecorded) -> str:
+    event = record.event
+    fields = event.model_dump(exclude={"v", "event_id", "node", "ts", "kind", "log_tail"})
+    detail = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, (), ""))
+    return f"{event.kind}: {detail}"

@@ -1,0 +1,489 @@
+"""`alnair`: the one command for operators, users and the components themselves."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from cli import format as fmt
+from cli.client import call, open_bus
+from cli.config import alnair_home, resolve_nats
+from schemas import subjects
+from schemas.api import (
+    JOB_RESULT,
+    JOBS_RESULT,
+    NODES_RESULT,
+    STATUS_RESULT,
+    CancelRequest,
+    GetJobRequest,
+    ListJobsRequest,
+    ListNodesRequest,
+    StatusRequest,
+    SubmitRequest,
+)
+from schemas.base import check_name
+from schemas.errors import AlnairError
+from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.state import STATE_RECORD, StateRecord, record_job_id, record_kind, record_node
+
+log = logging.getLogger("alnair")
+
+
+class UsageError(AlnairError):
+    pass
+
+
+COMPONENTS = frozenset({"up", "brain", "agent"})
+
+
+def _setup_logging(verbose: bool, command: str) -> None:
+    quiet = logging.INFO if command in COMPONENTS else logging.WARNING
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else quiet,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def _connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats",
+        help="NATS URL(s), comma-separated (default: $ALNAIR_NATS, else the local cluster)",
+    )
+    parser.add_argument(
+        "--creds", default=os.environ.get("ALNAIR_CREDS"), help="NATS credentials file"
+    )
+
+
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    _connection_args(parser)
+    parser.add_argument(
+        "--tenant",
+        default=os.environ.get("ALNAIR_TENANT", "default"),
+        help="tenant to act as (default: $ALNAIR_TENANT or 'default')",
+    )
+
+
+async def _with_bus(args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]]) -> int:
+    bus = await open_bus(resolve_nats(args.nats), name="alnair-cli", credentials=args.creds)
+    try:
+        return await fn(bus)
+    finally:
+        await bus.close()
+
+
+# -- submit ---------------------------------------------------------------------------
+
+
+def load_spec(args: argparse.Namespace) -> JobSpec:
+    words: list[str] = list(args.command)
+    if words and words[0] == "--":
+        words = words[1:]
+    if len(words) == 1 and words[0].endswith((".yaml", ".yml")) and Path(words[0]).is_file():
+        return _spec_from_yaml(Path(words[0]), args)
+    if not words:
+        raise UsageError("nothing to run: give a command after `--`, or a job.yaml")
+    if args.gpus is None:
+        raise UsageError("--gpus N is required")
+    fields: dict[str, Any] = {
+        "command": words,
+        "gpus": args.gpus,
+        "name": args.name or Path(words[0]).name,
+        "queue": args.queue,
+        "priority": args.priority,
+        "env": _env_pairs(args.env),
+        "cwd": args.cwd or os.getcwd(),
+    }
+    return _validated(fields, "the command line")
+
+
+def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise UsageError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping of job fields (name, command, gpus, ...)")
+    if isinstance(data.get("command"), str):
+        data["command"] = shlex.split(data["command"])
+    data.setdefault("cwd", str(path.resolve().parent))
+    if args.gpus is not None:
+        data["gpus"] = args.gpus
+    if args.name:
+        data["name"] = args.name
+    return _validated(data, str(path))
+
+
+def _validated(fields: dict[str, Any], where: str) -> JobSpec:
+    try:
+        return JobSpec.model_validate(fields)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in error.errors()
+        )
+        raise UsageError(f"invalid job in {where}: {problems}") from None
+
+
+def _env_pairs(pairs: Sequence[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise UsageError(f"--env takes NAME=VALUE, not {pair!r}")
+        env[name] = value
+    return env
+
+
+async def cmd_submit(args: argparse.Namespace) -> int:
+    spec = load_spec(args)
+
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "submit", SubmitRequest(spec=spec), JOB_RESULT)
+        if args.json:
+            print(reply.job.model_dump_json())
+        else:
+            print(f"submitted job {reply.job.job_id} ({spec.gpus} GPUs, queue {spec.queue})")
+        return 0
+
+    return await _with_bus(args, run)
+
+
+# -- queries --------------------------------------------------------------------------
+
+
+def job_json(job: JobRecord) -> dict[str, Any]:
+    return {
+        "job_id": job.job_id,
+        "name": job.spec.name,
+        "tenant": job.tenant,
+        "queue": job.spec.queue,
+        "state": job.state.value,
+        "gpus": job.spec.gpus,
+        "nodes": [{"node": g.node, "gpus": list(g.gpus)} for g in job.grants],
+        "attempts": job.attempt,
+        "exit_code": job.exit_code,
+        "signal": job.signal,
+        "reason": job.reason,
+        "submitted_at": job.submitted_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "logs": [g.log_path for g in job.grants if g.log_path],
+    }
+
+
+async def cmd_jobs(args: argparse.Namespace) -> int:
+    states = tuple(JobState(s.upper()) for s in args.state) if args.state else None
+
+    async def run(bus: Any) -> int:
+        reply = await call(
+            bus, args.tenant, "jobs", ListJobsRequest(states=states, limit=args.limit), JOBS_RESULT
+        )
+        if args.json:
+            print(json.dumps([job_json(j) for j in reply.jobs], indent=2))
+        else:
+            print(fmt.jobs_table(reply.jobs))
+        return 0
+
+    return await _with_bus(args, run)
+
+
+async def cmd_job(args: argparse.Namespace) -> int:
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "job", GetJobRequest(job_id=args.job), JOB_RESULT)
+        if args.json:
+            print(reply.job.model_dump_json(indent=2))
+        else:
+            print(json.dumps(job_json(reply.job), indent=2))
+        return 0
+
+    return await _with_bus(args, run)
+
+
+async def cmd_cancel(args: argparse.Namespace) -> int:
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "cancel", CancelRequest(job_id=args.job), JOB_RESULT)
+        print(f"job {reply.job.job_id} {reply.job.state.value}")
+        return 0
+
+    return await _with_bus(args, run)
+
+
+async def cmd_nodes(args: argparse.Namespace) -> int:
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "nodes", ListNodesRequest(), NODES_RESULT)
+        if args.json:
+            print(json.dumps([n.model_dump(mode="json") for n in reply.nodes], indent=2))
+        else:
+            print(fmt.nodes_table(reply.nodes))
+        return 0
+
+    return await _with_bus(args, run)
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    servers = resolve_nats(args.nats)
+
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "status", StatusRequest(), STATUS_RESULT)
+        if args.json:
+            print(json.dumps({**reply.model_dump(mode="json"), "nats": list(servers)}, indent=2))
+            return 0
+        print(
+            f"leader:  {reply.brain_host} pid {reply.brain_pid}, epoch {reply.epoch}, "
+            f"up {fmt.duration(time.time() - reply.started_at)}"
+        )
+        print(f"policy:  {reply.policy}")
+        print(f"nodes:   {reply.nodes} ({reply.gpus} schedulable GPUs)")
+        print("jobs:    " + ", ".join(f"{k.lower()} {v}" for k, v in reply.jobs_by_state.items()))
+        print(f"nats:    {', '.join(servers)}")
+        return 0
+
+    return await _with_bus(args, run)
+
+
+async def cmd_logs(args: argparse.Namespace) -> int:
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "job", GetJobRequest(job_id=args.job), JOB_RESULT)
+        paths = [Path(g.log_path) for g in reply.job.grants if g.log_path]
+        if not paths:
+            raise UsageError(f"job {args.job} has no log yet (state {reply.job.state.value})")
+        for path in paths:
+            if not path.is_file():
+                raise UsageError(f"log {path} is not on this machine; read it on its node")
+            if len(paths) > 1:
+                print(f"==> {path} <==")
+            sys.stdout.write(path.read_text(errors="replace"))
+        return 0
+
+    return await _with_bus(args, run)
+
+
+# -- events ---------------------------------------------------------------------------
+
+
+def _matches(record: StateRecord, args: argparse.Namespace) -> bool:
+    if args.job and record_job_id(record) != args.job:
+        return False
+    if args.node and record_node(record) != args.node:
+        return False
+    return not (args.kind and record_kind(record) not in args.kind)
+
+
+async def cmd_events(args: argparse.Namespace) -> int:
+    async def run(bus: Any) -> int:
+        async for item, seq, subject in bus.read(
+            subjects.STREAM_STATE, STATE_RECORD, start_seq=args.since, follow=args.follow
+        ):
+            if isinstance(item, AlnairError):
+                print(f"{seq:>6} unreadable entry on {subject}: {item}", file=sys.stderr)
+                continue
+            if not _matches(item, args):
+                continue
+            if args.json:
+                print(json.dumps({"seq": seq, "subject": subject, **item.model_dump(mode="json")}))
+            else:
+                print(fmt.record_line(item, seq))
+            sys.stdout.flush()
+        return 0
+
+    return await _with_bus(args, run)
+
+
+# -- components -----------------------------------------------------------------------
+
+
+async def _serve_until_signalled(
+    start: Callable[[], Awaitable[Any]], stop: Callable[[], Awaitable[None]]
+) -> int:
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await start()
+    await done.wait()
+    await stop()
+    return 0
+
+
+async def cmd_brain(args: argparse.Namespace) -> int:
+    from brain.core import Policy
+    from brain.service import Brain, BrainConfig
+    from bus.client import Bus, ConnectOptions
+
+    config = BrainConfig(
+        policy=Policy(order=args.policy).validate(),
+        node_timeout_s=args.node_timeout,
+        history_path=Path(args.history) if args.history else alnair_home() / "brain" / "history.db",
+    )
+    bus = await Bus.connect(
+        ConnectOptions(servers=resolve_nats(args.nats), name="brain", credentials=args.creds),
+        replicas=args.replicas,
+    )
+    brain = Brain(bus, config)
+
+    async def stop() -> None:
+        await brain.stop()
+        await bus.close()
+
+    return await _serve_until_signalled(brain.start, stop)
+
+
+async def cmd_agent(args: argparse.Namespace) -> int:
+    from agents.agent import Agent, AgentConfig
+    from agents.gpu import open_backend
+    from bus.client import Bus, ConnectOptions
+
+    check_name("node", args.node)
+    backend = open_backend(args.gpus, node=args.node)
+    servers = resolve_nats(args.nats)
+    config = AgentConfig(
+        node=args.node,
+        data_dir=Path(args.data_dir) if args.data_dir else alnair_home() / "agents" / args.node,
+        heartbeat_s=args.heartbeat,
+        telemetry_s=args.heartbeat,
+        nats_url=servers[0],
+    )
+    bus = await Bus.connect(
+        ConnectOptions(servers=servers, name=f"agent:{args.node}", credentials=args.creds)
+    )
+    agent = Agent(bus, config, backend)
+
+    async def stop() -> None:
+        await agent.stop(stop_jobs=True)
+        await bus.close()
+        backend.close()
+
+    return await _serve_until_signalled(agent.start, stop)
+
+
+# -- parser ---------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="alnair", description="Alnair: a control plane for shared GPU clusters."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    from cli.up import add_up_parser
+
+    add_up_parser(sub)
+
+    p = sub.add_parser("submit", help="submit a job: --gpus N -- CMD..., or a job.yaml")
+    _client_args(p)
+    p.add_argument("--gpus", type=int, help="whole GPUs to allocate (a gang: all or none)")
+    p.add_argument("--name", help="job name (default: the program's name)")
+    p.add_argument("--queue", default="default", help="queue (default: default)")
+    p.add_argument("--priority", type=int, default=0, help="priority, -1000..1000")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--cwd", help="working directory on the node (default: the current one)")
+    p.add_argument("--json", action="store_true", help="print the job record as JSON")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS..., or job.yaml")
+    p.set_defaults(fn=cmd_submit)
+
+    p = sub.add_parser("jobs", help="list jobs (like squeue)")
+    _client_args(p)
+    p.add_argument(
+        "--state",
+        action="append",
+        choices=[s.value.lower() for s in JobState],
+        help="only jobs in this state (repeatable)",
+    )
+    p.add_argument("--limit", type=int, default=200, help="at most this many, newest")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_jobs)
+
+    p = sub.add_parser("job", help="show one job")
+    _client_args(p)
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true", help="the full record")
+    p.set_defaults(fn=cmd_job)
+
+    p = sub.add_parser("cancel", help="cancel a job")
+    _client_args(p)
+    p.add_argument("job")
+    p.set_defaults(fn=cmd_cancel)
+
+    p = sub.add_parser("logs", help="print a job's log (on the machine that ran it)")
+    _client_args(p)
+    p.add_argument("job")
+    p.set_defaults(fn=cmd_logs)
+
+    p = sub.add_parser("nodes", help="list nodes (like sinfo)")
+    _client_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_nodes)
+
+    p = sub.add_parser("status", help="the brain leader, its epoch, and the NATS servers")
+    _client_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("events", help="state changes and node events, from the STATE log")
+    _client_args(p)
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument("--job", help="only this job")
+    p.add_argument("--node", help="only this node")
+    p.add_argument("--kind", action="append", help="only this kind (cause or event kind)")
+    p.add_argument("--since", type=int, default=1, metavar="SEQ", help="start at this sequence")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(fn=cmd_events)
+
+    p = sub.add_parser("brain", help="run a brain (for multi-machine clusters)")
+    _connection_args(p)
+    p.add_argument("--policy", default="fifo", help="queue order policy (default: fifo)")
+    p.add_argument(
+        "--node-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without heartbeat before a node is LOST",
+    )
+    p.add_argument("--history", help="sqlite history file (default: $ALNAIR_HOME/brain/history.db)")
+    p.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas")
+    p.set_defaults(fn=cmd_brain)
+
+    p = sub.add_parser("agent", help="run a node agent")
+    _connection_args(p)
+    p.add_argument("--node", required=True, help="this node's name")
+    p.add_argument("--gpus", required=True, help="'nvml', or simulated: sim:<count>x<model>")
+    p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
+    p.set_defaults(fn=cmd_agent)
+
+    with contextlib.suppress(ImportError):
+        from brain.sim import cli as sim_cli
+
+        p = sub.add_parser("sim", help="replay a job trace through the scheduler's policies")
+        sim_cli.add_arguments(p)
+        p.set_defaults(fn=sim_cli.run, sync=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose, args.cmd)
+    try:
+        if getattr(args, "sync", False):
+            return int(args.fn(args))
+        return int(asyncio.run(args.fn(args)))
+    except AlnairError as error:
+        print(f"alnair {args.cmd}: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

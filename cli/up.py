@@ -1,0 +1,224 @@
+"""`alnair up`: the one-machine cluster.
+
+Starts the embedded nats-server, then a brain and the node agents as child processes,
+as they would run across machines; forwards their output with a prefix, restarts a
+child that dies, and takes everything down in order (agents, brain, NATS) on Ctrl-C.
+Writes the cluster file other `alnair` commands find it by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents.gpu import probe_nvml
+from bus.server import EmbeddedNats
+from cli.config import ClusterInfo, alnair_home, read_cluster, remove_cluster_file
+from schemas.errors import AlnairError
+
+DEFAULT_SIM_GPUS = "sim:8xH100"
+
+
+def add_up_parser(sub: Any) -> None:
+    p = sub.add_parser("up", help="start the one-machine cluster: NATS, a brain, agents")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="simulated nodes to start (default 4; real GPUs: one node)",
+    )
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="per node: 'nvml', or sim:<count>x<model> (default: nvml if this "
+        f"machine has NVIDIA GPUs, else {DEFAULT_SIM_GPUS})",
+    )
+    p.add_argument("--port", type=int, default=0, help="NATS port (default: a free one)")
+    p.add_argument("--policy", default="fifo", help="queue order policy")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="forget the previous cluster's jobs (empties the NATS store)",
+    )
+    p.set_defaults(fn=cmd_up)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    process: asyncio.subprocess.Process | None = None
+    restarts: int = 0
+    forwarder: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+def node_name_for_host() -> str:
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:64]
+    return name or "node-1"
+
+
+def plan_agents(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The GPU spec and node names; says plainly when it falls back to simulation."""
+    spec = args.gpus
+    if spec is None:
+        count, why = probe_nvml()
+        if count:
+            spec = "nvml"
+            print(f"alnair up: found {count} NVIDIA GPU(s) through NVML; one node uses them")
+        else:
+            spec = DEFAULT_SIM_GPUS
+            nodes = args.nodes or 4
+            print(
+                f"alnair up: no NVIDIA GPU here ({why}); starting {nodes} simulated "
+                f"nodes of {spec[4:]} (change with --nodes, --gpus)"
+            )
+    if spec == "nvml":
+        if args.nodes not in (None, 1):
+            raise AlnairError("--gpus nvml runs one node: this machine's GPUs")
+        return spec, [node_name_for_host()]
+    return spec, [f"node-{i}" for i in range(1, (args.nodes or 4) + 1)]
+
+
+async def _forward(child: Child) -> None:
+    assert child.process is not None
+    assert child.process.stdout is not None
+    prefix = f"{child.name:>7} | "
+    while line := await child.process.stdout.readline():
+        sys.stdout.write(prefix + line.decode(errors="replace"))
+        sys.stdout.flush()
+
+
+async def _spawn(child: Child, env: dict[str, str]) -> None:
+    child.process = await asyncio.create_subprocess_exec(
+        *child.argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        stdin=asyncio.subprocess.DEVNULL,
+        env=env,
+    )
+    child.forwarder = asyncio.ensure_future(_forward(child))
+
+
+async def _supervise(child: Child, env: dict[str, str], stopping: asyncio.Event) -> None:
+    while not stopping.is_set():
+        await _spawn(child, env)
+        assert child.process is not None
+        code = await child.process.wait()
+        if child.forwarder is not None:
+            await child.forwarder
+        if stopping.is_set():
+            return
+        child.restarts += 1
+        delay = min(30.0, 2.0 ** min(child.restarts, 5))
+        print(f"alnair up: {child.name} exited with {code}; restarting in {delay:.0f}s")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), timeout=delay)
+
+
+async def _terminate(children: list[Child], timeout_s: float) -> None:
+    for child in children:
+        if child.process is not None and child.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGTERM)
+    for child in children:
+        if child.process is None:
+            continue
+        try:
+            await asyncio.wait_for(child.process.wait(), timeout=timeout_s)
+        except TimeoutError:
+            child.process.kill()
+            await child.process.wait()
+
+
+async def _wait_ready(url: str, nodes: int, timeout_s: float = 60.0) -> int:
+    from cli.client import call, open_bus
+    from schemas.api import NODES_RESULT, ListNodesRequest
+
+    bus = await open_bus([url], name="alnair-up", credentials=None)
+    try:
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(AlnairError):
+                reply = await call(
+                    bus, "default", "nodes", ListNodesRequest(), NODES_RESULT, timeout_s=2.0
+                )
+                seen = len(reply.nodes)
+                if seen >= nodes:
+                    return sum(len(n.record.gpus) for n in reply.nodes)
+            await asyncio.sleep(0.3)
+        raise AlnairError(f"only {seen} of {nodes} nodes joined within {timeout_s:.0f}s")
+    finally:
+        await bus.close()
+
+
+async def cmd_up(args: argparse.Namespace) -> int:
+    home = alnair_home()
+    running = read_cluster(home)
+    if running is not None:
+        raise AlnairError(
+            f"a cluster is already running from {home} (pid {running.pid}, "
+            f"NATS {', '.join(running.nats)}); stop it first"
+        )
+    spec, node_names = plan_agents(args)
+    if args.fresh:
+        import shutil
+
+        shutil.rmtree(home / "nats", ignore_errors=True)
+        (home / "brain" / "history.db").unlink(missing_ok=True)
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    server = EmbeddedNats(
+        data_dir=home / "nats", port=args.port, log_file=home / "logs" / "nats.log"
+    )
+    await server.astart()
+    ClusterInfo(nats=(server.url,), pid=os.getpid(), started_at=time.time(), home=str(home)).write(
+        home
+    )
+    env = {
+        **os.environ,
+        "ALNAIR_HOME": str(home),
+        "ALNAIR_NATS": server.url,
+        "PYTHONUNBUFFERED": "1",
+    }
+    me = [sys.executable, "-m", "cli"]
+    brain = Child("brain", [*me, "brain", "--nats", server.url, "--policy", args.policy])
+    agents = [
+        Child(name, [*me, "agent", "--node", name, "--gpus", spec, "--nats", server.url])
+        for name in node_names
+    ]
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    supervisors = [asyncio.ensure_future(_supervise(c, env, stopping)) for c in (brain, *agents)]
+    try:
+        gpus = await _wait_ready(server.url, len(agents))
+        print(
+            f"\nalnair up: ready. NATS {server.url}, brain + {len(agents)} nodes, {gpus} GPUs "
+            f"({spec}). State and logs in {home}.\n"
+            "  try:  .venv/bin/alnair submit --gpus 2 -- python -c 'print(42)'\n"
+            "        .venv/bin/alnair jobs;  .venv/bin/alnair events --follow\n"
+            "  Ctrl-C stops the cluster.\n",
+            flush=True,
+        )
+        await stopping.wait()
+    finally:
+        stopping.set()
+        print("alnair up: stopping agents, brain, NATS", flush=True)
+        await _terminate(agents, timeout_s=20.0)
+        await _terminate([brain], timeout_s=10.0)
+        for task in supervisors:
+            with contextlib.suppress(Exception):
+                await task
+        await server.astop()
+        remove_cluster_file(home, os.getpid())
+    return 0

@@ -1,0 +1,153 @@
+"""The `alnair` command as a person uses it: real processes, a real cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import eventually
+
+CLI = [sys.executable, "-m", "cli"]
+
+
+async def alnair(*args: str, env: dict[str, str], timeout_s: float = 60.0) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI,
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALNAIR_")}
+    env["ALNAIR_HOME"] = str(tmp_path / "home")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def test_errors_name_what_is_wrong(cli_env, nats_server) -> None:
+    code, _, err = await alnair("jobs", env=cli_env)
+    assert code == 1 and "no cluster found" in err
+    code, _, err = await alnair("jobs", "--nats", nats_server.url, env=cli_env)
+    assert code == 1 and "no brain is answering" in err
+    code, _, err = await alnair("submit", "--nats", nats_server.url, "--", "true", env=cli_env)
+    assert code == 1 and "--gpus N is required" in err
+    code, _, err = await alnair(
+        "submit",
+        "--nats",
+        nats_server.url,
+        "--gpus",
+        "1",
+        "--env",
+        "CUDA_VISIBLE_DEVICES=3",
+        "--",
+        "true",
+        env=cli_env,
+    )
+    assert code == 1 and "set by Alnair itself" in err
+
+
+async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
+    """The README's promise: `alnair up`, submit, see RUNNING then SUCCEEDED, log holds 42."""
+    up = await asyncio.create_subprocess_exec(
+        *CLI,
+        "up",
+        "--nodes",
+        "2",
+        "--gpus",
+        "sim:4xA100",
+        env=cli_env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    output: list[str] = []
+
+    async def read_up() -> None:
+        assert up.stdout is not None
+        while line := await up.stdout.readline():
+            output.append(line.decode())
+
+    reader = asyncio.ensure_future(read_up())
+    follower = None
+    try:
+        await eventually(lambda: any("ready" in line for line in output), timeout_s=60)
+        follower = await asyncio.create_subprocess_exec(
+            *CLI,
+            "events",
+            "--follow",
+            "--json",
+            env=cli_env,
+            stdout=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        code, out, err = await alnair(
+            "submit",
+            "--gpus",
+            "2",
+            "--name",
+            "answer",
+            "--",
+            sys.executable,
+            "-c",
+            "print(42)",
+            env=cli_env,
+        )
+        assert code == 0, err
+        job_id = out.split()[2]
+
+        async def succeeded() -> dict | None:
+            _, out, _ = await alnair("jobs", "--json", env=cli_env)
+            jobs = {j["job_id"]: j for j in json.loads(out)}
+            job = jobs.get(job_id)
+            return job if job and job["state"] == "SUCCEEDED" else None
+
+        job = await eventually(succeeded, timeout_s=60, interval_s=0.3)
+        assert job["attempts"] == 1 and job["exit_code"] == 0
+        assert sum(len(n["gpus"]) for n in job["nodes"]) == 2
+        _, out, _ = await alnair("logs", job_id, env=cli_env)
+        assert out.strip() == "42"
+
+        states: list[str] = []
+        assert follower.stdout is not None
+        while "SUCCEEDED" not in states:
+            line = await asyncio.wait_for(follower.stdout.readline(), timeout=30)
+            record = json.loads(line)
+            if record["kind"] == "job" and record["job"]["job_id"] == job_id:
+                states.append(record["job"]["state"])
+        assert states.index("RUNNING") < states.index("SUCCEEDED")
+
+        code, out, _ = await alnair("events", "--job", job_id, env=cli_env)
+        assert "placed" in out and "SUCCEEDED" in out
+        code, out, _ = await alnair("nodes", env=cli_env)
+        assert out.count("READY") == 2
+        code, out, _ = await alnair("cancel", "999", env=cli_env)
+        assert code == 1
+        code, _, err = await alnair("submit", "--gpus", "9", "--", "true", env=cli_env)
+        assert code == 1 and "cluster has 8" in err
+        code, out, _ = await alnair("status", env=cli_env)
+        assert "epoch 1" in out
+    finally:
+        if follower is not None and follower.returncode is None:
+            follower.kill()
+            await follower.wait()
+        with contextlib.suppress(ProcessLookupError):
+            up.send_signal(signal.SIGINT)
+        await asyncio.wait_for(up.wait(), timeout=60)
+        await reader
+    assert up.returncode == 0, "".join(output[-30:])
+    assert not (Path(cli_env["ALNAIR_HOME"]) / "cluster.json").exists()
