@@ -1,0 +1,182 @@
+"""Renders docs/messages.md from the models themselves, so the catalogue cannot drift.
+
+`python -m schemas.catalogue > docs/messages.md` rewrites it; a test fails when the
+file differs from what this prints.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Final
+
+from pydantic import BaseModel
+
+from schemas import api, commands, dlq, events, jobs, nodes, state, telemetry
+
+PIPE: Final = "\\|"  # a literal | inside a markdown table cell
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    subject: str
+    direction: str
+    transport: str
+    models: tuple[type[BaseModel], ...]
+    notes: str
+
+
+ENTRIES: Final = (
+    Entry(
+        "alnair.node.<node>.telemetry",
+        "agent → brain",
+        "core NATS (loss tolerated)",
+        (telemetry.TelemetryBatch,),
+        "One message per node per interval, every GPU in it.",
+    ),
+    Entry(
+        "alnair.node.<node>.heartbeat",
+        "agent → brain",
+        "core NATS",
+        (telemetry.Heartbeat,),
+        "Inventory, health and running jobs. A node silent for the brain's node timeout "
+        "is LOST. The brain stops any running job a heartbeat lists that it did not give "
+        "to that node (reconciliation).",
+    ),
+    Entry(
+        "alnair.node.<node>.event",
+        "agent → brain",
+        "JetStream `EVENTS`",
+        (
+            events.JobStarted,
+            events.JobExited,
+            events.LaunchFailed,
+            events.CommandRejected,
+            events.GpuFault,
+        ),
+        "Discriminated by `kind`. `Nats-Msg-Id` is `event_id`; the agent retries until "
+        "stored, in order.",
+    ),
+    Entry(
+        "alnair.node.<node>.cmd",
+        "brain → agent",
+        "JetStream `COMMANDS`",
+        (commands.Launch, commands.Stop),
+        "Discriminated by `kind`. `Nats-Msg-Id` is `command_id`; agents de-duplicate by it "
+        "and refuse a command whose `epoch` is older than the newest they obeyed.",
+    ),
+    Entry(
+        "alnair.api.<tenant>.<verb>",
+        "CLI/API → brain",
+        "request/reply",
+        (
+            api.SubmitRequest,
+            api.CancelRequest,
+            api.ListJobsRequest,
+            api.GetJobRequest,
+            api.ListNodesRequest,
+            api.StatusRequest,
+        ),
+        "Verbs: " + ", ".join(f"`{v}`" for v in api.API_VERBS) + ". The tenant is the "
+        "subject's token, never a payload field.",
+    ),
+    Entry(
+        "(reply to the above)",
+        "brain → caller",
+        "request/reply",
+        (api.JobReply, api.JobsReply, api.NodesReply, api.StatusReply, api.ErrorReply),
+        "`ok` tells a refusal (`ErrorReply`, with `code` one of invalid, not_found, "
+        "conflict, unavailable, internal) from a result.",
+    ),
+    Entry(
+        "alnair.state.job.<job> / alnair.state.node.<node>",
+        "brain → world",
+        "JetStream `STATE`",
+        (state.JobChanged, state.NodeChanged, state.NodeEventRecorded),
+        "The brain's journal, discriminated by `kind`. A job or node entry carries the "
+        "whole record after the change and its `cause`; the brain's state is the fold of "
+        "this log. Node events the brain folded are recorded under the node's subject.",
+    ),
+    Entry(
+        "alnair.dlq.<origin>",
+        "anyone",
+        "core NATS",
+        (dlq.DeadLetter,),
+        "`origin` is the refused message's subject class (`node.heartbeat`, `api.submit`, "
+        "...). Every component dead-letters what it cannot validate, and goes on.",
+    ),
+)
+
+NESTED: Final[tuple[type[BaseModel], ...]] = (
+    jobs.JobSpec,
+    jobs.JobRecord,
+    jobs.NodeGrant,
+    nodes.NodeRecord,
+    nodes.NodeStatus,
+    telemetry.GpuInfo,
+    telemetry.GpuSample,
+    telemetry.RunningJob,
+    state.Cause,
+)
+
+
+def _type_name(annotation: object) -> str:
+    text = str(annotation) if not isinstance(annotation, type) else annotation.__name__
+    for prefix in (
+        "typing.",
+        "schemas.jobs.",
+        "schemas.nodes.",
+        "schemas.telemetry.",
+        "schemas.state.",
+        "schemas.events.",
+        "schemas.api.",
+        "schemas.commands.",
+    ):
+        text = text.replace(prefix, "")
+    text = text.replace("NoneType", "None")
+    return text.replace("|", PIPE)
+
+
+def _model_table(model: type[BaseModel]) -> list[str]:
+    hints = typing.get_type_hints(model, include_extras=False)
+    lines = [f"#### `{model.__name__}`", ""]
+    doc = (model.__doc__ or "").strip().splitlines()
+    if doc and not doc[0].startswith(("Usage docs", "!!!")):
+        lines += [doc[0], ""]
+    lines += ["| field | type | required | default |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        required = "yes" if field.is_required() else ""
+        default = "" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        default = default.replace("|", PIPE)
+        kind = _type_name(hints.get(name, field.annotation))
+        lines.append(f"| `{name}` | {kind} | {required} | {default} |")
+    return [*lines, ""]
+
+
+def render() -> str:
+    out = [
+        "# Message catalogue",
+        "",
+        "Generated from `schemas/` by `python -m schemas.catalogue`; a test keeps it current.",
+        "Every message is JSON, carries the schema version `v` (now 1) and refuses unknown",
+        "fields. Names of nodes, tenants and queues are 1 to 64 letters, digits, `_` or `-`.",
+        "",
+        "| subject | direction | transport | messages |",
+        "|---|---|---|---|",
+    ]
+    for entry in ENTRIES:
+        names = ", ".join(f"`{m.__name__}`" for m in entry.models)
+        out.append(f"| `{entry.subject}` | {entry.direction} | {entry.transport} | {names} |")
+    out.append("")
+    for entry in ENTRIES:
+        out += [f"## `{entry.subject}`", "", entry.notes, ""]
+        for model in entry.models:
+            out += _model_table(model)
+    out += ["## Records inside messages", ""]
+    for model in NESTED:
+        out += _model_table(model)
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
