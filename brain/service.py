@@ -118,6 +118,10 @@ class Brain:
         self._loop_task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
         self.decisions_made = 0
+        # Read-only observers (metrics, profiles, the HTTP event stream). They run in
+        # the brain's loop and must not block or raise; they never change state.
+        self.telemetry_observers: list[Callable[[TelemetryBatch], None]] = []
+        self.record_observers: list[Callable[[StateRecord, int], None]] = []
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -178,6 +182,7 @@ class Brain:
     async def _on_telemetry(self, batch: TelemetryBatch, msg: Msg) -> None:
         if await self._from_own_node(batch.node, msg):
             self.telemetry[batch.node] = batch
+            self._notify(self.telemetry_observers, batch)
 
     async def _on_event(self, event: NodeEvent, msg: Msg) -> None:
         if not await self._from_own_node(event.node, msg):
@@ -255,6 +260,7 @@ class Brain:
             self.history.record(record, seq)
         except Exception:
             log.exception("history write failed for seq %d; the log has it", seq)
+        self._notify(self.record_observers, record, seq)
 
     async def _job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
         record = JobChanged(
@@ -715,6 +721,14 @@ class Brain:
                     nodes=nodes,
                 ),
             )
+
+    @staticmethod
+    def _notify(observers: list[Callable[..., None]], *args: object) -> None:
+        for observer in observers:
+            try:
+                observer(*args)
+            except Exception:
+                log.exception("observer %r failed", observer)
 
     # -- views -----------------------------------------------------------------------
 
