@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2317  # cleanup/on_signal/import_check run via trap/step
 # Build (or reuse from cache) a Horovod wheel for the torch installed in a venv.
 #
 # Usage: infra/build_horovod.sh PYTHON
@@ -133,6 +134,12 @@ pick_tool() { # pick_tool ENV_VALUE CANDIDATE... -> first that resolves
     done
     return 1
 }
+if [[ -n "${CXX:-}" ]]; then
+    command -v -- "${CXX%% *}" >/dev/null 2>&1 || die "CXX='$CXX' is set but '${CXX%% *}' is not found"
+fi
+if [[ -n "${CC:-}" ]]; then
+    command -v -- "${CC%% *}" >/dev/null 2>&1 || die "CC='$CC' is set but '${CC%% *}' is not found"
+fi
 CXX_BIN="$(pick_tool "${CXX:-}" c++ g++ clang++)" \
     || die "no C++ compiler found (tried \$CXX, c++, g++, clang++). Install one, e.g. 'apt-get install g++' / build-essential."
 CC_BIN="$(pick_tool "${CC:-}" cc gcc clang)" \
@@ -149,6 +156,10 @@ KEY_INPUTS="$(
     printf '%s\n' "$probe_out"
     printf 'cxx=%s\ncc=%s\narch_flags=%s\n' "$CXX_ID" "$CC_ID" "$HOROVOD_ARCH_FLAGS"
     printf 'features=pytorch,gloo;no-mpi,no-tensorflow,no-mxnet,no-nvtx;c++17\n'
+    # Compiler flags from the environment reach CMake and change the binary.
+    for v in CPPFLAGS CFLAGS CXXFLAGS LDFLAGS; do
+        [[ -z "${!v:-}" ]] || printf '%s=%s\n' "$v" "${!v}"
+    done
 )"
 KEY="$(printf '%s\n' "$KEY_INPUTS" | "$PYTHON" -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')"
 
@@ -206,6 +217,8 @@ BUILD_LOG="$TMP/build.log"
 FAILED_LOG="$HVD_CACHE/failed-$KEY.log"
 HEARTBEAT_PID=""
 
+CHILD_PID=""
+
 cleanup() {
     local rc=$?
     if [[ -n "$HEARTBEAT_PID" ]]; then
@@ -213,25 +226,34 @@ cleanup() {
         wait "$HEARTBEAT_PID" 2>/dev/null || true
     fi
     rm -rf "$TMP"
-    exit $rc
+    exit "$rc"
+}
+# A signal stops the whole build (pip, cmake, make, compilers run in their own
+# process group), waits for it so nothing writes into $TMP, then cleans up.
+on_signal() {
+    log "interrupted; stopping the build and removing $TMP"
+    if [[ -n "$CHILD_PID" ]]; then
+        kill -TERM -- "-$CHILD_PID" 2>/dev/null || kill -TERM "$CHILD_PID" 2>/dev/null || true
+        wait "$CHILD_PID" 2>/dev/null || true
+    fi
+    exit "$1"
 }
 trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+trap 'on_signal 130' INT
+trap 'on_signal 143' TERM
+trap 'on_signal 129' HUP
 
 VERBOSE=0
 if [[ "${ALNAIR_VERBOSE:-0}" == 1 || "${CI:-}" == true ]]; then VERBOSE=1; fi
 
 # step "description" cmd...  -- run with output to the build log; on failure
-# keep the log in the cache, show its tail, and name the step.
+# keep the log in the cache, show the errors and the tail, and name the step.
 step() {
     local desc="$1" start=$SECONDS rc=0
     shift
     log "$desc"
     printf '\n===== %s\n===== $ %s\n' "$desc" "$*" >>"$BUILD_LOG"
-    if [[ $VERBOSE -eq 1 ]]; then
-        "$@" 2>&1 3>&- 9>&- | tee -a "$BUILD_LOG" >&2 || rc=$?
-    else
+    if [[ $VERBOSE -eq 0 ]]; then
         ( # heartbeat so long steps are visibly alive (and CI does not idle-kill us)
             exec 3>&- 9>&-
             sp=""
@@ -244,15 +266,31 @@ step() {
             done
         ) &
         HEARTBEAT_PID=$!
-        "$@" >>"$BUILD_LOG" 2>&1 3>&- 9>&- || rc=$?
+    fi
+    # Run in the background in its own process group (set -m) so signals can
+    # reach the whole tree and `wait` lets our traps run immediately.
+    set -m
+    if [[ $VERBOSE -eq 1 ]]; then
+        { "$@" 2>&1 | tee -a "$BUILD_LOG" >&2; } </dev/null 3>&- 9>&- &
+    else
+        "$@" </dev/null >>"$BUILD_LOG" 2>&1 3>&- 9>&- &
+    fi
+    CHILD_PID=$!
+    set +m
+    wait "$CHILD_PID" || rc=$?
+    CHILD_PID=""
+    if [[ -n "$HEARTBEAT_PID" ]]; then
         kill "$HEARTBEAT_PID" 2>/dev/null || true
         wait "$HEARTBEAT_PID" 2>/dev/null || true
         HEARTBEAT_PID=""
     fi
     if [[ $rc -ne 0 ]]; then
         cp -f "$BUILD_LOG" "$FAILED_LOG" 2>/dev/null || true
-        log "----- last 60 lines of the build log -----"
-        tail -n 60 "$BUILD_LOG" >&2 || true
+        log "----- first error lines in the build log -----"
+        grep -n -E 'CMake Error|[Ee]rror:|fatal error|\*\*\* \[|CalledProcessError|No such file' "$BUILD_LOG" \
+            | grep -v -E 'Can not execute|except ImportError|clear error message' | head -n 25 >&2 || true
+        log "----- last 40 lines of the build log -----"
+        tail -n 40 "$BUILD_LOG" >&2 || true
         log "------------------------------------------"
         die "step failed (exit $rc): $desc. Full log: $FAILED_LOG"
     fi
@@ -308,8 +346,7 @@ fi
 mkdir -p "$TMP/src"
 tar -xzf "$SDIST" -C "$TMP/src" || die "cannot unpack $SDIST"
 SRC="$TMP/src/horovod-$HOROVOD_VERSION"
-step "patching CMakeLists.txt and horovod/torch/CMakeLists.txt to C++17" \
-    "$PYTHON" - "$SRC" <<'PY'
+PATCH_PY='
 import pathlib, sys
 src = pathlib.Path(sys.argv[1])
 old, new = "set(CMAKE_CXX_STANDARD 14)", "set(CMAKE_CXX_STANDARD 17)"
@@ -321,7 +358,9 @@ for rel in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
         sys.exit("%s: expected exactly one %r, found %d" % (rel, old, n))
     p.write_text(text.replace(old, new))
     print("patched", rel)
-PY
+'
+step "patching CMakeLists.txt and horovod/torch/CMakeLists.txt to C++17" \
+    "$PYTHON" -c "$PATCH_PY" "$SRC"
 if [[ -d "$PATCH_DIR" ]]; then
     for p in "$PATCH_DIR"/*.patch; do
         [[ -f "$p" ]] || continue
@@ -349,10 +388,10 @@ step "building the wheel (pip wheel, -j$JOBS; log: $FAILED_LOG on failure)" \
     MAKEFLAGS="-j$JOBS" \
     CC="$CC_BIN" CXX="$CXX_BIN" \
     "$PYTHON" -m pip wheel -v --disable-pip-version-check --progress-bar off \
-    --no-deps --no-build-isolation -w "$TMP/out" "$SRC"
+    --no-deps --no-build-isolation --use-pep517 -w "$TMP/out" "$SRC"
 
 entry_ok "$TMP/out" || die "pip wheel finished but $TMP/out does not hold exactly one horovod-$HOROVOD_VERSION-*.whl: $(ls "$TMP/out")"
-WHEEL="$(ls "$TMP/out"/horovod-"$HOROVOD_VERSION"-*.whl)"
+WHEEL="$(ls "$TMP/out/horovod-$HOROVOD_VERSION"-*.whl)"
 
 # 6. Check the wheel before publishing: torch extension present, importable
 #    with this torch, Gloo compiled in.
