@@ -1,27 +1,53 @@
 """The pure policy core shared by the live brain and the simulator. No I/O here."""
 
-from brain.core.decide import DEFAULT_POLICY, Policy, UnknownPlugin, decide
+from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, Policy, UnknownPlugin, decide
+from brain.core.distribution import DEFAULT_SERVICE_PRIOR, ServiceDistribution
 from brain.core.model import (
     Action,
     ClusterSnapshot,
     Decisions,
     Grant,
+    JobClass,
     JobView,
     NodeView,
+    Outranked,
     Place,
+    Preempt,
+    PreemptCause,
+    QueueQuota,
+    QuotaReclaim,
+    SetServiceLevel,
     Wait,
 )
+from brain.core.ordering import DURATION_AWARE, ORDERINGS, PROGRESS_AWARE
+from brain.core.placement import PLACEMENTS
+from brain.core.preemption import PREEMPTIONS
 
 __all__ = [
     "DEFAULT_POLICY",
+    "DEFAULT_SERVICE_PRIOR",
+    "DURATION_AWARE",
+    "ORDERINGS",
+    "PLACEMENTS",
+    "PREEMPTIONS",
+    "PROGRESS_AWARE",
     "Action",
     "ClusterSnapshot",
     "Decisions",
     "Grant",
+    "InvalidPolicy",
+    "JobClass",
     "JobView",
     "NodeView",
+    "Outranked",
     "Place",
     "Policy",
+    "Preempt",
+    "PreemptCause",
+    "QueueQuota",
+    "QuotaReclaim",
+    "ServiceDistribution",
+    "SetServiceLevel",
     "UnknownPlugin",
     "Wait",
     "decide",

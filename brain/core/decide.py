@@ -1,18 +1,43 @@
 """`decide(snapshot, now)`: the brain's whole policy, as one pure function.
 
 Synchronous, deterministic, no I/O, no clock and no randomness of its own: the live
-brain and the trace simulator call this very function. The pipeline is fixed
-(ordering -> placement); which ordering and which placement run are plugins named in
-the `Policy`.
+brain and the trace simulator call this very function. The pipeline is fixed; which
+ordering, placement and preemption run are plugins named in the `Policy`:
+
+1. ordering   — rank every runnable job, pending and running (`ORDERINGS`);
+2. admission  — each job's standing against its queue's quota (`quota.standings`);
+3. selection  — walk jobs by (standing, preemption hold, starvation, rank) and keep
+                those that fit in the cluster's GPUs, as Tiresias' simulator does: a
+                running job that no longer fits is a preemption candidate;
+4. placement  — place the selected pending jobs (`PLACEMENTS`), releasing candidate
+                victims worst-ranked first, only as far as a placement needs; a victim
+                whose GPUs nobody took keeps running.
+
+Every action carries its cause.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from brain.core.model import Action, ClusterSnapshot, Decisions, Place, Wait
-from brain.core.ordering import ORDERINGS
-from brain.core.placement import PLACEMENTS, Fit, FreeGpus
+from brain.core.distribution import DEFAULT_SERVICE_PRIOR
+from brain.core.model import (
+    Action,
+    ClusterSnapshot,
+    Decisions,
+    Grant,
+    JobView,
+    Outranked,
+    Place,
+    Preempt,
+    PreemptCause,
+    QuotaReclaim,
+    Wait,
+)
+from brain.core.ordering import ORDERINGS, OrderContext, Ordered, Ranked, job_sequence
+from brain.core.placement import PLACEMENTS, Fit, FreeGpus, Placement, PlacementRequest
+from brain.core.preemption import PREEMPTIONS, Preemption
+from brain.core.quota import Standing, quota_of, standings
 from schemas.errors import AlnairError
 
 
@@ -23,50 +48,282 @@ class UnknownPlugin(AlnairError, KeyError):
         self.name = name
 
 
+class InvalidPolicy(AlnairError, ValueError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid policy: {reason}")
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     order: str = "fifo"
     placement: str = "consolidate"
+    preemption: str = "by-rank"
+    # LAS band thresholds in GPU-seconds: K-1 of them make K bands. Tiresias' defaults
+    # (its third limit, 18000, is never reached with three queues).
+    las_thresholds_gpu_s: tuple[float, ...] = (3250.0, 7200.0)
+    # The Gittins quantum: how far ahead in service the index looks (Tiresias: 3250).
+    gittins_quantum_gpu_s: float = 3250.0
+    # A pending job that waited this long ranks ahead of every job of its standing
+    # that is not starving too. None: no guard (Tiresias' dlas-gpu has none).
+    starvation_guard_s: float | None = None
+    # Philly: a job that waited this long for its preferred locality may spread.
+    relax_locality_after_s: float = 0.0
+    # `progress`: how long a job runs before its progress reports are trusted.
+    progress_probe_s: float = 60.0
 
     def validate(self) -> Policy:
         if self.order not in ORDERINGS:
             raise UnknownPlugin("order", self.order, list(ORDERINGS))
         if self.placement not in PLACEMENTS:
             raise UnknownPlugin("placement", self.placement, list(PLACEMENTS))
+        if self.preemption not in PREEMPTIONS:
+            raise UnknownPlugin("preemption", self.preemption, list(PREEMPTIONS))
+        thresholds = self.las_thresholds_gpu_s
+        if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(set(thresholds)):
+            raise InvalidPolicy(f"las thresholds must be positive and rising: {thresholds}")
+        if self.gittins_quantum_gpu_s <= 0:
+            raise InvalidPolicy("the Gittins quantum must be positive")
+        if self.starvation_guard_s is not None and self.starvation_guard_s <= 0:
+            raise InvalidPolicy("the starvation guard must be positive")
+        if self.progress_probe_s < 0:
+            raise InvalidPolicy("the progress probe cannot be negative")
         return self
 
     def describe(self) -> str:
-        return f"order={self.order} placement={self.placement}"
+        return f"order={self.order} placement={self.placement} preemption={self.preemption}"
 
 
 DEFAULT_POLICY = Policy()
 
 
-def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
-    order = ORDERINGS[policy.order]
-    place = PLACEMENTS[policy.placement]
-    free = FreeGpus(snapshot.nodes)
-    capacity = free.total_capacity()
-    ordered = order(snapshot.pending, now)
-    actions: list[Action] = []
+@dataclass(slots=True)
+class _Entry:
+    """One job in the cycle, with everything its rank depends on. Not frozen only
+    because frozen dataclasses are slow to build, and one is built per job per cycle;
+    nothing mutates it."""
+
+    ranked: Ranked
+    standing: Standing
+    starving: bool
+    sort_key: tuple[int, int, int, float, tuple[float, ...], float, tuple[int, str]]
+
+    @property
+    def job(self) -> JobView:
+        return self.ranked.job
+
+
+@dataclass(slots=True)
+class _Cycle:
+    """The mutable working state of one `decide` call; never escapes it."""
+
+    snapshot: ClusterSnapshot
+    now: float
+    policy: Policy
+    place: Placement
+    ledger: FreeGpus
+    actions: list[Action] = field(default_factory=list)
+    preemptions: list[Preempt] = field(default_factory=list)
+    wakes: list[float] = field(default_factory=list)
+    placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
+
+
+def _is_starving(job: JobView, now: float, policy: Policy) -> bool:
+    guard = policy.starvation_guard_s
+    return guard is not None and not job.running and now - job.waiting_since() >= guard
+
+
+def _entries(
+    ordered: Ordered, snapshot: ClusterSnapshot, now: float, policy: Policy, hold: Preemption
+) -> list[_Entry]:
+    ranked = ordered.ranked
+    if snapshot.queues:
+        by_rank = sorted(
+            ranked,
+            key=lambda r: (hold(r.job), r.rank, r.job.submitted_at, job_sequence(r.job.job_id)),
+        )
+        standing_of = standings([r.job for r in by_rank], quota_of(snapshot.queues))
+    else:
+        standing_of = {}
+    entries: list[_Entry] = []
+    for item in ranked:
+        job = item.job
+        standing = standing_of.get(job.job_id, Standing.OVER_QUOTA)
+        starving = _is_starving(job, now, policy)
+        key = (
+            int(standing),
+            hold(job),
+            0 if starving else 1,
+            job.waiting_since() if starving else 0.0,
+            item.rank,
+            job.submitted_at,
+            job_sequence(job.job_id),
+        )
+        entries.append(_Entry(item, standing, starving, key))
+    entries.sort(key=lambda e: e.sort_key)
+    return entries
+
+
+def _select(
+    cycle: _Cycle, entries: list[_Entry], head_of_line_blocking: bool, capacity: int
+) -> tuple[list[_Entry], list[_Entry]]:
+    """Walk the ranking and keep what fits by GPU count: (pending to place, victims)."""
+    budget = capacity
+    to_place: list[_Entry] = []
+    victims: list[_Entry] = []
     blocked_by: str | None = None
-    for job in ordered.jobs:
-        if job.gpus > capacity:
-            # Never satisfiable as the cluster stands; it must not block the queue.
-            actions.append(
-                Wait(job.job_id, f"needs {job.gpus} GPUs; the cluster has {capacity} schedulable")
+    for entry in entries:
+        job = entry.job
+        if job.running:
+            if entry.standing is Standing.PINNED or job.gpus <= budget:
+                budget -= job.gpus
+            else:
+                victims.append(entry)
+            continue
+        wait = _pending_wait_reason(entry, capacity, budget, blocked_by, cycle.policy)
+        if wait is not None:
+            cycle.actions.append(Wait(job.job_id, wait))
+            # A starving job that cannot start yet reserves the GPUs that free up: no
+            # job behind it may backfill them, or it could wait forever.
+            blocks = head_of_line_blocking or entry.starving
+            if (
+                blocks
+                and blocked_by is None
+                and job.gpus <= capacity
+                and entry.standing is not Standing.HELD
+            ):
+                why = "starvation guard" if entry.starving else cycle.policy.order
+                blocked_by = f"job {job.job_id} ({why})"
+            continue
+        budget -= job.gpus
+        to_place.append(entry)
+    return to_place, victims
+
+
+def _pending_wait_reason(
+    entry: _Entry, capacity: int, budget: int, blocked_by: str | None, policy: Policy
+) -> str | None:
+    job = entry.job
+    if entry.standing is Standing.HELD:
+        return f"queue {job.queue} is at its fixed quota (build jobs do not borrow)"
+    if job.gpus > capacity:
+        return f"needs {job.gpus} GPUs; the cluster has {capacity} schedulable"
+    if blocked_by is not None:
+        return f"queued behind {blocked_by}"
+    if job.gpus > budget:
+        return (
+            f"needs {job.gpus} GPUs; {max(budget, 0)} left after higher-ranked jobs "
+            f"({entry.ranked.label}, {policy.order})"
+        )
+    return None
+
+
+def _may_spread(job: JobView, now: float, policy: Policy) -> bool:
+    if job.network_sensitive:
+        return False
+    return now - job.waiting_since() >= policy.relax_locality_after_s
+
+
+def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> list[_Entry]:
+    """Place in rank order, releasing victims worst-ranked first only when needed.
+    Returns the victims whose GPUs were released."""
+    unreleased = list(reversed(victims))
+    released: list[_Entry] = []
+    for entry in to_place:
+        job = entry.job
+        request = PlacementRequest(job.gpus, _may_spread(job, cycle.now, cycle.policy))
+        result = cycle.place(request, cycle.ledger)
+        while not isinstance(result, Fit) and unreleased:
+            victim = unreleased.pop(0)
+            cycle.ledger.give(victim.job.grants)
+            released.append(victim)
+            result = cycle.place(request, cycle.ledger)
+        if isinstance(result, Fit):
+            cycle.ledger.take(result.grants)
+            cycle.placed.append((entry, result.grants))
+            cycle.actions.append(
+                Place(job.job_id, result.grants, _place_cause(entry, result.grants, cycle.policy))
             )
             continue
-        if blocked_by is not None:
-            actions.append(Wait(job.job_id, f"queued behind job {blocked_by} ({policy.order})"))
+        cycle.actions.append(Wait(job.job_id, result.reason))
+        if not request.may_spread and not job.network_sensitive:
+            cycle.wakes.append(job.waiting_since() + cycle.policy.relax_locality_after_s)
+    return released
+
+
+def _place_cause(entry: _Entry, grants: tuple[Grant, ...], policy: Policy) -> str:
+    where = ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
+    notes = [policy.order, entry.ranked.label]
+    if entry.starving:
+        notes.append("starvation guard")
+    if entry.standing is Standing.IN_QUOTA:
+        notes.append(f"within queue {entry.job.queue}'s guarantee")
+    return f"placed on {where} ({'; '.join(notes)})"
+
+
+def _overlaps(a: tuple[Grant, ...], b: tuple[Grant, ...]) -> bool:
+    held = {(g.node, gpu) for g in a for gpu in g.gpus}
+    return any((g.node, gpu) in held for g in b for gpu in g.gpus)
+
+
+def _preempt_cause(victim: _Entry, cycle: _Cycle) -> PreemptCause:
+    winner = next(
+        (e for e, grants in cycle.placed if _overlaps(grants, victim.job.grants)),
+        cycle.placed[0][0] if cycle.placed else victim,
+    )
+    if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
+        return QuotaReclaim(winner.job.queue, winner.job.job_id, victim.job.queue)
+    return Outranked(
+        winner.job.job_id, cycle.policy.order, victim.ranked.label, winner.ranked.label
+    )
+
+
+def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
+    # Best-ranked victims first: if their GPUs are still free, they simply keep them.
+    for victim in reversed(released):
+        if cycle.ledger.all_free(victim.job.grants):
+            cycle.ledger.take(victim.job.grants)
             continue
-        result = place(job.gpus, free)
-        if isinstance(result, Fit):
-            free.take(result.grants)
-            where = ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in result.grants)
-            actions.append(Place(job.job_id, result.grants, f"placed on {where} ({policy.order})"))
-            continue
-        actions.append(Wait(job.job_id, result.reason))
-        if ordered.head_of_line_blocking:
-            blocked_by = job.job_id
-    return Decisions(tuple(actions))
+        cycle.preemptions.append(
+            Preempt(victim.job.job_id, victim.job.grants, _preempt_cause(victim, cycle))
+        )
+
+
+def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
+    guard = policy.starvation_guard_s
+    if guard is None:
+        return []
+    return [e.job.waiting_since() + guard for e in entries if not e.job.running and not e.starving]
+
+
+def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
+    order = ORDERINGS.get(policy.order)
+    place = PLACEMENTS.get(policy.placement)
+    hold = PREEMPTIONS.get(policy.preemption)
+    if order is None or place is None or hold is None:
+        policy.validate()
+        raise AssertionError("unreachable: validate() raises for an unknown plugin")
+    context = OrderContext(
+        now=now,
+        las_thresholds_gpu_s=policy.las_thresholds_gpu_s,
+        gittins_quantum_gpu_s=policy.gittins_quantum_gpu_s,
+        distribution=snapshot.service_distribution or DEFAULT_SERVICE_PRIOR,
+        progress_probe_s=policy.progress_probe_s,
+    )
+    ordered = order((*snapshot.running, *snapshot.pending), context)
+    ledger = FreeGpus(snapshot.nodes)
+    cycle = _Cycle(snapshot, now, policy, place, ledger)
+    entries = _entries(ordered, snapshot, now, policy, hold)
+    to_place, victims = _select(
+        cycle, entries, ordered.head_of_line_blocking, ledger.total_capacity()
+    )
+    released = _place_all(cycle, to_place, victims)
+    _settle_victims(cycle, released)
+    wakes = [*cycle.wakes, *_starvation_wakes(entries, policy)]
+    if ordered.wake_at is not None:
+        wakes.append(ordered.wake_at)
+    future = [t for t in wakes if t > now]
+    # Preemptions first: the placements after them may use the GPUs they free.
+    changes = sorted(ordered.level_changes, key=lambda c: job_sequence(c.job_id))
+    actions = (*cycle.preemptions, *cycle.actions, *changes)
+    return Decisions(actions, min(future) if future else None)

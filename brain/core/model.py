@@ -8,6 +8,9 @@ other. Everything here is immutable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from brain.core.distribution import ServiceDistribution
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,45 @@ class NodeView:
     switch: str = "default"
 
 
+# `build` queues hold interactive work: a fixed quota, never preempted. `train` queues
+# may borrow idle GPUs beyond their guarantee, and their jobs may be preempted.
+JobClass = Literal["build", "train"]
+
+
+@dataclass(frozen=True, slots=True)
+class QueueQuota:
+    """A queue's share of the cluster (Run:ai): GPUs it is guaranteed, and its class.
+
+    A job whose queue is not configured belongs to an implicit `train` queue with no
+    guarantee: it may use any idle GPU and may always be preempted.
+    """
+
+    name: str
+    guaranteed_gpus: int
+    job_class: JobClass = "train"
+
+
+@dataclass(frozen=True, slots=True)
+class UtilizationProfile:
+    """What a running job does with the GPUs it holds, from its telemetry (brain/profiles.py).
+
+    Utilisation is in percent of the job's GPUs (mean over them), memory in MiB on its
+    busiest GPU; the forecast covers the next window. `underused` is set when the job
+    holds GPUs it barely uses, so placement and elasticity can take them back.
+    """
+
+    mean_util_pct: float
+    p95_util_pct: float
+    mem_peak_mib: float
+    # The job's cycle (an iteration, an epoch, a checkpoint), if one was detected.
+    period_s: float | None
+    forecast_util_pct: float
+    forecast_mem_mib: float
+    underused: bool = False
+    # GPUs among those held whose mean utilisation is below the "barely used" line.
+    idle_gpus: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class JobView:
     job_id: str
@@ -35,12 +77,43 @@ class JobView:
     submitted_at: float
     queue: str = "default"
     priority: int = 0
-    # Set for running jobs.
+    # Set for running jobs: the GPUs held, and when the current run began.
     grants: tuple[Grant, ...] = ()
     started_at: float | None = None
     # The reason the job currently waits, as last recorded; lets the shell skip
     # recording an unchanged reason.
     waiting_reason: str | None = None
+    # GPUs x seconds the job has run so far, over all its runs (Tiresias' attained
+    # service). The shell accumulates it; it is never reset.
+    attained_gpu_seconds: float = 0.0
+    # When the job last became pending (submission, or its last preemption); None
+    # means `submitted_at`. Drives the starvation guard and the locality back-off.
+    pending_since: float | None = None
+    # The LAS band the job was last put in (see `SetServiceLevel`), and since when.
+    # The shell stores what the last `SetServiceLevel` said; None means `submitted_at`.
+    service_level: int = 0
+    service_level_since: float | None = None
+    # Run time on the requested GPUs, when the submitter declared it (srtf only).
+    declared_duration_s: float | None = None
+    # Fraction of its declared work the job reports done (step / total steps), if it
+    # reports progress; None when unknown.
+    progress_fraction: float | None = None
+    # How fast `progress_fraction` grows while the job runs (fraction per second),
+    # measured from its recent progress reports; None when unknown.
+    progress_rate_per_s: float | None = None
+    # Seconds the job has actually run (wall clock, all runs); 0 when unknown.
+    executed_seconds: float = 0.0
+    # Network-bound jobs keep strict consolidation: no locality relaxation.
+    network_sensitive: bool = False
+    # Running jobs with enough telemetry: their utilisation profile; None otherwise.
+    profile: UtilizationProfile | None = None
+
+    @property
+    def running(self) -> bool:
+        return bool(self.grants)
+
+    def waiting_since(self) -> float:
+        return self.submitted_at if self.pending_since is None else self.pending_since
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +121,11 @@ class ClusterSnapshot:
     nodes: tuple[NodeView, ...]
     pending: tuple[JobView, ...]
     running: tuple[JobView, ...] = ()
+    # Quota configuration; queues not listed have no guarantee (see `QueueQuota`).
+    queues: tuple[QueueQuota, ...] = ()
+    # The distribution of finished jobs' service, for the Gittins ordering; None
+    # means the core's built-in prior alone.
+    service_distribution: ServiceDistribution | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +145,74 @@ class Wait:
     reason: str
 
 
-Action = Place | Wait
+@dataclass(frozen=True, slots=True)
+class QuotaReclaim:
+    """A queue needed GPUs within its guarantee that an over-quota job had borrowed."""
+
+    owner_queue: str
+    for_job: str
+    victim_queue: str
+
+    def describe(self) -> str:
+        return (
+            f"quota reclaim: queue {self.owner_queue} needs its guaranteed GPUs for job "
+            f"{self.for_job}; queue {self.victim_queue} was over its quota"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Outranked:
+    """A job ranked ahead by the queue order needed the GPUs."""
+
+    by_job: str
+    order: str
+    victim_rank: str
+    winner_rank: str
+
+    def describe(self) -> str:
+        return (
+            f"outranked by job {self.by_job} under {self.order}: "
+            f"{self.winner_rank} ahead of {self.victim_rank}"
+        )
+
+
+PreemptCause = QuotaReclaim | Outranked
+
+
+@dataclass(frozen=True, slots=True)
+class Preempt:
+    """Stop a running job and requeue it pending; it keeps its attained service and
+    resumes later (from its checkpoint) when it is placed again."""
+
+    job_id: str
+    grants: tuple[Grant, ...]
+    cause: PreemptCause
+
+    @property
+    def reason(self) -> str:
+        return self.cause.describe()
+
+
+@dataclass(frozen=True, slots=True)
+class SetServiceLevel:
+    """The job moved to another LAS band; the shell stores `level` and `since` on the
+    job and reports them back in its `JobView`."""
+
+    job_id: str
+    level: int
+    since: float
+    cause: str
+
+
+Action = Place | Wait | Preempt | SetServiceLevel
 
 
 @dataclass(frozen=True, slots=True)
 class Decisions:
     actions: tuple[Action, ...] = field(default=())
+    # Call `decide` again no later than this (a LAS threshold crossing, a locality
+    # back-off or the starvation guard expiring), even if no event arrives.
+    wake_at: float | None = None
 
     @property
     def placements(self) -> tuple[Place, ...]:
@@ -81,3 +221,11 @@ class Decisions:
     @property
     def waits(self) -> tuple[Wait, ...]:
         return tuple(a for a in self.actions if isinstance(a, Wait))
+
+    @property
+    def preemptions(self) -> tuple[Preempt, ...]:
+        return tuple(a for a in self.actions if isinstance(a, Preempt))
+
+    @property
+    def level_changes(self) -> tuple[SetServiceLevel, ...]:
+        return tuple(a for a in self.actions if isinstance(a, SetServiceLevel))

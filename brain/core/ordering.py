@@ -1,16 +1,29 @@
-"""Queue-order plugins: in which order pending jobs are offered GPUs.
+"""Queue-order plugins: how jobs rank against each other for GPUs.
 
-An ordering returns the pending jobs sorted, and says whether a job that cannot be
-placed blocks the ones behind it (strict FIFO) or lets them try (backfill).
+An ordering ranks every runnable job, pending and running alike, so that the decision
+pipeline can both start pending jobs and preempt running ones that rank behind them.
+It says whether a pending job that cannot be placed holds back every pending job
+behind it (strict FIFO) or lets them try (backfill), which LAS bands jobs moved to,
+and when its ranks will next change on their own (a job crossing a band threshold).
+
+Rank keys are tuples compared ascending: smaller runs first. The pipeline breaks ties
+by submission, so a plugin never has to.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
-from brain.core.model import JobView
+from brain.core.distribution import ServiceDistribution
+from brain.core.model import JobView, SetServiceLevel
+
+# Attained service is accumulated in floating point; a job that reaches a threshold
+# exactly must count as past it, or the core would ask to be woken again and again
+# a hair before the crossing.
+SERVICE_EPSILON: Final = 1e-6
 
 
 def job_sequence(job_id: str) -> tuple[int, str]:
@@ -23,24 +36,216 @@ def submission_key(job: JobView) -> tuple[float, tuple[int, str]]:
 
 
 @dataclass(frozen=True, slots=True)
+class OrderContext:
+    now: float
+    las_thresholds_gpu_s: tuple[float, ...]
+    gittins_quantum_gpu_s: float
+    distribution: ServiceDistribution
+    progress_probe_s: float = 60.0
+
+
+class Ranked(NamedTuple):
+    """A job and its rank. A named tuple, not a dataclass: one is built per job per
+    decision cycle, and tuples are the cheapest immutable record to build."""
+
+    job: JobView
+    rank: tuple[float, ...]
+    # What the rank means, for an operator reading a cause: "las band 1".
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
 class Ordered:
-    jobs: tuple[JobView, ...]
-    # True: a job that cannot start holds back every job behind it.
+    ranked: tuple[Ranked, ...]
+    # True: a pending job that cannot start holds back every pending job behind it.
     head_of_line_blocking: bool
+    level_changes: tuple[SetServiceLevel, ...] = ()
+    wake_at: float | None = None
+
+    @property
+    def jobs(self) -> tuple[JobView, ...]:
+        ordered = sorted(self.ranked, key=lambda r: (r.rank, submission_key(r.job)))
+        return tuple(r.job for r in ordered)
 
 
-Ordering = Callable[[Sequence[JobView], float], Ordered]
+Ordering = Callable[[Sequence[JobView], OrderContext], Ordered]
 
 
-def fifo(pending: Sequence[JobView], now: float) -> Ordered:
-    """First come, first served, strictly: nothing overtakes the head of the queue."""
-    return Ordered(tuple(sorted(pending, key=submission_key)), head_of_line_blocking=True)
+def fifo(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """First come, first served, strictly: nothing overtakes the head of the queue,
+    and nothing preempts a running job (only a quota reclaim can).
+
+    Tiresias' `fifo` is the same: it stops at the first pending job that does not fit.
+    """
+    ranked = tuple(Ranked(j, (0.0 if j.running else 1.0,), "fifo") for j in jobs)
+    return Ordered(ranked, head_of_line_blocking=True)
 
 
-def priority(pending: Sequence[JobView], now: float) -> Ordered:
-    """Higher priority first, FIFO within a priority; lower ones may backfill."""
-    ordered = sorted(pending, key=lambda j: (-j.priority, *submission_key(j)))
-    return Ordered(tuple(ordered), head_of_line_blocking=False)
+def priority(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """Higher priority first; at equal priority a running job keeps its GPUs (no
+    churn among equals), then FIFO. Lower priorities may backfill."""
+    ranked = tuple(
+        Ranked(j, (-j.priority, 0 if j.running else 1), f"priority {j.priority}") for j in jobs
+    )
+    return Ordered(ranked, head_of_line_blocking=False)
 
 
-ORDERINGS: Final[dict[str, Ordering]] = {"fifo": fifo, "priority": priority}
+@dataclass(frozen=True, slots=True)
+class _Band:
+    level: int
+    since: float
+    change: SetServiceLevel | None
+
+
+def _band(job: JobView, context: OrderContext) -> _Band:
+    """The LAS band a job's attained service puts it in, and since when it is there."""
+    thresholds = context.las_thresholds_gpu_s
+    level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
+    if level == job.service_level:
+        since = job.submitted_at if job.service_level_since is None else job.service_level_since
+        return _Band(level, since, None)
+    crossed = thresholds[level - 1] if level > 0 else 0.0
+    cause = (
+        f"attained {job.attained_gpu_seconds:.0f} GPU-s >= {crossed:.0f}: "
+        f"band {job.service_level} -> {level}"
+    )
+    return _Band(level, context.now, SetServiceLevel(job.job_id, level, context.now, cause))
+
+
+def _next_crossing(job: JobView, context: OrderContext) -> float | None:
+    """When a running job's service will cross its band's upper threshold."""
+    if not job.running or job.gpus <= 0:
+        return None
+    thresholds = context.las_thresholds_gpu_s
+    level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
+    if level >= len(thresholds):
+        return None
+    return context.now + (thresholds[level] - job.attained_gpu_seconds) / job.gpus
+
+
+def _earliest(times: Sequence[float | None]) -> float | None:
+    present = [t for t in times if t is not None]
+    return min(present) if present else None
+
+
+def las(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """Tiresias' discretised 2D-LAS (dlas-gpu).
+
+    Attained service is GPUs x executed time; thresholds split it into K bands and a
+    lower band always runs first. Within a band, as in Tiresias' queue lists, jobs that
+    were already running there keep going, then the others in the order they entered
+    the band: a job demoted into a band queues behind the band's waiting jobs.
+    """
+    ranked: list[Ranked] = []
+    changes: list[SetServiceLevel] = []
+    labels = [f"las band {level}" for level in range(len(context.las_thresholds_gpu_s) + 1)]
+    for job in jobs:
+        band = _band(job, context)
+        if band.change is not None:
+            changes.append(band.change)
+        settled = job.running and band.since < context.now
+        rank = (float(band.level), 0.0 if settled else 1.0, band.since)
+        ranked.append(Ranked(job, rank, labels[band.level]))
+    wake = _earliest([_next_crossing(j, context) for j in jobs if j.running])
+    return Ordered(tuple(ranked), False, tuple(changes), wake)
+
+
+def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """Tiresias' 2D-Gittins (dlas-gpu-gittins): LAS bands, and within a band the
+    higher Gittins index of the job's attained service first.
+
+    The index comes from the distribution of finished jobs' service the shell has
+    seen so far (with a prior), not from a fixed file, so it adapts to the cluster.
+    """
+    ranked: list[Ranked] = []
+    changes: list[SetServiceLevel] = []
+    for job in jobs:
+        band = _band(job, context)
+        if band.change is not None:
+            changes.append(band.change)
+        index = context.distribution.gittins_index(
+            job.attained_gpu_seconds, context.gittins_quantum_gpu_s
+        )
+        rank = (float(band.level), -index)
+        ranked.append(Ranked(job, rank, f"band {band.level} gittins {index:.3g}"))
+    wake = _earliest([_next_crossing(j, context) for j in jobs if j.running])
+    return Ordered(tuple(ranked), False, tuple(changes), wake)
+
+
+def remaining_gpu_seconds(job: JobView) -> float | None:
+    if job.declared_duration_s is None:
+        return None
+    return max(0.0, job.declared_duration_s * job.gpus - job.attained_gpu_seconds)
+
+
+def srtf(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """Shortest remaining GPU-time first (Tiresias' shortest-gpu), for jobs that
+    declare a duration; jobs that declare none come after them, FIFO."""
+    ranked: list[Ranked] = []
+    for job in jobs:
+        remaining = remaining_gpu_seconds(job)
+        if remaining is None:
+            ranked.append(Ranked(job, (1.0, 0.0), "no declared duration"))
+        else:
+            ranked.append(Ranked(job, (0.0, remaining), f"{remaining:.0f} GPU-s remaining"))
+    return Ordered(tuple(ranked), head_of_line_blocking=False)
+
+
+def estimated_remaining_gpu_seconds(job: JobView) -> float | None:
+    """Remaining GPU-time from the job's own progress reports: the work left at the
+    rate it was last measured to progress, or, without a rate, extrapolated from the
+    time it took to get this far."""
+    done = job.progress_fraction
+    if done is None:
+        return None
+    if done >= 1.0:
+        return 0.0
+    rate = job.progress_rate_per_s
+    if rate is not None and rate > 0.0:
+        return job.gpus * (1.0 - done) / rate
+    if done <= 0.0 or job.executed_seconds <= 0.0:
+        return None
+    return job.gpus * job.executed_seconds * (1.0 - done) / done
+
+
+def progress(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """Shortest *estimated* remaining GPU-time first, the estimate coming from the
+    progress each job reports (step / total steps) and the time it took to get there.
+
+    No job declares a duration. A job that has not reported progress yet is ranked by
+    what is left of its probe (`progress_probe_s` of running, the time its first
+    reports take): a newcomer is worth a short probe, but it does not push aside a
+    job observed to be nearly done. A job that never reports progress ranks after all
+    of those, least attained service first (LAS), so it cannot hog the cluster.
+    """
+    probe_s = context.progress_probe_s
+    ranked: list[Ranked] = []
+    for job in jobs:
+        estimate = estimated_remaining_gpu_seconds(job)
+        if estimate is not None:
+            ranked.append(Ranked(job, (0.0, estimate), f"~{estimate:.0f} GPU-s left (observed)"))
+        elif job.executed_seconds < probe_s:
+            left = job.gpus * (probe_s - job.executed_seconds)
+            ranked.append(Ranked(job, (0.0, left), "probing (no progress reported yet)"))
+        else:
+            ranked.append(Ranked(job, (1.0, job.attained_gpu_seconds), "reports no progress"))
+    return Ordered(tuple(ranked), head_of_line_blocking=False)
+
+
+ORDERINGS: Final[dict[str, Ordering]] = {
+    "fifo": fifo,
+    "priority": priority,
+    "las": las,
+    "gittins": gittins,
+    "srtf": srtf,
+    "progress": progress,
+}
+
+# Orderings that read `JobView.declared_duration_s`. The simulator gives durations
+# from the trace only to these, so that every other policy is provably blind to them.
+DURATION_AWARE: Final[frozenset[str]] = frozenset({"srtf"})
+
+# Orderings that read `JobView.progress_fraction` (reported by a running job, never
+# known before it runs). The simulator reports progress only to these, so that the
+# extra progress events cannot perturb the others.
+PROGRESS_AWARE: Final[frozenset[str]] = frozenset({"progress"})

@@ -3,6 +3,11 @@
 A placement sees a `FreeGpus` ledger, which the decision cycle stages grants on, so
 that jobs placed earlier in the same cycle are accounted for (all-or-nothing: a
 placement that cannot take every GPU it needs takes none).
+
+Locality follows Philly: a job first asks for its preferred placement (one node, or
+the fewest nodes under one switch); a job that could not start that way within the
+policy's back-off may spread wider, except a network-sensitive job, which keeps strict
+consolidation. The pipeline decides `may_spread`; the plugin only obeys it.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ class FreeGpus:
         self._free: dict[str, list[int]] = {n.name: sorted(n.free) for n in nodes}
         self._switch: dict[str, str] = {}
         self._capacity: dict[str, int] = {}
+        self._by_switch: dict[str, list[str]] = {}
         for n in nodes:
             self._switch[n.name] = n.switch
             self._capacity[n.name] = len(n.gpus)
+            self._by_switch.setdefault(n.switch, []).append(n.name)
 
     def free_on(self, node: str) -> int:
         return len(self._free[node])
@@ -42,6 +49,17 @@ class FreeGpus:
 
     def largest_node(self) -> int:
         return max(self._capacity.values(), default=0)
+
+    def switches(self) -> dict[str, list[str]]:
+        return self._by_switch
+
+    def all_free(self, grants: Iterable[Grant]) -> bool:
+        """Whether every GPU of these grants is still free in this ledger."""
+        for grant in grants:
+            free = self._free.get(grant.node)
+            if free is None or any(gpu not in free for gpu in grant.gpus):
+                return False
+        return True
 
     def take(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
@@ -69,7 +87,16 @@ class NoFit:
 
 
 PlacementResult = Fit | NoFit
-Placement = Callable[[int, FreeGpus], PlacementResult]
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    gpus: int
+    # False: only the preferred locality (fewest nodes under one switch) will do.
+    may_spread: bool = True
+
+
+Placement = Callable[[PlacementRequest, FreeGpus], PlacementResult]
 
 
 def _fewest_nodes(gpus: int, free: FreeGpus, candidates: list[str]) -> tuple[Grant, ...] | None:
@@ -88,27 +115,40 @@ def _fewest_nodes(gpus: int, free: FreeGpus, candidates: list[str]) -> tuple[Gra
     return tuple(grants) if needed == 0 else None
 
 
-def consolidate(gpus: int, free: FreeGpus) -> PlacementResult:
+def _preferred_node_count(gpus: int, free: FreeGpus) -> int:
+    """The fewest nodes the job could ever use: its GPUs over the largest nodes."""
+    largest = free.largest_node()
+    return -(-gpus // largest) if largest > 0 else gpus
+
+
+def consolidate(request: PlacementRequest, free: FreeGpus) -> PlacementResult:
     """Pack a job on one node if any fits (best fit), else on the fewest nodes of one
-    switch, else on the fewest nodes anywhere."""
+    switch; once it may spread, on the fewest nodes anywhere."""
+    gpus = request.gpus
     single = [n for n in free.nodes() if free.free_on(n) >= gpus]
     if single:
         # Best fit: the fullest node that still fits, to keep whole nodes free for
         # large jobs.
         node = min(single, key=lambda n: (free.free_on(n), n))
         return Fit((Grant(node, free.lowest(node, gpus)),))
-    by_switch: dict[str, list[str]] = {}
-    for node in free.nodes():
-        by_switch.setdefault(free.switch_of(node), []).append(node)
     best: tuple[Grant, ...] | None = None
+    by_switch = free.switches()
     for switch in sorted(by_switch):
         grants = _fewest_nodes(gpus, free, by_switch[switch])
         if grants is not None and (best is None or len(grants) < len(best)):
             best = grants
-    if best is None:
-        best = _fewest_nodes(gpus, free, free.nodes())
-    if best is not None:
+    preferred = _preferred_node_count(gpus, free)
+    if best is not None and (request.may_spread or len(best) <= preferred):
         return Fit(best)
+    if request.may_spread:
+        anywhere = _fewest_nodes(gpus, free, free.nodes())
+        if anywhere is not None:
+            return Fit(anywhere)
+    elif free.total_free() >= gpus:
+        return NoFit(
+            f"waiting for {gpus} GPUs on {preferred} node(s) under one switch "
+            f"({free.total_free()} free, but scattered)"
+        )
     return NoFit(
         f"needs {gpus} GPUs; {free.total_free()} free of {free.total_capacity()} schedulable"
     )

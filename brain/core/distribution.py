@@ -1,0 +1,91 @@
+"""The distribution of job service (GPU-seconds) and the Gittins index over it.
+
+Tiresias' 2D-Gittins ranks a job by the chance that it finishes within the next
+quantum of service, per unit of service it is expected to use in that quantum, given
+the service it has attained. The distribution is learned online: the shell (or the
+simulator) adds every finished job's service with `with_sample`, on top of a prior of
+weighted pseudo-samples, so the index is useful before many jobs have finished.
+
+Immutable: `with_sample` returns a new distribution, so a snapshot can hold one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from itertools import accumulate
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceDistribution:
+    # Sorted sample values (GPU-seconds) and, aligned with them, running totals of
+    # their weights and of weight x value, so that any tail sum is two look-ups.
+    values: tuple[float, ...]
+    cumulative_weight: tuple[float, ...]
+    cumulative_weighted_value: tuple[float, ...]
+    observed: int = 0
+
+    @staticmethod
+    def from_samples(
+        samples: tuple[float, ...] | list[float], *, weight_each: float = 1.0
+    ) -> ServiceDistribution:
+        ordered = sorted(samples)
+        return ServiceDistribution(
+            values=tuple(ordered),
+            cumulative_weight=tuple(accumulate(weight_each for _ in ordered)),
+            cumulative_weighted_value=tuple(accumulate(weight_each * v for v in ordered)),
+        )
+
+    @staticmethod
+    def log_uniform_prior(
+        low: float, high: float, *, points: int = 24, total_weight: float = 8.0
+    ) -> ServiceDistribution:
+        """Pseudo-samples spread evenly in log space: a weak, scale-free prior."""
+        ratio = (high / low) ** (1.0 / max(points - 1, 1))
+        samples = [low * ratio**i for i in range(points)]
+        return ServiceDistribution.from_samples(samples, weight_each=total_weight / points)
+
+    def with_sample(self, value: float) -> ServiceDistribution:
+        """A copy that has also seen one finished job's service (weight 1)."""
+        at = bisect.bisect_right(self.values, value)
+        values = (*self.values[:at], value, *self.values[at:])
+        cumulative = self.cumulative_weight
+        weights = [w - p for w, p in zip(cumulative, (0.0, *cumulative[:-1]), strict=True)]
+        weights.insert(at, 1.0)
+        weighted = (w * v for w, v in zip(weights, values, strict=True))
+        return ServiceDistribution(
+            values=values,
+            cumulative_weight=tuple(accumulate(weights)),
+            cumulative_weighted_value=tuple(accumulate(weighted)),
+            observed=self.observed + 1,
+        )
+
+    def _weight_above(self, service: float) -> tuple[float, float]:
+        """(weight, weight x value) of the samples strictly above `service`."""
+        at = bisect.bisect_right(self.values, service)
+        total_w = self.cumulative_weight[-1] if self.values else 0.0
+        total_v = self.cumulative_weighted_value[-1] if self.values else 0.0
+        below_w = self.cumulative_weight[at - 1] if at else 0.0
+        below_v = self.cumulative_weighted_value[at - 1] if at else 0.0
+        return total_w - below_w, total_v - below_v
+
+    def gittins_index(self, attained: float, quantum: float) -> float:
+        """P(S <= a + q | S > a) / E[min(S, a + q) - a | S > a]; higher runs first.
+
+        A job past every sample is given 0, the lowest rank, as Tiresias does: the
+        distribution says nothing about it except that it is very long.
+        """
+        above_w, above_v = self._weight_above(attained)
+        if above_w <= 0.0:
+            return 0.0
+        beyond_w, beyond_v = self._weight_above(attained + quantum)
+        finishing_w = above_w - beyond_w
+        finishing_service = (above_v - beyond_v) - attained * finishing_w
+        expected_service = finishing_service + quantum * beyond_w
+        if expected_service <= 0.0:
+            return math.inf
+        return finishing_w / expected_service
+
+
+DEFAULT_SERVICE_PRIOR = ServiceDistribution.log_uniform_prior(10.0, 1.0e7)

@@ -1,0 +1,422 @@
+"""The discrete-event replay: a trace in, what every job experienced out.
+
+This module owns simulated time and the simulated cluster. At every event (a job
+arrives, a job finishes, or the core asked to be woken) it builds a `ClusterSnapshot`
+exactly as the live shell would, calls `brain.core.decide`, checks the decisions and
+applies them: `Place` starts a job, `Preempt` stops it and requeues it pending (it
+keeps its attained service and pays `preemption_cost_s` of lost work when it
+resumes), `SetServiceLevel` is stored on the job. The core never knows it is
+simulated; a decision the cluster cannot carry out is a bug and raises.
+
+Like Tiresias' simulator, a job runs at the speed of its trace duration wherever it
+is placed: placement changes who fits, not how fast they run.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from brain.core import (
+    DEFAULT_SERVICE_PRIOR,
+    DURATION_AWARE,
+    PROGRESS_AWARE,
+    ClusterSnapshot,
+    Decisions,
+    Grant,
+    JobView,
+    NodeView,
+    Place,
+    Policy,
+    Preempt,
+    QueueQuota,
+    ServiceDistribution,
+    SetServiceLevel,
+    decide,
+)
+from brain.sim.trace import ClusterSpec, TraceJob
+from schemas.errors import AlnairError
+
+# Work left below this many seconds is done: time is floating point.
+_DONE_EPSILON = 1e-6
+
+ProgressCallback = Callable[[int, int], None]
+
+
+class SimulationError(AlnairError, RuntimeError):
+    """The core produced a decision the simulated cluster cannot carry out (a bug)."""
+
+    def __init__(self, reason: str, *, job_id: str | None = None, at: float | None = None) -> None:
+        super().__init__(f"t={at}: job {job_id}: {reason}" if job_id else reason)
+        self.job_id = job_id
+        self.at = at
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    policy: Policy
+    cluster: ClusterSpec
+    preemption_cost_s: float = 0.0
+    # Pseudo-samples the Gittins distribution starts from; finished jobs are added.
+    service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    queues: tuple[QueueQuota, ...] = ()
+    # A running job's first progress report arrives after it has run this long (a few
+    # steps to measure); only progress-aware orderings are told.
+    progress_report_after_s: float = 60.0
+    # How wrong a job's own idea of its total work may be: each job's total is off by
+    # a fixed factor in [1/(1+e), 1+e], drawn from a hash of its id (deterministic).
+    # 0 means jobs know their total steps exactly (as `iterations` in the trace).
+    progress_error: float = 0.0
+
+
+class _Phase(Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(slots=True)
+class _Job:
+    """The simulator's mutable record of one job; private to the event loop."""
+
+    spec: TraceJob
+    phase: _Phase = _Phase.PENDING
+    grants: tuple[Grant, ...] = ()
+    run_started_at: float | None = None
+    pending_since: float = 0.0
+    remaining_s: float = 0.0
+    attained_gpu_seconds: float = 0.0
+    executed_s: float = 0.0
+    queued_s: float = 0.0
+    service_level: int = 0
+    service_level_since: float | None = None
+    first_started_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    view: JobView | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutcome:
+    job_id: str
+    gpus: int
+    submitted_at: float
+    first_started_at: float | None
+    finished_at: float | None
+    # Wall seconds the job held GPUs (including time lost to preemptions).
+    executed_s: float
+    # Seconds the job spent pending, over all its waits.
+    queued_s: float
+    preemptions: int
+
+    @property
+    def jct(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionRecord:
+    at: float
+    job_id: str
+    # The cause's type ("Outranked", "QuotaReclaim") and what it says.
+    kind: str
+    cause: str
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    outcomes: tuple[JobOutcome, ...]
+    capacity_gpus: int
+    # (time, GPUs busy from then on), one point per change.
+    busy_timeline: tuple[tuple[float, int], ...]
+    preemptions: tuple[PreemptionRecord, ...]
+    decide_calls: int
+
+    @property
+    def unfinished(self) -> tuple[str, ...]:
+        return tuple(o.job_id for o in self.outcomes if o.finished_at is None)
+
+
+@dataclass(slots=True)
+class _Replay:
+    config: SimConfig
+    jobs: list[_Job]
+    nodes: tuple[str, ...]
+    switch_of: dict[str, str]
+    free: dict[str, set[int]]
+    reveal_durations: bool
+    report_progress: bool
+    now: float = 0.0
+    next_arrival: int = 0
+    pending: dict[str, _Job] = field(default_factory=dict)
+    running: dict[str, _Job] = field(default_factory=dict)
+    finished: int = 0
+    distribution: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    wake_at: float | None = None
+    busy: int = 0
+    timeline: list[tuple[float, int]] = field(default_factory=list)
+    preemption_log: list[PreemptionRecord] = field(default_factory=list)
+    decide_calls: int = 0
+
+    # -- time ------------------------------------------------------------------------
+
+    def next_event_time(self) -> float | None:
+        candidates: list[float] = []
+        if self.next_arrival < len(self.jobs):
+            candidates.append(self.jobs[self.next_arrival].spec.submit_time)
+        candidates.extend(self.now + job.remaining_s for job in self.running.values())
+        if self.wake_at is not None and self.wake_at > self.now:
+            candidates.append(self.wake_at)
+        if self.report_progress:
+            # The first progress report is an event for the brain, as on the bus.
+            warmup = self.config.progress_report_after_s
+            candidates.extend(
+                self.now + warmup - job.executed_s
+                for job in self.running.values()
+                if job.executed_s < warmup
+            )
+        return min(candidates) if candidates else None
+
+    def advance(self, to: float) -> None:
+        elapsed = to - self.now
+        if elapsed > 0:
+            for job in self.running.values():
+                job.attained_gpu_seconds += job.spec.gpus * elapsed
+                job.executed_s += elapsed
+                job.remaining_s -= elapsed
+        self.now = to
+
+    # -- events ----------------------------------------------------------------------
+
+    def complete(self) -> None:
+        done = [job for job in self.running.values() if job.remaining_s <= _DONE_EPSILON]
+        for job in done:
+            self._release(job)
+            del self.running[job.spec.job_id]
+            job.phase = _Phase.DONE
+            job.finished_at = self.now
+            self.finished += 1
+            # Learn the service distribution online, as the live brain does.
+            self.distribution = self.distribution.with_sample(job.attained_gpu_seconds)
+
+    def arrive(self) -> None:
+        while (
+            self.next_arrival < len(self.jobs)
+            and self.jobs[self.next_arrival].spec.submit_time <= self.now
+        ):
+            job = self.jobs[self.next_arrival]
+            job.pending_since = job.spec.submit_time
+            self.pending[job.spec.job_id] = job
+            self.next_arrival += 1
+
+    # -- the core --------------------------------------------------------------------
+
+    def snapshot(self) -> ClusterSnapshot:
+        nodes = tuple(
+            NodeView(
+                name=name,
+                gpus=tuple(range(self.config.cluster.gpus_per_node)),
+                free=frozenset(self.free[name]),
+                switch=self.switch_of[name],
+            )
+            for name in self.nodes
+        )
+        return ClusterSnapshot(
+            nodes=nodes,
+            pending=tuple(self._view(job) for job in self.pending.values()),
+            running=tuple(self._view(job) for job in self.running.values()),
+            queues=self.config.queues,
+            service_distribution=self.distribution,
+        )
+
+    def _view(self, job: _Job) -> JobView:
+        # Pending jobs do not change between events; running ones gain service.
+        if job.view is not None and job.phase is _Phase.PENDING:
+            return job.view
+        spec = job.spec
+        progress = self._progress(job)
+        view = JobView(
+            job_id=spec.job_id,
+            gpus=spec.gpus,
+            submitted_at=spec.submit_time,
+            grants=job.grants,
+            started_at=job.run_started_at,
+            attained_gpu_seconds=job.attained_gpu_seconds,
+            pending_since=job.pending_since,
+            service_level=job.service_level,
+            service_level_since=job.service_level_since,
+            declared_duration_s=spec.duration_s if self.reveal_durations else None,
+            executed_seconds=job.executed_s,
+            progress_fraction=progress,
+            progress_rate_per_s=None if progress is None else self._progress_rate(job),
+        )
+        job.view = view
+        return view
+
+    def _progress(self, job: _Job) -> float | None:
+        """Fraction of its work the job reports done. Work lost to a preemption shows
+        as progress lost, as when a job restores an older checkpoint."""
+        if not self.report_progress or job.executed_s < self.config.progress_report_after_s:
+            return None
+        if job.spec.duration_s <= 0:
+            return 1.0
+        done_s = job.spec.duration_s - job.remaining_s
+        believed_total_s = job.spec.duration_s * _misestimate(
+            job.spec.job_id, self.config.progress_error
+        )
+        # A job that overran its believed total still reports "almost done".
+        return min(0.999, max(0.0, done_s / believed_total_s))
+
+    def _progress_rate(self, job: _Job) -> float:
+        """The fraction per second the job's reports show while it runs."""
+        believed_total_s = job.spec.duration_s * _misestimate(
+            job.spec.job_id, self.config.progress_error
+        )
+        return 1.0 / believed_total_s if believed_total_s > 0 else 1.0
+
+    def apply(self, decisions: Decisions) -> None:
+        for action in decisions.actions:
+            if isinstance(action, Preempt):
+                self._preempt(action)
+            elif isinstance(action, Place):
+                self._place(action)
+            elif isinstance(action, SetServiceLevel):
+                job = self._known(action.job_id)
+                job.service_level = action.level
+                job.service_level_since = action.since
+                job.view = None
+        self.wake_at = decisions.wake_at
+        if not self.timeline or self.timeline[-1][1] != self.busy:
+            self.timeline.append((self.now, self.busy))
+
+    def _known(self, job_id: str) -> _Job:
+        job = self.pending.get(job_id) or self.running.get(job_id)
+        if job is None:
+            raise SimulationError(
+                "decision for a job that is neither pending nor running", job_id=job_id, at=self.now
+            )
+        return job
+
+    def _place(self, action: Place) -> None:
+        job = self.pending.pop(action.job_id, None)
+        if job is None:
+            raise SimulationError("placed, but not pending", job_id=action.job_id, at=self.now)
+        granted = sum(len(g.gpus) for g in action.grants)
+        if granted != job.spec.gpus:
+            raise SimulationError(
+                f"granted {granted} GPUs for a {job.spec.gpus}-GPU gang",
+                job_id=action.job_id,
+                at=self.now,
+            )
+        for grant in action.grants:
+            free = self.free.get(grant.node)
+            if (
+                free is None
+                or not set(grant.gpus) <= free
+                or len(set(grant.gpus)) != len(grant.gpus)
+            ):
+                raise SimulationError(
+                    f"granted busy or unknown GPUs {grant}", job_id=action.job_id, at=self.now
+                )
+            free.difference_update(grant.gpus)
+        job.queued_s += self.now - job.pending_since
+        if job.first_started_at is None:
+            job.first_started_at = self.now
+            job.remaining_s = job.spec.duration_s
+        job.phase = _Phase.RUNNING
+        job.grants = action.grants
+        job.run_started_at = self.now
+        job.view = None
+        self.busy += job.spec.gpus
+        self.running[action.job_id] = job
+
+    def _preempt(self, action: Preempt) -> None:
+        job = self.running.pop(action.job_id, None)
+        if job is None or job.grants != action.grants:
+            raise SimulationError(
+                "preempted, but not running on those GPUs", job_id=action.job_id, at=self.now
+            )
+        self._release(job)
+        job.phase = _Phase.PENDING
+        job.grants = ()
+        job.run_started_at = None
+        job.pending_since = self.now
+        job.preemptions += 1
+        # Work since the last checkpoint and the restart are lost: charged on resume.
+        job.remaining_s += self.config.preemption_cost_s
+        job.view = None
+        self.pending[action.job_id] = job
+        self.preemption_log.append(
+            PreemptionRecord(self.now, action.job_id, type(action.cause).__name__, action.reason)
+        )
+
+    def _release(self, job: _Job) -> None:
+        for grant in job.grants:
+            self.free[grant.node].update(grant.gpus)
+        self.busy -= job.spec.gpus
+
+
+def _misestimate(job_id: str, error: float) -> float:
+    if error <= 0:
+        return 1.0
+    spread = zlib.crc32(job_id.encode()) / 0xFFFFFFFF * 2.0 - 1.0
+    return float((1.0 + error) ** spread)
+
+
+def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
+    cluster = config.cluster
+    names = tuple(f"node{i:03d}" for i in range(cluster.nodes))
+    per_switch = cluster.nodes_per_switch or cluster.nodes
+    return _Replay(
+        config=config,
+        jobs=[_Job(spec) for spec in sorted(trace, key=lambda j: j.submit_time)],
+        nodes=names,
+        switch_of={name: f"switch{i // per_switch}" for i, name in enumerate(names)},
+        free={name: set(range(cluster.gpus_per_node)) for name in names},
+        reveal_durations=config.policy.order in DURATION_AWARE,
+        report_progress=config.policy.order in PROGRESS_AWARE,
+        distribution=config.service_prior,
+    )
+
+
+def simulate(
+    trace: Sequence[TraceJob], config: SimConfig, *, on_progress: ProgressCallback | None = None
+) -> SimResult:
+    """Replay `trace` to the end (or until nothing can ever start) under `config`."""
+    policy = config.policy.validate()
+    replay = _new_replay(trace, config)
+    total = len(replay.jobs)
+    while True:
+        at = replay.next_event_time()
+        if at is None:
+            break
+        replay.advance(at)
+        before = replay.finished
+        replay.complete()
+        replay.arrive()
+        replay.decide_calls += 1
+        replay.apply(decide(replay.snapshot(), replay.now, policy))
+        if on_progress is not None and replay.finished != before:
+            on_progress(replay.finished, total)
+    outcomes = tuple(
+        JobOutcome(
+            job_id=job.spec.job_id,
+            gpus=job.spec.gpus,
+            submitted_at=job.spec.submit_time,
+            first_started_at=job.first_started_at,
+            finished_at=job.finished_at,
+            executed_s=job.executed_s,
+            queued_s=job.queued_s,
+            preemptions=job.preemptions,
+        )
+        for job in replay.jobs
+    )
+    return SimResult(
+        outcomes=outcomes,
+        capacity_gpus=config.cluster.total_gpus,
+        busy_timeline=tuple(replay.timeline),
+        preemptions=tuple(replay.preemption_log),
+        decide_calls=replay.decide_calls,
+    )

@@ -1,0 +1,148 @@
+"""Loading Tiresias-format job traces and cluster shapes.
+
+A trace is a CSV with at least `job_id,num_gpu,submit_time,duration` (Tiresias'
+`60_job.csv` and the Philly virtual-cluster files also carry `iterations`,
+`model_name` and `interval`, which are read when present). `duration` is the run time
+on the requested GPUs. A bad row is reported with its line and column.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from schemas.errors import AlnairError
+
+REQUIRED_COLUMNS: Final = ("job_id", "num_gpu", "submit_time", "duration")
+
+
+class TraceError(AlnairError, ValueError):
+    """A trace or cluster argument that cannot be read; says where and why."""
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        path: str | None = None,
+        line: int | None = None,
+        column: str | None = None,
+    ) -> None:
+        where = ":".join(p for p in (path, None if line is None else str(line)) if p)
+        prefix = f"{where}: " if where else ""
+        col = f"column {column!r}: " if column else ""
+        super().__init__(f"{prefix}{col}{reason}")
+        self.path = path
+        self.line = line
+        self.column = column
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class TraceJob:
+    job_id: str
+    gpus: int
+    submit_time: float
+    # Run time on the requested GPUs, in seconds.
+    duration_s: float
+    iterations: int | None = None
+    model_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    nodes: int
+    gpus_per_node: int
+    # Nodes under one switch; None: all under one.
+    nodes_per_switch: int | None = None
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def describe(self) -> str:
+        return f"{self.nodes}x{self.gpus_per_node}"
+
+
+_CLUSTER_PATTERN: Final = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def parse_cluster(text: str, *, nodes_per_switch: int | None = None) -> ClusterSpec:
+    match = _CLUSTER_PATTERN.match(text)
+    if match is None:
+        raise TraceError(f"cluster {text!r} is not NODESxGPUS, e.g. 12x4")
+    nodes, gpus = int(match.group(1)), int(match.group(2))
+    if nodes <= 0 or gpus <= 0:
+        raise TraceError(f"cluster {text!r} needs at least one node and one GPU per node")
+    if nodes_per_switch is not None and nodes_per_switch <= 0:
+        raise TraceError(f"nodes per switch must be positive, not {nodes_per_switch}")
+    return ClusterSpec(nodes, gpus, nodes_per_switch)
+
+
+def _number(row: dict[str, str | None], column: str, path: str, line: int) -> float:
+    raw = row.get(column)
+    if raw is None or raw.strip() == "":
+        raise TraceError("missing value", path=path, line=line, column=column)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise TraceError(f"{raw!r} is not a number", path=path, line=line, column=column) from None
+    if value < 0 or value != value:
+        raise TraceError(f"{raw!r} must be >= 0", path=path, line=line, column=column)
+    return value
+
+
+def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
+    job_id = (row.get("job_id") or "").strip()
+    if not job_id:
+        raise TraceError("missing value", path=path, line=line, column="job_id")
+    gpus = _number(row, "num_gpu", path, line)
+    if gpus < 1 or gpus != int(gpus):
+        raise TraceError(
+            f"{gpus:g} is not a whole number >= 1", path=path, line=line, column="num_gpu"
+        )
+    iterations_raw = (row.get("iterations") or "").strip()
+    iterations = int(_number(row, "iterations", path, line)) if iterations_raw else None
+    return TraceJob(
+        job_id=job_id,
+        gpus=int(gpus),
+        submit_time=_number(row, "submit_time", path, line),
+        duration_s=_number(row, "duration", path, line),
+        iterations=iterations,
+        model_name=(row.get("model_name") or "").strip(),
+    )
+
+
+def load_trace(path: str | Path) -> tuple[TraceJob, ...]:
+    """Every job of the trace, by submission time (file order among equals)."""
+    name = str(path)
+    try:
+        handle = open(path, newline="")  # noqa: SIM115 - closed below, errors mapped
+    except OSError as err:
+        raise TraceError(f"cannot open: {err.strerror}", path=name) from None
+    with handle:
+        reader = csv.DictReader(handle)
+        columns = reader.fieldnames or []
+        missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+        if missing:
+            raise TraceError(
+                f"missing column(s) {', '.join(missing)}; found {', '.join(columns) or 'none'}",
+                path=name,
+                line=1,
+            )
+        jobs: list[TraceJob] = []
+        seen: set[str] = set()
+        for row in reader:
+            line = reader.line_num
+            job = _parse_row(row, name, line)
+            if job.job_id in seen:
+                raise TraceError(
+                    f"duplicate job id {job.job_id!r}", path=name, line=line, column="job_id"
+                )
+            seen.add(job.job_id)
+            jobs.append(job)
+    if not jobs:
+        raise TraceError("the trace has no jobs", path=name)
+    return tuple(sorted(jobs, key=lambda j: j.submit_time))

@@ -1,0 +1,511 @@
+"""Table-driven tests of the policy core: snapshot builders -> decide -> decisions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from brain.core import (
+    ClusterSnapshot,
+    Decisions,
+    Grant,
+    InvalidPolicy,
+    JobView,
+    NodeView,
+    Outranked,
+    Place,
+    Policy,
+    Preempt,
+    QueueQuota,
+    QuotaReclaim,
+    ServiceDistribution,
+    SetServiceLevel,
+    UnknownPlugin,
+    Wait,
+    decide,
+)
+
+# -- builders -------------------------------------------------------------------------
+
+
+def node(name: str, gpus: int = 4, busy: tuple[int, ...] = (), switch: str = "s0") -> NodeView:
+    all_gpus = tuple(range(gpus))
+    return NodeView(name, all_gpus, frozenset(g for g in all_gpus if g not in busy), switch)
+
+
+def pending(job_id: str, gpus: int = 1, at: float = 0.0, **fields: object) -> JobView:
+    return replace(JobView(job_id, gpus, at), **fields)  # type: ignore[arg-type]
+
+
+def running(
+    job_id: str, on: str, gpus: tuple[int, ...], at: float = 0.0, **fields: object
+) -> JobView:
+    view = JobView(job_id, len(gpus), at, grants=(Grant(on, gpus),), started_at=at)
+    return replace(view, **fields)  # type: ignore[arg-type]
+
+
+def cluster(
+    *nodes: NodeView,
+    pending_jobs: tuple[JobView, ...] = (),
+    running_jobs: tuple[JobView, ...] = (),
+    queues: tuple[QueueQuota, ...] = (),
+    distribution: ServiceDistribution | None = None,
+) -> ClusterSnapshot:
+    return ClusterSnapshot(nodes, pending_jobs, running_jobs, queues, distribution)
+
+
+def placed(decisions: Decisions) -> dict[str, tuple[Grant, ...]]:
+    return {p.job_id: p.grants for p in decisions.placements}
+
+
+def preempted(decisions: Decisions) -> set[str]:
+    return {p.job_id for p in decisions.preemptions}
+
+
+def waiting(decisions: Decisions) -> dict[str, str]:
+    return {w.job_id: w.reason for w in decisions.waits}
+
+
+# -- queue order ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OrderCase:
+    name: str
+    policy: Policy
+    snapshot: ClusterSnapshot
+    now: float
+    placed: set[str]
+    preempted: set[str]
+
+
+ORDER_CASES = [
+    OrderCase(
+        "fifo: the head blocks the queue (Tiresias' fifo is head-of-line blocking)",
+        Policy(order="fifo"),
+        cluster(
+            node("n0", busy=(0, 1)),
+            pending_jobs=(pending("1", 4, at=1), pending("2", 1, at=2)),
+            running_jobs=(running("0", "n0", (0, 1)),),
+        ),
+        now=10,
+        placed=set(),
+        preempted=set(),
+    ),
+    OrderCase(
+        "priority: a higher priority preempts a lower one",
+        Policy(order="priority"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("hi", 4, at=5, priority=10),),
+            running_jobs=(running("lo", "n0", (0, 1, 2, 3), priority=0),),
+        ),
+        now=10,
+        placed={"hi"},
+        preempted={"lo"},
+    ),
+    OrderCase(
+        "priority: equals never churn; the running job keeps its GPUs",
+        Policy(order="priority"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("early", 4, at=0),),
+            running_jobs=(running("late", "n0", (0, 1, 2, 3), at=5),),
+        ),
+        now=10,
+        placed=set(),
+        preempted=set(),
+    ),
+    OrderCase(
+        "las: a new job (band 0) preempts one past the first threshold",
+        Policy(order="las"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("new", 4, at=100),),
+            running_jobs=(
+                running(
+                    "old",
+                    "n0",
+                    (0, 1, 2, 3),
+                    attained_gpu_seconds=4000,
+                    service_level=1,
+                    service_level_since=50,
+                ),
+            ),
+        ),
+        now=100,
+        placed={"new"},
+        preempted={"old"},
+    ),
+    OrderCase(
+        "las: within band 0 a running job keeps its GPUs (FIFO within a band)",
+        Policy(order="las"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("new", 4, at=100),),
+            running_jobs=(running("old", "n0", (0, 1, 2, 3), attained_gpu_seconds=400),),
+        ),
+        now=100,
+        placed=set(),
+        preempted=set(),
+    ),
+    OrderCase(
+        "las: a job demoted into a band queues behind the band's waiting jobs",
+        Policy(order="las"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(
+                pending(
+                    "waiting", 4, attained_gpu_seconds=3300, service_level=1, service_level_since=10
+                ),
+            ),
+            running_jobs=(running("demoted", "n0", (0, 1, 2, 3), attained_gpu_seconds=3250.0),),
+        ),
+        now=500,
+        placed={"waiting"},
+        preempted={"demoted"},
+    ),
+    OrderCase(
+        "srtf: the shortest declared remaining GPU-time runs",
+        Policy(order="srtf"),
+        cluster(
+            node("n0", busy=(0, 1)),
+            pending_jobs=(pending("short", 2, declared_duration_s=10),),
+            running_jobs=(running("long", "n0", (0, 1), declared_duration_s=1000),),
+        ),
+        now=1,
+        placed={"short"},
+        preempted=set(),
+    ),
+    OrderCase(
+        "srtf: when GPUs are short, the longer remaining job is preempted",
+        Policy(order="srtf"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("short", 4, declared_duration_s=10),),
+            running_jobs=(running("long", "n0", (0, 1, 2, 3), declared_duration_s=1000),),
+        ),
+        now=1,
+        placed={"short"},
+        preempted={"long"},
+    ),
+    OrderCase(
+        "progress: a job not yet probed runs before one observed to be long",
+        Policy(order="progress"),
+        cluster(
+            node("n0", gpus=1, busy=(0,)),
+            pending_jobs=(pending("new", 1, at=50),),
+            running_jobs=(
+                running("long", "n0", (0,), executed_seconds=100, progress_fraction=0.01),
+            ),
+        ),
+        now=100,
+        placed={"new"},
+        preempted={"long"},
+    ),
+    OrderCase(
+        "progress: among probed jobs, the smaller estimated remainder first",
+        Policy(order="progress"),
+        cluster(
+            node("n0", gpus=1, busy=(0,)),
+            pending_jobs=(pending("nearly-done", 1, executed_seconds=100, progress_fraction=0.9),),
+            running_jobs=(
+                running("long", "n0", (0,), executed_seconds=100, progress_fraction=0.1),
+            ),
+        ),
+        now=100,
+        placed={"nearly-done"},
+        preempted={"long"},
+    ),
+]
+
+
+@pytest.mark.parametrize("case", ORDER_CASES, ids=[c.name for c in ORDER_CASES])
+def test_queue_order(case: OrderCase) -> None:
+    decisions = decide(case.snapshot, case.now, case.policy)
+    assert set(placed(decisions)) == case.placed
+    assert preempted(decisions) == case.preempted
+
+
+def test_fifo_skips_a_job_larger_than_the_cluster() -> None:
+    snapshot = cluster(node("n0"), pending_jobs=(pending("huge", 8, at=0), pending("ok", 2, at=1)))
+    decisions = decide(snapshot, 5, Policy(order="fifo"))
+    assert set(placed(decisions)) == {"ok"}
+    assert "the cluster has 4 schedulable" in waiting(decisions)["huge"]
+
+
+def test_fifo_never_preempts_and_names_the_blocking_job() -> None:
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2)),
+        pending_jobs=(pending("head", 2, at=0), pending("next", 1, at=1)),
+        running_jobs=(running("r", "n0", (0, 1, 2)),),
+    )
+    decisions = decide(snapshot, 5, Policy(order="fifo"))
+    assert preempted(decisions) == set()
+    assert waiting(decisions)["next"] == "queued behind job head (fifo)"
+
+
+def test_las_reports_band_changes_and_when_to_wake() -> None:
+    job = running("j", "n0", (0, 1), attained_gpu_seconds=3250.0)
+    snapshot = cluster(node("n0", busy=(0, 1)), running_jobs=(job,))
+    decisions = decide(snapshot, 1000, Policy(order="las"))
+    assert decisions.level_changes == (
+        SetServiceLevel("j", 1, 1000, "attained 3250 GPU-s >= 3250: band 0 -> 1"),
+    )
+    # Next threshold: 7200 GPU-s, at 2 GPUs: (7200 - 3250) / 2 seconds from now.
+    assert decisions.wake_at == pytest.approx(1000 + 3950 / 2)
+
+
+def test_las_stays_quiet_when_the_band_is_recorded() -> None:
+    job = running(
+        "j", "n0", (0,), attained_gpu_seconds=5000, service_level=1, service_level_since=3
+    )
+    decisions = decide(cluster(node("n0", busy=(0,)), running_jobs=(job,)), 10, Policy("las"))
+    assert decisions.level_changes == ()
+
+
+def test_gittins_prefers_the_job_likelier_to_finish_soon() -> None:
+    # Half the jobs use 100 GPU-s, half 100,000: a job at 50 is likely to finish soon,
+    # one at 200 is surely long.
+    distribution = ServiceDistribution.from_samples([100.0] * 10 + [100_000.0] * 10)
+    snapshot = cluster(
+        node("n0", gpus=1, busy=(0,)),
+        pending_jobs=(pending("young", 1, attained_gpu_seconds=50, at=5),),
+        running_jobs=(running("old", "n0", (0,), attained_gpu_seconds=200),),
+        distribution=distribution,
+    )
+    decisions = decide(
+        snapshot, 10, Policy(order="gittins", las_thresholds_gpu_s=(), gittins_quantum_gpu_s=100)
+    )
+    assert set(placed(decisions)) == {"young"}
+    assert preempted(decisions) == {"old"}
+
+
+def test_gittins_index_follows_the_distribution() -> None:
+    distribution = ServiceDistribution.from_samples([10.0, 20.0, 30.0, 40.0])
+    # From 0 with a quantum of 10: 1 in 4 finish, expected use 10 -> 1/40.
+    assert distribution.gittins_index(0, 10) == pytest.approx(0.25 / 10)
+    assert distribution.gittins_index(45, 10) == 0.0
+    learned = distribution.with_sample(15.0)
+    assert learned.observed == 1
+    assert learned.values == (10.0, 15.0, 20.0, 30.0, 40.0)
+    assert learned.cumulative_weight[-1] == pytest.approx(5.0)
+
+
+# -- placement ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlaceCase:
+    name: str
+    nodes: tuple[NodeView, ...]
+    job: JobView
+    policy: Policy
+    now: float
+    expect_nodes: set[str] | None  # None: must wait
+
+
+PLACE_CASES = [
+    PlaceCase(
+        "one node when it fits: best fit, the fullest that fits",
+        (node("a"), node("b", busy=(0, 1))),
+        pending("j", 2),
+        Policy(),
+        0,
+        {"b"},
+    ),
+    PlaceCase(
+        "fewest nodes under one switch",
+        (
+            node("a", busy=(0,), switch="s0"),
+            node("b", busy=(0,), switch="s1"),
+            node("c", switch="s1"),
+            node("d", switch="s1"),
+        ),
+        pending("j", 8),
+        Policy(),
+        0,
+        {"c", "d"},
+    ),
+    PlaceCase(
+        "before the back-off, a scattered placement is refused",
+        (node("a", busy=(0, 1), switch="s0"), node("b", busy=(0, 1), switch="s1")),
+        pending("j", 4),
+        Policy(relax_locality_after_s=600),
+        100,
+        None,
+    ),
+    PlaceCase(
+        "after the back-off, the job may spread (Philly)",
+        (node("a", busy=(0, 1), switch="s0"), node("b", busy=(0, 1), switch="s1")),
+        pending("j", 4),
+        Policy(relax_locality_after_s=600),
+        700,
+        {"a", "b"},
+    ),
+    PlaceCase(
+        "a network-sensitive job never spreads",
+        (node("a", busy=(0, 1), switch="s0"), node("b", busy=(0, 1), switch="s1")),
+        pending("j", 4, network_sensitive=True),
+        Policy(),
+        10_000,
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", PLACE_CASES, ids=[c.name for c in PLACE_CASES])
+def test_placement(case: PlaceCase) -> None:
+    decisions = decide(cluster(*case.nodes, pending_jobs=(case.job,)), case.now, case.policy)
+    grants = placed(decisions).get(case.job.job_id)
+    if case.expect_nodes is None:
+        assert grants is None
+        assert "under one switch" in waiting(decisions)[case.job.job_id]
+    else:
+        assert grants is not None
+        assert {g.node for g in grants} == case.expect_nodes
+        assert sum(len(g.gpus) for g in grants) == case.job.gpus
+
+
+def test_locality_wait_asks_to_be_woken_at_the_back_off() -> None:
+    nodes = (node("a", busy=(0, 1), switch="s0"), node("b", busy=(0, 1), switch="s1"))
+    decisions = decide(
+        cluster(*nodes, pending_jobs=(pending("j", 4, at=50),)),
+        100,
+        Policy(relax_locality_after_s=600),
+    )
+    assert decisions.wake_at == 650
+
+
+# -- quotas and preemption ------------------------------------------------------------
+
+
+def test_quota_reclaim_preempts_the_over_quota_borrower() -> None:
+    queues = (QueueQuota("a", 4), QueueQuota("b", 4))
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2, 3)),
+        node("n1", busy=(0, 1, 2, 3)),
+        pending_jobs=(pending("a2", 4, at=50, queue="a"),),
+        running_jobs=(
+            running("b1", "n0", (0, 1, 2, 3), queue="b"),
+            running("b2", "n1", (0, 1, 2, 3), at=5, queue="b"),
+        ),
+        queues=queues,
+    )
+    decisions = decide(snapshot, 100, Policy(order="fifo"))
+    assert set(placed(decisions)) == {"a2"}
+    (preemption,) = decisions.preemptions
+    assert preemption.job_id == "b2"
+    assert preemption.cause == QuotaReclaim(owner_queue="a", for_job="a2", victim_queue="b")
+    assert "quota reclaim" in preemption.reason
+    # Preemptions come first, so a shell applying in order frees GPUs before placing.
+    assert isinstance(decisions.actions[0], Preempt)
+
+
+def test_quota_only_preemption_leaves_in_quota_jobs_alone() -> None:
+    queues = (QueueQuota("a", 4),)
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2, 3)),
+        pending_jobs=(pending("new", 4, at=50, queue="a"),),
+        running_jobs=(
+            running(
+                "old", "n0", (0, 1, 2, 3), queue="a", attained_gpu_seconds=1e6, service_level=2
+            ),
+        ),
+        queues=queues,
+    )
+    assert preempted(decide(snapshot, 100, Policy(order="las", preemption="by-rank"))) == {"old"}
+    assert preempted(decide(snapshot, 100, Policy(order="las", preemption="quota-only"))) == set()
+
+
+def test_build_jobs_are_never_preempted_and_never_borrow() -> None:
+    queues = (QueueQuota("dev", 4, "build"),)
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2, 3)),
+        node("n1"),
+        pending_jobs=(pending("dev2", 1, at=1, queue="dev"), pending("vip", 4, priority=99)),
+        running_jobs=(running("dev1", "n0", (0, 1, 2, 3), queue="dev"),),
+        queues=queues,
+    )
+    decisions = decide(snapshot, 10, Policy(order="priority"))
+    assert preempted(decisions) == set()
+    assert set(placed(decisions)) == {"vip"}
+    assert "fixed quota" in waiting(decisions)["dev2"]
+
+
+def test_outranked_cause_names_the_winner() -> None:
+    snapshot = cluster(
+        node("n0", gpus=1, busy=(0,)),
+        pending_jobs=(pending("hi", 1, priority=5),),
+        running_jobs=(running("lo", "n0", (0,)),),
+    )
+    (preemption,) = decide(snapshot, 1, Policy(order="priority")).preemptions
+    assert preemption.cause == Outranked("hi", "priority", "priority 0", "priority 5")
+
+
+def test_a_victim_whose_gpus_are_not_needed_keeps_running() -> None:
+    # The pending job fits on the free node; nobody has to go.
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2, 3)),
+        node("n1"),
+        pending_jobs=(pending("hi", 4, priority=5),),
+        running_jobs=(running("lo", "n0", (0, 1, 2, 3)),),
+    )
+    decisions = decide(snapshot, 1, Policy(order="priority"))
+    assert set(placed(decisions)) == {"hi"}
+    assert preempted(decisions) == set()
+
+
+def test_starvation_guard_puts_a_long_waiter_first() -> None:
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2, 3)),
+        pending_jobs=(
+            pending("starved", 4, attained_gpu_seconds=1e6, service_level=2, pending_since=0),
+        ),
+        running_jobs=(running("young", "n0", (0, 1, 2, 3), attained_gpu_seconds=10),),
+    )
+    policy = Policy(order="las", starvation_guard_s=3600)
+    early = decide(snapshot, 1000, policy)
+    assert placed(early) == {}
+    assert early.wake_at is not None and early.wake_at <= 3600
+    late = decide(snapshot, 3600, policy)
+    assert set(placed(late)) == {"starved"}
+    assert "starvation guard" in late.placements[0].cause
+
+
+# -- policy configuration -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("policy", "error"),
+    [
+        (Policy(order="nope"), UnknownPlugin),
+        (Policy(placement="nope"), UnknownPlugin),
+        (Policy(preemption="nope"), UnknownPlugin),
+        (Policy(las_thresholds_gpu_s=(10.0, 5.0)), InvalidPolicy),
+        (Policy(gittins_quantum_gpu_s=0), InvalidPolicy),
+        (Policy(starvation_guard_s=-1), InvalidPolicy),
+    ],
+)
+def test_bad_policies_are_rejected(policy: Policy, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        policy.validate()
+
+
+def test_decide_rejects_an_unknown_plugin() -> None:
+    with pytest.raises(UnknownPlugin, match="known: fifo, gittins, las, priority"):
+        decide(cluster(node("n0")), 0, Policy(order="nope"))
+
+
+def test_every_place_and_wait_says_why() -> None:
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2)),
+        pending_jobs=(pending("a", 1), pending("b", 2, at=1)),
+        running_jobs=(running("r", "n0", (0, 1, 2)),),
+    )
+    for action in decide(snapshot, 3, Policy(order="las")).actions:
+        if isinstance(action, Place):
+            assert action.cause.startswith("placed on n0[3]")
+        elif isinstance(action, Wait):
+            assert "needs 2 GPUs" in action.reason

@@ -1,0 +1,197 @@
+"""Properties the policy core must keep for every snapshot, checked with hypothesis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from brain.core import (
+    ORDERINGS,
+    PREEMPTIONS,
+    ClusterSnapshot,
+    Decisions,
+    Grant,
+    JobView,
+    NodeView,
+    Policy,
+    QueueQuota,
+    decide,
+)
+
+QUEUE_NAMES = ("a", "b", "c")
+
+
+@dataclass(frozen=True)
+class World:
+    snapshot: ClusterSnapshot
+    now: float
+
+
+@st.composite
+def worlds(draw: st.DrawFn, *, with_quotas: bool = True) -> World:
+    node_count = draw(st.integers(1, 4))
+    nodes: list[NodeView] = []
+    busy: dict[str, set[int]] = {}
+    for i in range(node_count):
+        name = f"n{i}"
+        nodes.append(
+            NodeView(name, tuple(range(draw(st.integers(1, 4)))), frozenset(), f"s{i % 2}")
+        )
+        busy[name] = set()
+    now = draw(st.floats(0, 100_000))
+    job_ids = iter(range(1000))
+
+    def job_fields() -> dict[str, object]:
+        return {
+            "submitted_at": draw(st.floats(0, now)),
+            "queue": draw(st.sampled_from(QUEUE_NAMES)),
+            "priority": draw(st.integers(0, 3)),
+            "attained_gpu_seconds": draw(st.floats(0, 50_000)),
+            "declared_duration_s": draw(st.none() | st.floats(1, 10_000)),
+            "progress_fraction": draw(st.none() | st.floats(0.01, 0.99)),
+            "executed_seconds": draw(st.floats(0, 10_000)),
+        }
+
+    running: list[JobView] = []
+    for _ in range(draw(st.integers(0, 5))):
+        node = draw(st.sampled_from(nodes))
+        free = [g for g in node.gpus if g not in busy[node.name]]
+        if not free:
+            continue
+        take = draw(st.integers(1, len(free)))
+        gpus = tuple(free[:take])
+        busy[node.name].update(gpus)
+        fields = job_fields()
+        running.append(
+            JobView(
+                str(next(job_ids)), take, grants=(Grant(node.name, gpus),), started_at=now, **fields
+            )
+        )  # type: ignore[arg-type]
+    pending = [
+        JobView(str(next(job_ids)), draw(st.integers(1, 6)), pending_since=None, **job_fields())  # type: ignore[arg-type]
+        for _ in range(draw(st.integers(0, 6)))
+    ]
+    nodes = [
+        NodeView(n.name, n.gpus, frozenset(set(n.gpus) - busy[n.name]), n.switch) for n in nodes
+    ]
+    queues: tuple[QueueQuota, ...] = ()
+    if with_quotas and draw(st.booleans()):
+        capacity = sum(len(n.gpus) for n in nodes)
+        left = capacity
+        made = []
+        for name in QUEUE_NAMES:
+            share = draw(st.integers(0, left))
+            left -= share
+            made.append(QueueQuota(name, share, draw(st.sampled_from(("build", "train")))))
+        queues = tuple(made)
+    return World(ClusterSnapshot(tuple(nodes), tuple(pending), tuple(running), queues), now)
+
+
+policies = st.builds(
+    Policy,
+    order=st.sampled_from(sorted(ORDERINGS)),
+    preemption=st.sampled_from(sorted(PREEMPTIONS)),
+    starvation_guard_s=st.none() | st.floats(1, 50_000),
+)
+
+
+def final_allocation(world: World, decisions: Decisions) -> dict[str, set[tuple[str, int]]]:
+    """Who holds which GPU once the decisions are applied in order."""
+    held = {
+        j.job_id: {(g.node, gpu) for g in j.grants for gpu in g.gpus}
+        for j in world.snapshot.running
+    }
+    for preemption in decisions.preemptions:
+        del held[preemption.job_id]
+    for place in decisions.placements:
+        held[place.job_id] = {(g.node, gpu) for g in place.grants for gpu in g.gpus}
+    return held
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds(), policies)
+def test_no_gpu_is_granted_to_two_jobs(world: World, policy: Policy) -> None:
+    decisions = decide(world.snapshot, world.now, policy)
+    schedulable = {(n.name, g) for n in world.snapshot.nodes for g in n.gpus}
+    seen: set[tuple[str, int]] = set()
+    for gpus in final_allocation(world, decisions).values():
+        assert not gpus & seen
+        assert gpus <= schedulable
+        seen |= gpus
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds(), policies)
+def test_gangs_are_all_or_nothing(world: World, policy: Policy) -> None:
+    decisions = decide(world.snapshot, world.now, policy)
+    size = {j.job_id: j.gpus for j in world.snapshot.pending}
+    for place in decisions.placements:
+        granted = [(g.node, gpu) for g in place.grants for gpu in g.gpus]
+        assert len(granted) == len(set(granted)) == size[place.job_id]
+    # Every pending job is either placed or told why it waits, exactly once.
+    answered = [p.job_id for p in decisions.placements] + [w.job_id for w in decisions.waits]
+    assert sorted(answered) == sorted(size)
+    # Only running jobs are preempted, each once.
+    victims = [p.job_id for p in decisions.preemptions]
+    assert len(victims) == len(set(victims))
+    assert set(victims) <= {j.job_id for j in world.snapshot.running}
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds(), policies)
+def test_a_guaranteed_quota_is_always_reachable(world: World, policy: Policy) -> None:
+    snapshot = world.snapshot
+    assume(snapshot.queues)
+    # A build queue's running jobs are never preempted; a state where they exceed its
+    # guarantee (the quota was lowered under them) is outside the promise.
+    for quota in snapshot.queues:
+        if quota.job_class == "build":
+            used = sum(j.gpus for j in snapshot.running if j.queue == quota.name)
+            assume(used <= quota.guaranteed_gpus)
+    decisions = decide(snapshot, world.now, policy)
+    running_after = set(final_allocation(world, decisions))
+    jobs = (*snapshot.running, *snapshot.pending)
+    for quota in snapshot.queues:
+        mine = [j for j in jobs if j.queue == quota.name]
+        if sum(j.gpus for j in mine) <= quota.guaranteed_gpus:
+            assert {j.job_id for j in mine} <= running_after, quota
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds(with_quotas=False), policies.filter(lambda p: p.starvation_guard_s is not None))
+def test_no_job_starves_beyond_the_guard(world: World, policy: Policy) -> None:
+    guard = policy.starvation_guard_s
+    assert guard is not None
+    capacity = sum(len(n.gpus) for n in world.snapshot.nodes)
+    starving = [
+        j
+        for j in world.snapshot.pending
+        if world.now - j.waiting_since() >= guard and j.gpus <= capacity
+    ]
+    assume(starving)
+    longest_wait = min(j.waiting_since() for j in starving)
+    first = {j.job_id for j in starving if j.waiting_since() == longest_wait}
+    decisions = decide(world.snapshot, world.now, policy)
+    started = {p.job_id for p in decisions.placements}
+    if policy.preemption == "by-rank":
+        # It may preempt anyone: it starts now.
+        assert started & first
+    else:
+        # Running jobs keep their GPUs, but nothing may overtake it for freed ones.
+        assert started & first or not started
+
+
+@settings(max_examples=100, deadline=None)
+@given(worlds(), policies, st.randoms(use_true_random=False))
+def test_decide_is_deterministic(world: World, policy: Policy, shuffler: object) -> None:
+    first = decide(world.snapshot, world.now, policy)
+    assert decide(world.snapshot, world.now, policy) == first
+    # The order in which the shell lists jobs and nodes must not matter either.
+    snapshot = world.snapshot
+    pending, running, nodes = list(snapshot.pending), list(snapshot.running), list(snapshot.nodes)
+    for items in (pending, running, nodes):
+        shuffler.shuffle(items)  # type: ignore[attr-defined]
+    shuffled = ClusterSnapshot(tuple(nodes), tuple(pending), tuple(running), snapshot.queues)
+    assert decide(shuffled, world.now, policy) == first

@@ -1,0 +1,272 @@
+"""The trace simulator: loading traces, replaying them through `decide`, reporting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from brain.core import Policy, QueueQuota
+from brain.sim import (
+    ClusterSpec,
+    SimConfig,
+    TraceError,
+    TraceJob,
+    cli,
+    load_trace,
+    parse_cluster,
+    simulate,
+    summarize,
+)
+from brain.sim.report import format_table, percentile
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+SIXTY_JOBS = SHARED / "tiresias" / "60_job.csv"
+
+HEADER = "job_id,num_gpu,submit_time,iterations,model_name,duration,interval\n"
+
+
+def write_trace(tmp_path: Path, rows: str, header: str = HEADER) -> Path:
+    path = tmp_path / "trace.csv"
+    path.write_text(header + rows)
+    return path
+
+
+def jobs(*specs: tuple[str, int, float, float]) -> tuple[TraceJob, ...]:
+    return tuple(TraceJob(job_id, gpus, at, duration) for job_id, gpus, at, duration in specs)
+
+
+def run(
+    trace: tuple[TraceJob, ...], policy: Policy, shape: str = "1x4", **config: object
+) -> dict[str, tuple[float | None, int]]:
+    result = simulate(trace, SimConfig(policy, parse_cluster(shape), **config))  # type: ignore[arg-type]
+    return {o.job_id: (o.jct, o.preemptions) for o in result.outcomes}
+
+
+# -- traces ---------------------------------------------------------------------------
+
+
+def test_load_trace_reads_tiresias_format(tmp_path: Path) -> None:
+    path = write_trace(tmp_path, "1,2,30,100,vgg19,50,0\n0,1,0,606,vgg19,164,30\n")
+    assert load_trace(path) == (
+        TraceJob("0", 1, 0.0, 164.0, 606, "vgg19"),
+        TraceJob("1", 2, 30.0, 50.0, 100, "vgg19"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("header", "rows", "message"),
+    [
+        ("job_id,num_gpu,submit_time\n", "0,1,0\n", "missing column(s) duration"),
+        (HEADER, "0,x,0,1,m,5,0\n", "trace.csv:2: column 'num_gpu': 'x' is not a number"),
+        (HEADER, "0,1,0,1,m,5,0\n1,1.5,0,1,m,5,0\n", "trace.csv:3: column 'num_gpu'"),
+        (HEADER, "0,1,0,1,m,-5,0\n", "column 'duration': '-5' must be >= 0"),
+        (HEADER, "0,1,,1,m,5,0\n", "column 'submit_time': missing value"),
+        (HEADER, "0,1,0,1,m,5,0\n0,1,0,1,m,5,0\n", "duplicate job id '0'"),
+        (HEADER, "", "the trace has no jobs"),
+    ],
+)
+def test_bad_traces_name_the_row_and_column(
+    tmp_path: Path, header: str, rows: str, message: str
+) -> None:
+    path = write_trace(tmp_path, rows, header)
+    with pytest.raises(TraceError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_trace(path)
+
+
+def test_missing_trace_file(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot open"):
+        load_trace(tmp_path / "nope.csv")
+
+
+@pytest.mark.parametrize("text", ["12", "0x4", "12x", "axb", "3x0"])
+def test_bad_cluster_shapes(text: str) -> None:
+    with pytest.raises(TraceError, match="cluster"):
+        parse_cluster(text)
+
+
+def test_cluster_shape() -> None:
+    assert parse_cluster("12x4") == ClusterSpec(12, 4)
+    assert parse_cluster(" 2X8 ", nodes_per_switch=1).total_gpus == 16
+
+
+# -- replay ---------------------------------------------------------------------------
+
+
+def test_fifo_runs_jobs_in_submission_order() -> None:
+    trace = jobs(("a", 4, 0, 100), ("b", 4, 10, 50), ("c", 1, 20, 10))
+    outcome = run(trace, Policy(order="fifo"))
+    # b waits for a (until 100), c waits behind b (head of line) until 150.
+    assert outcome == {"a": (100.0, 0), "b": (140.0, 0), "c": (140.0, 0)}
+
+
+def test_las_preempts_and_resumes_keeping_attained_service() -> None:
+    # One 4-GPU node; a long job passes the first threshold (3250 GPU-s at 4 GPUs =
+    # 812.5 s), then a short job arrives and takes the GPUs; the long one resumes.
+    trace = jobs(("long", 4, 0, 2000), ("short", 4, 1000, 100))
+    outcome = run(trace, Policy(order="las"))
+    assert outcome["short"] == (100.0, 0)
+    assert outcome["long"] == (2100.0, 1)
+
+
+def test_preemption_cost_is_paid_on_resume() -> None:
+    trace = jobs(("long", 4, 0, 2000), ("short", 4, 1000, 100))
+    outcome = run(trace, Policy(order="las"), preemption_cost_s=30.0)
+    assert outcome["long"] == (2130.0, 1)
+
+
+def test_srtf_gets_declared_durations_and_las_does_not() -> None:
+    trace = jobs(("long", 1, 0, 1000), ("short", 1, 10, 10))
+    srtf = run(trace, Policy(order="srtf"), "1x1")
+    assert srtf["short"] == (10.0, 0)
+    # LAS only sees attained service: the newcomer (0 GPU-s) outranks the long job
+    # only once it has left band 0... which it never did: FIFO within band 0.
+    las = run(trace, Policy(order="las"), "1x1")
+    assert las["short"] == (1000.0, 0)
+
+
+def test_progress_policy_learns_remaining_time_from_reports() -> None:
+    # After its 60 s probe the long job reports 6% done: ~940 s left; the newcomer
+    # is probed, reports 60/70 done, and is finished first.
+    trace = jobs(("long", 1, 0, 1000), ("short", 1, 100, 70))
+    outcome = run(trace, Policy(order="progress"), "1x1")
+    assert outcome["short"] == (70.0, 0)
+    assert outcome["long"] == (1070.0, 1)
+
+
+def test_quota_reclaim_in_simulation() -> None:
+    trace = tuple(
+        TraceJob(job_id, gpus, at, duration)
+        for job_id, gpus, at, duration in [("borrower", 4, 0, 1000), ("owner", 4, 10, 100)]
+    )
+    queues = (QueueQuota("default", 0),)
+    result = simulate(trace, SimConfig(Policy(order="fifo"), parse_cluster("1x4"), queues=queues))
+    # Without a guarantee nobody is reclaimed; FIFO never preempts.
+    assert not result.preemptions
+    owner_trace = (TraceJob("borrower", 4, 0, 1000), TraceJob("owner", 4, 10, 100))
+    guaranteed = (QueueQuota("default", 4),)
+    again = simulate(
+        owner_trace, SimConfig(Policy(order="fifo"), parse_cluster("1x4"), queues=guaranteed)
+    )
+    assert not again.preemptions  # both in one queue: the borrower is within quota
+
+
+def test_a_job_too_big_for_the_cluster_is_reported_unfinished() -> None:
+    result = simulate(
+        jobs(("big", 8, 0, 10), ("ok", 1, 0, 10)),
+        SimConfig(Policy(order="las"), parse_cluster("1x4")),
+    )
+    assert result.unfinished == ("big",)
+    assert summarize(result).unfinished == 1
+
+
+def test_metrics_and_table() -> None:
+    trace = jobs(("a", 4, 0, 100), ("b", 4, 0, 100))
+    metrics = summarize(simulate(trace, SimConfig(Policy(order="fifo"), parse_cluster("1x4"))))
+    assert (metrics.avg_jct, metrics.median_jct, metrics.makespan) == (150.0, 150.0, 200.0)
+    assert metrics.avg_queue == 50.0
+    assert metrics.utilization == 1.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert "fifo" in format_table([("fifo", metrics)])
+
+
+@pytest.mark.skipif(not SIXTY_JOBS.exists(), reason="shared trace data not present")
+@pytest.mark.parametrize(
+    ("order", "shape", "tiresias"),
+    [
+        ("fifo", "2x4", 1556.5),
+        ("las", "2x4", 715.3),
+        ("srtf", "2x4", 563.4),
+        ("fifo", "4x4", 200.8),
+        ("las", "4x4", 190.7),
+    ],
+)
+def test_sixty_job_trace_matches_tiresias(order: str, shape: str, tiresias: float) -> None:
+    result = simulate(load_trace(SIXTY_JOBS), SimConfig(Policy(order=order), parse_cluster(shape)))
+    assert summarize(result).avg_jct == pytest.approx(tiresias, abs=0.05)
+
+
+# -- the CLI glue ---------------------------------------------------------------------
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_trace(tmp_path, "0,1,0,1,m,100,0\n1,1,0,1,m,50,0\n")
+    assert (
+        cli.run(parse("--trace", str(path), "--cluster", "1x1", "--policy", "fifo", "--json")) == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= {
+        "avg_jct",
+        "median_jct",
+        "p95_jct",
+        "p99_jct",
+        "avg_queue",
+        "makespan",
+        "utilization",
+        "preemptions",
+    }
+    assert report["avg_jct"] == 125.0
+
+
+def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_trace(tmp_path, "0,4,0,1,m,2000,0\n1,4,1000,1,m,100,0\n")
+    assert (
+        cli.run(
+            parse(
+                "--trace",
+                str(path),
+                "--cluster",
+                "1x4",
+                "--policy",
+                "las",
+                "--preemption-cost",
+                "5",
+            )
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "avg JCT" in out
+    assert "preemptions, Outranked: 1" in out
+
+
+def test_cli_reports_bad_input_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path, "0,1,0,1,m,oops,0\n")
+    assert cli.run(parse("--trace", str(path), "--cluster", "1x1")) == 2
+    assert "column 'duration'" in capsys.readouterr().err
+    assert cli.run(parse("--trace", str(path), "--cluster", "nope")) == 2
+
+
+def test_cli_plot_without_matplotlib_says_what_to_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed")
+    path = write_trace(tmp_path, "0,1,0,1,m,100,0\n")
+    assert (
+        cli.run(
+            parse(
+                "--trace",
+                str(path),
+                "--cluster",
+                "1x1",
+                "--json",
+                "--plot",
+                str(tmp_path / "plots"),
+            )
+        )
+        == 2
+    )
+    assert "needs matplotlib" in capsys.readouterr().err
