@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 
 from agents.gpu import GpuBackend
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
-from bus.client import Bus
+from bus.client import Bus, Consumer
 from schemas import subjects
 from schemas.commands import NODE_COMMAND, Launch, NodeCommand, Stop
 from schemas.errors import BusError
@@ -73,6 +73,8 @@ class Agent:
         # stored each: a job's exit must reach the brain even across a NATS restart.
         self._outbox: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
+        self._closing = False
+        self._commands: Consumer | None = None
 
     @property
     def node(self) -> str:
@@ -93,12 +95,15 @@ class Agent:
         self._sender = self.bus.spawn(self._send_events(), name="events")
 
     async def stop(self, *, stop_jobs: bool = True) -> None:
+        self._closing = True
         for task in self._loops:
             task.cancel()
-        for task in self._loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._loops:
+            await asyncio.wait(self._loops, timeout=3.0)
         self._loops.clear()
+        if self._commands is not None:
+            await self._commands.stop()
+            self._commands = None
         if stop_jobs:
             await self.launcher.stop_all(
                 reason="agent shutting down", grace_s=self.config.stop_grace_s
@@ -109,12 +114,14 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._outbox.join(), timeout=10.0)
             self._sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sender
+            await asyncio.wait({self._sender}, timeout=3.0)
             self._sender = None
 
     async def crash(self) -> list[int]:
         """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""
+        self._closing = True
+        if self._commands is not None:
+            self._commands.stopping.set()
         for task in [*self._loops, self._sender]:
             if task is not None:
                 task.cancel()
@@ -125,7 +132,7 @@ class Agent:
     # -- periodic --------------------------------------------------------------------
 
     async def _every(self, interval_s: float, fn: Callable[[], object]) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(interval_s)
             try:
                 result = fn()
@@ -163,9 +170,9 @@ class Agent:
 
     async def _consume_commands(self) -> None:
         # The brain creates the streams; until it has, wait for them.
-        while True:
+        while not self._closing:
             try:
-                await self.bus.consume(
+                self._commands = await self.bus.consume(
                     subjects.STREAM_COMMANDS,
                     f"agent-{self.node}",
                     subjects.node(self.node, "cmd"),
@@ -298,7 +305,7 @@ class Agent:
         await self._outbox.put(event)
 
     async def _send_events(self) -> None:
-        while True:
+        while not self._closing or not self._outbox.empty():
             event = await self._outbox.get()
             subject = subjects.node(self.node, "event")
             while True:

@@ -1,4 +1,4 @@
-"""The brain's API: one implementation, served on NATS request/reply (and, later, HTTP).
+"""The brain's API: one implementation, served on NATS request/reply and over HTTP.
 
 The tenant comes from the subject (`alnair.api.<tenant>.<verb>`), which NATS
 permissions tie to the caller's identity, never from the payload. A tenant sees and
@@ -11,19 +11,24 @@ from __future__ import annotations
 import logging
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from brain.service import Brain, _Item
 from schemas import subjects
 from schemas.api import (
+    OPERATOR_TENANT,
     REQUEST_TYPES,
     CancelRequest,
+    DrainRequest,
     ErrorReply,
     GetJobRequest,
     JobReply,
     JobsReply,
     ListJobsRequest,
     ListNodesRequest,
+    NodeReply,
     NodesReply,
+    ResumeRequest,
     StatusReply,
     StatusRequest,
     SubmitRequest,
@@ -35,15 +40,17 @@ from schemas.nodes import NodeStatus
 
 log = logging.getLogger(__name__)
 
-Reply = JobReply | JobsReply | NodesReply | StatusReply | ErrorReply
+Reply = JobReply | JobsReply | NodesReply | NodeReply | StatusReply | ErrorReply
 
 
 class ApiServer:
     def __init__(self, brain: Brain) -> None:
         self.brain = brain
 
-    async def serve(self) -> None:
-        await self.brain.bus.nc.subscribe(subjects.ALL_API, queue="brain", cb=self._on_request)
+    async def serve(self) -> Subscription:
+        return await self.brain.bus.nc.subscribe(
+            subjects.ALL_API, queue="brain", cb=self._on_request
+        )
 
     async def _on_request(self, msg: Msg) -> None:
         reply = await self._answer(msg)
@@ -68,21 +75,25 @@ class ApiServer:
             return ErrorReply(
                 code="invalid", error=f"invalid {parsed.channel} request: {error.reason}"
             )
-        return await self.handle(parsed.identity, request)
+        operator = parsed.identity == OPERATOR_TENANT
+        return await self.handle(parsed.identity, request, operator=operator)
 
-    async def handle(self, tenant: str, request: Message) -> Reply:
+    async def handle(self, tenant: str, request: Message, *, operator: bool = False) -> Reply:
+        """Answer one request from `tenant`; an operator may also read every tenant's jobs
+        and drain or resume nodes. Callers authenticate the tenant: NATS by the subject,
+        HTTP by the bearer token."""
         try:
-            return await self._dispatch(tenant, request)
+            return await self._dispatch(tenant, request, operator)
         except ApiError as error:
             return ErrorReply(code=error.code, error=error.message)
         except Exception as error:
             log.exception("API request failed")
             return ErrorReply(code="internal", error=f"internal error: {error!r}")
 
-    async def _dispatch(self, tenant: str, request: Message) -> Reply:
+    async def _dispatch(self, tenant: str, request: Message, operator: bool) -> Reply:
         brain = self.brain
         if isinstance(request, SubmitRequest):
-            job = await brain.submit_item(_Item("submit", request.spec, tenant))
+            job = await brain.submit_item(_Item("submit", request, tenant))
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
         if isinstance(request, CancelRequest):
@@ -90,55 +101,69 @@ class ApiServer:
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
         if isinstance(request, GetJobRequest):
-            return JobReply(job=self._own_job(tenant, request.job_id))
+            job = self._own_job(tenant, request.job_id, operator=operator)
+            return JobReply(job=job, profile=brain.profiles.job_profile(job.job_id))
         if isinstance(request, ListJobsRequest):
-            return JobsReply(jobs=self._jobs(tenant, request))
+            jobs = self._jobs(tenant, request, operator=operator)
+            profiles = brain.profiles.live_profiles(j.job_id for j in jobs)
+            return JobsReply(jobs=jobs, profiles=profiles)
         if isinstance(request, ListNodesRequest):
             return NodesReply(nodes=self._nodes())
+        if isinstance(request, DrainRequest | ResumeRequest):
+            verb = "drain" if isinstance(request, DrainRequest) else "resume"
+            if not operator:
+                raise ApiError("forbidden", f"only an operator may {verb} nodes, not {tenant}")
+            await brain.submit_item(_Item(verb, request, tenant))
+            return NodeReply(node=self._node_status(request.node))
         if isinstance(request, StatusRequest):
-            return self._status()
+            return await self._status()
         raise ApiError("invalid", f"unsupported request {type(request).__name__}")
 
-    def _own_job(self, tenant: str, job_id: str) -> JobRecord:
+    def _own_job(self, tenant: str, job_id: str, *, operator: bool = False) -> JobRecord:
         job = self.brain.state.jobs.get(job_id)
-        if job is None or job.tenant != tenant:
+        if job is None or (job.tenant != tenant and not operator):
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
         return job
 
-    def _jobs(self, tenant: str, request: ListJobsRequest) -> tuple[JobRecord, ...]:
+    def _jobs(
+        self, tenant: str, request: ListJobsRequest, *, operator: bool = False
+    ) -> tuple[JobRecord, ...]:
         wanted = set(request.states) if request.states else None
         jobs = [
             j
             for j in self.brain.state.jobs.values()
-            if j.tenant == tenant and (wanted is None or j.state in wanted)
+            if (operator or j.tenant == tenant) and (wanted is None or j.state in wanted)
         ]
         jobs.sort(key=lambda j: (j.submitted_at, int(j.job_id) if j.job_id.isdigit() else 0))
         return tuple(jobs[-request.limit :])
 
     def _nodes(self) -> tuple[NodeStatus, ...]:
-        brain = self.brain
-        held = brain.state.allocated()
-        out = []
-        for name in sorted(brain.state.nodes):
-            record = brain.state.nodes[name]
-            batch = brain.telemetry.get(name)
-            out.append(
-                NodeStatus(
-                    record=record,
-                    allocated_gpus=tuple(sorted(held.get(name, ()))),
-                    jobs=tuple(j.job_id for j in brain.state.running_on(name)),
-                    last_seen_s_ago=brain.last_seen_ago(name),
-                    latest=batch.samples if batch is not None else (),
-                )
-            )
-        return tuple(out)
+        held = self.brain.state.allocated()
+        return tuple(self._node_status(name, held) for name in sorted(self.brain.state.nodes))
 
-    def _status(self) -> StatusReply:
+    def _node_status(self, name: str, held: dict[str, set[int]] | None = None) -> NodeStatus:
         brain = self.brain
+        record = brain.state.nodes.get(name)
+        if record is None:
+            raise ApiError("not_found", f"no node {name}")
+        held = brain.state.allocated() if held is None else held
+        batch = brain.telemetry.get(name)
+        return NodeStatus(
+            record=record,
+            allocated_gpus=tuple(sorted(held.get(name, ()))),
+            jobs=tuple(j.job_id for j in brain.state.running_on(name)),
+            last_seen_s_ago=brain.last_seen_ago(name),
+            latest=batch.samples if batch is not None else (),
+        )
+
+    async def _status(self) -> StatusReply:
+        brain = self.brain
+        others = [b for b in await brain.lease.brains() if b.brain_id != brain.instance]
         counts = {s.value: 0 for s in JobState}
         for job in brain.state.jobs.values():
             counts[job.state.value] += 1
         return StatusReply(
+            brains=(brain.info(), *sorted(others, key=lambda b: b.since)),
             epoch=brain.epoch,
             brain_host=brain.host,
             brain_pid=brain.pid,

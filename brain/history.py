@@ -38,6 +38,7 @@ class History:
         else:
             self.db = sqlite_utils.Database(memory=True)
         self._ensure_tables()
+        self.last_seq_seen = self.last_seq()
 
     def _ensure_tables(self) -> None:
         db = self.db
@@ -100,6 +101,7 @@ class History:
         return int(row[0]) if row and row[0] is not None else 0
 
     def record(self, record: StateRecord, seq: int) -> None:
+        self.last_seq_seen = max(self.last_seq_seen, seq)
         with self.db.conn:
             self.db.table("events").insert(
                 {

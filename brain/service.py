@@ -21,16 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
-from brain.core import DEFAULT_POLICY, Place, Policy, Wait, decide
+from brain.core import DEFAULT_POLICY, Decisions, Place, Policy, Wait, decide
 from brain.history import History
+from brain.leader import Lease
+from brain.profiles import Profiler, ProfileStore, profiles_path
+from brain.replica import Replica
 from brain.state import BrainState
-from bus.client import Bus
+from bus.client import Bus, Consumer
 from schemas import subjects
+from schemas.api import BrainInfo, DrainRequest, ResumeRequest, SubmitRequest
 from schemas.commands import Launch, NodeCommand, Stop
-from schemas.errors import ApiError, InvalidMessage
+from schemas.errors import ApiError, SequenceConflict
 from schemas.events import (
     NODE_EVENT,
     CommandRejected,
@@ -39,10 +43,9 @@ from schemas.events import (
     LaunchFailed,
     NodeEvent,
 )
-from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.jobs import JobRecord, JobState, NodeGrant
 from schemas.nodes import NodeRecord, NodeState
 from schemas.state import (
-    STATE_RECORD,
     Cause,
     CauseKind,
     JobChanged,
@@ -54,8 +57,6 @@ from schemas.telemetry import Heartbeat, TelemetryBatch
 
 log = logging.getLogger(__name__)
 
-EPOCH_BUCKET: Final = "alnair_brain"
-EPOCH_KEY: Final = "epoch"
 # Do not repeat a reconciliation stop for the same process more often than this.
 RESTOP_AFTER_S: Final = 10.0
 
@@ -70,6 +71,12 @@ class BrainConfig:
     launch_ttl_s: float = 60.0
     stop_grace_s: float = 10.0
     history_path: Path | None = None
+    # The leader lease expires this long after its last renewal: the failover time.
+    lease_ttl_s: float = 5.0
+    # Write a snapshot after this many log entries, to bound a restart's replay.
+    snapshot_every: int = 1000
+    # Where this brain's HTTP API listens, if anywhere (shown by `alnair status`).
+    http_address: str | None = None
 
 
 @dataclass
@@ -103,9 +110,12 @@ class Brain:
         self.config.policy.validate()
         self.clock = clock
         self.monotonic = monotonic
-        self.state = BrainState()
         self.history = History(self.config.history_path)
+        self.replica = Replica(bus, self.history)
+        self.lease = Lease(bus, ttl_s=self.config.lease_ttl_s)
+        # 0 while standing by; the lease revision it was taken at while leading.
         self.epoch = 0
+        self.leading = asyncio.Event()
         self.instance = uuid.uuid4().hex[:12]
         self.started_at = clock()
         self.host = socket.gethostname()
@@ -115,39 +125,49 @@ class Brain:
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._dirty = True
         self._record_counter = 0
-        self._loop_task: asyncio.Task[None] | None = None
-        self._ticker: asyncio.Task[None] | None = None
+        self._leader_tasks: list[asyncio.Task[None]] = []
+        self._leader_subs: list[Subscription] = []
+        self._events: Consumer | None = None
+        self._election: asyncio.Task[None] | None = None
+        self._renewer: asyncio.Task[None] | None = None
+        self._taking_over = False
+        # Loops end on this flag, not on cancellation alone: nats-py turns a
+        # cancellation into ConnectionClosedError once the connection is closed.
+        self._closing = False
         self.decisions_made = 0
         # Read-only observers (metrics, profiles, the HTTP event stream). They run in
         # the brain's loop and must not block or raise; they never change state.
         self.telemetry_observers: list[Callable[[TelemetryBatch], None]] = []
         self.record_observers: list[Callable[[StateRecord, int], None]] = []
+        self.decision_observers: list[Callable[[Decisions], None]] = []
+        # Running jobs' utilisation profiles, from telemetry; the snapshot carries them.
+        self.profiles = Profiler(
+            lambda: self.state.jobs_in(JobState.RUNNING),
+            store=ProfileStore(profiles_path(self.config.history_path)),
+            clock=clock,
+        )
+        self.telemetry_observers.append(self.profiles.observe)
+        self.record_observers.append(self.profiles.on_record)
+
+    @property
+    def state(self) -> BrainState:
+        return self.replica.state
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.bus.ensure_streams()
-        self.epoch = await claim_epoch(self.bus)
-        await self._replay()
+        """Come up as a standby with the log's state; the election makes it lead."""
         from brain.api import ApiServer  # the API serves this brain; import late
 
         self.api = ApiServer(self)
-        now = self.monotonic()
-        for node in self.state.nodes.values():
-            # Liveness is not in the log: every known node gets a fresh grace period.
-            self._liveness[node.name] = _Liveness(last_seen=now, instance=node.instance)
-        await self.bus.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat)
-        await self.bus.subscribe(subjects.ALL_TELEMETRY, TelemetryBatch, self._on_telemetry)
-        await self.api.serve()
-        await self.bus.consume(
-            subjects.STREAM_EVENTS, "brain", subjects.ALL_NODE_EVENTS, NODE_EVENT, self._on_event
-        )
-        self._loop_task = self.bus.spawn(self._run(), name="brain-loop")
-        self._ticker = self.bus.spawn(self._tick_forever(), name="brain-tick")
+        await self.bus.ensure_streams()
+        await self.lease.open()
+        await self.replica.load()
+        self.replica.follow()
+        self._election = self.bus.spawn(self._elect_forever(), name="brain-election")
         log.info(
-            "brain %s up: epoch %d, %d jobs and %d nodes from the log (seq %d), policy %s",
+            "brain %s up: %d jobs and %d nodes at seq %d; policy %s",
             self.instance,
-            self.epoch,
             len(self.state.jobs),
             len(self.state.nodes),
             self.state.last_seq,
@@ -155,22 +175,130 @@ class Brain:
         )
 
     async def stop(self) -> None:
-        for task in (self._ticker, self._loop_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        self._closing = True
+        if self._election is not None:
+            self._election.cancel()
+            await asyncio.wait({self._election}, timeout=3.0)
+        await self._stop_leading("brain shutting down")
+        await self.lease.release()
+        await self.replica.stop_following()
         self.history.close()
+        self.profiles.close()
 
-    async def _replay(self) -> None:
-        history_seq = self.history.last_seq()
-        async for item, seq, subject in self.bus.read(subjects.STREAM_STATE, STATE_RECORD):
-            if isinstance(item, InvalidMessage):
-                log.error("STATE entry %d on %s is unreadable: %s", seq, subject, item.reason)
-                continue
-            self.state.apply(item, seq)
-            if seq > history_seq:
-                self.history.record(item, seq)
+    def info(self) -> BrainInfo:
+        return BrainInfo(
+            brain_id=self.instance,
+            host=self.host,
+            pid=os.getpid(),
+            since=self.started_at,
+            http=self.config.http_address,
+            leader=self.leading.is_set(),
+        )
+
+    async def _elect_forever(self) -> None:
+        while not self._closing:
+            try:
+                if not self.leading.is_set() and not self._taking_over:
+                    epoch = await self.lease.try_acquire(self.info())
+                    if epoch is not None:
+                        # Renew from now on, however long taking over lasts.
+                        self._renewer = self.bus.spawn(self._renew_forever(), name="lease")
+                        self._taking_over = True
+                        try:
+                            await self._lead(epoch)
+                        finally:
+                            self._taking_over = False
+                await self.lease.announce(self.info())
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("election round failed: %r", error)
+            await asyncio.sleep(self.config.lease_ttl_s / 10)
+
+    async def _renew_forever(self) -> None:
+        renewed_at = self.monotonic()
+        while self.lease.epoch is not None and not self._closing:
+            await asyncio.sleep(self.config.lease_ttl_s / 3)
+            try:
+                if not await self.lease.renew(self.info()):
+                    await self._stop_leading("the lease was lost")
+                    return
+                renewed_at = self.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("lease renewal failed: %r", error)
+                if self.monotonic() - renewed_at > self.config.lease_ttl_s:
+                    # Unrenewed past its TTL the lease is surely gone: stop acting now.
+                    self.lease.epoch = self.lease.revision = None
+                    await self._stop_leading("could not renew the lease")
+                    return
+
+    async def _lead(self, epoch: int) -> None:
+        await self.replica.stop_following()
+        caught_up = await self.replica.catch_up()
+        self.epoch = epoch
+        now = self.monotonic()
+        for node in self.state.nodes.values():
+            # Liveness is not in the log: every known node gets a fresh grace period.
+            self._liveness[node.name] = _Liveness(last_seen=now, instance=node.instance)
+        self._leader_subs = [
+            await self.bus.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat),
+            await self.bus.subscribe(subjects.ALL_TELEMETRY, TelemetryBatch, self._on_telemetry),
+            await self.api.serve(),
+        ]
+        self._events = await self.bus.consume(
+            subjects.STREAM_EVENTS, "brain", subjects.ALL_NODE_EVENTS, NODE_EVENT, self._on_event
+        )
+        self._leader_tasks = [
+            self.bus.spawn(self._run(), name="brain-loop"),
+            self.bus.spawn(self._tick_forever(), name="brain-tick"),
+        ]
+        self._dirty = True
+        self.leading.set()
+        log.info(
+            "brain %s leads with epoch %d (caught up %d entries, seq %d)",
+            self.instance,
+            epoch,
+            caught_up,
+            self.state.last_seq,
+        )
+
+    async def _stop_leading(self, reason: str) -> None:
+        if not self.leading.is_set():
+            if self._renewer is not None and self._renewer is not asyncio.current_task():
+                self._renewer.cancel()
+            self._renewer = None
+            return
+        log.warning("brain %s stops leading: %s", self.instance, reason)
+        self.leading.clear()
+        current = asyncio.current_task()
+        for sub in self._leader_subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._events is not None:
+            await self._events.stop()
+            self._events = None
+        others = [t for t in (*self._leader_tasks, self._renewer) if t and t is not current]
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=3.0)
+        self._leader_subs, self._leader_tasks, self._renewer = [], [], None
+        self.epoch = 0
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if item.done is not None and not item.done.done():
+                item.done.set_exception(ApiError("unavailable", f"brain stepped down: {reason}"))
+        self.replica.follow()
+
+    async def _maybe_snapshot(self) -> None:
+        if self.state.last_seq - self.replica.snapshot_seq < self.config.snapshot_every:
+            return
+        try:
+            await self.replica.write_snapshot(taken_at=self.clock(), epoch=self.epoch)
+        except Exception:
+            log.exception("snapshot failed; replay stays longer until the next one")
 
     # -- inbound ---------------------------------------------------------------------
 
@@ -205,7 +333,7 @@ class Brain:
         return await item.done
 
     async def _tick_forever(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.config.tick_s)
             await self._inbox.put(_Item("tick"))
 
@@ -217,6 +345,12 @@ class Brain:
             except ApiError as error:
                 if item.done is not None and not item.done.done():
                     item.done.set_exception(error)
+            except SequenceConflict as error:
+                # Another brain appended to the log: we were deposed. Stop acting.
+                if item.done is not None and not item.done.done():
+                    item.done.set_exception(ApiError("unavailable", "brain lost leadership"))
+                self.bus.spawn(self._stop_leading(str(error)), name="step-down")
+                return
             except Exception as error:
                 log.exception("brain failed handling %s", item.kind)
                 if item.done is not None and not item.done.done():
@@ -227,6 +361,9 @@ class Brain:
             if self._dirty and self._inbox.empty():
                 try:
                     await self._schedule()
+                except SequenceConflict as error:
+                    self.bus.spawn(self._stop_leading(str(error)), name="step-down")
+                    return
                 except Exception:
                     log.exception("scheduling cycle failed")
 
@@ -239,12 +376,19 @@ class Brain:
         elif item.kind == "tick":
             await self._check_nodes()
             await self._check_launches()
+            await self._maybe_snapshot()
         elif item.kind == "submit":
-            assert isinstance(item.payload, JobSpec)
+            assert isinstance(item.payload, SubmitRequest)
             return await self._submit(item.tenant, item.payload)
         elif item.kind == "cancel":
             assert isinstance(item.payload, str)
             return await self._cancel(item.tenant, item.payload)
+        elif item.kind == "drain":
+            assert isinstance(item.payload, DrainRequest)
+            await self._drain(item.tenant, item.payload)
+        elif item.kind == "resume":
+            assert isinstance(item.payload, ResumeRequest)
+            await self._resume(item.tenant, item.payload)
         return None
 
     # -- journal ---------------------------------------------------------------------
@@ -254,7 +398,15 @@ class Brain:
         return f"{self.instance}-{self._record_counter}"
 
     async def _append(self, record: StateRecord, subject: str) -> None:
-        seq = await self.bus.publish_durable(subject, record, msg_id=record.record_id)
+        """Journal, then apply. Fenced: it fails if another brain has appended since."""
+        if not self.leading.is_set():
+            raise ApiError("unavailable", "this brain is not the leader")
+        seq = await self.bus.publish_durable(
+            subject,
+            record,
+            msg_id=record.record_id,
+            fence=(subjects.STREAM_STATE, self.state.last_seq),
+        )
         self.state.apply(record, seq)
         try:
             self.history.record(record, seq)
@@ -323,7 +475,12 @@ class Brain:
 
     # -- API operations (called from the inbox) ----------------------------------------
 
-    async def _submit(self, tenant: str, spec: JobSpec) -> JobRecord:
+    async def _submit(self, tenant: str, request: SubmitRequest) -> JobRecord:
+        spec = request.spec
+        if request.idempotency_key is not None:
+            known = self.state.job_for_key(tenant, request.idempotency_key)
+            if known is not None:
+                return known
         capacity = self.state.capacity()
         if self.state.nodes and spec.gpus > capacity:
             raise ApiError(
@@ -338,6 +495,7 @@ class Brain:
             state=JobState.PENDING,
             submitted_at=self.clock(),
             reason="submitted",
+            idempotency_key=request.idempotency_key,
         )
         await self._job_changed(
             job,
@@ -380,14 +538,16 @@ class Brain:
         live.instance = beat.instance
         live.running = {(r.job_id, r.attempt) for r in beat.running}
         known = self.state.nodes.get(beat.node)
+        drain_reason = known.drain_reason if known is not None else None
         fresh = NodeRecord(
             name=beat.node,
-            state=NodeState.READY,
+            state=NodeState.DRAINED if drain_reason else NodeState.READY,
             hostname=beat.hostname,
             backend=beat.backend,
             instance=beat.instance,
             gpus=beat.gpus,
             joined_at=known.joined_at if known is not None else self.clock(),
+            drain_reason=drain_reason,
         )
         if known is None:
             await self._node_changed(
@@ -445,11 +605,58 @@ class Brain:
                 running.attempt,
             )
 
+    async def _drain(self, operator: str, request: DrainRequest) -> None:
+        """Take a node's GPUs out of scheduling; what runs there goes on. A drained node
+        stays drained through being lost and returning, until it is resumed."""
+        node = self._known_node(request.node)
+        if node.drain_reason == request.reason:
+            return
+        await self._node_changed(
+            node.model_copy(
+                update={
+                    "state": NodeState.DRAINED if node.state is NodeState.READY else node.state,
+                    "drain_reason": request.reason,
+                }
+            ),
+            node.state,
+            Cause(
+                kind=CauseKind.NODE_DRAINED,
+                node=node.name,
+                message=f"drained by {operator}: {request.reason}",
+            ),
+        )
+
+    async def _resume(self, operator: str, request: ResumeRequest) -> None:
+        node = self._known_node(request.node)
+        if node.drain_reason is None:
+            raise ApiError("conflict", f"node {node.name} is not drained")
+        await self._node_changed(
+            node.model_copy(
+                update={
+                    "state": NodeState.READY if node.state is NodeState.DRAINED else node.state,
+                    "drain_reason": None,
+                }
+            ),
+            node.state,
+            Cause(
+                kind=CauseKind.NODE_RESUMED,
+                node=node.name,
+                message=f"resumed by {operator}: its GPUs are schedulable again",
+            ),
+        )
+
+    def _known_node(self, name: str) -> NodeRecord:
+        node = self.state.nodes.get(name)
+        if node is None:
+            raise ApiError("not_found", f"no node {name}")
+        return node
+
     async def _check_nodes(self) -> None:
         now = self.monotonic()
         for name, node in list(self.state.nodes.items()):
             live = self._liveness.get(name)
-            if node.state is not NodeState.READY or live is None:
+            # A drained node can be lost too: its running jobs must be taken back.
+            if node.state is NodeState.LOST or live is None:
                 continue
             silent = now - live.last_seen
             if silent <= self.config.node_timeout_s:
@@ -666,7 +873,9 @@ class Brain:
 
     async def _schedule(self) -> None:
         self._dirty = False
-        decisions = decide(self.state.snapshot(), self.clock(), self.config.policy)
+        snapshot = self.state.snapshot(profiles=self.profiles.current())
+        decisions = decide(snapshot, self.clock(), self.config.policy)
+        self._notify(self.decision_observers, decisions)
         self.decisions_made += 1
         for action in decisions.actions:
             job = self.state.jobs.get(action.job_id)
@@ -743,30 +952,3 @@ class Brain:
 
 def _launch_id(job_id: str, attempt: int, node: str) -> str:
     return f"launch-{job_id}-{attempt}-{node}"
-
-
-async def claim_epoch(bus: Bus) -> int:
-    """Take the next brain epoch: a compare-and-set increment in a KV bucket.
-
-    Commands carry it, and agents refuse an older one, so a brain that was replaced
-    cannot act after its successor has.
-    """
-    try:
-        kv = await bus.js.key_value(EPOCH_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        kv = await bus.js.create_key_value(bucket=EPOCH_BUCKET, history=1)
-    while True:
-        try:
-            entry = await kv.get(EPOCH_KEY)
-        except nats.js.errors.KeyNotFoundError:
-            try:
-                await kv.create(EPOCH_KEY, b"1")
-                return 1
-            except nats.js.errors.KeyWrongLastSequenceError:
-                continue
-        current = int((entry.value or b"0").decode())
-        try:
-            await kv.update(EPOCH_KEY, str(current + 1).encode(), last=entry.revision)
-            return current + 1
-        except nats.js.errors.KeyWrongLastSequenceError:
-            continue

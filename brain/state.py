@@ -8,13 +8,19 @@ whole entity, applying a record twice changes nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from brain.core.model import ClusterSnapshot, Grant, JobView, NodeView
+from brain.core.model import ClusterSnapshot, Grant, JobView, NodeView, UtilizationProfile
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeState
-from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
+from schemas.state import (
+    BrainSnapshot,
+    JobChanged,
+    NodeChanged,
+    NodeEventRecorded,
+    StateRecord,
+)
 from schemas.telemetry import GpuHealth
 
 
@@ -24,18 +30,46 @@ class BrainState:
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     last_seq: int = 0
     last_job_number: int = 0
+    # (tenant, idempotency key) -> job id
+    by_key: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
-            job = record.job
-            self.jobs[job.job_id] = job
-            if job.job_id.isdigit():
-                self.last_job_number = max(self.last_job_number, int(job.job_id))
+            self._put_job(record.job)
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
         elif isinstance(record, NodeEventRecorded):
             pass  # kept in the log and history; no state of its own yet
         self.last_seq = max(self.last_seq, seq)
+
+    def _put_job(self, job: JobRecord) -> None:
+        self.jobs[job.job_id] = job
+        if job.job_id.isdigit():
+            self.last_job_number = max(self.last_job_number, int(job.job_id))
+        if job.idempotency_key is not None:
+            self.by_key[(job.tenant, job.idempotency_key)] = job.job_id
+
+    @classmethod
+    def from_snapshot(cls, snapshot: BrainSnapshot) -> BrainState:
+        state = cls(last_seq=snapshot.last_seq, last_job_number=snapshot.last_job_number)
+        for job in snapshot.jobs:
+            state._put_job(job)
+        state.nodes = {node.name: node for node in snapshot.nodes}
+        return state
+
+    def to_snapshot(self, *, taken_at: float, epoch: int) -> BrainSnapshot:
+        return BrainSnapshot(
+            last_seq=self.last_seq,
+            last_job_number=self.last_job_number,
+            taken_at=taken_at,
+            epoch=epoch,
+            jobs=tuple(self.jobs.values()),
+            nodes=tuple(self.nodes.values()),
+        )
+
+    def job_for_key(self, tenant: str, key: str) -> JobRecord | None:
+        job_id = self.by_key.get((tenant, key))
+        return self.jobs.get(job_id) if job_id is not None else None
 
     def next_job_id(self) -> str:
         return str(self.last_job_number + 1)
@@ -72,7 +106,12 @@ class BrainState:
             default=0,
         )
 
-    def snapshot(self) -> ClusterSnapshot:
+    def snapshot(
+        self, *, profiles: Mapping[str, UtilizationProfile] | None = None
+    ) -> ClusterSnapshot:
+        """The frozen view `decide` sees; `profiles` (job id -> profile) come from the
+        brain's telemetry, which the log does not hold."""
+        profiles = profiles or {}
         held = self.allocated()
         nodes = tuple(
             NodeView(
@@ -86,11 +125,13 @@ class BrainState:
         return ClusterSnapshot(
             nodes=nodes,
             pending=tuple(job_view(j) for j in self.jobs_in(JobState.PENDING)),
-            running=tuple(job_view(j) for j in self.jobs_in(JobState.RUNNING)),
+            running=tuple(
+                job_view(j, profiles.get(j.job_id)) for j in self.jobs_in(JobState.RUNNING)
+            ),
         )
 
 
-def job_view(job: JobRecord) -> JobView:
+def job_view(job: JobRecord, profile: UtilizationProfile | None = None) -> JobView:
     return JobView(
         job_id=job.job_id,
         gpus=job.spec.gpus,
@@ -100,6 +141,7 @@ def job_view(job: JobRecord) -> JobView:
         grants=tuple(Grant(g.node, g.gpus) for g in job.grants),
         started_at=job.started_at,
         waiting_reason=job.reason if job.state is JobState.PENDING else None,
+        profile=profile,
     )
 
 

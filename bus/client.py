@@ -39,7 +39,13 @@ from pydantic import BaseModel, TypeAdapter
 from schemas import subjects
 from schemas.base import decode, encode
 from schemas.dlq import DLQ_PAYLOAD_PREVIEW_BYTES, DeadLetter
-from schemas.errors import BrainUnavailable, BusError, BusTimeout, InvalidMessage
+from schemas.errors import (
+    BrainUnavailable,
+    BusError,
+    BusTimeout,
+    InvalidMessage,
+    SequenceConflict,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,10 @@ Handler = Callable[[T, Msg], Awaitable[None]]
 
 DAY_S: Final = 86_400.0
 DEDUP_WINDOW_S: Final = 120.0
+# JetStream's error code for a failed Nats-Expected-Last-Sequence check.
+WRONG_LAST_SEQUENCE: Final = 10071
+# How long one fetch waits for messages: also how long a loop takes to notice a stop.
+FETCH_WAIT_S: Final = 0.5
 # A poison message is dead-lettered after this many failed deliveries.
 MAX_HANDLER_ATTEMPTS: Final = 5
 
@@ -84,6 +94,24 @@ STREAMS: Final = (
 )
 
 
+class Consumer:
+    """A running pull-consumer loop that can be stopped without cancelling a fetch."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.stopping = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def stop(self, *, timeout_s: float = 3.0) -> None:
+        self.stopping.set()
+        if self.task is None:
+            return
+        done, _ = await asyncio.wait({self.task}, timeout=timeout_s)
+        if not done:
+            self.task.cancel()
+            await asyncio.wait({self.task}, timeout=1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectOptions:
     servers: tuple[str, ...]
@@ -105,6 +133,7 @@ class Bus:
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         self._pull_subs: list[JetStreamContext.PullSubscription] = []
+        self._consumers: list[Consumer] = []
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -136,11 +165,13 @@ class Bus:
         return cls(nc, component=options.name, replicas=replicas)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        await asyncio.gather(*(c.stop() for c in self._consumers))
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:
+            # Bounded: see Consumer for why a cancelled fetch may never finish.
+            await asyncio.wait(tasks, timeout=3.0)
         # A pull subscription whose fetch was cancelled would hold drain() for its
         # whole timeout: let go of them first.
         for psub in self._pull_subs:
@@ -197,14 +228,23 @@ class Bus:
         msg_id: str,
         retry_for_s: float = 30.0,
         attempt_timeout_s: float = 2.0,
+        fence: tuple[str, int] | None = None,
     ) -> int:
         """Publish to JetStream and return the stream sequence once it is stored.
 
         Retries a timed-out or unanswered publish with the same `Nats-Msg-Id` until
         `retry_for_s` has passed: the server keeps one copy however many arrive.
+
+        `fence=(stream, last_seq)` appends only if the stream's last sequence is still
+        `last_seq` (optimistic concurrency), raising SequenceConflict otherwise. The
+        server checks the fence before de-duplicating, so when a retry meets a moved
+        fence we look at the message after `last_seq`: if it is ours, the first try
+        was stored.
         """
         payload = encode(message)
         headers = {"Nats-Msg-Id": msg_id}
+        if fence is not None:
+            headers["Nats-Expected-Last-Sequence"] = str(fence[1])
         deadline = time.monotonic() + retry_for_s
         delay = 0.05
         while True:
@@ -213,6 +253,13 @@ class Bus:
                     subject, payload, timeout=attempt_timeout_s, headers=headers
                 )
                 return int(ack.seq)
+            except nats.js.errors.APIError as error:
+                if fence is None or error.err_code != WRONG_LAST_SEQUENCE:
+                    raise
+                stored = await self._stored_as(fence[0], fence[1] + 1, msg_id)
+                if stored is None:
+                    raise SequenceConflict(fence[0], fence[1]) from error
+                return stored
             except (
                 TimeoutError,  # nats.errors.TimeoutError is one too
                 nats.js.errors.NoStreamResponseError,
@@ -227,6 +274,14 @@ class Bus:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _stored_as(self, stream: str, seq: int, msg_id: str) -> int | None:
+        try:
+            stored = await self.js.get_msg(stream, seq)
+        except nats.js.errors.NotFoundError:
+            return None
+        headers = stored.headers or {}
+        return seq if headers.get("Nats-Msg-Id") == msg_id else None
 
     # -- receiving -------------------------------------------------------------------
 
@@ -280,7 +335,7 @@ class Bus:
         *,
         deliver_new: bool = False,
         batch: int = 64,
-    ) -> asyncio.Task[None]:
+    ) -> Consumer:
         """Run a durable pull consumer: each message is acked after its handler returns.
 
         A handler that raises gets the message again (after a pause) up to
@@ -319,10 +374,12 @@ class Bus:
                 return
             await msg.ack()
 
+        consumer = Consumer(durable)
+
         async def loop() -> None:
-            while True:
+            while not consumer.stopping.is_set() and not self.nc.is_closed:
                 try:
-                    msgs = await psub.fetch(batch, timeout=1.0)
+                    msgs = await psub.fetch(batch, timeout=FETCH_WAIT_S)
                 except (nats.errors.TimeoutError, TimeoutError):
                     continue
                 except asyncio.CancelledError:
@@ -341,7 +398,9 @@ class Bus:
                         # handlers are idempotent.
                         log.warning("ack on %s failed: %r", durable, error)
 
-        return self.spawn(loop(), name=f"consume:{durable}")
+        consumer.task = self.spawn(loop(), name=f"consume:{durable}")
+        self._consumers.append(consumer)
+        return consumer
 
     async def last_seq(self, stream: str) -> int:
         info = await self.js.stream_info(stream)
@@ -355,13 +414,15 @@ class Bus:
         start_seq: int = 1,
         filter_subject: str | None = None,
         follow: bool = False,
+        stop: asyncio.Event | None = None,
         batch: int = 512,
     ) -> AsyncIterator[tuple[T | InvalidMessage, int, str]]:
         """Read a stream in order from `start_seq`: (message, sequence, subject).
 
         Without `follow`, stops at the last message stored when called; with it, waits
-        for new ones for ever. An entry that fails validation is yielded as the
-        InvalidMessage, so a reader can report it and go on.
+        for new ones until `stop` is set (checked between fetches: cancelling a task
+        inside nats-py's fetch does not reliably end it). An entry that fails validation
+        is yielded as the InvalidMessage, so a reader can report it and go on.
         """
         until = await self.last_seq(stream)
         if not follow and until < start_seq:
@@ -379,8 +440,10 @@ class Bus:
         try:
             while True:
                 try:
-                    msgs = await psub.fetch(batch, timeout=1.0)
+                    msgs = await psub.fetch(batch, timeout=FETCH_WAIT_S)
                 except (nats.errors.TimeoutError, TimeoutError):
+                    if stop is not None and stop.is_set():
+                        return
                     if not follow and (filter_subject is not None or start_seq > until):
                         # A filtered reader may never see `until` itself.
                         return
@@ -394,6 +457,8 @@ class Bus:
                     yield item, seq, msg.subject
                     if not follow and seq >= until:
                         return
+                if stop is not None and stop.is_set():
+                    return
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -207,7 +208,10 @@ async def cmd_job(args: argparse.Namespace) -> int:
         if args.json:
             print(reply.job.model_dump_json(indent=2))
         else:
-            print(json.dumps(job_json(reply.job), indent=2))
+            shown = job_json(reply.job)
+            # Its GPU utilisation profile (mean, p95, memory peak, period, forecast).
+            shown["profile"] = reply.profile.model_dump(mode="json") if reply.profile else None
+            print(json.dumps(shown, indent=2))
         return 0
 
     return await _with_bus(args, run)
@@ -334,12 +338,35 @@ async def cmd_brain(args: argparse.Namespace) -> int:
         replicas=args.replicas,
     )
     brain = Brain(bus, config)
+    http = _http_server(brain, args)
+
+    async def start() -> None:
+        if http is not None:
+            await http.start()
+            # Announced with the brain, so `alnair status` and standbys can point to it.
+            brain.config = dataclasses.replace(brain.config, http_address=http.public_url)
+        await brain.start()
 
     async def stop() -> None:
+        if http is not None:
+            await http.stop()
         await brain.stop()
         await bus.close()
 
-    return await _serve_until_signalled(brain.start, stop)
+    return await _serve_until_signalled(start, stop)
+
+
+def _http_server(brain: Any, args: argparse.Namespace) -> Any:
+    """The brain's HTTP API, metrics and dashboard, if `--http` asks for them."""
+    if not args.http:
+        return None
+    from brain.http import HttpServer, ensure_tokens_file, parse_address
+
+    host, port = parse_address(args.http)
+    tokens_path = Path(args.http_tokens) if args.http_tokens else alnair_home() / "http-tokens.json"
+    tokens = ensure_tokens_file(tokens_path)
+    log.info("HTTP API tokens in %s", tokens_path)
+    return HttpServer(brain, tokens=tokens, host=host, port=port)
 
 
 async def cmd_agent(args: argparse.Namespace) -> int:
@@ -455,6 +482,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--history", help="sqlite history file (default: $ALNAIR_HOME/brain/history.db)")
     p.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas")
+    p.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="serve the HTTP API, /metrics and the dashboard here (e.g. 127.0.0.1:8470)",
+    )
+    p.add_argument(
+        "--http-tokens",
+        metavar="FILE",
+        help="bearer tokens of tenants and operators (default: $ALNAIR_HOME/http-tokens.json, "
+        "written with new tokens if missing)",
+    )
     p.set_defaults(fn=cmd_brain)
 
     p = sub.add_parser("agent", help="run a node agent")

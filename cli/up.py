@@ -18,14 +18,17 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agents.gpu import probe_nvml
 from bus.server import EmbeddedNats
 from cli.config import ClusterInfo, alnair_home, read_cluster, remove_cluster_file
+from schemas.api import OPERATOR_TENANT
 from schemas.errors import AlnairError
 
 DEFAULT_SIM_GPUS = "sim:8xH100"
+DEFAULT_HTTP = "127.0.0.1:8470"
 
 
 def add_up_parser(sub: Any) -> None:
@@ -44,6 +47,13 @@ def add_up_parser(sub: Any) -> None:
     )
     p.add_argument("--port", type=int, default=0, help="NATS port (default: a free one)")
     p.add_argument("--policy", default="fifo", help="queue order policy")
+    p.add_argument(
+        "--http",
+        default=DEFAULT_HTTP,
+        metavar="HOST:PORT",
+        help=f"the brain's HTTP API and dashboard (default {DEFAULT_HTTP}, or a free port "
+        "if that one is taken)",
+    )
     p.add_argument(
         "--fresh",
         action="store_true",
@@ -161,6 +171,25 @@ async def _wait_ready(url: str, nodes: int, timeout_s: float = 60.0) -> int:
         await bus.close()
 
 
+def _plan_http(address: str, home: Path) -> tuple[str, str, Path, str]:
+    """The brain's HTTP address (a free port if the asked one is taken), its URL, and
+    the tokens file, written with a tenant and an operator token if missing."""
+    from brain.http import ensure_tokens_file, parse_address
+
+    host, port = parse_address(address)
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+            print(f"alnair up: {address} is taken; the HTTP API uses port {port}")
+    tokens_path = home / "http-tokens.json"
+    operator = ensure_tokens_file(tokens_path).token_for(OPERATOR_TENANT, operator=True) or ""
+    shown = f"[{host}]" if ":" in host else host
+    return f"{shown}:{port}", f"http://{shown}:{port}", tokens_path, operator
+
+
 async def cmd_up(args: argparse.Namespace) -> int:
     home = alnair_home()
     running = read_cluster(home)
@@ -190,7 +219,14 @@ async def cmd_up(args: argparse.Namespace) -> int:
         "PYTHONUNBUFFERED": "1",
     }
     me = [sys.executable, "-m", "cli"]
-    brain = Child("brain", [*me, "brain", "--nats", server.url, "--policy", args.policy])
+    http, http_url, tokens_path, operator_token = _plan_http(args.http, home)
+    brain = Child(
+        "brain",
+        [
+            *[*me, "brain", "--nats", server.url, "--policy", args.policy],
+            *["--http", http, "--http-tokens", str(tokens_path)],
+        ],
+    )
     agents = [
         Child(name, [*me, "agent", "--node", name, "--gpus", spec, "--nats", server.url])
         for name in node_names
@@ -205,6 +241,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
         print(
             f"\nalnair up: ready. NATS {server.url}, brain + {len(agents)} nodes, {gpus} GPUs "
             f"({spec}). State and logs in {home}.\n"
+            f"  HTTP API {http_url} (tokens in {tokens_path})\n"
+            f"  dashboard: {http_url}/#token={operator_token}\n"
             "  try:  .venv/bin/alnair submit --gpus 2 -- python -c 'print(42)'\n"
             "        .venv/bin/alnair jobs;  .venv/bin/alnair events --follow\n"
             "  Ctrl-C stops the cluster.\n",

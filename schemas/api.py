@@ -8,18 +8,35 @@ from __future__ import annotations
 
 from typing import Final, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from schemas.base import Message
+from schemas.base import Message, NodeName
 from schemas.jobs import JobRecord, JobSpec, JobState
 from schemas.nodes import NodeStatus
+from schemas.profiles import JobProfile
 
-ApiVerb = Literal["submit", "cancel", "jobs", "job", "nodes", "status"]
-API_VERBS: Final[tuple[str, ...]] = ("submit", "cancel", "jobs", "job", "nodes", "status")
+ApiVerb = Literal["submit", "cancel", "jobs", "job", "nodes", "status", "drain", "resume"]
+API_VERBS: Final[tuple[str, ...]] = (
+    "submit",
+    "cancel",
+    "jobs",
+    "job",
+    "nodes",
+    "status",
+    "drain",
+    "resume",
+)
+# Requests on `alnair.api.operator.>` are an operator's: they may read every tenant's
+# jobs and drain or resume nodes. NATS permissions must grant that subject to operators
+# only (the HTTP API maps its operator tokens to the same role).
+OPERATOR_TENANT: Final = "operator"
 
 
 class SubmitRequest(Message):
     spec: JobSpec
+    # A retry with the same key returns the job the first try created, so a client
+    # that lost the reply (a brain failing over) can retry without a duplicate.
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class CancelRequest(Message):
@@ -43,7 +60,20 @@ class StatusRequest(Message):
     pass
 
 
-ErrorCode = Literal["invalid", "not_found", "conflict", "unavailable", "internal"]
+class DrainRequest(Message):
+    """Take a node's GPUs out of scheduling; what runs there keeps running."""
+
+    node: NodeName
+    reason: str = Field(default="drained by an operator", min_length=1, max_length=500)
+
+
+class ResumeRequest(Message):
+    node: NodeName
+
+
+ErrorCode = Literal[
+    "invalid", "not_found", "conflict", "unavailable", "internal", "unauthorized", "forbidden"
+]
 
 
 class ErrorReply(Message):
@@ -55,11 +85,15 @@ class ErrorReply(Message):
 class JobReply(Message):
     ok: Literal[True] = True
     job: JobRecord
+    # Its GPU utilisation profile, once the brain has telemetry for it.
+    profile: JobProfile | None = None
 
 
 class JobsReply(Message):
     ok: Literal[True] = True
     jobs: tuple[JobRecord, ...]
+    # Profiles of the listed jobs that have one.
+    profiles: tuple[JobProfile, ...] = ()
 
 
 class NodesReply(Message):
@@ -67,8 +101,27 @@ class NodesReply(Message):
     nodes: tuple[NodeStatus, ...]
 
 
+class NodeReply(Message):
+    ok: Literal[True] = True
+    node: NodeStatus
+
+
+class BrainInfo(BaseModel):
+    """A running brain, as it announces itself."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    brain_id: str
+    host: str
+    pid: int
+    since: float
+    http: str | None = None
+    leader: bool = False
+
+
 class StatusReply(Message):
     ok: Literal[True] = True
+    brains: tuple[BrainInfo, ...] = ()
     epoch: int
     brain_host: str
     brain_pid: int
@@ -86,9 +139,12 @@ REQUEST_TYPES: Final[dict[str, type[Message]]] = {
     "job": GetJobRequest,
     "nodes": ListNodesRequest,
     "status": StatusRequest,
+    "drain": DrainRequest,
+    "resume": ResumeRequest,
 }
 
 JOB_RESULT: Final = TypeAdapter(ErrorReply | JobReply)
 JOBS_RESULT: Final = TypeAdapter(ErrorReply | JobsReply)
 NODES_RESULT: Final = TypeAdapter(ErrorReply | NodesReply)
+NODE_RESULT: Final = TypeAdapter(ErrorReply | NodeReply)
 STATUS_RESULT: Final = TypeAdapter(ErrorReply | StatusReply)

@@ -12,7 +12,7 @@ from typing import Final
 
 from pydantic import BaseModel
 
-from schemas import api, commands, dlq, events, jobs, nodes, state, telemetry
+from schemas import api, commands, dlq, events, jobs, nodes, profiles, state, telemetry
 
 PIPE: Final = "\\|"  # a literal | inside a markdown table cell
 
@@ -76,6 +76,8 @@ ENTRIES: Final = (
             api.GetJobRequest,
             api.ListNodesRequest,
             api.StatusRequest,
+            api.DrainRequest,
+            api.ResumeRequest,
         ),
         "Verbs: " + ", ".join(f"`{v}`" for v in api.API_VERBS) + ". The tenant is the "
         "subject's token, never a payload field.",
@@ -84,9 +86,17 @@ ENTRIES: Final = (
         "(reply to the above)",
         "brain → caller",
         "request/reply",
-        (api.JobReply, api.JobsReply, api.NodesReply, api.StatusReply, api.ErrorReply),
+        (
+            api.JobReply,
+            api.JobsReply,
+            api.NodesReply,
+            api.NodeReply,
+            api.StatusReply,
+            api.ErrorReply,
+        ),
         "`ok` tells a refusal (`ErrorReply`, with `code` one of invalid, not_found, "
-        "conflict, unavailable, internal) from a result.",
+        "conflict, unavailable, internal, unauthorized, forbidden) from a result. `drain` "
+        "and `resume` are an operator's (tenant `operator`).",
     ),
     Entry(
         "alnair.state.job.<job> / alnair.state.node.<node>",
@@ -113,6 +123,7 @@ NESTED: Final[tuple[type[BaseModel], ...]] = (
     jobs.NodeGrant,
     nodes.NodeRecord,
     nodes.NodeStatus,
+    profiles.JobProfile,
     telemetry.GpuInfo,
     telemetry.GpuSample,
     telemetry.RunningJob,
@@ -131,6 +142,7 @@ def _type_name(annotation: object) -> str:
         "schemas.events.",
         "schemas.api.",
         "schemas.commands.",
+        "schemas.profiles.",
     ):
         text = text.replace(prefix, "")
     text = text.replace("NoneType", "None")

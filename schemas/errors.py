@@ -45,6 +45,18 @@ class BusTimeout(BusError, TimeoutError):
         self.subject = subject
 
 
+class SequenceConflict(BusError):
+    """A fenced append found the log further along than expected: another writer.
+
+    For the brain this means it is no longer the leader and must step down.
+    """
+
+    def __init__(self, stream: str, expected: int) -> None:
+        super().__init__(f"{stream} has moved past sequence {expected}: another writer appended")
+        self.stream = stream
+        self.expected = expected
+
+
 class BrainUnavailable(BusError):
     def __init__(self, subject: str) -> None:
         super().__init__(

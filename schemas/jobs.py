@@ -92,6 +92,7 @@ class JobRecord(BaseModel):
     signal: int | None = None
     # Why the job is in its state: the last cause's message, or why it waits.
     reason: str | None = None
+    idempotency_key: str | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:

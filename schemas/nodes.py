@@ -14,6 +14,9 @@ from schemas.telemetry import GpuInfo, GpuSample
 class NodeState(StrEnum):
     READY = "READY"
     LOST = "LOST"  # stopped heartbeating; its jobs were taken back
+    # Taken out of scheduling by an operator (`drain_reason` says why); its running
+    # jobs go on, and `resume` gives its GPUs back.
+    DRAINED = "DRAINED"
 
 
 class NodeRecord(BaseModel):
@@ -32,6 +35,9 @@ class NodeRecord(BaseModel):
     instance: str
     gpus: tuple[GpuInfo, ...]
     joined_at: float
+    # Set while drained, whatever the liveness: a drained node that is lost and
+    # returns is still drained.
+    drain_reason: str | None = None
 
     @property
     def gpu_count(self) -> int:

@@ -33,6 +33,8 @@ class CauseKind(StrEnum):
     NODE_LOST = "node_lost"
     NODE_RETURNED = "node_returned"
     NODE_EVENT = "node_event"
+    NODE_DRAINED = "node_drained"
+    NODE_RESUMED = "node_resumed"
 
 
 class Cause(BaseModel):
@@ -72,6 +74,17 @@ class NodeEventRecorded(Message):
     ts: float
     epoch: int = Field(ge=0)
     event: NodeEvent
+
+
+class BrainSnapshot(Message):
+    """The fold of the STATE log up to `last_seq`, so a brain need not replay it all."""
+
+    last_seq: int = Field(ge=0)
+    last_job_number: int = Field(ge=0)
+    taken_at: float
+    epoch: int = Field(ge=0)
+    jobs: tuple[JobRecord, ...]
+    nodes: tuple[NodeRecord, ...]
 
 
 StateRecord = Annotated[JobChanged | NodeChanged | NodeEventRecorded, Field(discriminator="kind")]

@@ -58,17 +58,20 @@ async def brain_factory(
 ) -> AsyncIterator[Callable[..., Awaitable[Brain]]]:
     brains: list[Brain] = []
 
-    async def make(**overrides: Any) -> Brain:
+    async def make(*, lead: bool = True, **overrides: Any) -> Brain:
         options: dict[str, Any] = {
             "node_timeout_s": 2.0,
             "tick_s": 0.2,
             "stop_grace_s": 3.0,
+            "lease_ttl_s": 2.0,
             "history_path": tmp_path / f"history-{len(brains)}.db",
         }
         options.update(overrides)
         brain = Brain(await connect("brain"), BrainConfig(**options))
         await brain.start()
         brains.append(brain)
+        if lead:
+            await asyncio.wait_for(brain.leading.wait(), timeout=30)
         return brain
 
     try:

@@ -31,7 +31,7 @@ async def test_restarted_brain_rebuilds_from_the_log(
 
     (tmp_path / "history-1.db").unlink(missing_ok=True)  # history is rebuilt from the log
     second: Brain = await brain_factory()
-    assert second.epoch == first.epoch + 1
+    assert second.epoch > first.epoch
     assert set(second.state.jobs) >= set(jobs_before)
     assert second.state.jobs[done.job.job_id] == jobs_before[done.job.job_id]
     assert second.state.next_job_id() == str(int(waiting.job.job_id) + 1)

@@ -1,0 +1,295 @@
+"""The HTTP API's OpenAPI 3.1 document, built from the same pydantic models the API uses.
+
+Request and reply bodies are the NATS API's messages (`schemas/api.py`), so the two
+cannot drift; the paths, parameters and status codes are written here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+
+from schemas.api import (
+    ErrorReply,
+    JobReply,
+    JobsReply,
+    NodeReply,
+    NodesReply,
+    StatusReply,
+    SubmitRequest,
+)
+from schemas.jobs import JobState
+
+# Names of nodes, tenants and queues (schemas/base.py checks them; JSON Schema shows it).
+NAME_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
+BEARER: Final[list[dict[str, list[str]]]] = [{"bearerAuth": []}]
+
+
+class DrainBody(BaseModel):
+    """The body of `POST /v1/nodes/{node}/drain`; the node is the path's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    reason: str = Field(default="drained by an operator", min_length=1, max_length=500)
+
+
+class Whoami(BaseModel):
+    """The caller a token names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenant: str
+    operator: bool
+
+
+_MODELS: Final[tuple[tuple[type[BaseModel], JsonSchemaMode], ...]] = (
+    (SubmitRequest, "validation"),
+    (DrainBody, "validation"),
+    (JobReply, "serialization"),
+    (JobsReply, "serialization"),
+    (NodesReply, "serialization"),
+    (NodeReply, "serialization"),
+    (StatusReply, "serialization"),
+    (ErrorReply, "serialization"),
+    (Whoami, "serialization"),
+)
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    meaning = {
+        400: "invalid request: the message names the field and the problem",
+        401: "missing or unknown token",
+        403: "the token's tenant may not do this",
+        404: "no such job (for this tenant) or node",
+        409: "conflict with the job's or node's state",
+        500: "internal error",
+        503: "this brain is not the leader, or the leader stepped down",
+    }
+    return {str(code): _json(_ref("ErrorReply"), meaning[code]) for code in (*codes, 500, 503)}
+
+
+def _operation(
+    summary: str,
+    ok: dict[str, Any],
+    *,
+    errors: tuple[int, ...],
+    parameters: list[dict[str, Any]] | None = None,
+    body: str | None = None,
+    body_required: bool = True,
+    ok_status: int = 200,
+    operation_id: str,
+) -> dict[str, Any]:
+    op: dict[str, Any] = {
+        "summary": summary,
+        "operationId": operation_id,
+        "security": BEARER,
+        "responses": {str(ok_status): ok, **_errors(401, *errors)},
+    }
+    if parameters:
+        op["parameters"] = parameters
+    if body is not None:
+        op["requestBody"] = {
+            "required": body_required,
+            "content": {"application/json": {"schema": _ref(body)}},
+        }
+    return op
+
+
+def _path_param(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": schema}
+
+
+JOB_ID: Final = _path_param("job_id", {"type": "string", "minLength": 1, "maxLength": 64})
+NODE: Final = _path_param("node", {"type": "string", "pattern": NAME_PATTERN})
+
+
+def _events_parameters() -> list[dict[str, Any]]:
+    def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+        return {"name": name, "in": "query", "schema": schema, "description": description}
+
+    return [
+        query("since", {"type": "integer", "minimum": 1}, "first log sequence to send"),
+        query("tail", {"type": "integer", "minimum": 0}, "start this many entries back"),
+        query("follow", {"type": "boolean", "default": True}, "keep streaming new entries"),
+        query("format", {"enum": ["ndjson", "sse"]}, "NDJSON (default) or Server-Sent Events"),
+        query("job", {"type": "string"}, "only this job's entries"),
+        query("node", {"type": "string"}, "only this node's entries"),
+        {
+            "name": "kind",
+            "in": "query",
+            "schema": {"type": "array", "items": {"type": "string"}},
+            "style": "form",
+            "explode": True,
+            "description": "only these kinds (a cause kind, or a node event's kind)",
+        },
+        {
+            "name": "Last-Event-ID",
+            "in": "header",
+            "schema": {"type": "integer", "minimum": 0},
+            "description": "SSE resumption: continue after this sequence",
+        },
+    ]
+
+
+def _paths() -> dict[str, Any]:
+    jobs_params: list[dict[str, Any]] = [
+        {
+            "name": "state",
+            "in": "query",
+            "schema": {"type": "array", "items": {"enum": [s.value for s in JobState]}},
+            "style": "form",
+            "explode": True,
+            "description": "only jobs in these states",
+        },
+        {
+            "name": "limit",
+            "in": "query",
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100_000, "default": 1000},
+            "description": "at most this many, newest",
+        },
+    ]
+    stream = {
+        "type": "string",
+        "description": "one JSON object per line: {seq, subject, ...the STATE record}",
+    }
+    return {
+        "/v1/whoami": {
+            "get": _operation(
+                "The tenant the token names",
+                _json(_ref("Whoami"), "the caller"),
+                errors=(),
+                operation_id="whoami",
+            )
+        },
+        "/v1/status": {
+            "get": _operation(
+                "The brain, its epoch and the cluster's size",
+                _json(_ref("StatusReply"), "status"),
+                errors=(),
+                operation_id="status",
+            )
+        },
+        "/v1/jobs": {
+            "get": _operation(
+                "The caller's jobs (an operator's: everyone's), oldest first",
+                _json(_ref("JobsReply"), "jobs and the profiles of those that have one"),
+                errors=(400,),
+                parameters=jobs_params,
+                operation_id="listJobs",
+            ),
+            "post": _operation(
+                "Submit a job",
+                _json(_ref("JobReply"), "the new job, PENDING"),
+                errors=(400,),
+                body="SubmitRequest",
+                ok_status=201,
+                operation_id="submitJob",
+            ),
+        },
+        "/v1/jobs/{job_id}": {
+            "get": _operation(
+                "One job and its utilisation profile",
+                _json(_ref("JobReply"), "the job"),
+                errors=(400, 404),
+                parameters=[JOB_ID],
+                operation_id="getJob",
+            )
+        },
+        "/v1/jobs/{job_id}/cancel": {
+            "post": _operation(
+                "Cancel a job (its processes are stopped)",
+                _json(_ref("JobReply"), "the job, CANCELLED"),
+                errors=(400, 404, 409),
+                parameters=[JOB_ID],
+                operation_id="cancelJob",
+            )
+        },
+        "/v1/nodes": {
+            "get": _operation(
+                "Nodes, their GPUs' latest telemetry and what runs on them",
+                _json(_ref("NodesReply"), "nodes"),
+                errors=(),
+                operation_id="listNodes",
+            )
+        },
+        "/v1/nodes/{node}/drain": {
+            "post": _operation(
+                "Take a node's GPUs out of scheduling (operators only)",
+                _json(_ref("NodeReply"), "the node, DRAINED"),
+                errors=(400, 403, 404),
+                parameters=[NODE],
+                body="DrainBody",
+                body_required=False,
+                operation_id="drainNode",
+            )
+        },
+        "/v1/nodes/{node}/resume": {
+            "post": _operation(
+                "Give a drained node's GPUs back to scheduling (operators only)",
+                _json(_ref("NodeReply"), "the node"),
+                errors=(400, 403, 404, 409),
+                parameters=[NODE],
+                operation_id="resumeNode",
+            )
+        },
+        "/v1/events": {
+            "get": _operation(
+                "The STATE log as a stream: job and node changes, node events",
+                {
+                    "description": "the stream (NDJSON; SSE with format=sse)",
+                    "content": {
+                        "application/x-ndjson": {"schema": stream},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                errors=(400,),
+                parameters=_events_parameters(),
+                operation_id="events",
+            )
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics: GPUs under dcgm-exporter's names, the scheduler's",
+                "operationId": "metrics",
+                "security": BEARER,
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text exposition format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    **_errors(401, 403),
+                },
+            }
+        },
+    }
+
+
+def document(*, version: str = "1") -> dict[str, Any]:
+    _, top = models_json_schema(_MODELS, ref_template="#/components/schemas/{model}")
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Alnair brain API",
+            "version": version,
+            "description": (
+                "The same API as NATS request/reply on alnair.api.<tenant>.<verb>, over HTTP. "
+                "Authenticate with `Authorization: Bearer <token>` (or `access_token=` in the "
+                "query, for EventSource). A tenant sees and touches only its own jobs."
+            ),
+        },
+        "paths": _paths(),
+        "components": {
+            "schemas": top.get("$defs", {}),
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+        },
+    }

@@ -1,0 +1,110 @@
+"""Leadership among brains: a lease in a JetStream KV bucket.
+
+The lease is the key `leader` in a bucket whose entries expire after `ttl_s`. A brain
+takes it with create-if-absent and keeps it by compare-and-set on the revision every
+third of the TTL; a leader that dies stops renewing, the entry expires, and a standby
+creates it. The revision at which a brain took the lease is its **epoch**: revisions
+only grow, so a newer leader always has a larger epoch, and agents refuse commands
+from an older one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Final
+
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from bus.client import Bus
+from schemas.api import BrainInfo
+
+log = logging.getLogger(__name__)
+
+LEASE_BUCKET: Final = "alnair_leader"
+LEASE_KEY: Final = "leader"
+BRAINS_BUCKET: Final = "alnair_brains"
+
+
+async def _bucket(bus: Bus, name: str, ttl_s: float) -> KeyValue:
+    try:
+        return await bus.js.key_value(name)
+    except nats.js.errors.BucketNotFoundError:
+        return await bus.js.create_key_value(
+            bucket=name, ttl=ttl_s, history=1, replicas=bus.replicas
+        )
+
+
+class Lease:
+    def __init__(self, bus: Bus, *, ttl_s: float = 5.0) -> None:
+        self.bus = bus
+        self.ttl_s = ttl_s
+        self.revision: int | None = None
+        self.epoch: int | None = None
+        self._kv: KeyValue | None = None
+        self._brains: KeyValue | None = None
+
+    async def open(self) -> None:
+        self._kv = await _bucket(self.bus, LEASE_BUCKET, self.ttl_s)
+        self._brains = await _bucket(self.bus, BRAINS_BUCKET, self.ttl_s * 3)
+
+    @property
+    def kv(self) -> KeyValue:
+        assert self._kv is not None, "Lease.open() first"
+        return self._kv
+
+    async def try_acquire(self, info: BrainInfo) -> int | None:
+        """Take the lease if nobody holds it; return the epoch, or None."""
+        try:
+            revision = await self.kv.create(LEASE_KEY, info.model_dump_json().encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return None
+        self.revision = self.epoch = int(revision)
+        return self.epoch
+
+    async def renew(self, info: BrainInfo) -> bool:
+        """Keep the lease; False when it was lost (expired and taken, or deleted)."""
+        if self.revision is None:
+            return False
+        try:
+            self.revision = int(
+                await self.kv.update(LEASE_KEY, info.model_dump_json().encode(), last=self.revision)
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            self.revision = self.epoch = None
+            return False
+        return True
+
+    async def release(self) -> None:
+        """Give the lease up at once, so a standby need not wait for it to expire."""
+        if self.revision is not None:
+            with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError, Exception):
+                await self.kv.delete(LEASE_KEY, last=self.revision)
+        self.revision = self.epoch = None
+
+    async def holder(self) -> BrainInfo | None:
+        try:
+            entry = await self.kv.get(LEASE_KEY)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            return None
+        if not entry.value:
+            return None
+        return BrainInfo.model_validate_json(entry.value)
+
+    async def announce(self, info: BrainInfo) -> None:
+        """Say this brain is alive (leader or standby), for `alnair status`."""
+        if self._brains is not None:
+            await self._brains.put(info.brain_id, info.model_dump_json().encode())
+
+    async def brains(self) -> list[BrainInfo]:
+        if self._brains is None:
+            return []
+        out = []
+        with contextlib.suppress(nats.js.errors.NoKeysError):
+            for key in await self._brains.keys():
+                with contextlib.suppress(nats.js.errors.KeyNotFoundError, Exception):
+                    entry = await self._brains.get(key)
+                    if entry.value:
+                        out.append(BrainInfo.model_validate_json(entry.value))
+        return out

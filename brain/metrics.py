@@ -1,0 +1,327 @@
+"""The brain's Prometheus metrics: every GPU under dcgm-exporter's names, and the scheduler's own.
+
+GPU series use dcgm-exporter's metric names, units and labels (`gpu`, `UUID`, `device`,
+`modelName`, `Hostname`), so dashboards and alerts written for it work unchanged; Alnair
+adds `node` (its node name: simulated nodes share a host) and `alnair_job` (the job
+holding the GPU, like dcgm-exporter's `pod`; not `job`, which Prometheus reserves for
+the scrape job). They are read from the brain's latest telemetry at scrape time.
+
+Scheduler series are named `alnair_*`. Counters follow the brain's journal, its
+decisions and the cluster's dead-letter subjects; gauges are read at scrape time.
+
+This module only reads brain state and observes; it never changes either.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Final
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from brain.core.model import Decisions, Preempt, QuotaReclaim
+from schemas import subjects
+from schemas.events import GpuFault
+from schemas.jobs import JobRecord, JobState
+from schemas.nodes import NodeState
+from schemas.state import JobChanged, NodeEventRecorded, StateRecord
+
+if TYPE_CHECKING:
+    from brain.service import Brain
+
+log = logging.getLogger(__name__)
+
+GPU_LABELS: Final = ("gpu", "UUID", "device", "modelName", "Hostname", "node", "alnair_job")
+PROFILE_LABELS: Final = ("alnair_job", "tenant", "queue")
+# Pending time spans seconds (an idle cluster) to days (a starved queue).
+PENDING_BUCKETS: Final = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+
+
+def _gpu_families() -> dict[str, GaugeMetricFamily]:
+    """dcgm-exporter's fields, with its help texts and units."""
+
+    def family(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=GPU_LABELS)
+
+    return {
+        "util": family("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %)."),
+        "mem_copy": family("DCGM_FI_DEV_MEM_COPY_UTIL", "Memory utilization (in %)."),
+        "fb_used": family("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB)."),
+        "fb_free": family("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB)."),
+        "fb_total": family("DCGM_FI_DEV_FB_TOTAL", "Framebuffer memory total (in MiB)."),
+        "power": family("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)."),
+        "temp": family("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)."),
+        "sm_clock": family("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz)."),
+        "mem_clock": family("DCGM_FI_DEV_MEM_CLOCK", "Memory clock frequency (in MHz)."),
+        "xid": family("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered."),
+        # dcgm-exporter declares this one a counter but keeps its name without `_total`;
+        # as a gauge the exposed name stays exactly dcgm-exporter's.
+        "dbe": family(
+            "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors."
+        ),
+    }
+
+
+class _GpuCollector(Collector):
+    def __init__(self, metrics: BrainMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        brain = self.metrics.brain
+        families = _gpu_families()
+        holders = _gpu_holders(brain.state.jobs_in(JobState.RUNNING))
+        for name, batch in sorted(brain.telemetry.items()):
+            node = brain.state.nodes.get(name)
+            if node is None or node.state is NodeState.LOST:
+                continue  # its last batch is stale, not a measurement
+            infos = {gpu.index: gpu for gpu in node.gpus}
+            for sample in batch.samples:
+                info = infos.get(sample.index)
+                labels = [
+                    str(sample.index),
+                    info.uuid if info else "",
+                    f"nvidia{sample.index}",
+                    info.model if info else "",
+                    node.hostname,
+                    name,
+                    holders.get((name, sample.index), ""),
+                ]
+                families["util"].add_metric(labels, sample.util_gpu_pct)
+                families["mem_copy"].add_metric(labels, sample.util_mem_pct)
+                families["fb_used"].add_metric(labels, sample.mem_used_mib)
+                families["fb_free"].add_metric(
+                    labels, max(0.0, sample.mem_total_mib - sample.mem_used_mib)
+                )
+                families["fb_total"].add_metric(labels, sample.mem_total_mib)
+                families["power"].add_metric(labels, sample.power_w)
+                families["temp"].add_metric(labels, sample.temp_c)
+                families["sm_clock"].add_metric(labels, sample.sm_clock_mhz)
+                families["mem_clock"].add_metric(labels, sample.mem_clock_mhz)
+                families["xid"].add_metric(
+                    labels, self.metrics.last_xid.get((name, sample.index), 0)
+                )
+                if sample.ecc_dbe_total is not None:
+                    families["dbe"].add_metric(labels, sample.ecc_dbe_total)
+        yield from families.values()
+
+
+class _ClusterCollector(Collector):
+    """Gauges read from the brain's state at scrape time."""
+
+    def __init__(self, metrics: BrainMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        brain = self.metrics.brain
+        state = brain.state
+        yield from self._queues(state.jobs_in(JobState.PENDING))
+        jobs = GaugeMetricFamily("alnair_jobs", "Jobs the brain knows, by state.", labels=["state"])
+        for job_state in JobState:
+            jobs.add_metric([job_state.value], len(state.jobs_in(job_state)))
+        yield jobs
+        nodes = GaugeMetricFamily("alnair_nodes", "Nodes by state.", labels=["state"])
+        for node_state in NodeState:
+            count = sum(1 for n in state.nodes.values() if n.state is node_state)
+            nodes.add_metric([node_state.value], count)
+        yield nodes
+        held = sum(len(g) for g in state.allocated().values())
+        yield GaugeMetricFamily(
+            "alnair_gpus_schedulable",
+            "GPUs the scheduler may use (healthy, on READY nodes).",
+            value=state.capacity(),
+        )
+        yield GaugeMetricFamily("alnair_gpus_allocated", "GPUs held by running jobs.", value=held)
+        yield GaugeMetricFamily(
+            "alnair_brain_leader", "1 while this brain leads.", value=int(brain.leading.is_set())
+        )
+        yield GaugeMetricFamily(
+            "alnair_brain_state_seq", "Last STATE log sequence applied.", value=state.last_seq
+        )
+        yield from self._profiles()
+
+    @staticmethod
+    def _queues(pending: list[JobRecord]) -> Iterator[Metric]:
+        length = GaugeMetricFamily(
+            "alnair_queue_pending_jobs", "Pending jobs, by queue.", labels=["queue"]
+        )
+        gpus = GaugeMetricFamily(
+            "alnair_queue_pending_gpus",
+            "GPUs asked for by pending jobs, by queue.",
+            labels=["queue"],
+        )
+        by_queue: dict[str, list[JobRecord]] = {}
+        for job in pending:
+            by_queue.setdefault(job.spec.queue, []).append(job)
+        for queue, jobs in sorted(by_queue.items()):
+            length.add_metric([queue], len(jobs))
+            gpus.add_metric([queue], sum(j.spec.gpus for j in jobs))
+        yield length
+        yield gpus
+
+    def _profiles(self) -> Iterator[Metric]:
+        brain = self.metrics.brain
+
+        def family(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=PROFILE_LABELS)
+
+        mean = family("alnair_job_gpu_util_mean_percent", "A running job's mean GPU utilisation.")
+        p95 = family("alnair_job_gpu_util_p95_percent", "A running job's p95 GPU utilisation.")
+        peak = family("alnair_job_gpu_mem_peak_mib", "A running job's peak GPU memory (MiB).")
+        period = family("alnair_job_period_seconds", "A running job's detected cycle.")
+        next_util = family(
+            "alnair_job_gpu_util_forecast_percent", "Forecast GPU utilisation, next window."
+        )
+        next_mem = family("alnair_job_gpu_mem_forecast_mib", "Forecast peak GPU memory (MiB).")
+        underused = family(
+            "alnair_job_underused", "1 when a running job holds GPUs it barely uses."
+        )
+        idle = family("alnair_job_idle_gpus", "Held GPUs below the barely-used line.")
+        for profile in brain.profiles.running_profiles():
+            job = brain.state.jobs.get(profile.job_id)
+            if job is None or job.state is not JobState.RUNNING:
+                continue
+            labels = [job.job_id, job.tenant, job.spec.queue]
+            mean.add_metric(labels, profile.mean_util_pct)
+            p95.add_metric(labels, profile.p95_util_pct)
+            peak.add_metric(labels, profile.mem_peak_mib)
+            if profile.period_s is not None:
+                period.add_metric(labels, profile.period_s)
+            next_util.add_metric(labels, profile.forecast_util_pct)
+            next_mem.add_metric(labels, profile.forecast_mem_mib)
+            underused.add_metric(labels, int(profile.underused))
+            idle.add_metric(labels, profile.idle_gpus)
+        yield from (mean, p95, peak, period, next_util, next_mem, underused, idle)
+
+
+class BrainMetrics:
+    """One brain's registry. Create it before the brain starts; `start()` once it has."""
+
+    def __init__(self, brain: Brain) -> None:
+        self.brain = brain
+        self.registry = CollectorRegistry(auto_describe=False)
+        # (node, GPU index) -> the last XID it reported, as dcgm-exporter shows it.
+        self.last_xid: dict[tuple[str, int], int] = {}
+        # job id -> when it last became pending, to time its wait.
+        self._pending_since: dict[str, float] = {}
+        self._dlq_sub: Subscription | None = None
+        registry = self.registry
+        self.pending_seconds = Histogram(
+            "alnair_job_pending_seconds",
+            "Time from becoming pending (submission or requeue) to being placed.",
+            ["queue"],
+            buckets=PENDING_BUCKETS,
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "alnair_scheduler_decisions",
+            "Actions the policy core decided, by action.",
+            ["action"],
+            registry=registry,
+        )
+        self.cycles = Counter(
+            "alnair_scheduler_cycles", "Scheduling cycles (calls to decide).", registry=registry
+        )
+        self.preemptions = Counter(
+            "alnair_scheduler_preemptions",
+            "Preemptions the policy core decided, by cause.",
+            ["cause"],
+            registry=registry,
+        )
+        self.transitions = Counter(
+            "alnair_job_transitions",
+            "Job state changes journaled, by new state and cause.",
+            ["state", "cause"],
+            registry=registry,
+        )
+        self.outcomes = Counter(
+            "alnair_job_outcomes",
+            "Jobs that ended, by final state and failure class.",
+            ["state", "failure_class"],
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            "alnair_dead_letters",
+            "Messages any component refused and dead-lettered, by origin.",
+            ["origin"],
+            registry=registry,
+        )
+        registry.register(_GpuCollector(self))
+        registry.register(_ClusterCollector(self))
+        brain.record_observers.append(self.on_record)
+        brain.decision_observers.append(self.on_decisions)
+
+    async def start(self) -> None:
+        """Count dead letters cluster-wide: every component publishes them on the bus."""
+        self._dlq_sub = await self.brain.bus.nc.subscribe(subjects.ALL_DLQ, cb=self._on_dead_letter)
+
+    async def stop(self) -> None:
+        if self._dlq_sub is not None:
+            try:
+                await self._dlq_sub.unsubscribe()
+            except Exception as error:  # the connection may already be closed
+                log.debug("dead-letter subscription: %r", error)
+            self._dlq_sub = None
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def _on_dead_letter(self, msg: Msg) -> None:
+        origin = msg.subject.removeprefix(f"{subjects.PREFIX}.dlq.") or "unknown"
+        self.dead_letters.labels(origin=origin[:64]).inc()
+
+    def on_decisions(self, decisions: Decisions) -> None:
+        self.cycles.inc()
+        for action in decisions.actions:
+            self.decisions.labels(action=_action_name(action)).inc()
+            if isinstance(action, Preempt):
+                cause = "quota_reclaim" if isinstance(action.cause, QuotaReclaim) else "outranked"
+                self.preemptions.labels(cause=cause).inc()
+
+    def on_record(self, record: StateRecord, seq: int) -> None:
+        if isinstance(record, NodeEventRecorded):
+            event = record.event
+            if isinstance(event, GpuFault) and event.xid is not None:
+                self.last_xid[(event.node, event.gpu)] = event.xid
+            return
+        if not isinstance(record, JobChanged):
+            return
+        job = record.job
+        self.transitions.labels(state=job.state.value, cause=record.cause.kind.value).inc()
+        if job.state is JobState.PENDING and record.previous is not JobState.PENDING:
+            self._pending_since[job.job_id] = record.ts
+        elif job.state is JobState.RUNNING and record.previous is JobState.PENDING:
+            since = self._pending_since.pop(job.job_id, job.submitted_at)
+            self.pending_seconds.labels(queue=job.spec.queue).observe(max(0.0, record.ts - since))
+        if job.state.terminal and (record.previous is None or not record.previous.terminal):
+            self._pending_since.pop(job.job_id, None)
+            self.outcomes.labels(state=job.state.value, failure_class=_failure_class(job)).inc()
+
+
+def _action_name(action: object) -> str:
+    """`Place` -> `place`, `SetServiceLevel` -> `set_service_level`."""
+    name = type(action).__name__
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+def _failure_class(job: JobRecord) -> str:
+    """User, infrastructure or input (Philly), once the brain classifies failures."""
+    if job.state is not JobState.FAILED:
+        return "none"
+    # Failure classification lands with the failure-handling work; until the record
+    # carries a class, every failure counts as unclassified.
+    value = getattr(job, "failure_class", None)
+    return str(getattr(value, "value", value)) if value else "unclassified"
+
+
+def _gpu_holders(running: list[JobRecord]) -> dict[tuple[str, int], str]:
+    return {
+        (grant.node, gpu): job.job_id
+        for job in running
+        for grant in job.grants
+        for gpu in grant.gpus
+    }
