@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from schemas.events import LOG_TAIL_LINES
 log = logging.getLogger(__name__)
 
 TAIL_BYTES: Final = 16 * 1024
+FINISHED_REMEMBERED: Final = 10_000
 
 
 class LaunchError(AlnairError):
@@ -100,6 +102,7 @@ class Launcher:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._clock = clock
         self._procs: dict[tuple[str, int], JobProcess] = {}
+        self._finished: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._watchers: set[asyncio.Task[None]] = set()
 
     def running(self) -> list[JobProcess]:
@@ -119,6 +122,10 @@ class Launcher:
         existing = self._procs.get((request.job_id, request.attempt))
         if existing is not None and not existing.exited.is_set():
             return existing  # the same launch again: idempotent
+        if (request.job_id, request.attempt) in self._finished:
+            # A new brain re-sent a launch whose process already ran and exited: its
+            # exit is on its way; running it twice would be wrong.
+            raise LaunchError(request.job_id, f"attempt {request.attempt} already ran on this node")
         await self._wait_for_gpus(request, gpu_wait_s)
         log_path = self.log_dir / request.job_id / f"attempt-{request.attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +203,9 @@ class Launcher:
             log.exception("exit handler failed for job %s", job.job_id)
         finally:
             self._procs.pop((job.job_id, job.attempt), None)
+            self._finished[(job.job_id, job.attempt)] = None
+            while len(self._finished) > FINISHED_REMEMBERED:
+                self._finished.popitem(last=False)
 
     async def stop(
         self, job_id: str, attempt: int | None, *, reason: str, grace_s: float

@@ -24,7 +24,18 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from brain import elastic
 from brain.core import DEFAULT_POLICY, Decisions, Place, Policy, Wait, decide
+from brain.core.failures import (
+    DEFAULT_FAILURE_POLICY,
+    AttemptEnd,
+    Classification,
+    FailurePolicy,
+    GiveUp,
+    classify,
+    decide_retry,
+    fault_action,
+)
 from brain.history import History
 from brain.leader import Lease
 from brain.profiles import Profiler, ProfileStore, profiles_path
@@ -32,20 +43,24 @@ from brain.replica import Replica
 from brain.state import BrainState
 from bus.client import Bus, Consumer
 from schemas import subjects
-from schemas.api import BrainInfo, DrainRequest, ResumeRequest, SubmitRequest
+from schemas.api import BlacklistRequest, BrainInfo, DrainRequest, ResumeRequest, SubmitRequest
 from schemas.commands import Launch, NodeCommand, Stop
 from schemas.errors import ApiError, SequenceConflict
 from schemas.events import (
     NODE_EVENT,
     CommandRejected,
+    GpuFault,
+    InputError,
     JobExited,
     JobStarted,
     LaunchFailed,
     NodeEvent,
 )
-from schemas.jobs import JobRecord, JobState, NodeGrant
-from schemas.nodes import NodeRecord, NodeState
+from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobState, NodeGrant
+from schemas.nodes import DrainedGpu, NodeRecord, NodeState
 from schemas.state import (
+    BlacklistChanged,
+    BlacklistEntry,
     Cause,
     CauseKind,
     JobChanged,
@@ -77,6 +92,8 @@ class BrainConfig:
     snapshot_every: int = 1000
     # Where this brain's HTTP API listens, if anywhere (shown by `alnair status`).
     http_address: str | None = None
+    # Failure classes, retries and back-off, input blacklisting, pre-run.
+    failures: FailurePolicy = DEFAULT_FAILURE_POLICY
 
 
 @dataclass
@@ -124,6 +141,8 @@ class Brain:
         self._stops_sent: dict[tuple[str, str, int], float] = {}
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._dirty = True
+        # When the last decide() asked to be called again, even if nothing happens.
+        self._wake_at: float | None = None
         self._record_counter = 0
         self._leader_tasks: list[asyncio.Task[None]] = []
         self._leader_subs: list[Subscription] = []
@@ -256,6 +275,7 @@ class Brain:
         ]
         self._dirty = True
         self.leading.set()
+        await self._resend_unconfirmed_launches()
         log.info(
             "brain %s leads with epoch %d (caught up %d entries, seq %d)",
             self.instance,
@@ -263,6 +283,16 @@ class Brain:
             caught_up,
             self.state.last_seq,
         )
+
+    async def _resend_unconfirmed_launches(self) -> None:
+        """A brain may have died between journaling a placement and commanding it.
+
+        Re-sending is safe: the command id is the same, so JetStream drops it if it
+        was stored, and agents ignore a launch they have already run.
+        """
+        for job in self.state.jobs_in(JobState.RUNNING):
+            if any(g.pid is None and not g.exited for g in job.grants):
+                await self._send_launches(job)
 
     async def _stop_leading(self, reason: str) -> None:
         if not self.leading.is_set():
@@ -376,7 +406,14 @@ class Brain:
         elif item.kind == "tick":
             await self._check_nodes()
             await self._check_launches()
+            await self._check_preruns()
+            if self._wake_at is not None and self.clock() >= self._wake_at:
+                # decide() asked to be called again by now (a retry back-off ending).
+                self._wake_at = None
+                self._dirty = True
             await self._maybe_snapshot()
+            # A profile that changed what policy sees (e.g. a job turned underused).
+            self._dirty = self.profiles.poll() or self._dirty
         elif item.kind == "submit":
             assert isinstance(item.payload, SubmitRequest)
             return await self._submit(item.tenant, item.payload)
@@ -389,6 +426,9 @@ class Brain:
         elif item.kind == "resume":
             assert isinstance(item.payload, ResumeRequest)
             await self._resume(item.tenant, item.payload)
+        elif item.kind == "blacklist":
+            assert isinstance(item.payload, BlacklistRequest)
+            await self._edit_blacklist(item.tenant, item.payload)
         return None
 
     # -- journal ---------------------------------------------------------------------
@@ -442,7 +482,7 @@ class Brain:
 
     async def _event_recorded(self, event: NodeEvent) -> None:
         record = NodeEventRecorded(
-            record_id=f"event-{event.event_id}", ts=self.clock(), epoch=self.epoch, event=event
+            record_id=self._record_id(), ts=self.clock(), epoch=self.epoch, event=event
         )
         await self._append(record, subjects.state_node(event.node))
 
@@ -481,12 +521,14 @@ class Brain:
             known = self.state.job_for_key(tenant, request.idempotency_key)
             if known is not None:
                 return known
-        capacity = self.state.capacity()
-        if self.state.nodes and spec.gpus > capacity:
+        # Against every registered GPU, not only those up right now: a job must not be
+        # refused because nodes are briefly away (a NATS restart, a network blip).
+        total, largest = self.state.registered_gpus()
+        if self.state.nodes and spec.gpus > total:
             raise ApiError(
                 "invalid",
-                f"job asks for {spec.gpus} GPUs but the cluster has {capacity} "
-                f"({len(self.state.nodes)} nodes, at most {self.state.largest_node()} on one node)",
+                f"job asks for {spec.gpus} GPUs but the cluster has {total} "
+                f"({len(self.state.nodes)} nodes, at most {largest} on one node)",
             )
         job = JobRecord(
             job_id=self.state.next_job_id(),
@@ -496,6 +538,7 @@ class Brain:
             submitted_at=self.clock(),
             reason="submitted",
             idempotency_key=request.idempotency_key,
+            prerun="pending" if self.config.failures.wants_prerun(spec.queue, spec.gpus) else None,
         )
         await self._job_changed(
             job,
@@ -548,6 +591,7 @@ class Brain:
             gpus=beat.gpus,
             joined_at=known.joined_at if known is not None else self.clock(),
             drain_reason=drain_reason,
+            drained_gpus=known.drained_gpus if known is not None else (),
         )
         if known is None:
             await self._node_changed(
@@ -609,6 +653,9 @@ class Brain:
         """Take a node's GPUs out of scheduling; what runs there goes on. A drained node
         stays drained through being lost and returning, until it is resumed."""
         node = self._known_node(request.node)
+        if request.gpu is not None:
+            await self._drain_gpu(node, request.gpu, f"drained by {operator}: {request.reason}")
+            return
         if node.drain_reason == request.reason:
             return
         await self._node_changed(
@@ -628,13 +675,14 @@ class Brain:
 
     async def _resume(self, operator: str, request: ResumeRequest) -> None:
         node = self._known_node(request.node)
-        if node.drain_reason is None:
+        if node.drain_reason is None and not node.drained_gpus:
             raise ApiError("conflict", f"node {node.name} is not drained")
         await self._node_changed(
             node.model_copy(
                 update={
                     "state": NodeState.READY if node.state is NodeState.DRAINED else node.state,
                     "drain_reason": None,
+                    "drained_gpus": (),
                 }
             ),
             node.state,
@@ -672,13 +720,12 @@ class Brain:
                 ),
             )
             for job in self.state.running_on(name):
-                await self._requeue(
+                await self._fail_attempt(
                     job,
-                    Cause(
-                        kind=CauseKind.NODE_LOST,
-                        node=name,
-                        job_id=job.job_id,
-                        message=f"node {name} was lost",
+                    name,
+                    Classification(
+                        FailureClass.INFRASTRUCTURE,
+                        f"node {name} was lost (no heartbeat for {silent:.1f}s)",
                     ),
                 )
 
@@ -721,7 +768,11 @@ class Brain:
     # -- node events -----------------------------------------------------------------
 
     async def _event(self, event: NodeEvent) -> None:
-        await self._event_recorded(event)
+        if event.event_id in self.state.seen_events:
+            return  # redelivered (a brain died before acknowledging it): done already
+        # Effects first, the record last: the record marks the event done, so a brain
+        # that dies in between leaves it undone, and its successor, handed the event
+        # again, applies it (each effect checks the attempt, so twice is harmless).
         if isinstance(event, JobStarted):
             await self._job_started(event)
         elif isinstance(event, JobExited):
@@ -730,6 +781,11 @@ class Brain:
             await self._launch_failed(event)
         elif isinstance(event, CommandRejected):
             await self._command_rejected(event)
+        elif isinstance(event, GpuFault):
+            await self._gpu_fault(event)
+        elif isinstance(event, InputError):
+            await self._input_error(event)
+        await self._event_recorded(event)
         self._dirty = True
 
     def _current(self, job_id: str, attempt: int, node: str) -> JobRecord | None:
@@ -813,23 +869,14 @@ class Brain:
                     ),
                 )
             return
-        last_line = next((line for line in reversed(event.log_tail) if line.strip()), "")
-        reason = f"{how} on {event.node}" + (f": {last_line.strip()}" if last_line else "")
-        failed = updated.model_copy(
-            update={
-                "state": JobState.FAILED,
-                "finished_at": self.clock(),
-                "exit_code": event.exit_code,
-                "signal": event.signal,
-                "reason": reason,
-            }
+        end = AttemptEnd(
+            exit_code=event.exit_code,
+            signal=event.signal,
+            log_tail=event.log_tail,
+            runtime_s=event.runtime_s,
         )
-        await self._job_changed(
-            failed,
-            job.state,
-            Cause(kind=CauseKind.EXITED, node=event.node, job_id=job.job_id, message=reason),
-        )
-        await self._stop_parts(updated, f"another part failed: {reason}", except_node=event.node)
+        reported = self.state.input_reports.get((job.job_id, job.attempt))
+        await self._fail_attempt(updated, event.node, classify(end, (), reported), end)
 
     async def _launch_failed(self, event: LaunchFailed) -> None:
         job = self._current(event.job_id, event.attempt, event.node)
@@ -842,14 +889,8 @@ class Brain:
             job_id=job.job_id,
             message=f"launch failed on {event.node}: {event.reason}",
         )
-        if event.retryable:
-            await self._requeue(updated, cause)
-            return
-        failed = updated.model_copy(
-            update={"state": JobState.FAILED, "finished_at": self.clock(), "reason": cause.message}
-        )
-        await self._job_changed(failed, job.state, cause)
-        await self._stop_parts(updated, "another part failed to launch", except_node=event.node)
+        failure_class = FailureClass.INFRASTRUCTURE if event.retryable else FailureClass.USER
+        await self._fail_attempt(updated, event.node, Classification(failure_class, cause.message))
 
     async def _command_rejected(self, event: CommandRejected) -> None:
         log.warning("node %s rejected %s: %s", event.node, event.command_id, event.reason)
@@ -869,12 +910,261 @@ class Brain:
                 ),
             )
 
+    # -- failures (brain/core/failures.py decides; this journals and commands) -------
+
+    async def _fail_attempt(
+        self,
+        job: JobRecord,
+        node: str,
+        classification: Classification,
+        end: AttemptEnd | None = None,
+    ) -> None:
+        """Record a failed attempt with its class, then retry it or end it."""
+        now = self.clock()
+        user = classification.failure_class is FailureClass.USER
+        failure = AttemptFailure(
+            attempt=max(1, job.attempt),
+            failure_class=classification.failure_class,
+            reason=classification.reason,
+            nodes=job.nodes or (node,),
+            at=now,
+            exit_code=end.exit_code if end is not None else None,
+            signal=end.signal if end is not None else None,
+            input_uri=classification.input_uri,
+            log_tail=end.log_tail[-5:] if end is not None and user else (),
+        )
+        failures = (*job.failures, failure)
+        decision = decide_retry(
+            failures,
+            job.spec.queue,
+            now,
+            self.config.failures,
+            blacklisted=frozenset(self.state.blacklist),
+        )
+        what = f"{classification.failure_class.value} failure on {node}: {classification.reason}"
+        if isinstance(decision, GiveUp):
+            kind = (
+                CauseKind.RETRIES_EXHAUSTED
+                if decision.state is JobState.UNSUCCESSFUL
+                else CauseKind.FAILURE_CLASSIFIED
+            )
+            ended = job.model_copy(
+                update={
+                    "state": decision.state,
+                    "finished_at": now,
+                    "exit_code": failure.exit_code,
+                    "signal": failure.signal,
+                    "failures": failures,
+                    "reason": decision.cause,
+                }
+            )
+            cause = Cause(
+                kind=kind, node=node, job_id=job.job_id, message=f"{what}; {decision.cause}"
+            )
+            await self._job_changed(ended, job.state, cause)
+            await self._stop_parts(job, f"failed: {classification.reason}", except_node=node)
+            return
+        pending = job.model_copy(
+            update={
+                "state": JobState.PENDING,
+                "grants": (),
+                "started_at": None,
+                "failures": failures,
+                "not_before": decision.not_before,
+                "avoid_nodes": decision.avoid_nodes,
+                # A pre-run that failed for reasons not its own tries its pre-run again.
+                "prerun": "pending" if job.prerun == "running" else job.prerun,
+                "reason": f"{what}; {decision.cause}",
+            }
+        )
+        cause = Cause(
+            kind=CauseKind.RETRY_SCHEDULED,
+            node=node,
+            job_id=job.job_id,
+            message=f"{what}; {decision.cause}",
+        )
+        await self._job_changed(pending, job.state, cause)
+        await self._stop_parts(job, f"retrying elsewhere: {classification.reason}")
+
+    async def _gpu_fault(self, event: GpuFault) -> None:
+        """Critical faults drain the GPU or the node; jobs on it fail as infrastructure."""
+        action = fault_action(event.fault, event.xid, event.gpu)
+        node = self.state.nodes.get(event.node)
+        if node is None or action.drain == "none":
+            log.info("node %s: %s (drains nothing)", event.node, action.reason)
+            return
+        if action.drain == "node":
+            affected = self.state.running_on(node.name)
+            if node.drain_reason is None:
+                await self._node_changed(
+                    node.model_copy(
+                        update={
+                            "state": NodeState.DRAINED
+                            if node.state is NodeState.READY
+                            else node.state,
+                            "drain_reason": action.reason,
+                        }
+                    ),
+                    node.state,
+                    Cause(kind=CauseKind.NODE_DRAINED, node=node.name, message=action.reason),
+                )
+        else:
+            affected = [
+                j
+                for j in self.state.running_on(node.name)
+                if any(g.node == node.name and event.gpu in g.gpus for g in j.grants)
+            ]
+            await self._drain_gpu(node, event.gpu, action.reason)
+        for job in affected:
+            await self._fail_attempt(
+                job, node.name, Classification(FailureClass.INFRASTRUCTURE, action.reason)
+            )
+
+    async def _drain_gpu(self, node: NodeRecord, gpu: int, reason: str) -> None:
+        if gpu not in {g.index for g in node.gpus}:
+            raise ApiError("not_found", f"node {node.name} has no GPU {gpu}")
+        if any(d.index == gpu for d in node.drained_gpus):
+            return
+        drained = (*node.drained_gpus, DrainedGpu(index=gpu, reason=reason, at=self.clock()))
+        await self._node_changed(
+            node.model_copy(update={"drained_gpus": drained}),
+            node.state,
+            Cause(kind=CauseKind.GPU_DRAINED, node=node.name, message=reason),
+        )
+
+    async def _input_error(self, event: InputError) -> None:
+        """Count distinct jobs failing per input; blacklist the input at K of them."""
+        if event.uri in self.state.blacklist:
+            return
+        # The event's own record is journaled after its effects: count its job here.
+        jobs = self.state.input_failures.get(event.uri, set()) | {event.job_id}
+        limit = self.config.failures.blacklist_after_jobs
+        if len(jobs) < limit:
+            return
+        await self._set_blacklist(
+            {
+                **self.state.blacklist,
+                event.uri: BlacklistEntry(
+                    uri=event.uri,
+                    reason=f"{len(jobs)} jobs failed on it (limit {limit}); last: {event.reason}",
+                    jobs=tuple(sorted(jobs, key=_job_order)),
+                    added_at=self.clock(),
+                    added_by="brain",
+                ),
+            },
+            Cause(
+                kind=CauseKind.BLACKLISTED,
+                message=f"input {event.uri} blacklisted: jobs {', '.join(sorted(jobs))} "
+                f"failed on it",
+            ),
+        )
+
+    async def _edit_blacklist(self, operator: str, request: BlacklistRequest) -> None:
+        uri = request.uri
+        if uri is None:
+            raise ApiError("invalid", f"blacklist {request.action} needs an input URI")
+        entries = dict(self.state.blacklist)
+        if request.action == "add":
+            if uri in entries:
+                return
+            entries[uri] = BlacklistEntry(
+                uri=uri, reason=request.reason, added_at=self.clock(), added_by=operator
+            )
+            cause = Cause(
+                kind=CauseKind.BLACKLISTED,
+                message=f"input {uri} blacklisted by {operator}: {request.reason}",
+            )
+        else:
+            if entries.pop(uri, None) is None:
+                raise ApiError("not_found", f"input {uri} is not blacklisted")
+            cause = Cause(
+                kind=CauseKind.UNBLACKLISTED, message=f"input {uri} removed by {operator}"
+            )
+        await self._set_blacklist(entries, cause)
+
+    async def _set_blacklist(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
+        record = BlacklistChanged(
+            record_id=self._record_id(),
+            ts=self.clock(),
+            epoch=self.epoch,
+            entries=tuple(entries.values()),
+            cause=cause,
+        )
+        await self._append(record, subjects.STATE_BLACKLIST)
+        self._dirty = True
+        await self._retry_input_failures()
+
+    async def _retry_input_failures(self) -> None:
+        """A job that ended FAILED on an input now blacklisted runs again without it."""
+        for job in self.state.jobs_in(JobState.FAILED):
+            last = job.failures[-1] if job.failures else None
+            if (
+                last is None
+                or last.failure_class is not FailureClass.INPUT
+                or last.input_uri not in self.state.blacklist
+            ):
+                continue
+            decision = decide_retry(
+                job.failures,
+                job.spec.queue,
+                self.clock(),
+                self.config.failures,
+                blacklisted=frozenset(self.state.blacklist),
+            )
+            if isinstance(decision, GiveUp):
+                continue
+            await self._job_changed(
+                job.model_copy(
+                    update={
+                        "state": JobState.PENDING,
+                        "grants": (),
+                        "started_at": None,
+                        "finished_at": None,
+                        "not_before": decision.not_before,
+                        "reason": decision.cause,
+                    }
+                ),
+                job.state,
+                Cause(kind=CauseKind.RETRY_SCHEDULED, job_id=job.job_id, message=decision.cause),
+            )
+
+    async def _check_preruns(self) -> None:
+        """A pre-run that survived its trial gives its GPU back and waits for the full
+        allocation (Philly's pre-run: fail fast on one GPU)."""
+        now = self.clock()
+        trial = self.config.failures.prerun_s
+        for job in self.state.jobs_in(JobState.RUNNING):
+            if job.prerun != "running" or job.started_at is None or now - job.started_at < trial:
+                continue
+            if not all(g.pid is not None for g in job.grants):
+                continue  # not started yet: its trial has not begun
+            passed = job.model_copy(
+                update={
+                    "state": JobState.PENDING,
+                    "grants": (),
+                    "started_at": None,
+                    "prerun": "passed",
+                    "reason": f"pre-run passed after {trial:g}s",
+                }
+            )
+            await self._job_changed(
+                passed,
+                job.state,
+                Cause(
+                    kind=CauseKind.PRERUN_PASSED,
+                    job_id=job.job_id,
+                    message=f"survived {trial:g}s on one GPU; now waits for {job.spec.gpus} GPUs",
+                ),
+            )
+            await self._stop_parts(job, "pre-run passed")
+
     # -- scheduling ------------------------------------------------------------------
 
     async def _schedule(self) -> None:
         self._dirty = False
         snapshot = self.state.snapshot(profiles=self.profiles.current())
         decisions = decide(snapshot, self.clock(), self.config.policy)
+        self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
         self.decisions_made += 1
         for action in decisions.actions:
@@ -904,6 +1194,8 @@ class Brain:
                 "exit_code": None,
                 "signal": None,
                 "reason": action.cause,
+                "not_before": None,
+                "prerun": "running" if job.prerun == "pending" else job.prerun,
             }
         )
         await self._job_changed(
@@ -911,23 +1203,32 @@ class Brain:
             job.state,
             Cause(kind=CauseKind.PLACED, job_id=job.job_id, message=action.cause),
         )
-        nodes = tuple(g.node for g in grants)
-        for rank, grant in enumerate(grants):
+        await self._send_launches(running)
+
+    async def _send_launches(self, job: JobRecord) -> None:
+        """Command every node of the job's attempt that has not confirmed its start."""
+        now = self.clock()
+        nodes = job.nodes
+        for rank, grant in enumerate(job.grants):
+            if grant.pid is not None or grant.exited:
+                continue
             await self._command(
                 grant.node,
                 Launch(
-                    command_id=_launch_id(job.job_id, attempt, grant.node),
+                    command_id=_launch_id(job.job_id, job.attempt, grant.node),
                     epoch=self.epoch,
                     issued_at=now,
                     job_id=job.job_id,
-                    attempt=attempt,
+                    attempt=job.attempt,
                     gpus=grant.gpus,
-                    command=job.spec.command,
+                    command=elastic.launch_command(job.spec, len(grant.gpus)),
                     env=job.spec.env,
                     cwd=job.spec.cwd,
                     expires_at=now + self.config.launch_ttl_s,
                     node_rank=rank,
                     nodes=nodes,
+                    blacklist=tuple(sorted(self.state.blacklist)),
+                    prerun=job.prerun == "running",
                 ),
             )
 
@@ -948,6 +1249,10 @@ class Brain:
     @property
     def pid(self) -> int:
         return os.getpid()
+
+
+def _job_order(job_id: str) -> tuple[int, str]:
+    return (int(job_id), "") if job_id.isdigit() else (0, job_id)
 
 
 def _launch_id(job_id: str, attempt: int, node: str) -> str:

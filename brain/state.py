@@ -8,13 +8,18 @@ whole entity, applying a record twice changes nothing.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from brain.core.model import ClusterSnapshot, Grant, JobView, NodeView, UtilizationProfile
+from schemas.events import InputError
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeState
 from schemas.state import (
+    BlacklistChanged,
+    BlacklistEntry,
     BrainSnapshot,
     JobChanged,
     NodeChanged,
@@ -22,6 +27,8 @@ from schemas.state import (
     StateRecord,
 )
 from schemas.telemetry import GpuHealth
+
+SEEN_EVENTS: Final = 100_000
 
 
 @dataclass
@@ -32,6 +39,14 @@ class BrainState:
     last_job_number: int = 0
     # (tenant, idempotency key) -> job id
     by_key: dict[tuple[str, str], str] = field(default_factory=dict)
+    # Node events already folded, newest last: a redelivered event is recognised and
+    # skipped. Bounded; an event older than the window is long settled.
+    seen_events: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # The input blacklist (uri -> entry), and the distinct jobs that reported failing
+    # on each input; (job, attempt) -> the input that attempt reported.
+    blacklist: dict[str, BlacklistEntry] = field(default_factory=dict)
+    input_failures: dict[str, set[str]] = field(default_factory=dict)
+    input_reports: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
@@ -39,8 +54,19 @@ class BrainState:
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
         elif isinstance(record, NodeEventRecorded):
-            pass  # kept in the log and history; no state of its own yet
+            self._saw_event(record.event.event_id)
+            if isinstance(record.event, InputError):
+                event = record.event
+                self.input_failures.setdefault(event.uri, set()).add(event.job_id)
+                self.input_reports[(event.job_id, event.attempt)] = event.uri
+        elif isinstance(record, BlacklistChanged):
+            self.blacklist = {e.uri: e for e in record.entries}
         self.last_seq = max(self.last_seq, seq)
+
+    def _saw_event(self, event_id: str) -> None:
+        self.seen_events[event_id] = None
+        while len(self.seen_events) > SEEN_EVENTS:
+            self.seen_events.popitem(last=False)
 
     def _put_job(self, job: JobRecord) -> None:
         self.jobs[job.job_id] = job
@@ -55,6 +81,8 @@ class BrainState:
         for job in snapshot.jobs:
             state._put_job(job)
         state.nodes = {node.name: node for node in snapshot.nodes}
+        state.blacklist = {e.uri: e for e in snapshot.blacklist}
+        state.input_failures = {uri: set(jobs) for uri, jobs in snapshot.input_failures.items()}
         return state
 
     def to_snapshot(self, *, taken_at: float, epoch: int) -> BrainSnapshot:
@@ -65,6 +93,8 @@ class BrainState:
             epoch=epoch,
             jobs=tuple(self.jobs.values()),
             nodes=tuple(self.nodes.values()),
+            blacklist=tuple(self.blacklist.values()),
+            input_failures={u: tuple(sorted(j)) for u, j in self.input_failures.items()},
         )
 
     def job_for_key(self, tenant: str, key: str) -> JobRecord | None:
@@ -89,7 +119,16 @@ class BrainState:
         return held
 
     def schedulable_gpus(self, node: NodeRecord) -> tuple[int, ...]:
-        return tuple(g.index for g in node.gpus if g.health is GpuHealth.HEALTHY)
+        drained = {d.index for d in node.drained_gpus}
+        return tuple(
+            g.index for g in node.gpus if g.health is GpuHealth.HEALTHY and g.index not in drained
+        )
+
+    def registered_gpus(self) -> tuple[int, int]:
+        """Every GPU of every known node, whatever its state now, and the most on one
+        node: what a job may ever hope for (a node away for a minute comes back)."""
+        sizes = [len(n.gpus) for n in self.nodes.values()]
+        return sum(sizes), max(sizes, default=0)
 
     def capacity(self) -> int:
         return sum(
@@ -134,7 +173,8 @@ class BrainState:
 def job_view(job: JobRecord, profile: UtilizationProfile | None = None) -> JobView:
     return JobView(
         job_id=job.job_id,
-        gpus=job.spec.gpus,
+        # A pre-run takes one GPU for its trial.
+        gpus=1 if job.prerun in ("pending", "running") else job.spec.gpus,
         submitted_at=job.submitted_at,
         queue=job.spec.queue,
         priority=job.spec.priority,
@@ -142,6 +182,8 @@ def job_view(job: JobRecord, profile: UtilizationProfile | None = None) -> JobVi
         started_at=job.started_at,
         waiting_reason=job.reason if job.state is JobState.PENDING else None,
         profile=profile,
+        not_before=job.not_before,
+        avoid_nodes=frozenset(job.avoid_nodes),
     )
 
 

@@ -117,6 +117,10 @@ class ConnectOptions:
     servers: tuple[str, ...]
     name: str
     credentials: str | None = None
+    # A file holding this identity's nkey seed (see bus/auth.py), and the reply-inbox
+    # prefix its permissions allow.
+    nkey_seed: str | None = None
+    inbox_prefix: str | None = None
     tls_ca: str | None = None
     connect_timeout_s: float = 5.0
     # Keep trying for ever: a component outlives a restart of its NATS server.
@@ -152,6 +156,10 @@ class Bus:
         }
         if options.credentials:
             kwargs["user_credentials"] = options.credentials
+        if options.nkey_seed:
+            kwargs["nkeys_seed"] = options.nkey_seed
+        if options.inbox_prefix:
+            kwargs["inbox_prefix"] = options.inbox_prefix
         if options.tls_ca:
             import ssl
 
@@ -346,7 +354,8 @@ class Bus:
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.NEW if deliver_new else DeliverPolicy.ALL,
-            ack_wait=30.0,
+            # Short, so a message a dead consumer held comes back soon to its successor.
+            ack_wait=10.0,
             max_ack_pending=1000,
             filter_subject=filter_subject,
         )

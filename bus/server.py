@@ -126,6 +126,9 @@ class EmbeddedNats:
                 self.process.kill()
             self.process.wait()
             self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     async def astart(self, *, timeout_s: float = 15.0) -> None:
         await asyncio.to_thread(self.start, timeout_s=timeout_s)

@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
 from collections.abc import Sequence
 from typing import TypeVar
 
 from pydantic import TypeAdapter
 
+from bus.auth import inbox_prefix_for_seed
 from bus.client import Bus, ConnectOptions
 from schemas import subjects
-from schemas.api import ErrorReply
+from schemas.api import JOB_RESULT, ErrorReply, JobReply, SubmitRequest
 from schemas.base import Message
-from schemas.errors import ApiError
+from schemas.errors import ApiError, BrainUnavailable, BusTimeout
+from schemas.jobs import JobRecord, JobSpec
 
 R = TypeVar("R")
 
 
-async def open_bus(servers: Sequence[str], *, name: str, credentials: str | None) -> Bus:
+async def open_bus(
+    servers: Sequence[str], *, name: str, credentials: str | None, nkey: str | None = None
+) -> Bus:
     return await Bus.connect(
         ConnectOptions(
             servers=tuple(servers),
             name=name,
             credentials=credentials,
+            nkey_seed=nkey,
+            inbox_prefix=inbox_prefix_for_seed(nkey) if nkey else None,
             # An operator command should fail fast, not wait for ever for a server.
             max_reconnect_attempts=3,
         )
@@ -41,3 +50,36 @@ async def call(
     if isinstance(result, ErrorReply):
         raise ApiError(result.code, result.error)
     return result
+
+
+async def submit(
+    bus: Bus,
+    tenant: str,
+    spec: JobSpec,
+    *,
+    idempotency_key: str | None = None,
+    retry_for_s: float = 30.0,
+) -> JobRecord:
+    """Submit, retrying through a brain failover without ever creating two jobs.
+
+    Every try carries the same idempotency key, so a submission whose reply was lost
+    (the brain died after storing it) is answered with the job it created.
+    """
+    key = idempotency_key or uuid.uuid4().hex
+    request = SubmitRequest(spec=spec, idempotency_key=key)
+    deadline = time.monotonic() + retry_for_s
+    delay = 0.1
+    while True:
+        try:
+            reply: JobReply = await call(bus, tenant, "submit", request, JOB_RESULT)
+            return reply.job
+        except (BrainUnavailable, BusTimeout) as error:
+            retryable: Exception = error
+        except ApiError as error:
+            if error.code != "unavailable":
+                raise
+            retryable = error
+        if time.monotonic() + delay > deadline:
+            raise retryable
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)

@@ -25,6 +25,8 @@ class ClusterInfo:
     pid: int
     started_at: float
     home: str
+    # The identity other commands on this machine use by default (`up --secure`).
+    client_nkey: str | None = None
 
     def write(self, home: Path) -> Path:
         home.mkdir(parents=True, exist_ok=True)
@@ -37,6 +39,7 @@ class ClusterInfo:
                     "pid": self.pid,
                     "started_at": self.started_at,
                     "home": self.home,
+                    "client_nkey": self.client_nkey,
                 },
                 indent=2,
             )
@@ -54,6 +57,7 @@ def read_cluster(home: Path) -> ClusterInfo | None:
             pid=int(data["pid"]),
             started_at=float(data["started_at"]),
             home=str(data.get("home", home)),
+            client_nkey=data.get("client_nkey"),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -94,3 +98,15 @@ def remove_cluster_file(home: Path, pid: int) -> None:
 
 def now() -> float:
     return time.time()
+
+
+def resolve_nkey(explicit: str | None) -> str | None:
+    """`--nkey`, then `ALNAIR_NKEY`, then the local secure cluster's client identity."""
+    if explicit:
+        return explicit
+    if os.environ.get("ALNAIR_NKEY"):
+        return os.environ["ALNAIR_NKEY"]
+    if os.environ.get("ALNAIR_NATS"):
+        return None
+    info = read_cluster(alnair_home())
+    return info.client_nkey if info is not None else None

@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 
 from schemas.jobs import JobRecord
-from schemas.nodes import NodeStatus
+from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
 
 
@@ -85,9 +85,21 @@ def nodes_table(nodes: Sequence[NodeStatus]) -> str:
                 r.backend,
                 "-" if n.last_seen_s_ago is None else f"{n.last_seen_s_ago:.1f}s",
                 ",".join(n.jobs) or "-",
+                _drained(r),
             ]
         )
-    return table(["NODE", "STATE", "GPUS(A/T)", "MODEL", "BACKEND", "SEEN", "JOBS"], rows)
+    return table(
+        ["NODE", "STATE", "GPUS(A/T)", "MODEL", "BACKEND", "SEEN", "JOBS", "DRAINED (REASON)"],
+        rows,
+    )
+
+
+def _drained(node: NodeRecord) -> str:
+    """Drained capacity and why, like `sinfo -R`."""
+    if node.drain_reason is not None:
+        return f"all {len(node.gpus)}: {node.drain_reason}"[:80]
+    parts = [f"gpu{d.index}: {d.reason}" for d in node.drained_gpus]
+    return "; ".join(parts)[:80] or "-"
 
 
 def _change(previous: str | None, current: str) -> str:
@@ -106,8 +118,10 @@ def record_line(record: StateRecord, seq: int) -> str:
         node = record.node
         previous = record.previous.value if record.previous else None
         what = f"node {node.name:<5} {_change(previous, node.state.value):<20}"
-    else:
+    elif isinstance(record, NodeEventRecorded):
         return f"{head} node {record.event.node:<5} {'event':<20} {_event_text(record)}"
+    else:
+        what = f"blacklist ({len(record.entries)} inputs)".ljust(32)
     return f"{head} {what} {record.cause.kind.value}: {record.cause.message}"
 
 

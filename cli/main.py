@@ -20,9 +20,11 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from bus.auth import inbox_prefix_for_seed
+from cli import failures
 from cli import format as fmt
-from cli.client import call, open_bus
-from cli.config import alnair_home, resolve_nats
+from cli.client import call, open_bus, submit
+from cli.config import alnair_home, resolve_nats, resolve_nkey
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
@@ -34,7 +36,6 @@ from schemas.api import (
     ListJobsRequest,
     ListNodesRequest,
     StatusRequest,
-    SubmitRequest,
 )
 from schemas.base import check_name
 from schemas.errors import AlnairError
@@ -68,6 +69,11 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--creds", default=os.environ.get("ALNAIR_CREDS"), help="NATS credentials file"
     )
+    parser.add_argument(
+        "--nkey",
+        help="this identity's nkey seed file, from `alnair keys` (default: $ALNAIR_NKEY, "
+        "else the local secure cluster's)",
+    )
 
 
 def _client_args(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +86,12 @@ def _client_args(parser: argparse.ArgumentParser) -> None:
 
 
 async def _with_bus(args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]]) -> int:
-    bus = await open_bus(resolve_nats(args.nats), name="alnair-cli", credentials=args.creds)
+    bus = await open_bus(
+        resolve_nats(args.nats),
+        name="alnair-cli",
+        credentials=args.creds,
+        nkey=resolve_nkey(args.nkey),
+    )
     try:
         return await fn(bus)
     finally:
@@ -153,11 +164,11 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec(args)
 
     async def run(bus: Any) -> int:
-        reply = await call(bus, args.tenant, "submit", SubmitRequest(spec=spec), JOB_RESULT)
+        job = await submit(bus, args.tenant, spec, retry_for_s=args.retry_for)
         if args.json:
-            print(reply.job.model_dump_json())
+            print(job.model_dump_json())
         else:
-            print(f"submitted job {reply.job.job_id} ({spec.gpus} GPUs, queue {spec.queue})")
+            print(f"submitted job {job.job_id} ({spec.gpus} GPUs, queue {spec.queue})")
         return 0
 
     return await _with_bus(args, run)
@@ -250,6 +261,10 @@ async def cmd_status(args: argparse.Namespace) -> int:
             f"leader:  {reply.brain_host} pid {reply.brain_pid}, epoch {reply.epoch}, "
             f"up {fmt.duration(time.time() - reply.started_at)}"
         )
+        for brain in reply.brains:
+            role = "leader " if brain.leader else "standby"
+            http = f", http {brain.http}" if brain.http else ""
+            print(f"brain:   {role} {brain.brain_id} on {brain.host} pid {brain.pid}{http}")
         print(f"policy:  {reply.policy}")
         print(f"nodes:   {reply.nodes} ({reply.gpus} schedulable GPUs)")
         print("jobs:    " + ", ".join(f"{k.lower()} {v}" for k, v in reply.jobs_by_state.items()))
@@ -304,7 +319,14 @@ async def cmd_events(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         return 0
 
-    return await _with_bus(args, run)
+    try:
+        return await _with_bus(args, run)
+    except TimeoutError:  # nats.errors.TimeoutError is one too
+        raise UsageError(
+            "JetStream did not answer reading the STATE log. If the cluster runs with "
+            "--secure, only the operator identity may read it: "
+            "--nkey $ALNAIR_HOME/keys/operator-operator.nk"
+        ) from None
 
 
 # -- components -----------------------------------------------------------------------
@@ -331,10 +353,17 @@ async def cmd_brain(args: argparse.Namespace) -> int:
     config = BrainConfig(
         policy=Policy(order=args.policy).validate(),
         node_timeout_s=args.node_timeout,
+        lease_ttl_s=args.lease_ttl,
+        launch_ttl_s=args.launch_ttl,
         history_path=Path(args.history) if args.history else alnair_home() / "brain" / "history.db",
     )
     bus = await Bus.connect(
-        ConnectOptions(servers=resolve_nats(args.nats), name="brain", credentials=args.creds),
+        ConnectOptions(
+            servers=resolve_nats(args.nats),
+            name="brain",
+            credentials=args.creds,
+            nkey_seed=resolve_nkey(args.nkey),
+        ),
         replicas=args.replicas,
     )
     brain = Brain(bus, config)
@@ -385,7 +414,13 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         nats_url=servers[0],
     )
     bus = await Bus.connect(
-        ConnectOptions(servers=servers, name=f"agent:{args.node}", credentials=args.creds)
+        ConnectOptions(
+            servers=servers,
+            name=f"agent:{args.node}",
+            credentials=args.creds,
+            nkey_seed=resolve_nkey(args.nkey),
+            inbox_prefix=inbox_prefix_for_seed(args.nkey) if args.nkey else None,
+        )
     )
     agent = Agent(bus, config, backend)
 
@@ -395,6 +430,20 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         backend.close()
 
     return await _serve_until_signalled(agent.start, stop)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from bus.auth import write_cluster_keys
+
+    names = [n for n in args.nodes.split(",") if n]
+    tenants = [t for t in args.tenants.split(",") if t]
+    identities, config = write_cluster_keys(
+        Path(args.dir), nodes=names, tenants=tenants, brains=args.brains
+    )
+    for identity in identities:
+        print(f"{identity.role:<8} {identity.name:<16} {identity.public_key}  {identity.seed_path}")
+    print(f"server config: {config}  (include it from nats-server.conf)")
+    return 0
 
 
 # -- parser ---------------------------------------------------------------------------
@@ -420,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--cwd", help="working directory on the node (default: the current one)")
     p.add_argument("--json", action="store_true", help="print the job record as JSON")
+    p.add_argument(
+        "--retry-for",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="keep retrying while no brain answers (a failover), this long",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS..., or job.yaml")
     p.set_defaults(fn=cmd_submit)
 
@@ -456,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_nodes)
 
+    failures.add_commands(sub, _client_args, _with_bus)
+
     p = sub.add_parser("status", help="the brain leader, its epoch, and the NATS servers")
     _client_args(p)
     p.add_argument("--json", action="store_true")
@@ -483,6 +541,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--history", help="sqlite history file (default: $ALNAIR_HOME/brain/history.db)")
     p.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas")
     p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=5.0,
+        help="leader lease TTL, seconds: how soon a standby takes over",
+    )
+    p.add_argument(
+        "--launch-ttl",
+        type=float,
+        default=60.0,
+        help="seconds a node has to confirm a launch before it is requeued",
+    )
+    p.add_argument(
         "--http",
         metavar="HOST:PORT",
         help="serve the HTTP API, /metrics and the dashboard here (e.g. 127.0.0.1:8470)",
@@ -502,6 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
     p.set_defaults(fn=cmd_agent)
+
+    p = sub.add_parser("keys", help="create NATS identities (nkeys) and the server config")
+    p.add_argument("--dir", required=True, help="where to write the seeds and nats-auth.conf")
+    p.add_argument("--nodes", default="", help="node names, comma-separated")
+    p.add_argument("--tenants", default="default", help="tenant names, comma-separated")
+    p.add_argument("--brains", type=int, default=1, help="brain identities to create")
+    p.set_defaults(fn=cmd_keys, sync=True)
 
     with contextlib.suppress(ImportError):
         from brain.sim import cli as sim_cli

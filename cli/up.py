@@ -48,11 +48,22 @@ def add_up_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=0, help="NATS port (default: a free one)")
     p.add_argument("--policy", default="fifo", help="queue order policy")
     p.add_argument(
+        "--brains",
+        type=int,
+        default=1,
+        help="brains to run: one leads, the others stand by to take over (default 1)",
+    )
+    p.add_argument(
         "--http",
         default=DEFAULT_HTTP,
         metavar="HOST:PORT",
         help=f"the brain's HTTP API and dashboard (default {DEFAULT_HTTP}, or a free port "
         "if that one is taken)",
+    )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="run with per-component NATS identities (nkeys) and least-privilege permissions",
     )
     p.add_argument(
         "--fresh",
@@ -149,18 +160,20 @@ async def _terminate(children: list[Child], timeout_s: float) -> None:
             await child.process.wait()
 
 
-async def _wait_ready(url: str, nodes: int, timeout_s: float = 60.0) -> int:
+async def _wait_ready(
+    url: str, nodes: int, *, nkey: str | None, tenant: str, timeout_s: float = 60.0
+) -> int:
     from cli.client import call, open_bus
     from schemas.api import NODES_RESULT, ListNodesRequest
 
-    bus = await open_bus([url], name="alnair-up", credentials=None)
+    bus = await open_bus([url], name="alnair-up", credentials=None, nkey=nkey)
     try:
         deadline = time.monotonic() + timeout_s
         seen = 0
         while time.monotonic() < deadline:
             with contextlib.suppress(AlnairError):
                 reply = await call(
-                    bus, "default", "nodes", ListNodesRequest(), NODES_RESULT, timeout_s=2.0
+                    bus, tenant, "nodes", ListNodesRequest(), NODES_RESULT, timeout_s=2.0
                 )
                 seen = len(reply.nodes)
                 if seen >= nodes:
@@ -190,6 +203,35 @@ def _plan_http(address: str, home: Path) -> tuple[str, str, Path, str]:
     return f"{shown}:{port}", f"http://{shown}:{port}", tokens_path, operator
 
 
+@dataclass(frozen=True)
+class ClusterKeys:
+    config: Path
+    brains: list[str]
+    nodes: dict[str, str]
+    operator: str
+    client: str
+
+
+def _plan_keys(args: argparse.Namespace, home: Path, node_names: list[str]) -> ClusterKeys:
+    """Fresh identities for every component, and the server config admitting them."""
+    from bus.auth import write_cluster_keys
+
+    identities, config = write_cluster_keys(
+        home / "keys", nodes=node_names, tenants=["default"], brains=max(1, args.brains)
+    )
+    by_role: dict[str, list[str]] = {}
+    for identity in identities:
+        by_role.setdefault(identity.role, []).append(str(identity.seed_path))
+    print(f"alnair up: secure: NATS identities and permissions in {home / 'keys'}")
+    return ClusterKeys(
+        config=config,
+        brains=by_role["brain"],
+        nodes={i.name: str(i.seed_path) for i in identities if i.role == "node"},
+        operator=by_role["operator"][0],
+        client=by_role["tenant"][0],
+    )
+
+
 async def cmd_up(args: argparse.Namespace) -> int:
     home = alnair_home()
     running = read_cluster(home)
@@ -203,15 +245,24 @@ async def cmd_up(args: argparse.Namespace) -> int:
         import shutil
 
         shutil.rmtree(home / "nats", ignore_errors=True)
-        (home / "brain" / "history.db").unlink(missing_ok=True)
+        for old in (home / "brain").glob("history*.db*"):
+            old.unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
+    keys = _plan_keys(args, home, node_names) if args.secure else None
     server = EmbeddedNats(
-        data_dir=home / "nats", port=args.port, log_file=home / "logs" / "nats.log"
+        data_dir=home / "nats",
+        port=args.port,
+        log_file=home / "logs" / "nats.log",
+        config_file=keys.config if keys else None,
     )
     await server.astart()
-    ClusterInfo(nats=(server.url,), pid=os.getpid(), started_at=time.time(), home=str(home)).write(
-        home
-    )
+    ClusterInfo(
+        nats=(server.url,),
+        pid=os.getpid(),
+        started_at=time.time(),
+        home=str(home),
+        client_nkey=keys.client if keys else None,
+    ).write(home)
     env = {
         **os.environ,
         "ALNAIR_HOME": str(home),
@@ -220,26 +271,44 @@ async def cmd_up(args: argparse.Namespace) -> int:
     }
     me = [sys.executable, "-m", "cli"]
     http, http_url, tokens_path, operator_token = _plan_http(args.http, home)
-    brain = Child(
-        "brain",
-        [
-            *[*me, "brain", "--nats", server.url, "--policy", args.policy],
-            *["--http", http, "--http-tokens", str(tokens_path)],
-        ],
-    )
+    brains = [
+        Child(
+            "brain" if i == 0 else f"brain-{i + 1}",
+            [
+                *[*me, "brain", "--nats", server.url, "--policy", args.policy],
+                *["--history", str(home / "brain" / f"history-{i + 1}.db")],
+                *(["--nkey", keys.brains[i]] if keys else []),
+                # One HTTP port on this machine: the first brain serves it.
+                *(["--http", http, "--http-tokens", str(tokens_path)] if i == 0 else []),
+            ],
+        )
+        for i in range(max(1, args.brains))
+    ]
     agents = [
-        Child(name, [*me, "agent", "--node", name, "--gpus", spec, "--nats", server.url])
+        Child(
+            name,
+            [
+                *[*me, "agent", "--node", name, "--gpus", spec, "--nats", server.url],
+                *(["--nkey", keys.nodes[name]] if keys else []),
+            ],
+        )
         for name in node_names
     ]
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
-    supervisors = [asyncio.ensure_future(_supervise(c, env, stopping)) for c in (brain, *agents)]
+    supervisors = [asyncio.ensure_future(_supervise(c, env, stopping)) for c in (*brains, *agents)]
     try:
-        gpus = await _wait_ready(server.url, len(agents))
+        gpus = await _wait_ready(
+            server.url,
+            len(agents),
+            nkey=keys.operator if keys else None,
+            tenant="operator" if keys else "default",
+        )
         print(
-            f"\nalnair up: ready. NATS {server.url}, brain + {len(agents)} nodes, {gpus} GPUs "
+            f"\nalnair up: ready. NATS {server.url}, {len(brains)} brain(s) + {len(agents)} "
+            f"nodes, {gpus} GPUs "
             f"({spec}). State and logs in {home}.\n"
             f"  HTTP API {http_url} (tokens in {tokens_path})\n"
             f"  dashboard: {http_url}/#token={operator_token}\n"
@@ -253,7 +322,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
         stopping.set()
         print("alnair up: stopping agents, brain, NATS", flush=True)
         await _terminate(agents, timeout_s=20.0)
-        await _terminate([brain], timeout_s=10.0)
+        await _terminate(brains, timeout_s=10.0)
         for task in supervisors:
             with contextlib.suppress(Exception):
                 await task

@@ -243,7 +243,7 @@ def test_fifo_never_preempts_and_names_the_blocking_job() -> None:
     )
     decisions = decide(snapshot, 5, Policy(order="fifo"))
     assert preempted(decisions) == set()
-    assert waiting(decisions)["next"] == "queued behind job head (fifo)"
+    assert waiting(decisions)["next"] == "queued behind an earlier job that does not fit yet (fifo)"
 
 
 def test_las_reports_band_changes_and_when_to_wake() -> None:

@@ -18,7 +18,7 @@ Every action carries its cause.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
 from brain.core.model import (
@@ -35,7 +35,15 @@ from brain.core.model import (
     Wait,
 )
 from brain.core.ordering import ORDERINGS, OrderContext, Ordered, Ranked, job_sequence
-from brain.core.placement import PLACEMENTS, Fit, FreeGpus, Placement, PlacementRequest
+from brain.core.placement import (
+    PLACEMENTS,
+    Fit,
+    FreeGpus,
+    NoFit,
+    Placement,
+    PlacementRequest,
+    PlacementResult,
+)
 from brain.core.preemption import PREEMPTIONS, Preemption
 from brain.core.quota import Standing, quota_of, standings
 from schemas.errors import AlnairError
@@ -193,7 +201,10 @@ def _select(
                 and entry.standing is not Standing.HELD
             ):
                 why = "starvation guard" if entry.starving else cycle.policy.order
-                blocked_by = f"job {job.job_id} ({why})"
+                # Deliberately not naming the blocker: the head changes at every
+                # placement, and a reason that changes is journaled again for every
+                # waiting job (quadratic churn in the log).
+                blocked_by = f"an earlier job that does not fit yet ({why})"
             continue
         budget -= job.gpus
         to_place.append(entry)
@@ -232,12 +243,12 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     for entry in to_place:
         job = entry.job
         request = PlacementRequest(job.gpus, _may_spread(job, cycle.now, cycle.policy))
-        result = cycle.place(request, cycle.ledger)
+        result = _try_place(cycle, request, job)
         while not isinstance(result, Fit) and unreleased:
             victim = unreleased.pop(0)
             cycle.ledger.give(victim.job.grants)
             released.append(victim)
-            result = cycle.place(request, cycle.ledger)
+            result = _try_place(cycle, request, job)
         if isinstance(result, Fit):
             cycle.ledger.take(result.grants)
             cycle.placed.append((entry, result.grants))
@@ -249,6 +260,36 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         if not request.may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + cycle.policy.relax_locality_after_s)
     return released
+
+
+def _try_place(cycle: _Cycle, request: PlacementRequest, job: JobView) -> PlacementResult:
+    """Place on the cycle's ledger, minus the nodes a retried job must avoid."""
+    if not job.avoid_nodes:
+        return cycle.place(request, cycle.ledger)
+    result = cycle.place(request, cycle.ledger.excluding(job.avoid_nodes))
+    if isinstance(result, NoFit):
+        avoided = ", ".join(sorted(job.avoid_nodes))
+        return NoFit(f"{result.reason} (avoiding {avoided}, where it failed)")
+    return result
+
+
+def _retry_stage(
+    snapshot: ClusterSnapshot, now: float
+) -> tuple[ClusterSnapshot, list[Wait], list[float]]:
+    """Retry stage: a job retried after a failure waits out its back-off, and the cycle
+    wakes when the back-off ends."""
+    waits: list[Wait] = []
+    wakes: list[float] = []
+    for job in snapshot.pending:
+        if job.not_before is not None and job.not_before > now:
+            # A stable reason: the shell journals a wait only when its reason changes.
+            waits.append(Wait(job.job_id, "waiting out its retry back-off"))
+            wakes.append(job.not_before)
+    if not waits:
+        return snapshot, [], []
+    backing_off = {w.job_id for w in waits}
+    eligible = tuple(j for j in snapshot.pending if j.job_id not in backing_off)
+    return replace(snapshot, pending=eligible), waits, wakes
 
 
 def _place_cause(entry: _Entry, grants: tuple[Grant, ...], policy: Policy) -> str:
@@ -310,9 +351,11 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
         distribution=snapshot.service_distribution or DEFAULT_SERVICE_PRIOR,
         progress_probe_s=policy.progress_probe_s,
     )
+    snapshot, backoff_waits, backoff_wakes = _retry_stage(snapshot, now)
     ordered = order((*snapshot.running, *snapshot.pending), context)
     ledger = FreeGpus(snapshot.nodes)
     cycle = _Cycle(snapshot, now, policy, place, ledger)
+    cycle.actions.extend(backoff_waits)
     entries = _entries(ordered, snapshot, now, policy, hold)
     to_place, victims = _select(
         cycle, entries, ordered.head_of_line_blocking, ledger.total_capacity()
@@ -320,6 +363,7 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
     released = _place_all(cycle, to_place, victims)
     _settle_victims(cycle, released)
     wakes = [*cycle.wakes, *_starvation_wakes(entries, policy)]
+    wakes += backoff_wakes
     if ordered.wake_at is not None:
         wakes.append(ordered.wake_at)
     future = [t for t in wakes if t > now]

@@ -1,0 +1,143 @@
+"""NATS identities and what each may do: nkeys, and the server's authorization block.
+
+Every component connects as its own nkey user, and the server enforces:
+
+- an agent publishes only its node's telemetry, heartbeat and event subjects, and
+  reaches only its own JetStream consumer of its own command subject;
+- a tenant publishes only `alnair.api.<tenant>.>` (the brain takes the tenant from
+  that subject, so a tenant cannot act as another);
+- the operator reads everything and changes nothing (read-only API verbs, reading
+  the STATE log);
+- the brain may do anything.
+
+Each non-brain identity gets replies on its own inbox prefix, so it cannot read
+another's replies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Literal
+
+import nkeys
+
+from schemas import subjects
+from schemas.base import check_name
+
+Role = Literal["brain", "node", "tenant", "operator"]
+OPERATOR: Final = "operator"
+READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "status", "history")
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    role: Role
+    name: str
+    public_key: str
+    seed_path: Path
+
+    @property
+    def inbox_prefix(self) -> str | None:
+        return None if self.role == "brain" else f"_INBOX_{self.role}_{self.name}"
+
+
+def create_identity(role: Role, name: str, directory: Path) -> Identity:
+    """A new user nkey; the seed is written readable by its owner only."""
+    check_name(role, name)
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(seed).public_key.decode()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{role}-{name}.nk"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(seed)
+    return Identity(role, name, public, path)
+
+
+def load_identity(role: Role, name: str, directory: Path) -> Identity:
+    path = directory / f"{role}-{name}.nk"
+    public = nkeys.from_seed(path.read_bytes().strip()).public_key.decode()
+    return Identity(role, name, public, path)
+
+
+def _node_permissions(node: str) -> tuple[list[str], list[str]]:
+    consumer = f"agent-{node}"
+    stream = subjects.STREAM_COMMANDS
+    publish = [
+        subjects.node(node, "telemetry"),
+        subjects.node(node, "heartbeat"),
+        subjects.node(node, "event"),
+        f"{subjects.PREFIX}.dlq.>",
+        # Its own durable consumer on its own command subject, and nothing else.
+        f"$JS.API.CONSUMER.INFO.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.{consumer}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
+        f"$JS.ACK.{stream}.{consumer}.>",
+    ]
+    return publish, [f"_INBOX_node_{node}.>"]
+
+
+def _operator_permissions() -> tuple[list[str], list[str]]:
+    state = subjects.STREAM_STATE
+    publish = [subjects.api(OPERATOR, verb) for verb in READ_ONLY_VERBS] + [
+        "$JS.API.INFO",
+        f"$JS.API.STREAM.INFO.{state}",
+        f"$JS.API.CONSUMER.CREATE.{state}",
+        f"$JS.API.CONSUMER.CREATE.{state}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{state}.>",
+        f"$JS.API.CONSUMER.DELETE.{state}.>",
+    ]
+    return publish, [">"]
+
+
+def permissions(identity: Identity) -> tuple[list[str], list[str]]:
+    """(publish allow-list, subscribe allow-list)."""
+    if identity.role == "brain":
+        return [">"], [">"]
+    if identity.role == "node":
+        return _node_permissions(identity.name)
+    if identity.role == "tenant":
+        return [f"{subjects.PREFIX}.api.{identity.name}.>"], [f"_INBOX_tenant_{identity.name}.>"]
+    return _operator_permissions()
+
+
+def authorization_block(identities: list[Identity]) -> str:
+    """The nats-server configuration that admits exactly these identities."""
+    users = []
+    for identity in identities:
+        publish, subscribe = permissions(identity)
+        rules = f"publish: {{allow: {json.dumps(publish)}}}, "
+        rules += f"subscribe: {{allow: {json.dumps(subscribe)}}}"
+        users.append(f"    {{nkey: {identity.public_key}, permissions: {{{rules}}}}}")
+    return "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n}\n"
+
+
+def write_cluster_keys(
+    directory: Path, *, nodes: list[str], tenants: list[str], brains: int = 1
+) -> tuple[list[Identity], Path]:
+    """Identities for a whole cluster and the server config file admitting them."""
+    identities = [create_identity("brain", f"brain-{i + 1}", directory) for i in range(brains)]
+    identities += [create_identity("node", node, directory) for node in nodes]
+    identities += [create_identity("tenant", tenant, directory) for tenant in tenants]
+    identities.append(create_identity("operator", OPERATOR, directory))
+    config = directory / "nats-auth.conf"
+    config.write_text(
+        "# Generated by `alnair keys`: who may connect to NATS and what each may do.\n"
+        + authorization_block(identities)
+    )
+    return identities, config
+
+
+def inbox_prefix_for_seed(path: str | Path) -> str | None:
+    """The reply-inbox prefix an identity's permissions allow, from its seed file's
+    name (`<role>-<name>.nk`, as written here); None for a brain or an unknown name."""
+    stem = Path(path).name.removesuffix(".nk")
+    role, _, name = stem.partition("-")
+    if role in ("node", "tenant", "operator") and name:
+        return f"_INBOX_{role}_{name}"
+    return None

@@ -1,0 +1,164 @@
+"""`alnair inject | drain | resume | blacklist | history`: the failure-handling commands.
+
+Drain, resume and blacklist edits are an operator's, so they ask as tenant `operator`
+(NATS permissions decide whether this identity may). `inject` goes straight to the
+node's agent, which refuses it for real GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from pydantic import TypeAdapter
+
+from cli import format as fmt
+from cli.client import call
+from schemas import subjects
+from schemas.api import (
+    BLACKLIST_RESULT,
+    HISTORY_RESULT,
+    NODE_RESULT,
+    OPERATOR_TENANT,
+    BlacklistRequest,
+    DrainRequest,
+    HistoryRequest,
+    ResumeRequest,
+)
+from schemas.commands import InjectFault, InjectFaultReply
+
+WithBus = Callable[[argparse.Namespace, Callable[[Any], Awaitable[int]]], Awaitable[int]]
+ClientArgs = Callable[[argparse.ArgumentParser], None]
+
+INJECT_REPLY: TypeAdapter[InjectFaultReply] = TypeAdapter(InjectFaultReply)
+
+
+def _fault_of(args: argparse.Namespace) -> InjectFault:
+    if args.xid is not None:
+        return InjectFault(gpu=args.gpu, fault="xid", xid=args.xid)
+    if args.ecc:
+        return InjectFault(gpu=args.gpu, fault="ecc_dbe")
+    if args.lost:
+        return InjectFault(gpu=args.gpu, fault="lost")
+    if args.retired_pages:
+        return InjectFault(gpu=args.gpu, fault="retired_pages")
+    return InjectFault(gpu=args.gpu, fault="row_remap_failure")
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+Body = Callable[[argparse.Namespace, Any], Awaitable[int]]
+
+
+async def _inject(args: argparse.Namespace, bus: Any) -> int:
+    reply = await bus.request(subjects.node(args.node, "inject"), _fault_of(args), INJECT_REPLY)
+    print(("injected: " if reply.ok else "refused: ") + reply.detail)
+    return 0 if reply.ok else 1
+
+
+async def _drain(args: argparse.Namespace, bus: Any) -> int:
+    request = DrainRequest(node=args.node, reason=args.reason, gpu=args.gpu)
+    reply = await call(bus, OPERATOR_TENANT, "drain", request, NODE_RESULT)
+    print(fmt.nodes_table((reply.node,)))
+    return 0
+
+
+async def _resume(args: argparse.Namespace, bus: Any) -> int:
+    reply = await call(bus, OPERATOR_TENANT, "resume", ResumeRequest(node=args.node), NODE_RESULT)
+    print(fmt.nodes_table((reply.node,)))
+    return 0
+
+
+async def _blacklist(args: argparse.Namespace, bus: Any) -> int:
+    request = BlacklistRequest(action=args.action, uri=args.uri, reason=args.reason)
+    tenant = args.tenant if args.action == "list" else OPERATOR_TENANT
+    reply = await call(bus, tenant, "blacklist", request, BLACKLIST_RESULT)
+    if args.json:
+        print(reply.model_dump_json(indent=2))
+        return 0
+    rows = [
+        [e.uri, e.added_by, _when(e.added_at), ",".join(e.jobs) or "-", e.reason[:60]]
+        for e in reply.entries
+    ]
+    print(fmt.table(["INPUT", "BY", "ADDED", "JOBS", "REASON"], rows))
+    if reply.suspects:
+        print("\nnot blacklisted yet (jobs that failed on it):")
+        for uri, jobs in sorted(reply.suspects.items()):
+            print(f"  {uri}: {', '.join(jobs)}")
+    return 0
+
+
+async def _history(args: argparse.Namespace, bus: Any) -> int:
+    reply = await call(bus, args.tenant, "history", HistoryRequest(job_id=args.job), HISTORY_RESULT)
+    if args.json:
+        print(json.dumps(reply.model_dump(mode="json"), indent=2))
+        return 0
+    job = reply.job
+    print(f"job {job.job_id} {job.state.value} after {job.attempt} attempt(s)")
+    rows = [
+        [
+            str(a.attempt),
+            a.nodes or "-",
+            _when(a.started_at),
+            _when(a.ended_at),
+            a.state,
+            a.failure_class.value if a.failure_class else "-",
+            (a.reason or "")[:70],
+        ]
+        for a in reply.attempts
+    ]
+    print(fmt.table(["ATTEMPT", "NODES", "START", "END", "STATE", "CLASS", "REASON"], rows))
+    return 0
+
+
+def add_commands(sub: Any, client_args: ClientArgs, with_bus: WithBus) -> None:
+    """Register the failure-handling subcommands on the `alnair` parser."""
+
+    def runner(body: Body) -> Callable[[argparse.Namespace], Awaitable[int]]:
+        async def run(args: argparse.Namespace) -> int:
+            return await with_bus(args, lambda bus: body(args, bus))
+
+        return run
+
+    p = sub.add_parser("inject", help="make a simulated GPU suffer a fault (XID, ECC, lost)")
+    client_args(p)
+    p.add_argument("node")
+    p.add_argument("--gpu", type=int, required=True, help="GPU index on the node")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--xid", type=int, help="an XID error number (79: fallen off the bus)")
+    kind.add_argument("--ecc", action="store_true", help="a double-bit ECC error")
+    kind.add_argument("--lost", action="store_true", help="the GPU stops answering")
+    kind.add_argument("--retired-pages", action="store_true", help="pages retired (pending)")
+    kind.add_argument("--row-remap-failure", action="store_true", help="row remapping failed")
+    p.set_defaults(fn=runner(_inject))
+
+    p = sub.add_parser("drain", help="take a node (or one GPU) out of scheduling")
+    client_args(p)
+    p.add_argument("node")
+    p.add_argument("--gpu", type=int, help="drain only this GPU")
+    p.add_argument("--reason", required=True, help="why (shown by `alnair nodes`)")
+    p.set_defaults(fn=runner(_drain))
+
+    p = sub.add_parser("resume", help="give a drained node's GPUs back to scheduling")
+    client_args(p)
+    p.add_argument("node")
+    p.set_defaults(fn=runner(_resume))
+
+    p = sub.add_parser("blacklist", help="the cluster-wide input blacklist: list|add|remove")
+    client_args(p)
+    p.add_argument("action", choices=("list", "add", "remove"), nargs="?", default="list")
+    p.add_argument("uri", nargs="?")
+    p.add_argument("--reason", default="blacklisted by an operator")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=runner(_blacklist))
+
+    p = sub.add_parser("history", help="every attempt of a job, with its failure class")
+    client_args(p)
+    p.add_argument("job")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=runner(_history))

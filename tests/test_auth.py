@@ -1,0 +1,183 @@
+"""Identities and permissions enforced by a real nats-server: the cluster works under
+them, and nobody can use another's subjects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from agents.agent import Agent, AgentConfig
+from agents.gpu import SimulatedGpus
+from brain.service import Brain, BrainConfig
+from bus.auth import Identity, write_cluster_keys
+from bus.client import Bus, ConnectOptions
+from bus.server import EmbeddedNats
+from cli.client import call, submit
+from schemas import subjects
+from schemas.api import JOBS_RESULT, STATUS_RESULT, ListJobsRequest, StatusRequest
+from schemas.jobs import JobSpec, JobState
+from tests.conftest import eventually
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> tuple[dict[str, Identity], Path]:
+    identities, config = write_cluster_keys(
+        tmp_path / "keys", nodes=["n1", "n2"], tenants=["a", "b"]
+    )
+    return {f"{i.role}:{i.name}": i for i in identities}, config
+
+
+@pytest.fixture
+def secure_server(tmp_path: Path, keys) -> AsyncIterator[EmbeddedNats]:
+    server = EmbeddedNats(data_dir=tmp_path / "nats", config_file=keys[1])
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def open_as(server: EmbeddedNats, identity: Identity) -> Bus:
+    return await Bus.connect(
+        ConnectOptions(
+            servers=(server.url,),
+            name=f"{identity.role}:{identity.name}",
+            nkey_seed=str(identity.seed_path),
+            inbox_prefix=identity.inbox_prefix,
+        )
+    )
+
+
+async def raw_as(server: EmbeddedNats, identity: Identity, errors: list[str]) -> nats.NATS:
+    async def on_error(error: Exception) -> None:
+        errors.append(str(error))
+
+    return await nats.connect(
+        server.url,
+        nkeys_seed=str(identity.seed_path),
+        error_cb=on_error,
+        inbox_prefix=identity.inbox_prefix or "_INBOX",
+        allow_reconnect=False,
+    )
+
+
+async def test_cluster_runs_under_least_privilege(secure_server, keys, tmp_path) -> None:
+    ids = keys[0]
+    opened: list[Bus] = []
+    brain = agent = None
+    try:
+        brain_bus = await open_as(secure_server, ids["brain:brain-1"])
+        opened.append(brain_bus)
+        brain = Brain(
+            brain_bus, BrainConfig(lease_ttl_s=2.0, tick_s=0.2, history_path=tmp_path / "h.db")
+        )
+        await brain.start()
+        await asyncio.wait_for(brain.leading.wait(), timeout=30)
+        agent_bus = await open_as(secure_server, ids["node:n1"])
+        opened.append(agent_bus)
+        agent = Agent(
+            agent_bus,
+            AgentConfig(node="n1", data_dir=tmp_path / "n1", heartbeat_s=0.2),
+            SimulatedGpus("n1", 2, "A100"),
+        )
+        await agent.start()
+        await eventually(lambda: brain.state.nodes)
+        tenant = await open_as(secure_server, ids["tenant:a"])
+        opened.append(tenant)
+        job = await submit(tenant, "a", JobSpec(command=(sys.executable, "-c", "pass"), gpus=1))
+        await eventually(lambda: brain.state.jobs[job.job_id].state is JobState.SUCCEEDED)
+
+        # The operator reads every tenant's jobs...
+        operator = await open_as(secure_server, ids["operator:operator"])
+        opened.append(operator)
+        status = await call(operator, "operator", "status", StatusRequest(), STATUS_RESULT)
+        assert status.epoch == brain.epoch
+        # ...and tenant b sees none of a's.
+        other = await open_as(secure_server, ids["tenant:b"])
+        opened.append(other)
+        seen = await call(other, "b", "jobs", ListJobsRequest(), JOBS_RESULT)
+        assert seen.jobs == ()
+    finally:
+        if agent is not None:
+            await agent.stop()
+        if brain is not None:
+            await brain.stop()
+        for bus in opened:
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+
+async def test_server_refuses_other_identities_subjects(secure_server, keys) -> None:
+    ids = keys[0]
+    brain_errors: list[str] = []
+    brain = await raw_as(secure_server, ids["brain:brain-1"], brain_errors)
+    received: list[str] = []
+
+    async def record(msg) -> None:
+        received.append(msg.subject)
+
+    await brain.subscribe("alnair.>", cb=record)
+    await brain.flush()
+
+    n1_errors: list[str] = []
+    n1 = await raw_as(secure_server, ids["node:n1"], n1_errors)
+    await n1.publish(subjects.node("n2", "heartbeat"), b"{}")  # another node's subject
+    await n1.publish(subjects.node("n1", "cmd"), b"{}")  # commands come only from the brain
+    await n1.publish(subjects.api("a", "submit"), b"{}")  # nodes are not tenants
+    await n1.subscribe(subjects.node("n2", "cmd"))  # another node's commands
+    await n1.publish(subjects.node("n1", "heartbeat"), b"{}")  # its own: allowed
+    await n1.flush()
+
+    tenant_errors: list[str] = []
+    tenant = await raw_as(secure_server, ids["tenant:a"], tenant_errors)
+    await tenant.publish(subjects.api("b", "cancel"), b"{}")  # another tenant
+    await tenant.subscribe("alnair.state.>")  # the log shows every tenant's jobs
+    await tenant.flush()
+
+    operator_errors: list[str] = []
+    operator = await raw_as(secure_server, ids["operator:operator"], operator_errors)
+    await operator.publish(subjects.api("operator", "submit"), b"{}")  # read-only
+    await operator.publish(subjects.node("n1", "cmd"), b"{}")
+    await operator.flush()
+
+    await eventually(
+        lambda: len(n1_errors) >= 4 and len(tenant_errors) >= 2 and len(operator_errors) >= 2
+    )
+    assert all("permissions violation" in e.lower() for e in n1_errors + tenant_errors)
+    assert received == [subjects.node("n1", "heartbeat")]
+    for conn in (n1, tenant, operator, brain):
+        await conn.close()
+
+
+# nats-py leaves the refused connection's transport for the garbage collector.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_unknown_key_cannot_connect(secure_server, tmp_path) -> None:
+    from bus.auth import create_identity
+
+    stranger = create_identity("node", "n9", tmp_path / "elsewhere")
+    errors: list[str] = []
+
+    async def on_error(error: Exception) -> None:
+        errors.append(str(error))
+
+    with pytest.raises(Exception) as refused:  # noqa: PT011 - nats-py raises its own kinds
+        await nats.connect(
+            secure_server.url,
+            nkeys_seed=str(stranger.seed_path),
+            allow_reconnect=False,
+            max_reconnect_attempts=0,
+            connect_timeout=2,
+            error_cb=on_error,
+        )
+    said = " ".join([*errors, str(refused.value), repr(refused.value)]).lower()
+    del refused
+    gc.collect()  # collect the refused transport here, under this test's filters
+    assert "authorization" in said or "noservers" in said.replace(" ", ""), said
