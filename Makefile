@@ -13,7 +13,9 @@ STAMP := $(VENV)/.alnair-installed
 # The CPU build: a looser spec pulls several GB of CUDA packages.
 TORCH_SPEC := torch==2.13.0
 
-.PHONY: up test lint pytest venv
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: up test lint pytest venv chromium
 
 up: $(STAMP)
 	$(BIN)/alnair up $(ARGS)
@@ -25,8 +27,15 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) chromium
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The dashboard test drives Debian's headless Chromium. Best effort: where it cannot be
+# installed, that one test says so and skips.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium could not be installed; the dashboard test will skip"
 
 venv: $(STAMP)
 

@@ -21,14 +21,24 @@ from typing import Final
 
 import nats.js.errors
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
-from agents.gpu import GpuBackend
+from agents.gpu import GpuBackend, SimulatedGpus
+from agents.health import (
+    FaultReport,
+    NvmlHealthWatcher,
+    check_injection,
+    simulated_fault,
+    watch_nvml,
+)
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
 from bus.client import Bus, Consumer
 from schemas import subjects
-from schemas.commands import NODE_COMMAND, Launch, NodeCommand, Stop
-from schemas.errors import BusError
+from schemas.base import decode, encode
+from schemas.commands import NODE_COMMAND, InjectFault, InjectFaultReply, Launch, NodeCommand, Stop
+from schemas.errors import BusError, InvalidMessage
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
+from schemas.jobs import BLACKLIST_FILE_ENV
 from schemas.telemetry import Heartbeat, RunningJob, TelemetryBatch
 
 log = logging.getLogger(__name__)
@@ -75,6 +85,8 @@ class Agent:
         self._sender: asyncio.Task[None] | None = None
         self._closing = False
         self._commands: Consumer | None = None
+        self._health: NvmlHealthWatcher | None = None
+        self._inject_sub: Subscription | None = None
 
     @property
     def node(self) -> str:
@@ -93,9 +105,22 @@ class Agent:
         )
         self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
         self._sender = self.bus.spawn(self._send_events(), name="events")
+        self._inject_sub = await self.bus.nc.subscribe(
+            subjects.node(self.node, "inject"), cb=self._on_inject
+        )
+        if self.backend.kind == "nvml":
+            loop = asyncio.get_running_loop()
+
+            def from_thread(report: FaultReport) -> None:
+                loop.call_soon_threadsafe(self._fault_seen, report)
+
+            self._health, why = watch_nvml(self.backend, from_thread)
+            if why:
+                log.warning("%s: GPU health watch: %s", self.node, why)
 
     async def stop(self, *, stop_jobs: bool = True) -> None:
         self._closing = True
+        await self._stop_health()
         for task in self._loops:
             task.cancel()
         if self._loops:
@@ -120,6 +145,7 @@ class Agent:
     async def crash(self) -> list[int]:
         """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""
         self._closing = True
+        await self._stop_health()
         if self._commands is not None:
             self._commands.stopping.set()
         for task in [*self._loops, self._sender]:
@@ -128,6 +154,51 @@ class Agent:
         self._loops.clear()
         self._sender = None
         return list(self.launcher.abandon())
+
+    # -- GPU health --------------------------------------------------------------------
+
+    async def _stop_health(self) -> None:
+        if self._inject_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._inject_sub.unsubscribe()
+            self._inject_sub = None
+        if self._health is not None:
+            await asyncio.to_thread(self._health.stop)
+            self._health = None
+
+    def _fault_seen(self, report: FaultReport) -> None:
+        """A GPU fault, from the NVML watcher or an injection: tell the brain."""
+        log.warning("%s: GPU %d fault %s %s", self.node, report.gpu, report.fault, report.detail)
+        self._outbox.put_nowait(
+            GpuFault(
+                event_id=uuid.uuid4().hex,
+                node=self.node,
+                ts=self.clock(),
+                gpu=report.gpu,
+                fault=report.fault,
+                xid=report.xid,
+                detail=report.detail[:500],
+            )
+        )
+
+    async def _on_inject(self, msg: Msg) -> None:
+        reply = self.inject(msg.data)
+        if msg.reply:
+            await msg.respond(encode(reply))
+
+    def inject(self, data: bytes) -> InjectFaultReply:
+        """`alnair inject`: a simulated GPU suffers a fault; real GPUs refuse."""
+        try:
+            request = decode(data, InjectFault)
+        except InvalidMessage as error:
+            return InjectFaultReply(ok=False, detail=f"invalid inject request: {error.reason}")
+        refusal = check_injection(request, self.backend.kind, len(self.backend.inventory()))
+        if refusal is not None or not isinstance(self.backend, SimulatedGpus):
+            return InjectFaultReply(ok=False, detail=refusal or "not a simulated backend")
+        self.backend.suffer(request.gpu, request.fault)
+        report = simulated_fault(request)
+        self._fault_seen(report)
+        return InjectFaultReply(ok=True, detail=f"GPU {report.gpu}: {report.detail}")
 
     # -- periodic --------------------------------------------------------------------
 
@@ -200,6 +271,10 @@ class Agent:
         if isinstance(command, Launch):
             await self._launch(command)
         elif isinstance(command, Stop):
+            # Mark the processes as stopping now, not when the stop task first runs: a
+            # launch right behind this stop (a preemption) may then wait for their GPUs.
+            for process in self.launcher.find(command.job_id, command.attempt):
+                process.stop_reason = process.stop_reason or command.reason
             # Not awaited inside the command loop: a stop waits out its grace period,
             # and other commands must not queue behind it.
             self.bus.spawn(self._stop(command), name=f"stop:{command.job_id}")
@@ -237,6 +312,9 @@ class Agent:
         )
         if self.config.nats_url:
             env["ALNAIR_NATS"] = self.config.nats_url
+        env[BLACKLIST_FILE_ENV] = str(self._blacklist_file(command))
+        if command.prerun:
+            env["ALNAIR_PRERUN"] = "1"
         request = LaunchRequest(
             job_id=command.job_id,
             attempt=command.attempt,
@@ -276,6 +354,13 @@ class Agent:
             )
         )
         self.backend.set_busy(self.launcher.busy_gpus())
+
+    def _blacklist_file(self, command: Launch) -> Path:
+        """The cluster's input blacklist for this attempt, one URI per line."""
+        path = self.config.data_dir / "blacklists" / f"{command.job_id}-{command.attempt}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(f"{uri}\n" for uri in command.blacklist))
+        return path
 
     async def _stop(self, command: Stop) -> None:
         await self.launcher.stop(

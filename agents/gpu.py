@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
 from schemas.errors import AlnairError
-from schemas.telemetry import GpuInfo, GpuSample
+from schemas.telemetry import GpuHealth, GpuInfo, GpuSample
 
 
 class GpuBackendError(AlnairError):
@@ -87,6 +87,8 @@ class SimulatedGpus:
             for i in range(count)
         )
         self._busy: frozenset[int] = frozenset()
+        # Injected faults (`alnair inject`): double-bit ECC counts, and lost GPUs.
+        self._ecc_dbe: dict[int, int] = {}
         self._rng = random.Random(seed if seed is not None else zlib.crc32(node.encode()))
         self._ticks = 0
 
@@ -95,6 +97,18 @@ class SimulatedGpus:
 
     def set_busy(self, gpus: Iterable[int]) -> None:
         self._busy = frozenset(gpus)
+
+    def suffer(self, gpu: int, fault: str) -> None:
+        """Make GPU `gpu` show an injected fault where NVML would show it."""
+        if fault == "ecc_dbe":
+            self._ecc_dbe[gpu] = self._ecc_dbe.get(gpu, 0) + 1
+        elif fault == "lost":
+            self._gpus = tuple(
+                g.model_copy(update={"health": GpuHealth.LOST, "health_reason": "injected: lost"})
+                if g.index == gpu
+                else g
+                for g in self._gpus
+            )
 
     def sample(self) -> tuple[GpuSample, ...]:
         self._ticks += 1
@@ -122,7 +136,7 @@ class SimulatedGpus:
             temp_c=round(32.0 + 0.4 * util + self._rng.uniform(-0.5, 0.5), 1),
             sm_clock_mhz=m.sm_clock_mhz if util > 0 else 210.0,
             mem_clock_mhz=m.mem_clock_mhz,
-            ecc_dbe_total=0,
+            ecc_dbe_total=self._ecc_dbe.get(index, 0),
         )
 
     def close(self) -> None:

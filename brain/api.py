@@ -18,10 +18,15 @@ from schemas import subjects
 from schemas.api import (
     OPERATOR_TENANT,
     REQUEST_TYPES,
+    AttemptRow,
+    BlacklistReply,
+    BlacklistRequest,
     CancelRequest,
     DrainRequest,
     ErrorReply,
     GetJobRequest,
+    HistoryReply,
+    HistoryRequest,
     JobReply,
     JobsReply,
     ListJobsRequest,
@@ -40,7 +45,16 @@ from schemas.nodes import NodeStatus
 
 log = logging.getLogger(__name__)
 
-Reply = JobReply | JobsReply | NodesReply | NodeReply | StatusReply | ErrorReply
+Reply = (
+    JobReply
+    | JobsReply
+    | NodesReply
+    | NodeReply
+    | StatusReply
+    | HistoryReply
+    | BlacklistReply
+    | ErrorReply
+)
 
 
 class ApiServer:
@@ -115,6 +129,26 @@ class ApiServer:
                 raise ApiError("forbidden", f"only an operator may {verb} nodes, not {tenant}")
             await brain.submit_item(_Item(verb, request, tenant))
             return NodeReply(node=self._node_status(request.node))
+        if isinstance(request, HistoryRequest):
+            job = self._own_job(tenant, request.job_id, operator=operator)
+            rows = brain.history.attempts(job.job_id)
+            return HistoryReply(job=job, attempts=tuple(AttemptRow(**row) for row in rows))
+        if isinstance(request, BlacklistRequest):
+            if request.action != "list":
+                if not operator:
+                    raise ApiError(
+                        "forbidden", f"only an operator may edit the blacklist, not {tenant}"
+                    )
+                await brain.submit_item(_Item("blacklist", request, tenant))
+            state = brain.state
+            return BlacklistReply(
+                entries=tuple(state.blacklist.values()),
+                suspects={
+                    uri: tuple(sorted(jobs))
+                    for uri, jobs in state.input_failures.items()
+                    if uri not in state.blacklist
+                },
+            )
         if isinstance(request, StatusRequest):
             return await self._status()
         raise ApiError("invalid", f"unsupported request {type(request).__name__}")

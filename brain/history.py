@@ -141,6 +141,23 @@ class History:
             },
             pk="job_id",
         )
+        for failure in job.failures:
+            # A failed attempt's row keeps where it ran; its end and class are added.
+            self.db.table("attempts").upsert(
+                {
+                    "job_id": job.job_id,
+                    "attempt": failure.attempt,
+                    "nodes": ",".join(failure.nodes),
+                    "ended_at": failure.at,
+                    "state": "FAILED",
+                    "exit_code": failure.exit_code,
+                    "signal": failure.signal,
+                    "failure_class": failure.failure_class.value,
+                    "reason": failure.reason,
+                },
+                pk=("job_id", "attempt"),
+                alter=True,
+            )
         if job.attempt >= 1 and job.grants:
             self.db.table("attempts").upsert(
                 {
@@ -157,6 +174,26 @@ class History:
                 },
                 pk=("job_id", "attempt"),
             )
+
+    def attempts(self, job_id: str) -> list[dict[str, Any]]:
+        """Every attempt of a job, oldest first, with the columns `AttemptRow` names."""
+        columns = {c.name for c in self.db.table("attempts").columns}
+        rows = self.db.table("attempts").rows_where("job_id = ?", [job_id], order_by="attempt")
+        return [
+            {
+                "attempt": r["attempt"],
+                "nodes": r["nodes"] or "",
+                "gpus": r["gpus"] or "",
+                "started_at": r["started_at"],
+                "ended_at": r["ended_at"],
+                "state": r["state"] or "",
+                "exit_code": r["exit_code"],
+                "signal": r["signal"],
+                "failure_class": r["failure_class"] if "failure_class" in columns else None,
+                "reason": r["reason"],
+            }
+            for r in rows
+        ]
 
     def job_events(self, job_id: str) -> list[dict[str, Any]]:
         return list(self.db.table("events").rows_where("job_id = ?", [job_id], order_by="seq"))

@@ -309,13 +309,10 @@ def _action_name(action: object) -> str:
 
 
 def _failure_class(job: JobRecord) -> str:
-    """User, infrastructure or input (Philly), once the brain classifies failures."""
-    if job.state is not JobState.FAILED:
+    """User, infrastructure or input (Philly): the class of the attempt that ended it."""
+    if job.state not in (JobState.FAILED, JobState.UNSUCCESSFUL):
         return "none"
-    # Failure classification lands with the failure-handling work; until the record
-    # carries a class, every failure counts as unclassified.
-    value = getattr(job, "failure_class", None)
-    return str(getattr(value, "value", value)) if value else "unclassified"
+    return job.failures[-1].failure_class.value if job.failures else "unclassified"
 
 
 def _gpu_holders(running: list[JobRecord]) -> dict[tuple[str, int], str]:

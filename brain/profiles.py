@@ -385,6 +385,8 @@ class Profiler:
         # node -> GPU index -> the track of the job holding it
         self._holders: dict[str, dict[int, _Track]] = {}
         self._stale_index = True
+        # Set when a profile changed in a way a placement or elasticity policy acts on.
+        self._news = False
 
     # -- observers (run in the brain's loop; cheap, never raise on bad luck) ------------
 
@@ -408,10 +410,16 @@ class Profiler:
 
     # -- views -----------------------------------------------------------------------
 
+    def poll(self) -> bool:
+        """Refresh what is due; True if some profile changed in a way policy acts on
+        (a first profile, a job turning underused or back, a cycle found or lost), so
+        the brain decides again even when nothing else happened."""
+        self._refresh()
+        news, self._news = self._news, False
+        return news
+
     def current(self) -> Mapping[str, UtilizationProfile]:
         """Profiles of the running jobs, refreshing the stalest within the work budget."""
-        if self._stale_index:
-            self._reindex()
         self._refresh()
         return {
             job_id: track.profile
@@ -421,6 +429,7 @@ class Profiler:
 
     def job_profile(self, job_id: str) -> JobProfile | None:
         """The job's latest profile: its running attempt's, else the stored one."""
+        self._refresh((job_id,))
         track = self._tracks.get(job_id)
         if track is not None and track.shown is not None:
             return track.shown
@@ -428,10 +437,13 @@ class Profiler:
 
     def live_profiles(self, job_ids: Iterable[str]) -> tuple[JobProfile, ...]:
         """Profiles of those of these jobs that run now (memory only: cheap for a list)."""
-        found = (self._tracks.get(job_id) for job_id in job_ids)
+        wanted = tuple(job_ids)
+        self._refresh(wanted)
+        found = (self._tracks.get(job_id) for job_id in wanted)
         return tuple(t.shown for t in found if t is not None and t.shown is not None)
 
     def running_profiles(self) -> tuple[JobProfile, ...]:
+        self._refresh()
         return tuple(t.shown for t in self._tracks.values() if t.shown is not None)
 
     def close(self) -> None:
@@ -462,18 +474,27 @@ class Profiler:
                 gpus=job.gpu_count,
                 lead_node=job.grants[0].node,
             )
+            track.gpus = job.gpu_count  # an elastic job's GPUs change within an attempt
             self._tracks[job.job_id] = track
             for grant in job.grants:
                 node = self._holders.setdefault(grant.node, {})
                 for gpu in grant.gpus:
                     node[gpu] = track
 
-    def _refresh(self) -> None:
+    def _refresh(self, job_ids: Iterable[str] | None = None) -> None:
+        """Recompute the profiles that are due (of `job_ids`, or all), stalest first."""
+        if self._stale_index:
+            self._reindex()
         now = self.clock()
+        tracks = (
+            self._tracks.values()
+            if job_ids is None
+            else [t for t in map(self._tracks.get, job_ids) if t is not None]
+        )
         due = sorted(
             (
                 t
-                for t in self._tracks.values()
+                for t in tracks
                 if t.fresh_samples and now - t.computed_at >= self.settings.recompute_s
             ),
             key=lambda t: t.computed_at,
@@ -483,8 +504,10 @@ class Profiler:
     def _compute(self, track: _Track) -> JobProfile | None:
         if track.samples == 0:
             return None
-        was_underused = track.profile is not None and track.profile.underused
+        before = track.profile
+        was_underused = before is not None and before.underused
         profile = analyse(tuple(track.readings), track.totals(), self.settings)
+        self._news = self._news or _matters_to_policy(before, profile)
         track.profile = profile
         track.computed_at = self.clock()
         track.fresh_samples = False
@@ -524,6 +547,16 @@ class Profiler:
         except Exception:
             # The profile stays in memory; only its durable copy is late.
             log.exception("could not store %d job profiles", len(kept))
+
+
+def _matters_to_policy(before: UtilizationProfile | None, after: UtilizationProfile) -> bool:
+    if before is None:
+        return True
+    return (before.underused, before.idle_gpus, before.period_s is None) != (
+        after.underused,
+        after.idle_gpus,
+        after.period_s is None,
+    )
 
 
 # -- storage ----------------------------------------------------------------------------

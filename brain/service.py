@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from brain import elastic
-from brain.core import DEFAULT_POLICY, Decisions, Place, Policy, Wait, decide
+from brain.core import DEFAULT_POLICY, Decisions, Place, Policy, Preempt, Wait, decide
 from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
     AttemptEnd,
@@ -154,6 +154,7 @@ class Brain:
         # cancellation into ConnectionClosedError once the connection is closed.
         self._closing = False
         self.decisions_made = 0
+        self.preemptions = 0
         # Read-only observers (metrics, profiles, the HTTP event stream). They run in
         # the brain's loop and must not block or raise; they never change state.
         self.telemetry_observers: list[Callable[[TelemetryBatch], None]] = []
@@ -1169,6 +1170,15 @@ class Brain:
         self.decisions_made += 1
         for action in decisions.actions:
             job = self.state.jobs.get(action.job_id)
+            if isinstance(action, Preempt):
+                # Preemptions come first: the placements after them use the GPUs freed.
+                if job is not None and job.state is JobState.RUNNING:
+                    await self._requeue(
+                        job,
+                        Cause(kind=CauseKind.PREEMPTED, job_id=job.job_id, message=action.reason),
+                    )
+                    self.preemptions += 1
+                continue
             if job is None or job.state is not JobState.PENDING:
                 continue
             if isinstance(action, Place):

@@ -79,7 +79,8 @@ def _node_permissions(node: str) -> tuple[list[str], list[str]]:
         f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"$JS.ACK.{stream}.{consumer}.>",
     ]
-    return publish, [f"_INBOX_node_{node}.>"]
+    # Fault injection (simulated GPUs only) is a request to the node's own subject.
+    return publish, [f"_INBOX_node_{node}.>", f"{subjects.PREFIX}.node.{node}.inject"]
 
 
 def _operator_permissions() -> tuple[list[str], list[str]]:

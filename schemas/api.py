@@ -11,11 +11,14 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from schemas.base import Message, NodeName
-from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState
 from schemas.nodes import NodeStatus
 from schemas.profiles import JobProfile
+from schemas.state import BlacklistEntry
 
-ApiVerb = Literal["submit", "cancel", "jobs", "job", "nodes", "status", "drain", "resume"]
+ApiVerb = Literal[
+    "submit", "cancel", "jobs", "job", "nodes", "status", "drain", "resume", "history", "blacklist"
+]
 API_VERBS: Final[tuple[str, ...]] = (
     "submit",
     "cancel",
@@ -25,6 +28,8 @@ API_VERBS: Final[tuple[str, ...]] = (
     "status",
     "drain",
     "resume",
+    "history",
+    "blacklist",
 )
 # Requests on `alnair.api.operator.>` are an operator's: they may read every tenant's
 # jobs and drain or resume nodes. NATS permissions must grant that subject to operators
@@ -65,10 +70,26 @@ class DrainRequest(Message):
 
     node: NodeName
     reason: str = Field(default="drained by an operator", min_length=1, max_length=500)
+    # One GPU of the node rather than all of it.
+    gpu: int | None = Field(default=None, ge=0, le=255)
 
 
 class ResumeRequest(Message):
     node: NodeName
+
+
+class HistoryRequest(Message):
+    """Every attempt of one job (`alnair history JOB`), from the brain's history."""
+
+    job_id: str = Field(min_length=1, max_length=64)
+
+
+class BlacklistRequest(Message):
+    """List the input blacklist, or (operators) add or remove an input."""
+
+    action: Literal["list", "add", "remove"] = "list"
+    uri: str | None = Field(default=None, min_length=1, max_length=4096)
+    reason: str = Field(default="blacklisted by an operator", min_length=1, max_length=500)
 
 
 ErrorCode = Literal[
@@ -106,6 +127,36 @@ class NodeReply(Message):
     node: NodeStatus
 
 
+class AttemptRow(BaseModel):
+    """One attempt of a job as the history keeps it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attempt: int
+    nodes: str
+    gpus: str
+    started_at: float | None
+    ended_at: float | None
+    state: str
+    exit_code: int | None = None
+    signal: int | None = None
+    failure_class: FailureClass | None = None
+    reason: str | None = None
+
+
+class HistoryReply(Message):
+    ok: Literal[True] = True
+    job: JobRecord
+    attempts: tuple[AttemptRow, ...]
+
+
+class BlacklistReply(Message):
+    ok: Literal[True] = True
+    entries: tuple[BlacklistEntry, ...]
+    # Inputs not blacklisted yet, with the distinct jobs that failed on each.
+    suspects: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+
+
 class BrainInfo(BaseModel):
     """A running brain, as it announces itself."""
 
@@ -141,6 +192,8 @@ REQUEST_TYPES: Final[dict[str, type[Message]]] = {
     "status": StatusRequest,
     "drain": DrainRequest,
     "resume": ResumeRequest,
+    "history": HistoryRequest,
+    "blacklist": BlacklistRequest,
 }
 
 JOB_RESULT: Final = TypeAdapter(ErrorReply | JobReply)
@@ -148,3 +201,5 @@ JOBS_RESULT: Final = TypeAdapter(ErrorReply | JobsReply)
 NODES_RESULT: Final = TypeAdapter(ErrorReply | NodesReply)
 NODE_RESULT: Final = TypeAdapter(ErrorReply | NodeReply)
 STATUS_RESULT: Final = TypeAdapter(ErrorReply | StatusReply)
+HISTORY_RESULT: Final = TypeAdapter(ErrorReply | HistoryReply)
+BLACKLIST_RESULT: Final = TypeAdapter(ErrorReply | BlacklistReply)

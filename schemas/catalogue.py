@@ -12,7 +12,18 @@ from typing import Final
 
 from pydantic import BaseModel
 
-from schemas import api, commands, dlq, events, jobs, nodes, profiles, state, telemetry
+from schemas import (
+    api,
+    commands,
+    dlq,
+    events,
+    jobs,
+    nodes,
+    profiles,
+    progress,
+    state,
+    telemetry,
+)
 
 PIPE: Final = "\\|"  # a literal | inside a markdown table cell
 
@@ -53,6 +64,8 @@ ENTRIES: Final = (
             events.LaunchFailed,
             events.CommandRejected,
             events.GpuFault,
+            events.ResizeCompleted,
+            events.InputError,
         ),
         "Discriminated by `kind`. `Nats-Msg-Id` is `event_id`; the agent retries until "
         "stored, in order.",
@@ -64,6 +77,23 @@ ENTRIES: Final = (
         (commands.Launch, commands.Stop),
         "Discriminated by `kind`. `Nats-Msg-Id` is `command_id`; agents de-duplicate by it "
         "and refuse a command whose `epoch` is older than the newest they obeyed.",
+    ),
+    Entry(
+        "alnair.job.<job>.cmd",
+        "brain → supervisor",
+        "JetStream `COMMANDS`",
+        (commands.Resize,),
+        "An elastic job's supervisor de-duplicates by `command_id`, refuses an older "
+        "`epoch` than the newest it obeyed, and answers with `ResizeCompleted` on its "
+        "node's event subject (see docs/elastic.md).",
+    ),
+    Entry(
+        "alnair.job.<job>.progress",
+        "supervisor → brain",
+        "core NATS (loss tolerated)",
+        (progress.Progress,),
+        "Rank 0's last step, throughput and loss at the current world size, with each "
+        "worker's step, pid and parameter digest.",
     ),
     Entry(
         "alnair.api.<tenant>.<verb>",
@@ -78,6 +108,8 @@ ENTRIES: Final = (
             api.StatusRequest,
             api.DrainRequest,
             api.ResumeRequest,
+            api.HistoryRequest,
+            api.BlacklistRequest,
         ),
         "Verbs: " + ", ".join(f"`{v}`" for v in api.API_VERBS) + ". The tenant is the "
         "subject's token, never a payload field.",
@@ -92,20 +124,31 @@ ENTRIES: Final = (
             api.NodesReply,
             api.NodeReply,
             api.StatusReply,
+            api.HistoryReply,
+            api.BlacklistReply,
             api.ErrorReply,
         ),
         "`ok` tells a refusal (`ErrorReply`, with `code` one of invalid, not_found, "
         "conflict, unavailable, internal, unauthorized, forbidden) from a result. `drain` "
-        "and `resume` are an operator's (tenant `operator`).",
+        "and `resume`, and blacklist edits, are an operator's (tenant `operator`).",
     ),
     Entry(
         "alnair.state.job.<job> / alnair.state.node.<node>",
         "brain → world",
         "JetStream `STATE`",
-        (state.JobChanged, state.NodeChanged, state.NodeEventRecorded),
+        (state.JobChanged, state.NodeChanged, state.NodeEventRecorded, state.BlacklistChanged),
         "The brain's journal, discriminated by `kind`. A job or node entry carries the "
         "whole record after the change and its `cause`; the brain's state is the fold of "
-        "this log. Node events the brain folded are recorded under the node's subject.",
+        "this log. Node events the brain folded are recorded under the node's subject; "
+        "the input blacklist, whole after each change, on `alnair.state.blacklist.inputs`.",
+    ),
+    Entry(
+        "alnair.node.<node>.inject",
+        "CLI → agent",
+        "request/reply",
+        (commands.InjectFault, commands.InjectFaultReply),
+        "`alnair inject`: a simulated GPU suffers a fault, reported as a `GpuFault` event. "
+        "An agent with real GPUs (NVML) refuses with `ok` false.",
     ),
     Entry(
         "alnair.dlq.<origin>",
@@ -121,12 +164,17 @@ NESTED: Final[tuple[type[BaseModel], ...]] = (
     jobs.JobSpec,
     jobs.JobRecord,
     jobs.NodeGrant,
+    jobs.AttemptFailure,
+    nodes.DrainedGpu,
+    state.BlacklistEntry,
+    api.AttemptRow,
     nodes.NodeRecord,
     nodes.NodeStatus,
     profiles.JobProfile,
     telemetry.GpuInfo,
     telemetry.GpuSample,
     telemetry.RunningJob,
+    progress.WorkerProgress,
     state.Cause,
 )
 
@@ -142,6 +190,7 @@ def _type_name(annotation: object) -> str:
         "schemas.events.",
         "schemas.api.",
         "schemas.commands.",
+        "schemas.progress.",
         "schemas.profiles.",
     ):
         text = text.replace(prefix, "")

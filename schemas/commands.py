@@ -33,6 +33,11 @@ class Launch(_Command):
     expires_at: float
     node_rank: int = Field(default=0, ge=0)
     nodes: tuple[NodeName, ...] = ()
+    # The cluster's input blacklist; the agent writes it to a file named by
+    # ALNAIR_BLACKLIST_FILE in the job's environment.
+    blacklist: tuple[str, ...] = ()
+    # Set for a pre-run (one GPU, for a short trial); the job sees ALNAIR_PRERUN=1.
+    prerun: bool = False
 
 
 class Stop(_Command):
@@ -42,6 +47,38 @@ class Stop(_Command):
     attempt: int | None = Field(default=None, ge=1)
     reason: str
     grace_s: float = Field(default=10.0, ge=0, le=3600)
+
+
+class InjectFault(Message):
+    """`alnair inject`: make a simulated GPU suffer a fault (request/reply on
+    `alnair.node.<node>.inject`). An agent with real GPUs refuses it."""
+
+    gpu: int = Field(ge=0, le=255)
+    fault: Literal["xid", "ecc_dbe", "retired_pages", "row_remap_failure", "lost"]
+    xid: int | None = Field(default=None, ge=1, le=1000)
+    detail: str = Field(default="", max_length=500)
+
+
+class InjectFaultReply(Message):
+    ok: bool
+    detail: str
+
+
+class Resize(_Command):
+    """Brain -> an elastic job's supervisor (`alnair.job.<job>.cmd`): run at this size.
+
+    The supervisor grows by adding slots and shrinks by removing slots and waiting for
+    the removed workers to exit; it answers with a ResizeCompleted event.
+    """
+
+    kind: Literal["resize"] = "resize"
+    job_id: str = Field(min_length=1, max_length=64)
+    world_size: int = Field(ge=1, le=4096)
+    cause: str = Field(default="", max_length=1000)
+
+
+JobCommand = Annotated[Resize, Field(discriminator="kind")]
+JOB_COMMAND: Final[TypeAdapter[JobCommand]] = TypeAdapter(JobCommand)
 
 
 NodeCommand = Annotated[Launch | Stop, Field(discriminator="kind")]

@@ -64,8 +64,41 @@ class GpuFault(_NodeEvent):
     detail: str = ""
 
 
+class InputError(_NodeEvent):
+    """A job says which input it failed on (the in-job SDK publishes it on its node's
+    event subject); the brain counts distinct jobs per input to blacklist it."""
+
+    kind: Literal["input_error"] = "input_error"
+    job_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    uri: str = Field(min_length=1, max_length=4096)
+    reason: str = Field(default="", max_length=1000)
+
+
+class ResizeCompleted(_NodeEvent):
+    """An elastic job's supervisor applied (or refused) a Resize; the brain commits the
+    staged resize on `ok` and frees `released_gpus` only then."""
+
+    kind: Literal["resize_completed"] = "resize_completed"
+    job_id: str = Field(min_length=1, max_length=64)
+    command_id: str = Field(min_length=1, max_length=128)
+    from_size: int = Field(ge=0)
+    to_size: int = Field(ge=0)
+    ok: bool
+    duration_s: float = Field(ge=0)
+    # Slots whose workers have exited (shrink): safe to give to another job now.
+    released_gpus: int = Field(default=0, ge=0)
+    reason: str = Field(default="", max_length=1000)
+
+
 NodeEvent = Annotated[
-    JobStarted | JobExited | LaunchFailed | CommandRejected | GpuFault,
+    JobStarted
+    | JobExited
+    | LaunchFailed
+    | CommandRejected
+    | GpuFault
+    | InputError
+    | ResizeCompleted,
     Field(discriminator="kind"),
 ]
 NODE_EVENT: Final[TypeAdapter[NodeEvent]] = TypeAdapter(NodeEvent)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final
+from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.base import NodeName, QueueName, TenantName
 
@@ -15,6 +15,13 @@ _ENV_NAME_CHARS: Final = frozenset(
 )
 # Set by the agent for every job; a spec may not override them.
 RESERVED_ENV_PREFIXES: Final = ("ALNAIR_", "CUDA_VISIBLE_DEVICES")
+# How a job that cannot use the in-job SDK over NATS says it failed on an input: it
+# prints `ALNAIR_BAD_INPUT <uri> [reason]` as one of its last log lines and exits with
+# this code (sysexits' EX_NOINPUT). `workloads.sdk.fail_on_bad_input` does both.
+BAD_INPUT_EXIT_CODE: Final = 66
+BAD_INPUT_MARKER: Final = "ALNAIR_BAD_INPUT"
+# Names the file (one URI per line) holding the cluster's input blacklist for a job.
+BLACKLIST_FILE_ENV: Final = "ALNAIR_BLACKLIST_FILE"
 
 
 class JobState(StrEnum):
@@ -23,10 +30,43 @@ class JobState(StrEnum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    # Failed for reasons not its own (infrastructure, bad input) more often than the
+    # retry limit allows: Philly's "unsuccessful", told apart from a user's FAILED.
+    UNSUCCESSFUL = "UNSUCCESSFUL"
 
     @property
     def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+        return self in (
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.CANCELLED,
+            JobState.UNSUCCESSFUL,
+        )
+
+
+class FailureClass(StrEnum):
+    """Why an attempt failed, which decides whether running it again can help (Philly)."""
+
+    USER = "user"  # its own code or configuration: it would fail the same way again
+    INFRASTRUCTURE = "infrastructure"  # node lost, GPU fault, NCCL/Gloo timeout, OOM kill
+    INPUT = "input"  # it reported the input it failed on
+
+
+class AttemptFailure(BaseModel):
+    """One failed attempt of a job: what the brain classified it as, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    attempt: int = Field(ge=1)
+    failure_class: FailureClass
+    reason: str
+    nodes: tuple[NodeName, ...] = ()
+    at: float
+    exit_code: int | None = None
+    signal: int | None = None
+    input_uri: str | None = None
+    # The last lines of the attempt's log, for user errors (what the user must fix).
+    log_tail: tuple[str, ...] = ()
 
 
 class JobSpec(BaseModel):
@@ -41,6 +81,33 @@ class JobSpec(BaseModel):
     priority: int = Field(default=0, ge=-1000, le=1000)
     env: dict[str, str] = Field(default_factory=dict, max_length=256)
     cwd: str | None = Field(default=None, max_length=4096)
+    # Elastic (Horovod) jobs run between min_gpus and max_gpus under the supervisor;
+    # `gpus` is then the size the job would like to start at. See docs/elastic.md.
+    elastic: bool = False
+    min_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS_PER_JOB)
+    max_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS_PER_JOB)
+
+    @model_validator(mode="after")
+    def _elastic_bounds(self) -> JobSpec:
+        if not self.elastic:
+            if self.min_gpus is not None or self.max_gpus is not None:
+                raise ValueError("min_gpus and max_gpus are only for elastic jobs")
+            return self
+        low = self.min_gpus if self.min_gpus is not None else 1
+        high = self.max_gpus if self.max_gpus is not None else self.gpus
+        if low > high:
+            raise ValueError(f"min_gpus {low} is above max_gpus {high}")
+        if not low <= self.gpus <= high:
+            raise ValueError(f"gpus {self.gpus} is outside min_gpus..max_gpus ({low}..{high})")
+        return self
+
+    @property
+    def gpu_range(self) -> tuple[int, int]:
+        """(least, most) GPUs the job can run on; (gpus, gpus) for a rigid job."""
+        if not self.elastic:
+            return (self.gpus, self.gpus)
+        low = self.min_gpus if self.min_gpus is not None else 1
+        return (low, self.max_gpus if self.max_gpus is not None else self.gpus)
 
     @field_validator("command")
     @classmethod
@@ -93,6 +160,15 @@ class JobRecord(BaseModel):
     # Why the job is in its state: the last cause's message, or why it waits.
     reason: str | None = None
     idempotency_key: str | None = None
+    # Every failed attempt, oldest first; the retry policy counts them by class.
+    failures: tuple[AttemptFailure, ...] = ()
+    # A job retried after a failure waits until `not_before` (back-off, brain clock)
+    # and is never placed on `avoid_nodes` (the nodes its failed attempts ran on).
+    not_before: float | None = None
+    avoid_nodes: tuple[NodeName, ...] = ()
+    # Pre-run (Philly): "pending" before its one-GPU trial, "running" during it,
+    # "passed" once it survived; None when its queue has no pre-run.
+    prerun: Literal["pending", "running", "passed"] | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -101,3 +177,6 @@ class JobRecord(BaseModel):
     @property
     def gpu_count(self) -> int:
         return sum(len(grant.gpus) for grant in self.grants)
+
+    def failures_of(self, *classes: FailureClass) -> int:
+        return sum(1 for f in self.failures if f.failure_class in classes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.base import NodeName
 from schemas.telemetry import GpuInfo, GpuSample
@@ -17,6 +17,16 @@ class NodeState(StrEnum):
     # Taken out of scheduling by an operator (`drain_reason` says why); its running
     # jobs go on, and `resume` gives its GPUs back.
     DRAINED = "DRAINED"
+
+
+class DrainedGpu(BaseModel):
+    """One GPU taken out of scheduling while its node stays up (a fault, or an operator)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, le=255)
+    reason: str
+    at: float
 
 
 class NodeRecord(BaseModel):
@@ -38,6 +48,9 @@ class NodeRecord(BaseModel):
     # Set while drained, whatever the liveness: a drained node that is lost and
     # returns is still drained.
     drain_reason: str | None = None
+    # GPUs drained one by one (a critical XID, an operator's `drain --gpu`); they stay
+    # drained until the node is resumed.
+    drained_gpus: tuple[DrainedGpu, ...] = ()
 
     @property
     def gpu_count(self) -> int:

@@ -22,6 +22,7 @@ from schemas.nodes import NodeRecord, NodeState
 class CauseKind(StrEnum):
     SUBMITTED = "submitted"
     WAITING = "waiting"
+    PREEMPTED = "preempted"
     PLACED = "placed"
     STARTED = "started"
     EXITED = "exited"
@@ -35,6 +36,16 @@ class CauseKind(StrEnum):
     NODE_EVENT = "node_event"
     NODE_DRAINED = "node_drained"
     NODE_RESUMED = "node_resumed"
+    GPU_DRAINED = "gpu_drained"
+    # A failed attempt and its class (user / infrastructure / input), then what follows:
+    # a retry after a back-off, or the end (FAILED for user errors, UNSUCCESSFUL past
+    # the retry limit).
+    FAILURE_CLASSIFIED = "failure_classified"
+    RETRY_SCHEDULED = "retry_scheduled"
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    PRERUN_PASSED = "prerun_passed"
+    BLACKLISTED = "blacklisted"
+    UNBLACKLISTED = "unblacklisted"
 
 
 class Cause(BaseModel):
@@ -76,6 +87,29 @@ class NodeEventRecorded(Message):
     event: NodeEvent
 
 
+class BlacklistEntry(BaseModel):
+    """An input no job may use: blacklisted after it broke `jobs`, or by an operator."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str = Field(min_length=1, max_length=4096)
+    reason: str
+    jobs: tuple[str, ...] = ()
+    added_at: float
+    added_by: str
+
+
+class BlacklistChanged(Message):
+    """The whole input blacklist after a change (last entry wins, like job records)."""
+
+    kind: Literal["blacklist"] = "blacklist"
+    record_id: str
+    ts: float
+    epoch: int = Field(ge=0)
+    entries: tuple[BlacklistEntry, ...]
+    cause: Cause
+
+
 class BrainSnapshot(Message):
     """The fold of the STATE log up to `last_seq`, so a brain need not replay it all."""
 
@@ -85,9 +119,14 @@ class BrainSnapshot(Message):
     epoch: int = Field(ge=0)
     jobs: tuple[JobRecord, ...]
     nodes: tuple[NodeRecord, ...]
+    blacklist: tuple[BlacklistEntry, ...] = ()
+    # Distinct jobs that reported failing on each input not (yet) blacklisted.
+    input_failures: dict[str, tuple[str, ...]] = Field(default_factory=dict)
 
 
-StateRecord = Annotated[JobChanged | NodeChanged | NodeEventRecorded, Field(discriminator="kind")]
+StateRecord = Annotated[
+    JobChanged | NodeChanged | NodeEventRecorded | BlacklistChanged, Field(discriminator="kind")
+]
 STATE_RECORD: Final[TypeAdapter[StateRecord]] = TypeAdapter(StateRecord)
 
 

@@ -18,7 +18,8 @@ STREAM_EVENTS: Final = "EVENTS"
 STREAM_COMMANDS: Final = "COMMANDS"
 STREAM_STATE: Final = "STATE"
 
-NodeChannel = Literal["telemetry", "heartbeat", "event", "cmd"]
+# `inject` is request/reply: `alnair inject` asks a simulated node to suffer a GPU fault.
+NodeChannel = Literal["telemetry", "heartbeat", "event", "cmd", "inject"]
 JobChannel = Literal["cmd", "progress"]
 
 ALL_TELEMETRY: Final = f"{PREFIX}.node.*.telemetry"
@@ -52,6 +53,9 @@ def state_node(node_name: str) -> str:
     return f"{PREFIX}.state.node.{check_name('node', node_name)}"
 
 
+STATE_BLACKLIST: Final = f"{PREFIX}.state.blacklist.inputs"
+
+
 def dlq(origin: str) -> str:
     """Dead-letter subject; `origin` is the subject class the message came in on."""
     return f"{PREFIX}.dlq.{origin}"
@@ -83,7 +87,7 @@ def parse(subject: str) -> ParsedSubject:
     kind = tokens[1]
     if kind == "node":
         check_name("node", tokens[2])
-        if tokens[3] not in ("telemetry", "heartbeat", "event", "cmd"):
+        if tokens[3] not in ("telemetry", "heartbeat", "event", "cmd", "inject"):
             raise InvalidSubject(subject, f"unknown node channel {tokens[3]!r}")
         return ParsedSubject("node", tokens[2], tokens[3])
     if kind == "job":
@@ -94,6 +98,6 @@ def parse(subject: str) -> ParsedSubject:
     if kind == "api":
         check_name("tenant", tokens[2])
         return ParsedSubject("api", tokens[2], tokens[3])
-    if kind == "state" and tokens[2] in ("job", "node"):
+    if kind == "state" and tokens[2] in ("job", "node", "blacklist"):
         return ParsedSubject("state", tokens[3], tokens[2])
     raise InvalidSubject(subject, f"unknown subject kind {kind!r}")

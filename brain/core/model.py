@@ -107,6 +107,10 @@ class JobView:
     network_sensitive: bool = False
     # Running jobs with enough telemetry: their utilisation profile; None otherwise.
     profile: UtilizationProfile | None = None
+    # Retry stage: a job retried after a failure waits until `not_before` (its
+    # back-off) and is never placed on `avoid_nodes` (where it failed).
+    not_before: float | None = None
+    avoid_nodes: frozenset[str] = frozenset()
 
     @property
     def running(self) -> bool:

@@ -75,6 +75,19 @@ class FreeGpus:
     def lowest(self, node: str, count: int) -> tuple[int, ...]:
         return tuple(self._free[node][:count])
 
+    def excluding(self, avoid: frozenset[str]) -> FreeGpus:
+        """A copy without the `avoid` nodes, for a job retried away from where it failed.
+        Placing on the copy takes nothing: the cycle takes the fit on its own ledger."""
+        view = FreeGpus(())
+        for name, free in self._free.items():
+            if name in avoid:
+                continue
+            view._free[name] = list(free)
+            view._switch[name] = self._switch[name]
+            view._capacity[name] = self._capacity[name]
+            view._by_switch.setdefault(self._switch[name], []).append(name)
+        return view
+
 
 @dataclass(frozen=True, slots=True)
 class Fit:

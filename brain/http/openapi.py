@@ -33,6 +33,8 @@ class DrainBody(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     reason: str = Field(default="drained by an operator", min_length=1, max_length=500)
+    # One GPU of the node rather than all of it.
+    gpu: int | None = Field(default=None, ge=0, le=255)
 
 
 class Whoami(BaseModel):
@@ -274,8 +276,24 @@ def _paths() -> dict[str, Any]:
     }
 
 
+# What JobSpec's validators check beyond the types (schemas/jobs.py, schemas/base.py),
+# stated in JSON Schema so that clients and fuzzers know it.
+ENV_NAME_PATTERN: Final = r"^(?!ALNAIR_|CUDA_VISIBLE_DEVICES)[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def _state_validators(schemas: dict[str, Any]) -> None:
+    for name, schema in schemas.items():
+        if not name.startswith("JobSpec"):
+            continue
+        fields = schema["properties"]
+        fields["queue"]["pattern"] = NAME_PATTERN
+        fields["command"]["prefixItems"] = [{"type": "string", "pattern": r"\S"}]
+        fields["env"]["propertyNames"] = {"pattern": ENV_NAME_PATTERN}
+
+
 def document(*, version: str = "1") -> dict[str, Any]:
     _, top = models_json_schema(_MODELS, ref_template="#/components/schemas/{model}")
+    _state_validators(top.get("$defs", {}))
     return {
         "openapi": "3.1.0",
         "info": {

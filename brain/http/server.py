@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from brain.http import events
 from brain.http.auth import Caller, TokenTable
@@ -42,6 +42,7 @@ from schemas.api import (
     SubmitRequest,
 )
 from schemas.base import MAX_MESSAGE_BYTES, Message, decode
+from schemas.base import _describe as describe_validation_error
 from schemas.errors import AlnairError, InvalidMessage
 
 if TYPE_CHECKING:
@@ -230,11 +231,18 @@ class HttpServer:
 
     @staticmethod
     def _decode(model: type[M], data: bytes | dict[str, Any], verb: str) -> M:
+        """The NATS API's decoding and error text, but strict: the HTTP API promises its
+        OpenAPI document, so `0` is no boolean and `"2"` no number."""
         raw = data if isinstance(data, bytes) else json.dumps(data).encode()
         try:
-            return decode(raw, model)
+            decode(raw, model)  # the size limit, and what is wrong in the NATS API's words
         except InvalidMessage as error:
             raise HttpRefusal(400, "invalid", f"invalid {verb} request: {error.reason}") from None
+        try:
+            return model.model_validate_json(raw, strict=True)
+        except ValidationError as error:
+            reason = describe_validation_error(error)
+            raise HttpRefusal(400, "invalid", f"invalid {verb} request: {reason}") from None
 
     async def _call(
         self, request: web.Request, message: Message, *, created: bool = False
@@ -300,7 +308,7 @@ class HttpServer:
         self._caller(request)
         raw = await request.read()
         body = self._decode(DrainBody, raw, "drain") if raw.strip() else DrainBody()
-        data = {"node": request.match_info["node"], "reason": body.reason}
+        data = {"node": request.match_info["node"], "reason": body.reason, "gpu": body.gpu}
         return await self._call(request, self._decode(DrainRequest, data, "drain"))
 
     async def _resume(self, request: web.Request) -> web.Response:

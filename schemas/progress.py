@@ -1,0 +1,36 @@
+"""Progress of a running job (supervisor -> brain, core NATS `alnair.job.<job>.progress`).
+
+Loss is tolerated: each message carries the whole current picture, so the next one
+replaces a lost one. The brain's elasticity policy learns throughput per world size
+from these.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from schemas.base import Message
+
+
+class WorkerProgress(Message):
+    """One worker's last report."""
+
+    rank: int = Field(ge=0)
+    pid: int = Field(ge=1)
+    step: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    param_digest: str = Field(default="", max_length=64)
+
+
+class Progress(Message):
+    """Where an elastic (or SDK-reporting) job stands, as rank 0 last reported it."""
+
+    job_id: str = Field(min_length=1, max_length=64)
+    ts: float
+    step: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    samples_per_s: float = Field(ge=0)
+    loss: float
+    # The slots the supervisor runs now (the world size it is converging to).
+    slots: int = Field(ge=0)
+    workers: tuple[WorkerProgress, ...] = Field(default=(), max_length=4096)

@@ -1,0 +1,111 @@
+"""The failure path end to end: a real nats-server, a brain, simulated agents, real
+processes. Classification, retries with back-off away from the failed node, the retry
+limit, node loss and a returning node, and the history of every attempt."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from brain.core.failures import FailurePolicy
+from schemas.api import HistoryReply, HistoryRequest
+from schemas.jobs import FailureClass, JobSpec, JobState
+from tests.conftest import eventually
+from tests.test_cluster_e2e import submit
+
+REPO = str(Path(__file__).resolve().parents[1])
+FAST = FailurePolicy(backoff_base_s=0.1, backoff_max_s=0.5)
+
+
+def python(code: str) -> tuple[str, ...]:
+    return (sys.executable, "-c", code)
+
+
+async def test_user_error_is_not_retried_and_says_why(brain_factory, agent_factory) -> None:
+    brain = await brain_factory(failures=FAST)
+    await agent_factory("n1")
+    await agent_factory("n2")
+    await eventually(lambda: len(brain.state.nodes) == 2)
+    job_id = await submit(
+        brain.api,
+        JobSpec(command=python("print('loading'); raise ValueError('lr must be > 0')"), gpus=1),
+    )
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.FAILED
+    assert job.attempt == 1
+    (failure,) = job.failures
+    assert failure.failure_class is FailureClass.USER
+    assert job.reason is not None and "ValueError: lr must be > 0" in job.reason
+    assert "Traceback (most recent call last):" in failure.log_tail
+
+
+async def test_lost_node_job_retried_elsewhere_as_attempt_2(brain_factory, agent_factory) -> None:
+    brain = await brain_factory(node_timeout_s=1.0, failures=FAST)
+    first = await agent_factory("n1", gpus=2)
+    await eventually(lambda: len(brain.state.nodes) == 1)
+    job_id = await submit(
+        brain.api, JobSpec(command=python("import time; time.sleep(600)"), gpus=2)
+    )
+    await eventually(lambda: first.launcher.find(job_id))
+    second = await agent_factory("n2", gpus=2)
+    agent_factory.orphans.extend(await first.crash())
+    await eventually(lambda: second.launcher.find(job_id), timeout_s=30)
+    job = brain.state.jobs[job_id]
+    assert (job.state, job.nodes, job.attempt) == (JobState.RUNNING, ("n2",), 2)
+    (failure,) = job.failures
+    assert failure.failure_class is FailureClass.INFRASTRUCTURE
+    assert "node n1 was lost" in failure.reason
+    assert job.avoid_nodes == ("n1",)
+    reply = await brain.api.handle("default", HistoryRequest(job_id=job_id))
+    assert isinstance(reply, HistoryReply)
+    assert [(a.attempt, a.nodes, a.failure_class) for a in reply.attempts] == [
+        (1, "n1", FailureClass.INFRASTRUCTURE),
+        (2, "n2", None),
+    ]
+
+
+async def test_retries_stop_at_the_limit_unsuccessful(brain_factory, agent_factory) -> None:
+    policy = FailurePolicy(infrastructure_retries=2, backoff_base_s=0.05, backoff_max_s=0.1)
+    brain = await brain_factory(failures=policy)
+    for n in range(4):
+        await agent_factory(f"n{n}", gpus=1)
+    await eventually(lambda: len(brain.state.nodes) == 4)
+    nccl = "print('[E ProcessGroupNCCL.cpp:1] Watchdog caught collective operation timeout')"
+    job_id = await submit(
+        brain.api, JobSpec(command=python(f"{nccl}; raise SystemExit(1)"), gpus=1)
+    )
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.UNSUCCESSFUL
+    assert job.attempt == 3
+    assert [f.failure_class for f in job.failures] == [FailureClass.INFRASTRUCTURE] * 3
+    # Never twice on a node it failed on.
+    assert len({f.nodes for f in job.failures}) == 3
+
+
+async def test_returning_node_stale_process_is_stopped(brain_factory, agent_factory) -> None:
+    brain = await brain_factory(node_timeout_s=1.0, failures=FAST)
+    first = await agent_factory("n1", gpus=1)
+    await eventually(lambda: brain.state.nodes)
+    job_id = await submit(
+        brain.api, JobSpec(command=python("import time; time.sleep(600)"), gpus=1)
+    )
+    (stale,) = await eventually(lambda: first.launcher.find(job_id))
+    second = await agent_factory("n2", gpus=1)
+    # A partition: n1 neither heartbeats nor hears commands, but its job runs on.
+    for task in first._loops:
+        task.cancel()
+    first._loops.clear()
+    assert first._commands is not None
+    await first._commands.stop()
+    first._commands = None
+    await eventually(lambda: second.launcher.find(job_id), timeout_s=30)
+    assert stale.process.returncode is None
+    # n1 comes back; the brain has given its job away, so n1's process must stop.
+    first._closing = False
+    first._loops.append(first.bus.spawn(first._every(0.2, first.heartbeat), name="heartbeat"))
+    first._loops.append(first.bus.spawn(first._consume_commands(), name="commands"))
+    await eventually(lambda: stale.exited.is_set(), timeout_s=30)
+    job = brain.state.jobs[job_id]
+    assert (job.state, job.nodes, job.attempt) == (JobState.RUNNING, ("n2",), 2)
+    await asyncio.sleep(0)  # let the stop's exit event drain before teardown

@@ -1,0 +1,202 @@
+"""The pure failure policy: classification, the retry decision, the XID catalogue, and
+the retry stage of `decide` (back-off and avoided nodes). No bus."""
+
+from __future__ import annotations
+
+import pytest
+
+from brain.core import ClusterSnapshot, Grant, JobView, NodeView, Place, Wait, decide
+from brain.core.failures import (
+    AttemptEnd,
+    FailurePolicy,
+    GiveUp,
+    Retry,
+    classify,
+    decide_retry,
+    fault_action,
+)
+from schemas.jobs import AttemptFailure, FailureClass, JobState
+
+TRACEBACK = (
+    "epoch 0 step 3",
+    "Traceback (most recent call last):",
+    '  File "train.py", line 3, in <module>',
+    "ValueError: learning rate must be positive",
+)
+
+
+@pytest.mark.parametrize(
+    ("end", "infra", "reported", "expected", "reason_has"),
+    [
+        (
+            AttemptEnd(exit_code=1, log_tail=TRACEBACK),
+            (),
+            None,
+            FailureClass.USER,
+            "ValueError: learning rate must be positive",
+        ),
+        (
+            AttemptEnd(exit_code=2, log_tail=("usage: train.py [-h]", "train.py: error: bad --lr")),
+            (),
+            None,
+            FailureClass.USER,
+            "configuration error",
+        ),
+        (
+            AttemptEnd(exit_code=3, log_tail=("boom",)),
+            (),
+            None,
+            FailureClass.USER,
+            "no infrastructure event explains it: boom",
+        ),
+        (
+            AttemptEnd(exit_code=1, log_tail=TRACEBACK),
+            ("node n1 was lost",),
+            None,
+            FailureClass.INFRASTRUCTURE,
+            "node n1 was lost",
+        ),
+        (
+            AttemptEnd(
+                exit_code=1,
+                log_tail=("[E ProcessGroupNCCL.cpp] Watchdog caught collective operation timeout",),
+            ),
+            (),
+            None,
+            FailureClass.INFRASTRUCTURE,
+            "NCCL",
+        ),
+        (
+            AttemptEnd(
+                exit_code=1,
+                log_tail=(
+                    "RuntimeError: [../gloo/transport/tcp/pair.cc] Connection closed by peer",
+                ),
+            ),
+            (),
+            None,
+            FailureClass.INFRASTRUCTURE,
+            "Gloo",
+        ),
+        (AttemptEnd(signal=9), (), None, FailureClass.INFRASTRUCTURE, "OOM killer"),
+        (
+            AttemptEnd(exit_code=66, log_tail=("ALNAIR_BAD_INPUT s3://d/shard-7 truncated",)),
+            (),
+            None,
+            FailureClass.INPUT,
+            "s3://d/shard-7: truncated",
+        ),
+        (
+            AttemptEnd(exit_code=1, log_tail=TRACEBACK),
+            (),
+            "file:///d/x",
+            FailureClass.INPUT,
+            "file:///d/x",
+        ),
+        # The marker without the documented exit code is just a log line.
+        (
+            AttemptEnd(exit_code=1, log_tail=("ALNAIR_BAD_INPUT s3://x",)),
+            (),
+            None,
+            FailureClass.USER,
+            "exit code 1",
+        ),
+    ],
+)
+def test_classify(
+    end: AttemptEnd,
+    infra: tuple[str, ...],
+    reported: str | None,
+    expected: FailureClass,
+    reason_has: str,
+) -> None:
+    result = classify(end, infra, reported)
+    assert result.failure_class is expected
+    assert reason_has in result.reason
+
+
+def _failure(
+    attempt: int, kind: FailureClass, node: str = "n1", uri: str | None = None
+) -> AttemptFailure:
+    return AttemptFailure(
+        attempt=attempt, failure_class=kind, reason="r", nodes=(node,), at=0.0, input_uri=uri
+    )
+
+
+def test_infrastructure_retries_back_off_avoid_nodes_then_unsuccessful() -> None:
+    policy = FailurePolicy(infrastructure_retries=4, backoff_base_s=1.0)
+    failures: list[AttemptFailure] = []
+    delays = []
+    for attempt in range(1, 5):
+        failures.append(_failure(attempt, FailureClass.INFRASTRUCTURE, node=f"n{attempt}"))
+        decision = decide_retry(failures, "default", 100.0, policy)
+        assert isinstance(decision, Retry)
+        delays.append(decision.not_before - 100.0)
+        assert decision.avoid_nodes == tuple(f"n{i}" for i in range(1, attempt + 1))
+    assert delays == [1.0, 2.0, 4.0, 8.0]
+    failures.append(_failure(5, FailureClass.INFRASTRUCTURE))
+    final = decide_retry(failures, "default", 100.0, policy)
+    assert isinstance(final, GiveUp) and final.state is JobState.UNSUCCESSFUL
+
+
+def test_user_errors_not_retried_unless_the_queue_says_so() -> None:
+    failures = [_failure(1, FailureClass.USER)]
+    decision = decide_retry(failures, "default", 0.0, FailurePolicy())
+    assert isinstance(decision, GiveUp) and decision.state is JobState.FAILED
+    lenient = FailurePolicy(queue_user_retries=(("research", 1),))
+    assert isinstance(decide_retry(failures, "research", 0.0, lenient), Retry)
+    twice = [*failures, _failure(2, FailureClass.USER)]
+    assert isinstance(decide_retry(twice, "research", 0.0, lenient), GiveUp)
+
+
+def test_input_failures_retry_only_once_blacklisted() -> None:
+    failures = [_failure(1, FailureClass.INPUT, uri="s3://bad")]
+    waiting = decide_retry(failures, "default", 0.0, FailurePolicy())
+    assert isinstance(waiting, GiveUp) and waiting.state is JobState.FAILED
+    retry = decide_retry(
+        failures, "default", 0.0, FailurePolicy(), blacklisted=frozenset({"s3://bad"})
+    )
+    assert isinstance(retry, Retry)
+
+
+@pytest.mark.parametrize(
+    ("fault", "xid", "drain"),
+    [
+        ("xid", 79, "node"),
+        ("xid", 95, "node"),
+        ("xid", 48, "gpu"),
+        ("xid", 63, "gpu"),
+        ("xid", 64, "gpu"),
+        ("xid", 74, "gpu"),
+        ("xid", 92, "gpu"),
+        ("xid", 94, "gpu"),
+        ("xid", 119, "gpu"),
+        ("xid", 120, "gpu"),
+        ("xid", 13, "none"),
+        ("xid", 31, "none"),
+        ("xid", 43, "none"),
+        ("xid", 45, "none"),
+        ("xid", 68, "none"),
+        ("ecc_dbe", None, "gpu"),
+        ("lost", None, "gpu"),
+    ],
+)
+def test_xid_catalogue(fault: str, xid: int | None, drain: str) -> None:
+    assert fault_action(fault, xid, 0).drain == drain  # type: ignore[arg-type]
+
+
+def test_decide_waits_out_back_off_and_avoids_failed_nodes() -> None:
+    nodes = (NodeView("n1", (0, 1), frozenset({0, 1})), NodeView("n2", (0, 1), frozenset({0, 1})))
+    backing_off = JobView("1", 1, 0.0, not_before=50.0)
+    avoiding = JobView("2", 2, 1.0, avoid_nodes=frozenset({"n1"}))
+    decisions = decide(ClusterSnapshot(nodes=nodes, pending=(backing_off, avoiding)), 10.0)
+    assert Wait("1", "waiting out its retry back-off") in decisions.waits
+    assert decisions.wake_at == 50.0
+    (place,) = decisions.placements
+    assert place == Place("2", (Grant("n2", (0, 1)),), place.cause)
+    later = decide(ClusterSnapshot(nodes=nodes, pending=(backing_off,)), 60.0)
+    assert [p.job_id for p in later.placements] == ["1"]
+    only_n1 = decide(ClusterSnapshot(nodes=nodes[:1], pending=(avoiding,)), 60.0)
+    assert not only_n1.placements
+    (wait,) = only_n1.waits
+    assert "avoiding n1" in wait.reason

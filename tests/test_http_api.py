@@ -1,0 +1,212 @@
+"""The HTTP API against a real brain on a real nats-server: the NATS API's semantics and
+errors, tenants confined to their own jobs, operators, drain/resume, standbys."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from brain.service import Brain
+from bus.client import Bus
+from schemas import subjects
+from schemas.api import JOB_RESULT, NODE_RESULT, ErrorReply, GetJobRequest, ResumeRequest
+from schemas.base import decode
+from tests.conftest import eventually
+from tests.httpkit import TOKENS, Api, api_factory
+
+__all__ = ["api_factory"]
+
+SLEEPER = {"spec": {"name": "sleeper", "command": ["sleep", "60"], "gpus": 1}}
+
+
+async def _job_state(api: Api, job_id: str, who: str = "alice") -> str | None:
+    status, body = await api.call("GET", f"/v1/jobs/{job_id}", who)
+    return body["job"]["state"] if status == 200 else None
+
+
+async def test_submit_show_list_cancel_as_over_nats(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Any]],
+    api_factory: Callable[..., Awaitable[Api]],
+    connect: Callable[[str], Awaitable[Bus]],
+) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    api = await api_factory(brain)
+    await eventually(lambda: "n1" in brain.state.nodes)
+
+    status, body = await api.call("POST", "/v1/jobs", json=SLEEPER)
+    assert status == 201, body
+    job_id = body["job"]["job_id"]
+    assert body["job"]["tenant"] == "alice" and body["job"]["state"] == "PENDING"
+
+    async def running() -> bool:
+        return await _job_state(api, job_id) == "RUNNING"
+
+    await eventually(running)
+    status, body = await api.call("GET", "/v1/jobs?state=RUNNING")
+    assert status == 200 and [j["job_id"] for j in body["jobs"]] == [job_id]
+
+    # Another tenant neither sees nor touches it, and is told so in the NATS API's words.
+    status, http_refusal = await api.call("GET", f"/v1/jobs/{job_id}", "bob")
+    assert status == 404 and http_refusal["code"] == "not_found"
+    bus = await connect("nats-client")
+    nats_refusal = await bus.request(
+        subjects.api("bob", "job"), GetJobRequest(job_id=job_id), JOB_RESULT
+    )
+    assert isinstance(nats_refusal, ErrorReply)
+    assert http_refusal["error"] == nats_refusal.error == f"no job {job_id} for tenant bob"
+    status, body = await api.call("GET", "/v1/jobs", "bob")
+    assert status == 200 and body["jobs"] == []
+    status, _ = await api.call("POST", f"/v1/jobs/{job_id}/cancel", "bob")
+    assert status == 404
+
+    # An operator reads every tenant's jobs.
+    status, body = await api.call("GET", "/v1/jobs", "operator")
+    assert status == 200 and [j["job_id"] for j in body["jobs"]] == [job_id]
+    assert (await api.call("GET", f"/v1/jobs/{job_id}", "operator"))[0] == 200
+
+    status, body = await api.call("POST", f"/v1/jobs/{job_id}/cancel")
+    assert status == 200 and body["job"]["state"] == "CANCELLED"
+    status, body = await api.call("POST", f"/v1/jobs/{job_id}/cancel")
+    assert status == 409 and body == {
+        "v": 1,
+        "ok": False,
+        "code": "conflict",
+        "error": f"job {job_id} already ended CANCELLED",
+    }
+
+
+async def test_tokens_are_required_and_name_the_tenant(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    api_factory: Callable[..., Awaitable[Api]],
+) -> None:
+    api = await api_factory(await brain_factory())
+    for who, expected in (("alice", "alice"), ("operator", "operator")):
+        status, body = await api.call("GET", "/v1/whoami", who)
+        assert status == 200 and body["tenant"] == expected
+    status, body = await api.call("GET", "/v1/jobs", None)
+    assert status == 401 and body["code"] == "unauthorized" and "Bearer" in body["error"]
+    status, _ = await api.call("GET", "/v1/jobs", None, headers={"Authorization": "Bearer nope"})
+    assert status == 401
+    # EventSource cannot send headers: the token may come in the query.
+    status, _ = await api.call("GET", f"/v1/whoami?access_token={TOKENS['bob']}", None)
+    assert status == 200
+    # A tenant in the payload is no field of the API at all.
+    spec = {"spec": {**SLEEPER["spec"]}, "tenant": "bob"}
+    status, body = await api.call("POST", "/v1/jobs", json=spec)
+    assert status == 400 and "tenant" in body["error"]
+    # /metrics is an operator's.
+    assert (await api.call("GET", "/metrics", "alice"))[0] == 403
+
+
+async def test_invalid_requests_get_the_nats_apis_errors(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    api_factory: Callable[..., Awaitable[Api]],
+    connect: Callable[[str], Awaitable[Bus]],
+) -> None:
+    api = await api_factory(await brain_factory())
+    bad = {"spec": {"command": [], "gpus": 0}}
+    status, http_refusal = await api.call("POST", "/v1/jobs", json=bad)
+    assert status == 400 and http_refusal["code"] == "invalid"
+    bus = await connect("nats-client")
+    reply = await bus.nc.request(subjects.api("alice", "submit"), encode_json(bad), timeout=5)
+    nats_refusal = decode(reply.data, JOB_RESULT)
+    assert isinstance(nats_refusal, ErrorReply)
+    assert http_refusal["error"] == nats_refusal.error
+    assert "spec.command" in http_refusal["error"] and "spec.gpus" in http_refusal["error"]
+
+    cases: list[tuple[str, str, int, str]] = [
+        ("GET", "/v1/jobs?limit=0", 400, "limit"),
+        ("GET", "/v1/jobs?limit=ten", 400, "limit"),
+        ("GET", "/v1/jobs?state=SLEEPING", 400, "states"),
+        ("POST", "/v1/jobs", 400, "invalid submit request"),  # no body
+        ("GET", "/v1/events?since=0", 400, "since"),
+        ("GET", "/v1/nowhere", 404, "Not Found"),
+        ("DELETE", "/v1/jobs", 405, "Not Allowed"),
+    ]
+    for method, path, expected, words in cases:
+        status, body = await api.call(method, path)
+        assert (status, words in body["error"]) == (expected, True), (path, body)
+
+
+def encode_json(data: dict[str, Any]) -> bytes:
+    return json.dumps(data).encode()
+
+
+async def test_drain_takes_gpus_out_of_scheduling_until_resumed(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Any]],
+    api_factory: Callable[..., Awaitable[Api]],
+    connect: Callable[[str], Awaitable[Bus]],
+) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    await agent_factory("n2", gpus=1)
+    api = await api_factory(brain)
+    await eventually(lambda: {"n1", "n2"} <= set(brain.state.nodes))
+
+    status, body = await api.call("POST", "/v1/nodes/n1/drain", "alice", json={"reason": "x"})
+    assert status == 403 and body["code"] == "forbidden"
+    assert (await api.call("POST", "/v1/nodes/n9/drain", "operator"))[0] == 404
+    assert (await api.call("POST", "/v1/nodes/n1/resume", "operator"))[0] == 409
+
+    status, body = await api.call(
+        "POST", "/v1/nodes/n1/drain", "operator", json={"reason": "replacing a fan"}
+    )
+    assert status == 200, body
+    assert body["node"]["record"]["state"] == "DRAINED"
+    assert body["node"]["record"]["drain_reason"] == "replacing a fan"
+    drained_at = brain.monotonic()
+    # Heartbeats after the drain do not undo it.
+    await eventually(lambda: brain.monotonic() - (brain.last_seen_ago("n1") or 1e9) > drained_at)
+    assert brain.state.nodes["n1"].state.value == "DRAINED"
+    assert brain.state.capacity() == 1
+
+    # n2's one GPU takes the first job; the second finds no GPU while n1 is drained.
+    first = (await api.call("POST", "/v1/jobs", json=SLEEPER))[1]["job"]["job_id"]
+    await eventually(lambda: brain.state.jobs[first].nodes == ("n2",))
+    status, body = await api.call("POST", "/v1/jobs", json=SLEEPER)
+    job_id = body["job"]["job_id"]
+    await eventually(lambda: brain.state.jobs[job_id].reason != "submitted")
+    assert brain.state.jobs[job_id].state.value == "PENDING"
+
+    # The NATS API does the same for an operator's subject, and refuses a tenant's.
+    bus = await connect("nats-client")
+    refused = await bus.request(
+        subjects.api("alice", "resume"), ResumeRequest(node="n1"), NODE_RESULT
+    )
+    assert isinstance(refused, ErrorReply) and refused.code == "forbidden"
+    status, body = await api.call("POST", "/v1/nodes/n1/resume", "operator")
+    assert status == 200 and body["node"]["record"]["state"] == "READY"
+
+    await eventually(lambda: brain.state.jobs[job_id].nodes == ("n1",))
+    status, body = await api.call(
+        "GET", "/v1/events?follow=false&node=n1&kind=node_drained&kind=node_resumed"
+    )
+    kinds = [line["cause"]["kind"] for line in _ndjson(body)]
+    assert kinds == ["node_drained", "node_resumed"]
+
+
+def _ndjson(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+async def test_a_standby_points_to_the_leader(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    api_factory: Callable[..., Awaitable[Api]],
+) -> None:
+    leader = await brain_factory()
+    leader_api = await api_factory(leader)
+    leader.config = dataclasses.replace(leader.config, http_address=leader_api.url)
+    standby = await brain_factory(lead=False)
+    standby_api = await api_factory(standby)
+
+    async def points_to_leader() -> bool:
+        status, body = await standby_api.call("GET", "/v1/jobs")
+        return status == 503 and leader_api.url in body["error"]
+
+    await eventually(points_to_leader)
+    assert (await leader_api.call("GET", "/v1/jobs"))[0] == 200

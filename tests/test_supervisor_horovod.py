@@ -1,0 +1,264 @@
+"""The elastic supervisor against real `horovodrun --gloo` on CPU and a real nats-server.
+
+Resize commands travel over NATS exactly as the brain sends them; the workers are real
+Horovod processes running workloads/examples/elastic_train.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+
+from bus.client import Bus
+from schemas import subjects
+from schemas.base import decode
+from schemas.commands import Resize
+from schemas.events import NODE_EVENT, NodeEvent, ResizeCompleted
+from schemas.progress import Progress
+from tests.conftest import eventually
+
+REPO = Path(__file__).resolve().parent.parent
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+
+pytestmark = [
+    pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed"),
+    pytest.mark.timeout(150),
+]
+
+
+@dataclass
+class Watch:
+    """Everything the job said on the bus, in arrival order."""
+
+    progress: list[Progress] = field(default_factory=list)
+    resizes: dict[str, ResizeCompleted] = field(default_factory=dict)
+
+    def latest(self) -> Progress | None:
+        return self.progress[-1] if self.progress else None
+
+    def stepping_at(self, size: int) -> Progress | None:
+        """A report in which `size` distinct workers step at world size `size`."""
+        last = self.latest()
+        if last is None or last.world_size != size or len(last.workers) != size:
+            return None
+        return last if all(w.world_size == size for w in last.workers) else None
+
+    def digests_by_step(self) -> dict[int, set[str]]:
+        seen: dict[int, set[str]] = {}
+        for message in self.progress:
+            for worker in message.workers:
+                seen.setdefault(worker.step, set()).add(worker.param_digest)
+        return seen
+
+    def all_ranks_agree_at(self, size: int) -> bool:
+        """Some step at which `size` distinct workers at that size reported the same digest."""
+        pids_by_step: dict[int, set[int]] = {}
+        for message in self.progress:
+            for worker in message.workers:
+                if worker.world_size == size:
+                    pids_by_step.setdefault(worker.step, set()).add(worker.pid)
+        return any(len(pids) >= size for pids in pids_by_step.values())
+
+
+@dataclass
+class Job:
+    process: subprocess.Popen[bytes]
+    stop_file: Path
+    log_path: Path
+
+
+@pytest.fixture
+async def bus(connect: Callable[[str], Awaitable[Bus]]) -> Bus:
+    bus = await connect("test")
+    await bus.ensure_streams()
+    return bus
+
+
+@pytest.fixture
+async def watch(bus: Bus) -> AsyncIterator[Watch]:
+    seen = Watch()
+
+    async def on_progress(message: Progress, msg: Msg) -> None:
+        seen.progress.append(message)
+
+    async def on_event(data: Msg) -> None:
+        event: NodeEvent = decode(data.data, NODE_EVENT)
+        if isinstance(event, ResizeCompleted):
+            seen.resizes[event.command_id] = event
+
+    await bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, on_progress)
+    sub = await bus.nc.subscribe(subjects.node("n1", "event"), cb=on_event)
+    try:
+        yield seen
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+@pytest.fixture
+def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job]]:
+    jobs: list[Job] = []
+
+    def start(job_id: str, *, np: int, min_np: int = 1, max_np: int = 4) -> Job:
+        stop_file = tmp_path / f"{job_id}.stop"
+        log_path = tmp_path / f"{job_id}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "workloads.supervisor",
+            f"--job-id={job_id}",
+            f"--nats={nats_server.url}",  # type: ignore[attr-defined]
+            "--node=n1",
+            f"--min-np={min_np}",
+            f"--max-np={max_np}",
+            f"--np={np}",
+            "--progress-interval=0",
+            f"--work-dir={tmp_path / job_id}",
+            "--",
+            sys.executable,
+            "-m",
+            "workloads.examples.elastic_train",
+            "--steps=1000000",
+            "--step-delay=0.02",
+            "--commit-every=5",
+            f"--stop-file={stop_file}",
+        ]
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        job = Job(process, stop_file, log_path)
+        jobs.append(job)
+        return job
+
+    try:
+        yield start
+    finally:
+        for job in jobs:
+            if job.process.poll() is None:
+                job.process.send_signal(signal.SIGTERM)
+                try:
+                    job.process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(job.process.pid, signal.SIGKILL)
+                    job.process.wait()
+
+
+async def finish(job: Job) -> int:
+    job.stop_file.touch()
+    await eventually(lambda: job.process.poll() is not None, timeout_s=60)
+    code = job.process.returncode
+    assert code == 0, job.log_path.read_text()[-4000:]
+    return code
+
+
+async def resize(bus: Bus, watch: Watch, job_id: str, size: int, *, epoch: int = 1) -> float:
+    command = Resize(
+        command_id=uuid.uuid4().hex,
+        epoch=epoch,
+        issued_at=time.time(),
+        job_id=job_id,
+        world_size=size,
+        cause="test",
+    )
+    await bus.publish_durable(subjects.job(job_id, "cmd"), command, msg_id=command.command_id)
+    outcome: ResizeCompleted = await eventually(
+        lambda: watch.resizes.get(command.command_id), timeout_s=60
+    )
+    assert outcome.ok, outcome.reason
+    assert outcome.to_size == size
+    return outcome.duration_s
+
+
+def assert_steps_never_go_back(watch: Watch) -> None:
+    steps = [p.step for p in watch.progress]
+    assert steps == sorted(steps), "the step counter went back"
+
+
+def assert_params_identical(watch: Watch) -> None:
+    for step, digests in watch.digests_by_step().items():
+        assert len(digests) == 1, f"ranks disagree on parameters at step {step}: {digests}"
+
+
+async def test_resize_2_3_1_2_keeps_workers_and_state(
+    bus: Bus, watch: Watch, start_job: Callable[..., Job]
+) -> None:
+    job = start_job("el1", np=2)
+    start = await eventually(lambda: watch.stepping_at(2), timeout_s=60)
+    pids = {w.pid for w in start.workers}
+
+    for size in (3, 1, 2):
+        before = {w.pid for w in watch.latest().workers}  # type: ignore[union-attr]
+        await resize(bus, watch, "el1", size)
+        now = await eventually(lambda s=size: watch.stepping_at(s), timeout_s=30)
+        after = {w.pid for w in now.workers}
+        # Survivors keep their processes: a grow adds, a shrink removes, none restarts.
+        if size > len(before):
+            assert before <= after
+        else:
+            assert after <= before
+        await eventually(lambda s=size: watch.all_ranks_agree_at(s), timeout_s=30)
+        assert_steps_never_go_back(watch)
+        assert_params_identical(watch)
+        pids |= after
+
+    # The resize outcomes were reported once each, with a duration.
+    assert len(watch.resizes) == 3
+    assert all(r.duration_s > 0 for r in watch.resizes.values())
+    assert [r.released_gpus for r in watch.resizes.values()] == [0, 2, 0]
+    await finish(job)
+    assert "removed from elastic job" in job.log_path.read_text()
+
+
+async def test_stale_epoch_and_duplicate_commands_are_refused(
+    bus: Bus, watch: Watch, start_job: Callable[..., Job]
+) -> None:
+    job = start_job("el2", np=1, max_np=2)
+    await eventually(lambda: watch.stepping_at(1), timeout_s=60)
+    await resize(bus, watch, "el2", 1, epoch=5)
+    stale = Resize(command_id="stale", epoch=4, issued_at=time.time(), job_id="el2", world_size=2)
+    await bus.publish_durable(subjects.job("el2", "cmd"), stale, msg_id="stale")
+    refused: ResizeCompleted = await eventually(lambda: watch.resizes.get("stale"))
+    assert not refused.ok
+    assert "stale epoch" in refused.reason
+    assert watch.stepping_at(1) is not None
+    await finish(job)
+
+
+@pytest.mark.xfail(
+    reason="not yet working: after SIGKILL of one worker Horovod 0.28.1 also SIGTERMs the "
+    "survivor on the other local host alias and stops the job (see docs/elastic.md)",
+    strict=False,
+)
+async def test_sigkilled_worker_recovers_from_last_commit(
+    bus: Bus, watch: Watch, start_job: Callable[..., Job]
+) -> None:
+    job = start_job("el3", np=2)
+    first = await eventually(lambda: watch.stepping_at(2), timeout_s=60)
+    await eventually(lambda: (watch.latest() or first).step >= first.step + 10)
+    victim = max(first.workers, key=lambda w: w.rank)
+    killed_at = watch.latest().step  # type: ignore[union-attr]
+    os.kill(victim.pid, signal.SIGKILL)
+
+    def recovered() -> Progress | None:
+        now = watch.stepping_at(2)
+        if now is None or now.step <= killed_at + 5:
+            return None
+        return now if victim.pid not in {w.pid for w in now.workers} else None
+
+    await eventually(recovered, timeout_s=25)
+    # The job itself never restarted: the same supervisor and horovodrun run on.
+    assert job.process.poll() is None
+    assert_params_identical(watch)
+    await finish(job)

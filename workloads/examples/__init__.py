@@ -1,0 +1,1 @@
+"""Example workloads users copy; these (and only these) import torch and horovod."""

@@ -1,0 +1,105 @@
+"""The in-job SDK: how a training process tells its supervisor how it is doing.
+
+Workers send one small UDP datagram per report to the address the supervisor put in
+`ALNAIR_PROGRESS_ADDR`. UDP because a report must never block or fail a training step:
+a lost datagram only delays the next progress message. This module imports neither
+torch nor horovod, so any framework can use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Final
+
+PROGRESS_ADDR_ENV: Final = "ALNAIR_PROGRESS_ADDR"
+MAX_DATAGRAM_BYTES: Final = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """One worker's state after one step."""
+
+    rank: int
+    pid: int
+    step: int
+    world_size: int
+    samples_per_s: float
+    loss: float
+    # A digest of the model parameters: equal across ranks when they are in sync.
+    param_digest: str = ""
+    ts: float = 0.0
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> WorkerReport:
+        """Parse a datagram; raise ValueError naming what is wrong."""
+        if len(data) > MAX_DATAGRAM_BYTES:
+            raise ValueError(f"progress datagram of {len(data)} bytes is too big")
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError("progress datagram is not a JSON object")
+        return cls(
+            rank=int(raw["rank"]),
+            pid=int(raw["pid"]),
+            step=int(raw["step"]),
+            world_size=int(raw["world_size"]),
+            samples_per_s=float(raw["samples_per_s"]),
+            loss=float(raw["loss"]),
+            param_digest=str(raw.get("param_digest", "")),
+            ts=float(raw.get("ts", 0.0)),
+        )
+
+
+class ProgressReporter:
+    """Sends WorkerReports to the supervisor; does nothing outside a supervised job."""
+
+    def __init__(self, address: str | None = None) -> None:
+        address = address if address is not None else os.environ.get(PROGRESS_ADDR_ENV)
+        self._target: tuple[str, int] | None = None
+        self._socket: socket.socket | None = None
+        if address:
+            host, _, port = address.rpartition(":")
+            self._target = (host, int(port))
+            self._socket = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    @property
+    def enabled(self) -> bool:
+        return self._target is not None
+
+    def report(
+        self,
+        *,
+        rank: int,
+        step: int,
+        world_size: int,
+        samples_per_s: float,
+        loss: float,
+        param_digest: str = "",
+    ) -> None:
+        if self._socket is None or self._target is None:
+            return
+        message = WorkerReport(
+            rank=rank,
+            pid=os.getpid(),
+            step=step,
+            world_size=world_size,
+            samples_per_s=samples_per_s,
+            loss=loss,
+            param_digest=param_digest,
+            ts=time.time(),
+        )
+        # The supervisor may be gone or busy; training goes on regardless.
+        with contextlib.suppress(OSError):
+            self._socket.sendto(message.encode(), self._target)
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None

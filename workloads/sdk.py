@@ -1,0 +1,103 @@
+"""The in-job SDK for failure handling: bad inputs and the input blacklist.
+
+A job tells the brain which input broke it, so that an input that breaks several jobs
+is blacklisted cluster-wide (Philly), and asks whether an input is blacklisted so it
+can skip it. Progress reporting lives in `workloads/progress.py`. This module imports
+neither torch nor horovod; nats-py and the schemas load only when a report is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import NoReturn
+
+# --- failures: bad inputs and the input blacklist -------------------------------------
+# A job tells the brain which input broke it, so that an input that breaks several jobs
+# is blacklisted cluster-wide (Philly). Over NATS when the agent gave the job its
+# address, and always as a marker line in the job's log, which the brain also reads
+# when the job exits with BAD_INPUT_EXIT_CODE.
+
+
+def _blacklist_constants() -> tuple[int, str, str]:
+    from schemas.jobs import BAD_INPUT_EXIT_CODE, BAD_INPUT_MARKER, BLACKLIST_FILE_ENV
+
+    return BAD_INPUT_EXIT_CODE, BAD_INPUT_MARKER, BLACKLIST_FILE_ENV
+
+
+def blacklisted_inputs() -> frozenset[str]:
+    """The cluster's input blacklist as it was when this attempt started."""
+    path = os.environ.get(_blacklist_constants()[2])
+    if not path:
+        return frozenset()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return frozenset(line.strip() for line in handle if line.strip())
+    except OSError:
+        return frozenset()
+
+
+def is_blacklisted(uri: str) -> bool:
+    """Whether the cluster has blacklisted this input: skip it."""
+    return uri in blacklisted_inputs()
+
+
+def report_bad_input(uri: str, reason: str = "", *, timeout_s: float = 5.0) -> bool:
+    """Report that this job fails on `uri`. Returns whether the brain's event stream
+    stored the report; the marker line in the log is written either way."""
+    _, marker, _ = _blacklist_constants()
+    print(f"{marker} {uri} {reason}".rstrip(), file=sys.stderr, flush=True)
+    env = os.environ
+    server, job_id = env.get("ALNAIR_NATS"), env.get("ALNAIR_JOB_ID")
+    attempt, node = env.get("ALNAIR_ATTEMPT"), env.get("ALNAIR_NODE")
+    if not (server and job_id and attempt and node):
+        return False
+    try:
+        return asyncio.run(
+            _publish_bad_input(server, job_id, int(attempt), node, uri, reason, timeout_s)
+        )
+    except Exception:
+        # Reporting must never add a failure of its own; the log marker remains.
+        return False
+
+
+async def _publish_bad_input(
+    server: str, job_id: str, attempt: int, node: str, uri: str, reason: str, timeout_s: float
+) -> bool:
+    import uuid
+
+    import nats
+
+    from schemas import subjects
+    from schemas.base import encode
+    from schemas.events import InputError
+
+    event = InputError(
+        event_id=uuid.uuid4().hex,
+        node=node,
+        ts=time.time(),
+        job_id=job_id,
+        attempt=attempt,
+        uri=uri,
+        reason=reason[:1000],
+    )
+    nc = await nats.connect(server.split(","), connect_timeout=timeout_s, max_reconnect_attempts=1)
+    try:
+        js = nc.jetstream()
+        await js.publish(
+            subjects.node(node, "event"),
+            encode(event),
+            timeout=timeout_s,
+            headers={"Nats-Msg-Id": event.event_id},
+        )
+        return True
+    finally:
+        await nc.close()
+
+
+def fail_on_bad_input(uri: str, reason: str = "") -> NoReturn:
+    """Report `uri` as the input this job fails on, and exit with the documented code."""
+    report_bad_input(uri, reason)
+    sys.exit(_blacklist_constants()[0])

@@ -1,0 +1,523 @@
+"""The in-job supervisor of an elastic Horovod job.
+
+It owns one job's `horovodrun --gloo` process in elastic mode, the host list that
+horovodrun's discovery script prints, and the job's command subject
+(`alnair.job.<job>.cmd`). It obeys Resize commands (fenced by epoch, de-duplicated by
+id), forwards the workers' progress reports to `alnair.job.<job>.progress`, and
+reports each resize's outcome and duration as a `ResizeCompleted` node event.
+
+It never kills a worker to shrink: it removes slots from the host list and waits for
+Horovod to retire the workers on them (they exit with 134, "removed from elastic job");
+only then does it report their GPUs released. It imports neither torch nor horovod;
+only its child processes do.
+
+Scope: one host. Every worker runs on the supervisor's node, started by horovodrun's
+own local launcher; workers on other nodes would need horovodrun's ssh launcher (see
+docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from nats.aio.msg import Msg
+
+from bus.client import Bus, ConnectOptions, Consumer
+from schemas import subjects
+from schemas.commands import JOB_COMMAND, JobCommand, Resize
+from schemas.errors import BusError
+from schemas.events import ResizeCompleted
+from schemas.progress import Progress, WorkerProgress
+from workloads.progress import PROGRESS_ADDR_ENV, WorkerReport
+
+log = logging.getLogger(__name__)
+
+SEEN_COMMANDS: Final = 1000
+REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+# Exit code of a worker Horovod retired from the job: a shrink, not a failure.
+REMOVED_WORKER_EXIT_CODE: Final = 134
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    job_id: str
+    command: tuple[str, ...]
+    min_np: int
+    max_np: int
+    np: int
+    work_dir: Path
+    nats_url: str | None = None
+    node: str = "local"
+    # Names under which horovodrun sees this one node. Horovod blacklists a host whose
+    # worker failed, and stops the job when every host is blacklisted; spreading the
+    # slots over two local names lets the job survive a killed worker on one host.
+    hosts: tuple[str, ...] = ("localhost", "127.0.0.1")
+    network_interface: str = "lo"
+    progress_interval_s: float = 1.0
+    resize_timeout_s: float = 120.0
+    # Horovod blacklists a host whose worker failed; on one host that would strand the
+    # job, so the host comes back after this many seconds (lower, upper).
+    blacklist_cooldown_s: tuple[int, int] = (1, 2)
+    stop_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_np <= self.np <= self.max_np:
+            raise ValueError(
+                f"need 1 <= min_np ({self.min_np}) <= np ({self.np}) <= max_np ({self.max_np})"
+            )
+        if not self.command:
+            raise ValueError("no training command given")
+
+
+@dataclass(slots=True)
+class _Seen:
+    report: WorkerReport
+    received: float  # supervisor's monotonic clock: worker clocks are not trusted
+
+
+@dataclass(frozen=True, slots=True)
+class ResizeOutcome:
+    from_size: int
+    to_size: int
+    ok: bool
+    duration_s: float
+    released: int
+    reason: str = ""
+
+
+def host_slots(hosts: Sequence[str], slots: int) -> list[tuple[str, int]]:
+    """Deal `slots` round-robin over `hosts`, the first host always non-empty.
+
+    The first host keeps at least one slot in every update: Horovod needs one host of
+    the old world in the new one to carry the state over.
+    """
+    counts = [0] * len(hosts)
+    for slot in range(slots):
+        counts[slot % len(hosts)] += 1
+    return [(host, count) for host, count in zip(hosts, counts, strict=True) if count]
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie counts as exited: it runs no more)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    # Field 3, after the parenthesised command name (which may hold spaces).
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+class _ReportProtocol(asyncio.DatagramProtocol):
+    def __init__(self, on_report: Callable[[WorkerReport], None]) -> None:
+        self._on_report = on_report
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
+        try:
+            report = WorkerReport.decode(data)
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("ignoring a malformed progress report: %s", error)
+            return
+        self._on_report(report)
+
+
+@dataclass
+class Supervisor:
+    config: SupervisorConfig
+    bus: Bus | None = None
+    slots: int = 0
+    epoch: int = 0
+    outcomes: list[ResizeOutcome] = field(default_factory=list)
+    _seen_commands: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _workers: dict[int, _Seen] = field(default_factory=dict)
+    _resize_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _process: asyncio.subprocess.Process | None = None
+    _consumer: Consumer | None = None
+    _transport: asyncio.DatagramTransport | None = None
+    _last_published: float = 0.0
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    # -- the host list horovodrun discovers -----------------------------------------
+
+    @property
+    def hosts_path(self) -> Path:
+        return self.config.work_dir / "hosts"
+
+    @property
+    def discovery_script(self) -> Path:
+        return self.config.work_dir / "discover-hosts.sh"
+
+    def write_hosts(self, slots: int) -> None:
+        """Replace the host list atomically: discovery must never read half a file."""
+        temporary = self.hosts_path.with_suffix(".tmp")
+        temporary.write_text("".join(f"{h}:{n}\n" for h, n in host_slots(self.config.hosts, slots)))
+        os.replace(temporary, self.hosts_path)
+        self.slots = slots
+
+    def _prepare(self) -> None:
+        self.config.work_dir.mkdir(parents=True, exist_ok=True)
+        self.write_hosts(self.config.np)
+        self.discovery_script.write_text(f"#!/bin/sh\nexec cat '{self.hosts_path}'\n")
+        self.discovery_script.chmod(0o755)
+
+    def horovodrun_command(self) -> list[str]:
+        beside_python = Path(sys.executable).parent / "horovodrun"
+        program = str(beside_python) if beside_python.exists() else "horovodrun"
+        low, high = self.config.blacklist_cooldown_s
+        return [
+            program,
+            "--gloo",
+            "-np",
+            str(self.config.np),
+            "--min-np",
+            str(self.config.min_np),
+            "--max-np",
+            str(self.config.max_np),
+            "--host-discovery-script",
+            str(self.discovery_script),
+            # On one host the driver otherwise waits for a second host's interface.
+            "--network-interface",
+            self.config.network_interface,
+            "--blacklist-cooldown-range",
+            str(low),
+            str(high),
+            *self.config.command,
+        ]
+
+    # -- worker reports --------------------------------------------------------------
+
+    def _on_report(self, report: WorkerReport) -> None:
+        now = time.monotonic()
+        self._workers[report.pid] = _Seen(report, now)
+        self._changed.set()
+        if report.rank == 0 and now - self._last_published >= self.config.progress_interval_s:
+            self._last_published = now
+            self._spawn(self._publish_progress(report))
+
+    def pids_at(self, world_size: int, *, since: float = 0.0) -> set[int]:
+        """Workers whose latest report (received after `since`) was at `world_size`."""
+        return {
+            pid
+            for pid, seen in self._workers.items()
+            if seen.report.world_size == world_size and seen.received >= since
+        }
+
+    def progress(self, report: WorkerReport) -> Progress:
+        current = sorted(
+            (s.report for s in self._workers.values() if s.report.world_size == report.world_size),
+            key=lambda r: r.rank,
+        )
+        return Progress(
+            job_id=self.config.job_id,
+            ts=time.time(),
+            step=report.step,
+            world_size=report.world_size,
+            samples_per_s=max(0.0, report.samples_per_s),
+            loss=report.loss,
+            slots=self.slots,
+            workers=tuple(
+                WorkerProgress(
+                    rank=r.rank,
+                    pid=r.pid,
+                    step=r.step,
+                    world_size=r.world_size,
+                    param_digest=r.param_digest,
+                )
+                for r in current
+            ),
+        )
+
+    async def _publish_progress(self, report: WorkerReport) -> None:
+        if self.bus is None:
+            return
+        with contextlib.suppress(Exception):  # progress may be lost; the next replaces it
+            await self.bus.publish(
+                subjects.job(self.config.job_id, "progress"), self.progress(report)
+            )
+
+    # -- resize ----------------------------------------------------------------------
+
+    def _converged(self, target: int, since: float, old_pids: set[int]) -> bool:
+        current = self.pids_at(target, since=since)
+        if len(current) < target:
+            return False
+        # Shrink: the GPUs are free only once the removed workers have gone.
+        return all(process_gone(pid) for pid in old_pids - current)
+
+    async def resize(self, target: int) -> ResizeOutcome:
+        """Run at `target` workers; return when every worker steps at that size."""
+        async with self._resize_lock:
+            started = time.monotonic()
+            from_size = self.slots
+            if not self.config.min_np <= target <= self.config.max_np:
+                return self._record(
+                    ResizeOutcome(
+                        from_size,
+                        from_size,
+                        False,
+                        0.0,
+                        0,
+                        f"size {target} is outside {self.config.min_np}..{self.config.max_np}",
+                    )
+                )
+            old_pids = self.pids_at(from_size)
+            self.write_hosts(target)
+            try:
+                await self._wait_for(lambda: self._converged(target, started, old_pids))
+            except TimeoutError:
+                return self._record(
+                    ResizeOutcome(
+                        from_size,
+                        target,
+                        False,
+                        time.monotonic() - started,
+                        0,
+                        f"workers not stepping at size {target} "
+                        f"within {self.config.resize_timeout_s}s",
+                    )
+                )
+            duration = time.monotonic() - started
+            return self._record(
+                ResizeOutcome(from_size, target, True, duration, max(0, from_size - target))
+            )
+
+    def _record(self, outcome: ResizeOutcome) -> ResizeOutcome:
+        self.outcomes.append(outcome)
+        log.info("resize %s", outcome)
+        return outcome
+
+    async def _wait_for(self, condition: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + self.config.resize_timeout_s
+        while not condition():
+            if self._process is not None and self._process.returncode is not None:
+                raise TimeoutError("horovodrun exited during the resize")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            self._changed.clear()
+            # Reports wake us; the timeout re-checks exits of removed workers.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=min(0.1, remaining))
+
+    # -- commands --------------------------------------------------------------------
+
+    async def _on_command(self, command: JobCommand, msg: Msg) -> None:
+        if command.command_id in self._seen_commands:
+            return
+        self._seen_commands[command.command_id] = None
+        while len(self._seen_commands) > SEEN_COMMANDS:
+            self._seen_commands.popitem(last=False)
+        if command.epoch < self.epoch:
+            await self._report(
+                command,
+                ResizeOutcome(
+                    self.slots,
+                    self.slots,
+                    False,
+                    0.0,
+                    0,
+                    f"stale epoch {command.epoch} < {self.epoch}",
+                ),
+            )
+            return
+        self.epoch = command.epoch
+        if isinstance(command, Resize):
+            # Not awaited here: a resize takes seconds and the consumer must keep
+            # acknowledging; the resize lock keeps them in arrival order.
+            self._spawn(self._apply(command))
+
+    async def _apply(self, command: Resize) -> None:
+        outcome = await self.resize(command.world_size)
+        await self._report(command, outcome)
+
+    async def _report(self, command: JobCommand, outcome: ResizeOutcome) -> None:
+        if self.bus is None:
+            return
+        event = ResizeCompleted(
+            event_id=uuid.uuid4().hex,
+            node=self.config.node,
+            ts=time.time(),
+            job_id=self.config.job_id,
+            command_id=command.command_id,
+            from_size=outcome.from_size,
+            to_size=outcome.to_size,
+            ok=outcome.ok,
+            duration_s=outcome.duration_s,
+            released_gpus=outcome.released,
+            reason=outcome.reason,
+        )
+        try:
+            await self.bus.publish_durable(
+                subjects.node(self.config.node, "event"), event, msg_id=event.event_id
+            )
+        except BusError as error:
+            log.error("resize outcome for %s not stored: %s", command.command_id, error)
+
+    @property
+    def _durable(self) -> str:
+        return f"supervisor-{self.config.job_id}"
+
+    async def _listen(self) -> None:
+        if self.bus is None:
+            return
+        self._consumer = await self.bus.consume(
+            subjects.STREAM_COMMANDS,
+            self._durable,
+            subjects.job(self.config.job_id, "cmd"),
+            JOB_COMMAND,
+            self._on_command,
+            # A new attempt must not replay the last attempt's resizes.
+            deliver_new=True,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def start(self) -> None:
+        self._prepare()
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: _ReportProtocol(self._on_report), local_addr=("127.0.0.1", 0)
+        )
+        self._transport = transport
+        host, port = transport.get_extra_info("sockname")[:2]
+        await self._listen()
+        env = dict(os.environ)
+        env[PROGRESS_ADDR_ENV] = f"{host}:{port}"
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        self._process = await asyncio.create_subprocess_exec(
+            *self.horovodrun_command(), env=env, start_new_session=True
+        )
+        log.info("horovodrun started, pid %d", self._process.pid)
+
+    async def wait(self) -> int:
+        if self._process is None:
+            raise RuntimeError("supervisor not started")
+        return await self._process.wait()
+
+    async def terminate(self) -> None:
+        """Stop horovodrun and its workers: SIGTERM to the group, SIGKILL after grace."""
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(process.wait(), timeout=self.config.stop_grace_s)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            if self.bus is not None:
+                with contextlib.suppress(Exception):
+                    await self.bus.js.delete_consumer(subjects.STREAM_COMMANDS, self._durable)
+            self._consumer = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def parse_args(argv: Sequence[str]) -> SupervisorConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m workloads.supervisor",
+        description="Run an elastic Horovod job and obey Alnair resize commands.",
+    )
+    parser.add_argument("--job-id", default=os.environ.get("ALNAIR_JOB_ID"))
+    parser.add_argument("--nats", default=os.environ.get("ALNAIR_NATS"))
+    parser.add_argument("--node", default=os.environ.get("ALNAIR_NODE", "local"))
+    parser.add_argument("--min-np", type=int, required=True)
+    parser.add_argument("--max-np", type=int, required=True)
+    parser.add_argument("--np", type=int, required=True, help="workers to start with")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument("--progress-interval", type=float, default=1.0)
+    parser.add_argument("--network-interface", default="lo")
+    parser.add_argument(
+        "--hosts", default="localhost,127.0.0.1", help="local names of this node, comma-separated"
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    if not args.job_id:
+        parser.error("--job-id (or ALNAIR_JOB_ID) is required")
+    work_dir = args.work_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"alnair-{args.job_id}"
+    return SupervisorConfig(
+        job_id=args.job_id,
+        command=command,
+        min_np=args.min_np,
+        max_np=args.max_np,
+        np=args.np,
+        work_dir=work_dir,
+        nats_url=args.nats,
+        node=args.node,
+        network_interface=args.network_interface,
+        hosts=tuple(h for h in args.hosts.split(",") if h),
+        progress_interval_s=args.progress_interval,
+    )
+
+
+async def run(config: SupervisorConfig) -> int:
+    bus = None
+    if config.nats_url:
+        bus = await Bus.connect(
+            ConnectOptions(servers=(config.nats_url,), name=f"supervisor:{config.job_id}")
+        )
+    supervisor = Supervisor(config, bus)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await supervisor.start()
+        waiter = asyncio.ensure_future(supervisor.wait())
+        stopper = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not waiter.done():
+            await supervisor.terminate()
+        return await waiter
+    finally:
+        await supervisor.close()
+        if bus is not None:
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(message)s")
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    sys.exit(asyncio.run(run(config)))
+
+
+if __name__ == "__main__":
+    main()
