@@ -25,7 +25,16 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from brain import elastic
-from brain.core import DEFAULT_POLICY, Decisions, Place, Policy, Preempt, Wait, decide
+from brain.core import (
+    DEFAULT_POLICY,
+    Decisions,
+    Place,
+    Policy,
+    Preempt,
+    SetServiceLevel,
+    Wait,
+    decide,
+)
 from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
     AttemptEnd,
@@ -456,6 +465,7 @@ class Brain:
         self._notify(self.record_observers, record, seq)
 
     async def _job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
+        job = self._account(job)
         record = JobChanged(
             record_id=self._record_id(),
             ts=self.clock(),
@@ -466,6 +476,25 @@ class Brain:
         )
         await self._append(record, subjects.state_job(job.job_id))
         self._dirty = True
+
+    def _account(self, job: JobRecord) -> JobRecord:
+        """Fold a run that is ending into the job's service, and note when a job starts
+        waiting: every transition passes here, so no path can forget it."""
+        old = self.state.jobs.get(job.job_id)
+        now = self.clock()
+        update: dict[str, object] = {}
+        if (
+            old is not None
+            and old.state is JobState.RUNNING
+            and job.state is not JobState.RUNNING
+            and old.started_at is not None
+        ):
+            ran = max(0.0, now - old.started_at)
+            update["attained_gpu_seconds"] = old.attained_gpu_seconds + ran * old.gpu_count
+            update["executed_seconds"] = old.executed_seconds + ran
+        if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
+            update["pending_since"] = now
+        return job.model_copy(update=update) if update else job
 
     async def _node_changed(
         self, node: NodeRecord, previous: NodeState | None, cause: Cause
@@ -1163,7 +1192,7 @@ class Brain:
 
     async def _schedule(self) -> None:
         self._dirty = False
-        snapshot = self.state.snapshot(profiles=self.profiles.current())
+        snapshot = self.state.snapshot(profiles=self.profiles.current(), now=self.clock())
         decisions = decide(snapshot, self.clock(), self.config.policy)
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
@@ -1179,7 +1208,24 @@ class Brain:
                     )
                     self.preemptions += 1
                 continue
-            if job is None or job.state is not JobState.PENDING:
+            if job is None:
+                continue
+            if isinstance(action, SetServiceLevel):
+                if (job.service_level, job.service_level_since) != (action.level, action.since):
+                    await self._job_changed(
+                        job.model_copy(
+                            update={
+                                "service_level": action.level,
+                                "service_level_since": action.since,
+                            }
+                        ),
+                        job.state,
+                        Cause(
+                            kind=CauseKind.SERVICE_LEVEL, job_id=job.job_id, message=action.cause
+                        ),
+                    )
+                continue
+            if job.state is not JobState.PENDING:
                 continue
             if isinstance(action, Place):
                 await self._place(job, action)

@@ -146,10 +146,11 @@ class BrainState:
         )
 
     def snapshot(
-        self, *, profiles: Mapping[str, UtilizationProfile] | None = None
+        self, *, profiles: Mapping[str, UtilizationProfile] | None = None, now: float | None = None
     ) -> ClusterSnapshot:
         """The frozen view `decide` sees; `profiles` (job id -> profile) come from the
-        brain's telemetry, which the log does not hold."""
+        brain's telemetry, which the log does not hold; `now` adds the current run to
+        running jobs' attained service."""
         profiles = profiles or {}
         held = self.allocated()
         nodes = tuple(
@@ -165,12 +166,22 @@ class BrainState:
             nodes=nodes,
             pending=tuple(job_view(j) for j in self.jobs_in(JobState.PENDING)),
             running=tuple(
-                job_view(j, profiles.get(j.job_id)) for j in self.jobs_in(JobState.RUNNING)
+                job_view(j, profiles.get(j.job_id), now=now) for j in self.jobs_in(JobState.RUNNING)
             ),
         )
 
 
-def job_view(job: JobRecord, profile: UtilizationProfile | None = None) -> JobView:
+def current_run_s(job: JobRecord, now: float | None) -> float:
+    """Seconds of the run in progress, or 0 when none is (or no clock was given)."""
+    if now is None or job.state is not JobState.RUNNING or job.started_at is None:
+        return 0.0
+    return max(0.0, now - job.started_at)
+
+
+def job_view(
+    job: JobRecord, profile: UtilizationProfile | None = None, *, now: float | None = None
+) -> JobView:
+    run_s = current_run_s(job, now)
     return JobView(
         job_id=job.job_id,
         # A pre-run takes one GPU for its trial.
@@ -184,6 +195,11 @@ def job_view(job: JobRecord, profile: UtilizationProfile | None = None) -> JobVi
         profile=profile,
         not_before=job.not_before,
         avoid_nodes=frozenset(job.avoid_nodes),
+        attained_gpu_seconds=job.attained_gpu_seconds + run_s * job.gpu_count,
+        executed_seconds=job.executed_seconds + run_s,
+        pending_since=job.pending_since,
+        service_level=job.service_level,
+        service_level_since=job.service_level_since,
     )
 
 

@@ -160,6 +160,14 @@ class JobRecord(BaseModel):
     # Why the job is in its state: the last cause's message, or why it waits.
     reason: str | None = None
     idempotency_key: str | None = None
+    # Service accounting for the queue orders (Tiresias): GPUs x seconds and seconds
+    # run over all finished runs (the current run is added when it ends), when the
+    # job last became pending, and the LAS band the policy last put it in.
+    attained_gpu_seconds: float = Field(default=0.0, ge=0)
+    executed_seconds: float = Field(default=0.0, ge=0)
+    pending_since: float | None = None
+    service_level: int = Field(default=0, ge=0)
+    service_level_since: float | None = None
     # Every failed attempt, oldest first; the retry policy counts them by class.
     failures: tuple[AttemptFailure, ...] = ()
     # A job retried after a failure waits until `not_before` (back-off, brain clock)

@@ -23,6 +23,7 @@ class CauseKind(StrEnum):
     SUBMITTED = "submitted"
     WAITING = "waiting"
     PREEMPTED = "preempted"
+    SERVICE_LEVEL = "service_level"
     PLACED = "placed"
     STARTED = "started"
     EXITED = "exited"
