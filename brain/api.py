@@ -40,7 +40,7 @@ from schemas.api import (
 )
 from schemas.base import Message, decode, encode
 from schemas.errors import ApiError, InvalidMessage, InvalidName, InvalidSubject
-from schemas.jobs import JobRecord, JobState
+from schemas.jobs import JobRecord
 from schemas.nodes import NodeStatus
 
 log = logging.getLogger(__name__)
@@ -193,9 +193,7 @@ class ApiServer:
     async def _status(self) -> StatusReply:
         brain = self.brain
         others = [b for b in await brain.lease.brains() if b.brain_id != brain.instance]
-        counts = {s.value: 0 for s in JobState}
-        for job in brain.state.jobs.values():
-            counts[job.state.value] += 1
+        counts = {state.value: len(ids) for state, ids in brain.state.by_state.items()}
         return StatusReply(
             brains=(brain.info(), *sorted(others, key=lambda b: b.since)),
             epoch=brain.epoch,

@@ -83,15 +83,6 @@ class Lease:
                 await self.kv.delete(LEASE_KEY, last=self.revision)
         self.revision = self.epoch = None
 
-    async def holder(self) -> BrainInfo | None:
-        try:
-            entry = await self.kv.get(LEASE_KEY)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        if not entry.value:
-            return None
-        return BrainInfo.model_validate_json(entry.value)
-
     async def announce(self, info: BrainInfo) -> None:
         """Say this brain is alive (leader or standby), for `alnair status`."""
         if self._brains is not None:

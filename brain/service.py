@@ -162,7 +162,6 @@ class Brain:
         # Loops end on this flag, not on cancellation alone: nats-py turns a
         # cancellation into ConnectionClosedError once the connection is closed.
         self._closing = False
-        self.decisions_made = 0
         self.preemptions = 0
         # Read-only observers (metrics, profiles, the HTTP event stream). They run in
         # the brain's loop and must not block or raise; they never change state.
@@ -1196,7 +1195,6 @@ class Brain:
         decisions = decide(snapshot, self.clock(), self.config.policy)
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
-        self.decisions_made += 1
         for action in decisions.actions:
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):

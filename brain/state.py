@@ -9,11 +9,12 @@ whole entity, applying a record twice changes nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
 from brain.core.model import ClusterSnapshot, Grant, JobView, NodeView, UtilizationProfile
+from brain.core.ordering import job_sequence
 from schemas.events import InputError
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeState
@@ -42,6 +43,11 @@ class BrainState:
     # Node events already folded, newest last: a redelivered event is recognised and
     # skipped. Bounded; an event older than the window is long settled.
     seen_events: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # Job ids by state: each decision cycle reads the pending and running jobs, and
+    # finished jobs (kept for ever) must not make it scan them all.
+    by_state: dict[JobState, set[str]] = field(
+        default_factory=lambda: {state: set() for state in JobState}
+    )
     # The input blacklist (uri -> entry), and the distinct jobs that reported failing
     # on each input; (job, attempt) -> the input that attempt reported.
     blacklist: dict[str, BlacklistEntry] = field(default_factory=dict)
@@ -69,7 +75,11 @@ class BrainState:
             self.seen_events.popitem(last=False)
 
     def _put_job(self, job: JobRecord) -> None:
+        previous = self.jobs.get(job.job_id)
+        if previous is not None:
+            self.by_state[previous.state].discard(job.job_id)
         self.jobs[job.job_id] = job
+        self.by_state[job.state].add(job.job_id)
         if job.job_id.isdigit():
             self.last_job_number = max(self.last_job_number, int(job.job_id))
         if job.idempotency_key is not None:
@@ -105,10 +115,12 @@ class BrainState:
         return str(self.last_job_number + 1)
 
     def jobs_in(self, *states: JobState) -> list[JobRecord]:
-        return [j for j in self.jobs.values() if j.state in states]
+        # In job-id order, so the same state always yields the same snapshot.
+        ids = sorted((i for state in states for i in self.by_state[state]), key=job_sequence)
+        return [self.jobs[job_id] for job_id in ids]
 
     def running_on(self, node: str) -> list[JobRecord]:
-        return [j for j in self.jobs.values() if j.state is JobState.RUNNING and node in j.nodes]
+        return [j for j in self.jobs_in(JobState.RUNNING) if node in j.nodes]
 
     def allocated(self) -> dict[str, set[int]]:
         """GPUs held by running jobs, per node."""
@@ -201,10 +213,3 @@ def job_view(
         service_level=job.service_level,
         service_level_since=job.service_level_since,
     )
-
-
-def fold(records: Iterable[tuple[StateRecord, int]]) -> BrainState:
-    state = BrainState()
-    for record, seq in records:
-        state.apply(record, seq)
-    return state

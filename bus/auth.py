@@ -57,12 +57,6 @@ def create_identity(role: Role, name: str, directory: Path) -> Identity:
     return Identity(role, name, public, path)
 
 
-def load_identity(role: Role, name: str, directory: Path) -> Identity:
-    path = directory / f"{role}-{name}.nk"
-    public = nkeys.from_seed(path.read_bytes().strip()).public_key.decode()
-    return Identity(role, name, public, path)
-
-
 def _node_permissions(node: str) -> tuple[list[str], list[str]]:
     consumer = f"agent-{node}"
     stream = subjects.STREAM_COMMANDS

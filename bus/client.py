@@ -14,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -135,7 +135,6 @@ class Bus:
         self.replicas = replicas
         self.dead_lettered: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._subs: list[Subscription] = []
         self._pull_subs: list[JetStreamContext.PullSubscription] = []
         self._consumers: list[Consumer] = []
 
@@ -330,7 +329,6 @@ class Bus:
                 log.exception("handler for %s failed", msg.subject)
 
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
-        self._subs.append(sub)
         return sub
 
     async def consume(
@@ -505,9 +503,3 @@ def _log_reconnected(name: str) -> Callable[[], Awaitable[None]]:
         log.info("%s: reconnected to NATS", name)
 
     return callback
-
-
-def connect_options(
-    servers: Sequence[str], *, name: str, credentials: str | None = None
-) -> ConnectOptions:
-    return ConnectOptions(servers=tuple(servers), name=name, credentials=credentials)

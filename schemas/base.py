@@ -8,7 +8,7 @@ instead of silently half-understood.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Final, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, TypeAdapter, ValidationError
 
@@ -80,7 +80,3 @@ def decode(data: bytes, kind: type[M] | TypeAdapter[M]) -> M:
         return TypeAdapter(kind).validate_json(data)
     except ValidationError as error:
         raise InvalidMessage(_describe(error)) from None
-
-
-def to_jsonable(message: BaseModel) -> dict[str, Any]:
-    return message.model_dump(mode="json")
