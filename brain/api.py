@@ -83,7 +83,7 @@ class ApiServer:
             await self.brain.bus.dead_letter(msg.subject, msg.data, reason)
             return ErrorReply(code="invalid", error=reason)
         try:
-            request = decode(msg.data, request_type)
+            request = decode(msg.data, request_type, strict=True)
         except InvalidMessage as error:
             await self.brain.bus.dead_letter(msg.subject, msg.data, error.reason)
             return ErrorReply(

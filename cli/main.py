@@ -368,16 +368,24 @@ async def cmd_brain(args: argparse.Namespace) -> int:
     )
     brain = Brain(bus, config)
     http = _http_server(brain, args)
+    http_stopping = asyncio.Event()
+    follower: asyncio.Task[None] | None = None
 
     async def start() -> None:
-        if http is not None:
+        nonlocal follower
+        if http is not None and args.http_leader_only:
+            follower = asyncio.ensure_future(http.follow_leadership(http_stopping))
+        elif http is not None:
             await http.start()
             # Announced with the brain, so `alnair status` and standbys can point to it.
             brain.config = dataclasses.replace(brain.config, http_address=http.public_url)
         await brain.start()
 
     async def stop() -> None:
-        if http is not None:
+        http_stopping.set()
+        if follower is not None:
+            await asyncio.wait({follower}, timeout=5.0)
+        elif http is not None:
             await http.stop()
         await brain.stop()
         await bus.close()
@@ -562,6 +570,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="bearer tokens of tenants and operators (default: $ALNAIR_HOME/http-tokens.json, "
         "written with new tokens if missing)",
+    )
+    p.add_argument(
+        "--http-leader-only",
+        action="store_true",
+        help="listen on --http only while this brain leads, so brains sharing one address "
+        "hand it over on failover (without it, a standby answers 503 naming the leader)",
     )
     p.set_defaults(fn=cmd_brain)
 

@@ -184,6 +184,27 @@ async def _wait_ready(
         await bus.close()
 
 
+async def _wait_listening(address: str, timeout_s: float = 30.0) -> None:
+    """The leader listens on the HTTP address once it leads: wait until it does."""
+    from brain.http import parse_address
+
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            if time.monotonic() > deadline:
+                waited = f"{timeout_s:.0f}s"
+                raise AlnairError(f"no brain listened on {address} within {waited}") from None
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return
+
+
 def _plan_http(address: str, home: Path) -> tuple[str, str, Path, str]:
     """The brain's HTTP address (a free port if the asked one is taken), its URL, and
     the tokens file, written with a tenant and an operator token if missing."""
@@ -278,8 +299,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
                 *[*me, "brain", "--nats", server.url, "--policy", args.policy],
                 *["--history", str(home / "brain" / f"history-{i + 1}.db")],
                 *(["--nkey", keys.brains[i]] if keys else []),
-                # One HTTP port on this machine: the first brain serves it.
-                *(["--http", http, "--http-tokens", str(tokens_path)] if i == 0 else []),
+                # One HTTP address on this machine, served by whichever brain leads.
+                *["--http", http, "--http-tokens", str(tokens_path), "--http-leader-only"],
             ],
         )
         for i in range(max(1, args.brains))
@@ -306,6 +327,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             nkey=keys.operator if keys else None,
             tenant="operator" if keys else "default",
         )
+        await _wait_listening(http)
         print(
             f"\nalnair up: ready. NATS {server.url}, {len(brains)} brain(s) + {len(agents)} "
             f"nodes, {gpus} GPUs "

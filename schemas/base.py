@@ -68,15 +68,19 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def decode(data: bytes, kind: type[M] | TypeAdapter[M]) -> M:
-    """Parse and validate one message; raise InvalidMessage saying what is wrong."""
+def decode(data: bytes, kind: type[M] | TypeAdapter[M], *, strict: bool = False) -> M:
+    """Parse and validate one message; raise InvalidMessage saying what is wrong.
+
+    `strict` refuses coercions (`0` for a boolean, `"2"` for a number): the API's
+    requests are decoded so, over NATS and HTTP alike, as its OpenAPI document promises.
+    """
     if len(data) > MAX_MESSAGE_BYTES:
         raise InvalidMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         if isinstance(kind, TypeAdapter):
-            return kind.validate_json(data)
+            return kind.validate_json(data, strict=strict)
         if issubclass(kind, BaseModel):
-            return kind.model_validate_json(data)
-        return TypeAdapter(kind).validate_json(data)
+            return kind.model_validate_json(data, strict=strict)
+        return TypeAdapter(kind).validate_json(data, strict=strict)
     except ValidationError as error:
         raise InvalidMessage(_describe(error)) from None

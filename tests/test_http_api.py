@@ -3,18 +3,24 @@ errors, tenants confined to their own jobs, operators, drain/resume, standbys.""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
+import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import aiohttp
+
+from brain.http import HttpServer, TokenTable
 from brain.service import Brain
 from bus.client import Bus
 from schemas import subjects
 from schemas.api import JOB_RESULT, NODE_RESULT, ErrorReply, GetJobRequest, ResumeRequest
 from schemas.base import decode
 from tests.conftest import eventually
-from tests.httpkit import TOKENS, Api, api_factory
+from tests.httpkit import TOKENS, Api, api_factory, write_tokens
 
 __all__ = ["api_factory"]
 
@@ -210,3 +216,61 @@ async def test_a_standby_points_to_the_leader(
 
     await eventually(points_to_leader)
     assert (await leader_api.call("GET", "/v1/jobs"))[0] == 200
+
+
+async def test_one_address_follows_the_lease_across_failover(
+    brain_factory: Callable[..., Awaitable[Brain]], tmp_path: Path
+) -> None:
+    """`alnair up --brains 2`: both brains are given one address and only the leader
+    listens on it, so the address keeps answering after the leader dies."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    tokens = TokenTable.load(write_tokens(tmp_path / "shared-tokens.json"))
+    stopping = asyncio.Event()
+    first = await brain_factory()
+    second = await brain_factory(lead=False)
+    servers = [HttpServer(b, tokens=tokens, host="127.0.0.1", port=port) for b in (first, second)]
+    followers = [asyncio.ensure_future(s.follow_leadership(stopping)) for s in servers]
+    url = f"http://127.0.0.1:{port}/v1/status"
+    headers = Api.auth("operator")
+
+    async def leader_answers(brain: Brain) -> bool:
+        try:
+            async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as r:
+                body = await r.json()
+        except aiohttp.ClientError:
+            return False
+        return r.status == 200 and body["brains"][0]["brain_id"] == brain.instance
+
+    try:
+        await eventually(lambda: leader_answers(first))
+        assert servers[0].listening and not servers[1].listening
+        assert first.info().http == f"http://127.0.0.1:{port}" and second.info().http is None
+        await first.stop()  # the leader dies; the standby takes the lease and the port
+        await eventually(lambda: leader_answers(second), timeout_s=30)
+        assert not servers[0].listening
+    finally:
+        stopping.set()
+        await asyncio.wait(followers, timeout=10)
+
+
+async def test_both_apis_refuse_the_same_coercions(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    api_factory: Callable[..., Awaitable[Api]],
+    connect: Callable[[str], Awaitable[Bus]],
+) -> None:
+    brain = await brain_factory()
+    api = await api_factory(brain)
+    bus = await connect("nats-client")
+    for body in ({"limit": "2"}, {"limit": 2.5}, {"limit": True}):
+        raw = await bus.nc.request(subjects.api("alice", "jobs"), json.dumps(body).encode(), 5)
+        nats_refusal = json.loads(raw.data)
+        assert nats_refusal["ok"] is False and nats_refusal["code"] == "invalid", nats_refusal
+        assert "limit" in nats_refusal["error"]
+    spec = {"spec": {"command": ["true"], "gpus": "1"}}
+    status, http_refusal = await api.call("POST", "/v1/jobs", json=spec)
+    raw = await bus.nc.request(subjects.api("alice", "submit"), json.dumps(spec).encode(), 5)
+    assert status == 400 and json.loads(raw.data)["error"] == http_refusal["error"]
+    assert "spec.gpus" in http_refusal["error"]
+    assert not brain.state.jobs

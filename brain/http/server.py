@@ -6,13 +6,16 @@ implementation — with the tenant the bearer token names (never one from the re
 Refusals come back as the same `ErrorReply`, with the HTTP status its code implies.
 
 Only the leader answers API calls; a standby says where the leader's HTTP API is.
-`/v1/events` reads the log and works on any brain.
+`/v1/events` reads the log and works on any brain. Brains that share one advertised
+address (`alnair up --brains N`, or several brains behind one DNS name) instead listen
+only while they lead (`follow_leadership`), so the address moves with the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from brain.http import events
 from brain.http.auth import Caller, TokenTable
@@ -42,7 +45,6 @@ from schemas.api import (
     SubmitRequest,
 )
 from schemas.base import MAX_MESSAGE_BYTES, Message, decode
-from schemas.base import _describe as describe_validation_error
 from schemas.errors import AlnairError, InvalidMessage
 
 if TYPE_CHECKING:
@@ -177,6 +179,35 @@ class HttpServer:
         await self.metrics.start()
         log.info("HTTP API, metrics and dashboard on %s", self.url)
 
+    @property
+    def listening(self) -> bool:
+        return self._runner is not None
+
+    async def follow_leadership(self, stopping: asyncio.Event, poll_s: float = 0.1) -> None:
+        """Listen while the brain leads and not otherwise, until `stopping` is set.
+
+        A new leader may find the port still held by a deposed one that has not yet
+        noticed; it retries until the port is free. Announces the address it serves
+        with the brain's info only while it listens.
+        """
+        brain = self.brain
+        while not stopping.is_set():
+            if brain.leading.is_set() and not self.listening:
+                try:
+                    await self.start()
+                except InvalidAddress as error:
+                    log.info("HTTP: %s; retrying", error)
+                else:
+                    brain.config = dataclasses.replace(brain.config, http_address=self.public_url)
+            elif not brain.leading.is_set() and self.listening:
+                brain.config = dataclasses.replace(brain.config, http_address=None)
+                await self.stop()
+                log.info("HTTP API released: this brain no longer leads")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), poll_s)
+        if self.listening:
+            await self.stop()
+
     async def stop(self) -> None:
         for task in list(self._streams):
             task.cancel()
@@ -231,18 +262,13 @@ class HttpServer:
 
     @staticmethod
     def _decode(model: type[M], data: bytes | dict[str, Any], verb: str) -> M:
-        """The NATS API's decoding and error text, but strict: the HTTP API promises its
-        OpenAPI document, so `0` is no boolean and `"2"` no number."""
+        """The NATS API's decoding and error text: strict, as the OpenAPI document
+        promises, so `0` is no boolean and `"2"` no number."""
         raw = data if isinstance(data, bytes) else json.dumps(data).encode()
         try:
-            decode(raw, model)  # the size limit, and what is wrong in the NATS API's words
+            return decode(raw, model, strict=True)
         except InvalidMessage as error:
             raise HttpRefusal(400, "invalid", f"invalid {verb} request: {error.reason}") from None
-        try:
-            return model.model_validate_json(raw, strict=True)
-        except ValidationError as error:
-            reason = describe_validation_error(error)
-            raise HttpRefusal(400, "invalid", f"invalid {verb} request: {reason}") from None
 
     async def _call(
         self, request: web.Request, message: Message, *, created: bool = False
