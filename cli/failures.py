@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import TypeAdapter
 
+from brain.core.failures import FailurePolicy, InvalidFailurePolicy
 from cli import format as fmt
 from cli.client import call
 from schemas import subjects
@@ -28,12 +29,110 @@ from schemas.api import (
     HistoryRequest,
     ResumeRequest,
 )
+from schemas.base import check_name
 from schemas.commands import InjectFault, InjectFaultReply
 
 WithBus = Callable[[argparse.Namespace, Callable[[Any], Awaitable[int]]], Awaitable[int]]
 ClientArgs = Callable[[argparse.ArgumentParser], None]
 
 INJECT_REPLY: TypeAdapter[InjectFaultReply] = TypeAdapter(InjectFaultReply)
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """`alnair brain`'s failure-policy flags (docs/failures.md)."""
+    from brain.core.failures import DEFAULT_FAILURE_POLICY as d
+
+    g = p.add_argument_group("failure policy")
+    g.add_argument(
+        "--infra-retries",
+        type=int,
+        default=d.infrastructure_retries,
+        metavar="N",
+        help=f"retries after infrastructure failures (default {d.infrastructure_retries})",
+    )
+    g.add_argument(
+        "--backoff",
+        type=float,
+        default=d.backoff_base_s,
+        metavar="S",
+        help=f"first retry back-off, doubled per retry (default {d.backoff_base_s:g}s)",
+    )
+    g.add_argument(
+        "--backoff-max",
+        type=float,
+        default=d.backoff_max_s,
+        metavar="S",
+        help=f"longest retry back-off (default {d.backoff_max_s:g}s)",
+    )
+    g.add_argument(
+        "--user-retries",
+        action="append",
+        default=[],
+        metavar="[QUEUE=]N",
+        help="retries after user errors, for every queue or one (repeat); default 0",
+    )
+    g.add_argument(
+        "--input-retries",
+        type=int,
+        default=d.input_retries,
+        metavar="N",
+        help=f"retries of a job that failed on a blacklisted input (default {d.input_retries})",
+    )
+    g.add_argument(
+        "--blacklist-after",
+        type=int,
+        default=d.blacklist_after_jobs,
+        metavar="K",
+        help=f"blacklist an input after K distinct jobs fail on it "
+        f"(default {d.blacklist_after_jobs})",
+    )
+    g.add_argument(
+        "--prerun",
+        action="append",
+        default=[],
+        metavar="QUEUE",
+        help="run large jobs of this queue on one GPU first, to fail fast (repeat)",
+    )
+    g.add_argument(
+        "--prerun-min-gpus",
+        type=int,
+        default=d.prerun_min_gpus,
+        metavar="N",
+        help=f"pre-run jobs asking for at least N GPUs (default {d.prerun_min_gpus})",
+    )
+    g.add_argument(
+        "--prerun-seconds",
+        type=float,
+        default=d.prerun_s,
+        metavar="S",
+        help=f"how long a pre-run must survive (default {d.prerun_s:g}s)",
+    )
+
+
+def policy_of(args: argparse.Namespace) -> FailurePolicy:
+    """The failure policy `add_policy_args`' flags describe; errors name the flag."""
+    everywhere = 0
+    per_queue: dict[str, int] = {}
+    for item in args.user_retries:
+        queue, sep, count = item.rpartition("=")
+        if not count.strip().lstrip("-").isdigit() or (sep and not queue.strip()):
+            raise InvalidFailurePolicy(f"--user-retries takes N or QUEUE=N, not {item!r}")
+        if sep:
+            per_queue[check_name("queue", queue.strip())] = int(count)
+        else:
+            everywhere = int(count)
+    return FailurePolicy(
+        infrastructure_retries=args.infra_retries,
+        backoff_base_s=args.backoff,
+        backoff_max_s=args.backoff_max,
+        user_retries=everywhere,
+        queue_user_retries=tuple(sorted(per_queue.items())),
+        input_retries=args.input_retries,
+        blacklist_after_jobs=args.blacklist_after,
+        prerun_queues=tuple(check_name("queue", q) for q in args.prerun),
+        prerun_min_gpus=args.prerun_min_gpus,
+        prerun_s=args.prerun_seconds,
+    ).validate()
 
 
 def _fault_of(args: argparse.Namespace) -> InjectFault:

@@ -109,3 +109,52 @@ async def test_returning_node_stale_process_is_stopped(brain_factory, agent_fact
     job = brain.state.jobs[job_id]
     assert (job.state, job.nodes, job.attempt) == (JobState.RUNNING, ("n2",), 2)
     await asyncio.sleep(0)  # let the stop's exit event drain before teardown
+
+
+PRERUN = FailurePolicy(prerun_queues=("big",), prerun_min_gpus=2, prerun_s=1.5)
+
+
+async def test_prerun_fails_fast_on_one_gpu(brain_factory, agent_factory) -> None:
+    """Philly's pre-run: a large job of a pre-run queue first runs on one GPU; a job
+    that dies there fails before it ever holds its large allocation."""
+    brain = await brain_factory(failures=PRERUN)
+    await agent_factory("n1", gpus=4)
+    await eventually(lambda: "n1" in brain.state.nodes)
+    spec = JobSpec(command=python("raise ValueError('bad config')"), gpus=4, queue="big")
+    job_id = await submit(brain.api, spec)
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert (job.state, job.attempt, job.prerun) == (JobState.FAILED, 1, "running")
+    assert job.gpu_count == 1
+    (failure,) = job.failures
+    assert failure.failure_class is FailureClass.USER
+    assert "ValueError: bad config" in (job.reason or "")
+
+
+async def test_prerun_passes_then_takes_the_full_allocation(brain_factory, agent_factory) -> None:
+    brain = await brain_factory(failures=PRERUN)
+    await agent_factory("n1", gpus=4)
+    await eventually(lambda: "n1" in brain.state.nodes)
+    sizes: list[tuple[str | None, int]] = []
+    brain.record_observers.append(
+        lambda record, seq: (
+            sizes.append((record.job.prerun, record.job.gpu_count))
+            if getattr(record, "job", None) is not None
+            and record.job.job_id == job_id
+            and record.job.state is JobState.RUNNING
+            else None
+        )
+    )
+    sleeper = python("import time; time.sleep(3)")
+    job_id = await submit(brain.api, JobSpec(command=sleeper, gpus=4, queue="big"))
+    # Neither a small job of the queue nor a large job of another queue pre-runs.
+    small = await submit(brain.api, JobSpec(command=python("pass"), gpus=1, queue="big"))
+    other = await submit(brain.api, JobSpec(command=python("pass"), gpus=2))
+    job = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=60
+    )
+    assert job.state is JobState.SUCCEEDED and job.prerun == "passed"
+    assert sizes[0] == ("running", 1) and sizes[-1] == ("passed", 4)
+    assert job.gpu_count == 4
+    for plain in (small, other):
+        done = await eventually(lambda p=plain: (j := brain.state.jobs[p]).state.terminal and j)
+        assert done.state is JobState.SUCCEEDED and done.prerun is None

@@ -3,6 +3,8 @@ the retry stage of `decide` (back-off and avoided nodes). No bus."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from brain.core import ClusterSnapshot, Grant, JobView, NodeView, Place, Wait, decide
@@ -15,6 +17,8 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
+from cli import failures as failures_cli
+from schemas.errors import AlnairError
 from schemas.jobs import AttemptFailure, FailureClass, JobState
 
 TRACEBACK = (
@@ -200,3 +204,32 @@ def test_decide_waits_out_back_off_and_avoids_failed_nodes() -> None:
     assert not only_n1.placements
     (wait,) = only_n1.waits
     assert "avoiding n1" in wait.reason
+
+
+def test_brain_flags_make_the_failure_policy() -> None:
+    from cli.main import build_parser
+
+    def policy(*flags: str) -> FailurePolicy:
+        return failures_cli.policy_of(build_parser().parse_args(["brain", *flags]))
+
+    assert policy() == FailurePolicy()
+    made = policy(
+        *("--infra-retries", "2", "--backoff", "0.5", "--backoff-max", "8"),
+        *("--user-retries", "1", "--user-retries", "dev=3", "--blacklist-after", "5"),
+        *("--prerun", "big", "--prerun-min-gpus", "8", "--prerun-seconds", "60"),
+    )
+    assert (made.infrastructure_retries, made.backoff_s(1), made.backoff_s(9)) == (2, 0.5, 8.0)
+    assert (made.user_retries_for("dev"), made.user_retries_for("other")) == (3, 1)
+    assert made.blacklist_after_jobs == 5
+    assert made.wants_prerun("big", 8) and not made.wants_prerun("big", 4)
+    for flags, words in [
+        (("--user-retries", "dev=many"), "--user-retries takes N or QUEUE=N"),
+        (("--user-retries", "=2"), "--user-retries takes N or QUEUE=N"),
+        (("--infra-retries", "-1"), "infrastructure_retries cannot be negative"),
+        (("--backoff", "5", "--backoff-max", "1"), "back-off needs 0 <= base <= max"),
+        (("--blacklist-after", "0"), "blacklist_after_jobs must be at least 1"),
+        (("--prerun-min-gpus", "1"), "prerun_min_gpus must be at least 2"),
+        (("--prerun", "no spaces"), "queue"),
+    ]:
+        with pytest.raises(AlnairError, match=re.escape(words)):
+            policy(*flags)

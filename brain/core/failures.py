@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from schemas.errors import AlnairError
 from schemas.jobs import (
     BAD_INPUT_EXIT_CODE,
     BAD_INPUT_MARKER,
@@ -225,6 +226,35 @@ class FailurePolicy:
     prerun_min_gpus: int = 2
     prerun_s: float = 30.0
 
+    def validate(self) -> FailurePolicy:
+        """Refuse settings that make no sense, naming the setting."""
+        counts = {
+            "infrastructure_retries": self.infrastructure_retries,
+            "user_retries": self.user_retries,
+            "input_retries": self.input_retries,
+            **{f"user_retries of queue {q}": n for q, n in self.queue_user_retries},
+        }
+        for name, count in counts.items():
+            if count < 0:
+                raise InvalidFailurePolicy(f"{name} cannot be negative (got {count})")
+        if self.backoff_base_s < 0 or self.backoff_max_s < self.backoff_base_s:
+            raise InvalidFailurePolicy(
+                f"back-off needs 0 <= base <= max (got base {self.backoff_base_s:g}s, "
+                f"max {self.backoff_max_s:g}s)"
+            )
+        if self.blacklist_after_jobs < 1:
+            raise InvalidFailurePolicy(
+                f"blacklist_after_jobs must be at least 1 (got {self.blacklist_after_jobs})"
+            )
+        if self.prerun_min_gpus < 2:
+            raise InvalidFailurePolicy(
+                f"prerun_min_gpus must be at least 2: a pre-run takes one GPU "
+                f"(got {self.prerun_min_gpus})"
+            )
+        if self.prerun_s <= 0:
+            raise InvalidFailurePolicy(f"prerun_s must be positive (got {self.prerun_s:g})")
+        return self
+
     def user_retries_for(self, queue: str) -> int:
         return dict(self.queue_user_retries).get(queue, self.user_retries)
 
@@ -233,6 +263,12 @@ class FailurePolicy:
 
     def backoff_s(self, retry: int) -> float:
         return float(min(self.backoff_max_s, self.backoff_base_s * 2 ** max(0, retry - 1)))
+
+
+class InvalidFailurePolicy(AlnairError, ValueError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid failure policy: {reason}")
+        self.reason = reason
 
 
 DEFAULT_FAILURE_POLICY: Final = FailurePolicy()
