@@ -32,6 +32,7 @@ from agents.health import (
     watch_nvml,
 )
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
+from agents.orphans import Leftover, ProcessLedger, stop_leftovers
 from bus.client import Bus, Consumer
 from schemas import subjects
 from schemas.base import decode, encode
@@ -77,6 +78,8 @@ class Agent:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._heartbeat_seq = 0
         self.launcher = Launcher(config.data_dir / "logs", self._on_exit, clock=clock)
+        # Attempts started here whose exit is not yet stored: what a crash leaves behind.
+        self.ledger = ProcessLedger(config.data_dir / "processes")
         self._loops: list[asyncio.Task[None]] = []
         self._command_lock = asyncio.Lock()
         # Events leave in order through one sender that retries until JetStream has
@@ -94,7 +97,10 @@ class Agent:
 
     async def start(self) -> None:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        leftovers = self.ledger.leftovers()  # before this agent launches anything
         await self.heartbeat()  # announce ourselves before anything else
+        if leftovers:
+            self._loops.append(self.bus.spawn(self._stop_leftovers(leftovers), name="leftovers"))
         self._loops.append(
             self.bus.spawn(self._every(self.config.heartbeat_s, self.heartbeat), name="heartbeat")
         )
@@ -141,6 +147,9 @@ class Agent:
             self._sender.cancel()
             await asyncio.wait({self._sender}, timeout=3.0)
             self._sender = None
+
+    async def _stop_leftovers(self, leftovers: list[Leftover]) -> None:
+        await stop_leftovers(leftovers, grace_s=self.config.stop_grace_s, node=self.node)
 
     async def crash(self) -> list[int]:
         """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""
@@ -338,6 +347,7 @@ class Agent:
                 )
             )
             return
+        self.ledger.record(job.job_id, job.attempt, job.pid)
         log.info(
             "%s: started job %s attempt %d pid %d", self.node, job.job_id, job.attempt, job.pid
         )
@@ -396,6 +406,8 @@ class Agent:
             while True:
                 try:
                     await self.bus.publish_durable(subject, event, msg_id=event.event_id)
+                    if isinstance(event, JobExited):
+                        self.ledger.forget(event.job_id, event.attempt)
                     break
                 except BusError as error:
                     log.warning(

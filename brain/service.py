@@ -148,6 +148,9 @@ class Brain:
         self.telemetry: dict[str, TelemetryBatch] = {}
         self._liveness: dict[str, _Liveness] = {}
         self._stops_sent: dict[tuple[str, str, int], float] = {}
+        # (job, attempt, node) -> when its node's agent came back as a new instance
+        # without it: the process went with the old agent (`_check_vanished`).
+        self._vanishing: dict[tuple[str, int, str], float] = {}
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._dirty = True
         # When the last decide() asked to be called again, even if nothing happens.
@@ -414,6 +417,7 @@ class Brain:
             await self._event(item.payload)  # type: ignore[arg-type]
         elif item.kind == "tick":
             await self._check_nodes()
+            await self._check_vanished()
             await self._check_launches()
             await self._check_preruns()
             if self._wake_at is not None and self.clock() >= self._wake_at:
@@ -610,6 +614,8 @@ class Brain:
         live.instance = beat.instance
         live.running = {(r.job_id, r.attempt) for r in beat.running}
         known = self.state.nodes.get(beat.node)
+        if known is not None and known.instance != beat.instance:
+            self._agent_restarted(beat, now)
         drain_reason = known.drain_reason if known is not None else None
         fresh = NodeRecord(
             name=beat.node,
@@ -649,6 +655,40 @@ class Brain:
                 ),
             )
         await self._reconcile(beat)
+
+    def _agent_restarted(self, beat: Heartbeat, now: float) -> None:
+        """A new agent instance does not know the processes of the old one (it stops any
+        it finds left over): attempts it does not report are suspects. They are failed
+        a node timeout later, if no exit from the old instance has arrived by then."""
+        reported = {(r.job_id, r.attempt) for r in beat.running}
+        for job in self.state.running_on(beat.node):
+            grant = next(g for g in job.grants if g.node == beat.node)
+            known = (job.job_id, job.attempt) in reported
+            if grant.pid is not None and not grant.exited and not known:
+                self._vanishing.setdefault((job.job_id, job.attempt, beat.node), now)
+
+    async def _check_vanished(self) -> None:
+        now = self.monotonic()
+        for key, since in list(self._vanishing.items()):
+            if now - since < self.config.node_timeout_s:
+                continue
+            del self._vanishing[key]
+            job_id, attempt, node = key
+            job = self._current(job_id, attempt, node)
+            live = self._liveness.get(node)
+            if job is None or live is None or (job_id, attempt) in live.running:
+                continue
+            if any(g.exited for g in job.grants if g.node == node):
+                continue
+            await self._fail_attempt(
+                job,
+                node,
+                Classification(
+                    FailureClass.INFRASTRUCTURE,
+                    f"the agent of node {node} restarted and attempt {attempt}'s process "
+                    "went with the old agent",
+                ),
+            )
 
     async def _reconcile(self, beat: Heartbeat) -> None:
         """Stop what a node runs that the brain did not give it (any more)."""

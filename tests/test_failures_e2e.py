@@ -5,6 +5,7 @@ limit, node loss and a returning node, and the history of every attempt."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -132,7 +133,7 @@ async def test_prerun_fails_fast_on_one_gpu(brain_factory, agent_factory) -> Non
 
 async def test_prerun_passes_then_takes_the_full_allocation(brain_factory, agent_factory) -> None:
     brain = await brain_factory(failures=PRERUN)
-    await agent_factory("n1", gpus=4)
+    agent = await agent_factory("n1", gpus=4)
     await eventually(lambda: "n1" in brain.state.nodes)
     sizes: list[tuple[str | None, int]] = []
     brain.record_observers.append(
@@ -158,3 +159,43 @@ async def test_prerun_passes_then_takes_the_full_allocation(brain_factory, agent
     for plain in (small, other):
         done = await eventually(lambda p=plain: (j := brain.state.jobs[p]).state.terminal and j)
         assert done.state is JobState.SUCCEEDED and done.prerun is None
+    # Every exit reached the brain: the node's process ledger is empty again.
+    await eventually(lambda: not agent.ledger.leftovers())
+
+
+async def test_a_process_gone_with_its_agent_is_retried_and_never_left_running(
+    brain_factory, agent_factory
+) -> None:
+    """An agent dies and its node's next agent comes up before the node is missed: the
+    old agent's process is stopped (nobody can follow it now), and the brain fails the
+    attempt as an infrastructure failure and runs it elsewhere."""
+    brain = await brain_factory(node_timeout_s=1.0, failures=FAST)
+    agents = {name: await agent_factory(name, gpus=2) for name in ("n1", "n2")}
+    await eventually(lambda: len(brain.state.nodes) == 2)
+    job_id = await submit(
+        brain.api, JobSpec(command=python("import time; time.sleep(600)"), gpus=2)
+    )
+    await eventually(lambda: any(g.pid for g in brain.state.jobs[job_id].grants))
+    (node,) = brain.state.jobs[job_id].nodes
+    (other,) = {"n1", "n2"} - {node}
+    (orphan,) = await agents[node].crash()
+    agent_factory.orphans.append(orphan)
+    restarted = await agent_factory(node, gpus=2)  # the node's agent restarts at once
+
+    await eventually(lambda: agents[other].launcher.find(job_id), timeout_s=30)
+    job = brain.state.jobs[job_id]
+    assert (job.state, job.attempt, job.nodes) == (JobState.RUNNING, 2, (other,))
+    (failure,) = job.failures
+    assert failure.failure_class is FailureClass.INFRASTRUCTURE
+    assert f"the agent of node {node} restarted" in failure.reason
+    assert brain.state.nodes[node].state.value == "READY"  # never missed: not lost
+
+    def gone() -> bool:
+        try:
+            os.kill(orphan, 0)
+        except ProcessLookupError:
+            return True
+        return Path(f"/proc/{orphan}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+
+    await eventually(gone)
+    await eventually(lambda: not restarted.ledger.leftovers())
