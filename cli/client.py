@@ -12,6 +12,7 @@ from pydantic import TypeAdapter
 
 from bus.auth import inbox_prefix_for_seed
 from bus.client import Bus, ConnectOptions
+from cli.config import TlsSettings
 from schemas import subjects
 from schemas.api import JOB_RESULT, ErrorReply, JobReply, SubmitRequest
 from schemas.base import Message
@@ -22,7 +23,12 @@ R = TypeVar("R")
 
 
 async def open_bus(
-    servers: Sequence[str], *, name: str, credentials: str | None, nkey: str | None = None
+    servers: Sequence[str],
+    *,
+    name: str,
+    credentials: str | None,
+    nkey: str | None = None,
+    tls: TlsSettings | None = None,
 ) -> Bus:
     return await Bus.connect(
         ConnectOptions(
@@ -31,6 +37,9 @@ async def open_bus(
             credentials=credentials,
             nkey_seed=nkey,
             inbox_prefix=inbox_prefix_for_seed(nkey) if nkey else None,
+            tls_ca=tls.ca if tls else None,
+            tls_cert=tls.cert if tls else None,
+            tls_key=tls.key if tls else None,
             # An operator command should fail fast, not wait for ever for a server.
             max_reconnect_attempts=3,
         )

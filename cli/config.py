@@ -8,11 +8,19 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
-from schemas.errors import ClusterNotFound
+from schemas.errors import BusError, ClusterNotFound
 
 CLUSTER_FILE: Final = "cluster.json"
+
+
+class TlsSettings(NamedTuple):
+    """A client's TLS files: the CA that signed the servers, its own certificate, key."""
+
+    ca: str
+    cert: str | None = None
+    key: str | None = None
 
 
 def alnair_home() -> Path:
@@ -27,6 +35,8 @@ class ClusterInfo:
     home: str
     # The identity other commands on this machine use by default (`up --secure`).
     client_nkey: str | None = None
+    # TLS files other commands on this machine use by default (`up --tls`).
+    tls: TlsSettings | None = None
 
     def write(self, home: Path) -> Path:
         home.mkdir(parents=True, exist_ok=True)
@@ -40,6 +50,7 @@ class ClusterInfo:
                     "started_at": self.started_at,
                     "home": self.home,
                     "client_nkey": self.client_nkey,
+                    "tls": list(self.tls) if self.tls else None,
                 },
                 indent=2,
             )
@@ -58,6 +69,7 @@ def read_cluster(home: Path) -> ClusterInfo | None:
             started_at=float(data["started_at"]),
             home=str(data.get("home", home)),
             client_nkey=data.get("client_nkey"),
+            tls=TlsSettings(*data["tls"]) if data.get("tls") else None,
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -110,3 +122,22 @@ def resolve_nkey(explicit: str | None) -> str | None:
         return None
     info = read_cluster(alnair_home())
     return info.client_nkey if info is not None else None
+
+
+def resolve_tls(
+    ca: str | None = None, cert: str | None = None, key: str | None = None
+) -> TlsSettings | None:
+    """`--tls-ca/--tls-cert/--tls-key`, then `ALNAIR_TLS_CA/_CERT/_KEY`, then the local
+    cluster's (`alnair up --tls`); None for plain connections."""
+    env = os.environ
+    ca = ca or env.get("ALNAIR_TLS_CA")
+    cert = cert or env.get("ALNAIR_TLS_CERT")
+    key = key or env.get("ALNAIR_TLS_KEY")
+    if ca or cert or key:
+        if not ca:
+            raise BusError("TLS: a client certificate needs --tls-ca (or ALNAIR_TLS_CA) too")
+        return TlsSettings(ca, cert, key)
+    if env.get("ALNAIR_NATS"):
+        return None
+    info = read_cluster(alnair_home())
+    return info.tls if info is not None else None

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from bus.client import Bus
 from cli.client import call, submit
-from schemas.api import JOBS_RESULT, ListJobsRequest
+from schemas import subjects
+from schemas.api import STATUS_RESULT, StatusRequest
 from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.state import STATE_RECORD, JobChanged
 
 
 @dataclass
@@ -69,6 +71,20 @@ class BrainProcess:
             except TimeoutError:
                 self.process.kill()
                 await self.process.wait()
+
+
+async def leading_brain(bus: Bus, brains: list[BrainProcess]) -> BrainProcess:
+    """The brain process that holds the lease now, by the pid its status reports.
+
+    Brains started together race for the lease: the first one started need not lead,
+    and killing a standby tests nothing."""
+    from schemas.api import STATUS_RESULT, StatusRequest
+
+    status = await call(bus, "default", "status", StatusRequest(), STATUS_RESULT, timeout_s=10)
+    for brain in brains:
+        if brain.process is not None and brain.process.pid == status.brain_pid:
+            return brain
+    raise AssertionError(f"the leader (pid {status.brain_pid}) is none of these brains")
 
 
 @dataclass
@@ -136,18 +152,30 @@ async def burst(
 async def wait_all_finished(
     bus: Bus, result: BurstResult, *, timeout_s: float = 300.0
 ) -> BurstResult:
+    """Wait until the brain counts no job pending or running, then take every job from
+    the STATE log itself: a list of thousands is over NATS's message size."""
     started = time.monotonic()
     deadline = started + timeout_s
-    while True:
+    while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            reply = await call(
-                bus, "default", "jobs", ListJobsRequest(limit=100_000), JOBS_RESULT, timeout_s=10
+            status = await call(
+                bus, "default", "status", StatusRequest(), STATUS_RESULT, timeout_s=10
             )
-            result.jobs = list(reply.jobs)
-            if len(result.jobs) >= len(result.acknowledged) and result.unfinished == 0:
+            counts = status.jobs_by_state
+            busy = counts.get(JobState.PENDING.value, 0) + counts.get(JobState.RUNNING.value, 0)
+            if busy == 0 and sum(counts.values()) >= len(result.acknowledged):
                 break
-        if time.monotonic() > deadline:
-            break
         await asyncio.sleep(0.5)
+    result.jobs = await jobs_in_log(bus)
     result.finish_seconds = time.monotonic() - started
     return result
+
+
+async def jobs_in_log(bus: Bus) -> list[JobRecord]:
+    """Every job as its last STATE record has it (the brain's own fold). Unfiltered, so
+    the read ends at the log's last entry, not at the first slow fetch."""
+    jobs: dict[str, JobRecord] = {}
+    async for item, _seq, _subject in bus.read(subjects.STREAM_STATE, STATE_RECORD):
+        if isinstance(item, JobChanged):
+            jobs[item.job.job_id] = item.job
+    return list(jobs.values())

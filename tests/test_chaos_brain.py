@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos_harness import BrainProcess, burst, wait_all_finished
+from tests.chaos_harness import BrainProcess, burst, leading_brain, wait_all_finished
 from tests.conftest import eventually
 
 BURST = 1000
@@ -47,15 +47,16 @@ async def test_kill_brain_during_burst(
         for n in range(4):
             await agent_factory(f"n{n}", gpus=8)
         client = await connect("burst")
-        killed = asyncio.Event()
+        third = asyncio.Event()
 
-        def kill_once(acked: int) -> None:
-            if acked >= BURST // 3 and not killed.is_set():
-                killed.set()
-                brains[0].kill()
+        def on_progress(acked: int) -> None:
+            if acked >= BURST // 3:
+                third.set()
 
-        submitting = asyncio.ensure_future(burst(client, BURST, on_progress=kill_once))
-        await killed.wait()
+        submitting = asyncio.ensure_future(burst(client, BURST, on_progress=on_progress))
+        await third.wait()
+        # The leader, not brains[0]: with two, either may have won the lease.
+        (await leading_brain(client, brains)).kill()
         if recovery == "restart":
             await asyncio.sleep(0.5)
             brains.append(BrainProcess(nats_server.url, home, 3))

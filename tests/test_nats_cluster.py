@@ -1,0 +1,217 @@
+"""A 3-node NATS cluster on this host: R3 streams survive the death of the server that
+leads the brain's STATE log, in the middle of a burst of submissions.
+
+This module runs conftest's brain and agent factories against the cluster: it
+overrides `connect` (every Bus gets all three URLs and R3 streams) and `nats_server`
+(which agent_factory only reads a URL from).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from bus.client import Bus, ConnectOptions
+from bus.server import EmbeddedCluster, EmbeddedNats
+from schemas import subjects
+from schemas.errors import BusError
+from tests.chaos_harness import burst, wait_all_finished
+from tests.conftest import eventually
+
+REPLICAS = 3
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[EmbeddedCluster]:
+    cluster = EmbeddedCluster(data_dir=tmp_path / "nats", size=3)
+    cluster.start()
+    assert all(node.port != 4222 for node in cluster.nodes)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def nats_server(nats_cluster: EmbeddedCluster) -> EmbeddedNats:
+    return nats_cluster.nodes[0]
+
+
+@pytest.fixture
+async def connect(
+    nats_cluster: EmbeddedCluster,
+) -> AsyncIterator[Callable[[str], Awaitable[Bus]]]:
+    opened: list[Bus] = []
+
+    async def make(name: str) -> Bus:
+        options = ConnectOptions(servers=nats_cluster.urls, name=name)
+        bus = await Bus.connect(options, replicas=REPLICAS)
+        opened.append(bus)
+        return bus
+
+    try:
+        yield make
+    finally:
+        for bus in reversed(opened):
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+
+async def state_leader(bus: Bus) -> str:
+    cluster = await bus.stream_cluster(subjects.STREAM_STATE)
+    assert cluster is not None and cluster.leader, "STATE has no cluster leader"
+    return cluster.leader
+
+
+@pytest.mark.timeout(300)
+async def test_state_leader_killed_mid_burst(
+    nats_cluster: EmbeddedCluster, connect, brain_factory, agent_factory
+) -> None:
+    brain = await brain_factory()
+    for n in range(2):
+        await agent_factory(f"n{n}", gpus=8)
+    await eventually(lambda: len(brain.state.nodes) == 2)
+    client = await connect("burst")
+    info = await client.js.stream_info(subjects.STREAM_STATE)
+    assert info.config.num_replicas == REPLICAS
+    kill_at = asyncio.Event()
+    acked_at_kill: list[int] = []
+
+    def kill_once(acked: int) -> None:
+        if acked >= 60 and not kill_at.is_set():
+            acked_at_kill.append(acked)
+            kill_at.set()
+
+    started = time.monotonic()
+    submitting = asyncio.ensure_future(burst(client, 200, concurrency=8, on_progress=kill_once))
+    await kill_at.wait()
+    leader = await state_leader(client)
+    victim = nats_cluster.node(leader)
+    brain_was_on_it = brain.bus.nc.connected_url.port == victim.port
+    victim.kill()  # SIGKILL: no shutdown, no flush, no step-down
+    killed_after = time.monotonic() - started
+
+    async def new_leader() -> str | None:
+        with contextlib.suppress(Exception):
+            now = await state_leader(client)
+            return now if now != leader else None
+        return None
+
+    successor = await eventually(new_leader, timeout_s=60, interval_s=0.2)
+    result = await submitting
+    result = await wait_all_finished(client, result, timeout_s=200)
+    print(
+        f"\nSTATE leader {leader} SIGKILLed after {killed_after:.1f}s with "
+        f"{acked_at_kill[0]} acknowledged (the brain was connected to it: {brain_was_on_it}); "
+        f"{successor} leads now. "
+        f"acknowledged {len(result.acknowledged)}, failed {len(result.failed)}, "
+        f"lost {result.lost}, duplicated {result.duplicated}, unfinished {result.unfinished}; "
+        f"acks in {result.ack_seconds:.1f}s, all finished {result.finish_seconds:.1f}s later; "
+        f"{sum(1 for j in result.jobs if j.attempt > 1)} ran again (their node looked lost)"
+    )
+    assert not result.failed
+    assert len(result.acknowledged) == result.submitted
+    assert result.lost == 0
+    assert result.duplicated == 0
+    assert result.unfinished == 0
+    assert len(result.jobs) == result.submitted
+
+
+async def test_replicas_beyond_the_cluster_are_refused_by_name(nats_cluster) -> None:
+    bus = await Bus.connect(ConnectOptions(servers=nats_cluster.urls, name="r5"), replicas=5)
+    try:
+        with pytest.raises(BusError, match="EVENTS with 5 replica"):
+            await bus.ensure_streams()
+    finally:
+        await bus.close()
+    with pytest.raises(BusError, match="replicas must be 1 to 5, not 7"):
+        await Bus.connect(ConnectOptions(servers=nats_cluster.urls, name="r7"), replicas=7)
+
+
+def test_a_cluster_of_two_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BusError, match="at least 3 servers, not 2"):
+        EmbeddedCluster(data_dir=tmp_path, size=2)
+
+
+@pytest.mark.timeout(240)
+async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
+    """`alnair up --cluster 3 --secure --tls`: every component has all three URLs, the
+    CLI finds TLS and identities through cluster.json, `status` shows each server and
+    the STATE copies, and jobs still run after the STATE leader's server is SIGKILLed."""
+    from tests.test_cli import CLI, alnair
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALNAIR_")}
+    env.update(ALNAIR_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    home = tmp_path / "home"
+    operator = ["--nkey", str(home / "keys" / "operator-operator.nk"), "--tenant", "operator"]
+    up = await asyncio.create_subprocess_exec(
+        *[*CLI, "up", "--cluster", "3", "--secure", "--tls", "--nodes", "1"],
+        *["--gpus", "sim:2xA100", "--http", "127.0.0.1:0"],
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    output: list[str] = []
+
+    async def read_up() -> None:
+        assert up.stdout is not None
+        while line := await up.stdout.readline():
+            output.append(line.decode())
+
+    async def run_job(word: str) -> None:
+        code, out, err = await alnair("submit", "--gpus", "1", "--", "echo", word, env=env)
+        assert code == 0, err
+        job_id = out.split()[2]
+
+        async def succeeded() -> bool:
+            _, out, _ = await alnair("job", job_id, "--json", env=env)
+            return bool(out) and json.loads(out)["state"] == "SUCCEEDED"
+
+        await eventually(succeeded, timeout_s=60, interval_s=0.5)
+
+    reader = asyncio.ensure_future(read_up())
+    try:
+        await eventually(lambda: any("ready." in line for line in output), timeout_s=90)
+        cluster = json.loads((home / "cluster.json").read_text())
+        assert len(cluster["nats"]) == 3 and all(u.startswith("tls://") for u in cluster["nats"])
+        await run_job("before")
+        code, out, err = await alnair("status", *operator, env=env)
+        assert code == 0, err
+        assert out.count("tls://127.0.0.1:") == 3 and "(connected)" in out
+        leader = re.search(r"STATE:\s+3 copies: (nats-\d) leader", out)
+        assert leader is not None, out
+        conf = home / "nats-cluster" / leader.group(1) / "nats-server.conf"
+        victims = [int(pid) for pid in _pids_running(str(conf))]
+        assert len(victims) == 1
+        os.kill(victims[0], signal.SIGKILL)
+        await run_job("after")
+        code, out, _ = await alnair("status", *operator, env=env)
+        assert "(DOWN)" in out
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            up.send_signal(signal.SIGINT)
+        await asyncio.wait_for(up.wait(), timeout=60)
+        await reader
+    assert up.returncode == 0, "".join(output[-30:])
+
+
+def _pids_running(needle: str) -> list[str]:
+    """PIDs of processes whose command line holds `needle` (a path unique to this test)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if needle in cmdline:
+                    found.append(entry.name)
+    return found

@@ -1,0 +1,131 @@
+"""NATS over TLS: certificates from `bus.tls`, a server that verifies its clients, a
+client that connects with the CA and its certificate, and the ones that are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from bus.client import Bus, ConnectOptions
+from bus.server import EmbeddedNats
+from bus.tls import TlsFiles, write_tls_files
+from schemas import subjects
+from schemas.dlq import DeadLetter
+from schemas.errors import BusError
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return write_tls_files(tmp_path_factory.mktemp("tls"), hosts=("nats.example",))
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path, tls_files: TlsFiles) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(data_dir=tmp_path / "nats", tls=tls_files)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def tls_options(server: EmbeddedNats, files: TlsFiles, **overrides: object) -> ConnectOptions:
+    fields: dict[str, object] = {
+        "servers": (server.url,),
+        "name": "tls-client",
+        "tls_ca": str(files.ca),
+        "tls_cert": str(files.client_cert),
+        "tls_key": str(files.client_key),
+    }
+    fields.update(overrides)
+    return ConnectOptions(**fields)  # type: ignore[arg-type]
+
+
+def plaintext_exchange(host: str, port: int) -> tuple[bytes, bytes]:
+    """Speak plain NATS protocol: (the server's greeting, what it answers to
+    CONNECT + PING before closing)."""
+    with socket.create_connection((host, port), timeout=5) as sock:
+        greeting = sock.recv(4096)
+        sock.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
+        answer = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := sock.recv(4096):
+                answer += chunk
+        return greeting, answer
+
+
+async def test_tls_client_works_and_others_are_refused(
+    tls_server: EmbeddedNats, tls_files: TlsFiles
+) -> None:
+    assert tls_server.url.startswith("tls://")
+    bus = await Bus.connect(tls_options(tls_server, tls_files))
+    try:
+        await bus.ensure_streams()  # JetStream over TLS
+        letter = DeadLetter(
+            subject="s", reason="r", received_at=1.0, by="t", payload_bytes=0, payload_preview=""
+        )
+        subject = subjects.node("n1", "event")
+        assert await bus.publish_durable(subject, letter, msg_id="tls-1") == 1
+        assert await bus.last_seq(subjects.STREAM_EVENTS) == 1
+    finally:
+        await bus.close()
+
+    # A plaintext client is told TLS is required, and its CONNECT gets no PONG.
+    greeting, answer = await asyncio.to_thread(plaintext_exchange, tls_server.host, tls_server.port)
+    assert greeting.startswith(b"INFO ") and b'"tls_required":true' in greeting
+    assert b"PONG" not in answer
+
+    # A client that does not trust the CA, and one without a certificate, fail.
+    assert await _connects(tls_options(tls_server, tls_files))
+    for refused in (
+        tls_options(tls_server, tls_files, tls_ca=None, tls_cert=None, tls_key=None),
+        tls_options(tls_server, tls_files, tls_cert=None, tls_key=None),
+    ):
+        assert not await _connects(refused)
+
+
+async def _connects(options: ConnectOptions) -> bool:
+    try:
+        nc = await nats.connect(
+            list(options.servers),
+            tls=_context(options),
+            allow_reconnect=False,
+            connect_timeout=5,
+        )
+    except (OSError, TimeoutError, nats.errors.Error):
+        return False
+    try:
+        # A missing client certificate may pass the handshake (TLS 1.3 checks it
+        # after) and be refused at the first exchange.
+        await nc.flush(timeout=5)
+    except (OSError, TimeoutError, nats.errors.Error):
+        return False
+    finally:
+        await nc.close()
+    return True
+
+
+def _context(options: ConnectOptions) -> object:
+    import ssl
+
+    from bus.client import tls_context
+
+    return tls_context(options) if options.tls_ca else ssl.create_default_context()
+
+
+def test_bad_tls_settings_are_named(tmp_path: Path, tls_files: TlsFiles) -> None:
+    from bus.client import tls_context
+
+    with pytest.raises(BusError, match="both a client certificate and its key"):
+        tls_context(ConnectOptions(servers=(), name="x", tls_ca="ca", tls_cert="c"))
+    missing = str(tmp_path / "nope.pem")
+    with pytest.raises(BusError, match=r"nope\.pem"):
+        tls_context(ConnectOptions(servers=(), name="x", tls_ca=missing))
+    with pytest.raises(BusError, match=r"invalid TLS host 'nats://h:4222'"):
+        write_tls_files(tmp_path / "t", hosts=("nats://h:4222",))
