@@ -198,6 +198,18 @@ class History:
     def job_events(self, job_id: str) -> list[dict[str, Any]]:
         return list(self.db.table("events").rows_where("job_id = ?", [job_id], order_by="seq"))
 
+    def job_changes(self, job_id: str, limit: int) -> tuple[list[tuple[int, JobChanged]], bool]:
+        """The job's latest `limit` state records (oldest first) with their sequences,
+        and whether older ones were left out. Node events about the job are not
+        included: each one the brain acted on has a job record of its own."""
+        rows = self.db.execute(
+            "SELECT seq, body FROM events WHERE job_id = ? AND state IS NOT NULL "
+            "ORDER BY seq DESC LIMIT ?",
+            [job_id, limit + 1],
+        ).fetchall()
+        changes = [(int(seq), JobChanged.model_validate_json(body)) for seq, body in rows]
+        return changes[:limit][::-1], len(changes) > limit
+
     def close(self) -> None:
         self.db.close()
 

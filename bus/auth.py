@@ -29,7 +29,7 @@ from schemas.base import check_name
 
 Role = Literal["brain", "node", "tenant", "operator"]
 OPERATOR: Final = "operator"
-READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "status", "history")
+READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "status", "history", "why")
 
 
 @dataclass(frozen=True, slots=True)

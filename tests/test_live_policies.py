@@ -4,9 +4,11 @@ service, LAS bands, and preemption applied to real processes."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-from brain.core import Policy
-from schemas.api import JobReply, SubmitRequest
+from brain.core import ClusterSnapshot, Policy
+from brain.state import BrainState
+from schemas.api import JobReply, SubmitRequest, WhyReply, WhyRequest
 from schemas.jobs import JobSpec, JobState
 from schemas.state import CauseKind
 from tests.conftest import eventually
@@ -60,3 +62,81 @@ async def test_las_demotes_a_long_job_and_preempts_it_for_a_newcomer(
     await eventually(lambda: brain.state.jobs[long_id].attempt == 2, timeout_s=30)
     assert brain.state.jobs[long_id].attained_gpu_seconds >= 1.0
     assert brain.preemptions >= 1
+
+
+async def test_srtf_preempts_for_a_job_that_declares_less_work(
+    brain_factory, agent_factory
+) -> None:
+    brain = await brain_factory(policy=Policy(order="srtf"))
+    agent = await agent_factory("n1", gpus=1)
+    await eventually(lambda: brain.state.nodes)
+    long = await brain.api.handle(
+        "default",
+        SubmitRequest(
+            spec=JobSpec(
+                name="long",
+                command=(sys.executable, "-c", "import time; time.sleep(600)"),
+                gpus=1,
+                declared_duration_s=600,
+            )
+        ),
+    )
+    assert isinstance(long, JobReply)
+    long_id = long.job.job_id
+    await eventually(lambda: agent.launcher.find(long_id))
+    short = await brain.api.handle(
+        "default",
+        SubmitRequest(spec=JobSpec(name="short", command=("true",), gpus=1, declared_duration_s=1)),
+    )
+    assert isinstance(short, JobReply)
+    await eventually(
+        lambda: brain.state.jobs[short.job.job_id].state is JobState.SUCCEEDED, timeout_s=30
+    )
+    reply = await brain.api.handle("default", WhyRequest(job_id=long_id))
+    assert isinstance(reply, WhyReply)
+    preemptions = [d.cause.preemption for d in reply.decisions if d.cause.preemption]
+    assert preemptions and preemptions[0].reason == "outranked"
+    assert (preemptions[0].for_job, preemptions[0].order) == (short.job.job_id, "srtf")
+    # The long job runs again once the short one is done.
+    await eventually(lambda: brain.state.jobs[long_id].attempt == 2, timeout_s=30)
+
+
+async def test_gittins_learns_finished_jobs_service_and_a_standby_rebuilds_it(
+    brain_factory, agent_factory, monkeypatch
+) -> None:
+    # What `decide` is given: the learned distribution of every snapshot taken.
+    observed: list[int | None] = []
+    take = BrainState.snapshot
+
+    def spy(self: BrainState, **kwargs: Any) -> ClusterSnapshot:
+        snapshot = take(self, **kwargs)
+        learned = snapshot.service_distribution
+        observed.append(None if learned is None else learned.observed)
+        return snapshot
+
+    monkeypatch.setattr(BrainState, "snapshot", spy)
+    brain = await brain_factory(policy=Policy(order="gittins"))
+    await agent_factory("n1", gpus=2)
+    await eventually(lambda: brain.state.nodes)
+    ids = []
+    for gpus in (1, 2, 1):
+        reply = await brain.api.handle(
+            "default", SubmitRequest(spec=JobSpec(command=("true",), gpus=gpus))
+        )
+        assert isinstance(reply, JobReply)
+        ids.append(reply.job.job_id)
+    await eventually(
+        lambda: all(brain.state.jobs[i].state is JobState.SUCCEEDED for i in ids), timeout_s=30
+    )
+    service = [brain.state.jobs[i].attained_gpu_seconds for i in ids]
+    assert sorted(brain.state.service_samples) == sorted(service)
+    await eventually(lambda: observed[-1] == 3)
+    assert None not in observed
+    learned = brain.state.snapshot().service_distribution
+    assert learned is not None and learned.observed == 3
+    # A standby folds the same log into the same distribution.
+    standby = await brain_factory(lead=False, policy=Policy(order="gittins"))
+    await eventually(lambda: standby.state.last_seq == brain.state.last_seq)
+    assert list(standby.state.service_samples) == list(brain.state.service_samples)
+    rebuilt = standby.state.snapshot().service_distribution
+    assert rebuilt is not None and rebuilt.values == learned.values

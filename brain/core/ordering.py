@@ -249,3 +249,7 @@ DURATION_AWARE: Final[frozenset[str]] = frozenset({"srtf"})
 # known before it runs). The simulator reports progress only to these, so that the
 # extra progress events cannot perturb the others.
 PROGRESS_AWARE: Final[frozenset[str]] = frozenset({"progress"})
+
+# Orderings that read `ClusterSnapshot.service_distribution`. The live brain builds the
+# learned distribution only for these.
+DISTRIBUTION_AWARE: Final[frozenset[str]] = frozenset({"gittins"})

@@ -1,0 +1,115 @@
+"""`alnair why JOB`: the latest decisions about a job, each with its cause.
+
+Where it was placed and why, what it waits for, who preempted it and on what grounds
+(a quota reclaim or a better-ranked job), its LAS band changes and its retries: the
+job's records in the brain's history, which holds every STATE entry with its cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+from cli import format as fmt
+from cli.client import call
+from schemas.api import WHY_RESULT, WhyEntry, WhyReply, WhyRequest
+from schemas.jobs import JobRecord
+from schemas.state import CauseKind
+
+WithBus = Callable[[argparse.Namespace, Callable[[Any], Awaitable[int]]], Awaitable[int]]
+ClientArgs = Callable[[argparse.ArgumentParser], None]
+# WhyRequest's bound.
+MAX_LIMIT: Final = 1000
+
+
+def _change(entry: WhyEntry) -> str:
+    if entry.previous is None:
+        return f"new {entry.state.value}"
+    if entry.previous is entry.state:
+        return entry.state.value
+    return f"{entry.previous.value}->{entry.state.value}"
+
+
+def _detail(entry: WhyEntry) -> str:
+    cause = entry.cause
+    if cause.kind is CauseKind.SERVICE_LEVEL:
+        return f"band {entry.service_level}: {cause.message}"
+    if cause.kind is CauseKind.PLACED:
+        return f"attempt {entry.attempt}: {cause.message}"
+    return cause.message
+
+
+def _summary(job: JobRecord) -> list[str]:
+    spec = job.spec
+    lines = [
+        f"job {job.job_id} ({spec.name}), queue {spec.queue}, {spec.gpus} GPUs: "
+        f"{job.state.value}, attempt {job.attempt}",
+    ]
+    if job.reason:
+        lines.append(f"  why now:  {job.reason}")
+    lines.append(
+        f"  service:  {job.attained_gpu_seconds:.1f} GPU-s over {job.executed_seconds:.1f} s "
+        f"run; LAS band {job.service_level}"
+    )
+    hints = []
+    if spec.declared_duration_s is not None:
+        hints.append(f"declared duration {spec.declared_duration_s:g} s")
+    if spec.network_sensitive:
+        hints.append("network-sensitive (never spread over switches)")
+    if hints:
+        lines.append(f"  hints:    {'; '.join(hints)}")
+    return lines
+
+
+def render(reply: WhyReply) -> str:
+    rows = [
+        [
+            str(e.seq),
+            time.strftime("%H:%M:%S", time.localtime(e.ts)),
+            _change(e),
+            e.cause.kind.value,
+            _detail(e),
+        ]
+        for e in reply.decisions
+    ]
+    lines = _summary(reply.job)
+    lines.append("")
+    if reply.truncated:
+        lines.append(f"(the latest {len(rows)} changes; --limit N for more)")
+    lines.append(fmt.table(["SEQ", "TIME", "CHANGE", "CAUSE", "DETAIL"], rows))
+    return "\n".join(lines)
+
+
+async def _why(args: argparse.Namespace, bus: Any) -> int:
+    request = WhyRequest(job_id=args.job, limit=args.limit)
+    reply = await call(bus, args.tenant, "why", request, WHY_RESULT)
+    if args.json:
+        print(json.dumps(reply.model_dump(mode="json"), indent=2))
+    else:
+        print(render(reply))
+    return 0
+
+
+def _limit(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"a whole number from 1 to {MAX_LIMIT}, not {text!r}")
+    return int(text)
+
+
+def add_command(sub: Any, client_args: ClientArgs, with_bus: WithBus) -> None:
+    """Register `alnair why` on the `alnair` parser."""
+
+    async def run(args: argparse.Namespace) -> int:
+        return await with_bus(args, lambda bus: _why(args, bus))
+
+    p = sub.add_parser(
+        "why", help="why a job is where it is: its latest decisions, each with its cause"
+    )
+    client_args(p)
+    p.add_argument("job")
+    p.add_argument("--limit", type=_limit, default=20, help="at most this many changes, the newest")
+    p.add_argument("--json", action="store_true", help="the reply as JSON")
+    p.set_defaults(fn=run)

@@ -1,0 +1,241 @@
+"""What the live brain feeds the policies, without a bus: the queues file, the job
+spec's policy hints, and the learned service distribution folded from the log."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from brain.core import DEFAULT_SERVICE_PRIOR, QueueQuota
+from brain.queues import QueueConfigError, load_queues, parse_quota
+from brain.sim import TraceError, cli, load_trace
+from brain.state import SERVICE_SAMPLES, BrainState, job_view
+from cli.main import UsageError, build_parser, load_spec, main
+from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.state import Cause, CauseKind, JobChanged
+
+# -- the queues file ------------------------------------------------------------------
+
+GOOD = """\
+queues:
+  - name: interactive
+    guaranteed_gpus: 4
+    class: build
+  - name: research
+    guaranteed_gpus: 8
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "queues.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_queues_file_gives_the_quotas_in_order(tmp_path: Path) -> None:
+    assert load_queues(write(tmp_path, GOOD)) == (
+        QueueQuota("interactive", 4, "build"),
+        QueueQuota("research", 8, "train"),
+    )
+    assert load_queues(write(tmp_path, "queues: []\n")) == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("", "found an empty file"),
+        ("queues: [\n", "not valid YAML"),
+        ("- name: a\n", "expected a mapping with one key, `queues`"),
+        ("queue: []\n", "found keys queue"),
+        ("queues: {a: 1}\n", "`queues` must be a list of queues, not dict"),
+        ("queues: [research]\n", "queues[0]: expected a mapping"),
+        ("queues:\n  - guaranteed_gpus: 1\n", "queues[0]: `name` is required"),
+        ("queues:\n  - name: a\n", "queues[0] (a): `guaranteed_gpus` is required"),
+        (
+            "queues:\n  - name: a\n    guaranteed_gpus: 1\n    gpus: 2\n",
+            "queues[0]: unknown key(s) gpus; known: name, guaranteed_gpus, class",
+        ),
+        (
+            "queues:\n  - name: a\n    guaranteed_gpus: -1\n",
+            "queues[0] (a): guaranteed_gpus must be a whole number >= 0, not -1",
+        ),
+        (
+            "queues:\n  - name: a\n    guaranteed_gpus: 1.5\n",
+            "guaranteed_gpus must be a whole number >= 0, not 1.5",
+        ),
+        ("queues:\n  - name: a\n    guaranteed_gpus: yes\n", "not True"),
+        (
+            "queues:\n  - name: a\n    guaranteed_gpus: 1\n    class: batch\n",
+            "queues[0] (a): class must be build or train, not 'batch'",
+        ),
+        ("queues:\n  - name: a b\n    guaranteed_gpus: 1\n", "invalid queue name 'a b'"),
+        (
+            "queues:\n  - {name: a, guaranteed_gpus: 1}\n  - {name: a, guaranteed_gpus: 2}\n",
+            "queue 'a' is configured twice",
+        ),
+    ],
+)
+def test_a_bad_queues_file_says_what_is_wrong(tmp_path: Path, text: str, says: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(QueueConfigError) as raised:
+        load_queues(path)
+    assert says in str(raised.value)
+    assert str(raised.value).startswith(str(path))
+
+
+def test_a_missing_queues_file(tmp_path: Path) -> None:
+    with pytest.raises(QueueConfigError, match="cannot read"):
+        load_queues(tmp_path / "nope.yaml")
+
+
+def test_quota_flags() -> None:
+    assert parse_quota("research=8") == QueueQuota("research", 8, "train")
+    assert parse_quota("interactive=2:build") == QueueQuota("interactive", 2, "build")
+    for bad, says in [
+        ("research", "expected NAME=GPUS"),
+        ("research=-1", "expected NAME=GPUS"),
+        ("research=two", "expected NAME=GPUS"),
+        ("research=2:batch", "class must be build or train"),
+        ("=2", "invalid queue name ''"),
+    ]:
+        with pytest.raises(QueueConfigError, match=says):
+            parse_quota(bad)
+
+
+def test_the_brain_and_up_refuse_a_bad_queues_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ALNAIR_HOME", str(tmp_path / "home"))
+    path = write(tmp_path, "queues:\n  - name: a\n    guaranteed_gpus: -2\n")
+    # Refused before connecting anywhere: nothing listens on this port.
+    assert main(["brain", "--nats", "nats://127.0.0.1:9", "--queues", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"alnair brain: {path}: queues[0] (a): guaranteed_gpus must be" in err
+    # `alnair up` checks it before starting anything.
+    assert main(["up", "--gpus", "sim:2xA100", "--nodes", "1", "--queues", str(path)]) == 1
+    assert "alnair up: " in capsys.readouterr().err
+    assert not (tmp_path / "home" / "nats").exists()
+
+
+# -- the simulator's quotas -----------------------------------------------------------
+
+
+def test_traces_carry_a_queue(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("job_id,num_gpu,submit_time,duration,queue\na,1,0,10,prod\nb,1,0,10,\n")
+    assert [j.queue for j in load_trace(path)] == ["prod", "default"]
+    path.write_text("job_id,num_gpu,submit_time,duration,queue\na,1,0,10,a b\n")
+    with pytest.raises(TraceError, match="column 'queue'"):
+        load_trace(path)
+
+
+def sim_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_sim_quota_flags_reclaim_for_an_owner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(
+        "job_id,num_gpu,submit_time,duration,queue\n"
+        "borrower,4,0,1000,research\nowner,2,10,100,prod\n"
+    )
+    base = ("--trace", str(trace), "--cluster", "1x4", "--policy", "fifo", "--no-progress")
+    # FIFO alone never preempts; prod's guarantee does.
+    assert cli.run(sim_args(*base)) == 0
+    assert "QuotaReclaim" not in capsys.readouterr().out
+    queues = write(tmp_path, "queues:\n  - {name: prod, guaranteed_gpus: 2}\n")
+    assert cli.run(sim_args(*base, "--queues", str(queues), "--quota", "research=0")) == 0
+    out = capsys.readouterr().out
+    assert "queues: prod=2:train research=0:train" in out
+    assert "preemptions, QuotaReclaim: 1" in out
+    assert cli.run(sim_args(*base, "--queues", str(queues), "--quota", "prod=1")) == 2
+    assert "queue 'prod' is configured twice" in capsys.readouterr().err
+
+
+# -- job specs and the state fold -----------------------------------------------------
+
+
+def test_policy_hints_in_the_spec_reach_the_job_view() -> None:
+    spec = JobSpec(command=("true",), gpus=2, declared_duration_s=90, network_sensitive=True)
+    view = job_view(
+        JobRecord(job_id="1", tenant="t", spec=spec, state=JobState.PENDING, submitted_at=0)
+    )
+    assert view.declared_duration_s == 90.0 and view.network_sensitive
+    plain = job_view(
+        JobRecord(
+            job_id="2",
+            tenant="t",
+            spec=JobSpec(command=("true",), gpus=1),
+            state=JobState.PENDING,
+            submitted_at=0,
+        )
+    )
+    assert plain.declared_duration_s is None and not plain.network_sensitive
+    for bad in (0, -5, float("inf")):
+        with pytest.raises(ValidationError, match="declared_duration_s"):
+            JobSpec(command=("true",), gpus=1, declared_duration_s=bad)
+
+
+def _finished(job_id: str, service: float, *, at: float) -> list[JobChanged]:
+    spec = JobSpec(command=("true",), gpus=1)
+    running = JobRecord(
+        job_id=job_id, tenant="t", spec=spec, state=JobState.RUNNING, submitted_at=0
+    )
+    done = running.model_copy(
+        update={"state": JobState.SUCCEEDED, "attained_gpu_seconds": service, "finished_at": at}
+    )
+    cause = Cause(kind=CauseKind.EXITED, message="exited 0")
+    return [
+        JobChanged(record_id=f"{job_id}-{i}", ts=at, epoch=1, job=job, previous=None, cause=cause)
+        for i, job in enumerate((running, done))
+    ]
+
+
+def test_the_fold_learns_each_finished_jobs_service_once() -> None:
+    state = BrainState()
+    records = [*_finished("1", 30.0, at=2), *_finished("2", 10.0, at=1)]
+    for seq, record in enumerate(records, 1):
+        state.apply(record, seq)
+    # Replayed again (a follower reading from an older sequence): nothing new.
+    for seq, record in enumerate(records, 1):
+        state.apply(record, seq)
+    assert list(state.service_samples) == [30.0, 10.0]
+    assert state.service_samples.maxlen == SERVICE_SAMPLES
+    learned = state.snapshot().service_distribution
+    assert learned is not None and learned.observed == 2
+    assert set(learned.values) >= {10.0, 30.0} and len(learned.values) == 26
+    # Built once, until another job finishes.
+    assert state.snapshot().service_distribution is learned
+    # A brain starting from a snapshot learns the same samples, in finishing order.
+    restored = BrainState.from_snapshot(state.to_snapshot(taken_at=3, epoch=1))
+    assert list(restored.service_samples) == [10.0, 30.0]
+    assert restored.service_distribution().values == learned.values
+    # A configured prior is used in place of the default one.
+    prior = DEFAULT_SERVICE_PRIOR.with_samples([5.0])
+    assert state.service_distribution(prior).observed == 3
+
+
+def test_submit_takes_a_duration_and_network_sensitivity(tmp_path: Path) -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        ["submit", "--gpus", "2", "--duration", "90", "--network-sensitive", "--", "true"]
+    )
+    spec = load_spec(args)
+    assert (spec.declared_duration_s, spec.network_sensitive) == (90.0, True)
+    plain = load_spec(parser.parse_args(["submit", "--gpus", "1", "--", "true"]))
+    assert (plain.declared_duration_s, plain.network_sensitive) == (None, False)
+    job = tmp_path / "job.yaml"
+    job.write_text("command: echo\ngpus: 1\ndeclared_duration_s: 30\nnetwork_sensitive: true\n")
+    from_yaml = load_spec(parser.parse_args(["submit", str(job)]))
+    assert (from_yaml.declared_duration_s, from_yaml.network_sensitive) == (30.0, True)
+    overridden = load_spec(parser.parse_args(["submit", "--duration", "5", str(job)]))
+    assert overridden.declared_duration_s == 5.0
+    with pytest.raises(UsageError, match="declared_duration_s: Input should be greater than 0"):
+        load_spec(parser.parse_args(["submit", "--gpus", "1", "--duration", "0", "--", "true"]))
