@@ -36,7 +36,15 @@ from agents.orphans import Leftover, ProcessLedger, stop_leftovers
 from bus.client import Bus, Consumer
 from schemas import subjects
 from schemas.base import decode, encode
-from schemas.commands import NODE_COMMAND, InjectFault, InjectFaultReply, Launch, NodeCommand, Stop
+from schemas.commands import (
+    NODE_COMMAND,
+    InjectFault,
+    InjectFaultReply,
+    Launch,
+    NodeCommand,
+    Regrant,
+    Stop,
+)
 from schemas.errors import BusError, InvalidMessage
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
 from schemas.jobs import BLACKLIST_FILE_ENV
@@ -98,6 +106,9 @@ class Agent:
     async def start(self) -> None:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
         leftovers = self.ledger.leftovers()  # before this agent launches anything
+        # Hear commands before announcing ourselves: a brain may place a job on the
+        # first heartbeat, and the consumer takes only commands stored after it exists.
+        await self._open_commands()
         await self.heartbeat()  # announce ourselves before anything else
         if leftovers:
             self._loops.append(self.bus.spawn(self._stop_leftovers(leftovers), name="leftovers"))
@@ -109,7 +120,8 @@ class Agent:
                 self._every(self.config.telemetry_s, self.publish_telemetry), name="telemetry"
             )
         )
-        self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
+        if self._commands is None:
+            self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
         self._sender = self.bus.spawn(self._send_events(), name="events")
         self._inject_sub = await self.bus.nc.subscribe(
             subjects.node(self.node, "inject"), cb=self._on_inject
@@ -222,6 +234,8 @@ class Agent:
                 log.exception("%s: periodic task failed", self.node)
 
     async def heartbeat(self) -> None:
+        if self._commands is None:
+            return  # deaf to commands (no COMMANDS stream yet): not ready to be given jobs
         self._heartbeat_seq += 1
         running = tuple(
             RunningJob(job_id=p.job_id, attempt=p.attempt, pid=p.pid, gpus=p.gpus)
@@ -250,20 +264,27 @@ class Agent:
 
     async def _consume_commands(self) -> None:
         # The brain creates the streams; until it has, wait for them.
-        while not self._closing:
-            try:
-                self._commands = await self.bus.consume(
-                    subjects.STREAM_COMMANDS,
-                    f"agent-{self.node}",
-                    subjects.node(self.node, "cmd"),
-                    NODE_COMMAND,
-                    self._on_command,
-                    deliver_new=True,
-                )
-                return
-            except (nats.js.errors.NotFoundError, nats.js.errors.ServiceUnavailableError):
-                log.info("%s: waiting for the COMMANDS stream", self.node)
-                await asyncio.sleep(1.0)
+        while not self._closing and not await self._open_commands():
+            log.info("%s: waiting for the COMMANDS stream", self.node)
+            await asyncio.sleep(1.0)
+
+    async def _open_commands(self) -> bool:
+        try:
+            self._commands = await self.bus.consume(
+                subjects.STREAM_COMMANDS,
+                f"agent-{self.node}",
+                subjects.node(self.node, "cmd"),
+                NODE_COMMAND,
+                self._on_command,
+                deliver_new=True,
+            )
+        except (
+            nats.js.errors.NotFoundError,
+            nats.js.errors.ServiceUnavailableError,
+            TimeoutError,  # a JetStream cluster electing a leader answers late
+        ):
+            return False
+        return True
 
     async def _on_command(self, command: NodeCommand, msg: Msg) -> None:
         async with self._command_lock:
@@ -287,6 +308,16 @@ class Agent:
             # Not awaited inside the command loop: a stop waits out its grace period,
             # and other commands must not queue behind it.
             self.bus.spawn(self._stop(command), name=f"stop:{command.job_id}")
+        elif isinstance(command, Regrant):
+            if self.launcher.regrant(command.job_id, command.attempt, command.gpus):
+                self.backend.set_busy(self.launcher.busy_gpus())
+            else:
+                log.info(
+                    "%s: regrant of job %s attempt %d ignored: it does not run here",
+                    self.node,
+                    command.job_id,
+                    command.attempt,
+                )
 
     def _remember(self, command_id: str) -> None:
         self._seen[command_id] = None

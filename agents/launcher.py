@@ -118,6 +118,16 @@ class Launcher:
     def busy_gpus(self) -> set[int]:
         return {gpu for p in self.running() for gpu in p.gpus}
 
+    def regrant(self, job_id: str, attempt: int, gpus: tuple[int, ...]) -> bool:
+        """An elastic attempt now holds `gpus` (the brain resized it); False if it does
+        not run here. Its environment cannot change: the supervisor's workers see the
+        GPUs of its launch (see docs/elastic.md)."""
+        job = self._procs.get((job_id, attempt))
+        if job is None or job.exited.is_set():
+            return False
+        job.gpus = gpus
+        return True
+
     async def launch(self, request: LaunchRequest, *, gpu_wait_s: float = 30.0) -> JobProcess:
         existing = self._procs.get((request.job_id, request.attempt))
         if existing is not None and not existing.exited.is_set():

@@ -33,10 +33,14 @@ from schemas.api import (
     ListNodesRequest,
     NodeReply,
     NodesReply,
+    ResizeRequest,
     ResumeRequest,
     StatusReply,
     StatusRequest,
     SubmitRequest,
+    WhyEntry,
+    WhyReply,
+    WhyRequest,
 )
 from schemas.base import Message, decode, encode
 from schemas.errors import ApiError, InvalidMessage, InvalidName, InvalidSubject
@@ -53,6 +57,7 @@ Reply = (
     | StatusReply
     | HistoryReply
     | BlacklistReply
+    | WhyReply
     | ErrorReply
 )
 
@@ -69,7 +74,14 @@ class ApiServer:
     async def _on_request(self, msg: Msg) -> None:
         reply = await self._answer(msg)
         if msg.reply:
-            await msg.respond(encode(reply))
+            data = encode(reply)
+            limit = self.brain.bus.nc.max_payload
+            if len(data) > limit:
+                # NATS would refuse it, and the caller would see only a timeout.
+                too_big = f"the answer ({len(data)} bytes) is over NATS's message limit "
+                too_big += f"({limit} bytes): ask for less (a lower limit, a state, one job)"
+                data = encode(ErrorReply(code="invalid", error=too_big))
+            await msg.respond(data)
 
     async def _answer(self, msg: Msg) -> Reply:
         try:
@@ -114,9 +126,14 @@ class ApiServer:
             job = await brain.submit_item(_Item("cancel", request.job_id, tenant))
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
-        if isinstance(request, GetJobRequest):
-            job = self._own_job(tenant, request.job_id, operator=operator)
-            return JobReply(job=job, profile=brain.profiles.job_profile(job.job_id))
+        if isinstance(request, ResizeRequest):
+            # An operator may resize any tenant's job; a tenant only its own.
+            kind = "resize-as-operator" if operator else "resize"
+            job = await brain.submit_item(_Item(kind, request, tenant))
+            assert isinstance(job, JobRecord)
+            return JobReply(job=job)
+        if isinstance(request, GetJobRequest | HistoryRequest | WhyRequest):
+            return self._about_job(tenant, request, operator=operator)
         if isinstance(request, ListJobsRequest):
             jobs = self._jobs(tenant, request, operator=operator)
             profiles = brain.profiles.live_profiles(j.job_id for j in jobs)
@@ -129,10 +146,6 @@ class ApiServer:
                 raise ApiError("forbidden", f"only an operator may {verb} nodes, not {tenant}")
             await brain.submit_item(_Item(verb, request, tenant))
             return NodeReply(node=self._node_status(request.node))
-        if isinstance(request, HistoryRequest):
-            job = self._own_job(tenant, request.job_id, operator=operator)
-            rows = brain.history.attempts(job.job_id)
-            return HistoryReply(job=job, attempts=tuple(AttemptRow(**row) for row in rows))
         if isinstance(request, BlacklistRequest):
             if request.action != "list":
                 if not operator:
@@ -152,6 +165,39 @@ class ApiServer:
         if isinstance(request, StatusRequest):
             return await self._status()
         raise ApiError("invalid", f"unsupported request {type(request).__name__}")
+
+    def _about_job(
+        self, tenant: str, request: GetJobRequest | HistoryRequest | WhyRequest, *, operator: bool
+    ) -> JobReply | HistoryReply | WhyReply:
+        """One job: its record, its attempts, or why it is where it is. A tenant is
+        answered only about its own jobs."""
+        brain = self.brain
+        job = self._own_job(tenant, request.job_id, operator=operator)
+        if isinstance(request, GetJobRequest):
+            return JobReply(job=job, profile=brain.profiles.job_profile(job.job_id))
+        if isinstance(request, HistoryRequest):
+            rows = brain.history.attempts(job.job_id)
+            return HistoryReply(job=job, attempts=tuple(AttemptRow(**row) for row in rows))
+        # The latest changes with their causes, from the history: a projection of the
+        # log that the brain keeps current as it journals.
+        changes, truncated = brain.history.job_changes(job.job_id, request.limit)
+        return WhyReply(
+            job=job,
+            decisions=tuple(
+                WhyEntry(
+                    seq=seq,
+                    ts=record.ts,
+                    state=record.job.state,
+                    previous=record.previous,
+                    cause=record.cause,
+                    attempt=record.job.attempt,
+                    grants=record.job.grants,
+                    service_level=record.job.service_level,
+                )
+                for seq, record in changes
+            ),
+            truncated=truncated,
+        )
 
     def _own_job(self, tenant: str, job_id: str, *, operator: bool = False) -> JobRecord:
         job = self.brain.state.jobs.get(job_id)

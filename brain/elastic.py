@@ -1,20 +1,30 @@
-"""The brain's side of elastic jobs: how one is launched (under its supervisor).
+"""The brain's side of elastic jobs: how one is launched, and its resizes as records.
 
-It owns the translation of an elastic JobSpec into the command the agent runs: the
+It owns the translation of an elastic JobSpec into the command the agent runs (the
 user's training command wrapped by `workloads.supervisor`, which starts horovodrun in
-elastic mode and obeys Resize commands on `alnair.job.<job>.cmd`. The supervisor reads
-the job id, node and NATS URL from the environment the agent sets (ALNAIR_*), so
-nothing here needs the live state. It must not import torch or horovod.
+elastic mode and obeys Resize commands on `alnair.job.<job>.cmd`), and the pure
+record changes of a resize, which is a statement:
 
-Not built yet (see docs/elastic.md): staging a Resize decision, committing it on the
-supervisor's ResizeCompleted, and the elasticity policy stage.
+- stage: the job's grants hold every GPU of both sizes (a grow's added GPUs at once,
+  so nobody else takes them; a shrink's released ones until their workers are gone)
+  and `JobRecord.resize` says what was asked, with the command id;
+- commit, on the supervisor's `ResizeCompleted` with `ok`: the grants are the target;
+- roll back, on a refusal or a timeout: the grants are what they were.
+
+Everything here is pure (no clock, no ids, no I/O): the shell (brain/service.py)
+journals what these return and sends the commands. It must not import torch or
+horovod. Elastic jobs run on one node: the supervisor starts every worker there.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
 
-from schemas.jobs import JobSpec
+from schemas.commands import Resize
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant, StagedResize
 
 
 def launch_command(spec: JobSpec, granted_gpus: int | None = None) -> tuple[str, ...]:
@@ -37,4 +47,196 @@ def launch_command(spec: JobSpec, granted_gpus: int | None = None) -> tuple[str,
         f"--np={start}",
         "--",
         *spec.command,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ResizeRefused:
+    """Why a resize cannot be staged: `invalid` can never work, `conflict` not now."""
+
+    code: Literal["invalid", "conflict"]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResizeTarget:
+    """The GPUs of the job's one node it is to run on."""
+
+    node: str
+    gpus: tuple[int, ...]
+
+
+def current_gpus(job: JobRecord) -> tuple[int, ...]:
+    """The GPUs the job runs on now: before a staged resize, what it had."""
+    if job.resize is not None:
+        return job.resize.from_gpus
+    return tuple(gpu for grant in job.grants for gpu in grant.gpus)
+
+
+def check_resize(
+    job: JobRecord, target: ResizeTarget, free: Collection[int], *, supervisor_ready: bool
+) -> ResizeRefused | None:
+    """Whether `job` may be resized to `target` now; `free` are its node's schedulable
+    GPUs no job holds; `supervisor_ready` that its supervisor has been heard from (it
+    listens for commands before its workers start)."""
+    return check_resizable(
+        job, len(target.gpus), supervisor_ready=supervisor_ready
+    ) or check_target(job, target, free)
+
+
+def check_resizable(job: JobRecord, size: int, *, supervisor_ready: bool) -> ResizeRefused | None:
+    """Whether `job` may run on `size` GPUs, and may be resized now at all."""
+    label = f"job {job.job_id}"
+    if not job.spec.elastic:
+        return ResizeRefused(
+            "invalid",
+            f"{label} is not elastic: it runs on exactly {job.spec.gpus} GPUs "
+            "(submit with --elastic --min-gpus --max-gpus to make it resizable)",
+        )
+    low, high = job.spec.gpu_range
+    if not low <= size <= high:
+        return ResizeRefused(
+            "invalid", f"{label} runs on {low}..{high} GPUs; {size} is outside that range"
+        )
+    if job.state is not JobState.RUNNING:
+        return ResizeRefused("conflict", f"{label} is {job.state.value}, not running")
+    if job.resize is not None:
+        staged = job.resize
+        return ResizeRefused(
+            "conflict",
+            f"{label} is already resizing {len(staged.from_gpus)} -> {len(staged.to_gpus)} "
+            f"GPUs (command {staged.command_id}); wait for it to commit or roll back",
+        )
+    if len(job.grants) != 1 or not all(g.pid is not None and not g.exited for g in job.grants):
+        return ResizeRefused("conflict", f"{label} has not started yet")
+    if not supervisor_ready:
+        return ResizeRefused(
+            "conflict", f"{label}'s supervisor has not reported yet; try again in a moment"
+        )
+    return None
+
+
+def check_target(
+    job: JobRecord, target: ResizeTarget, free: Collection[int]
+) -> ResizeRefused | None:
+    """Whether `target` is GPUs the running `job` may hold: on its node, keeping some
+    or all of its GPUs, the others free."""
+    label = f"job {job.job_id}"
+    size = len(target.gpus)
+    grant = job.grants[0]
+    if target.node != grant.node:
+        return ResizeRefused(
+            "invalid",
+            f"{label} runs on node {grant.node}; an elastic job stays on one node "
+            f"(asked for {target.node})",
+        )
+    if len(set(target.gpus)) != size:
+        return ResizeRefused("invalid", f"GPUs {list(target.gpus)} name one GPU twice")
+    # Workers keep their GPUs: a shrink keeps some of them, a grow all of them.
+    held = set(grant.gpus)
+    wanted = set(target.gpus)
+    if not (wanted <= held or held <= wanted):
+        return ResizeRefused(
+            "invalid",
+            f"{label} holds GPUs {sorted(held)}: a resize keeps some or all of them, "
+            f"not {sorted(wanted)}",
+        )
+    taken = set(target.gpus) - held - set(free)
+    if taken:
+        return ResizeRefused(
+            "conflict", f"GPUs {sorted(taken)} of node {grant.node} are not free for {label}"
+        )
+    return None
+
+
+def choose_target(job: JobRecord, gpus: int, free: Collection[int]) -> ResizeTarget | ResizeRefused:
+    """The GPUs an operator's `resize JOB N` means: a shrink keeps the lowest-numbered
+    GPUs it holds, a grow adds the lowest-numbered free ones of its node."""
+    if len(job.grants) != 1:
+        return ResizeRefused("conflict", f"job {job.job_id} is not running on one node")
+    grant = job.grants[0]
+    held = current_gpus(job)
+    if gpus <= len(held):
+        return ResizeTarget(grant.node, tuple(sorted(held)[:gpus]))
+    extra = sorted(set(free) - set(held))[: gpus - len(held)]
+    if len(held) + len(extra) < gpus:
+        return ResizeRefused(
+            "conflict",
+            f"job {job.job_id} can grow to {len(held) + len(extra)} GPUs at most now: "
+            f"node {grant.node} has {len(extra)} free and an elastic job stays on one node",
+        )
+    return ResizeTarget(grant.node, tuple(sorted((*held, *extra))))
+
+
+def _with_gpus(job: JobRecord, gpus: tuple[int, ...]) -> tuple[NodeGrant, ...]:
+    return tuple(g.model_copy(update={"gpus": tuple(sorted(gpus))}) for g in job.grants)
+
+
+def stage(
+    job: JobRecord, target: ResizeTarget, *, command_id: str, now: float, cause: str
+) -> JobRecord:
+    """The job with the resize staged: holding every GPU of both sizes."""
+    before = current_gpus(job)
+    staged = StagedResize(
+        command_id=command_id,
+        node=target.node,
+        from_gpus=before,
+        to_gpus=tuple(sorted(target.gpus)),
+        staged_at=now,
+        cause=cause,
+    )
+    held = tuple(sorted({*before, *target.gpus}))
+    return job.model_copy(
+        update={
+            "grants": _with_gpus(job, held),
+            "resize": staged,
+            "reason": f"resizing {describe(staged)}: {cause}",
+        }
+    )
+
+
+def commit(job: JobRecord, message: str) -> JobRecord:
+    """The staged resize done: the job holds its target GPUs."""
+    assert job.resize is not None
+    return job.model_copy(
+        update={"grants": _with_gpus(job, job.resize.to_gpus), "resize": None, "reason": message}
+    )
+
+
+def roll_back(job: JobRecord, message: str) -> JobRecord:
+    """The staged resize undone: the job holds what it held before."""
+    assert job.resize is not None
+    return job.model_copy(
+        update={"grants": _with_gpus(job, job.resize.from_gpus), "resize": None, "reason": message}
+    )
+
+
+def resize_command(job: JobRecord, *, epoch: int, issued_at: float) -> Resize:
+    """The command for the job's staged resize; re-sent unchanged by a new leader (the
+    supervisor and JetStream de-duplicate by its id)."""
+    assert job.resize is not None
+    return Resize(
+        command_id=job.resize.command_id,
+        epoch=epoch,
+        issued_at=issued_at,
+        job_id=job.job_id,
+        world_size=len(job.resize.to_gpus),
+        cause=job.resize.cause[:1000],
+    )
+
+
+def describe(staged: StagedResize) -> str:
+    return f"{len(staged.from_gpus)} -> {len(staged.to_gpus)} GPUs on {staged.node}"
+
+
+def revert_command(staged: StagedResize, job_id: str, *, epoch: int, issued_at: float) -> Resize:
+    """After a roll-back: run at the size before again, for a supervisor that may have
+    moved part of the way before it gave up (or that hears the command late)."""
+    return Resize(
+        command_id=f"{staged.command_id}-revert",
+        epoch=epoch,
+        issued_at=issued_at,
+        job_id=job_id,
+        world_size=len(staged.from_gpus),
+        cause=f"roll back the resize {describe(staged)}",
     )

@@ -25,12 +25,19 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from brain import elastic
+from brain import queues as queue_config
 from brain.core import (
     DEFAULT_POLICY,
+    DEFAULT_SERVICE_PRIOR,
+    DISTRIBUTION_AWARE,
     Decisions,
     Place,
     Policy,
     Preempt,
+    QueueQuota,
+    QuotaReclaim,
+    Resize,
+    ServiceDistribution,
     SetServiceLevel,
     Wait,
     decide,
@@ -48,12 +55,20 @@ from brain.core.failures import (
 from brain.history import History
 from brain.leader import Lease
 from brain.profiles import Profiler, ProfileStore, profiles_path
+from brain.progress import ProgressTracker
 from brain.replica import Replica
-from brain.state import BrainState
+from brain.state import BrainState, current_size_s
 from bus.client import Bus, Consumer
 from schemas import subjects
-from schemas.api import BlacklistRequest, BrainInfo, DrainRequest, ResumeRequest, SubmitRequest
-from schemas.commands import Launch, NodeCommand, Stop
+from schemas.api import (
+    BlacklistRequest,
+    BrainInfo,
+    DrainRequest,
+    ResizeRequest,
+    ResumeRequest,
+    SubmitRequest,
+)
+from schemas.commands import Launch, NodeCommand, Regrant, Stop
 from schemas.errors import ApiError, SequenceConflict
 from schemas.events import (
     NODE_EVENT,
@@ -64,9 +79,11 @@ from schemas.events import (
     JobStarted,
     LaunchFailed,
     NodeEvent,
+    ResizeCompleted,
 )
 from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobState, NodeGrant
 from schemas.nodes import DrainedGpu, NodeRecord, NodeState
+from schemas.progress import Progress
 from schemas.state import (
     BlacklistChanged,
     BlacklistEntry,
@@ -75,6 +92,7 @@ from schemas.state import (
     JobChanged,
     NodeChanged,
     NodeEventRecorded,
+    Preemption,
     StateRecord,
 )
 from schemas.telemetry import Heartbeat, TelemetryBatch
@@ -103,6 +121,14 @@ class BrainConfig:
     http_address: str | None = None
     # Failure classes, retries and back-off, input blacklisting, pre-run.
     failures: FailurePolicy = DEFAULT_FAILURE_POLICY
+    # An elastic resize its supervisor has not answered within this long is rolled
+    # back (the supervisor gives up on its own after 120 s and says so).
+    resize_timeout_s: float = 300.0
+    # Queue quotas (`alnair brain --queues FILE`); a queue not listed has no guarantee.
+    queues: tuple[QueueQuota, ...] = ()
+    # What the Gittins order believes of job service before any job has finished; the
+    # finished jobs' service (from the log) is learned on top of it.
+    service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
 
 
 @dataclass
@@ -162,6 +188,7 @@ class Brain:
         self._election: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._taking_over = False
+        self._stepping_down = False
         # Loops end on this flag, not on cancellation alone: nats-py turns a
         # cancellation into ConnectionClosedError once the connection is closed.
         self._closing = False
@@ -179,6 +206,9 @@ class Brain:
         )
         self.telemetry_observers.append(self.profiles.observe)
         self.record_observers.append(self.profiles.on_record)
+        # Elastic jobs' throughput per world size, from their supervisors' reports.
+        self.progress = ProgressTracker()
+        self.record_observers.append(self.progress.on_record)
 
     @property
     def state(self) -> BrainState:
@@ -197,12 +227,13 @@ class Brain:
         self.replica.follow()
         self._election = self.bus.spawn(self._elect_forever(), name="brain-election")
         log.info(
-            "brain %s up: %d jobs and %d nodes at seq %d; policy %s",
+            "brain %s up: %d jobs and %d nodes at seq %d; policy %s; queues %s",
             self.instance,
             len(self.state.jobs),
             len(self.state.nodes),
             self.state.last_seq,
             self.config.policy.describe(),
+            queue_config.describe(self.config.queues),
         )
 
     async def stop(self) -> None:
@@ -229,7 +260,8 @@ class Brain:
     async def _elect_forever(self) -> None:
         while not self._closing:
             try:
-                if not self.leading.is_set() and not self._taking_over:
+                idle = not (self._taking_over or self._stepping_down)
+                if not self.leading.is_set() and idle:
                     epoch = await self.lease.try_acquire(self.info())
                     if epoch is not None:
                         # Renew from now on, however long taking over lasts.
@@ -276,6 +308,7 @@ class Brain:
         self._leader_subs = [
             await self.bus.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat),
             await self.bus.subscribe(subjects.ALL_TELEMETRY, TelemetryBatch, self._on_telemetry),
+            await self.bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, self._on_progress),
             await self.api.serve(),
         ]
         self._events = await self.bus.consume(
@@ -287,7 +320,12 @@ class Brain:
         ]
         self._dirty = True
         self.leading.set()
+        if self.lease.epoch != epoch:
+            # The renewer gave the lease up while this takeover waited on the bus.
+            await self._stop_leading("the lease was lost while taking over")
+            return
         await self._resend_unconfirmed_launches()
+        await self._resend_staged_resizes()
         log.info(
             "brain %s leads with epoch %d (caught up %d entries, seq %d)",
             self.instance,
@@ -303,6 +341,8 @@ class Brain:
         was stored, and agents ignore a launch they have already run.
         """
         for job in self.state.jobs_in(JobState.RUNNING):
+            if not self.leading.is_set():
+                return  # stepped down meanwhile: the next leader re-sends them
             if any(g.pid is None and not g.exited for g in job.grants):
                 await self._send_launches(job)
 
@@ -314,20 +354,27 @@ class Brain:
             return
         log.warning("brain %s stops leading: %s", self.instance, reason)
         self.leading.clear()
-        current = asyncio.current_task()
-        for sub in self._leader_subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        if self._events is not None:
-            await self._events.stop()
-            self._events = None
-        others = [t for t in (*self._leader_tasks, self._renewer) if t and t is not current]
-        for task in others:
-            task.cancel()
-        if others:
-            await asyncio.wait(others, timeout=3.0)
-        self._leader_subs, self._leader_tasks, self._renewer = [], [], None
+        # Take this tenure's parts before the first await, and hold the election off
+        # until they are let go: otherwise a tenure begun meanwhile (the lease came
+        # back) would have its own parts torn down and keep this one's loop at epoch 0.
+        self._stepping_down = True
         self.epoch = 0
+        current = asyncio.current_task()
+        subs, events = self._leader_subs, self._events
+        others = [t for t in (*self._leader_tasks, self._renewer) if t and t is not current]
+        self._leader_subs, self._leader_tasks, self._renewer, self._events = [], [], None, None
+        try:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            if events is not None:
+                await events.stop()
+            for task in others:
+                task.cancel()
+            if others:
+                await asyncio.wait(others, timeout=3.0)
+        finally:
+            self._stepping_down = False
         while not self._inbox.empty():
             item = self._inbox.get_nowait()
             if item.done is not None and not item.done.done():
@@ -353,6 +400,17 @@ class Brain:
         if await self._from_own_node(batch.node, msg):
             self.telemetry[batch.node] = batch
             self._notify(self.telemetry_observers, batch)
+
+    async def _on_progress(self, report: Progress, msg: Msg) -> None:
+        """A job's supervisor reports; only a running job's, on its own subject."""
+        token = msg.subject.split(".")[2] if msg.subject.count(".") >= 3 else ""
+        if token != report.job_id:
+            reason = f"payload names job {report.job_id!r} but the subject is {token!r}"
+            await self.bus.dead_letter(msg.subject, msg.data, reason)
+            return
+        job = self.state.jobs.get(report.job_id)
+        if job is not None and job.state is JobState.RUNNING and self.progress.observe(report):
+            self._dirty = True  # a first report, or a first at this size: news for policy
 
     async def _on_event(self, event: NodeEvent, msg: Msg) -> None:
         if not await self._from_own_node(event.node, msg):
@@ -420,6 +478,7 @@ class Brain:
             await self._check_vanished()
             await self._check_launches()
             await self._check_preruns()
+            await self._check_resizes()
             if self._wake_at is not None and self.clock() >= self._wake_at:
                 # decide() asked to be called again by now (a retry back-off ending).
                 self._wake_at = None
@@ -442,6 +501,10 @@ class Brain:
         elif item.kind == "blacklist":
             assert isinstance(item.payload, BlacklistRequest)
             await self._edit_blacklist(item.tenant, item.payload)
+        elif item.kind in ("resize", "resize-as-operator"):
+            assert isinstance(item.payload, ResizeRequest)
+            operator = item.kind == "resize-as-operator"
+            return await self._resize_request(item.tenant, item.payload, operator=operator)
         return None
 
     # -- journal ---------------------------------------------------------------------
@@ -493,8 +556,23 @@ class Brain:
             and old.started_at is not None
         ):
             ran = max(0.0, now - old.started_at)
-            update["attained_gpu_seconds"] = old.attained_gpu_seconds + ran * old.gpu_count
+            # GPU-seconds at the size it ran at last (earlier sizes are counted already).
+            at_size = current_size_s(old, now)
+            update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_count
             update["executed_seconds"] = old.executed_seconds + ran
+        elif (
+            old is not None
+            and old.state is JobState.RUNNING
+            and job.state is JobState.RUNNING
+            and job.attempt == old.attempt
+            and job.gpu_count != old.gpu_count
+        ):
+            # An elastic job changed size within its run: count the size it leaves.
+            at_size = current_size_s(old, now)
+            update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_count
+            update["resized_at"] = now
+        if job.state is not JobState.RUNNING and job.resize is not None:
+            update["resize"] = None  # a run that ends takes its staged resize with it
         if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
             update["pending_since"] = now
         return job.model_copy(update=update) if update else job
@@ -562,6 +640,13 @@ class Brain:
                 "invalid",
                 f"job asks for {spec.gpus} GPUs but the cluster has {total} "
                 f"({len(self.state.nodes)} nodes, at most {largest} on one node)",
+            )
+        if self.state.nodes and spec.elastic and spec.gpus > largest:
+            raise ApiError(
+                "invalid",
+                f"an elastic job runs on one node (its supervisor starts every worker "
+                f"there): it asks to start on {spec.gpus} GPUs, but the largest node has "
+                f"{largest}",
             )
         job = JobRecord(
             job_id=self.state.next_job_id(),
@@ -854,6 +939,8 @@ class Brain:
             await self._gpu_fault(event)
         elif isinstance(event, InputError):
             await self._input_error(event)
+        elif isinstance(event, ResizeCompleted):
+            await self._resize_completed(event)
         await self._event_recorded(event)
         self._dirty = True
 
@@ -1227,11 +1314,211 @@ class Brain:
             )
             await self._stop_parts(job, "pre-run passed")
 
+    # -- elastic resizes (brain/elastic.py says what changes; this journals, commands) --
+
+    def _free_on(self, node: str) -> set[int]:
+        """Schedulable GPUs of a ready node that no running job holds."""
+        record = self.state.nodes.get(node)
+        if record is None or record.state is not NodeState.READY:
+            return set()
+        return set(self.state.schedulable_gpus(record)) - self.state.allocated().get(node, set())
+
+    async def _resize_request(
+        self, tenant: str, request: ResizeRequest, *, operator: bool
+    ) -> JobRecord:
+        """`alnair resize JOB N`: stage it, or say why not. Answered once staged; the
+        commit (or roll-back) follows when the supervisor answers."""
+        job = self.state.jobs.get(request.job_id)
+        if job is None or (job.tenant != tenant and not operator):
+            raise ApiError("not_found", f"no job {request.job_id} for tenant {tenant}")
+        ready = self.progress.heard_from(job.job_id)
+        refused = elastic.check_resizable(job, request.gpus, supervisor_ready=ready)
+        if refused is not None:
+            raise ApiError(refused.code, refused.reason)
+        if len(elastic.current_gpus(job)) == request.gpus:
+            return job  # already that size: nothing to do
+        target = elastic.choose_target(job, request.gpus, self._free_on(job.grants[0].node))
+        if isinstance(target, elastic.ResizeRefused):
+            raise ApiError(target.code, target.reason)
+        refused = elastic.check_target(job, target, self._free_on(target.node))
+        if refused is not None:
+            raise ApiError(refused.code, refused.reason)
+        who = "an operator" if operator and job.tenant != tenant else f"tenant {tenant}"
+        return await self._stage_resize(job, target, f"asked by {who}")
+
+    async def _apply_resize(self, job: JobRecord, action: Resize) -> None:
+        """The policy's resize, staged if it still holds against the live state."""
+        if len(action.grants) != 1:
+            log.warning("policy resize of job %s spans nodes; ignored", job.job_id)
+            return
+        grant = action.grants[0]
+        target = elastic.ResizeTarget(grant.node, tuple(sorted(grant.gpus)))
+        if job.state is JobState.RUNNING and target.gpus == elastic.current_gpus(job):
+            return
+        refused = elastic.check_resize(
+            job,
+            target,
+            self._free_on(target.node),
+            supervisor_ready=self.progress.heard_from(job.job_id),
+        )
+        if refused is not None:
+            log.debug("policy resize of job %s not staged: %s", job.job_id, refused.reason)
+            return
+        await self._stage_resize(job, target, action.cause)
+
+    async def _stage_resize(
+        self, job: JobRecord, target: elastic.ResizeTarget, cause: str
+    ) -> JobRecord:
+        command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
+        staged = elastic.stage(job, target, command_id=command_id, now=self.clock(), cause=cause)
+        assert staged.resize is not None
+        await self._job_changed(
+            staged,
+            job.state,
+            Cause(
+                kind=CauseKind.RESIZE_STAGED,
+                node=target.node,
+                job_id=job.job_id,
+                message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
+            ),
+        )
+        current = self.state.jobs[job.job_id]
+        if staged.resize.grow:
+            # The added GPUs are the job's from now on: its node must know.
+            await self._regrant(current, command_id, "staged")
+        await self._send_resize(current)
+        return current
+
+    async def _send_resize(self, job: JobRecord) -> None:
+        command = elastic.resize_command(job, epoch=self.epoch, issued_at=self.clock())
+        await self.bus.publish_durable(
+            subjects.job(job.job_id, "cmd"), command, msg_id=command.command_id
+        )
+
+    async def _regrant(self, job: JobRecord, resize_id: str, phase: str) -> None:
+        """Tell the job's node which of its GPUs the attempt holds now."""
+        for grant in job.grants:
+            await self._command(
+                grant.node,
+                Regrant(
+                    command_id=f"regrant-{resize_id}-{phase}",
+                    epoch=self.epoch,
+                    issued_at=self.clock(),
+                    job_id=job.job_id,
+                    attempt=job.attempt,
+                    gpus=grant.gpus,
+                    reason=f"resize {phase}",
+                ),
+            )
+
+    async def _resend_staged_resizes(self) -> None:
+        """A brain may have died between staging a resize and commanding it; the ids
+        are the same, so the supervisor and the agent drop what they had already."""
+        for job in self.state.jobs_in(JobState.RUNNING):
+            if not self.leading.is_set():
+                return  # stepped down meanwhile: the next leader re-sends them
+            if job.resize is None:
+                continue
+            if job.resize.grow:
+                await self._regrant(job, job.resize.command_id, "staged")
+            await self._send_resize(job)
+
+    async def _resize_completed(self, event: ResizeCompleted) -> None:
+        job = self.state.jobs.get(event.job_id)
+        staged = job.resize if job is not None else None
+        if (
+            job is None
+            or job.state is not JobState.RUNNING
+            or staged is None
+            or staged.command_id != event.command_id
+        ):
+            log.info(
+                "resize outcome %s of job %s matches no staged resize; ignored",
+                event.command_id,
+                event.job_id,
+            )
+            return
+        if not event.ok:
+            # A supervisor that tried (to_size differs) may have moved part of the way.
+            moved = event.to_size != event.from_size
+            await self._roll_back_resize(
+                job, f"its supervisor refused: {event.reason}", revert=moved
+            )
+            return
+        if event.from_size != len(staged.from_gpus):
+            log.warning(
+                "job %s: the supervisor resized from %d workers, the brain thought %d",
+                job.job_id,
+                event.from_size,
+                len(staged.from_gpus),
+            )
+        message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
+        if not staged.grow:
+            message += f"; {len(staged.from_gpus) - len(staged.to_gpus)} GPUs released"
+        committed = elastic.commit(job, message)
+        await self._job_changed(
+            committed,
+            job.state,
+            Cause(kind=CauseKind.RESIZED, node=staged.node, job_id=job.job_id, message=message),
+        )
+        if not staged.grow:
+            # Its workers on the released GPUs have exited: they are free now.
+            await self._regrant(self.state.jobs[job.job_id], staged.command_id, "committed")
+
+    async def _roll_back_resize(self, job: JobRecord, why: str, *, revert: bool) -> None:
+        """Back to the size before; `revert` also commands that size again, for a
+        supervisor that may have moved (its host list changed) before giving up."""
+        staged = job.resize
+        assert staged is not None
+        message = f"resize {elastic.describe(staged)} rolled back: {why}"
+        rolled = elastic.roll_back(job, message)
+        await self._job_changed(
+            rolled,
+            job.state,
+            Cause(
+                kind=CauseKind.RESIZE_ROLLED_BACK,
+                node=staged.node,
+                job_id=job.job_id,
+                message=message,
+            ),
+        )
+        current = self.state.jobs[job.job_id]
+        if staged.grow:
+            await self._regrant(current, staged.command_id, "rolled-back")
+        if revert:
+            back = elastic.revert_command(
+                staged, job.job_id, epoch=self.epoch, issued_at=self.clock()
+            )
+            await self.bus.publish_durable(
+                subjects.job(job.job_id, "cmd"), back, msg_id=back.command_id
+            )
+
+    async def _check_resizes(self) -> None:
+        """Roll back a resize its supervisor has not answered in time (it died, or never
+        heard the command)."""
+        now = self.clock()
+        limit = self.config.resize_timeout_s
+        for job in self.state.jobs_in(JobState.RUNNING):
+            if job.resize is not None and now - job.resize.staged_at > limit:
+                await self._roll_back_resize(
+                    job, f"no answer from its supervisor within {limit:g}s", revert=True
+                )
+
     # -- scheduling ------------------------------------------------------------------
 
     async def _schedule(self) -> None:
         self._dirty = False
-        snapshot = self.state.snapshot(profiles=self.profiles.current(), now=self.clock())
+        snapshot = self.state.snapshot(
+            profiles=self.profiles.current(),
+            now=self.clock(),
+            queues=self.config.queues,
+            # Elastic jobs' throughput per size and progress, from their supervisors.
+            progress=self.progress.current(),
+            # Learned only for the orders that read it: a rebuild costs milliseconds.
+            service_prior=self.config.service_prior
+            if self.config.policy.order in DISTRIBUTION_AWARE
+            else None,
+        )
         decisions = decide(snapshot, self.clock(), self.config.policy)
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
@@ -1242,7 +1529,12 @@ class Brain:
                 if job is not None and job.state is JobState.RUNNING:
                     await self._requeue(
                         job,
-                        Cause(kind=CauseKind.PREEMPTED, job_id=job.job_id, message=action.reason),
+                        Cause(
+                            kind=CauseKind.PREEMPTED,
+                            job_id=job.job_id,
+                            message=action.reason,
+                            preemption=_preemption(action),
+                        ),
                     )
                     self.preemptions += 1
                 continue
@@ -1263,8 +1555,17 @@ class Brain:
                         ),
                     )
                 continue
+            if isinstance(action, Resize):
+                await self._apply_resize(job, action)
+                continue
             if job.state is not JobState.PENDING:
                 continue
+            if isinstance(action, Place) and job.spec.elastic and len(action.grants) > 1:
+                action = Wait(
+                    job.job_id,
+                    f"needs {job.spec.gpus} GPUs free on one node (an elastic job's "
+                    "supervisor runs every worker on its own node)",
+                )
             if isinstance(action, Place):
                 await self._place(job, action)
             elif isinstance(action, Wait) and action.reason != job.reason:
@@ -1347,6 +1648,25 @@ class Brain:
 
 def _job_order(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (0, job_id)
+
+
+def _preemption(action: Preempt) -> Preemption:
+    """The core's typed cause, as the journal keeps it."""
+    cause = action.cause
+    if isinstance(cause, QuotaReclaim):
+        return Preemption(
+            reason="quota_reclaim",
+            for_job=cause.for_job,
+            owner_queue=cause.owner_queue,
+            victim_queue=cause.victim_queue,
+        )
+    return Preemption(
+        reason="outranked",
+        for_job=cause.by_job,
+        order=cause.order,
+        winner_rank=cause.winner_rank,
+        victim_rank=cause.victim_rank,
+    )
 
 
 def _launch_id(job_id: str, attempt: int, node: str) -> str:

@@ -8,13 +8,22 @@ whole entity, applying a record twice changes nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from brain.core.model import ClusterSnapshot, Grant, JobView, NodeView, UtilizationProfile
+from brain.core.distribution import DEFAULT_SERVICE_PRIOR, ServiceDistribution
+from brain.core.model import (
+    ClusterSnapshot,
+    Grant,
+    JobView,
+    NodeView,
+    QueueQuota,
+    UtilizationProfile,
+)
 from brain.core.ordering import job_sequence
+from brain.progress import ObservedProgress
 from schemas.events import InputError
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeState
@@ -30,6 +39,9 @@ from schemas.state import (
 from schemas.telemetry import GpuHealth
 
 SEEN_EVENTS: Final = 100_000
+# Finished jobs' service the Gittins distribution learns from: the latest this many, so
+# memory stays bounded and the distribution follows the cluster's recent workload.
+SERVICE_SAMPLES: Final = 10_000
 
 
 @dataclass
@@ -53,10 +65,17 @@ class BrainState:
     blacklist: dict[str, BlacklistEntry] = field(default_factory=dict)
     input_failures: dict[str, set[str]] = field(default_factory=dict)
     input_reports: dict[tuple[str, int], str] = field(default_factory=dict)
+    # Attained GPU-seconds of the latest SUCCEEDED jobs, oldest first (the Gittins
+    # order's samples), and the distribution last built from them, by prior.
+    service_samples: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_SAMPLES))
+    _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
-            self._put_job(record.job)
+            # An entry at or before the last one applied was applied already.
+            self._put_job(record.job, new=seq > self.last_seq)
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
         elif isinstance(record, NodeEventRecorded):
@@ -74,10 +93,17 @@ class BrainState:
         while len(self.seen_events) > SEEN_EVENTS:
             self.seen_events.popitem(last=False)
 
-    def _put_job(self, job: JobRecord) -> None:
+    def _put_job(self, job: JobRecord, *, new: bool = True) -> None:
         previous = self.jobs.get(job.job_id)
         if previous is not None:
             self.by_state[previous.state].discard(job.job_id)
+        if (
+            new
+            and job.state is JobState.SUCCEEDED
+            and (previous is None or previous.state is not JobState.SUCCEEDED)
+        ):
+            # Once per job, and only from an entry not applied before.
+            self._learn_service(job.attained_gpu_seconds)
         self.jobs[job.job_id] = job
         self.by_state[job.state].add(job.job_id)
         if job.job_id.isdigit():
@@ -85,10 +111,23 @@ class BrainState:
         if job.idempotency_key is not None:
             self.by_key[(job.tenant, job.idempotency_key)] = job.job_id
 
+    def _learn_service(self, attained_gpu_seconds: float) -> None:
+        self.service_samples.append(attained_gpu_seconds)
+        self._distribution = None
+
+    def service_distribution(
+        self, prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    ) -> ServiceDistribution:
+        """`prior` and the finished jobs' service; rebuilt only after a job finished."""
+        if self._distribution is None or self._distribution[0] is not prior:
+            self._distribution = (prior, prior.with_samples(self.service_samples))
+        return self._distribution[1]
+
     @classmethod
     def from_snapshot(cls, snapshot: BrainSnapshot) -> BrainState:
         state = cls(last_seq=snapshot.last_seq, last_job_number=snapshot.last_job_number)
-        for job in snapshot.jobs:
+        # In the order they finished, as the log's replay would have learned them.
+        for job in sorted(snapshot.jobs, key=_finish_order):
             state._put_job(job)
         state.nodes = {node.name: node for node in snapshot.nodes}
         state.blacklist = {e.uri: e for e in snapshot.blacklist}
@@ -158,12 +197,21 @@ class BrainState:
         )
 
     def snapshot(
-        self, *, profiles: Mapping[str, UtilizationProfile] | None = None, now: float | None = None
+        self,
+        *,
+        profiles: Mapping[str, UtilizationProfile] | None = None,
+        now: float | None = None,
+        queues: tuple[QueueQuota, ...] = (),
+        service_prior: ServiceDistribution | None = DEFAULT_SERVICE_PRIOR,
+        progress: Mapping[str, ObservedProgress] | None = None,
     ) -> ClusterSnapshot:
         """The frozen view `decide` sees; `profiles` (job id -> profile) come from the
         brain's telemetry, which the log does not hold; `now` adds the current run to
-        running jobs' attained service."""
+        running jobs' attained service; `queues` and `service_prior` are configuration (no
+        prior: no learned distribution, for the orders that do not read it);
+        `progress` (job id -> what its reports said) comes from its supervisor."""
         profiles = profiles or {}
+        progress = progress or {}
         held = self.allocated()
         nodes = tuple(
             NodeView(
@@ -176,11 +224,23 @@ class BrainState:
         )
         return ClusterSnapshot(
             nodes=nodes,
-            pending=tuple(job_view(j) for j in self.jobs_in(JobState.PENDING)),
+            pending=tuple(
+                job_view(j, progress=progress.get(j.job_id)) for j in self.jobs_in(JobState.PENDING)
+            ),
             running=tuple(
-                job_view(j, profiles.get(j.job_id), now=now) for j in self.jobs_in(JobState.RUNNING)
+                job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
+                for j in self.jobs_in(JobState.RUNNING)
+            ),
+            queues=queues,
+            service_distribution=(
+                None if service_prior is None else self.service_distribution(service_prior)
             ),
         )
+
+
+def _finish_order(job: JobRecord) -> tuple[float, tuple[int, str]]:
+    finished = job.finished_at if job.finished_at is not None else float("-inf")
+    return finished, job_sequence(job.job_id)
 
 
 def current_run_s(job: JobRecord, now: float | None) -> float:
@@ -190,10 +250,25 @@ def current_run_s(job: JobRecord, now: float | None) -> float:
     return max(0.0, now - job.started_at)
 
 
+def current_size_s(job: JobRecord, now: float | None) -> float:
+    """Seconds the run in progress has held its current GPUs (an elastic job's size
+    changes within a run; the service before that is in `attained_gpu_seconds`)."""
+    run_s = current_run_s(job, now)
+    if run_s == 0.0 or job.resized_at is None or now is None:
+        return run_s
+    return min(run_s, max(0.0, now - job.resized_at))
+
+
 def job_view(
-    job: JobRecord, profile: UtilizationProfile | None = None, *, now: float | None = None
+    job: JobRecord,
+    profile: UtilizationProfile | None = None,
+    *,
+    now: float | None = None,
+    progress: ObservedProgress | None = None,
 ) -> JobView:
     run_s = current_run_s(job, now)
+    low, high = job.spec.gpu_range
+    progress = progress or ObservedProgress()
     return JobView(
         job_id=job.job_id,
         # A pre-run takes one GPU for its trial.
@@ -207,9 +282,19 @@ def job_view(
         profile=profile,
         not_before=job.not_before,
         avoid_nodes=frozenset(job.avoid_nodes),
-        attained_gpu_seconds=job.attained_gpu_seconds + run_s * job.gpu_count,
+        attained_gpu_seconds=job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count,
         executed_seconds=job.executed_seconds + run_s,
         pending_since=job.pending_since,
         service_level=job.service_level,
         service_level_since=job.service_level_since,
+        declared_duration_s=job.spec.declared_duration_s,
+        # An elastic job's supervisor runs every worker on its own node: it never
+        # spreads (and the shell refuses a placement or resize that would).
+        network_sensitive=job.spec.network_sensitive or job.spec.elastic,
+        min_gpus=low if job.spec.elastic else None,
+        max_gpus=high if job.spec.elastic else None,
+        throughput=progress.throughput,
+        resizing=job.resize is not None,
+        progress_fraction=progress.progress_fraction,
+        progress_rate_per_s=progress.progress_rate_per_s,
     )

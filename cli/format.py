@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from schemas.jobs import JobRecord
+from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
 
@@ -46,6 +46,22 @@ def grants_text(job: JobRecord) -> str:
     return ",".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in job.grants) or "-"
 
 
+def gpus_text(job: JobRecord) -> str:
+    """GPUs asked for; an elastic job's size now and range (`3[1..4]`), `3>2[1..4]`
+    while a resize from 3 to 2 is in flight."""
+    if not job.spec.elastic:
+        return str(job.spec.gpus)
+    low, high = job.spec.gpu_range
+    staged = job.resize
+    if staged is not None:
+        size = f"{len(staged.from_gpus)}>{len(staged.to_gpus)}"
+    elif job.state is JobState.RUNNING:
+        size = str(job.gpu_count)
+    else:
+        size = str(job.spec.gpus)
+    return f"{size}[{low}..{high}]"
+
+
 def jobs_table(jobs: Sequence[JobRecord]) -> str:
     now = time.time()
     rows = [
@@ -54,7 +70,7 @@ def jobs_table(jobs: Sequence[JobRecord]) -> str:
             j.spec.name[:20],
             j.spec.queue,
             j.state.value,
-            str(j.spec.gpus),
+            gpus_text(j),
             grants_text(j),
             str(j.attempt),
             "-"

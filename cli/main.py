@@ -21,10 +21,10 @@ import yaml
 from pydantic import ValidationError
 
 from bus.auth import inbox_prefix_for_seed
-from cli import failures
+from cli import failures, why
 from cli import format as fmt
 from cli.client import call, open_bus, submit
-from cli.config import alnair_home, resolve_nats, resolve_nkey
+from cli.config import alnair_home, resolve_nats, resolve_nkey, resolve_tls
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
@@ -35,6 +35,7 @@ from schemas.api import (
     GetJobRequest,
     ListJobsRequest,
     ListNodesRequest,
+    ResizeRequest,
     StatusRequest,
 )
 from schemas.base import check_name
@@ -74,6 +75,24 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
         help="this identity's nkey seed file, from `alnair keys` (default: $ALNAIR_NKEY, "
         "else the local secure cluster's)",
     )
+    parser.add_argument(
+        "--tls-ca",
+        help="connect over TLS, trusting this CA (default: $ALNAIR_TLS_CA, else the local "
+        "cluster's, from `alnair up --tls`)",
+    )
+    parser.add_argument(
+        "--tls-cert", help="client certificate, for servers that verify clients ($ALNAIR_TLS_CERT)"
+    )
+    parser.add_argument("--tls-key", help="the client certificate's key ($ALNAIR_TLS_KEY)")
+
+
+def _with_tls(options: Any, args: argparse.Namespace) -> Any:
+    """`options` (a ConnectOptions) with the TLS files from --tls-*, the environment or
+    the local cluster."""
+    tls = resolve_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    if tls is None:
+        return options
+    return dataclasses.replace(options, tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
 
 
 def _client_args(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +110,7 @@ async def _with_bus(args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]
         name="alnair-cli",
         credentials=args.creds,
         nkey=resolve_nkey(args.nkey),
+        tls=resolve_tls(args.tls_ca, args.tls_cert, args.tls_key),
     )
     try:
         return await fn(bus)
@@ -119,8 +139,34 @@ def load_spec(args: argparse.Namespace) -> JobSpec:
         "priority": args.priority,
         "env": _env_pairs(args.env),
         "cwd": args.cwd or os.getcwd(),
+        **_policy_hints(args),
+        **_elastic_fields(args),
     }
     return _validated(fields, "the command line")
+
+
+def _policy_hints(args: argparse.Namespace) -> dict[str, Any]:
+    """What the command line tells the queue order and placement about the job."""
+    hints: dict[str, Any] = {}
+    if args.duration is not None:
+        hints["declared_duration_s"] = args.duration
+    if args.network_sensitive:
+        hints["network_sensitive"] = True
+    return hints
+
+
+def _elastic_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """`--elastic --min-gpus A --max-gpus B`: the job runs on A..B GPUs under the
+    elastic supervisor, starting on `--gpus`. The spec's own check refuses a range
+    without `--elastic`, or a start outside it."""
+    fields: dict[str, Any] = {}
+    if args.elastic:
+        fields["elastic"] = True
+    if args.min_gpus is not None:
+        fields["min_gpus"] = args.min_gpus
+    if args.max_gpus is not None:
+        fields["max_gpus"] = args.max_gpus
+    return fields
 
 
 def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
@@ -137,6 +183,8 @@ def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
         data["gpus"] = args.gpus
     if args.name:
         data["name"] = args.name
+    data.update(_policy_hints(args))
+    data.update(_elastic_fields(args))
     return _validated(data, str(path))
 
 
@@ -168,7 +216,11 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         if args.json:
             print(job.model_dump_json())
         else:
-            print(f"submitted job {job.job_id} ({spec.gpus} GPUs, queue {spec.queue})")
+            size = f"{spec.gpus} GPUs"
+            if spec.elastic:
+                low, high = spec.gpu_range
+                size += f", elastic {low}..{high}"
+            print(f"submitted job {job.job_id} ({size}, queue {spec.queue})")
         return 0
 
     return await _with_bus(args, run)
@@ -194,6 +246,31 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "started_at": job.started_at,
         "finished_at": job.finished_at,
         "logs": [g.log_path for g in job.grants if g.log_path],
+        **({"elastic": elastic_json(job)} if job.spec.elastic else {}),
+    }
+
+
+def elastic_json(job: JobRecord) -> dict[str, Any]:
+    """An elastic job's size now, the range it may run in, and any resize in flight."""
+    low, high = job.spec.gpu_range
+    staged = job.resize
+    size = len(staged.from_gpus) if staged is not None else job.gpu_count
+    return {
+        "size": size if job.state is JobState.RUNNING else None,
+        "min_gpus": low,
+        "max_gpus": high,
+        "start_gpus": job.spec.gpus,
+        "resize": None
+        if staged is None
+        else {
+            "from_gpus": len(staged.from_gpus),
+            "to_gpus": len(staged.to_gpus),
+            "node": staged.node,
+            "gpus": list(staged.to_gpus),
+            "command_id": staged.command_id,
+            "staged_at": staged.staged_at,
+            "cause": staged.cause,
+        },
     }
 
 
@@ -237,6 +314,36 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return await _with_bus(args, run)
 
 
+async def cmd_resize(args: argparse.Namespace) -> int:
+    """Stage a resize; with --wait, follow it until it is committed or rolled back."""
+
+    async def run(bus: Any) -> int:
+        request = ResizeRequest(job_id=args.job, gpus=args.gpus)
+        job = (await call(bus, args.tenant, "resize", request, JOB_RESULT)).job
+        staged = job.resize
+        if staged is None:
+            print(f"job {job.job_id} already runs on {job.gpu_count} GPUs")
+            return 0
+        print(
+            f"job {job.job_id}: resize {len(staged.from_gpus)} -> {len(staged.to_gpus)} GPUs "
+            f"staged (command {staged.command_id})"
+        )
+        if not args.wait:
+            return 0
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            ask = GetJobRequest(job_id=args.job)
+            job = (await call(bus, args.tenant, "job", ask, JOB_RESULT)).job
+            if job.resize is None or job.resize.command_id != staged.command_id:
+                committed = job.state is JobState.RUNNING and job.gpu_count == len(staged.to_gpus)
+                print(f"job {job.job_id}: {job.reason or job.state.value}")
+                return 0 if committed else 1
+        raise UsageError(f"job {args.job}: resize still staged after {args.timeout:g}s")
+
+    return await _with_bus(args, run)
+
+
 async def cmd_nodes(args: argparse.Namespace) -> int:
     async def run(bus: Any) -> int:
         reply = await call(bus, args.tenant, "nodes", ListNodesRequest(), NODES_RESULT)
@@ -253,9 +360,13 @@ async def cmd_status(args: argparse.Namespace) -> int:
     servers = resolve_nats(args.nats)
 
     async def run(bus: Any) -> int:
+        from cli.nats_status import nats_report
+
         reply = await call(bus, args.tenant, "status", StatusRequest(), STATUS_RESULT)
+        nats = await nats_report(bus, servers)
         if args.json:
-            print(json.dumps({**reply.model_dump(mode="json"), "nats": list(servers)}, indent=2))
+            shown = {**reply.model_dump(mode="json"), "nats": list(servers), **nats.as_json()}
+            print(json.dumps(shown, indent=2))
             return 0
         print(
             f"leader:  {reply.brain_host} pid {reply.brain_pid}, epoch {reply.epoch}, "
@@ -268,7 +379,7 @@ async def cmd_status(args: argparse.Namespace) -> int:
         print(f"policy:  {reply.policy}")
         print(f"nodes:   {reply.nodes} ({reply.gpus} schedulable GPUs)")
         print("jobs:    " + ", ".join(f"{k.lower()} {v}" for k, v in reply.jobs_by_state.items()))
-        print(f"nats:    {', '.join(servers)}")
+        print("\n".join(nats.lines()))
         return 0
 
     return await _with_bus(args, run)
@@ -347,22 +458,28 @@ async def _serve_until_signalled(
 
 async def cmd_brain(args: argparse.Namespace) -> int:
     from brain.core import Policy
+    from brain.queues import load_queues
     from brain.service import Brain, BrainConfig
     from bus.client import Bus, ConnectOptions
 
     config = BrainConfig(
-        policy=Policy(order=args.policy).validate(),
+        policy=Policy(order=args.policy, elasticity=args.elasticity).validate(),
         node_timeout_s=args.node_timeout,
         lease_ttl_s=args.lease_ttl,
         launch_ttl_s=args.launch_ttl,
+        queues=load_queues(args.queues) if args.queues else (),
         history_path=Path(args.history) if args.history else alnair_home() / "brain" / "history.db",
+        failures=failures.policy_of(args),
     )
     bus = await Bus.connect(
-        ConnectOptions(
-            servers=resolve_nats(args.nats),
-            name="brain",
-            credentials=args.creds,
-            nkey_seed=resolve_nkey(args.nkey),
+        _with_tls(
+            ConnectOptions(
+                servers=resolve_nats(args.nats),
+                name="brain",
+                credentials=args.creds,
+                nkey_seed=resolve_nkey(args.nkey),
+            ),
+            args,
         ),
         replicas=args.replicas,
     )
@@ -419,15 +536,19 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir) if args.data_dir else alnair_home() / "agents" / args.node,
         heartbeat_s=args.heartbeat,
         telemetry_s=args.heartbeat,
-        nats_url=servers[0],
+        # Every URL, so a job's supervisor survives a server's death too.
+        nats_url=",".join(servers),
     )
     bus = await Bus.connect(
-        ConnectOptions(
-            servers=servers,
-            name=f"agent:{args.node}",
-            credentials=args.creds,
-            nkey_seed=resolve_nkey(args.nkey),
-            inbox_prefix=inbox_prefix_for_seed(args.nkey) if args.nkey else None,
+        _with_tls(
+            ConnectOptions(
+                servers=servers,
+                name=f"agent:{args.node}",
+                credentials=args.creds,
+                nkey_seed=resolve_nkey(args.nkey),
+                inbox_prefix=inbox_prefix_for_seed(args.nkey) if args.nkey else None,
+            ),
+            args,
         )
     )
     agent = Agent(bus, config, backend)
@@ -445,12 +566,27 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
     names = [n for n in args.nodes.split(",") if n]
     tenants = [t for t in args.tenants.split(",") if t]
+    hosts = tuple(h.strip() for h in args.tls_hosts.split(",") if h.strip())
+    if args.tls:
+        from bus.tls import check_hosts, openssl_binary
+
+        check_hosts(hosts)  # before anything is written
+        openssl_binary()
     identities, config = write_cluster_keys(
         Path(args.dir), nodes=names, tenants=tenants, brains=args.brains
     )
     for identity in identities:
         print(f"{identity.role:<8} {identity.name:<16} {identity.public_key}  {identity.seed_path}")
     print(f"server config: {config}  (include it from nats-server.conf)")
+    if args.tls:
+        from bus.tls import write_tls_config, write_tls_files
+
+        files = write_tls_files(Path(args.dir).resolve() / "tls", hosts=hosts)
+        tls_config = write_tls_config(files, Path(args.dir) / "nats-tls.conf")
+        print(f"TLS CA:        {files.ca}")
+        print(f"server cert:   {files.server_cert} (key {files.server_key})")
+        print(f"client cert:   {files.client_cert} (key {files.client_key})")
+        print(f"server config: {tls_config}  (include it at the top level and in cluster {{}})")
     return 0
 
 
@@ -476,6 +612,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", type=int, default=0, help="priority, -1000..1000")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--cwd", help="working directory on the node (default: the current one)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        metavar="SECONDS",
+        help="how long the job runs on its GPUs, if known (the srtf order ranks by it)",
+    )
+    p.add_argument(
+        "--network-sensitive",
+        action="store_true",
+        help="never spread the job over switches to start it sooner",
+    )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="an elastic Horovod job: runs under the supervisor on --min-gpus..--max-gpus "
+        "GPUs of one node, starting on --gpus, resizable (`alnair resize`)",
+    )
+    p.add_argument("--min-gpus", type=int, help="elastic: the fewest GPUs it runs on (default 1)")
+    p.add_argument(
+        "--max-gpus", type=int, help="elastic: the most GPUs it runs on (default: --gpus)"
+    )
     p.add_argument("--json", action="store_true", help="print the job record as JSON")
     p.add_argument(
         "--retry-for",
@@ -510,6 +667,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     p.set_defaults(fn=cmd_cancel)
 
+    p = sub.add_parser("resize", help="resize a running elastic job to N GPUs")
+    _client_args(p)
+    p.add_argument("job")
+    p.add_argument("gpus", type=int, metavar="N", help="GPUs to run on, within its min..max")
+    p.add_argument("--wait", action="store_true", help="wait until it is committed or rolled back")
+    p.add_argument(
+        "--timeout", type=float, default=180.0, metavar="SECONDS", help="how long --wait waits"
+    )
+    p.set_defaults(fn=cmd_resize)
+
     p = sub.add_parser("logs", help="print a job's log (on the machine that ran it)")
     _client_args(p)
     p.add_argument("job")
@@ -521,6 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_nodes)
 
     failures.add_commands(sub, _client_args, _with_bus)
+    why.add_command(sub, _client_args, _with_bus)
 
     p = sub.add_parser("status", help="the brain leader, its epoch, and the NATS servers")
     _client_args(p)
@@ -541,13 +709,31 @@ def build_parser() -> argparse.ArgumentParser:
     _connection_args(p)
     p.add_argument("--policy", default="fifo", help="queue order policy (default: fifo)")
     p.add_argument(
+        "--elasticity",
+        default="marginal-gain",
+        help="how elastic jobs are sized: marginal-gain (grow into idle GPUs by observed "
+        "throughput, shrink when jobs wait), linear, or none (they keep the size they "
+        "asked for; resize by hand); default marginal-gain",
+    )
+    p.add_argument(
+        "--queues",
+        metavar="FILE",
+        help="queue quotas (YAML: name, guaranteed_gpus, class build|train); see docs/policies.md",
+    )
+    p.add_argument(
         "--node-timeout",
         type=float,
         default=5.0,
         help="seconds without heartbeat before a node is LOST",
     )
     p.add_argument("--history", help="sqlite history file (default: $ALNAIR_HOME/brain/history.db)")
-    p.add_argument("--replicas", type=int, default=1, help="JetStream stream replicas")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=int(os.environ.get("ALNAIR_REPLICAS") or 1),
+        help="copies of each stream and bucket: 1 on one NATS server, 3 in a cluster "
+        "(default: $ALNAIR_REPLICAS, else 1)",
+    )
     p.add_argument(
         "--lease-ttl",
         type=float,
@@ -571,6 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer tokens of tenants and operators (default: $ALNAIR_HOME/http-tokens.json, "
         "written with new tokens if missing)",
     )
+    failures.add_policy_args(p)
     p.add_argument(
         "--http-leader-only",
         action="store_true",
@@ -592,6 +779,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", default="", help="node names, comma-separated")
     p.add_argument("--tenants", default="default", help="tenant names, comma-separated")
     p.add_argument("--brains", type=int, default=1, help="brain identities to create")
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="also write a CA, a server and a client certificate (in DIR/tls) and the "
+        "server's tls {} block (DIR/nats-tls.conf)",
+    )
+    p.add_argument(
+        "--tls-hosts",
+        default="",
+        help="names and addresses of the NATS servers, comma-separated, for the server "
+        "certificate (localhost and the loopback addresses are always in it)",
+    )
     p.set_defaults(fn=cmd_keys, sync=True)
 
     with contextlib.suppress(ImportError):

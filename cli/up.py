@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from agents.gpu import probe_nvml
-from bus.server import EmbeddedNats
-from cli.config import ClusterInfo, alnair_home, read_cluster, remove_cluster_file
+from bus.server import EmbeddedCluster, EmbeddedNats, check_cluster_size
+from cli.config import ClusterInfo, TlsSettings, alnair_home, read_cluster, remove_cluster_file
 from schemas.api import OPERATOR_TENANT
 from schemas.errors import AlnairError
 
 DEFAULT_SIM_GPUS = "sim:8xH100"
 DEFAULT_HTTP = "127.0.0.1:8470"
+# Copies of each stream in a cluster: survives one server's loss, and needs 2 for quorum.
+CLUSTER_REPLICAS = 3
 
 
 def add_up_parser(sub: Any) -> None:
@@ -45,8 +47,38 @@ def add_up_parser(sub: Any) -> None:
         help="per node: 'nvml', or sim:<count>x<model> (default: nvml if this "
         f"machine has NVIDIA GPUs, else {DEFAULT_SIM_GPUS})",
     )
-    p.add_argument("--port", type=int, default=0, help="NATS port (default: a free one)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="NATS port (default: a free one); with --cluster, the first server's, the "
+        "others' follow it",
+    )
+    p.add_argument(
+        "--cluster",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run N nats-servers (at least 3) as one JetStream cluster, with 3 copies of "
+        "every stream; clients get every server's URL",
+    )
+    p.add_argument(
+        "--tls",
+        action="store_true",
+        help="NATS over TLS only: a new CA, server and client certificates in "
+        "$ALNAIR_HOME/keys/tls; clients must present theirs (mutual TLS)",
+    )
     p.add_argument("--policy", default="fifo", help="queue order policy")
+    p.add_argument(
+        "--elasticity",
+        default="marginal-gain",
+        help="how the brains size elastic jobs: marginal-gain, linear or none",
+    )
+    p.add_argument(
+        "--queues",
+        metavar="FILE",
+        help="queue quotas (YAML: name, guaranteed_gpus, class build|train), for the brains",
+    )
     p.add_argument(
         "--brains",
         type=int,
@@ -161,12 +193,18 @@ async def _terminate(children: list[Child], timeout_s: float) -> None:
 
 
 async def _wait_ready(
-    url: str, nodes: int, *, nkey: str | None, tenant: str, timeout_s: float = 60.0
+    urls: tuple[str, ...],
+    nodes: int,
+    *,
+    nkey: str | None,
+    tenant: str,
+    tls: TlsSettings | None = None,
+    timeout_s: float = 60.0,
 ) -> int:
     from cli.client import call, open_bus
     from schemas.api import NODES_RESULT, ListNodesRequest
 
-    bus = await open_bus([url], name="alnair-up", credentials=None, nkey=nkey)
+    bus = await open_bus(urls, name="alnair-up", credentials=None, nkey=nkey, tls=tls)
     try:
         deadline = time.monotonic() + timeout_s
         seen = 0
@@ -216,8 +254,9 @@ def _plan_http(address: str, home: Path) -> tuple[str, str, Path, str]:
             probe.bind((host, port))
         except OSError:
             probe.bind((host, 0))
-            port = int(probe.getsockname()[1])
-            print(f"alnair up: {address} is taken; the HTTP API uses port {port}")
+            print(f"alnair up: {address} is taken; the HTTP API uses port {probe.getsockname()[1]}")
+        # Port 0 means any free port: fix it now, since every brain must be given the same.
+        port = int(probe.getsockname()[1])
     tokens_path = home / "http-tokens.json"
     operator = ensure_tokens_file(tokens_path).token_for(OPERATOR_TENANT, operator=True) or ""
     shown = f"[{host}]" if ":" in host else host
@@ -253,6 +292,62 @@ def _plan_keys(args: argparse.Namespace, home: Path, node_names: list[str]) -> C
     )
 
 
+def _plan_nats(
+    args: argparse.Namespace, home: Path, keys: ClusterKeys | None
+) -> tuple[EmbeddedNats | EmbeddedCluster, TlsSettings | None]:
+    """One nats-server, or a cluster of `--cluster` (stores apart: a cluster cannot
+    adopt a single server's store); with `--tls`, fresh certificates."""
+    files = None
+    if args.tls:
+        from bus.tls import write_tls_files
+
+        files = write_tls_files(home / "keys" / "tls")
+        print(f"alnair up: TLS: CA and certificates in {home / 'keys' / 'tls'}")
+    config = keys.config if keys else None
+    server: EmbeddedNats | EmbeddedCluster
+    if args.cluster is not None:
+        server = EmbeddedCluster(
+            data_dir=home / "nats-cluster",
+            size=args.cluster,
+            base_port=args.port,
+            config_file=config,
+            log_dir=home / "logs",
+            tls=files,
+        )
+    else:
+        server = EmbeddedNats(
+            data_dir=home / "nats",
+            port=args.port,
+            log_file=home / "logs" / "nats.log",
+            config_file=config,
+            tls=files,
+        )
+    if files is None:
+        return server, None
+    return server, TlsSettings(str(files.ca), str(files.client_cert), str(files.client_key))
+
+
+def _tls_env(tls: TlsSettings | None) -> dict[str, str]:
+    """What the children (and their jobs' supervisors) read their TLS files from."""
+    if tls is None:
+        return {}
+    return {
+        "ALNAIR_TLS_CA": tls.ca,
+        "ALNAIR_TLS_CERT": tls.cert or "",
+        "ALNAIR_TLS_KEY": tls.key or "",
+    }
+
+
+def _queues_args(path: str | None) -> list[str]:
+    """The brains' `--queues`, checked now rather than by brains that would restart."""
+    if not path:
+        return []
+    from brain.queues import load_queues
+
+    load_queues(path)
+    return ["--queues", str(Path(path).resolve())]
+
+
 async def cmd_up(args: argparse.Namespace) -> int:
     home = alnair_home()
     running = read_cluster(home)
@@ -262,33 +357,35 @@ async def cmd_up(args: argparse.Namespace) -> int:
             f"NATS {', '.join(running.nats)}); stop it first"
         )
     spec, node_names = plan_agents(args)
+    if args.cluster is not None:
+        check_cluster_size(args.cluster)  # before anything is written
+    queues = _queues_args(args.queues)
     if args.fresh:
         import shutil
 
         shutil.rmtree(home / "nats", ignore_errors=True)
+        shutil.rmtree(home / "nats-cluster", ignore_errors=True)
         for old in (home / "brain").glob("history*.db*"):
             old.unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     keys = _plan_keys(args, home, node_names) if args.secure else None
-    server = EmbeddedNats(
-        data_dir=home / "nats",
-        port=args.port,
-        log_file=home / "logs" / "nats.log",
-        config_file=keys.config if keys else None,
-    )
+    server, tls = _plan_nats(args, home, keys)
     await server.astart()
+    nats_urls = ",".join(server.urls)
     ClusterInfo(
-        nats=(server.url,),
+        nats=server.urls,
         pid=os.getpid(),
         started_at=time.time(),
         home=str(home),
         client_nkey=keys.client if keys else None,
+        tls=tls,
     ).write(home)
     env = {
         **os.environ,
         "ALNAIR_HOME": str(home),
-        "ALNAIR_NATS": server.url,
+        "ALNAIR_NATS": nats_urls,
         "PYTHONUNBUFFERED": "1",
+        **_tls_env(tls),
     }
     me = [sys.executable, "-m", "cli"]
     http, http_url, tokens_path, operator_token = _plan_http(args.http, home)
@@ -296,7 +393,9 @@ async def cmd_up(args: argparse.Namespace) -> int:
         Child(
             "brain" if i == 0 else f"brain-{i + 1}",
             [
-                *[*me, "brain", "--nats", server.url, "--policy", args.policy],
+                *[*me, "brain", "--nats", nats_urls, "--policy", args.policy, *queues],
+                *["--elasticity", args.elasticity],
+                *(["--replicas", str(CLUSTER_REPLICAS)] if args.cluster else []),
                 *["--history", str(home / "brain" / f"history-{i + 1}.db")],
                 *(["--nkey", keys.brains[i]] if keys else []),
                 # One HTTP address on this machine, served by whichever brain leads.
@@ -309,7 +408,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
         Child(
             name,
             [
-                *[*me, "agent", "--node", name, "--gpus", spec, "--nats", server.url],
+                *[*me, "agent", "--node", name, "--gpus", spec, "--nats", nats_urls],
                 *(["--nkey", keys.nodes[name]] if keys else []),
             ],
         )
@@ -322,14 +421,15 @@ async def cmd_up(args: argparse.Namespace) -> int:
     supervisors = [asyncio.ensure_future(_supervise(c, env, stopping)) for c in (*brains, *agents)]
     try:
         gpus = await _wait_ready(
-            server.url,
+            server.urls,
             len(agents),
+            tls=tls,
             nkey=keys.operator if keys else None,
             tenant="operator" if keys else "default",
         )
         await _wait_listening(http)
         print(
-            f"\nalnair up: ready. NATS {server.url}, {len(brains)} brain(s) + {len(agents)} "
+            f"\nalnair up: ready. NATS {nats_urls}, {len(brains)} brain(s) + {len(agents)} "
             f"nodes, {gpus} GPUs "
             f"({spec}). State and logs in {home}.\n"
             f"  HTTP API {http_url} (tokens in {tokens_path})\n"

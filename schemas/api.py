@@ -11,13 +11,24 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from schemas.base import Message, NodeName
-from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState
+from schemas.jobs import MAX_GPUS_PER_JOB, FailureClass, JobRecord, JobSpec, JobState, NodeGrant
 from schemas.nodes import NodeStatus
 from schemas.profiles import JobProfile
-from schemas.state import BlacklistEntry
+from schemas.state import BlacklistEntry, Cause
 
 ApiVerb = Literal[
-    "submit", "cancel", "jobs", "job", "nodes", "status", "drain", "resume", "history", "blacklist"
+    "submit",
+    "cancel",
+    "jobs",
+    "job",
+    "nodes",
+    "status",
+    "drain",
+    "resume",
+    "history",
+    "blacklist",
+    "why",
+    "resize",
 ]
 API_VERBS: Final[tuple[str, ...]] = (
     "submit",
@@ -30,6 +41,8 @@ API_VERBS: Final[tuple[str, ...]] = (
     "resume",
     "history",
     "blacklist",
+    "why",
+    "resize",
 )
 # Requests on `alnair.api.operator.>` are an operator's: they may read every tenant's
 # jobs and drain or resume nodes. NATS permissions must grant that subject to operators
@@ -78,10 +91,26 @@ class ResumeRequest(Message):
     node: NodeName
 
 
+class ResizeRequest(Message):
+    """Run an elastic job on `gpus` GPUs (`alnair resize JOB N`): staged now, committed
+    when the job's supervisor has the workers stepping at that size."""
+
+    job_id: str = Field(min_length=1, max_length=64)
+    gpus: int = Field(ge=1, le=MAX_GPUS_PER_JOB)
+
+
 class HistoryRequest(Message):
     """Every attempt of one job (`alnair history JOB`), from the brain's history."""
 
     job_id: str = Field(min_length=1, max_length=64)
+
+
+class WhyRequest(Message):
+    """The latest decisions about one job, with their causes (`alnair why JOB`)."""
+
+    job_id: str = Field(min_length=1, max_length=64)
+    # At most this many, the newest; they come oldest first.
+    limit: int = Field(default=20, ge=1, le=1000)
 
 
 class BlacklistRequest(Message):
@@ -150,6 +179,31 @@ class HistoryReply(Message):
     attempts: tuple[AttemptRow, ...]
 
 
+class WhyEntry(BaseModel):
+    """One change of a job, from the STATE log: what it became and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seq: int
+    ts: float
+    state: JobState
+    previous: JobState | None
+    cause: Cause
+    attempt: int
+    # The GPUs the job held after the change (where a placement put it).
+    grants: tuple[NodeGrant, ...] = ()
+    # Its LAS band after the change.
+    service_level: int = 0
+
+
+class WhyReply(Message):
+    ok: Literal[True] = True
+    job: JobRecord
+    # Oldest first; `truncated` when older ones were left out.
+    decisions: tuple[WhyEntry, ...]
+    truncated: bool = False
+
+
 class BlacklistReply(Message):
     ok: Literal[True] = True
     entries: tuple[BlacklistEntry, ...]
@@ -194,6 +248,8 @@ REQUEST_TYPES: Final[dict[str, type[Message]]] = {
     "resume": ResumeRequest,
     "history": HistoryRequest,
     "blacklist": BlacklistRequest,
+    "why": WhyRequest,
+    "resize": ResizeRequest,
 }
 
 JOB_RESULT: Final = TypeAdapter(ErrorReply | JobReply)
@@ -203,3 +259,4 @@ NODE_RESULT: Final = TypeAdapter(ErrorReply | NodeReply)
 STATUS_RESULT: Final = TypeAdapter(ErrorReply | StatusReply)
 HISTORY_RESULT: Final = TypeAdapter(ErrorReply | HistoryReply)
 BLACKLIST_RESULT: Final = TypeAdapter(ErrorReply | BlacklistReply)
+WHY_RESULT: Final = TypeAdapter(ErrorReply | WhyReply)

@@ -74,7 +74,7 @@ ENTRIES: Final = (
         "alnair.node.<node>.cmd",
         "brain → agent",
         "JetStream `COMMANDS`",
-        (commands.Launch, commands.Stop),
+        (commands.Launch, commands.Stop, commands.Regrant),
         "Discriminated by `kind`. `Nats-Msg-Id` is `command_id`; agents de-duplicate by it "
         "and refuse a command whose `epoch` is older than the newest they obeyed.",
     ),
@@ -93,7 +93,8 @@ ENTRIES: Final = (
         "core NATS (loss tolerated)",
         (progress.Progress,),
         "Rank 0's last step, throughput and loss at the current world size, with each "
-        "worker's step, pid and parameter digest.",
+        "worker's step, pid and parameter digest. The leading brain keeps each job's "
+        "throughput per world size from these (in memory) for the elasticity policy.",
     ),
     Entry(
         "alnair.api.<tenant>.<verb>",
@@ -110,6 +111,8 @@ ENTRIES: Final = (
             api.ResumeRequest,
             api.HistoryRequest,
             api.BlacklistRequest,
+            api.WhyRequest,
+            api.ResizeRequest,
         ),
         "Verbs: " + ", ".join(f"`{v}`" for v in api.API_VERBS) + ". The tenant is the "
         "subject's token, never a payload field.",
@@ -126,6 +129,7 @@ ENTRIES: Final = (
             api.StatusReply,
             api.HistoryReply,
             api.BlacklistReply,
+            api.WhyReply,
             api.ErrorReply,
         ),
         "`ok` tells a refusal (`ErrorReply`, with `code` one of invalid, not_found, "
@@ -165,9 +169,11 @@ NESTED: Final[tuple[type[BaseModel], ...]] = (
     jobs.JobRecord,
     jobs.NodeGrant,
     jobs.AttemptFailure,
+    jobs.StagedResize,
     nodes.DrainedGpu,
     state.BlacklistEntry,
     api.AttemptRow,
+    api.WhyEntry,
     nodes.NodeRecord,
     nodes.NodeStatus,
     profiles.JobProfile,
@@ -176,6 +182,7 @@ NESTED: Final[tuple[type[BaseModel], ...]] = (
     telemetry.RunningJob,
     progress.WorkerProgress,
     state.Cause,
+    state.Preemption,
 )
 
 

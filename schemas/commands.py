@@ -49,6 +49,19 @@ class Stop(_Command):
     grace_s: float = Field(default=10.0, ge=0, le=3600)
 
 
+class Regrant(_Command):
+    """The GPUs a running attempt holds on this node changed (an elastic job resized):
+    a grow's added GPUs are the job's from now on, a shrink's released ones no longer
+    are. The agent updates its books (what it reports, which launches would collide);
+    the processes are untouched."""
+
+    kind: Literal["regrant"] = "regrant"
+    job_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    gpus: tuple[int, ...] = Field(min_length=1)
+    reason: str = Field(default="", max_length=1000)
+
+
 class InjectFault(Message):
     """`alnair inject`: make a simulated GPU suffer a fault (request/reply on
     `alnair.node.<node>.inject`). An agent with real GPUs refuses it."""
@@ -81,5 +94,5 @@ JobCommand = Annotated[Resize, Field(discriminator="kind")]
 JOB_COMMAND: Final[TypeAdapter[JobCommand]] = TypeAdapter(JobCommand)
 
 
-NodeCommand = Annotated[Launch | Stop, Field(discriminator="kind")]
+NodeCommand = Annotated[Launch | Stop | Regrant, Field(discriminator="kind")]
 NODE_COMMAND: Final[TypeAdapter[NodeCommand]] = TypeAdapter(NodeCommand)

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from schemas.base import NodeName, QueueName, TenantName
 
 MAX_GPUS_PER_JOB: Final = 4096
+# A declared run time beyond this (about ten years) is a mistake, not a plan.
+MAX_DECLARED_DURATION_S: Final = 3.2e8
 _ENV_NAME_CHARS: Final = frozenset(
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_"
 )
@@ -86,6 +88,13 @@ class JobSpec(BaseModel):
     elastic: bool = False
     min_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS_PER_JOB)
     max_gpus: int | None = Field(default=None, ge=1, le=MAX_GPUS_PER_JOB)
+    # How long the job runs on its GPUs, if its submitter knows: the `srtf` order ranks
+    # by what is left of it. Other orders ignore it.
+    declared_duration_s: float | None = Field(
+        default=None, gt=0, le=MAX_DECLARED_DURATION_S, allow_inf_nan=False
+    )
+    # Network-bound (e.g. all-reduce heavy): never spread over switches to start sooner.
+    network_sensitive: bool = False
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> JobSpec:
@@ -141,6 +150,32 @@ class NodeGrant(BaseModel):
     signal: int | None = None
 
 
+class StagedResize(BaseModel):
+    """An elastic job's resize that the brain commanded and its supervisor has not
+    acknowledged yet (a statement: committed on the supervisor's `ResizeCompleted`,
+    rolled back on a refusal or a timeout).
+
+    While it is staged the job's grants hold every GPU of both sizes: a grow's added
+    GPUs from the start (so nobody else takes them), a shrink's released ones until
+    the workers on them have exited. Elastic jobs run on one node.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    command_id: str = Field(min_length=1, max_length=128)
+    node: NodeName
+    # The GPUs the job ran on before, and those it runs on once committed.
+    from_gpus: tuple[int, ...] = Field(min_length=1)
+    to_gpus: tuple[int, ...] = Field(min_length=1)
+    staged_at: float
+    # Why: the policy's cause, or the operator who asked.
+    cause: str = Field(max_length=1000)
+
+    @property
+    def grow(self) -> bool:
+        return len(self.to_gpus) > len(self.from_gpus)
+
+
 class JobRecord(BaseModel):
     """The brain's whole view of one job; every STATE entry for a job carries it entire."""
 
@@ -177,6 +212,10 @@ class JobRecord(BaseModel):
     # Pre-run (Philly): "pending" before its one-GPU trial, "running" during it,
     # "passed" once it survived; None when its queue has no pre-run.
     prerun: Literal["pending", "running", "passed"] | None = None
+    # Elastic jobs: the resize in flight, if any, and when the job's current size took
+    # effect in this run (GPU-seconds are counted per size).
+    resize: StagedResize | None = None
+    resized_at: float | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:

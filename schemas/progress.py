@@ -34,3 +34,6 @@ class Progress(Message):
     # The slots the supervisor runs now (the world size it is converging to).
     slots: int = Field(ge=0)
     workers: tuple[WorkerProgress, ...] = Field(default=(), max_length=4096)
+    # The steps the job means to take in all, if it says: the brain then knows the
+    # fraction done (`step / total_steps`) and how fast it grows.
+    total_steps: int | None = Field(default=None, ge=1)

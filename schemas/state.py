@@ -47,6 +47,30 @@ class CauseKind(StrEnum):
     PRERUN_PASSED = "prerun_passed"
     BLACKLISTED = "blacklisted"
     UNBLACKLISTED = "unblacklisted"
+    # Elastic jobs: a resize commanded (staged), acknowledged by the job's supervisor
+    # (committed), or refused / unanswered (rolled back to the size before).
+    RESIZE_STAGED = "resize_staged"
+    RESIZED = "resized"
+    RESIZE_ROLLED_BACK = "resize_rolled_back"
+
+
+class Preemption(BaseModel):
+    """Why the policy took a running job's GPUs (the core's typed `Preempt` cause)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # quota_reclaim: a queue took back GPUs within its guarantee that this job had
+    # borrowed over its own queue's quota. outranked: a better-ranked job needed them.
+    reason: Literal["quota_reclaim", "outranked"]
+    # The job the GPUs were taken for.
+    for_job: str
+    # quota_reclaim: the queue whose guarantee it was, and the borrower's queue.
+    owner_queue: str | None = None
+    victim_queue: str | None = None
+    # outranked: the queue order, and the two jobs' ranks in its words.
+    order: str | None = None
+    winner_rank: str | None = None
+    victim_rank: str | None = None
 
 
 class Cause(BaseModel):
@@ -58,6 +82,8 @@ class Cause(BaseModel):
     message: str
     node: str | None = None
     job_id: str | None = None
+    # Set on a `preempted` cause: the policy's reason, as data.
+    preemption: Preemption | None = None
 
 
 class JobChanged(Message):

@@ -33,6 +33,8 @@ class WorkerReport:
     # A digest of the model parameters: equal across ranks when they are in sync.
     param_digest: str = ""
     ts: float = 0.0
+    # The steps the job means to take in all, if it knows.
+    total_steps: int | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -54,6 +56,7 @@ class WorkerReport:
             loss=float(raw["loss"]),
             param_digest=str(raw.get("param_digest", "")),
             ts=float(raw.get("ts", 0.0)),
+            total_steps=int(raw["total_steps"]) if raw.get("total_steps") else None,
         )
 
 
@@ -82,6 +85,7 @@ class ProgressReporter:
         samples_per_s: float,
         loss: float,
         param_digest: str = "",
+        total_steps: int | None = None,
     ) -> None:
         if self._socket is None or self._target is None:
             return
@@ -94,6 +98,7 @@ class ProgressReporter:
             loss=loss,
             param_digest=param_digest,
             ts=time.time(),
+            total_steps=total_steps,
         )
         # The supervisor may be gone or busy; training goes on regardless.
         with contextlib.suppress(OSError):

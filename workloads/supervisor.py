@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections import OrderedDict
@@ -222,6 +223,10 @@ class Supervisor:
         }
 
     def progress(self, report: WorkerReport) -> Progress:
+        # A retired worker's last report would otherwise count at its old size for ever
+        # (and again once the job returns to that size).
+        for pid in [pid for pid in self._workers if pid != report.pid and process_gone(pid)]:
+            del self._workers[pid]
         current = sorted(
             (s.report for s in self._workers.values() if s.report.world_size == report.world_size),
             key=lambda r: r.rank,
@@ -234,6 +239,7 @@ class Supervisor:
             samples_per_s=max(0.0, report.samples_per_s),
             loss=report.loss,
             slots=self.slots,
+            total_steps=report.total_steps,
             workers=tuple(
                 WorkerProgress(
                     rank=r.rank,
@@ -470,7 +476,9 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
     command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
     if not args.job_id:
         parser.error("--job-id (or ALNAIR_JOB_ID) is required")
-    work_dir = args.work_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"alnair-{args.job_id}"
+    # Job ids repeat across clusters (and a retried attempt may overlap a dying one):
+    # a fresh directory per supervisor, never one named by the job id alone.
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix=f"alnair-{args.job_id}-"))
     return SupervisorConfig(
         job_id=args.job_id,
         command=command,
@@ -489,8 +497,16 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
 async def run(config: SupervisorConfig) -> int:
     bus = None
     if config.nats_url:
+        # ALNAIR_NATS names every server of a cluster; the agent passes its TLS files on.
+        env = os.environ
         bus = await Bus.connect(
-            ConnectOptions(servers=(config.nats_url,), name=f"supervisor:{config.job_id}")
+            ConnectOptions(
+                servers=tuple(u for u in config.nats_url.split(",") if u),
+                name=f"supervisor:{config.job_id}",
+                tls_ca=env.get("ALNAIR_TLS_CA") or None,
+                tls_cert=env.get("ALNAIR_TLS_CERT") or None,
+                tls_key=env.get("ALNAIR_TLS_KEY") or None,
+            )
         )
     supervisor = Supervisor(config, bus)
     stopping = asyncio.Event()

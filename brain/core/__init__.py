@@ -2,6 +2,7 @@
 
 from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, Policy, UnknownPlugin, decide
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR, ServiceDistribution
+from brain.core.elastic import ELASTICITIES
 from brain.core.model import (
     Action,
     ClusterSnapshot,
@@ -16,17 +17,20 @@ from brain.core.model import (
     PreemptCause,
     QueueQuota,
     QuotaReclaim,
+    Resize,
     SetServiceLevel,
     Wait,
 )
-from brain.core.ordering import DURATION_AWARE, ORDERINGS, PROGRESS_AWARE
+from brain.core.ordering import DISTRIBUTION_AWARE, DURATION_AWARE, ORDERINGS, PROGRESS_AWARE
 from brain.core.placement import PLACEMENTS
 from brain.core.preemption import PREEMPTIONS
 
 __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_SERVICE_PRIOR",
+    "DISTRIBUTION_AWARE",
     "DURATION_AWARE",
+    "ELASTICITIES",
     "ORDERINGS",
     "PLACEMENTS",
     "PREEMPTIONS",
@@ -46,6 +50,7 @@ __all__ = [
     "PreemptCause",
     "QueueQuota",
     "QuotaReclaim",
+    "Resize",
     "ServiceDistribution",
     "SetServiceLevel",
     "UnknownPlugin",

@@ -11,7 +11,12 @@ ordering, placement and preemption run are plugins named in the `Policy`:
                 running job that no longer fits is a preemption candidate;
 4. placement  — place the selected pending jobs (`PLACEMENTS`), releasing candidate
                 victims worst-ranked first, only as far as a placement needs; a victim
-                whose GPUs nobody took keeps running.
+                whose GPUs nobody took keeps running;
+5. elasticity — with an `ELASTICITIES` plugin other than "none" (brain/core/elastic.py):
+                elastic jobs count at their minimum in 3, get targets toward what
+                they asked for in rank order (less attained service first within a
+                rank class), shrink toward them before anyone is preempted, and idle
+                GPUs left at the end grow them, highest marginal gain first.
 
 Every action carries its cause.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
+from brain.core.elastic import ELASTICITIES, ElasticStage, running_views, service_bucket
 from brain.core.model import (
     Action,
     ClusterSnapshot,
@@ -32,6 +38,7 @@ from brain.core.model import (
     Preempt,
     PreemptCause,
     QuotaReclaim,
+    Resize,
     Wait,
 )
 from brain.core.ordering import ORDERINGS, OrderContext, Ordered, Ranked, job_sequence
@@ -54,6 +61,9 @@ class UnknownPlugin(AlnairError, KeyError):
         super().__init__(f"unknown {stage} policy {name!r}; known: {', '.join(sorted(known))}")
         self.stage = stage
         self.name = name
+
+    def __str__(self) -> str:
+        return str(self.args[0])  # not KeyError's repr of the message
 
 
 class InvalidPolicy(AlnairError, ValueError):
@@ -79,6 +89,18 @@ class Policy:
     relax_locality_after_s: float = 0.0
     # `progress`: how long a job runs before its progress reports are trusted.
     progress_probe_s: float = 60.0
+    # Elasticity stage (`ELASTICITIES`); "none": elastic jobs run at their asked size.
+    elasticity: str = "none"
+    # May an elastic job span nodes? Not in the live brain (an elastic job's supervisor
+    # runs every worker on its own node); the simulator may allow it (Pollux).
+    elastic_may_spread: bool = False
+    # Grow a job only while its next GPU adds at least this share of what one of its
+    # GPUs does on average (estimated): a resize is not free.
+    elastic_min_gain: float = 0.25
+    # Resize running elastic jobs by the stage's own choice (retreat, entitle, grow)
+    # only at rounds every this many seconds (Pollux: 60), not at every cycle; a
+    # reclaim for a pending job is not deferred. 0: at every cycle.
+    elastic_resize_interval_s: float = 0.0
 
     def validate(self) -> Policy:
         if self.order not in ORDERINGS:
@@ -96,10 +118,19 @@ class Policy:
             raise InvalidPolicy("the starvation guard must be positive")
         if self.progress_probe_s < 0:
             raise InvalidPolicy("the progress probe cannot be negative")
+        if self.elasticity not in ELASTICITIES:
+            raise UnknownPlugin("elasticity", self.elasticity, list(ELASTICITIES))
+        if not 0.0 <= self.elastic_min_gain <= 1.0:
+            raise InvalidPolicy("the elastic minimum gain must be within 0..1")
+        if self.elastic_resize_interval_s < 0:
+            raise InvalidPolicy("the elastic resize interval cannot be negative")
         return self
 
     def describe(self) -> str:
-        return f"order={self.order} placement={self.placement} preemption={self.preemption}"
+        text = f"order={self.order} placement={self.placement} preemption={self.preemption}"
+        if self.elasticity != "none":
+            text += f" elasticity={self.elasticity}"
+        return text
 
 
 DEFAULT_POLICY = Policy()
@@ -134,6 +165,15 @@ class _Cycle:
     preemptions: list[Preempt] = field(default_factory=list)
     wakes: list[float] = field(default_factory=list)
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
+    elastic: ElasticStage | None = None
+
+    def need(self, job: JobView) -> int:
+        """GPUs the job takes in selection (an elastic job: its minimum)."""
+        return job.gpus if self.elastic is None else self.elastic.need(job)
+
+    def size(self, job: JobView) -> int:
+        """GPUs to place a selected job on."""
+        return job.gpus if self.elastic is None else self.elastic.size(job)
 
 
 def _is_starving(job: JobView, now: float, policy: Policy) -> bool:
@@ -172,6 +212,19 @@ def _entries(
     return entries
 
 
+_ElasticKey = tuple[
+    int, int, int, float, tuple[float, ...], int, tuple[float, ...], float, tuple[int, str]
+]
+
+
+def _elastic_key(entry: _Entry) -> _ElasticKey:
+    """With an elasticity stage: within one rank class (the order's first rank key),
+    less attained service first, by doubling buckets (see brain/core/elastic.py)."""
+    key = entry.sort_key
+    service = service_bucket(entry.job.attained_gpu_seconds)
+    return (key[0], key[1], key[2], key[3], entry.ranked.rank[:1], service, *key[4:])
+
+
 def _select(
     cycle: _Cycle, entries: list[_Entry], head_of_line_blocking: bool, capacity: int
 ) -> tuple[list[_Entry], list[_Entry]]:
@@ -182,13 +235,16 @@ def _select(
     blocked_by: str | None = None
     for entry in entries:
         job = entry.job
+        need = cycle.need(job)
         if job.running:
-            if entry.standing is Standing.PINNED or job.gpus <= budget:
-                budget -= job.gpus
+            if entry.standing is Standing.PINNED or need <= budget:
+                budget -= need
+                if cycle.elastic is not None:
+                    cycle.elastic.select(job, need)
             else:
                 victims.append(entry)
             continue
-        wait = _pending_wait_reason(entry, capacity, budget, blocked_by, cycle.policy)
+        wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, cycle.policy)
         if wait is not None:
             cycle.actions.append(Wait(job.job_id, wait))
             # A starving job that cannot start yet reserves the GPUs that free up: no
@@ -197,7 +253,7 @@ def _select(
             if (
                 blocks
                 and blocked_by is None
-                and job.gpus <= capacity
+                and need <= capacity
                 and entry.standing is not Standing.HELD
             ):
                 why = "starvation guard" if entry.starving else cycle.policy.order
@@ -206,24 +262,28 @@ def _select(
                 # waiting job (quadratic churn in the log).
                 blocked_by = f"an earlier job that does not fit yet ({why})"
             continue
-        budget -= job.gpus
+        budget -= need
+        if cycle.elastic is not None:
+            cycle.elastic.select(job, need)
         to_place.append(entry)
     return to_place, victims
 
 
 def _pending_wait_reason(
-    entry: _Entry, capacity: int, budget: int, blocked_by: str | None, policy: Policy
+    entry: _Entry, need: int, capacity: int, budget: int, blocked_by: str | None, policy: Policy
 ) -> str | None:
     job = entry.job
+    # An elastic job (with an elasticity stage) needs its minimum.
+    needs = f"at least {need}" if need != job.gpus else str(need)
     if entry.standing is Standing.HELD:
         return f"queue {job.queue} is at its fixed quota (build jobs do not borrow)"
-    if job.gpus > capacity:
-        return f"needs {job.gpus} GPUs; the cluster has {capacity} schedulable"
+    if need > capacity:
+        return f"needs {needs} GPUs; the cluster has {capacity} schedulable"
     if blocked_by is not None:
         return f"queued behind {blocked_by}"
-    if job.gpus > budget:
+    if need > budget:
         return (
-            f"needs {job.gpus} GPUs; {max(budget, 0)} left after higher-ranked jobs "
+            f"needs {needs} GPUs; {max(budget, 0)} left after higher-ranked jobs "
             f"({entry.ranked.label}, {policy.order})"
         )
     return None
@@ -240,15 +300,26 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     Returns the victims whose GPUs were released."""
     unreleased = list(reversed(victims))
     released: list[_Entry] = []
+    victim_ids = {v.job.job_id for v in victims}
     for entry in to_place:
         job = entry.job
-        request = PlacementRequest(job.gpus, _may_spread(job, cycle.now, cycle.policy))
+        request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, cycle.policy))
         result = _try_place(cycle, request, job)
+        # Take the GPUs elastic jobs hold above their targets before preempting anyone.
+        while (
+            not isinstance(result, Fit)
+            and cycle.elastic is not None
+            and cycle.elastic.reclaim_one(cycle.ledger, job.job_id, victim_ids)
+        ):
+            result = _try_place(cycle, request, job)
         while not isinstance(result, Fit) and unreleased:
             victim = unreleased.pop(0)
             cycle.ledger.give(victim.job.grants)
             released.append(victim)
             result = _try_place(cycle, request, job)
+        if not isinstance(result, Fit) and cycle.elastic is not None and job.elastic:
+            # What is left, down to its minimum.
+            result = cycle.elastic.place(job, cycle.ledger, partial=True)
         if isinstance(result, Fit):
             cycle.ledger.take(result.grants)
             cycle.placed.append((entry, result.grants))
@@ -264,6 +335,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
 
 def _try_place(cycle: _Cycle, request: PlacementRequest, job: JobView) -> PlacementResult:
     """Place on the cycle's ledger, minus the nodes a retried job must avoid."""
+    if cycle.elastic is not None and job.elastic:
+        return cycle.elastic.place(job, cycle.ledger, partial=False)
     if not job.avoid_nodes:
         return cycle.place(request, cycle.ledger)
     result = cycle.place(request, cycle.ledger.excluding(job.avoid_nodes))
@@ -352,22 +425,49 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
         progress_probe_s=policy.progress_probe_s,
     )
     snapshot, backoff_waits, backoff_wakes = _retry_stage(snapshot, now)
+    estimate = ELASTICITIES.get(policy.elasticity)
+    if policy.elasticity not in ELASTICITIES:
+        policy.validate()
+    stage: ElasticStage | None = None
+    if estimate is not None:
+        stage = ElasticStage.start(
+            estimate,
+            snapshot,
+            may_spread=policy.elastic_may_spread,
+            min_gain=policy.elastic_min_gain,
+            now=now,
+            resize_interval_s=policy.elastic_resize_interval_s,
+        )
+        snapshot = running_views(snapshot)
     ordered = order((*snapshot.running, *snapshot.pending), context)
     ledger = FreeGpus(snapshot.nodes)
-    cycle = _Cycle(snapshot, now, policy, place, ledger)
+    cycle = _Cycle(snapshot, now, policy, place, ledger, elastic=stage)
     cycle.actions.extend(backoff_waits)
     entries = _entries(ordered, snapshot, now, policy, hold)
+    if stage is not None:
+        entries.sort(key=_elastic_key)
+        stage.set_ranks([e.job.job_id for e in entries])
     to_place, victims = _select(
         cycle, entries, ordered.head_of_line_blocking, ledger.total_capacity()
     )
+    if stage is not None:
+        stage.plan(ledger.total_capacity())
     released = _place_all(cycle, to_place, victims)
     _settle_victims(cycle, released)
+    shrinks: list[Resize] = []
+    grows: list[Resize] = []
+    if stage is not None:
+        excluded = {v.job.job_id for v in victims}
+        shrinks, cycle.actions, grows = stage.finish(ledger, cycle.actions, excluded)
+        if stage.next_round is not None:
+            cycle.wakes.append(stage.next_round)
     wakes = [*cycle.wakes, *_starvation_wakes(entries, policy)]
     wakes += backoff_wakes
     if ordered.wake_at is not None:
         wakes.append(ordered.wake_at)
     future = [t for t in wakes if t > now]
-    # Preemptions first: the placements after them may use the GPUs they free.
+    # Preemptions and shrinks first: the placements after them may use the GPUs they
+    # free; grows last, into what nobody else took.
     changes = sorted(ordered.level_changes, key=lambda c: job_sequence(c.job_id))
-    actions = (*cycle.preemptions, *cycle.actions, *changes)
+    actions = (*cycle.preemptions, *shrinks, *cycle.actions, *grows, *changes)
     return Decisions(actions, min(future) if future else None)

@@ -111,10 +111,29 @@ class JobView:
     # back-off) and is never placed on `avoid_nodes` (where it failed).
     not_before: float | None = None
     avoid_nodes: frozenset[str] = frozenset()
+    # Elastic jobs (Horovod) run anywhere between `min_gpus` and `max_gpus`; None for a
+    # rigid job, which runs on exactly `gpus`. A running elastic job's current size is
+    # the GPUs its grants hold; `gpus` is the size it asked to start at.
+    min_gpus: int | None = None
+    max_gpus: int | None = None
+    # Observed throughput (samples/s, whole job) per world size, from its progress
+    # reports: what the elasticity stage ranks marginal gains by. Sorted by size.
+    throughput: tuple[tuple[int, float], ...] = ()
+    # A resize was staged and the job's supervisor has not acknowledged it yet: the
+    # policy leaves the job's size alone until it has.
+    resizing: bool = False
 
     @property
     def running(self) -> bool:
         return bool(self.grants)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_gpus is not None
+
+    @property
+    def held_gpus(self) -> int:
+        return sum(len(g.gpus) for g in self.grants)
 
     def waiting_since(self) -> float:
         return self.submitted_at if self.pending_since is None else self.pending_since
@@ -208,7 +227,22 @@ class SetServiceLevel:
     cause: str
 
 
-Action = Place | Wait | Preempt | SetServiceLevel
+@dataclass(frozen=True, slots=True)
+class Resize:
+    """Change a running elastic job's size (staged: the shell commits it when the job's
+    supervisor acknowledges). `grants` are the job's whole grants after the resize: a
+    grow holds every GPU it had plus the added ones; a shrink, the ones it keeps."""
+
+    job_id: str
+    grants: tuple[Grant, ...]
+    cause: str
+
+    @property
+    def size(self) -> int:
+        return sum(len(g.gpus) for g in self.grants)
+
+
+Action = Place | Wait | Preempt | SetServiceLevel | Resize
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,3 +267,7 @@ class Decisions:
     @property
     def level_changes(self) -> tuple[SetServiceLevel, ...]:
         return tuple(a for a in self.actions if isinstance(a, SetServiceLevel))
+
+    @property
+    def resizes(self) -> tuple[Resize, ...]:
+        return tuple(a for a in self.actions if isinstance(a, Resize))

@@ -19,8 +19,9 @@ from schemas.api import (
     NodesReply,
     StatusReply,
     SubmitRequest,
+    WhyReply,
 )
-from schemas.jobs import JobState
+from schemas.jobs import MAX_GPUS_PER_JOB, JobState
 
 # Names of nodes, tenants and queues (schemas/base.py checks them; JSON Schema shows it).
 NAME_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
@@ -37,6 +38,15 @@ class DrainBody(BaseModel):
     gpu: int | None = Field(default=None, ge=0, le=255)
 
 
+class ResizeBody(BaseModel):
+    """The body of `POST /v1/jobs/{job_id}/resize`; the job is the path's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The elastic job's new size, within its min_gpus..max_gpus.
+    gpus: int = Field(ge=1, le=MAX_GPUS_PER_JOB)
+
+
 class Whoami(BaseModel):
     """The caller a token names."""
 
@@ -49,11 +59,13 @@ class Whoami(BaseModel):
 _MODELS: Final[tuple[tuple[type[BaseModel], JsonSchemaMode], ...]] = (
     (SubmitRequest, "validation"),
     (DrainBody, "validation"),
+    (ResizeBody, "validation"),
     (JobReply, "serialization"),
     (JobsReply, "serialization"),
     (NodesReply, "serialization"),
     (NodeReply, "serialization"),
     (StatusReply, "serialization"),
+    (WhyReply, "serialization"),
     (ErrorReply, "serialization"),
     (Whoami, "serialization"),
 )
@@ -214,6 +226,35 @@ def _paths() -> dict[str, Any]:
                 errors=(400, 404, 409),
                 parameters=[JOB_ID],
                 operation_id="cancelJob",
+            )
+        },
+        "/v1/jobs/{job_id}/resize": {
+            "post": _operation(
+                "Resize a running elastic job: staged now, committed when its supervisor "
+                "has every worker stepping at the new size (see `resize` on the job)",
+                _json(_ref("JobReply"), "the job, with its staged resize (if any)"),
+                errors=(400, 404, 409),
+                parameters=[JOB_ID],
+                body="ResizeBody",
+                operation_id="resizeJob",
+            )
+        },
+        "/v1/jobs/{job_id}/why": {
+            "get": _operation(
+                "The job's latest changes with their causes: placements, waits, "
+                "preemptions, service levels, retries",
+                _json(_ref("WhyReply"), "the job and its latest changes, oldest first"),
+                errors=(400, 404),
+                parameters=[
+                    JOB_ID,
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 20},
+                        "description": "at most this many changes, the newest",
+                    },
+                ],
+                operation_id="whyJob",
             )
         },
         "/v1/nodes": {

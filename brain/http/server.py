@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from brain.http import events
 from brain.http.auth import Caller, TokenTable
-from brain.http.openapi import DrainBody, Whoami, document
+from brain.http.openapi import DrainBody, ResizeBody, Whoami, document
 from brain.metrics import BrainMetrics
 from schemas.api import (
     CancelRequest,
@@ -40,9 +40,11 @@ from schemas.api import (
     JobReply,
     ListJobsRequest,
     ListNodesRequest,
+    ResizeRequest,
     ResumeRequest,
     StatusRequest,
     SubmitRequest,
+    WhyRequest,
 )
 from schemas.base import MAX_MESSAGE_BYTES, Message, decode
 from schemas.errors import AlnairError, InvalidMessage
@@ -151,6 +153,8 @@ class HttpServer:
         r.add_post("/v1/jobs", self._submit)
         r.add_get("/v1/jobs/{job_id}", self._get_job)
         r.add_post("/v1/jobs/{job_id}/cancel", self._cancel)
+        r.add_post("/v1/jobs/{job_id}/resize", self._resize)
+        r.add_get("/v1/jobs/{job_id}/why", self._why)
         r.add_get("/v1/nodes", self._nodes)
         r.add_post("/v1/nodes/{node}/drain", self._drain)
         r.add_post("/v1/nodes/{node}/resume", self._resume)
@@ -326,6 +330,19 @@ class HttpServer:
     async def _cancel(self, request: web.Request) -> web.Response:
         data = {"job_id": request.match_info["job_id"]}
         return await self._call(request, self._decode(CancelRequest, data, "cancel"))
+
+    async def _why(self, request: web.Request) -> web.Response:
+        data: dict[str, Any] = {"job_id": request.match_info["job_id"]}
+        if "limit" in request.query:
+            limit = request.query["limit"]
+            data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
+        return await self._call(request, self._decode(WhyRequest, data, "why"))
+
+    async def _resize(self, request: web.Request) -> web.Response:
+        self._caller(request)
+        body = self._decode(ResizeBody, await request.read(), "resize")
+        data = {"job_id": request.match_info["job_id"], "gpus": body.gpus}
+        return await self._call(request, self._decode(ResizeRequest, data, "resize"))
 
     async def _nodes(self, request: web.Request) -> web.Response:
         return await self._call(request, ListNodesRequest())

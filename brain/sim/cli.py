@@ -8,16 +8,35 @@ runs it standalone.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from brain.core import ORDERINGS, PLACEMENTS, PREEMPTIONS, Policy, ServiceDistribution
-from brain.core.decide import InvalidPolicy
-from brain.sim.engine import SimConfig, simulate
+from brain.core import (
+    ORDERINGS,
+    PLACEMENTS,
+    PREEMPTIONS,
+    Policy,
+    QueueQuota,
+    ServiceDistribution,
+)
+from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, UnknownPlugin
+from brain.core.elastic import ELASTICITIES
+from brain.queues import QueueConfigError, checked, load_queues, parse_quota
+from brain.queues import describe as describe_queues
+from brain.sim.engine import Scaling, SimConfig, simulate
+from brain.sim.pollux import (
+    PolluxScaling,
+    default_apps_dir,
+    is_pollux_workload,
+    load_apps,
+    load_pollux_workload,
+)
 from brain.sim.report import PlotUnavailable, format_table, plot, preemption_causes, summarize
-from brain.sim.trace import TraceError, load_trace, parse_cluster
+from brain.sim.trace import ClusterSpec, TraceError, TraceJob, load_trace, parse_cluster
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,13 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         required=True,
         type=Path,
-        help="Tiresias-format CSV (job_id,num_gpu,submit_time,duration,...)",
+        help="Tiresias-format CSV (job_id,num_gpu,submit_time,duration,...), or a Pollux "
+        "workload (name,time,application,num_replicas,batch_size: elastic jobs)",
     )
     parser.add_argument(
         "--cluster", required=True, metavar="NODESxGPUS", help="cluster shape, e.g. 12x4"
     )
     parser.add_argument(
-        "--policy", default="las", choices=sorted(ORDERINGS), help="queue order (default: las)"
+        "--policy",
+        default="las",
+        metavar="ORDER[+ELASTICITY]",
+        help=f"queue order ({', '.join(sorted(ORDERINGS))}), optionally with an elasticity "
+        f"stage ({', '.join(e for e in sorted(ELASTICITIES) if e != 'none')}), "
+        "e.g. las+marginal-gain (default: las)",
     )
     parser.add_argument("--placement", default="consolidate", choices=sorted(PLACEMENTS))
     parser.add_argument(
@@ -77,6 +102,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CSV",
         help="samples (a 'duration' column, GPU-seconds) to seed the Gittins "
         "distribution, e.g. Tiresias' yarn-gput1000.csv",
+    )
+    parser.add_argument(
+        "--queues",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="queue quotas, the brain's YAML format (name, guaranteed_gpus, class); "
+        "a trace's `queue` column says which queue each job is in",
+    )
+    parser.add_argument(
+        "--quota",
+        action="append",
+        default=[],
+        metavar="NAME=GPUS[:build|train]",
+        help="a queue's quota (repeatable; with --queues, adds to the file's)",
+    )
+    elastic = parser.add_argument_group("elastic jobs (Pollux workloads)")
+    elastic.add_argument(
+        "--resize-cost",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds an elastic job makes no progress after a resize (default: 0)",
+    )
+    elastic.add_argument(
+        "--start-cost",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="seconds a job makes no progress when it first starts (default: 0)",
+    )
+    elastic.add_argument(
+        "--elastic-one-node",
+        action="store_true",
+        help="keep each elastic job on one node, as the live brain must (default: may span)",
+    )
+    elastic.add_argument(
+        "--elastic-min-gain",
+        type=float,
+        default=DEFAULT_POLICY.elastic_min_gain,
+        metavar="SHARE",
+        help="grow while the next GPU adds at least this share of an average GPU's "
+        f"throughput (default: {DEFAULT_POLICY.elastic_min_gain})",
+    )
+    elastic.add_argument(
+        "--apps",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Pollux application data (default: ../apps beside the workload's directory)",
+    )
+    elastic.add_argument(
+        "--batch",
+        choices=("global", "local"),
+        default="global",
+        help="what a resize keeps: the global batch (default) or each worker's batch "
+        "(Horovod elastic's usual setup: the global batch follows the world size)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -140,36 +222,70 @@ class ProgressBar:
         self._stream.flush()
 
 
+def queues_from_args(args: argparse.Namespace) -> tuple[QueueQuota, ...]:
+    from_file = load_queues(args.queues) if args.queues is not None else ()
+    return checked((*from_file, *(parse_quota(text) for text in args.quota)), where="--quota")
+
+
 def policy_from_args(args: argparse.Namespace) -> Policy:
+    order, _, elasticity = args.policy.partition("+")
     return Policy(
-        order=args.policy,
+        order=order,
         placement=args.placement,
         preemption=args.preemption,
         las_thresholds_gpu_s=_thresholds(args.las_thresholds),
         gittins_quantum_gpu_s=args.gittins_quantum,
         starvation_guard_s=args.starvation_guard,
         relax_locality_after_s=args.relax_locality_after,
+        elasticity=elasticity or "none",
+        elastic_may_spread=not args.elastic_one_node,
+        elastic_min_gain=args.elastic_min_gain,
     ).validate()
+
+
+def _columns(path: Path) -> list[str]:
+    try:
+        with open(path, newline="") as handle:
+            return next(csv.reader(handle), [])
+    except OSError as err:
+        raise TraceError(f"cannot open: {err.strerror}", path=str(path)) from None
+
+
+def load_workload(
+    args: argparse.Namespace, cluster: ClusterSpec
+) -> tuple[tuple[TraceJob, ...], Scaling | None]:
+    """The trace's jobs, and the speed model a Pollux workload brings (detected by its
+    columns; its jobs are elastic)."""
+    if not is_pollux_workload(_columns(args.trace)):
+        return load_trace(args.trace), None
+    apps = load_apps(args.apps or default_apps_dir(args.trace))
+    trace = load_pollux_workload(args.trace, apps, gpus_per_node=cluster.gpus_per_node)
+    return trace, PolluxScaling(apps, cluster.gpus_per_node, batch=args.batch)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         policy = policy_from_args(args)
         cluster = parse_cluster(args.cluster, nodes_per_switch=args.nodes_per_switch)
-        trace = load_trace(args.trace)
-        config = SimConfig(policy=policy, cluster=cluster, preemption_cost_s=args.preemption_cost)
+        trace, scaling = load_workload(args, cluster)
+        queues = queues_from_args(args)
+        config = SimConfig(
+            policy=policy,
+            cluster=cluster,
+            preemption_cost_s=args.preemption_cost,
+            queues=queues,
+            scaling=scaling,
+            resize_cost_s=args.resize_cost,
+            start_cost_s=args.start_cost,
+        )
         if args.service_prior is not None:
-            config = SimConfig(
-                policy=policy,
-                cluster=cluster,
-                preemption_cost_s=args.preemption_cost,
-                service_prior=load_prior(args.service_prior),
-            )
-    except (TraceError, InvalidPolicy) as err:
-        print(f"alnair sim: {err}", file=sys.stderr)
+            config = replace(config, service_prior=load_prior(args.service_prior))
+    except (TraceError, InvalidPolicy, UnknownPlugin, QueueConfigError) as err:
+        # A KeyError (UnknownPlugin) would print its message quoted.
+        print(f"alnair sim: {err.args[0] if err.args else err}", file=sys.stderr)
         return 2
     show_progress = not args.no_progress and sys.stderr.isatty()
-    bar = ProgressBar(sys.stderr, f"{policy.order} on {cluster.describe()}")
+    bar = ProgressBar(sys.stderr, f"{args.policy} on {cluster.describe()}")
     result = simulate(trace, config, on_progress=bar if show_progress else None)
     metrics = summarize(result)
     if args.json:
@@ -179,12 +295,16 @@ def run(args: argparse.Namespace) -> int:
             f"trace {args.trace} ({metrics.jobs} jobs) on {cluster.describe()} GPUs, "
             f"{policy.describe()}, preemption cost {args.preemption_cost:g} s"
         )
-        print(format_table([(policy.order, metrics)]))
+        if queues:
+            print(f"queues: {describe_queues(queues)}")
+        print(format_table([(args.policy, metrics)]))
         for kind, count in preemption_causes(result):
             print(f"  preemptions, {kind}: {count}")
+        if metrics.resizes:
+            print(f"  resizes: {metrics.resizes} (resize cost {args.resize_cost:g} s)")
     if args.plot is not None:
         try:
-            paths = plot(result, args.plot, title=f"{policy.order} on {cluster.describe()}")
+            paths = plot(result, args.plot, title=f"{args.policy} on {cluster.describe()}")
         except PlotUnavailable as err:
             print(f"alnair sim: {err}", file=sys.stderr)
             return 2

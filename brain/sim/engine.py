@@ -5,11 +5,14 @@ arrives, a job finishes, or the core asked to be woken) it builds a `ClusterSnap
 exactly as the live shell would, calls `brain.core.decide`, checks the decisions and
 applies them: `Place` starts a job, `Preempt` stops it and requeues it pending (it
 keeps its attained service and pays `preemption_cost_s` of lost work when it
-resumes), `SetServiceLevel` is stored on the job. The core never knows it is
+resumes), `Resize` changes an elastic job's GPUs at once (it then stalls for
+`resize_cost_s`), `SetServiceLevel` is stored on the job. The core never knows it is
 simulated; a decision the cluster cannot carry out is a bug and raises.
 
 Like Tiresias' simulator, a job runs at the speed of its trace duration wherever it
-is placed: placement changes who fits, not how fast they run.
+is placed, unless the config carries a `Scaling` model (Pollux's measured step times,
+brain/sim/pollux.py): then a job's speed depends on how many GPUs it holds on how many
+nodes, and an elastic job reports the throughput it saw at each size it ran at.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from brain.core import (
     DEFAULT_SERVICE_PRIOR,
@@ -32,6 +36,7 @@ from brain.core import (
     Policy,
     Preempt,
     QueueQuota,
+    Resize,
     ServiceDistribution,
     SetServiceLevel,
     decide,
@@ -54,6 +59,33 @@ class SimulationError(AlnairError, RuntimeError):
         self.at = at
 
 
+class Scaling(Protocol):
+    """How fast a job runs on a placement (GPUs per node, in node order)."""
+
+    def speed(self, job: TraceJob, per_node: Sequence[int]) -> float:
+        """Trace seconds of work done per second: 1.0 at the job's requested size."""
+        ...
+
+    def throughput(self, job: TraceJob, per_node: Sequence[int]) -> float:
+        """What the job's progress reports say there (samples/s, whole job)."""
+        ...
+
+
+class LinearScaling:
+    """No scaling data: a job runs at its trace speed at its requested size, and an
+    elastic job proportionally faster or slower at another size."""
+
+    def speed(self, job: TraceJob, per_node: Sequence[int]) -> float:
+        size = sum(per_node)
+        return 1.0 if size == job.gpus else size / job.gpus
+
+    def throughput(self, job: TraceJob, per_node: Sequence[int]) -> float:
+        return self.speed(job, per_node)
+
+
+LINEAR_SCALING = LinearScaling()
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     policy: Policy
@@ -69,6 +101,16 @@ class SimConfig:
     # a fixed factor in [1/(1+e), 1+e], drawn from a hash of its id (deterministic).
     # 0 means jobs know their total steps exactly (as `iterations` in the trace).
     progress_error: float = 0.0
+    # Speeds per placement (None: trace speed, linear for elastic jobs at other sizes).
+    scaling: Scaling | None = None
+    # Seconds a job makes no progress after a resize (restart of its workers), and
+    # after it first starts (Pollux's simulator charges 30 s for both).
+    resize_cost_s: float = 0.0
+    start_cost_s: float = 0.0
+    # An elastic job reports its throughput at a new size this long after it starts
+    # stepping there (past any start or resize stall); with an elasticity policy the
+    # report is an event for the brain, as a progress message on the bus.
+    throughput_report_after_s: float = 30.0
 
 
 class _Phase(Enum):
@@ -95,7 +137,20 @@ class _Job:
     first_started_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    resizes: int = 0
+    # Trace seconds of work per second on the current grants, and seconds of no
+    # progress still owed (start or resize cost).
+    speed: float = 1.0
+    stall_s: float = 0.0
+    # Throughput the job reported at each size it ran at (elastic jobs only), and the
+    # report still to come for its current size: (when, size, samples/s).
+    observed: dict[int, float] = field(default_factory=dict)
+    report: tuple[float, int, float] | None = None
     view: JobView | None = None
+
+    @property
+    def size(self) -> int:
+        return sum(len(g.gpus) for g in self.grants)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +165,9 @@ class JobOutcome:
     # Seconds the job spent pending, over all its waits.
     queued_s: float
     preemptions: int
+    resizes: int = 0
+    # GPU-seconds held (GPUs x seconds, over every size it ran at).
+    gpu_seconds: float = 0.0
 
     @property
     def jct(self) -> float | None:
@@ -148,6 +206,7 @@ class _Replay:
     free: dict[str, set[int]]
     reveal_durations: bool
     report_progress: bool
+    report_throughput: bool = False
     now: float = 0.0
     next_arrival: int = 0
     pending: dict[str, _Job] = field(default_factory=dict)
@@ -166,9 +225,15 @@ class _Replay:
         candidates: list[float] = []
         if self.next_arrival < len(self.jobs):
             candidates.append(self.jobs[self.next_arrival].spec.submit_time)
-        candidates.extend(self.now + job.remaining_s for job in self.running.values())
+        candidates.extend(
+            self.now + job.stall_s + job.remaining_s / job.speed for job in self.running.values()
+        )
         if self.wake_at is not None and self.wake_at > self.now:
             candidates.append(self.wake_at)
+        if self.report_throughput:
+            candidates.extend(
+                job.report[0] for job in self.running.values() if job.report is not None
+            )
         if self.report_progress:
             # The first progress report is an event for the brain, as on the bus.
             warmup = self.config.progress_report_after_s
@@ -183,9 +248,11 @@ class _Replay:
         elapsed = to - self.now
         if elapsed > 0:
             for job in self.running.values():
-                job.attained_gpu_seconds += job.spec.gpus * elapsed
+                job.attained_gpu_seconds += job.size * elapsed
                 job.executed_s += elapsed
-                job.remaining_s -= elapsed
+                stalled = min(job.stall_s, elapsed)
+                job.stall_s -= stalled
+                job.remaining_s -= job.speed * (elapsed - stalled)
         self.now = to
 
     # -- events ----------------------------------------------------------------------
@@ -200,6 +267,15 @@ class _Replay:
             self.finished += 1
             # Learn the service distribution online, as the live brain does.
             self.distribution = self.distribution.with_sample(job.attained_gpu_seconds)
+
+    def measure(self) -> None:
+        """Throughput reports that arrived by now become what the policy sees."""
+        for job in self.running.values():
+            if job.report is not None and job.report[0] <= self.now + _DONE_EPSILON:
+                _, size, rate = job.report
+                job.observed[size] = rate
+                job.report = None
+                job.view = None
 
     def arrive(self) -> None:
         while (
@@ -241,6 +317,7 @@ class _Replay:
             job_id=spec.job_id,
             gpus=spec.gpus,
             submitted_at=spec.submit_time,
+            queue=spec.queue,
             grants=job.grants,
             started_at=job.run_started_at,
             attained_gpu_seconds=job.attained_gpu_seconds,
@@ -251,6 +328,9 @@ class _Replay:
             executed_seconds=job.executed_s,
             progress_fraction=progress,
             progress_rate_per_s=None if progress is None else self._progress_rate(job),
+            min_gpus=spec.min_gpus,
+            max_gpus=spec.max_gpus,
+            throughput=tuple(sorted(job.observed.items())),
         )
         job.view = view
         return view
@@ -274,7 +354,7 @@ class _Replay:
         believed_total_s = job.spec.duration_s * _misestimate(
             job.spec.job_id, self.config.progress_error
         )
-        return 1.0 / believed_total_s if believed_total_s > 0 else 1.0
+        return job.speed / believed_total_s if believed_total_s > 0 else 1.0
 
     def apply(self, decisions: Decisions) -> None:
         for action in decisions.actions:
@@ -282,6 +362,8 @@ class _Replay:
                 self._preempt(action)
             elif isinstance(action, Place):
                 self._place(action)
+            elif isinstance(action, Resize):
+                self._resize(action)
             elif isinstance(action, SetServiceLevel):
                 job = self._known(action.job_id)
                 job.service_level = action.level
@@ -303,13 +385,7 @@ class _Replay:
         job = self.pending.pop(action.job_id, None)
         if job is None:
             raise SimulationError("placed, but not pending", job_id=action.job_id, at=self.now)
-        granted = sum(len(g.gpus) for g in action.grants)
-        if granted != job.spec.gpus:
-            raise SimulationError(
-                f"granted {granted} GPUs for a {job.spec.gpus}-GPU gang",
-                job_id=action.job_id,
-                at=self.now,
-            )
+        self._check_size(job, action.grants, action.job_id)
         for grant in action.grants:
             free = self.free.get(grant.node)
             if (
@@ -325,12 +401,69 @@ class _Replay:
         if job.first_started_at is None:
             job.first_started_at = self.now
             job.remaining_s = job.spec.duration_s
+            job.stall_s += self.config.start_cost_s
         job.phase = _Phase.RUNNING
         job.grants = action.grants
         job.run_started_at = self.now
         job.view = None
-        self.busy += job.spec.gpus
+        self._set_speed(job)
+        self.busy += job.size
         self.running[action.job_id] = job
+
+    def _check_size(self, job: _Job, grants: tuple[Grant, ...], job_id: str) -> None:
+        granted = sum(len(g.gpus) for g in grants)
+        spec = job.spec
+        if spec.min_gpus is None or spec.max_gpus is None:
+            if granted != spec.gpus:
+                raise SimulationError(
+                    f"granted {granted} GPUs for a {spec.gpus}-GPU gang", job_id=job_id, at=self.now
+                )
+        elif not spec.min_gpus <= granted <= spec.max_gpus:
+            raise SimulationError(
+                f"granted {granted} GPUs to an elastic job of {spec.min_gpus}..{spec.max_gpus}",
+                job_id=job_id,
+                at=self.now,
+            )
+
+    def _set_speed(self, job: _Job) -> None:
+        per_node = [len(g.gpus) for g in job.grants]
+        scaling = self.config.scaling or LINEAR_SCALING
+        job.speed = scaling.speed(job.spec, per_node)
+        if job.spec.elastic:
+            # Its supervisor reports the samples/s at this size once it has stepped
+            # there a while; the policy reads it from `JobView.throughput`.
+            when = self.now + job.stall_s + self.config.throughput_report_after_s
+            job.report = (when, job.size, scaling.throughput(job.spec, per_node))
+
+    def _resize(self, action: Resize) -> None:
+        job = self.running.get(action.job_id)
+        if job is None or not job.spec.elastic:
+            raise SimulationError(
+                "resized, but not a running elastic job", job_id=action.job_id, at=self.now
+            )
+        self._check_size(job, action.grants, action.job_id)
+        held = {(g.node, gpu) for g in job.grants for gpu in g.gpus}
+        wanted = [(g.node, gpu) for g in action.grants for gpu in g.gpus]
+        if len(set(wanted)) != len(wanted):
+            raise SimulationError("resize grants a GPU twice", job_id=action.job_id, at=self.now)
+        added = [(node, gpu) for node, gpu in wanted if (node, gpu) not in held]
+        for node, gpu in added:
+            if gpu not in self.free.get(node, set()):
+                raise SimulationError(
+                    f"resize grants busy or unknown GPU {node}[{gpu}]",
+                    job_id=action.job_id,
+                    at=self.now,
+                )
+        for node, gpu in held - set(wanted):
+            self.free[node].add(gpu)
+        for node, gpu in added:
+            self.free[node].discard(gpu)
+        self.busy += len(wanted) - len(held)
+        job.grants = action.grants
+        job.resizes += 1
+        job.stall_s += self.config.resize_cost_s
+        job.view = None
+        self._set_speed(job)
 
     def _preempt(self, action: Preempt) -> None:
         job = self.running.pop(action.job_id, None)
@@ -346,6 +479,8 @@ class _Replay:
         job.preemptions += 1
         # Work since the last checkpoint and the restart are lost: charged on resume.
         job.remaining_s += self.config.preemption_cost_s
+        job.stall_s = 0.0
+        job.report = None
         job.view = None
         self.pending[action.job_id] = job
         self.preemption_log.append(
@@ -355,7 +490,7 @@ class _Replay:
     def _release(self, job: _Job) -> None:
         for grant in job.grants:
             self.free[grant.node].update(grant.gpus)
-        self.busy -= job.spec.gpus
+        self.busy -= job.size
 
 
 def _misestimate(job_id: str, error: float) -> float:
@@ -377,6 +512,7 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
         free={name: set(range(cluster.gpus_per_node)) for name in names},
         reveal_durations=config.policy.order in DURATION_AWARE,
         report_progress=config.policy.order in PROGRESS_AWARE,
+        report_throughput=config.policy.elasticity != "none",
         distribution=config.service_prior,
     )
 
@@ -395,6 +531,7 @@ def simulate(
         replay.advance(at)
         before = replay.finished
         replay.complete()
+        replay.measure()
         replay.arrive()
         replay.decide_calls += 1
         replay.apply(decide(replay.snapshot(), replay.now, policy))
@@ -410,6 +547,8 @@ def simulate(
             executed_s=job.executed_s,
             queued_s=job.queued_s,
             preemptions=job.preemptions,
+            resizes=job.resizes,
+            gpu_seconds=job.attained_gpu_seconds,
         )
         for job in replay.jobs
     )

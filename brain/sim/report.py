@@ -37,6 +37,8 @@ class Metrics:
     preemptions: int
     jobs: int
     unfinished: int
+    # Resizes of elastic jobs (0 without any).
+    resizes: int = 0
 
     def as_json(self) -> dict[str, float | int]:
         return asdict(self)
@@ -62,7 +64,7 @@ def summarize(result: SimResult) -> Metrics:
         makespan = last_finish - first_submit
     else:
         makespan = 0.0
-    held = sum(o.gpus * o.executed_s for o in result.outcomes)
+    held = sum(o.gpu_seconds for o in result.outcomes)
     capacity = result.capacity_gpus * makespan
     return Metrics(
         avg_jct=sum(jcts) / count if count else math.nan,
@@ -75,6 +77,7 @@ def summarize(result: SimResult) -> Metrics:
         preemptions=len(result.preemptions),
         jobs=len(result.outcomes),
         unfinished=len(result.outcomes) - count,
+        resizes=sum(o.resizes for o in result.outcomes),
     )
 
 

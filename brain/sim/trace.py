@@ -2,7 +2,9 @@
 
 A trace is a CSV with at least `job_id,num_gpu,submit_time,duration` (Tiresias'
 `60_job.csv` and the Philly virtual-cluster files also carry `iterations`,
-`model_name` and `interval`, which are read when present). `duration` is the run time
+`model_name` and `interval`, which are read when present). An optional `queue` column
+puts each job in a queue, for quotas (`alnair sim --queues`); without it, or where it
+is empty, a job is in queue `default`. `duration` is the run time
 on the requested GPUs. A bad row is reported with its line and column.
 """
 
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from schemas.errors import AlnairError
+from schemas.base import check_name
+from schemas.errors import AlnairError, InvalidName
 
 REQUIRED_COLUMNS: Final = ("job_id", "num_gpu", "submit_time", "duration")
 
@@ -49,6 +52,17 @@ class TraceJob:
     duration_s: float
     iterations: int | None = None
     model_name: str = ""
+    # Global batch size, for traces whose speed comes from a scaling model (Pollux).
+    batch_size: int | None = None
+    # An elastic job runs anywhere between these; None for a rigid job.
+    min_gpus: int | None = None
+    max_gpus: int | None = None
+    # The queue whose quota the job counts against (`alnair sim --queues`).
+    queue: str = "default"
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_gpus is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +117,11 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
         raise TraceError(
             f"{gpus:g} is not a whole number >= 1", path=path, line=line, column="num_gpu"
         )
+    queue = (row.get("queue") or "").strip() or "default"
+    try:
+        check_name("queue", queue)
+    except InvalidName as error:
+        raise TraceError(str(error), path=path, line=line, column="queue") from None
     iterations_raw = (row.get("iterations") or "").strip()
     iterations = int(_number(row, "iterations", path, line)) if iterations_raw else None
     return TraceJob(
@@ -112,6 +131,7 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
         duration_s=_number(row, "duration", path, line),
         iterations=iterations,
         model_name=(row.get("model_name") or "").strip(),
+        queue=queue,
     )
 
 

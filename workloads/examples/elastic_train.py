@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                     samples_per_s=args.batch_size * hvd.size() / max(elapsed, 1e-9),
                     loss=float(loss.item()),
                     param_digest=param_digest(model),
+                    total_steps=args.steps,
                 )
                 if state.step % args.commit_every == 0:
                     # A resize lands here: commit() raises HostsUpdatedInterrupt after

@@ -1,0 +1,640 @@
+"""The elasticity stage: how many GPUs each elastic job runs on, between min and max.
+
+It owns the elastic moves of a decision cycle (Elastic-KubeFlow's and Alnair's
+allocator semantics), which `decide` runs around its rigid pipeline:
+
+1. admission — selection counts an elastic job at its `min_gpus` (a running one can
+   shrink to it), so every elastic job whose minimum fits runs; only when the
+   minimums of better-ranked jobs fill the cluster does one wait (or, running, become
+   a preemption candidate, exactly as a rigid job would);
+2. targets   — the GPUs that selected jobs' minimums leave raise elastic jobs toward
+   what they asked for (`gpus`), best-ranked first; the rest stay at their minimum;
+3. reclaim   — when a selected pending job does not fit, running elastic jobs give back
+   GPUs above their target, lowest marginal loss first, *before* any job is
+   preempted; reclaimed GPUs nobody took are handed back; a pending elastic job that
+   still does not fit at its target starts smaller, down to its minimum;
+4. retreat   — a running job gives back GPUs its observed throughput says do not earn
+   their keep (by the test growth applies: see 6);
+5. entitle   — in rank order, elastic jobs below their target grow to it: from idle
+   GPUs, else from GPUs other jobs hold above their targets;
+6. grow      — GPUs still idle go to elastic jobs, highest relative marginal gain
+   first, up to `max_gpus`, while the next GPU adds at least `elastic_min_gain` of
+   what the job's average GPU does. Past its asked size a job grows only on evidence:
+   once measured at its asked size or more, and not past twice the largest size
+   measured.
+
+The rank is the selection order, except that within one rank class (the ordering's
+first rank key: the LAS band, the priority) jobs with less attained service come
+first, by doubling buckets (`service_bucket`; `decide` sorts so when this stage is
+on): with every job running at least at its minimum, an in-band FIFO would let a huge
+job that entered the band first take every spare GPU; buckets rather than raw service
+keep two similar jobs from swapping GPUs at every step.
+
+Gains and losses come from each job's throughput per world size (`JobView.throughput`,
+observed), interpolated between observed sizes and extrapolated with a concave
+speedup prior (never steeper than the last observed slope). The plugin
+(`ELASTICITIES`) is that throughput estimate; "none" turns the stage off, and elastic
+jobs then run at the size they asked for, exactly as rigid ones.
+
+Locality: with `elastic_may_spread` off (the live brain: an elastic job's supervisor
+runs every worker on its own node) an elastic job is placed on one node and grows only
+there. With it on (the simulator, as Pollux), a job may span nodes only when it asked
+for more than a node or already fills one: cross-node synchronisation can cost more
+than a GPU adds. A job whose resize is still staged (`JobView.resizing`) keeps its
+size. Pure and deterministic, like the rest of the core: no clock, no I/O, ties broken
+by rank and job id.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+from brain.core.model import Action, ClusterSnapshot, Grant, JobView, Place, Resize
+from brain.core.ordering import job_sequence
+from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
+
+# Estimated throughput of a job at a world size, in any unit consistent for that job
+# (only ratios between sizes of one job are used).
+Estimator = Callable[[JobView, int], float]
+
+# The prior's serial fraction (Amdahl): speedup n / (1 + f (n - 1)); 0.05 gives 5.9x
+# at 8 GPUs and 9.1x at 16, a typical data-parallel curve.
+PRIOR_SERIAL_FRACTION: Final = 0.05
+
+# Within a rank class, jobs are ranked by attained service in buckets that double
+# from this (GPU-seconds); within a bucket, by the order's own rank. Buckets, not raw
+# service: two jobs side by side would otherwise swap ranks (and GPUs) at every step.
+SERVICE_BUCKET_GPU_S: Final = 100.0
+# Growth goes at most this far past the largest size a job was observed at.
+EXPLORE_FACTOR: Final = 2.0
+# With a resize interval, a cycle this close after a round's start (seconds) is that
+# round's: the shell wakes the brain at the round, a little late.
+ROUND_TOLERANCE_S: Final = 1.0
+
+
+def is_resize_round(now: float, interval_s: float) -> bool:
+    """Whether a cycle at `now` may resize running jobs by itself (retreat, entitle,
+    grow): every cycle without an interval, else only at the start of a round (a
+    multiple of `interval_s`, within `ROUND_TOLERANCE_S`)."""
+    if interval_s <= 0:
+        return True
+    phase = now % interval_s
+    return phase < min(ROUND_TOLERANCE_S, interval_s / 2) or interval_s - phase < 1e-6
+
+
+def next_resize_round(now: float, interval_s: float) -> float:
+    """The start of the first round after `now`."""
+    return (math.floor(now / interval_s + 1e-9) + 1) * interval_s
+
+
+def prior_speedup(size: int) -> float:
+    return size / (1.0 + PRIOR_SERIAL_FRACTION * (size - 1))
+
+
+def _observed(job: JobView) -> list[tuple[int, float]]:
+    last: dict[int, float] = {}
+    for size, rate in job.throughput:
+        if size >= 1 and rate > 0:
+            last[size] = rate
+    return sorted(last.items())
+
+
+def estimate_throughput(job: JobView, size: int) -> float:
+    """Observed throughput at `size` if measured; linear between measured sizes;
+    beyond them the concave prior, and above the largest measured size never more
+    than the last measured slope predicts (returns diminish)."""
+    points = _observed(job)
+    if not points:
+        return prior_speedup(size)
+    below = [(n, t) for n, t in points if n <= size]
+    above = [(n, t) for n, t in points if n >= size]
+    if below and below[-1][0] == size:
+        return below[-1][1]
+    if below and above:
+        (n0, t0), (n1, t1) = below[-1], above[0]
+        return t0 + (t1 - t0) * (size - n0) / (n1 - n0)
+    if above:
+        n1, t1 = above[0]
+        return t1 * prior_speedup(size) / prior_speedup(n1)
+    top_n, top_t = points[-1]
+    by_prior = top_t * prior_speedup(size) / prior_speedup(top_n)
+    if len(points) < 2:
+        return by_prior
+    prev_n, prev_t = points[-2]
+    slope = (top_t - prev_t) / (top_n - prev_n)
+    return min(by_prior, top_t + slope * (size - top_n))
+
+
+def service_bucket(attained_gpu_seconds: float) -> int:
+    """The doubling bucket of attained service the elastic rank sorts by (0 below
+    `SERVICE_BUCKET_GPU_S`, then 1, 2, ... each twice as wide)."""
+    return int(math.log2(1.0 + max(attained_gpu_seconds, 0.0) / SERVICE_BUCKET_GPU_S))
+
+
+def linear_throughput(job: JobView, size: int) -> float:
+    """Perfect scaling, observations ignored: idle GPUs go to the smallest elastic
+    jobs first (an even split), as a throughput-blind allocator would."""
+    return float(size)
+
+
+# "none": no elasticity stage (elastic jobs run at their asked size, as rigid ones).
+ELASTICITIES: Final[dict[str, Estimator | None]] = {
+    "none": None,
+    "marginal-gain": estimate_throughput,
+    "linear": linear_throughput,
+}
+
+
+_Gpu = tuple[str, int]
+
+
+def _where(grants: Iterable[Grant]) -> str:
+    return ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
+
+
+def _as_grants(gpus: Iterable[_Gpu]) -> tuple[Grant, ...]:
+    by_node: dict[str, list[int]] = {}
+    for node, gpu in gpus:
+        by_node.setdefault(node, []).append(gpu)
+    return tuple(Grant(node, tuple(sorted(by_node[node]))) for node in sorted(by_node))
+
+
+def _gpus(grants: Iterable[Grant]) -> list[_Gpu]:
+    return [(g.node, gpu) for g in grants for gpu in g.gpus]
+
+
+@dataclass(slots=True)
+class _Sized:
+    """An elastic job whose size this cycle decides: running, or placed in it."""
+
+    job: JobView
+    held: list[_Gpu]
+    # Its size when the cycle began (0: placed in this cycle).
+    before: int
+    # GPUs it gave back this cycle and not yet handed back (reclaims not settled).
+    reclaimed: list[_Gpu] = field(default_factory=list)
+    # Why it shrank: the job the first reclaim was for (None: a retreat).
+    shrunk_for: str | None = None
+    shrank: bool = False
+    grown: int = 0
+
+
+@dataclass(slots=True)
+class ElasticStage:
+    """One cycle's elastic bookkeeping; built by `decide`, never escapes it."""
+
+    estimate: Estimator
+    may_spread: bool
+    min_gain: float
+    # Elastic jobs by id (pending and running) as the snapshot gave them: `gpus` is
+    # the size each asked for.
+    asked: dict[str, JobView]
+    # Running elastic jobs whose size may change (not mid-resize), and pending ones
+    # once placed in this cycle.
+    sized: dict[str, _Sized]
+    targets: dict[str, int] = field(default_factory=dict)
+    selected: dict[str, int] = field(default_factory=dict)
+    rank_of: dict[str, int] = field(default_factory=dict)
+    # Whether this cycle may resize running jobs by itself (retreat, entitle, grow);
+    # reclaims for pending jobs happen at every cycle. Off: the next round's start.
+    resize_round: bool = True
+    next_round: float | None = None
+
+    @classmethod
+    def start(
+        cls,
+        estimate: Estimator,
+        snapshot: ClusterSnapshot,
+        *,
+        may_spread: bool,
+        min_gain: float,
+        now: float = 0.0,
+        resize_interval_s: float = 0.0,
+    ) -> ElasticStage:
+        asked = {j.job_id: j for j in (*snapshot.running, *snapshot.pending) if j.elastic}
+        sized = {
+            j.job_id: _Sized(j, _gpus(j.grants), j.held_gpus)
+            for j in snapshot.running
+            if j.elastic and not j.resizing
+        }
+        stage = cls(estimate, may_spread, min_gain, asked, sized)
+        if not is_resize_round(now, resize_interval_s):
+            stage.resize_round = False
+            if sized:
+                stage.next_round = next_resize_round(now, resize_interval_s)
+        return stage
+
+    # -- sizes -----------------------------------------------------------------------
+
+    @staticmethod
+    def least(job: JobView) -> int:
+        return max(1, job.min_gpus or 1)
+
+    @staticmethod
+    def most(job: JobView) -> int:
+        return max(ElasticStage.least(job), job.max_gpus or job.gpus)
+
+    def wanted(self, job_id: str) -> int:
+        """What a job asked for, within its range: its size against worse-ranked jobs."""
+        job = self.asked[job_id]
+        return min(max(job.gpus, self.least(job)), self.most(job))
+
+    def need(self, job: JobView) -> int:
+        """GPUs a job takes in selection: an elastic job its minimum (a running one can
+        shrink to it), unless a staged resize pins its current size."""
+        if not job.elastic:
+            return job.gpus
+        if job.running and job.resizing:
+            return job.held_gpus
+        return self.least(job)
+
+    def select(self, job: JobView, size: int) -> None:
+        self.selected[job.job_id] = size
+        if job.elastic:
+            self.targets[job.job_id] = size
+
+    def plan(self, capacity: int) -> None:
+        """After selection: GPUs no selected job's minimum needs raise elastic jobs'
+        targets toward what they asked for, best-ranked first."""
+        left = capacity - sum(self.selected.values())
+        for job_id in sorted(self.targets, key=lambda j: (self._rank(j), job_sequence(j))):
+            extra = min(max(left, 0), self.wanted(job_id) - self.targets[job_id])
+            if extra > 0:
+                self.targets[job_id] += extra
+                left -= extra
+
+    def size(self, job: JobView) -> int:
+        """The size to place a selected job at."""
+        return self.targets.get(job.job_id, job.gpus)
+
+    def set_ranks(self, job_ids: Sequence[str]) -> None:
+        """Every job of the cycle, best-ranked first (the selection order)."""
+        self.rank_of = {job_id: i for i, job_id in enumerate(job_ids)}
+
+    def _rank(self, job_id: str) -> int:
+        return self.rank_of.get(job_id, 1 << 30)
+
+    def _target(self, job_id: str) -> int:
+        sized = self.sized[job_id]
+        return self.targets.get(job_id, len(sized.held))
+
+    def _rate(self, job: JobView, size: int) -> float:
+        return max(self.estimate(job, size), 0.0)
+
+    def gain(self, job: JobView, size: int) -> float:
+        """Relative throughput gain of the next GPU: T(n+1)/T(n) - 1."""
+        now = self._rate(job, size)
+        return self._rate(job, size + 1) / now - 1.0 if now > 0 else 0.0
+
+    def loss(self, job: JobView, size: int) -> float:
+        """Relative throughput lost by giving up one GPU: 1 - T(n-1)/T(n)."""
+        now = self._rate(job, size)
+        return 1.0 - self._rate(job, size - 1) / now if now > 0 else 0.0
+
+    # -- placement of a pending elastic job -----------------------------------------
+
+    def _may_span(self, job: JobView, held: Sequence[_Gpu], ledger: FreeGpus) -> bool:
+        """Whether a job may hold GPUs on several nodes: only when spreading is allowed
+        and it asked for more than a node, or fills (or spans) nodes already."""
+        if not self.may_spread:
+            return False
+        largest = ledger.largest_node()
+        return (
+            self.wanted(job.job_id) > largest
+            or len(held) >= largest
+            or len({node for node, _ in held}) > 1
+        )
+
+    @staticmethod
+    def _across(size: int, ledger: FreeGpus, nodes: Sequence[str]) -> tuple[Grant, ...] | None:
+        """`size` GPUs on the fewest nodes (most free first), or None."""
+        grants: list[Grant] = []
+        left = size
+        for node in sorted(nodes, key=lambda n: (-ledger.free_on(n), n)):
+            take = min(left, ledger.free_on(node))
+            if take <= 0:
+                break
+            grants.append(Grant(node, ledger.lowest(node, take)))
+            left -= take
+        return tuple(grants) if left == 0 else None
+
+    def place(self, job: JobView, ledger: FreeGpus, *, partial: bool) -> PlacementResult:
+        """Place a selected pending elastic job at its target: on the one node with the
+        most room up to its maximum (best fit for its maximum, so it can grow there),
+        or, when it may span nodes, on the fewest nodes. `partial`: when that fails,
+        start it smaller, down to its minimum."""
+        size = self.size(job)
+        least, most = self.least(job), self.most(job)
+        nodes = [n for n in ledger.nodes() if n not in job.avoid_nodes]
+        one = [n for n in nodes if ledger.free_on(n) >= size]
+        if one:
+            node = min(one, key=lambda n: (-min(ledger.free_on(n), most), ledger.free_on(n), n))
+            return Fit((Grant(node, ledger.lowest(node, size)),))
+        spans = self._may_span(job, [], ledger)
+        if spans:
+            grants = self._across(size, ledger, nodes)
+            if grants is not None:
+                return Fit(grants)
+        free = sum(ledger.free_on(n) for n in nodes)
+        roomiest = max((ledger.free_on(n) for n in nodes), default=0)
+        if partial and spans and free >= least:
+            grants = self._across(min(size, free), ledger, nodes)
+            if grants is not None:
+                return Fit(grants)
+        if partial and roomiest >= least:
+            node = min(nodes, key=lambda n: (-ledger.free_on(n), n))
+            return Fit((Grant(node, ledger.lowest(node, min(size, roomiest))),))
+        if spans:
+            return NoFit(f"needs at least {least} GPUs; {free} free")
+        return NoFit(
+            f"needs at least {least} GPUs on one node (an elastic job runs on one node); "
+            f"at most {roomiest} free on any node"
+        )
+
+    # -- reclaim ---------------------------------------------------------------------
+
+    def _give_back(self, sized: _Sized, ledger: FreeGpus, near: set[str]) -> _Gpu:
+        """Take one GPU from a job into the ledger: on a node in `near` if it has one;
+        else from the node where it holds the fewest (a job on fewer nodes syncs
+        faster), then where the most GPUs are free already (free GPUs together fit a
+        gang)."""
+        preferred = [g for g in sized.held if g[0] in near] or sized.held
+        count: dict[str, int] = {}
+        for node, _ in sized.held:
+            count[node] = count.get(node, 0) + 1
+        node, gpu = min(preferred, key=lambda g: (count[g[0]], -ledger.free_on(g[0]), g[0], -g[1]))
+        sized.held.remove((node, gpu))
+        sized.shrank = True
+        ledger.give((Grant(node, (gpu,)),))
+        return node, gpu
+
+    def reclaim_one(self, ledger: FreeGpus, for_job: str, exclude: set[str]) -> bool:
+        """Take one GPU, into the ledger, from the running elastic job with the lowest
+        marginal loss among those above their target, to make room for `for_job`.
+        False when no job is above its target."""
+        best: tuple[tuple[float, tuple[int, str]], _Sized] | None = None
+        for job_id, sized in self.sized.items():
+            size = len(sized.held)
+            if job_id in exclude or sized.before == 0 or size <= self._target(job_id):
+                continue
+            key = (self.loss(sized.job, size), job_sequence(job_id))
+            if best is None or key < best[0]:
+                best = (key, sized)
+        if best is None:
+            return False
+        sized = best[1]
+        sized.reclaimed.append(self._give_back(sized, ledger, set()))
+        if sized.shrunk_for is None:
+            sized.shrunk_for = for_job
+        return True
+
+    def settle_reclaims(self, ledger: FreeGpus) -> None:
+        """Hand back every reclaimed GPU that no placement took."""
+        for job_id in sorted(self.sized, key=job_sequence):
+            sized = self.sized[job_id]
+            for gpu in list(sized.reclaimed):
+                grant = Grant(gpu[0], (gpu[1],))
+                if ledger.all_free((grant,)):
+                    ledger.take((grant,))
+                    sized.held.append(gpu)
+            sized.reclaimed.clear()
+            sized.shrank = len(sized.held) < sized.before
+
+    # -- retreat, entitle, grow ------------------------------------------------------
+
+    def retreat(self, ledger: FreeGpus, exclude: set[str]) -> None:
+        """Shrink running jobs whose observed throughput says their last GPUs do not
+        earn their keep: to the smallest observed size from which the GPUs above it
+        added less than `min_gain` of an average GPU's throughput each (the test growth
+        applies, so a job that retreated is not grown back)."""
+        for job_id in sorted(self.sized, key=job_sequence):
+            sized = self.sized[job_id]
+            if job_id in exclude or sized.before == 0 or sized.shrank:
+                continue
+            size = len(sized.held)
+            observed = {n for n, _ in _observed(sized.job)}
+            if size not in observed:
+                continue
+            # Rates from the estimate (the observations, for marginal-gain), so that
+            # retreat and growth never disagree about the same sizes.
+            now = self._rate(sized.job, size)
+            least = self.least(sized.job)
+            better = [
+                n
+                for n in observed
+                if least <= n < size
+                and (now - self._rate(sized.job, n)) / (size - n)
+                < self.min_gain * self._rate(sized.job, n) / n
+            ]
+            if not better:
+                continue
+            target = min(better)
+            while len(sized.held) > target:
+                self._give_back(sized, ledger, set())
+            self.targets[job_id] = min(self.targets.get(job_id, target), target)
+
+    def _grow_node(self, sized: _Sized, ledger: FreeGpus) -> str | None:
+        mine: dict[str, int] = {}
+        for node, _ in sized.held:
+            mine[node] = mine.get(node, 0) + 1
+        candidates = [n for n in mine if ledger.free_on(n) > 0]
+        if not candidates and self._may_span(sized.job, sized.held, ledger):
+            avoid = sized.job.avoid_nodes
+            candidates = [n for n in ledger.nodes() if ledger.free_on(n) > 0 and n not in avoid]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda n: (-mine.get(n, 0), -ledger.free_on(n), n))
+
+    def _take(self, sized: _Sized, ledger: FreeGpus) -> bool:
+        node = self._grow_node(sized, ledger)
+        if node is None:
+            return False
+        gpu = ledger.lowest(node, 1)[0]
+        ledger.take((Grant(node, (gpu,)),))
+        sized.held.append((node, gpu))
+        sized.grown += 1
+        return True
+
+    def _reclaim_for(self, sized: _Sized, ledger: FreeGpus, exclude: set[str]) -> bool:
+        """Take one GPU, into the ledger, from another running job above its target
+        (lowest marginal loss first), on a node `sized` may grow on."""
+        job_id = sized.job.job_id
+        mine = {node for node, _ in sized.held}
+        spans = self._may_span(sized.job, sized.held, ledger)
+        best: tuple[tuple[float, tuple[int, str]], _Sized] | None = None
+        for other_id, other in self.sized.items():
+            size = len(other.held)
+            if (
+                other_id == job_id
+                or other_id in exclude
+                or other.before == 0
+                or size <= self._target(other_id)
+            ):
+                continue
+            if not spans and not any(node in mine for node, _ in other.held):
+                continue
+            key = (self.loss(other.job, size), job_sequence(other_id))
+            if best is None or key < best[0]:
+                best = (key, other)
+        if best is None:
+            return False
+        other = best[1]
+        self._give_back(other, ledger, mine)
+        if other.shrunk_for is None:
+            other.shrunk_for = job_id
+        return True
+
+    def entitle(self, ledger: FreeGpus, exclude: set[str]) -> None:
+        """In rank order, bring each elastic job below its target up to it: from idle
+        GPUs, else from GPUs other jobs hold above their targets."""
+        order = sorted(self.sized, key=lambda j: (self._rank(j), job_sequence(j)))
+        for job_id in order:
+            sized = self.sized[job_id]
+            if job_id in exclude or sized.shrank:
+                continue
+            target = self._target(job_id)
+            while len(sized.held) < target:
+                if self._take(sized, ledger):
+                    continue
+                if not self._reclaim_for(sized, ledger, exclude):
+                    break
+
+    def grow(self, ledger: FreeGpus, exclude: set[str]) -> None:
+        """Give the GPUs still idle to elastic jobs, one at a time, highest marginal
+        gain first (ties: better rank)."""
+        heap: list[tuple[float, int, tuple[int, str], str]] = []
+        for job_id, sized in self.sized.items():
+            if job_id not in exclude and not sized.shrank:
+                self._push(heap, sized)
+        while heap and ledger.total_free() > 0:
+            sized = self.sized[heapq.heappop(heap)[-1]]
+            if self._take(sized, ledger):
+                self._push(heap, sized)
+
+    def _push(self, heap: list[tuple[float, int, tuple[int, str], str]], sized: _Sized) -> None:
+        job = sized.job
+        size = len(sized.held)
+        if size >= self.most(job):
+            return
+        observed = [n for n, _ in _observed(job)]
+        if size >= self.wanted(job.job_id) and (
+            not observed
+            or max(observed) < self.wanted(job.job_id)
+            or size >= EXPLORE_FACTOR * max(observed)
+        ):
+            # Past what it asked for only on evidence: measured at its ask or more, and
+            # not past twice the largest size measured (the prior is only a guess).
+            return
+        gain = self.gain(job, size)
+        # Worth it when the next GPU adds at least `min_gain` of what an average GPU
+        # of the job does: T(n+1) - T(n) >= min_gain * T(n) / n.
+        if gain * size < self.min_gain:
+            return
+        job_id = job.job_id
+        heapq.heappush(heap, (-gain, self._rank(job_id), job_sequence(job_id), job_id))
+
+    # -- the cycle's elastic actions -------------------------------------------------
+
+    def finish(
+        self, ledger: FreeGpus, actions: Sequence[Action], exclude: set[str]
+    ) -> tuple[list[Resize], list[Action], list[Resize]]:
+        """Settle reclaims, retreat, entitle and grow; return (shrinks, `actions` with
+        the placements of elastic jobs at their final size, grows). `exclude`: running
+        jobs that keep their size (preemption candidates)."""
+        self.settle_reclaims(ledger)
+        for action in actions:
+            if isinstance(action, Place) and action.job_id in self.asked:
+                job = self.asked[action.job_id]
+                self.sized[action.job_id] = _Sized(job, _gpus(action.grants), 0)
+        if not self.resize_round:
+            # Between rounds running jobs keep their size (bar reclaims): only the
+            # jobs placed in this cycle take part.
+            exclude = exclude | {j for j, s in self.sized.items() if s.before > 0}
+        self.retreat(ledger, exclude)
+        self.entitle(ledger, exclude)
+        self.grow(ledger, exclude)
+        rewritten = [
+            self._placed(a) if isinstance(a, Place) and a.job_id in self.asked else a
+            for a in actions
+        ]
+        shrinks: list[Resize] = []
+        grows: list[Resize] = []
+        for job_id in sorted(self.sized, key=job_sequence):
+            sized = self.sized[job_id]
+            if sized.before == 0 or len(sized.held) == sized.before:
+                if sized.before and sorted(sized.held) != sorted(_gpus(sized.job.grants)):
+                    # Same size on other GPUs (given back and taken in one cycle).
+                    cause = f"moved to other GPUs, still {sized.before} ({self._basis(sized.job)})"
+                    grows.append(Resize(job_id, _as_grants(sized.held), cause))
+                continue
+            grants = _as_grants(sized.held)
+            if len(sized.held) < sized.before:
+                shrinks.append(Resize(job_id, grants, self._shrink_cause(sized)))
+            else:
+                grows.append(Resize(job_id, grants, self._grow_cause(sized)))
+        return shrinks, rewritten, grows
+
+    def _placed(self, action: Place) -> Place:
+        sized = self.sized[action.job_id]
+        job = sized.job
+        grants = _as_grants(sized.held)
+        target = self.targets.get(job.job_id, job.gpus)
+        size = f"{len(sized.held)} GPUs of {self.least(job)}..{self.most(job)}"
+        if sized.grown:
+            note = f"elastic: {size}, {sized.grown} of them idle ({self._basis(job)})"
+        elif len(sized.held) < self.wanted(job.job_id):
+            note = f"elastic: {size}, less than the {job.gpus} asked for: what was left"
+        else:
+            note = f"elastic: {size}"
+        if target != len(sized.held) and not sized.grown:
+            note += f" (target {target})"
+        cause = action.cause.replace(_where(action.grants), _where(grants), 1)
+        return replace(action, grants=grants, cause=f"{cause}; {note}")
+
+    def _basis(self, job: JobView) -> str:
+        sizes = [n for n, _ in _observed(job)]
+        if not sizes:
+            return "no throughput observed yet: concave prior"
+        return f"throughput observed at {', '.join(map(str, sizes))} GPUs"
+
+    def _shrink_cause(self, sized: _Sized) -> str:
+        job = sized.job
+        before, after = sized.before, len(sized.held)
+        if sized.shrunk_for is None:
+            return (
+                f"shrunk from {before} to {after} GPUs: the last {before - after} did not "
+                f"earn their keep (observed {self._rate(job, after):.4g}/s at {after}, "
+                f"{self._rate(job, before):.4g}/s at {before}: less than "
+                f"{self.min_gain:.0%} of an average GPU each); they go to other jobs"
+            )
+        loss = 1.0 - self._rate(job, after) / max(self._rate(job, before), 1e-12)
+        return (
+            f"shrunk from {before} to {after} GPUs for job {sized.shrunk_for} "
+            f"(estimated throughput -{loss:.0%}, the lowest loss among jobs above their "
+            f"share; it asked for {job.gpus}, min {self.least(job)}; {self._basis(job)})"
+        )
+
+    def _grow_cause(self, sized: _Sized) -> str:
+        job = sized.job
+        before, after = sized.before, len(sized.held)
+        gain = self._rate(job, after) / max(self._rate(job, before), 1e-12) - 1.0
+        return (
+            f"grown from {before} to {after} GPUs (estimated throughput {gain:+.0%}; "
+            f"asked for {job.gpus}, max {self.most(job)}; {self._basis(job)})"
+        )
+
+
+def running_views(snapshot: ClusterSnapshot) -> ClusterSnapshot:
+    """Running elastic jobs as the rest of the core must see them: `gpus` is the size
+    they run at now (their grants), which is what they accrue service at."""
+    if not any(j.elastic and j.held_gpus != j.gpus for j in snapshot.running):
+        return snapshot
+    running = tuple(
+        replace(j, gpus=j.held_gpus) if j.elastic and j.held_gpus != j.gpus else j
+        for j in snapshot.running
+    )
+    return replace(snapshot, running=running)

@@ -1,0 +1,120 @@
+"""Jobs' progress as their supervisors report it (`alnair.job.<job>.progress`).
+
+Owns, in memory only, what the leading brain learned from those reports: each job's
+throughput per world size (an EWMA of the samples/s rank 0 reports at that size), the
+fraction of its steps done and how fast that grows (for jobs that say how many steps
+they mean to take), and whether the supervisor of its current run has spoken yet (it
+listens for Resize commands before its workers start, so a report means a resize will
+be heard). The brain passes these into the snapshot, as it does utilisation profiles.
+
+None of it is in the STATE log: reports are lossy and frequent, and a new leader learns
+them again from the next ones. It never changes the brain's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+from schemas.jobs import JobState
+from schemas.progress import Progress
+from schemas.state import CauseKind, JobChanged, StateRecord
+
+# Weight of the newest report in the moving averages: about the last five count.
+NEWEST_WEIGHT: Final = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class ObservedProgress:
+    """What the policy may know of a job's progress."""
+
+    # (world size, samples/s of the whole job), sorted by size.
+    throughput: tuple[tuple[int, float], ...] = ()
+    progress_fraction: float | None = None
+    progress_rate_per_s: float | None = None
+
+
+@dataclass
+class _Track:
+    throughput: dict[int, float] = field(default_factory=dict)
+    world_size: int = 0
+    step: int = 0
+    ts: float | None = None
+    total_steps: int | None = None
+    rate_per_s: float | None = None
+    # The supervisor of the current run has reported.
+    heard: bool = False
+
+    def observed(self) -> ObservedProgress:
+        fraction = None
+        if self.total_steps is not None:
+            fraction = min(1.0, self.step / self.total_steps)
+        return ObservedProgress(
+            throughput=tuple(sorted(self.throughput.items())),
+            progress_fraction=fraction,
+            progress_rate_per_s=self.rate_per_s if fraction is not None else None,
+        )
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else (1 - NEWEST_WEIGHT) * old + NEWEST_WEIGHT * new
+
+
+class ProgressTracker:
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Track] = {}
+
+    def observe(self, report: Progress) -> bool:
+        """Fold in one report; True when it tells the policy something new (the job's
+        first report in this run, or its first at this world size)."""
+        track = self._jobs.setdefault(report.job_id, _Track())
+        news = not track.heard or report.world_size not in track.throughput
+        track.heard = True
+        if report.samples_per_s > 0:
+            old = track.throughput.get(report.world_size)
+            track.throughput[report.world_size] = _blend(old, report.samples_per_s)
+        if report.total_steps is not None:
+            if (
+                track.ts is not None
+                and report.ts > track.ts
+                and report.step >= track.step
+                and track.total_steps == report.total_steps
+            ):
+                rate = (report.step - track.step) / report.total_steps / (report.ts - track.ts)
+                track.rate_per_s = _blend(track.rate_per_s, rate)
+            track.total_steps = report.total_steps
+        track.world_size = report.world_size
+        track.step = report.step
+        track.ts = report.ts
+        return news
+
+    def heard_from(self, job_id: str) -> bool:
+        """Whether the supervisor of the job's current run has reported."""
+        track = self._jobs.get(job_id)
+        return track is not None and track.heard
+
+    def world_size(self, job_id: str) -> int | None:
+        track = self._jobs.get(job_id)
+        return track.world_size if track is not None and track.heard else None
+
+    def current(self) -> dict[str, ObservedProgress]:
+        return {job_id: track.observed() for job_id, track in self._jobs.items()}
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def on_record(self, record: StateRecord, seq: int) -> None:
+        """A record observer: a new run has not reported yet; an ended job is forgotten.
+        Throughput per size outlives a run (the job's code and data are the same)."""
+        if not isinstance(record, JobChanged):
+            return
+        job = record.job
+        if job.state.terminal:
+            self.forget(job.job_id)
+            return
+        track = self._jobs.get(job.job_id)
+        if track is None:
+            return
+        if job.state is not JobState.RUNNING or record.cause.kind is CauseKind.PLACED:
+            track.heard = False
+            track.ts = None

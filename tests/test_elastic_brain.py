@@ -1,0 +1,557 @@
+"""Elastic jobs through the live brain: `resize` staged, committed on the supervisor's
+`ResizeCompleted`, rolled back on a refusal or a timeout, continued by a new leader.
+
+The first tests stand in for the node and the supervisor by publishing on the bus what
+they would (heartbeats, `JobStarted`, `Progress`, `ResizeCompleted`): the brain's
+refusals and its roll-back need no training job. The last runs the real thing: an
+agent with four simulated GPUs, the supervisor and `horovodrun --gloo` on CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from nats.aio.msg import Msg
+
+from agents.agent import Agent
+from brain import elastic
+from brain.progress import ProgressTracker
+from brain.service import Brain
+from bus.client import Bus
+from schemas import subjects
+from schemas.api import CancelRequest, ErrorReply, JobReply, ResizeRequest, SubmitRequest
+from schemas.base import decode
+from schemas.commands import JOB_COMMAND, NODE_COMMAND, Regrant, Resize
+from schemas.events import JobStarted, NodeEvent, ResizeCompleted
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.progress import Progress
+from schemas.state import CauseKind, JobChanged, NodeEventRecorded, StateRecord
+from schemas.telemetry import GpuInfo, Heartbeat
+from tests.conftest import eventually
+from tests.httpkit import api_factory
+
+REPO = Path(__file__).resolve().parent.parent
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+TENANT = "team"
+
+__all__ = ["api_factory"]
+
+
+@dataclass
+class FakeNode:
+    """A node as the brain sees it over the bus: heartbeats, events, and the commands
+    it is sent (collected, not obeyed). No processes run."""
+
+    bus: Bus
+    name: str = "n1"
+    gpus: int = 4
+    node_commands: list[object] = field(default_factory=list)
+    job_commands: list[Resize] = field(default_factory=list)
+    _closing: bool = False
+    _task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        async def on_node_command(msg: Msg) -> None:
+            self.node_commands.append(decode(msg.data, NODE_COMMAND))
+
+        async def on_job_command(msg: Msg) -> None:
+            self.job_commands.append(decode(msg.data, JOB_COMMAND))
+
+        await self.bus.nc.subscribe(subjects.node(self.name, "cmd"), cb=on_node_command)
+        await self.bus.nc.subscribe(subjects.ALL_JOB_COMMANDS, cb=on_job_command)
+        self._task = asyncio.ensure_future(self._beat())
+
+    async def _beat(self) -> None:
+        inventory = tuple(
+            GpuInfo(index=i, uuid=f"GPU-{self.name}-{i}", model="A100", memory_mib=40960)
+            for i in range(self.gpus)
+        )
+        seq = 0
+        while not self._closing:
+            seq += 1
+            beat = Heartbeat(
+                node=self.name,
+                ts=time.time(),
+                seq=seq,
+                instance="fake",
+                hostname="fake",
+                backend="sim",
+                interval_s=0.2,
+                gpus=inventory,
+            )
+            await self.bus.publish(subjects.node(self.name, "heartbeat"), beat)
+            await asyncio.sleep(0.2)
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            await asyncio.wait({self._task}, timeout=2.0)
+
+    async def event(self, event: NodeEvent) -> None:
+        await self.bus.publish_durable(
+            subjects.node(self.name, "event"), event, msg_id=event.event_id
+        )
+
+    async def started(self, job: JobRecord) -> None:
+        await self.event(
+            JobStarted(
+                event_id=uuid.uuid4().hex,
+                node=self.name,
+                ts=time.time(),
+                job_id=job.job_id,
+                attempt=job.attempt,
+                pid=4242,
+                gpus=job.grants[0].gpus,
+                log_path="/dev/null",
+            )
+        )
+
+    async def progress(self, job_id: str, world_size: int, samples_per_s: float) -> None:
+        report = Progress(
+            job_id=job_id,
+            ts=time.time(),
+            step=10,
+            world_size=world_size,
+            samples_per_s=samples_per_s,
+            loss=0.5,
+            slots=world_size,
+            total_steps=100,
+        )
+        await self.bus.publish(subjects.job(job_id, "progress"), report)
+
+    async def resized(self, command: Resize, *, ok: bool, from_size: int, reason: str = "") -> None:
+        """The supervisor's answer, as it would publish it."""
+        await self.event(
+            ResizeCompleted(
+                event_id=uuid.uuid4().hex,
+                node=self.name,
+                ts=time.time(),
+                job_id=command.job_id,
+                command_id=command.command_id,
+                from_size=from_size,
+                to_size=command.world_size,
+                ok=ok,
+                duration_s=1.5,
+                released_gpus=max(0, from_size - command.world_size) if ok else 0,
+                reason=reason,
+            )
+        )
+
+    def resize_for(self, command_id: str) -> Resize | None:
+        return next((c for c in self.job_commands if c.command_id == command_id), None)
+
+    def regrants(self, job_id: str) -> list[Regrant]:
+        return [c for c in self.node_commands if isinstance(c, Regrant) and c.job_id == job_id]
+
+
+@pytest.fixture
+async def node(connect: Callable[[str], Awaitable[Bus]]) -> AsyncIterator[FakeNode]:
+    fake = FakeNode(await connect("fake-node"))
+    await fake.start()
+    try:
+        yield fake
+    finally:
+        await fake.stop()
+
+
+async def submit(brain: Brain, spec: JobSpec, tenant: str = TENANT) -> str:
+    reply = await brain.api.handle(tenant, SubmitRequest(spec=spec))
+    assert isinstance(reply, JobReply), reply
+    return reply.job.job_id
+
+
+async def resize(
+    brain: Brain, job_id: str, gpus: int, tenant: str = TENANT
+) -> JobReply | ErrorReply:
+    reply = await brain.api.handle(tenant, ResizeRequest(job_id=job_id, gpus=gpus))
+    assert isinstance(reply, JobReply | ErrorReply)
+    return reply
+
+
+def refused(reply: JobReply | ErrorReply, code: str, words: str) -> None:
+    assert isinstance(reply, ErrorReply), reply
+    assert reply.code == code, reply
+    assert words in reply.error, reply.error
+
+
+def sleeper(gpus: int, **elastic: int | bool) -> JobSpec:
+    return JobSpec(command=("sleep", "600"), gpus=gpus, **elastic)  # type: ignore[arg-type]
+
+
+def held(brain: Brain, job_id: str) -> tuple[int, ...]:
+    return brain.state.jobs[job_id].grants[0].gpus
+
+
+async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNode) -> None:
+    brain = await brain_factory()
+    await eventually(lambda: brain.state.nodes)
+    rigid = await submit(brain, sleeper(1))
+    job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=3))
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
+    await eventually(lambda: brain.state.jobs[rigid].state is JobState.RUNNING)
+
+    refused(await resize(brain, rigid, 2), "invalid", "is not elastic")
+    refused(await resize(brain, job_id, 4), "invalid", "1..3")
+    refused(await resize(brain, job_id, 3, tenant="other"), "not_found", "no job")
+    refused(await resize(brain, job_id, 3), "conflict", "has not started yet")
+    await node.started(job)
+    await eventually(lambda: brain.state.jobs[job_id].grants[0].pid == 4242)
+    refused(await resize(brain, job_id, 3), "conflict", "supervisor has not reported")
+    await node.progress(job_id, 2, 100.0)
+    await eventually(lambda: brain.progress.heard_from(job_id))
+
+    # Grow 2 -> 3: the added GPU is the job's at once, and its node is told.
+    before = held(brain, job_id)
+    reply = await resize(brain, job_id, 3)
+    assert isinstance(reply, JobReply) and reply.job.resize is not None
+    staged = reply.job.resize
+    assert len(held(brain, job_id)) == 3 and set(before) < set(held(brain, job_id))
+    assert brain._free_on("n1") == set()
+    view = next(
+        j
+        for j in brain.state.snapshot(progress=brain.progress.current()).running
+        if j.job_id == job_id
+    )
+    assert (view.min_gpus, view.max_gpus, view.resizing) == (1, 3, True)
+    assert view.throughput == ((2, 100.0),)
+    assert view.progress_fraction == pytest.approx(0.1)
+    refused(await resize(brain, job_id, 1), "conflict", "already resizing 2 -> 3")
+    command = await eventually(lambda: node.resize_for(staged.command_id))
+    assert (command.world_size, command.epoch) == (3, brain.epoch)
+    await eventually(lambda: [r.gpus for r in node.regrants(job_id)] == [held(brain, job_id)])
+
+    # The supervisor could not get there: rolled back, the GPU free again, and the
+    # supervisor told to go back to 2 (it may have moved part of the way).
+    await node.resized(command, ok=False, from_size=2, reason="workers not stepping at 3")
+    rolled = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+    assert rolled.grants[0].gpus == before
+    assert "rolled back" in (rolled.reason or "") and "not stepping" in (rolled.reason or "")
+    assert brain._free_on("n1") == {3}
+    revert = await eventually(lambda: node.resize_for(f"{staged.command_id}-revert"))
+    assert revert.world_size == 2
+    await eventually(lambda: node.regrants(job_id)[-1].gpus == before)
+
+    # Shrink 2 -> 1: the released GPU stays the job's until the supervisor says so.
+    reply = await resize(brain, job_id, 1)
+    assert isinstance(reply, JobReply) and reply.job.resize is not None
+    shrink = await eventually(lambda: node.resize_for(reply.job.resize.command_id))
+    assert held(brain, job_id) == before and brain._free_on("n1") == {3}
+    await node.resized(shrink, ok=True, from_size=2)
+    done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+    assert done.gpu_count == 1 and done.grants[0].gpus == before[:1]
+    assert done.resized_at is not None
+    assert brain._free_on("n1") == {before[1], 3}
+    await eventually(lambda: node.regrants(job_id)[-1].gpus == before[:1])
+    kinds = [r["kind"] for r in brain.history.job_events(job_id)]
+    assert [k for k in kinds if k.startswith("resize") and k != "resize_completed"] == [
+        CauseKind.RESIZE_STAGED.value,
+        CauseKind.RESIZE_ROLLED_BACK.value,
+        CauseKind.RESIZE_STAGED.value,
+        CauseKind.RESIZED.value,
+    ]
+    # The same size again is no change at all.
+    same = await resize(brain, job_id, 1)
+    assert isinstance(same, JobReply) and same.job.resize is None
+
+
+async def test_a_new_leader_continues_a_staged_resize(brain_factory, node: FakeNode) -> None:
+    first = await brain_factory()
+    await eventually(lambda: first.state.nodes)
+    job_id = await submit(first, sleeper(2, elastic=True, min_gpus=1, max_gpus=4))
+    job = await eventually(lambda: (j := first.state.jobs[job_id]).state is JobState.RUNNING and j)
+    await node.started(job)
+    await node.progress(job_id, 2, 50.0)
+    await eventually(lambda: first.progress.heard_from(job_id))
+    reply = await resize(first, job_id, 4)
+    assert isinstance(reply, JobReply) and reply.job.resize is not None
+    staged = reply.job.resize
+    await eventually(lambda: node.resize_for(staged.command_id))
+    await first.stop()
+
+    # The successor reads the staged resize from the log, sends the command again
+    # (same id: the supervisor drops a duplicate) and commits on the answer.
+    second = await brain_factory(resize_timeout_s=1.0)
+    assert second.state.jobs[job_id].resize == staged
+    assert len(second.state.jobs[job_id].grants[0].gpus) == 4
+    command = await eventually(lambda: node.resize_for(staged.command_id))
+    await node.resized(command, ok=True, from_size=2)
+    done = await eventually(lambda: (j := second.state.jobs[job_id]).resize is None and j)
+    assert done.gpu_count == 4 and "resized 2 -> 4" in (done.reason or "")
+
+    # A resize nobody answers is rolled back after the timeout.
+    await node.progress(job_id, 4, 90.0)
+    await eventually(lambda: second.progress.heard_from(job_id))
+    reply = await resize(second, job_id, 2)
+    assert isinstance(reply, JobReply) and reply.job.resize is not None
+    late = await eventually(
+        lambda: (j := second.state.jobs[job_id]).resize is None and j, timeout_s=10
+    )
+    assert late.gpu_count == 4 and "no answer from its supervisor" in (late.reason or "")
+
+
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(240)
+async def test_elastic_horovod_job_resized_through_the_brain(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Agent]],
+    tmp_path: Path,
+) -> None:
+    brain = await brain_factory()
+    agent = await agent_factory("n1", gpus=4)
+    await eventually(lambda: brain.state.nodes)
+    records: list[StateRecord] = []
+    brain.record_observers.append(lambda record, seq: records.append(record))
+    stop_file = tmp_path / "stop"
+    spec = JobSpec(
+        name="elastic",
+        command=(
+            sys.executable,
+            "-m",
+            "workloads.examples.elastic_train",
+            "--steps=1000000",
+            "--step-delay=0.02",
+            "--commit-every=5",
+            f"--stop-file={stop_file}",
+        ),
+        gpus=2,
+        elastic=True,
+        min_gpus=1,
+        max_gpus=3,
+        cwd=str(REPO),
+        # The supervisor's host list and discovery script go under TMPDIR.
+        env={"TMPDIR": str(tmp_path)},
+    )
+    job_id = await submit(brain, spec)
+    await eventually(lambda: brain.progress.world_size(job_id) == 2, timeout_s=90)
+
+    for size in (3, 1):
+        reply = await resize(brain, job_id, size)
+        assert isinstance(reply, JobReply) and reply.job.resize is not None, reply
+        staged = reply.job.resize
+        # Staged: a grow holds the added GPU at once; a shrink keeps its GPUs for now.
+        union = set(staged.from_gpus) | set(staged.to_gpus)
+        assert set(held(brain, job_id)) == union
+        assert brain._free_on("n1") == set(range(4)) - union
+        done = await eventually(
+            lambda: (j := brain.state.jobs[job_id]).resize is None and j, timeout_s=90
+        )
+        assert done.gpu_count == size, done.reason
+        assert (done.reason or "").startswith(f"resized {len(staged.from_gpus)} -> {size}")
+        assert brain._free_on("n1") == set(range(4)) - set(staged.to_gpus)
+        # The agent's books follow (which launches would collide with the job).
+        await eventually(lambda: agent.launcher.find(job_id)[0].gpus == held(brain, job_id))
+        await eventually(lambda s=size: brain.progress.world_size(job_id) == s, timeout_s=30)
+
+    # Each commit came from the supervisor's acknowledgement, after the workers moved.
+    answers = [
+        r.event
+        for r in records
+        if isinstance(r, NodeEventRecorded) and isinstance(r.event, ResizeCompleted)
+    ]
+    assert [(a.ok, a.from_size, a.to_size, a.released_gpus) for a in answers] == [
+        (True, 2, 3, 0),
+        (True, 3, 1, 2),
+    ]
+    sizes = [
+        (r.cause.kind, r.job.gpu_count)
+        for r in records
+        if isinstance(r, JobChanged) and r.cause.kind.value.startswith("resize")
+    ]
+    assert sizes == [
+        (CauseKind.RESIZE_STAGED, 3),
+        (CauseKind.RESIZED, 3),
+        (CauseKind.RESIZE_STAGED, 3),  # a shrink frees nothing until the ack
+        (CauseKind.RESIZED, 1),
+    ]
+    throughput = dict(brain.progress.current()[job_id].throughput)
+    assert set(throughput) == {1, 2, 3} and all(v > 0 for v in throughput.values())
+
+    stop_file.touch()
+    ended = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=60
+    )
+    assert ended.state is JobState.SUCCEEDED, ended.reason
+    assert 0 < ended.attained_gpu_seconds <= 3 * ended.executed_seconds
+    with contextlib.suppress(KeyError):
+        assert job_id not in brain.progress.current()
+
+
+async def test_cli_submit_elastic_resize_and_show(
+    brain_factory, node: FakeNode, nats_server, tmp_path: Path
+) -> None:
+    from tests.test_cli import alnair
+
+    brain = await brain_factory()
+    await eventually(lambda: brain.state.nodes)
+    env = {"PATH": "/usr/bin:/bin", "ALNAIR_HOME": str(tmp_path / "home"), "HOME": str(tmp_path)}
+    where = ("--nats", nats_server.url, "--tenant", TENANT)
+    code, out, err = await alnair(
+        "submit", *where, "--elastic", "--min-gpus", "1", "--max-gpus", "3", "--gpus", "2",
+        "--json", "--", "sleep", "600", env=env,
+    )  # fmt: skip
+    assert code == 0, err
+    submitted = JobRecord.model_validate_json(out)
+    assert (submitted.spec.elastic, submitted.spec.gpu_range) == (True, (1, 3))
+    job_id = submitted.job_id
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
+    await node.started(job)
+    await node.progress(job_id, 2, 10.0)
+    await eventually(lambda: brain.progress.heard_from(job_id))
+
+    code, _, err = await alnair("resize", *where, job_id, "5", env=env)
+    assert code == 1 and "1..3 GPUs; 5 is outside that range" in err
+    code, out, err = await alnair("resize", *where, job_id, "3", env=env)
+    assert code == 0 and "resize 2 -> 3 GPUs staged" in out, err
+    code, out, err = await alnair("job", *where, job_id, env=env)
+    assert code == 0, err
+    shown = json.loads(out)["elastic"]
+    assert (shown["size"], shown["min_gpus"], shown["max_gpus"]) == (2, 1, 3)
+    assert shown["resize"]["to_gpus"] == 3
+    command = await eventually(lambda: node.job_commands and node.job_commands[-1])
+    await node.resized(command, ok=True, from_size=2)
+    await eventually(lambda: brain.state.jobs[job_id].resize is None)
+    code, out, err = await alnair("jobs", *where, env=env)
+    assert code == 0 and "3[1..3]" in out, err
+
+
+# -- the pure parts: brain/elastic.py and brain/progress.py ------------------------------
+
+
+def running_elastic(gpus: tuple[int, ...], *, low: int = 1, high: int = 4) -> JobRecord:
+    return JobRecord(
+        job_id="7",
+        tenant=TENANT,
+        spec=JobSpec(command=("train",), gpus=len(gpus), elastic=True, min_gpus=low, max_gpus=high),
+        state=JobState.RUNNING,
+        attempt=1,
+        submitted_at=0.0,
+        started_at=1.0,
+        grants=(NodeGrant(node="n1", gpus=gpus, pid=99),),
+    )
+
+
+@pytest.mark.parametrize(
+    ("node", "target", "free", "code", "words"),
+    [
+        ("n1", (0, 1, 2), {2, 3}, None, ""),
+        ("n1", (0,), set(), None, ""),
+        ("n2", (0, 1, 2), {2, 3}, "invalid", "stays on one node"),
+        ("n1", (0, 2, 3), {2, 3}, "invalid", "keeps some or all"),
+        ("n1", (0, 1, 2), {3}, "conflict", "GPUs [2] of node n1 are not free"),
+        ("n1", (0, 1, 2, 3, 4), {2, 3, 4}, "invalid", "1..4 GPUs; 5 is outside"),
+    ],
+)
+def test_check_resize(
+    node: str, target: tuple[int, ...], free: set[int], code: str | None, words: str
+) -> None:
+    job = running_elastic((0, 1))
+    found = elastic.check_resize(
+        job, elastic.ResizeTarget(node, target), free, supervisor_ready=True
+    )
+    if code is None:
+        assert found is None
+    else:
+        assert found is not None and found.code == code and words in found.reason, found
+
+
+def test_stage_commit_and_roll_back_hold_every_gpu_of_both_sizes() -> None:
+    job = running_elastic((0, 1))
+    target = elastic.choose_target(job, 3, free={3, 2})
+    assert target == elastic.ResizeTarget("n1", (0, 1, 2))
+    grow = elastic.stage(job, target, command_id="c1", now=5.0, cause="test")
+    assert grow.grants[0].gpus == (0, 1, 2) and grow.grants[0].pid == 99
+    assert grow.resize is not None and grow.resize.grow
+    assert elastic.current_gpus(grow) == (0, 1)
+    assert elastic.roll_back(grow, "no").grants[0].gpus == (0, 1)
+    grown = elastic.commit(grow, "yes")
+    assert grown.grants[0].gpus == (0, 1, 2) and grown.resize is None
+    shrink = elastic.stage(
+        grown, elastic.ResizeTarget("n1", (0,)), command_id="c2", now=6.0, cause="t"
+    )
+    assert shrink.grants[0].gpus == (0, 1, 2)  # kept until the supervisor says so
+    assert elastic.commit(shrink, "yes").grants[0].gpus == (0,)
+    command = elastic.resize_command(shrink, epoch=3, issued_at=7.0)
+    assert (command.command_id, command.world_size, command.epoch) == ("c2", 1, 3)
+    assert shrink.resize is not None
+    assert elastic.revert_command(shrink.resize, "7", epoch=3, issued_at=8.0).world_size == 3
+    assert isinstance(elastic.choose_target(grown, 4, free=set()), elastic.ResizeRefused)
+
+
+def test_progress_tracker_learns_throughput_per_size() -> None:
+    tracker = ProgressTracker()
+
+    def report(step: int, size: int, rate: float, ts: float) -> Progress:
+        return Progress(
+            job_id="7",
+            ts=ts,
+            step=step,
+            world_size=size,
+            samples_per_s=rate,
+            loss=0.1,
+            slots=size,
+            total_steps=1000,
+        )
+
+    assert tracker.observe(report(10, 2, 100.0, 1.0))  # first report: news
+    assert not tracker.observe(report(20, 2, 200.0, 2.0))
+    assert tracker.observe(report(30, 3, 240.0, 3.0))  # first at size 3: news
+    seen = tracker.current()["7"]
+    assert seen.throughput == ((2, pytest.approx(130.0)), (3, 240.0))
+    assert seen.progress_fraction == pytest.approx(0.03)
+    assert seen.progress_rate_per_s == pytest.approx(0.01)
+    assert tracker.heard_from("7") and tracker.world_size("7") == 3
+
+
+async def test_the_policy_grows_an_elastic_job_through_the_same_path(
+    brain_factory, node: FakeNode
+) -> None:
+    from brain.core import Policy
+
+    brain = await brain_factory(policy=Policy(elasticity="marginal-gain"))
+    await eventually(lambda: brain.state.nodes)
+    rigid = await submit(brain, sleeper(2))
+    await eventually(lambda: brain.state.jobs[rigid].state is JobState.RUNNING)
+    job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=3))
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
+    assert job.gpu_count == 2
+    await node.started(job)
+    await node.progress(job_id, 2, 100.0)
+    await eventually(lambda: brain.progress.heard_from(job_id))
+    # GPUs go idle and a job may use them: the elasticity stage's Resize is staged by
+    # the shell (checked against the live state), commanded, and committed on the ack.
+    assert isinstance(await brain.api.handle(TENANT, CancelRequest(job_id=rigid)), JobReply)
+    staged = await eventually(lambda: brain.state.jobs[job_id].resize)
+    assert len(staged.to_gpus) == 3 and staged.node == "n1"
+    command = await eventually(lambda: node.resize_for(staged.command_id))
+    await node.resized(command, ok=True, from_size=2)
+    done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+    assert done.gpu_count == 3
+
+
+async def test_http_resize_route(brain_factory, api_factory, node: FakeNode) -> None:
+    brain = await brain_factory()
+    api = await api_factory(brain)
+    await eventually(lambda: brain.state.nodes)
+    job_id = await submit(brain, sleeper(1), tenant="alice")
+    status, body = await api.call("POST", f"/v1/jobs/{job_id}/resize", "alice", json={"gpus": 2})
+    assert status == 400 and "is not elastic" in body["error"], body
+    status, body = await api.call("POST", f"/v1/jobs/{job_id}/resize", "bob", json={"gpus": 2})
+    assert status == 404, body
+    status, body = await api.call("POST", f"/v1/jobs/{job_id}/resize", "alice", json={"gpus": "2"})
+    assert status == 400 and "gpus" in body["error"], body
+    elastic_id = await submit(brain, sleeper(1, elastic=True, max_gpus=2), tenant="alice")
+    await eventually(lambda: brain.state.jobs[elastic_id].state is JobState.RUNNING)
+    # An operator may resize any tenant's job; this one has not started yet.
+    status, body = await api.call(
+        "POST", f"/v1/jobs/{elastic_id}/resize", "operator", json={"gpus": 2}
+    )
+    assert status == 409 and "has not started yet" in body["error"], body
