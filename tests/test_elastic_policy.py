@@ -26,7 +26,13 @@ from brain.core import (
     UnknownPlugin,
     decide,
 )
-from brain.core.elastic import ELASTICITIES, estimate_throughput, prior_speedup
+from brain.core.elastic import (
+    ELASTICITIES,
+    estimate_throughput,
+    is_resize_round,
+    next_resize_round,
+    prior_speedup,
+)
 
 ELASTIC = Policy(order="las", elasticity="marginal-gain")
 SPREAD = replace(ELASTIC, elastic_may_spread=True)
@@ -125,6 +131,8 @@ def test_unknown_elasticity_and_bad_gain_are_rejected() -> None:
     assert set(ELASTICITIES) >= {"none", "marginal-gain"}
     assert Policy(elasticity="marginal-gain").describe().endswith("elasticity=marginal-gain")
     assert "elasticity" not in Policy().describe()
+    with pytest.raises(InvalidPolicy, match="resize interval"):
+        Policy(elasticity="marginal-gain", elastic_resize_interval_s=-1.0).validate()
 
 
 # -- table-driven cases ---------------------------------------------------------------
@@ -396,6 +404,46 @@ def test_none_decides_exactly_as_if_the_jobs_were_rigid() -> None:
     )
 
 
+# -- the resize interval (rounds) ---------------------------------------------------
+
+ROUNDS = replace(ELASTIC, elastic_resize_interval_s=60.0)
+
+
+def test_resize_rounds() -> None:
+    assert is_resize_round(120.0, 60.0) and is_resize_round(120.5, 60.0)
+    assert not is_resize_round(130.0, 60.0)
+    assert is_resize_round(130.0, 0.0)
+    assert next_resize_round(130.0, 60.0) == 180.0
+    assert next_resize_round(120.0, 60.0) == 180.0
+
+
+def _growable() -> ClusterSnapshot:
+    # Job 1 runs on 2 of 4 GPUs, measured scaling well: it would grow into the rest.
+    running = elastic("1", 2, 1, 4, on=on("n0", 0, 1), throughput=((2, 100.0),))
+    return snapshot(node("n0", busy=(0, 1)), running=(running,))
+
+
+def test_between_rounds_running_jobs_keep_their_size_and_the_brain_wakes_at_the_next() -> None:
+    between = decide(_growable(), 130.0, ROUNDS)
+    assert sizes(between) == {}
+    assert between.wake_at == 180.0
+    assert sizes(decide(_growable(), 180.0, ROUNDS)) == {"1": 4}
+    # Without an interval: at every cycle, as before.
+    assert sizes(decide(_growable(), 130.0, ELASTIC)) == {"1": 4}
+
+
+def test_between_rounds_new_jobs_are_placed_and_reclaims_still_happen() -> None:
+    big = elastic("1", 2, 1, 4, on=on("n0", 0, 1, 2, 3), throughput=((4, 100.0),))
+    world = snapshot(
+        node("n0", busy=(0, 1, 2, 3)), running=(big,), pending_jobs=(pending("2", 2, at=120.0),)
+    )
+    decisions = decide(world, 130.0, ROUNDS)
+    assert sizes(decisions) == {"1": 2, "2": 2}
+    # A job placed between rounds may take idle GPUs at once (no resize to pay).
+    fresh = snapshot(node("n0"), pending_jobs=(elastic("3", 2, 1, 4, throughput=((2, 10.0),)),))
+    assert sizes(decide(fresh, 130.0, ROUNDS)) == {"3": 4}
+
+
 # -- properties -----------------------------------------------------------------------
 
 
@@ -481,6 +529,7 @@ policies = st.builds(
     elasticity=st.sampled_from(sorted(ELASTICITIES)),
     elastic_may_spread=st.booleans(),
     elastic_min_gain=st.sampled_from([0.0, 0.25, 0.9]),
+    elastic_resize_interval_s=st.sampled_from([0.0, 60.0]),
 )
 
 

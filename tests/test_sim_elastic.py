@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,22 @@ def test_elastic_replay_finishes_every_job_and_resizes(tmp_path: Path, batch: st
     # Every elastic job ran within its range (the engine raises otherwise) and the
     # cluster was busier: idle GPUs went to elastic jobs.
     assert results["elastic"].utilization > results["static"].utilization
+
+
+def test_a_resize_interval_defers_growth_to_the_next_round() -> None:
+    # Linear scaling; measured at 2 GPUs 30 s after it starts (t=30), so it could grow
+    # at once; with 60 s rounds it waits for the round at t=60.
+    job = TraceJob("1", 2, 0.0, 1000.0, min_gpus=1, max_gpus=4)
+    policy = Policy(order="fifo", elasticity="linear", elastic_may_spread=True)
+    cluster = parse_cluster("1x4")
+    every = simulate((job,), SimConfig(policy, cluster))
+    rounds = replace(policy, elastic_resize_interval_s=60.0)
+    deferred = simulate((job,), SimConfig(rounds, cluster))
+    ((now,), (later,)) = every.outcomes, deferred.outcomes
+    assert now.resizes == later.resizes == 1
+    assert now.jct is not None and later.jct is not None
+    # 30 s longer on 2 GPUs instead of 4: 15 s of work (linear scaling) left over.
+    assert later.jct == pytest.approx(now.jct + 15.0)
 
 
 def test_resizes_cost_time_and_are_checked() -> None:

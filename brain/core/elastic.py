@@ -23,6 +23,11 @@ allocator semantics), which `decide` runs around its rigid pipeline:
    once measured at its asked size or more, and not past twice the largest size
    measured.
 
+With `Policy.elastic_resize_interval_s` > 0, steps 4-6 resize running jobs only in
+cycles at the start of a round (a multiple of the interval; Pollux schedules every
+60 s) and the stage asks to be woken at the next; admission, placement and reclaims
+(1-3) go on at every cycle. It needs no memory: the round follows from `now`.
+
 The rank is the selection order, except that within one rank class (the ordering's
 first rank key: the LAS band, the priority) jobs with less attained service come
 first, by doubling buckets (`service_bucket`; `decide` sorts so when this stage is
