@@ -147,6 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"throughput (default: {DEFAULT_POLICY.elastic_min_gain})",
     )
     elastic.add_argument(
+        "--elastic-resize-interval",
+        type=float,
+        default=DEFAULT_POLICY.elastic_resize_interval_s,
+        metavar="SECONDS",
+        help="resize running elastic jobs only at rounds this far apart, as the Pollux "
+        "artifact does every 60 s (default: 0, at every event)",
+    )
+    elastic.add_argument(
         "--apps",
         type=Path,
         default=None,
@@ -240,6 +248,7 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
         elasticity=elasticity or "none",
         elastic_may_spread=not args.elastic_one_node,
         elastic_min_gain=args.elastic_min_gain,
+        elastic_resize_interval_s=args.elastic_resize_interval,
     ).validate()
 
 
