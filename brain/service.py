@@ -409,7 +409,11 @@ class Brain:
             await self.bus.dead_letter(msg.subject, msg.data, reason)
             return
         job = self.state.jobs.get(report.job_id)
-        if job is not None and job.state is JobState.RUNNING and self.progress.observe(report):
+        if job is None or job.state is not JobState.RUNNING:
+            return
+        if report.attempt is not None and report.attempt != job.attempt:
+            return  # an earlier run's supervisor, still stopping: not this run's news
+        if self.progress.observe(report):
             self._dirty = True  # a first report, or a first at this size: news for policy
 
     async def _on_event(self, event: NodeEvent, msg: Msg) -> None:

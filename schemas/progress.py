@@ -37,3 +37,6 @@ class Progress(Message):
     # The steps the job means to take in all, if it says: the brain then knows the
     # fraction done (`step / total_steps`) and how fast it grows.
     total_steps: int | None = Field(default=None, ge=1)
+    # The attempt (run) of the job that reports, when known: a report from a run the
+    # brain has already ended (a supervisor still stopping) is not the current run's.
+    attempt: int | None = Field(default=None, ge=1)

@@ -115,8 +115,11 @@ class FakeNode:
             )
         )
 
-    async def progress(self, job_id: str, world_size: int, samples_per_s: float) -> None:
+    async def progress(
+        self, job_id: str, world_size: int, samples_per_s: float, attempt: int | None = None
+    ) -> None:
         report = Progress(
+            attempt=attempt,
             job_id=job_id,
             ts=time.time(),
             step=10,
@@ -206,7 +209,10 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     await node.started(job)
     await eventually(lambda: brain.state.jobs[job_id].grants[0].pid == 4242)
     refused(await resize(brain, job_id, 3), "conflict", "supervisor has not reported")
-    await node.progress(job_id, 2, 100.0)
+    await node.progress(job_id, 2, 100.0, attempt=job.attempt + 1)  # not this run's
+    await asyncio.sleep(0.5)
+    assert not brain.progress.heard_from(job_id)
+    await node.progress(job_id, 2, 100.0, attempt=job.attempt)
     await eventually(lambda: brain.progress.heard_from(job_id))
 
     # Grow 2 -> 3: the added GPU is the job's at once, and its node is told.

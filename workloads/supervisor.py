@@ -62,6 +62,8 @@ class SupervisorConfig:
     work_dir: Path
     nats_url: str | None = None
     node: str = "local"
+    # The job's attempt (ALNAIR_ATTEMPT), stamped on progress reports.
+    attempt: int | None = None
     # Names under which horovodrun sees this one node. Horovod blacklists a host whose
     # worker failed, and stops the job when every host is blacklisted; spreading the
     # slots over two local names lets the job survive a killed worker on one host.
@@ -240,6 +242,7 @@ class Supervisor:
             loss=report.loss,
             slots=self.slots,
             total_steps=report.total_steps,
+            attempt=self.config.attempt,
             workers=tuple(
                 WorkerProgress(
                     rank=r.rank,
@@ -462,6 +465,9 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
     parser.add_argument("--job-id", default=os.environ.get("ALNAIR_JOB_ID"))
     parser.add_argument("--nats", default=os.environ.get("ALNAIR_NATS"))
     parser.add_argument("--node", default=os.environ.get("ALNAIR_NODE", "local"))
+    attempt = os.environ.get("ALNAIR_ATTEMPT", "")
+    known = attempt.isdigit() and int(attempt) >= 1
+    parser.add_argument("--attempt", type=int, default=int(attempt) if known else None)
     parser.add_argument("--min-np", type=int, required=True)
     parser.add_argument("--max-np", type=int, required=True)
     parser.add_argument("--np", type=int, required=True, help="workers to start with")
@@ -488,6 +494,7 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
         work_dir=work_dir,
         nats_url=args.nats,
         node=args.node,
+        attempt=args.attempt,
         network_interface=args.network_interface,
         hosts=tuple(h for h in args.hosts.split(",") if h),
         progress_interval_s=args.progress_interval,
