@@ -385,6 +385,12 @@ async def cmd_up(args: argparse.Namespace) -> int:
         "ALNAIR_HOME": str(home),
         "ALNAIR_NATS": nats_urls,
         "PYTHONUNBUFFERED": "1",
+        # Jobs run with the agents' environment: `python` in a job's command is this
+        # project's, with torch and Horovod, whether or not the submitter's shell had
+        # the virtual environment activated.
+        "PATH": os.pathsep.join(
+            [str(Path(sys.executable).parent), *filter(None, [os.environ.get("PATH")])]
+        ),
         **_tls_env(tls),
     }
     me = [sys.executable, "-m", "cli"]
