@@ -32,7 +32,7 @@ from schemas.api import CancelRequest, ErrorReply, JobReply, ResizeRequest, Subm
 from schemas.base import decode
 from schemas.commands import JOB_COMMAND, NODE_COMMAND, Regrant, Resize
 from schemas.events import JobStarted, NodeEvent, ResizeCompleted
-from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGrant
 from schemas.progress import Progress
 from schemas.state import CauseKind, JobChanged, NodeEventRecorded, StateRecord
 from schemas.telemetry import GpuInfo, Heartbeat
@@ -561,3 +561,35 @@ async def test_http_resize_route(brain_factory, api_factory, node: FakeNode) -> 
         "POST", f"/v1/jobs/{elastic_id}/resize", "operator", json={"gpus": 2}
     )
     assert status == 409 and "has not started yet" in body["error"], body
+
+
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(120)
+async def test_a_failing_elastic_job_says_which_worker_failed_and_why(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Agent]],
+    tmp_path: Path,
+) -> None:
+    """horovodrun's own error ends the log; the supervisor's last line names the first
+    worker exception, and that is the reason the job's owner reads."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    await eventually(lambda: brain.state.nodes)
+    spec = JobSpec(
+        command=(sys.executable, "-c", "raise ValueError('lr must be > 0')"),
+        gpus=2,
+        elastic=True,
+        min_gpus=1,
+        max_gpus=2,
+        cwd=str(REPO),
+        env={"TMPDIR": str(tmp_path)},
+    )
+    job_id = await submit(brain, spec)
+    job = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=90
+    )
+    assert job.state is JobState.FAILED
+    (failure,) = job.failures
+    assert failure.failure_class is FailureClass.USER
+    assert "first error: worker" in failure.reason
+    assert "ValueError: lr must be > 0" in failure.reason

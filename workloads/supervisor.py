@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -50,6 +51,10 @@ SEEN_COMMANDS: Final = 1000
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 # Exit code of a worker Horovod retired from the job: a shrink, not a failure.
 REMOVED_WORKER_EXIT_CODE: Final = 134
+# A worker's exception as horovodrun relays it: "[1]<stderr>:ValueError: bad lr".
+WORKER_ERROR: Final = re.compile(
+    r"^\[(?P<rank>\d+)\]<std(?:err|out)>:\s*(?P<error>[A-Za-z_][\w.]*(?:Error|Exception)\b.*)$"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +158,9 @@ class Supervisor:
     _workers: dict[int, _Seen] = field(default_factory=dict)
     _resize_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _process: asyncio.subprocess.Process | None = None
+    _relay: asyncio.Task[None] | None = None
+    # The first exception a worker printed, "worker N: ...": the job's failure reason.
+    first_error: str | None = None
     _consumer: Consumer | None = None
     _transport: asyncio.DatagramTransport | None = None
     _last_published: float = 0.0
@@ -420,14 +428,35 @@ class Supervisor:
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
         )
         self._process = await asyncio.create_subprocess_exec(
-            *self.horovodrun_command(), env=env, start_new_session=True
+            *self.horovodrun_command(),
+            env=env,
+            start_new_session=True,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
         )
+        self._relay = asyncio.ensure_future(self._relay_output(self._process))
         log.info("horovodrun started, pid %d", self._process.pid)
+
+    async def _relay_output(self, process: asyncio.subprocess.Process) -> None:
+        """Pass horovodrun's output on to the job's log, noting the first worker error."""
+        assert process.stdout is not None
+        out = sys.stdout.buffer
+        while line := await process.stdout.readline():
+            out.write(line)
+            out.flush()
+            if self.first_error is None:
+                found = WORKER_ERROR.match(line.decode("utf-8", "replace").rstrip())
+                if found is not None:
+                    self.first_error = f"worker {found['rank']}: {found['error'][:500]}"
 
     async def wait(self) -> int:
         if self._process is None:
             raise RuntimeError("supervisor not started")
-        return await self._process.wait()
+        code = await self._process.wait()
+        if self._relay is not None:
+            # The pipe closes with the workers: what is left is in it already.
+            await asyncio.wait({self._relay}, timeout=5.0)
+        return code
 
     async def terminate(self) -> None:
         """Stop horovodrun and its workers: SIGTERM to the group, SIGKILL after grace."""
@@ -528,12 +557,21 @@ async def run(config: SupervisorConfig) -> int:
         stopper.cancel()
         if not waiter.done():
             await supervisor.terminate()
-        return await waiter
+        code = await waiter
     finally:
         await supervisor.close()
         if bus is not None:
             with contextlib.suppress(Exception):
                 await bus.close()
+    if code != 0 and supervisor.first_error is not None:
+        # The log's last line is what the brain shows as the failure's reason.
+        print(
+            f"alnair supervisor: horovodrun exited with {code}; first error: "
+            f"{supervisor.first_error}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> None:
