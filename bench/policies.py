@@ -14,26 +14,23 @@ Not a test: nothing here asserts; it reports.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.recording import record  # noqa: E402
 from brain.core import Policy  # noqa: E402
 from brain.sim import SimConfig, load_trace, parse_cluster, simulate, summarize  # noqa: E402
 from brain.sim.report import Metrics  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
-RESULTS = REPO / "bench" / "results"
 
 # Tiresias' own simulator on these files (../shared/data/README.md): average JCT.
 REFERENCE: dict[str, dict[str, float]] = {
@@ -214,8 +211,6 @@ def targets(rows: list[Row]) -> list[str]:
 
 
 def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     records = [
         {
             "scenario": r.scenario,
@@ -229,21 +224,7 @@ def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
         }
         for r in rows
     ]
-    json_path = RESULTS / f"policies-{stamp}.json"
-    payload = {
-        "generated_at": stamp,
-        "preemption_cost_s": 0.0,
-        "targets": notes,
-        "results": records,
-    }
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    (RESULTS / "policies-latest.json").write_text(json.dumps(payload, indent=2) + "\n")
-    csv_path = RESULTS / f"policies-{stamp}.csv"
-    with open(csv_path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
-    return json_path, csv_path
+    return record("policies", {"preemption_cost_s": 0.0, "targets": notes}, records)
 
 
 def main(argv: list[str] | None = None) -> int:

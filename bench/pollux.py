@@ -26,20 +26,18 @@ Not a test: nothing here asserts; it reports.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.recording import record  # noqa: E402
 from brain.core import Policy  # noqa: E402
 from brain.sim import SimConfig, parse_cluster, simulate, summarize  # noqa: E402
 from brain.sim.pollux import (  # noqa: E402
@@ -52,7 +50,6 @@ from brain.sim.pollux import (  # noqa: E402
 from brain.sim.report import Metrics  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "pollux"
-RESULTS = REPO / "bench" / "results"
 CLUSTER = "16x4"
 RESTART_COST_S = 30.0
 
@@ -283,8 +280,6 @@ def summary(rows: list[Row]) -> list[str]:
 
 
 def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     base = _baseline(rows)
     records = [
         {
@@ -305,22 +300,12 @@ def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
         for r in rows
     ]
     payload = {
-        "generated_at": stamp,
         "cluster": CLUSTER,
         "preemption_cost_s": RESTART_COST_S,
         "start_cost_s": RESTART_COST_S,
         "summary": notes,
-        "results": records,
     }
-    json_path = RESULTS / f"pollux-{stamp}.json"
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    (RESULTS / "pollux-latest.json").write_text(json.dumps(payload, indent=2) + "\n")
-    csv_path = RESULTS / f"pollux-{stamp}.csv"
-    with open(csv_path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
-    return json_path, csv_path
+    return record("pollux", payload, records)
 
 
 def main(argv: list[str] | None = None) -> int:

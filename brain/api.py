@@ -128,8 +128,7 @@ class ApiServer:
             return JobReply(job=job)
         if isinstance(request, ResizeRequest):
             # An operator may resize any tenant's job; a tenant only its own.
-            kind = "resize-as-operator" if operator else "resize"
-            job = await brain.submit_item(_Item(kind, request, tenant))
+            job = await brain.submit_item(_Item("resize", request, tenant, operator=operator))
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
         if isinstance(request, GetJobRequest | HistoryRequest | WhyRequest):

@@ -138,6 +138,8 @@ class _Item:
     kind: str
     payload: object = None
     tenant: str = ""
+    # The caller may act on every tenant's jobs (an operator's API request).
+    operator: bool = False
     done: asyncio.Future[object] | None = None
 
 
@@ -505,10 +507,9 @@ class Brain:
         elif item.kind == "blacklist":
             assert isinstance(item.payload, BlacklistRequest)
             await self._edit_blacklist(item.tenant, item.payload)
-        elif item.kind in ("resize", "resize-as-operator"):
+        elif item.kind == "resize":
             assert isinstance(item.payload, ResizeRequest)
-            operator = item.kind == "resize-as-operator"
-            return await self._resize_request(item.tenant, item.payload, operator=operator)
+            return await self._resize_request(item.tenant, item.payload, operator=item.operator)
         return None
 
     # -- journal ---------------------------------------------------------------------

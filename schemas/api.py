@@ -6,7 +6,7 @@ an identity to its tenant's subjects, so the subject is the authenticated tenant
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -30,20 +30,7 @@ ApiVerb = Literal[
     "why",
     "resize",
 ]
-API_VERBS: Final[tuple[str, ...]] = (
-    "submit",
-    "cancel",
-    "jobs",
-    "job",
-    "nodes",
-    "status",
-    "drain",
-    "resume",
-    "history",
-    "blacklist",
-    "why",
-    "resize",
-)
+API_VERBS: Final[tuple[str, ...]] = get_args(ApiVerb)
 # Requests on `alnair.api.operator.>` are an operator's: they may read every tenant's
 # jobs and drain or resume nodes. NATS permissions must grant that subject to operators
 # only (the HTTP API maps its operator tokens to the same role).

@@ -36,11 +36,26 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 
 
 @pytest.fixture
-async def connect(nats_server: EmbeddedNats) -> AsyncIterator[Callable[[str], Awaitable[Bus]]]:
+def nats_urls(nats_server: EmbeddedNats) -> tuple[str, ...]:
+    """Every server a client is given (a cluster's module overrides it)."""
+    return (nats_server.url,)
+
+
+@pytest.fixture
+def stream_replicas() -> int:
+    """Copies of each JetStream stream (3 in a cluster's module)."""
+    return 1
+
+
+@pytest.fixture
+async def connect(
+    nats_urls: tuple[str, ...], stream_replicas: int
+) -> AsyncIterator[Callable[[str], Awaitable[Bus]]]:
     opened: list[Bus] = []
 
     async def make(name: str) -> Bus:
-        bus = await Bus.connect(ConnectOptions(servers=(nats_server.url,), name=name))
+        options = ConnectOptions(servers=nats_urls, name=name)
+        bus = await Bus.connect(options, replicas=stream_replicas)
         opened.append(bus)
         return bus
 

@@ -2,8 +2,8 @@
 leads the brain's STATE log, in the middle of a burst of submissions.
 
 This module runs conftest's brain and agent factories against the cluster: it
-overrides `connect` (every Bus gets all three URLs and R3 streams) and `nats_server`
-(which agent_factory only reads a URL from).
+overrides `nats_urls` and `stream_replicas` (every Bus gets all three URLs and R3
+streams) and `nats_server` (which agent_factory only reads a URL from).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -47,23 +47,13 @@ def nats_server(nats_cluster: EmbeddedCluster) -> EmbeddedNats:
 
 
 @pytest.fixture
-async def connect(
-    nats_cluster: EmbeddedCluster,
-) -> AsyncIterator[Callable[[str], Awaitable[Bus]]]:
-    opened: list[Bus] = []
+def nats_urls(nats_cluster: EmbeddedCluster) -> tuple[str, ...]:
+    return tuple(nats_cluster.urls)
 
-    async def make(name: str) -> Bus:
-        options = ConnectOptions(servers=nats_cluster.urls, name=name)
-        bus = await Bus.connect(options, replicas=REPLICAS)
-        opened.append(bus)
-        return bus
 
-    try:
-        yield make
-    finally:
-        for bus in reversed(opened):
-            with contextlib.suppress(Exception):
-                await bus.close()
+@pytest.fixture
+def stream_replicas() -> int:
+    return REPLICAS
 
 
 async def state_leader(bus: Bus) -> str:
