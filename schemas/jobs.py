@@ -224,6 +224,3 @@ class JobRecord(BaseModel):
     @property
     def gpu_count(self) -> int:
         return sum(len(grant.gpus) for grant in self.grants)
-
-    def failures_of(self, *classes: FailureClass) -> int:
-        return sum(1 for f in self.failures if f.failure_class in classes)
