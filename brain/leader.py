@@ -10,10 +10,12 @@ from an older one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Final
 
+import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
@@ -44,6 +46,7 @@ class Lease:
         self.epoch: int | None = None
         self._kv: KeyValue | None = None
         self._brains: KeyValue | None = None
+        self._known: list[BrainInfo] = []
 
     async def open(self) -> None:
         self._kv = await _bucket(self.bus, LEASE_BUCKET, self.ttl_s)
@@ -88,14 +91,27 @@ class Lease:
         if self._brains is not None:
             await self._brains.put(info.brain_id, info.model_dump_json().encode())
 
-    async def brains(self) -> list[BrainInfo]:
+    async def brains(self, *, timeout_s: float = 2.0) -> list[BrainInfo]:
+        """Every brain announced within its TTL. When the bucket does not answer in time
+        (its stream leader moving to another server, say) this is the list read last:
+        `alnair status` must answer while the cluster heals."""
+        try:
+            self._known = await asyncio.wait_for(self._read_brains(), timeout_s)
+        except (TimeoutError, nats.errors.Error) as e:
+            log.warning("brains bucket did not answer (%s); showing the last list read", e)
+        return list(self._known)
+
+    async def _read_brains(self) -> list[BrainInfo]:
+        # Keys from the stream's subject list, one bounded request; KeyValue.keys() runs
+        # a watcher that waits without limit for a stream leader that may be gone.
         if self._brains is None:
             return []
+        prefix = f"$KV.{BRAINS_BUCKET}."
+        info = await self.bus.js.stream_info(f"KV_{BRAINS_BUCKET}", subjects_filter=f"{prefix}>")
         out = []
-        with contextlib.suppress(nats.js.errors.NoKeysError):
-            for key in await self._brains.keys():
-                with contextlib.suppress(nats.js.errors.KeyNotFoundError, Exception):
-                    entry = await self._brains.get(key)
-                    if entry.value:
-                        out.append(BrainInfo.model_validate_json(entry.value))
+        for subject in sorted(info.state.subjects or {}):
+            with contextlib.suppress(nats.js.errors.KeyNotFoundError):  # deleted, or expired
+                entry = await self._brains.get(subject.removeprefix(prefix))
+                if entry.value:
+                    out.append(BrainInfo.model_validate_json(entry.value))
         return out

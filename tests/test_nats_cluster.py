@@ -185,8 +185,8 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
         assert len(victims) == 1
         os.kill(victims[0], signal.SIGKILL)
         await run_job("after")
-        code, out, _ = await alnair("status", *operator, env=env)
-        assert "(DOWN)" in out
+        code, out, err = await alnair("status", *operator, env=env)
+        assert code == 0 and "(DOWN)" in out, out + err
     finally:
         with contextlib.suppress(ProcessLookupError):
             up.send_signal(signal.SIGINT)
