@@ -195,11 +195,23 @@ def stage(
     )
 
 
-def commit(job: JobRecord, message: str) -> JobRecord:
-    """The staged resize done: the job holds its target GPUs."""
+def committed_gpus(staged: StagedResize, held: Collection[int]) -> tuple[int, ...]:
+    """The GPUs the job keeps: those its workers hold, as the supervisor reported them
+    (after a shrink Horovod, not the brain, chose the workers to retire), when that
+    report is the right size and within what the staged resize held; else the target."""
+    ours = {*staged.from_gpus, *staged.to_gpus}
+    if held and len(set(held)) == len(staged.to_gpus) and set(held) <= ours:
+        return tuple(sorted(set(held)))
+    return staged.to_gpus
+
+
+def commit(job: JobRecord, message: str, held: Collection[int] = ()) -> JobRecord:
+    """The staged resize done: the job holds its target GPUs (or, reported by its
+    supervisor, those its workers hold: `committed_gpus`)."""
     assert job.resize is not None
+    gpus = committed_gpus(job.resize, held)
     return job.model_copy(
-        update={"grants": _with_gpus(job, job.resize.to_gpus), "resize": None, "reason": message}
+        update={"grants": _with_gpus(job, gpus), "resize": None, "reason": message}
     )
 
 
@@ -222,6 +234,7 @@ def resize_command(job: JobRecord, *, epoch: int, issued_at: float) -> Resize:
         job_id=job.job_id,
         world_size=len(job.resize.to_gpus),
         cause=job.resize.cause[:1000],
+        gpus=job.resize.to_gpus,
     )
 
 
@@ -239,4 +252,5 @@ def revert_command(staged: StagedResize, job_id: str, *, epoch: int, issued_at: 
         job_id=job_id,
         world_size=len(staged.from_gpus),
         cause=f"roll back the resize {describe(staged)}",
+        gpus=staged.from_gpus,
     )

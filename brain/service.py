@@ -1458,9 +1458,20 @@ class Brain:
                 len(staged.from_gpus),
             )
         message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
+        kept = elastic.committed_gpus(staged, event.gpus)
+        if event.gpus and kept != tuple(sorted(set(event.gpus))):
+            log.warning(
+                "job %s: its supervisor says its workers hold GPUs %s, which does not fit "
+                "the resize %s; keeping %s",
+                job.job_id,
+                list(event.gpus),
+                elastic.describe(staged),
+                list(kept),
+            )
         if not staged.grow:
-            message += f"; {len(staged.from_gpus) - len(staged.to_gpus)} GPUs released"
-        committed = elastic.commit(job, message)
+            released = sorted(set(staged.from_gpus) - set(kept))
+            message += f"; GPUs {released} released"
+        committed = elastic.commit(job, message, event.gpus)
         await self._job_changed(
             committed,
             job.state,

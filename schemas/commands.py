@@ -88,6 +88,11 @@ class Resize(_Command):
     job_id: str = Field(min_length=1, max_length=64)
     world_size: int = Field(ge=1, le=4096)
     cause: str = Field(default="", max_length=1000)
+    # The job's GPUs on its node at the new size (physical indices), when the brain
+    # says: a grow's new workers claim the added ones (workloads/devices.py). For a
+    # shrink Horovod picks the workers to retire, so the supervisor reports which GPUs
+    # its workers still hold rather than obey this list.
+    gpus: tuple[int, ...] = Field(default=(), max_length=4096)
 
 
 JobCommand = Annotated[Resize, Field(discriminator="kind")]

@@ -89,6 +89,9 @@ class ResizeCompleted(_NodeEvent):
     # Slots whose workers have exited (shrink): safe to give to another job now.
     released_gpus: int = Field(default=0, ge=0)
     reason: str = Field(default="", max_length=1000)
+    # The GPUs the job's workers hold after the resize, when every worker claimed one
+    # (workloads/devices.py); empty when unknown, and the brain keeps its own target.
+    gpus: tuple[int, ...] = Field(default=(), max_length=4096)
 
 
 NodeEvent = Annotated[

@@ -20,6 +20,8 @@ class WorkerProgress(Message):
     step: int = Field(ge=0)
     world_size: int = Field(ge=1)
     param_digest: str = Field(default="", max_length=64)
+    # The GPU the worker claimed (workloads/devices.py), when it did.
+    gpu: int | None = Field(default=None, ge=0)
 
 
 class Progress(Message):

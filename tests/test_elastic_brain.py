@@ -131,8 +131,17 @@ class FakeNode:
         )
         await self.bus.publish(subjects.job(job_id, "progress"), report)
 
-    async def resized(self, command: Resize, *, ok: bool, from_size: int, reason: str = "") -> None:
-        """The supervisor's answer, as it would publish it."""
+    async def resized(
+        self,
+        command: Resize,
+        *,
+        ok: bool,
+        from_size: int,
+        reason: str = "",
+        gpus: tuple[int, ...] = (),
+    ) -> None:
+        """The supervisor's answer, as it would publish it; `gpus`, those its workers
+        hold (when they claimed one each)."""
         await self.event(
             ResizeCompleted(
                 event_id=uuid.uuid4().hex,
@@ -146,6 +155,7 @@ class FakeNode:
                 duration_s=1.5,
                 released_gpus=max(0, from_size - command.world_size) if ok else 0,
                 reason=reason,
+                gpus=gpus,
             )
         )
 
@@ -233,6 +243,7 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     refused(await resize(brain, job_id, 1), "conflict", "already resizing 2 -> 3")
     command = await eventually(lambda: node.resize_for(staged.command_id))
     assert (command.world_size, command.epoch) == (3, brain.epoch)
+    assert command.gpus == held(brain, job_id)  # the new worker claims the added one
     await eventually(lambda: [r.gpus for r in node.regrants(job_id)] == [held(brain, job_id)])
 
     # The supervisor could not get there: rolled back, the GPU free again, and the
@@ -247,16 +258,19 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     await eventually(lambda: node.regrants(job_id)[-1].gpus == before)
 
     # Shrink 2 -> 1: the released GPU stays the job's until the supervisor says so.
+    # The brain would keep the lowest GPU, but Horovod chose which worker to retire:
+    # the GPU the surviving worker holds is the one the job keeps.
     reply = await resize(brain, job_id, 1)
     assert isinstance(reply, JobReply) and reply.job.resize is not None
     shrink = await eventually(lambda: node.resize_for(reply.job.resize.command_id))
+    assert shrink.gpus == before[:1]
     assert held(brain, job_id) == before and brain._free_on("n1") == {3}
-    await node.resized(shrink, ok=True, from_size=2)
+    await node.resized(shrink, ok=True, from_size=2, gpus=before[1:])
     done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
-    assert done.gpu_count == 1 and done.grants[0].gpus == before[:1]
-    assert done.resized_at is not None
-    assert brain._free_on("n1") == {before[1], 3}
-    await eventually(lambda: node.regrants(job_id)[-1].gpus == before[:1])
+    assert done.gpu_count == 1 and done.grants[0].gpus == before[1:]
+    assert done.resized_at is not None and f"GPUs [{before[0]}] released" in (done.reason or "")
+    assert brain._free_on("n1") == {before[0], 3}
+    await eventually(lambda: node.regrants(job_id)[-1].gpus == before[1:])
     kinds = [r["kind"] for r in brain.history.job_events(job_id)]
     assert [k for k in kinds if k.startswith("resize") and k != "resize_completed"] == [
         CauseKind.RESIZE_STAGED.value,
@@ -485,6 +499,10 @@ def test_stage_commit_and_roll_back_hold_every_gpu_of_both_sizes() -> None:
     )
     assert shrink.grants[0].gpus == (0, 1, 2)  # kept until the supervisor says so
     assert elastic.commit(shrink, "yes").grants[0].gpus == (0,)
+    # What the supervisor says its workers hold wins, when it fits the resize.
+    assert elastic.commit(shrink, "yes", held=(2,)).grants[0].gpus == (2,)
+    assert elastic.commit(shrink, "yes", held=(1, 2)).grants[0].gpus == (0,)  # wrong size
+    assert elastic.commit(shrink, "yes", held=(5,)).grants[0].gpus == (0,)  # not the job's
     command = elastic.resize_command(shrink, epoch=3, issued_at=7.0)
     assert (command.command_id, command.world_size, command.epoch) == ("c2", 1, 3)
     assert shrink.resize is not None

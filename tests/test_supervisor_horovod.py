@@ -110,7 +110,9 @@ async def watch(bus: Bus) -> AsyncIterator[Watch]:
 def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def start(job_id: str, *, np: int, min_np: int = 1, max_np: int = 4) -> Job:
+    def start(
+        job_id: str, *, np: int, min_np: int = 1, max_np: int = 4, gpus: str | None = None
+    ) -> Job:
         stop_file = tmp_path / f"{job_id}.stop"
         log_path = tmp_path / f"{job_id}.log"
         command = [
@@ -134,9 +136,18 @@ def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job
             "--commit-every=5",
             f"--stop-file={stop_file}",
         ]
+        env = dict(os.environ)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if gpus is not None:  # as the agent sets it for the launch's GPUs
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         with log_path.open("wb") as log:
             process = subprocess.Popen(
-                command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         job = Job(process, stop_file, log_path)
         jobs.append(job)
@@ -163,7 +174,9 @@ async def finish(job: Job) -> int:
     return code
 
 
-async def resize(bus: Bus, watch: Watch, job_id: str, size: int, *, epoch: int = 1) -> float:
+async def resize(
+    bus: Bus, watch: Watch, job_id: str, size: int, *, epoch: int = 1, gpus: tuple[int, ...] = ()
+) -> ResizeCompleted:
     command = Resize(
         command_id=uuid.uuid4().hex,
         epoch=epoch,
@@ -171,6 +184,7 @@ async def resize(bus: Bus, watch: Watch, job_id: str, size: int, *, epoch: int =
         job_id=job_id,
         world_size=size,
         cause="test",
+        gpus=gpus,
     )
     await bus.publish_durable(subjects.job(job_id, "cmd"), command, msg_id=command.command_id)
     outcome: ResizeCompleted = await eventually(
@@ -178,7 +192,7 @@ async def resize(bus: Bus, watch: Watch, job_id: str, size: int, *, epoch: int =
     )
     assert outcome.ok, outcome.reason
     assert outcome.to_size == size
-    return outcome.duration_s
+    return outcome
 
 
 def assert_steps_never_go_back(watch: Watch) -> None:
@@ -197,13 +211,18 @@ def assert_params_identical(watch: Watch, *, since: int = 0) -> None:
 async def test_resize_2_3_1_2_keeps_workers_and_state(
     bus: Bus, watch: Watch, start_job: Callable[..., Job]
 ) -> None:
-    job = start_job("el1", np=2)
+    # The launch's GPUs are 4 and 6; each resize names the job's GPUs as the brain would.
+    job = start_job("el1", np=2, gpus="4,6")
     start = await eventually(lambda: watch.stepping_at(2), timeout_s=60)
     pids = {w.pid for w in start.workers}
+    gpu_of = {w.pid: w.gpu for w in start.workers}
+    assert sorted(gpu_of.values()) == [4, 6]  # type: ignore[type-var]
+    held = (4, 6)
 
-    for size in (3, 1, 2):
+    for size, added in ((3, (1,)), (1, ()), (2, (7,))):
         before = {w.pid for w in watch.latest().workers}  # type: ignore[union-attr]
-        await resize(bus, watch, "el1", size)
+        grant = (*held, *added) if added else held[:size]
+        outcome = await resize(bus, watch, "el1", size, gpus=grant)
         now = await eventually(lambda s=size: watch.stepping_at(s), timeout_s=30)
         after = {w.pid for w in now.workers}
         # Survivors keep their processes: a grow adds, a shrink removes, none restarts.
@@ -211,6 +230,17 @@ async def test_resize_2_3_1_2_keeps_workers_and_state(
             assert before <= after
         else:
             assert after <= before
+        # One GPU per worker, each survivor on the GPU it had; a grow's new workers on
+        # the added GPUs; the outcome names what the workers hold (after a shrink, the
+        # GPUs of the workers Horovod kept, not necessarily the brain's first ones).
+        gpus = {w.pid: w.gpu for w in now.workers}
+        assert len(set(gpus.values())) == size
+        assert all(gpus[pid] == gpu_of[pid] for pid in after & before)
+        assert set(outcome.gpus) == set(gpus.values())
+        if added:
+            assert set(outcome.gpus) == set(grant)
+        gpu_of.update(gpus)
+        held = tuple(sorted(outcome.gpus))
         await eventually(lambda s=size: watch.all_ranks_agree_at(s), timeout_s=30)
         assert_steps_never_go_back(watch)
         assert_params_identical(watch)

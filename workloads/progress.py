@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Final
 
+from workloads.devices import held_gpu
+
 PROGRESS_ADDR_ENV: Final = "ALNAIR_PROGRESS_ADDR"
 MAX_DATAGRAM_BYTES: Final = 8192
 
@@ -35,6 +37,8 @@ class WorkerReport:
     ts: float = 0.0
     # The steps the job means to take in all, if it knows.
     total_steps: int | None = None
+    # The GPU this worker claimed (workloads.devices.claim_gpu), if it did.
+    gpu: int | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -57,6 +61,7 @@ class WorkerReport:
             param_digest=str(raw.get("param_digest", "")),
             ts=float(raw.get("ts", 0.0)),
             total_steps=int(raw["total_steps"]) if raw.get("total_steps") else None,
+            gpu=int(raw["gpu"]) if raw.get("gpu") is not None else None,
         )
 
 
@@ -99,6 +104,7 @@ class ProgressReporter:
             param_digest=param_digest,
             ts=time.time(),
             total_steps=total_steps,
+            gpu=held_gpu(),
         )
         # The supervisor may be gone or busy; training goes on regardless.
         with contextlib.suppress(OSError):

@@ -11,6 +11,10 @@ Horovod to retire the workers on them (they exit with 134, "removed from elastic
 only then does it report their GPUs released. It imports neither torch nor horovod;
 only its child processes do.
 
+Each worker may claim one of the job's GPUs (workloads/devices.py): the supervisor
+keeps the job's GPU list in `ALNAIR_GPU_DIR`, adds a grow's GPUs to it before the new
+workers start, and after a resize reports the GPUs its workers hold.
+
 Scope: one host. Every worker runs on the supervisor's node, started by horovodrun's
 own local launcher; workers on other nodes would need horovodrun's ssh launcher (see
 docs/elastic.md).
@@ -43,6 +47,7 @@ from schemas.commands import JOB_COMMAND, JobCommand, Resize
 from schemas.errors import BusError
 from schemas.events import ResizeCompleted
 from schemas.progress import Progress, WorkerProgress
+from workloads import devices
 from workloads.progress import PROGRESS_ADDR_ENV, WorkerReport
 
 log = logging.getLogger(__name__)
@@ -80,6 +85,9 @@ class SupervisorConfig:
     # job, so the host comes back after this many seconds (lower, upper).
     blacklist_cooldown_s: tuple[int, int] = (1, 2)
     stop_grace_s: float = 10.0
+    # The job's GPUs at launch (the agent's CUDA_VISIBLE_DEVICES); empty: no device
+    # map, workers see whatever the environment says.
+    gpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_np <= self.np <= self.max_np:
@@ -104,6 +112,8 @@ class ResizeOutcome:
     duration_s: float
     released: int
     reason: str = ""
+    # The GPUs the workers hold after it, when every worker claimed one.
+    gpus: tuple[int, ...] = ()
 
 
 def host_slots(hosts: Sequence[str], slots: int) -> list[tuple[str, int]]:
@@ -184,8 +194,26 @@ class Supervisor:
         os.replace(temporary, self.hosts_path)
         self.slots = slots
 
+    # -- the job's GPUs, one per worker (workloads/devices.py) -------------------------
+
+    @property
+    def gpu_dir(self) -> Path:
+        return self.config.work_dir / "gpus"
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """The job's GPUs as its workers see them now; () without a device map."""
+        if not self.config.gpus:
+            return ()
+        return devices.read_devices(self.gpu_dir)
+
+    def held_gpus(self) -> tuple[int, ...]:
+        return devices.claimed(self.gpu_dir, self.devices) if self.config.gpus else ()
+
     def _prepare(self) -> None:
         self.config.work_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.gpus:
+            devices.write_devices(self.gpu_dir, self.config.gpus)
         self.write_hosts(self.config.np)
         self.discovery_script.write_text(f"#!/bin/sh\nexec cat '{self.hosts_path}'\n")
         self.discovery_script.chmod(0o755)
@@ -258,6 +286,7 @@ class Supervisor:
                     step=r.step,
                     world_size=r.world_size,
                     param_digest=r.param_digest,
+                    gpu=r.gpu,
                 )
                 for r in current
             ),
@@ -280,8 +309,12 @@ class Supervisor:
         # Shrink: the GPUs are free only once the removed workers have gone.
         return all(process_gone(pid) for pid in old_pids - current)
 
-    async def resize(self, target: int) -> ResizeOutcome:
-        """Run at `target` workers; return when every worker steps at that size."""
+    async def resize(self, target: int, gpus: Sequence[int] = ()) -> ResizeOutcome:
+        """Run at `target` workers; return when every worker steps at that size.
+
+        `gpus` is the brain's list of the job's GPUs at the new size: a grow's workers
+        claim those not yet held. The outcome names the GPUs held afterwards when every
+        worker holds one (after a shrink, those of the workers Horovod kept)."""
         async with self._resize_lock:
             started = time.monotonic()
             from_size = self.slots
@@ -297,6 +330,12 @@ class Supervisor:
                     )
                 )
             old_pids = self.pids_at(from_size)
+            before = self.devices
+            if before and gpus:
+                # Added GPUs go after the held ones: survivors keep theirs.
+                devices.write_devices(
+                    self.gpu_dir, (*before, *(g for g in gpus if g not in before))
+                )
             self.write_hosts(target)
             try:
                 await self._wait_for(lambda: self._converged(target, started, old_pids))
@@ -313,8 +352,15 @@ class Supervisor:
                     )
                 )
             duration = time.monotonic() - started
+            held = self.held_gpus()
+            if before:
+                known = len(held) == target
+                devices.write_devices(self.gpu_dir, held if known else (gpus or before))
+                held = held if known else ()
             return self._record(
-                ResizeOutcome(from_size, target, True, duration, max(0, from_size - target))
+                ResizeOutcome(
+                    from_size, target, True, duration, max(0, from_size - target), gpus=held
+                )
             )
 
     def _record(self, outcome: ResizeOutcome) -> ResizeOutcome:
@@ -363,7 +409,7 @@ class Supervisor:
             self._spawn(self._apply(command))
 
     async def _apply(self, command: Resize) -> None:
-        outcome = await self.resize(command.world_size)
+        outcome = await self.resize(command.world_size, command.gpus)
         await self._report(command, outcome)
 
     async def _report(self, command: JobCommand, outcome: ResizeOutcome) -> None:
@@ -381,6 +427,7 @@ class Supervisor:
             duration_s=outcome.duration_s,
             released_gpus=outcome.released,
             reason=outcome.reason,
+            gpus=outcome.gpus,
         )
         try:
             await self.bus.publish_durable(
@@ -424,6 +471,8 @@ class Supervisor:
         await self._listen()
         env = dict(os.environ)
         env[PROGRESS_ADDR_ENV] = f"{host}:{port}"
+        if self.config.gpus:
+            env[devices.GPU_DIR_ENV] = str(self.gpu_dir)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
         )
@@ -514,6 +563,13 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
     # Job ids repeat across clusters (and a retried attempt may overlap a dying one):
     # a fresh directory per supervisor, never one named by the job id alone.
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix=f"alnair-{args.job_id}-"))
+    try:
+        gpus = devices.parse_devices(
+            os.environ.get("CUDA_VISIBLE_DEVICES", ""), where="CUDA_VISIBLE_DEVICES"
+        )
+    except ValueError as error:  # UUIDs, say: no device map, workers see the list as is
+        log.warning("no per-worker GPUs: %s", error)
+        gpus = ()
     return SupervisorConfig(
         job_id=args.job_id,
         command=command,
@@ -527,6 +583,7 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
         network_interface=args.network_interface,
         hosts=tuple(h for h in args.hosts.split(",") if h),
         progress_interval_s=args.progress_interval,
+        gpus=gpus,
     )
 
 

@@ -11,7 +11,9 @@ What makes it elastic:
   world size, so no sample is skipped or repeated when the job resizes;
 - `state.commit()` every few steps is where a resize lands (Horovod checks for host
   changes there) and where a failure rolls back to;
-- the learning rate follows the world size through a reset callback.
+- the learning rate follows the world size through a reset callback;
+- each worker claims one of the job's GPUs (`claim_gpu`) before CUDA starts, so a
+  worker added by a grow runs on a GPU the grow added, not on one already in use.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import horovod.torch as hvd
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from workloads.devices import claim_gpu
 from workloads.progress import ProgressReporter
 
 BASE_LR = 0.01
@@ -79,11 +82,16 @@ def should_stop(stop_file: Path | None) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # Before anything touches CUDA: this worker's GPU becomes the only one it sees.
+    gpu = claim_gpu()
+    device = torch.device("cuda", 0) if gpu is not None and torch.cuda.is_available() else None
     hvd.init()
     torch.manual_seed(0)
     reporter = ProgressReporter()
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    if device is not None:
+        model.to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=BASE_LR * hvd.size())
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     dataset = synthetic_dataset(args.samples)
@@ -103,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         loss_fn = torch.nn.MSELoss()
         while state.step < args.steps:
             for features, targets in loader:
+                if device is not None:
+                    features, targets = features.to(device), targets.to(device)
                 started = time.perf_counter()
                 optimizer.zero_grad()
                 loss = loss_fn(model(features), targets)
