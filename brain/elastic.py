@@ -9,7 +9,10 @@ record changes of a resize, which is a statement:
   so nobody else takes them; a shrink's released ones until their workers are gone)
   and `JobRecord.resize` says what was asked, with the command id;
 - commit, on the supervisor's `ResizeCompleted` with `ok`: the grants are the target;
-- roll back, on a refusal or a timeout: the grants are what they were.
+- roll back, on a refusal or a timeout: the grants are what they were; or, when the
+  supervisor may have begun a grow (it timed out, or refused after trying), a revert is
+  staged instead, holding the grow's GPUs until the supervisor is back at the old size
+  (its new workers may be running on them).
 
 Everything here is pure (no clock, no ids, no I/O): the shell (brain/service.py)
 journals what these return and sends the commands. It must not import torch or
@@ -221,6 +224,25 @@ def roll_back(job: JobRecord, message: str) -> JobRecord:
     return job.model_copy(
         update={"grants": _with_gpus(job, job.resize.from_gpus), "resize": None, "reason": message}
     )
+
+
+def stage_revert(job: JobRecord, message: str, *, now: float) -> JobRecord:
+    """A grow rolled back while its workers may have started: staged back to the size
+    before, holding every GPU of the grow meanwhile."""
+    staged = job.resize
+    assert staged is not None
+    assert staged.grow
+    assert not staged.reverting
+    revert = StagedResize(
+        command_id=f"{staged.command_id}-revert",
+        node=staged.node,
+        from_gpus=staged.to_gpus,
+        to_gpus=staged.from_gpus,
+        staged_at=now,
+        cause=f"roll back the resize {describe(staged)}"[:1000],
+        reverting=True,
+    )
+    return job.model_copy(update={"resize": revert, "reason": message})
 
 
 def resize_command(job: JobRecord, *, epoch: int, issued_at: float) -> Resize:

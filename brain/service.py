@@ -1483,10 +1483,33 @@ class Brain:
 
     async def _roll_back_resize(self, job: JobRecord, why: str, *, revert: bool) -> None:
         """Back to the size before; `revert` also commands that size again, for a
-        supervisor that may have moved (its host list changed) before giving up."""
+        supervisor that may have moved (its host list changed) before giving up.
+
+        A grow it may have begun is not undone here: its new workers may run on the
+        added GPUs, so the job holds them until the supervisor confirms the revert (a
+        staged resize back). A revert that times out too ends holding them all: a
+        supervisor that answers nothing may still run on every one of them."""
         staged = job.resize
         assert staged is not None
         message = f"resize {elastic.describe(staged)} rolled back: {why}"
+        if revert and staged.grow and not staged.reverting:
+            extra = sorted(set(staged.to_gpus) - set(staged.from_gpus))
+            message += f"; GPUs {extra} stay the job's until its supervisor is back at "
+            message += f"{len(staged.from_gpus)}"
+            await self._job_changed(
+                elastic.stage_revert(job, message, now=self.clock()),
+                job.state,
+                Cause(
+                    kind=CauseKind.RESIZE_ROLLED_BACK,
+                    node=staged.node,
+                    job_id=job.job_id,
+                    message=message,
+                ),
+            )
+            await self._send_resize(self.state.jobs[job.job_id])
+            return
+        if staged.reverting:
+            message += f"; the job keeps GPUs {list(staged.from_gpus)} (its workers may use them)"
         rolled = elastic.roll_back(job, message)
         await self._job_changed(
             rolled,
@@ -1501,7 +1524,7 @@ class Brain:
         current = self.state.jobs[job.job_id]
         if staged.grow:
             await self._regrant(current, staged.command_id, "rolled-back")
-        if revert:
+        if revert and not staged.reverting:
             back = elastic.revert_command(
                 staged, job.job_id, epoch=self.epoch, issued_at=self.clock()
             )

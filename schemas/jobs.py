@@ -170,6 +170,10 @@ class StagedResize(BaseModel):
     staged_at: float
     # Why: the policy's cause, or the operator who asked.
     cause: str = Field(max_length=1000)
+    # A grow rolled back after its supervisor may have begun it (a timeout, or a
+    # refusal after trying): the job holds the grow's GPUs until the supervisor says it
+    # is back at the size before. Timing out in turn, it ends holding them all.
+    reverting: bool = False
 
     @property
     def grow(self) -> bool:

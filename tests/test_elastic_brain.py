@@ -246,15 +246,20 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     assert command.gpus == held(brain, job_id)  # the new worker claims the added one
     await eventually(lambda: [r.gpus for r in node.regrants(job_id)] == [held(brain, job_id)])
 
-    # The supervisor could not get there: rolled back, the GPU free again, and the
-    # supervisor told to go back to 2 (it may have moved part of the way).
+    # The supervisor could not get there: rolled back, and told to go back to 2. It
+    # may have moved part of the way (a worker on the added GPU), so the job holds that
+    # GPU until the supervisor confirms it is back at 2; only then is it free.
     await node.resized(command, ok=False, from_size=2, reason="workers not stepping at 3")
-    rolled = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
-    assert rolled.grants[0].gpus == before
+    rolled = await eventually(lambda: (j := brain.state.jobs[job_id]).resize.reverting and j)
+    assert len(rolled.grants[0].gpus) == 3 and brain._free_on("n1") == set()
     assert "rolled back" in (rolled.reason or "") and "not stepping" in (rolled.reason or "")
-    assert brain._free_on("n1") == {3}
     revert = await eventually(lambda: node.resize_for(f"{staged.command_id}-revert"))
-    assert revert.world_size == 2
+    assert (revert.world_size, revert.gpus) == (2, before)
+    refused(await resize(brain, job_id, 1), "conflict", "already resizing 3 -> 2")
+    await node.resized(revert, ok=True, from_size=3, gpus=before)
+    back = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+    assert back.grants[0].gpus == before
+    assert brain._free_on("n1") == {3}
     await eventually(lambda: node.regrants(job_id)[-1].gpus == before)
 
     # Shrink 2 -> 1: the released GPU stays the job's until the supervisor says so.
@@ -275,12 +280,41 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     assert [k for k in kinds if k.startswith("resize") and k != "resize_completed"] == [
         CauseKind.RESIZE_STAGED.value,
         CauseKind.RESIZE_ROLLED_BACK.value,
+        CauseKind.RESIZED.value,  # back at 2: the revert confirmed
         CauseKind.RESIZE_STAGED.value,
         CauseKind.RESIZED.value,
     ]
     # The same size again is no change at all.
     same = await resize(brain, job_id, 1)
     assert isinstance(same, JobReply) and same.job.resize is None
+
+
+async def test_an_unanswered_grow_keeps_its_gpus_until_the_supervisor_is_back(
+    brain_factory, node: FakeNode
+) -> None:
+    """A grow the supervisor never answers may have started workers on the added GPU:
+    the brain holds it through the revert, and, the revert unanswered too, for good."""
+    brain = await brain_factory(resize_timeout_s=1.0)
+    await eventually(lambda: brain.state.nodes)
+    job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=3))
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
+    await node.started(job)
+    await node.progress(job_id, 2, 100.0, attempt=job.attempt)
+    await eventually(lambda: brain.progress.heard_from(job_id))
+    before = held(brain, job_id)
+    reply = await resize(brain, job_id, 3)
+    assert isinstance(reply, JobReply) and reply.job.resize is not None
+    grown = held(brain, job_id)
+    reverting = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).resize is not None and j.resize.reverting and j
+    )
+    assert held(brain, job_id) == grown and "no answer" in (reverting.reason or "")
+    revert = await eventually(lambda: node.resize_for(f"{reply.job.resize.command_id}-revert"))
+    assert (revert.world_size, revert.gpus) == (2, before)
+    given_up = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+    assert given_up.grants[0].gpus == grown
+    assert "keeps GPUs" in (given_up.reason or "")
+    assert not any(c.command_id.endswith("-revert-revert") for c in node.job_commands)
 
 
 async def test_a_new_leader_continues_a_staged_resize(brain_factory, node: FakeNode) -> None:
