@@ -463,7 +463,11 @@ async def cmd_brain(args: argparse.Namespace) -> int:
     from bus.client import Bus, ConnectOptions
 
     config = BrainConfig(
-        policy=Policy(order=args.policy, elasticity=args.elasticity).validate(),
+        policy=Policy(
+            order=args.policy,
+            elasticity=args.elasticity,
+            elastic_resize_interval_s=args.elastic_resize_interval,
+        ).validate(),
         node_timeout_s=args.node_timeout,
         lease_ttl_s=args.lease_ttl,
         launch_ttl_s=args.launch_ttl,
@@ -714,6 +718,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how elastic jobs are sized: marginal-gain (grow into idle GPUs by observed "
         "throughput, shrink when jobs wait), linear, or none (they keep the size they "
         "asked for; resize by hand); default marginal-gain",
+    )
+    p.add_argument(
+        "--elastic-resize-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="resize running elastic jobs only in rounds this far apart (0, the default: "
+        "at every scheduling pass); rounds pay when a resize costs more than the wait",
     )
     p.add_argument(
         "--queues",

@@ -75,6 +75,14 @@ def add_up_parser(sub: Any) -> None:
         help="how the brains size elastic jobs: marginal-gain, linear or none",
     )
     p.add_argument(
+        "--elastic-resize-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="resize running elastic jobs only in rounds this far apart (0, the default: "
+        "at every scheduling pass); rounds pay when a resize costs more than the wait",
+    )
+    p.add_argument(
         "--queues",
         metavar="FILE",
         help="queue quotas (YAML: name, guaranteed_gpus, class build|train), for the brains",
@@ -401,6 +409,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             [
                 *[*me, "brain", "--nats", nats_urls, "--policy", args.policy, *queues],
                 *["--elasticity", args.elasticity],
+                *["--elastic-resize-interval", str(args.elastic_resize_interval)],
                 *(["--replicas", str(CLUSTER_REPLICAS)] if args.cluster else []),
                 *["--history", str(home / "brain" / f"history-{i + 1}.db")],
                 *(["--nkey", keys.brains[i]] if keys else []),

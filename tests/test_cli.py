@@ -151,3 +151,20 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
         await reader
     assert up.returncode == 0, "".join(output[-30:])
     assert not (Path(cli_env["ALNAIR_HOME"]) / "cluster.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--elastic-resize-interval", "-1"], "the elastic resize interval cannot be negative"),
+        (["--elasticity", "bogus"], "unknown elasticity policy 'bogus'; known: linear"),
+    ],
+)
+async def test_brain_refuses_a_bad_elasticity_setting_by_name(
+    flags: list[str], words: str, tmp_path: Path
+) -> None:
+    env = {**os.environ, "ALNAIR_HOME": str(tmp_path)}
+    # Checked before it connects anywhere: the address is never dialled.
+    code, _, err = await alnair("brain", "--nats", "nats://127.0.0.1:1", *flags, env=env)
+    assert code == 1
+    assert words in err
