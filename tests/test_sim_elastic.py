@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +13,10 @@ import pytest
 
 from brain.core import ClusterSnapshot, Decisions, Grant, Policy, Resize, decide
 from brain.sim import SimConfig, SimulationError, TraceJob, cli, parse_cluster, simulate, summarize
+from brain.sim.engine import SpeedCurve
 from brain.sim.pollux import (
+    ADAPTIVE_GRID,
+    BATCH_SCALINGS,
     ElasticRange,
     PolluxScaling,
     load_apps,
@@ -87,7 +92,7 @@ def test_measured_speed_depends_on_size_and_nodes() -> None:
 
 
 @needs_data
-@pytest.mark.parametrize("batch", ["global", "local"])
+@pytest.mark.parametrize("batch", BATCH_SCALINGS)
 def test_elastic_replay_finishes_every_job_and_resizes(tmp_path: Path, batch: str) -> None:
     apps = load_apps(APPS)
     jobs = load_pollux_workload(workload(tmp_path), apps, gpus_per_node=4)
@@ -187,3 +192,144 @@ def test_cli_rejects_an_unknown_elasticity(
     assert "unknown elasticity policy 'greedy'" in capsys.readouterr().err
     assert cli.run(parse("--trace", str(path), "--cluster", "2x4", "--apps", str(tmp_path))) == 2
     assert "no application directories" in capsys.readouterr().err
+
+
+# (application, requested GPUs, batch) of jobs like the workloads' own.
+ADAPTIVE_JOBS = (
+    ("cifar10", 4, 4096),
+    ("cifar10", 6, 2048),
+    ("bert", 6, 384),
+    ("deepspeech2", 6, 320),
+    ("imagenet", 16, 6400),
+    ("yolov3", 4, 64),
+    ("ncf", 1, 32768),
+)
+PLACEMENTS = ((1,), (2,), (4,), (2, 2), (4, 4), (4, 2), (4, 4, 4, 4))
+
+
+@needs_data
+def test_adaptive_batch_is_never_slower_than_a_kept_batch() -> None:
+    apps = load_apps(APPS)
+    modes = {mode: PolluxScaling(apps, 4, batch=mode) for mode in BATCH_SCALINGS}
+    for app, gpus, batch in ADAPTIVE_JOBS:
+        job = TraceJob("x", gpus, 0.0, 1.0, model_name=app, batch_size=batch)
+        for per_node in PLACEMENTS:
+            speed = {mode: scaling.speed(job, per_node) for mode, scaling in modes.items()}
+            kept = max(speed["global"], speed["local"])
+            assert speed["adaptive"] >= kept * (1 - 1e-12), (app, per_node, speed)
+            # Re-choosing per epoch too can only do better again.
+            assert speed["adaptive-epoch"] >= speed["adaptive"] * (1 - 1e-12), (app, per_node)
+        # At the size it asked for it runs its own batch or a better one.
+        requested = packed(gpus, 4)
+        assert modes["adaptive"].speed(job, requested) >= 1.0
+        chosen = modes["adaptive"].batch_on(job, requested)
+        spec = apps[app]
+        assert spec.init_batch_size <= chosen <= spec.max_batch_size
+        own = spec.iterations(batch) * spec.iteration_time(requested, batch)
+        best = spec.iterations(chosen) * spec.iteration_time(requested, chosen)
+        assert best <= own
+        assert chosen == batch or best < own
+
+
+@needs_data
+def test_adaptive_batch_picks_from_a_geometric_grid_and_its_own_batch() -> None:
+    app = load_apps(APPS)["cifar10"]
+    grid = app.batch_candidates(4, 4096, 1000)
+    assert list(grid) == sorted(set(grid))
+    assert {4096, 1000, app.init_batch_size, app.max_batch_size} <= set(grid)
+    assert len(grid) <= ADAPTIVE_GRID + 2
+    assert all(app.init_batch_size <= b <= app.max_batch_size for b in grid)
+    # Roughly geometric: consecutive steps grow by a bounded ratio.
+    assert max(b / a for a, b in itertools.pairwise(grid)) < 1.2
+    # The best batch: the smallest time to train among the candidates.
+    batch, seconds = app.best_batch((4,), grid)
+    assert seconds == min(app.iterations(b) * app.iteration_time((4,), b) for b in grid)
+    assert seconds == app.iterations(batch) * app.iteration_time((4,), batch)
+
+
+@needs_data
+def test_adaptive_throughput_is_goodput_consistent_with_speed() -> None:
+    apps = load_apps(APPS)
+    job = TraceJob("x", 4, 0.0, 1.0, model_name="cifar10", batch_size=4096)
+    for mode in ("adaptive", "adaptive-epoch"):
+        scaling = PolluxScaling(apps, 4, batch=mode)
+        # The stage ranks by ratios between sizes: those must be the speed's ratios.
+        for small, large in (((2,), (4,)), ((4,), (4, 4)), ((1,), (4, 2))):
+            assert scaling.throughput(job, large) / scaling.throughput(job, small) == (
+                pytest.approx(scaling.speed(job, large) / scaling.speed(job, small))
+            )
+    # Keeping the batch, the reports stay samples/s (what the other rows measured).
+    samples = PolluxScaling(apps, 4, batch="local")
+    assert samples.throughput(job, (2,)) == pytest.approx(2048 / samples.iteration_time(job, (2,)))
+
+
+@needs_data
+def test_adaptive_modes_are_deterministic(tmp_path: Path) -> None:
+    apps = load_apps(APPS)
+    job = TraceJob("x", 6, 0.0, 1.0, model_name="deepspeech2", batch_size=320)
+    for mode in ("adaptive", "adaptive-epoch"):
+        one = PolluxScaling(apps, 4, batch=mode)
+        two = PolluxScaling(load_apps(APPS), 4, batch=mode)
+        for per_node in PLACEMENTS:
+            assert one.epoch_batches(job, per_node) == two.epoch_batches(job, per_node)
+            assert one.speed(job, per_node) == two.speed(job, per_node)
+    # Per epoch, the batch grows as the gradient noise does (small early, larger late).
+    batches = PolluxScaling(apps, 4, batch="adaptive-epoch").epoch_batches(job, (4, 2))
+    assert batches[0] < batches[-1]
+    jobs = load_pollux_workload(workload(tmp_path), apps, gpus_per_node=4)
+    config = SimConfig(
+        ELASTIC,
+        parse_cluster("2x4"),
+        scaling=PolluxScaling(apps, 4, batch="adaptive-epoch"),
+        resize_cost_s=30.0,
+        start_cost_s=30.0,
+        preemption_cost_s=30.0,
+    )
+    assert simulate(jobs, config) == simulate(jobs, config)
+
+
+def test_a_speed_curve_is_integrated_exactly() -> None:
+    # 60 s of work: 10 at speed 1, 20 at speed 2, 30 at speed 3 (a zero phase dropped).
+    curve = SpeedCurve.of([(10.0, 1.0), (0.0, 5.0), (20.0, 2.0), (30.0, 3.0)])
+    assert curve.floors == (50.0, 30.0, 0.0)
+    assert curve.seconds_to_finish(60.0) == pytest.approx(30.0)
+    assert curve.run(60.0, 15.0) == pytest.approx(40.0)
+    assert curve.run(60.0, 30.0) == pytest.approx(0.0)
+    # Work redone after a preemption runs at the first phase's speed.
+    assert curve.seconds_to_finish(70.0) == pytest.approx(40.0)
+    with pytest.raises(ValueError, match="positive speeds"):
+        SpeedCurve.of([(10.0, 0.0)])
+
+    class Phased:
+        def speed(self, job: TraceJob, per_node: Sequence[int]) -> float:
+            return 60.0 / 30.0
+
+        def throughput(self, job: TraceJob, per_node: Sequence[int]) -> float:
+            return 1.0
+
+        def speed_curve(self, job: TraceJob, per_node: Sequence[int]) -> SpeedCurve:
+            return curve
+
+    job = TraceJob("1", 1, 0.0, 60.0)
+    config = SimConfig(STATIC, parse_cluster("1x1"), scaling=Phased(), start_cost_s=5.0)
+    (outcome,) = simulate((job,), config).outcomes
+    assert outcome.jct == pytest.approx(35.0)
+
+
+@needs_data
+def test_cli_runs_the_adaptive_modes_and_rejects_an_unknown_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = workload(tmp_path)
+    common = ("--trace", str(path), "--cluster", "2x4", "--apps", str(APPS), "--json")
+    elastic = ("--policy", "las+marginal-gain", "--resize-cost", "30")
+    for mode in ("adaptive", "adaptive-epoch"):
+        assert cli.run(parse(*common, *elastic, "--batch", mode)) == 0
+        assert json.loads(capsys.readouterr().out)["jobs"] == 6
+    with pytest.raises(SystemExit) as exited:
+        parse(*common, "--batch", "goodput")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--batch: invalid choice: 'goodput'" in err and "adaptive" in err
+    with pytest.raises(ValueError, match="batch must be one of"):
+        PolluxScaling({}, 4, batch="goodput")  # type: ignore[arg-type]

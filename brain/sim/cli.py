@@ -29,6 +29,7 @@ from brain.queues import QueueConfigError, checked, load_queues, parse_quota
 from brain.queues import describe as describe_queues
 from brain.sim.engine import Scaling, SimConfig, simulate
 from brain.sim.pollux import (
+    BATCH_SCALINGS,
     PolluxScaling,
     default_apps_dir,
     is_pollux_workload,
@@ -163,10 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     elastic.add_argument(
         "--batch",
-        choices=("global", "local"),
+        choices=BATCH_SCALINGS,
         default="global",
-        help="what a resize keeps: the global batch (default) or each worker's batch "
-        "(Horovod elastic's usual setup: the global batch follows the world size)",
+        help="what a resize does to the batch: keep the global batch (default); keep "
+        "each worker's batch (Horovod elastic's usual setup: the global batch follows "
+        "the world size); adaptive: re-choose it for the best goodput on each "
+        "allocation (Pollux/AdaptDL); adaptive-epoch: and at every epoch",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(

@@ -12,16 +12,19 @@ simulated; a decision the cluster cannot carry out is a bug and raises.
 Like Tiresias' simulator, a job runs at the speed of its trace duration wherever it
 is placed, unless the config carries a `Scaling` model (Pollux's measured step times,
 brain/sim/pollux.py): then a job's speed depends on how many GPUs it holds on how many
-nodes, and an elastic job reports the throughput it saw at each size it ran at.
+nodes, and an elastic job reports the throughput it saw at each size it ran at. A
+model may also make a job's speed change as its work goes on (a `SpeedCurve`: a job
+that re-chooses its batch size per epoch); the engine then integrates it exactly.
 """
 
 from __future__ import annotations
 
+import bisect
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from brain.core import (
     DEFAULT_SERVICE_PRIOR,
@@ -68,6 +71,66 @@ class Scaling(Protocol):
 
     def throughput(self, job: TraceJob, per_node: Sequence[int]) -> float:
         """What the job's progress reports say there (samples/s, whole job)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedCurve:
+    """A speed that changes with the work left (trace seconds): `speeds[i]` applies
+    while the work left is above `floors[i]` (and at or below `floors[i - 1]`). Floors
+    descend to 0; the first speed also applies above the first floor (work redone
+    after a preemption). `tails[i]`: seconds to go from `floors[i]` to done."""
+
+    floors: tuple[float, ...]
+    speeds: tuple[float, ...]
+    tails: tuple[float, ...]
+
+    @classmethod
+    def of(cls, phases: Sequence[tuple[float, float]]) -> SpeedCurve:
+        """From (trace seconds of work, speed) per phase, in the order they run;
+        phases with no work are dropped."""
+        kept = [(work, speed) for work, speed in phases if work > 0]
+        if not kept or any(speed <= 0 for _, speed in kept):
+            raise ValueError("a speed curve needs work, and positive speeds")
+        floors = [0.0] * len(kept)
+        tails = [0.0] * len(kept)
+        for i in range(len(kept) - 2, -1, -1):
+            work, speed = kept[i + 1]
+            floors[i] = floors[i + 1] + work
+            tails[i] = tails[i + 1] + work / speed
+        return cls(tuple(floors), tuple(speed for _, speed in kept), tuple(tails))
+
+    def _phase(self, left: float) -> int:
+        """The phase that runs with `left` trace seconds of work to do."""
+        # First phase whose floor is below `left` (floors descend: bisect negated).
+        i = bisect.bisect_right(self.floors, -left, key=lambda floor: -floor)
+        return min(i, len(self.floors) - 1)
+
+    def speed_at(self, left: float) -> float:
+        return self.speeds[self._phase(left)]
+
+    def seconds_to_finish(self, left: float) -> float:
+        i = self._phase(left)
+        return max(left - self.floors[i], 0.0) / self.speeds[i] + self.tails[i]
+
+    def run(self, left: float, seconds: float) -> float:
+        """Work left after running `seconds` from `left`."""
+        while seconds > 0 and left > 0:
+            i = self._phase(left)
+            to_floor = (left - self.floors[i]) / self.speeds[i]
+            if to_floor >= seconds or i == len(self.floors) - 1:
+                return left - self.speeds[i] * seconds
+            left = self.floors[i]
+            seconds -= to_floor
+        return left
+
+
+@runtime_checkable
+class CurvedScaling(Scaling, Protocol):
+    """A `Scaling` whose speed on a placement may change as the job's work goes on."""
+
+    def speed_curve(self, job: TraceJob, per_node: Sequence[int]) -> SpeedCurve | None:
+        """The job's speed there by work left, or None: `speed` throughout."""
         ...
 
 
@@ -142,6 +205,8 @@ class _Job:
     # progress still owed (start or resize cost).
     speed: float = 1.0
     stall_s: float = 0.0
+    # Set: the speed changes with the work left (`speed` is the current one).
+    curve: SpeedCurve | None = None
     # Throughput the job reported at each size it ran at (elastic jobs only), and the
     # report still to come for its current size: (when, size, samples/s).
     observed: dict[int, float] = field(default_factory=dict)
@@ -226,7 +291,14 @@ class _Replay:
         if self.next_arrival < len(self.jobs):
             candidates.append(self.jobs[self.next_arrival].spec.submit_time)
         candidates.extend(
-            self.now + job.stall_s + job.remaining_s / job.speed for job in self.running.values()
+            self.now
+            + job.stall_s
+            + (
+                job.remaining_s / job.speed
+                if job.curve is None
+                else job.curve.seconds_to_finish(job.remaining_s)
+            )
+            for job in self.running.values()
         )
         if self.wake_at is not None and self.wake_at > self.now:
             candidates.append(self.wake_at)
@@ -252,7 +324,11 @@ class _Replay:
                 job.executed_s += elapsed
                 stalled = min(job.stall_s, elapsed)
                 job.stall_s -= stalled
-                job.remaining_s -= job.speed * (elapsed - stalled)
+                if job.curve is None:
+                    job.remaining_s -= job.speed * (elapsed - stalled)
+                else:
+                    job.remaining_s = job.curve.run(job.remaining_s, elapsed - stalled)
+                    job.speed = job.curve.speed_at(job.remaining_s)
         self.now = to
 
     # -- events ----------------------------------------------------------------------
@@ -428,10 +504,17 @@ class _Replay:
     def _set_speed(self, job: _Job) -> None:
         per_node = [len(g.gpus) for g in job.grants]
         scaling = self.config.scaling or LINEAR_SCALING
-        job.speed = scaling.speed(job.spec, per_node)
+        job.curve = (
+            scaling.speed_curve(job.spec, per_node) if isinstance(scaling, CurvedScaling) else None
+        )
+        if job.curve is None:
+            job.speed = scaling.speed(job.spec, per_node)
+        else:
+            job.speed = job.curve.speed_at(job.remaining_s)
         if job.spec.elastic:
-            # Its supervisor reports the samples/s at this size once it has stepped
-            # there a while; the policy reads it from `JobView.throughput`.
+            # Its supervisor reports the samples/s (a batch-adapting job: its goodput)
+            # at this size once it has stepped there a while; the policy reads it from
+            # `JobView.throughput`.
             when = self.now + job.stall_s + self.config.throughput_report_after_s
             job.report = (when, job.size, scaling.throughput(job.spec, per_node))
 

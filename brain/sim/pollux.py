@@ -18,9 +18,11 @@ A placement the artifact measured (up to 4 nodes of up to 4 GPUs) is interpolate
 along the local batch size; any other is interpolated piecewise-linearly over the grid
 of (nodes, replicas) the artifact measured (its `scalability.csv`, 6-16 nodes). The
 artifact uses scipy's `LinearNDInterpolator` there; this module does without scipy, so
-off-grid numbers differ slightly. The batch size stays fixed on a resize (as in
-Horovod elastic with a constant global batch): Pollux's own batch-size adaptation is
-deliberately not modelled.
+off-grid numbers differ slightly. What a resize does to the batch is
+`PolluxScaling`'s `batch`: kept (as Horovod elastic with a constant global batch),
+following the world size (each worker's batch kept), or re-chosen for the best
+goodput at every allocation (Pollux's/AdaptDL's adaptation: one batch per
+allocation, or per allocation and epoch).
 
 No policy code lives here; the engine asks `PolluxScaling` for speeds.
 """
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal, TypeVar
 
+from brain.sim.engine import SpeedCurve
 from brain.sim.trace import TraceError, TraceJob
 
 POLLUX_COLUMNS: Final = ("name", "time", "application", "num_replicas", "batch_size")
@@ -55,6 +58,9 @@ SINGLE_GPU_APPS: Final = frozenset({"ncf"})
 # The artifact's simulator handles at most 64 replicas and 16 nodes of measurements.
 MAX_REPLICAS: Final = 64
 MAX_MEASURED_NODES: Final = 16
+# Batch sizes an adaptive job tries at each allocation, geometrically spaced between
+# its smallest and largest batch (AdaptDL's `np.geomspace` default).
+ADAPTIVE_GRID: Final = 50
 
 # (local batch, step time, sync time), sorted by local batch.
 _Curve = tuple[tuple[float, float, float], ...]
@@ -125,6 +131,7 @@ class PolluxApp:
     grid: dict[tuple[int, int], _Curve]
     validation: tuple[_Epochs, ...]
     _iterations: dict[int, float] = field(default_factory=dict)
+    _epoch_steps: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def step_and_sync(self, per_node: Sequence[int], local_bsz: float) -> tuple[float, float]:
         key = normalize_placement(per_node)
@@ -150,10 +157,9 @@ class PolluxApp:
             return at_lo
         return _lerp(at_lo, _interp_curve(self.grid[nodes, hi], local_bsz), w)
 
-    def iteration_time(self, per_node: Sequence[int], batch_size: int) -> float:
-        """Seconds per optimizer step of a `batch_size` job on this placement: the
-        artifact's local-batch split with gradient accumulation, for a fixed batch."""
-        replicas = sum(per_node)
+    def local_split(self, replicas: int, batch_size: int) -> tuple[int, int]:
+        """(atomic local batch, accumulation steps) of a `batch_size` job on `replicas`
+        GPUs: the artifact's split (`Job.update_local_bsz` for a fixed batch)."""
         local_bsz = math.ceil(batch_size / replicas - 1e-8)
         accum_steps = math.ceil(local_bsz / self.max_local_bsz - 1e-8) - 1
         if replicas == 1 and batch_size > self.init_batch_size:
@@ -161,8 +167,44 @@ class PolluxApp:
             accum_steps = max(1, accum_steps)
         atomic_bsz = math.ceil(local_bsz / (accum_steps + 1) - 1e-8)
         atomic_bsz = min(atomic_bsz, int(self.max_batch_size / (replicas * (accum_steps + 1))))
+        return atomic_bsz, accum_steps
+
+    def iteration_time(self, per_node: Sequence[int], batch_size: int) -> float:
+        """Seconds per optimizer step of a `batch_size` job on this placement: the
+        artifact's local-batch split with gradient accumulation, for a fixed batch."""
+        atomic_bsz, accum_steps = self.local_split(sum(per_node), batch_size)
         step, sync = self.step_and_sync(per_node, atomic_bsz)
         return step + accum_steps * (step - sync)
+
+    def batch_candidates(self, replicas: int, *extra: int) -> tuple[int, ...]:
+        """The global batches an adaptive job considers on `replicas` GPUs, ascending:
+        `ADAPTIVE_GRID` geometric steps from max(init batch, smallest measured local
+        batch x replicas) to the application's largest batch (as AdaptDL's
+        `GoodputFunction.optimize` samples them, rounded to whole samples), dropping
+        those whose atomic local batch falls below the smallest measured one, plus
+        `extra` (the job's own batch, ...) clamped to [init batch, largest batch]."""
+        low = min(max(self.init_batch_size, self.min_local_bsz * replicas), self.max_batch_size)
+        high = self.max_batch_size
+        ratio = (high / low) ** (1.0 / (ADAPTIVE_GRID - 1)) if high > low else 1.0
+        grid = {round(low * ratio**i) for i in range(ADAPTIVE_GRID)}
+        grid = {b for b in grid if self.local_split(replicas, b)[0] >= self.min_local_bsz}
+        grid.add(low)
+        grid.update(min(max(b, self.init_batch_size), high) for b in extra)
+        return tuple(sorted(grid))
+
+    def best_batch(self, per_node: Sequence[int], candidates: Iterable[int]) -> tuple[int, float]:
+        """(batch, seconds to train the whole job) minimising iterations(batch) x
+        iteration_time(placement, batch) among `candidates`; ties go to the smaller
+        batch. Statistical efficiency is averaged over the whole run (one batch per
+        placement, not one per epoch)."""
+        best: tuple[int, float] | None = None
+        for batch in sorted(set(candidates)):
+            seconds = self.iterations(batch) * self.iteration_time(per_node, batch)
+            if best is None or seconds < best[1]:
+                best = (batch, seconds)
+        if best is None:
+            raise ValueError("no candidate batch sizes")
+        return best
 
     def iterations(self, batch_size: int) -> float:
         """Optimizer steps to train `max_epochs` at `batch_size`: each epoch's progress
@@ -171,17 +213,28 @@ class PolluxApp:
         cached = self._iterations.get(batch_size)
         if cached is not None:
             return cached
-        scale = batch_size / self.init_batch_size
         total = 0.0
+        for steps in self.epoch_steps(batch_size):
+            total += steps
+        self._iterations[batch_size] = total
+        return total
+
+    def epoch_steps(self, batch_size: int) -> tuple[float, ...]:
+        """Optimizer steps each epoch takes at `batch_size` (their sum: `iterations`)."""
+        cached = self._epoch_steps.get(batch_size)
+        if cached is not None:
+            return cached
+        scale = batch_size / self.init_batch_size
+        steps: list[float] = []
         previous = 0.0
         for epoch in range(self.max_epochs):
             target = min(v.progress[epoch] for v in self.validation)
             sqr, var = self._grad_stats(batch_size, epoch)
             gain = (var + sqr) / (var / scale + sqr)
-            total += (target - previous) / gain
+            steps.append((target - previous) / gain)
             previous = target
-        self._iterations[batch_size] = total
-        return total
+        self._epoch_steps[batch_size] = tuple(steps)
+        return self._epoch_steps[batch_size]
 
     def _grad_stats(self, batch_size: int, epoch: int) -> tuple[float, float]:
         sizes = [v.batch_size for v in self.validation]
@@ -335,13 +388,25 @@ class ElasticRange:
         return min(self.min_gpus, requested), most
 
 
-BatchScaling = Literal["global", "local"]
+BatchScaling = Literal["global", "local", "adaptive", "adaptive-epoch"]
+BATCH_SCALINGS: Final[tuple[BatchScaling, ...]] = ("global", "local", "adaptive", "adaptive-epoch")
+
+
+@dataclass(frozen=True, slots=True)
+class _Phased:
+    """An adaptive-epoch job on one placement: its batch per epoch, its speed by work
+    left, and the seconds it takes there from start to finish."""
+
+    batches: tuple[int, ...]
+    curve: SpeedCurve
+    seconds: float
 
 
 class PolluxScaling:
     """The engine's speed model for Pollux jobs: how fast a job runs on a placement,
-    relative to its trace duration (its requested size, packed), and the throughput
-    (samples/s) its progress reports would show there.
+    relative to its trace duration (its requested size, packed, at its own batch), and
+    the throughput its progress reports would show there (what the elasticity stage
+    ranks marginal gains by).
 
     `batch` says what a resize does to the batch: "global" keeps the job's global batch
     (each worker's share changes), "local" keeps each worker's batch, so the global
@@ -349,16 +414,43 @@ class PolluxScaling:
     rescaled). With "local" a job trained on fewer GPUs uses a smaller batch and needs
     fewer samples (Pollux's statistical efficiency), on more GPUs the opposite; its
     work at each size is the iterations its batch needs there, as if it ran there
-    throughout. A job at the size it asked for runs the same under both.
+    throughout. A job at the size it asked for runs the same under both, and its
+    reports show samples/s.
+
+    "adaptive" is Pollux's (AdaptDL's) batch-size adaptation: at every allocation the
+    job trains with the global batch that minimises its time to train there,
+    iterations(batch) x iteration_time(placement, batch), among `batch_candidates`
+    (a geometric grid from the initial to the largest batch, plus the job's own batch
+    and the batch "local" would use), with the artifact's local-batch split and
+    gradient accumulation. So it is never slower than "global" or "local" on the same
+    placement, and may beat its own batch even at its requested size. Its reports show
+    goodput, not samples/s: samples per second at the initial batch's statistical
+    efficiency (AdaptDL's goodput, averaged over the run), so a GPU that only buys a
+    bigger, less sample-efficient batch does not look like a gain. It models a job
+    that changes its batch on every resize; one batch per placement for the whole
+    run (not re-chosen per epoch as AdaptDL does as the gradient noise grows).
+
+    "adaptive-epoch" re-chooses the batch at every epoch too (among the same
+    candidates, minimising that epoch's steps x iteration time), as the artifact's
+    simulator re-optimises between epochs: small batches early, larger ones as the
+    gradient noise grows. Its speed then changes with the work done (`speed_curve`,
+    integrated by the engine); `speed` and the reported goodput are the averages over
+    a whole run on the placement, so sizes observed at different points of training
+    compare as AdaptDL's model compares them, at the same statistics.
     """
 
     def __init__(
         self, apps: dict[str, PolluxApp], gpus_per_node: int, *, batch: BatchScaling = "global"
     ) -> None:
+        if batch not in BATCH_SCALINGS:
+            raise ValueError(f"batch must be one of {', '.join(BATCH_SCALINGS)}, not {batch!r}")
         self._apps = apps
         self._gpus_per_node = gpus_per_node
         self._batch = batch
         self._times: dict[tuple[str, int, str], float] = {}
+        # Adaptive: (application, own batch, requested GPUs, placement) -> (batch, s).
+        self._best: dict[tuple[str, int, int, str], tuple[int, float]] = {}
+        self._phased: dict[tuple[str, int, int, str], _Phased] = {}
 
     def app(self, job: TraceJob) -> PolluxApp:
         app = self._apps.get(job.model_name)
@@ -366,17 +458,88 @@ class PolluxScaling:
             raise TraceError(f"job {job.job_id}: no scaling data for {job.model_name!r}")
         return app
 
-    def batch_at(self, job: TraceJob, size: int) -> int:
-        """The job's global batch on `size` GPUs."""
+    def _local_batch(self, job: TraceJob, size: int) -> int:
+        """The global batch on `size` GPUs when each worker keeps its batch."""
         batch = job.batch_size or 0
-        if self._batch == "global" or size == job.gpus:
+        if size == job.gpus:
             return batch
         app = self.app(job)
         scaled = round(batch * size / job.gpus)
         return min(max(scaled, app.init_batch_size), app.max_batch_size)
 
-    def iteration_time(self, job: TraceJob, per_node: Sequence[int]) -> float:
-        batch = self.batch_at(job, sum(per_node))
+    def batch_at(self, job: TraceJob, size: int) -> int:
+        """The job's global batch on `size` GPUs (adaptive: packed on full nodes)."""
+        if self._batch in ("adaptive", "adaptive-epoch"):
+            return self.batch_on(job, packed(size, self._gpus_per_node))
+        if self._batch == "global":
+            return job.batch_size or 0
+        return self._local_batch(job, size)
+
+    def batch_on(self, job: TraceJob, per_node: Sequence[int]) -> int:
+        """The job's global batch on this placement (adaptive-epoch: in its first
+        epoch; `epoch_batches` has them all)."""
+        if self._batch == "adaptive":
+            return self._adaptive(job, per_node)[0]
+        if self._batch == "adaptive-epoch":
+            return self._phases(job, per_node).batches[0]
+        return self.batch_at(job, sum(per_node))
+
+    def epoch_batches(self, job: TraceJob, per_node: Sequence[int]) -> tuple[int, ...]:
+        """The job's global batch in each epoch on this placement."""
+        if self._batch == "adaptive-epoch":
+            return self._phases(job, per_node).batches
+        return (self.batch_on(job, per_node),) * self.app(job).max_epochs
+
+    def _adaptive(self, job: TraceJob, per_node: Sequence[int]) -> tuple[int, float]:
+        """(batch, seconds to train the whole job) of the best batch on this placement."""
+        size = sum(per_node)
+        own = job.batch_size or 0
+        key = (job.model_name, own, job.gpus, normalize_placement(per_node))
+        cached = self._best.get(key)
+        if cached is None:
+            app = self.app(job)
+            candidates = app.batch_candidates(size, own, self._local_batch(job, size))
+            cached = app.best_batch(tuple(c for c in per_node if c > 0), candidates)
+            self._best[key] = cached
+        return cached
+
+    def _phases(self, job: TraceJob, per_node: Sequence[int]) -> _Phased:
+        size = sum(per_node)
+        own = job.batch_size or 0
+        key = (job.model_name, own, job.gpus, normalize_placement(per_node))
+        cached = self._phased.get(key)
+        if cached is not None:
+            return cached
+        app = self.app(job)
+        candidates = app.batch_candidates(size, own, self._local_batch(job, size))
+        times = {b: self._fixed_time(job, per_node, b) for b in candidates}
+        steps = {b: app.epoch_steps(b) for b in candidates}
+        # An epoch's work in trace seconds: its steps at the job's own batch, at the
+        # reference placement.
+        reference = self.reference_time(job)
+        own_steps = app.epoch_steps(own)
+        batches: list[int] = []
+        phases: list[tuple[float, float]] = []
+        total = 0.0
+        for epoch in range(app.max_epochs):
+            batch = min(candidates, key=lambda b: (steps[b][epoch] * times[b], b))
+            seconds = steps[batch][epoch] * times[batch]
+            work = own_steps[epoch] * reference
+            batches.append(batch)
+            if work > 0 and seconds > 0:
+                phases.append((work, work / seconds))
+            total += seconds
+        cached = _Phased(tuple(batches), SpeedCurve.of(phases), total)
+        self._phased[key] = cached
+        return cached
+
+    def speed_curve(self, job: TraceJob, per_node: Sequence[int]) -> SpeedCurve | None:
+        """adaptive-epoch: the speed there by work left; other modes: None (`speed`)."""
+        if self._batch != "adaptive-epoch":
+            return None
+        return self._phases(job, per_node).curve
+
+    def _fixed_time(self, job: TraceJob, per_node: Sequence[int], batch: int) -> float:
         key = (job.model_name, batch, normalize_placement(per_node))
         cached = self._times.get(key)
         if cached is None:
@@ -384,21 +547,35 @@ class PolluxScaling:
             self._times[key] = cached
         return cached
 
+    def iteration_time(self, job: TraceJob, per_node: Sequence[int]) -> float:
+        return self._fixed_time(job, per_node, self.batch_on(job, per_node))
+
     def _run_time(self, job: TraceJob, per_node: Sequence[int]) -> float:
         """Seconds to train the whole job on this placement."""
+        if self._batch == "adaptive":
+            return self._adaptive(job, per_node)[1]
+        if self._batch == "adaptive-epoch":
+            return self._phases(job, per_node).seconds
         iterations = self.app(job).iterations(self.batch_at(job, sum(per_node)))
         return iterations * self.iteration_time(job, per_node)
 
     def reference_time(self, job: TraceJob) -> float:
-        return self.iteration_time(job, packed(job.gpus, self._gpus_per_node))
+        """Seconds per step at the job's requested size, packed, at its own batch."""
+        return self._fixed_time(job, packed(job.gpus, self._gpus_per_node), job.batch_size or 0)
 
     def speed(self, job: TraceJob, per_node: Sequence[int]) -> float:
         if self._batch == "global":
             return self.reference_time(job) / self.iteration_time(job, per_node)
-        reference = self._run_time(job, packed(job.gpus, self._gpus_per_node))
+        # The trace duration: its own batch, at its requested size, packed.
+        reference = self.app(job).iterations(job.batch_size or 0) * self.reference_time(job)
         return reference / self._run_time(job, per_node)
 
     def throughput(self, job: TraceJob, per_node: Sequence[int]) -> float:
+        if self._batch in ("adaptive", "adaptive-epoch"):
+            app = self.app(job)
+            # Progress to make, in samples at the initial batch (whose gain is 1).
+            useful = app.init_batch_size * app.iterations(app.init_batch_size)
+            return useful / self._run_time(job, per_node)
         return self.batch_at(job, sum(per_node)) / self.iteration_time(job, per_node)
 
 
