@@ -272,7 +272,7 @@ async def test_stale_epoch_and_duplicate_commands_are_refused(
 async def test_sigkilled_worker_recovers_from_last_commit(
     bus: Bus, watch: Watch, start_job: Callable[..., Job]
 ) -> None:
-    job = start_job("el3", np=2)
+    job = start_job("el3", np=2, gpus="0,1")
     first = await eventually(lambda: watch.stepping_at(2), timeout_s=60)
     await eventually(lambda: (watch.latest() or first).step >= first.step + 10)
     victim = max(first.workers, key=lambda w: w.rank)
@@ -287,6 +287,8 @@ async def test_sigkilled_worker_recovers_from_last_commit(
         return now if victim.pid not in {w.pid for w in now.workers} else None
 
     back = await eventually(recovered, timeout_s=40)
+    # The kernel freed the killed worker's GPU; its replacement claimed that one.
+    assert sorted(w.gpu for w in back.workers) == [0, 1]  # type: ignore[type-var]
     # The job itself never restarted: the same supervisor and horovodrun run on, from
     # the last commit (a commit every 5 steps), not from the start.
     assert job.process.poll() is None
