@@ -400,7 +400,11 @@ async def test_elastic_horovod_job_resized_through_the_brain(
         )
         assert done.gpu_count == size, done.reason
         assert (done.reason or "").startswith(f"resized {len(staged.from_gpus)} -> {size}")
-        assert brain._free_on("n1") == set(range(4)) - set(staged.to_gpus)
+        # A grow keeps what it staged; a shrink keeps the GPU of the worker Horovod kept
+        # (each worker claimed one), which need not be the brain's lowest-numbered pick.
+        kept = set(done.grants[0].gpus)
+        assert kept == set(staged.to_gpus) if size > len(staged.from_gpus) else kept <= union
+        assert brain._free_on("n1") == set(range(4)) - kept
         # The agent's books follow (which launches would collide with the job).
         await eventually(lambda: agent.launcher.find(job_id)[0].gpus == held(brain, job_id))
         await eventually(lambda s=size: brain.progress.world_size(job_id) == s, timeout_s=30)
@@ -415,6 +419,8 @@ async def test_elastic_horovod_job_resized_through_the_brain(
         (True, 2, 3, 0),
         (True, 3, 1, 2),
     ]
+    # The supervisor said which GPUs its workers held, and the brain committed those.
+    assert [len(a.gpus) for a in answers] == [3, 1]
     sizes = [
         (r.cause.kind, r.job.gpu_count)
         for r in records
