@@ -66,6 +66,9 @@ class AgentConfig:
     stop_grace_s: float = 10.0
     hostname: str = field(default_factory=socket.gethostname)
     nats_url: str | None = None
+    # This agent's nkey seed file, passed on to its jobs (ALNAIR_NKEY) so that an
+    # elastic job's supervisor and the SDK reach NATS under --secure.
+    nkey_seed: str | None = None
 
 
 class Agent:
@@ -352,6 +355,8 @@ class Agent:
         )
         if self.config.nats_url:
             env["ALNAIR_NATS"] = self.config.nats_url
+        if self.config.nkey_seed:
+            env["ALNAIR_NKEY"] = self.config.nkey_seed
         env[BLACKLIST_FILE_ENV] = str(self._blacklist_file(command))
         if command.prerun:
             env["ALNAIR_PRERUN"] = "1"

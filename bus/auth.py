@@ -3,7 +3,10 @@
 Every component connects as its own nkey user, and the server enforces:
 
 - an agent publishes only its node's telemetry, heartbeat and event subjects, and
-  reaches only its own JetStream consumer of its own command subject;
+  reaches only its own JetStream consumer of its own command subject. The jobs it
+  launches get its identity (`ALNAIR_NKEY`: they run as its user and could read the
+  seed anyway), so it may also publish job progress and create consumers that push
+  job commands to its own inbox (an elastic job's supervisor);
 - a tenant publishes only `alnair.api.<tenant>.>` (the brain takes the tenant from
   that subject, so a tenant cannot act as another);
 - the operator reads everything and changes nothing (read-only API verbs, reading
@@ -72,6 +75,10 @@ def _node_permissions(node: str) -> tuple[list[str], list[str]]:
         f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
         f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"$JS.ACK.{stream}.{consumer}.>",
+        # Its jobs' supervisors: progress, and job commands pushed to the node's inbox
+        # (a consumer of any name, but only over job command subjects; no pulling).
+        subjects.ALL_JOB_PROGRESS,
+        f"$JS.API.CONSUMER.CREATE.{stream}.*.{subjects.ALL_JOB_COMMANDS}",
     ]
     # Fault injection (simulated GPUs only) is a request to the node's own subject.
     return publish, [f"_INBOX_node_{node}.>", f"{subjects.PREFIX}.node.{node}.inject"]

@@ -347,6 +347,42 @@ class Bus:
         sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
         return sub
 
+    async def follow_new(
+        self,
+        stream: str,
+        name: str,
+        filter_subject: str,
+        decoder: Decoder[T],
+        handler: Handler[T],
+        *,
+        inactive_s: float = 30.0,
+    ) -> Subscription:
+        """Messages stored in `stream` on `filter_subject` from now on, pushed to this
+        connection's own reply inbox by a named consumer without acks.
+
+        For a client whose identity may create such a consumer but not pull from one
+        (an elastic job's supervisor under `--secure`: pulling is permitted per consumer
+        name, which NATS cannot confine to a prefix). The consumer goes away `inactive_s`
+        after its subscriber does. A message pushed while this connection is away is not
+        delivered again: use it where the sender re-sends or times out (Resize).
+        """
+        sub = await self.subscribe(self.nc.new_inbox(), decoder, handler)
+        config = ConsumerConfig(
+            name=name,
+            deliver_subject=sub.subject,
+            deliver_policy=DeliverPolicy.NEW,
+            ack_policy=AckPolicy.NONE,
+            filter_subject=filter_subject,
+            inactive_threshold=inactive_s,
+        )
+        try:
+            await self.js.add_consumer(stream, config)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            raise
+        return sub
+
     async def consume(
         self,
         stream: str,

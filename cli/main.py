@@ -86,6 +86,11 @@ def _connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="the client certificate's key ($ALNAIR_TLS_KEY)")
 
 
+def _absolute(path: str | None) -> str | None:
+    """A file named relative to here, as a process started elsewhere must name it."""
+    return os.path.abspath(path) if path else None
+
+
 def _with_tls(options: Any, args: argparse.Namespace) -> Any:
     """`options` (a ConnectOptions) with the TLS files from --tls-*, the environment or
     the local cluster."""
@@ -542,6 +547,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         telemetry_s=args.heartbeat,
         # Every URL, so a job's supervisor survives a server's death too.
         nats_url=",".join(servers),
+        nkey_seed=_absolute(resolve_nkey(args.nkey)),
     )
     bus = await Bus.connect(
         _with_tls(

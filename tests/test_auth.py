@@ -21,9 +21,19 @@ from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
 from cli.client import call, submit
 from schemas import subjects
-from schemas.api import JOBS_RESULT, STATUS_RESULT, ListJobsRequest, StatusRequest
+from schemas.api import (
+    JOB_RESULT,
+    JOBS_RESULT,
+    STATUS_RESULT,
+    ListJobsRequest,
+    ResizeRequest,
+    StatusRequest,
+)
 from schemas.jobs import JobSpec, JobState
 from tests.conftest import eventually
+
+REPO = Path(__file__).resolve().parent.parent
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 
 
 @pytest.fixture
@@ -114,6 +124,86 @@ async def test_cluster_runs_under_least_privilege(secure_server, keys, tmp_path)
                 await bus.close()
 
 
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(180)
+async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
+    secure_server, keys, tmp_path
+) -> None:
+    """The supervisor reaches NATS with the identity its agent passed on (ALNAIR_NKEY):
+    it hears the brain's Resize, reports progress and the outcome, and the job ends."""
+    ids = keys[0]
+    opened: list[Bus] = []
+    brain = agent = None
+    stop_file = tmp_path / "stop"
+    try:
+        brain_bus = await open_as(secure_server, ids["brain:brain-1"])
+        opened.append(brain_bus)
+        brain = Brain(
+            brain_bus, BrainConfig(lease_ttl_s=2.0, tick_s=0.2, history_path=tmp_path / "h.db")
+        )
+        await brain.start()
+        await asyncio.wait_for(brain.leading.wait(), timeout=30)
+        agent_bus = await open_as(secure_server, ids["node:n1"])
+        opened.append(agent_bus)
+        agent = Agent(
+            agent_bus,
+            AgentConfig(
+                node="n1",
+                data_dir=tmp_path / "n1",
+                heartbeat_s=0.2,
+                nats_url=secure_server.url,
+                nkey_seed=str(ids["node:n1"].seed_path),
+            ),
+            SimulatedGpus("n1", 4, "A100"),
+        )
+        await agent.start()
+        await eventually(lambda: brain.state.nodes)
+        tenant = await open_as(secure_server, ids["tenant:a"])
+        opened.append(tenant)
+        spec = JobSpec(
+            command=(
+                sys.executable,
+                "-m",
+                "workloads.examples.elastic_train",
+                "--steps=1000000",
+                "--step-delay=0.02",
+                f"--stop-file={stop_file}",
+            ),
+            gpus=1,
+            elastic=True,
+            min_gpus=1,
+            max_gpus=2,
+            cwd=str(REPO),
+            env={"TMPDIR": str(tmp_path)},
+        )
+        job = await submit(tenant, "a", spec)
+        await eventually(lambda: brain.progress.world_size(job.job_id) == 1, timeout_s=90)
+        reply = await call(
+            tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT
+        )
+        assert reply.job.resize is not None
+        grown = await eventually(
+            lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
+        )
+        assert grown.gpu_count == 2, grown.reason
+        assert (grown.reason or "").startswith("resized 1 -> 2")
+        await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
+        stop_file.touch()
+        done = await eventually(
+            lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=60
+        )
+        assert done.state is JobState.SUCCEEDED, done.reason
+    finally:
+        stop_file.touch()
+        if agent is not None:
+            await agent.stop()
+        if brain is not None:
+            await brain.stop()
+        for bus in opened:
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+
 async def test_server_refuses_other_identities_subjects(secure_server, keys) -> None:
     ids = keys[0]
     brain_errors: list[str] = []
@@ -132,6 +222,10 @@ async def test_server_refuses_other_identities_subjects(secure_server, keys) -> 
     await n1.publish(subjects.node("n1", "cmd"), b"{}")  # commands come only from the brain
     await n1.publish(subjects.api("a", "submit"), b"{}")  # nodes are not tenants
     await n1.subscribe(subjects.node("n2", "cmd"))  # another node's commands
+    # Its jobs' supervisors may have job commands pushed to them, but nobody's node
+    # commands, and may pull from no consumer but the agent's own.
+    await n1.publish(f"$JS.API.CONSUMER.CREATE.COMMANDS.x.{subjects.node('n2', 'cmd')}", b"{}")
+    await n1.publish("$JS.API.CONSUMER.MSG.NEXT.COMMANDS.agent-n2", b"{}")
     await n1.publish(subjects.node("n1", "heartbeat"), b"{}")  # its own: allowed
     await n1.flush()
 
@@ -148,7 +242,7 @@ async def test_server_refuses_other_identities_subjects(secure_server, keys) -> 
     await operator.flush()
 
     await eventually(
-        lambda: len(n1_errors) >= 4 and len(tenant_errors) >= 2 and len(operator_errors) >= 2
+        lambda: len(n1_errors) >= 6 and len(tenant_errors) >= 2 and len(operator_errors) >= 2
     )
     assert all("permissions violation" in e.lower() for e in n1_errors + tenant_errors)
     assert received == [subjects.node("n1", "heartbeat")]

@@ -12,7 +12,10 @@ import asyncio
 import os
 import sys
 import time
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    from bus.client import ConnectOptions
 
 # --- failures: bad inputs and the input blacklist -------------------------------------
 # A job tells the brain which input broke it, so that an input that breaks several jobs
@@ -66,12 +69,11 @@ def report_bad_input(uri: str, reason: str = "", *, timeout_s: float = 5.0) -> b
 async def _publish_bad_input(
     server: str, job_id: str, attempt: int, node: str, uri: str, reason: str, timeout_s: float
 ) -> bool:
+    import dataclasses
     import uuid
 
-    import nats
-
+    from bus.client import Bus
     from schemas import subjects
-    from schemas.base import encode
     from schemas.events import InputError
 
     event = InputError(
@@ -83,18 +85,37 @@ async def _publish_bad_input(
         uri=uri,
         reason=reason[:1000],
     )
-    nc = await nats.connect(server.split(","), connect_timeout=timeout_s, max_reconnect_attempts=1)
+    options = dataclasses.replace(
+        job_connect_options(server, f"sdk:{job_id}"),
+        connect_timeout_s=timeout_s,
+        max_reconnect_attempts=1,
+    )
+    bus = await Bus.connect(options)
     try:
-        js = nc.jetstream()
-        await js.publish(
-            subjects.node(node, "event"),
-            encode(event),
-            timeout=timeout_s,
-            headers={"Nats-Msg-Id": event.event_id},
-        )
+        await bus.publish_durable(subjects.node(node, "event"), event, msg_id=event.event_id)
         return True
     finally:
-        await nc.close()
+        await bus.close()
+
+
+def job_connect_options(servers: str, name: str) -> ConnectOptions:
+    """How a job's own processes (its supervisor, this SDK) reach NATS: every server the
+    agent named, and under --secure / --tls the identity and TLS files it passed on
+    (ALNAIR_NKEY, ALNAIR_TLS_CA/_CERT/_KEY)."""
+    from bus.auth import inbox_prefix_for_seed
+    from bus.client import ConnectOptions
+
+    env = os.environ
+    nkey = env.get("ALNAIR_NKEY") or None
+    return ConnectOptions(
+        servers=tuple(url for url in servers.split(",") if url),
+        name=name,
+        nkey_seed=nkey,
+        inbox_prefix=inbox_prefix_for_seed(nkey) if nkey else None,
+        tls_ca=env.get("ALNAIR_TLS_CA") or None,
+        tls_cert=env.get("ALNAIR_TLS_CERT") or None,
+        tls_key=env.get("ALNAIR_TLS_KEY") or None,
+    )
 
 
 def fail_on_bad_input(uri: str, reason: str = "") -> NoReturn:

@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Final
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
-from bus.client import Bus, ConnectOptions, Consumer
+from bus.client import Bus
 from schemas import subjects
 from schemas.commands import JOB_COMMAND, JobCommand, Resize
 from schemas.errors import BusError
@@ -49,6 +50,7 @@ from schemas.events import ResizeCompleted
 from schemas.progress import Progress, WorkerProgress
 from workloads import devices
 from workloads.progress import PROGRESS_ADDR_ENV, WorkerReport
+from workloads.sdk import job_connect_options
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +173,7 @@ class Supervisor:
     _relay: asyncio.Task[None] | None = None
     # The first exception a worker printed, "worker N: ...": the job's failure reason.
     first_error: str | None = None
-    _consumer: Consumer | None = None
+    _consumer: Subscription | None = None
     _transport: asyncio.DatagramTransport | None = None
     _last_published: float = 0.0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -436,21 +438,19 @@ class Supervisor:
         except BusError as error:
             log.error("resize outcome for %s not stored: %s", command.command_id, error)
 
-    @property
-    def _durable(self) -> str:
-        return f"supervisor-{self.config.job_id}"
-
     async def _listen(self) -> None:
+        # Pushed, from now on: a new attempt must not replay the last attempt's resizes,
+        # and a node's identity (which the supervisor has under --secure) may create
+        # such a consumer for job commands, not pull from one. A command lost in a
+        # disconnect is re-sent by a new leader or rolled back by the brain's timeout.
         if self.bus is None:
             return
-        self._consumer = await self.bus.consume(
+        self._consumer = await self.bus.follow_new(
             subjects.STREAM_COMMANDS,
-            self._durable,
+            f"supervisor-{self.config.job_id}-{uuid.uuid4().hex[:8]}",
             subjects.job(self.config.job_id, "cmd"),
             JOB_COMMAND,
             self._on_command,
-            # A new attempt must not replay the last attempt's resizes.
-            deliver_new=True,
         )
 
     # -- lifecycle -------------------------------------------------------------------
@@ -523,10 +523,9 @@ class Supervisor:
 
     async def close(self) -> None:
         if self._consumer is not None:
-            await self._consumer.stop()
-            if self.bus is not None:
-                with contextlib.suppress(Exception):
-                    await self.bus.js.delete_consumer(subjects.STREAM_COMMANDS, self._durable)
+            # The consumer itself goes once nobody listens (its inactive threshold).
+            with contextlib.suppress(Exception):
+                await self._consumer.unsubscribe()
             self._consumer = None
         if self._transport is not None:
             self._transport.close()
@@ -590,17 +589,8 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
 async def run(config: SupervisorConfig) -> int:
     bus = None
     if config.nats_url:
-        # ALNAIR_NATS names every server of a cluster; the agent passes its TLS files on.
-        env = os.environ
-        bus = await Bus.connect(
-            ConnectOptions(
-                servers=tuple(u for u in config.nats_url.split(",") if u),
-                name=f"supervisor:{config.job_id}",
-                tls_ca=env.get("ALNAIR_TLS_CA") or None,
-                tls_cert=env.get("ALNAIR_TLS_CERT") or None,
-                tls_key=env.get("ALNAIR_TLS_KEY") or None,
-            )
-        )
+        # Every server of a cluster, and the identity and TLS files the agent passed on.
+        bus = await Bus.connect(job_connect_options(config.nats_url, f"supervisor:{config.job_id}"))
     supervisor = Supervisor(config, bus)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
