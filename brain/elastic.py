@@ -16,7 +16,13 @@ record changes of a resize, which is a statement:
 
 Everything here is pure (no clock, no ids, no I/O): the shell (brain/service.py)
 journals what these return and sends the commands. It must not import torch or
-horovod. Elastic jobs run on one node: the supervisor starts every worker there.
+horovod.
+
+An elastic job runs on one node, where its supervisor starts every worker, and changes
+size there; except one that asks to start on more GPUs than any node has
+(`spans_nodes`): it is placed across nodes like a rigid job, at that size, which it
+keeps. Its supervisor runs on the first node and starts the workers of the others
+through their worker hosts (`workloads/worker_host.py`, each node's process of the job).
 """
 
 from __future__ import annotations
@@ -30,16 +36,38 @@ from schemas.commands import Resize
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant, StagedResize
 
 
-def launch_command(spec: JobSpec, granted_gpus: int | None = None) -> tuple[str, ...]:
+def spans_nodes(job: JobRecord, largest_node_gpus: int) -> bool:
+    """Whether the elastic `job` runs (or is to run) across nodes, at a fixed size: it
+    was placed so, or it asks to start on more GPUs than the largest node has."""
+    if not job.spec.elastic:
+        return False
+    return len(job.grants) > 1 or job.spec.gpus > largest_node_gpus
+
+
+def launch_command(
+    spec: JobSpec,
+    granted_gpus: int | None = None,
+    *,
+    rank: int = 0,
+    remote: tuple[tuple[str, int], ...] = (),
+) -> tuple[str, ...]:
     """The command an agent runs for `spec`: its own for a rigid job, else supervised.
 
-    `granted_gpus` is the size the job starts at (what placement granted); it defaults
-    to the spec's `gpus`.
+    `granted_gpus` is the size the job starts at on this node (what placement granted);
+    it defaults to the spec's `gpus`. For an elastic job across nodes, `rank` 0 runs
+    the supervisor with the other nodes' slots (`remote`), every other rank the node's
+    worker host.
     """
     if not spec.elastic:
         return spec.command
+    if rank > 0:
+        return (sys.executable, "-m", "workloads.worker_host")
     low, high = spec.gpu_range
     start = spec.gpus if granted_gpus is None else granted_gpus
+    if remote:
+        # A fixed size across nodes: Horovod may go on with fewer after a failure.
+        total = start + sum(slots for _, slots in remote)
+        low, high, start = min(low, total), total, total
     start = min(max(start, low), high)
     return (
         sys.executable,
@@ -48,6 +76,7 @@ def launch_command(spec: JobSpec, granted_gpus: int | None = None) -> tuple[str,
         f"--min-np={low}",
         f"--max-np={high}",
         f"--np={start}",
+        *(f"--remote={node}={slots}" for node, slots in remote),
         "--",
         *spec.command,
     )
@@ -103,6 +132,12 @@ def check_resizable(job: JobRecord, size: int, *, supervisor_ready: bool) -> Res
         )
     if job.state is not JobState.RUNNING:
         return ResizeRefused("conflict", f"{label} is {job.state.value}, not running")
+    if len(job.grants) > 1:
+        return ResizeRefused(
+            "invalid",
+            f"{label} runs across nodes {', '.join(job.nodes)}: it keeps the size it started "
+            "at (resizing across nodes is not built)",
+        )
     if job.resize is not None:
         staged = job.resize
         return ResizeRefused(

@@ -646,13 +646,6 @@ class Brain:
                 f"job asks for {spec.gpus} GPUs but the cluster has {total} "
                 f"({len(self.state.nodes)} nodes, at most {largest} on one node)",
             )
-        if self.state.nodes and spec.elastic and spec.gpus > largest:
-            raise ApiError(
-                "invalid",
-                f"an elastic job runs on one node (its supervisor starts every worker "
-                f"there): it asks to start on {spec.gpus} GPUs, but the largest node has "
-                f"{largest}",
-            )
         job = JobRecord(
             job_id=self.state.next_job_id(),
             tenant=tenant,
@@ -999,7 +992,10 @@ class Brain:
             )
             return
         if event.exit_code == 0:
-            if all(g.exited for g in updated.grants):
+            # An elastic job across nodes ends with its supervisor (the first node's
+            # process): its worker hosts on the others run until they are stopped.
+            supervised = job.spec.elastic and event.node == job.grants[0].node
+            if supervised or all(g.exited for g in updated.grants):
                 done = updated.model_copy(
                     update={
                         "state": JobState.SUCCEEDED,
@@ -1018,6 +1014,10 @@ class Brain:
                         message=f"exited 0 after {event.runtime_s:.1f}s",
                     ),
                 )
+                if supervised:
+                    await self._stop_parts(
+                        updated, "the job's supervisor finished", except_node=event.node
+                    )
             else:
                 await self._job_changed(
                     updated,
@@ -1599,7 +1599,12 @@ class Brain:
                 continue
             if job.state is not JobState.PENDING:
                 continue
-            if isinstance(action, Place) and job.spec.elastic and len(action.grants) > 1:
+            if (
+                isinstance(action, Place)
+                and len(action.grants) > 1
+                and job.spec.elastic
+                and not elastic.spans_nodes(job, self.state.registered_gpus()[1])
+            ):
                 action = Wait(
                     job.job_id,
                     f"needs {job.spec.gpus} GPUs free on one node (an elastic job's "
@@ -1643,6 +1648,8 @@ class Brain:
         """Command every node of the job's attempt that has not confirmed its start."""
         now = self.clock()
         nodes = job.nodes
+        # An elastic job across nodes: the supervisor on the first, worker hosts after.
+        remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue
@@ -1655,7 +1662,9 @@ class Brain:
                     job_id=job.job_id,
                     attempt=job.attempt,
                     gpus=grant.gpus,
-                    command=elastic.launch_command(job.spec, len(grant.gpus)),
+                    command=elastic.launch_command(
+                        job.spec, len(grant.gpus), rank=rank, remote=remote if rank == 0 else ()
+                    ),
                     env=job.spec.env,
                     cwd=job.spec.cwd,
                     expires_at=now + self.config.launch_ttl_s,

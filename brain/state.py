@@ -23,6 +23,7 @@ from brain.core.model import (
     UtilizationProfile,
 )
 from brain.core.ordering import job_sequence
+from brain.elastic import spans_nodes
 from brain.progress import ObservedProgress
 from schemas.events import InputError
 from schemas.jobs import JobRecord, JobState
@@ -213,6 +214,7 @@ class BrainState:
         profiles = profiles or {}
         progress = progress or {}
         held = self.allocated()
+        largest = self.registered_gpus()[1]
         nodes = tuple(
             NodeView(
                 name=n.name,
@@ -225,10 +227,17 @@ class BrainState:
         return ClusterSnapshot(
             nodes=nodes,
             pending=tuple(
-                job_view(j, progress=progress.get(j.job_id)) for j in self.jobs_in(JobState.PENDING)
+                job_view(j, progress=progress.get(j.job_id), largest_node_gpus=largest)
+                for j in self.jobs_in(JobState.PENDING)
             ),
             running=tuple(
-                job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
+                job_view(
+                    j,
+                    profiles.get(j.job_id),
+                    now=now,
+                    progress=progress.get(j.job_id),
+                    largest_node_gpus=largest,
+                )
                 for j in self.jobs_in(JobState.RUNNING)
             ),
             queues=queues,
@@ -265,9 +274,14 @@ def job_view(
     *,
     now: float | None = None,
     progress: ObservedProgress | None = None,
+    largest_node_gpus: int | None = None,
 ) -> JobView:
     run_s = current_run_s(job, now)
     low, high = job.spec.gpu_range
+    # An elastic job across nodes keeps its size: the policy sees a rigid job.
+    elastic = job.spec.elastic and not (
+        largest_node_gpus is not None and spans_nodes(job, largest_node_gpus)
+    )
     progress = progress or ObservedProgress()
     return JobView(
         job_id=job.job_id,
@@ -288,11 +302,11 @@ def job_view(
         service_level=job.service_level,
         service_level_since=job.service_level_since,
         declared_duration_s=job.spec.declared_duration_s,
-        # An elastic job's supervisor runs every worker on its own node: it never
-        # spreads (and the shell refuses a placement or resize that would).
-        network_sensitive=job.spec.network_sensitive or job.spec.elastic,
-        min_gpus=low if job.spec.elastic else None,
-        max_gpus=high if job.spec.elastic else None,
+        # A resizable elastic job stays on its supervisor's node: it never spreads
+        # (and the shell refuses a placement or resize that would).
+        network_sensitive=job.spec.network_sensitive or elastic,
+        min_gpus=low if elastic else None,
+        max_gpus=high if elastic else None,
         throughput=progress.throughput,
         resizing=job.resize is not None,
         progress_fraction=progress.progress_fraction,

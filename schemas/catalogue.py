@@ -23,6 +23,7 @@ from schemas import (
     progress,
     state,
     telemetry,
+    workers,
 )
 
 PIPE: Final = "\\|"  # a literal | inside a markdown table cell
@@ -95,6 +96,21 @@ ENTRIES: Final = (
         "Rank 0's last step, throughput and loss at the current world size, with each "
         "worker's step, pid and parameter digest. The leading brain keeps each job's "
         "throughput per world size from these (in memory) for the elasticity policy.",
+    ),
+    Entry(
+        "alnair.job.<job>.exec",
+        "supervisor's horovodrun → worker host",
+        "request/reply (core NATS)",
+        (workers.ExecRequest, workers.ExecState),
+        "Starts, polls and signals an elastic job's worker on a node other than its "
+        "supervisor's; only the worker host on `node` answers (docs/elastic.md).",
+    ),
+    Entry(
+        "alnair.job.<job>.workers",
+        "worker host → supervisor",
+        "core NATS (loss tolerated)",
+        (workers.WorkerRelay,),
+        "Progress datagrams of the workers on another node, and their exits.",
     ),
     Entry(
         "alnair.api.<tenant>.<verb>",
@@ -198,6 +214,7 @@ def _type_name(annotation: object) -> str:
         "schemas.api.",
         "schemas.commands.",
         "schemas.progress.",
+        "schemas.workers.",
         "schemas.profiles.",
     ):
         text = text.replace(prefix, "")

@@ -20,7 +20,8 @@ STREAM_STATE: Final = "STATE"
 
 # `inject` is request/reply: `alnair inject` asks a simulated node to suffer a GPU fault.
 NodeChannel = Literal["telemetry", "heartbeat", "event", "cmd", "inject"]
-JobChannel = Literal["cmd", "progress"]
+# `exec` and `workers`: an elastic job's workers on other nodes (schemas/workers.py).
+JobChannel = Literal["cmd", "progress", "exec", "workers"]
 
 ALL_TELEMETRY: Final = f"{PREFIX}.node.*.telemetry"
 ALL_HEARTBEATS: Final = f"{PREFIX}.node.*.heartbeat"
@@ -92,7 +93,7 @@ def parse(subject: str) -> ParsedSubject:
         return ParsedSubject("node", tokens[2], tokens[3])
     if kind == "job":
         check_name("job", tokens[2])
-        if tokens[3] not in ("cmd", "progress"):
+        if tokens[3] not in ("cmd", "progress", "exec", "workers"):
             raise InvalidSubject(subject, f"unknown job channel {tokens[3]!r}")
         return ParsedSubject("job", tokens[2], tokens[3])
     if kind == "api":

@@ -196,6 +196,10 @@ def refused(reply: JobReply | ErrorReply, code: str, words: str) -> None:
     assert words in reply.error, reply.error
 
 
+def command_line(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
 def sleeper(gpus: int, **elastic: int | bool) -> JobSpec:
     return JobSpec(command=("sleep", "600"), gpus=gpus, **elastic)  # type: ignore[arg-type]
 
@@ -443,6 +447,60 @@ async def test_elastic_horovod_job_resized_through_the_brain(
     assert 0 < ended.attained_gpu_seconds <= 3 * ended.executed_seconds
     with contextlib.suppress(KeyError):
         assert job_id not in brain.progress.current()
+
+
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(240)
+async def test_an_elastic_job_larger_than_a_node_runs_across_nodes_through_their_agents(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Agent]],
+    tmp_path: Path,
+) -> None:
+    """Three GPUs on nodes of two: placed across both like a rigid job. The first node
+    runs the supervisor, the other the job's worker host, which its agent launched and
+    through which horovodrun started that node's worker (no ssh). Its size is fixed;
+    it ends SUCCEEDED when its supervisor does, and the worker host is stopped."""
+    brain = await brain_factory()
+    agents = [await agent_factory(name, gpus=2) for name in ("n1", "n2")]
+    await eventually(lambda: len(brain.state.nodes) == 2)
+    stop_file = tmp_path / "stop"
+    spec = JobSpec(
+        name="wide",
+        command=(
+            sys.executable,
+            "-m",
+            "workloads.examples.elastic_train",
+            "--steps=1000000",
+            "--step-delay=0.02",
+            f"--stop-file={stop_file}",
+        ),
+        gpus=3,
+        elastic=True,
+        min_gpus=1,
+        max_gpus=4,
+        cwd=str(REPO),
+        env={"TMPDIR": str(tmp_path)},
+    )
+    job_id = await submit(brain, spec)
+    await eventually(lambda: brain.progress.world_size(job_id) == 3, timeout_s=120)
+    job = brain.state.jobs[job_id]
+    assert sorted(len(g.gpus) for g in job.grants) == [1, 2] and len(set(job.nodes)) == 2
+    # Each node's agent runs the job's process there: the supervisor, the worker host.
+    first, second = (next(a for a in agents if a.node == g.node) for g in job.grants)
+    supervisor = first.launcher.find(job_id)[0]
+    host = second.launcher.find(job_id)[0]
+    remote = f"--remote={job.grants[1].node}={len(job.grants[1].gpus)}"
+    assert {"workloads.supervisor", remote} <= set(command_line(supervisor.pid))
+    assert command_line(host.pid)[-1] == "workloads.worker_host"
+
+    refused(await resize(brain, job_id, 2), "invalid", "runs across nodes")
+    stop_file.touch()
+    ended = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=90
+    )
+    assert ended.state is JobState.SUCCEEDED, ended.reason
+    # The worker host was stopped once the supervisor finished.
+    await eventually(lambda: host.exited.is_set(), timeout_s=30)
 
 
 async def test_cli_submit_elastic_resize_and_show(

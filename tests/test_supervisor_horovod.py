@@ -111,7 +111,13 @@ def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job
     jobs: list[Job] = []
 
     def start(
-        job_id: str, *, np: int, min_np: int = 1, max_np: int = 4, gpus: str | None = None
+        job_id: str,
+        *,
+        np: int,
+        min_np: int = 1,
+        max_np: int = 4,
+        gpus: str | None = None,
+        remote: tuple[str, ...] = (),
     ) -> Job:
         stop_file = tmp_path / f"{job_id}.stop"
         log_path = tmp_path / f"{job_id}.log"
@@ -127,6 +133,7 @@ def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job
             f"--np={np}",
             "--progress-interval=0",
             f"--work-dir={tmp_path / job_id}",
+            *(f"--remote={r}" for r in remote),
             "--",
             sys.executable,
             "-m",
@@ -138,6 +145,8 @@ def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job
         ]
         env = dict(os.environ)
         env.pop("CUDA_VISIBLE_DEVICES", None)
+        # As the agent sets it: remote_exec reaches the other nodes' worker hosts with it.
+        env.update(ALNAIR_JOB_ID=job_id, ALNAIR_NATS=nats_server.url)  # type: ignore[attr-defined]
         if gpus is not None:  # as the agent sets it for the launch's GPUs
             env["CUDA_VISIBLE_DEVICES"] = gpus
         with log_path.open("wb") as log:
@@ -296,3 +305,69 @@ async def test_sigkilled_worker_recovers_from_last_commit(
     assert killed_at - 10 <= resumed <= killed_at + 5, (killed_at, resumed)
     assert_params_identical(watch, since=watch.progress.index(back))
     await finish(job)
+
+
+def start_worker_host(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """The job's process on another node, as that node's agent would start it."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "workloads.worker_host"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[1])
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = parent_of(pid)
+    return False
+
+
+async def test_workers_on_another_node_start_through_its_worker_host(
+    nats_server: object, bus: Bus, watch: Watch, start_job: Callable[..., Job], tmp_path: Path
+) -> None:
+    """A job on two nodes: horovodrun (through workloads.hvdrun) starts the other node's
+    worker through that node's worker host, as the node's agent would run it, not ssh.
+    One host stands in for both nodes; `n2` resolves nowhere, so Horovod treats it as
+    remote."""
+    env = {
+        **os.environ,
+        "ALNAIR_JOB_ID": "el4",
+        "ALNAIR_NODE": "n2",
+        "ALNAIR_NATS": nats_server.url,  # type: ignore[attr-defined]
+        "CUDA_VISIBLE_DEVICES": "2,3",
+    }
+    host = start_worker_host(env, tmp_path / "n2.log")
+    try:
+        job = start_job("el4", np=3, max_np=3, gpus="0,1", remote=("n2=1",))
+        running = await eventually(lambda: watch.stepping_at(3), timeout_s=90)
+        remote = [w for w in running.workers if descends_from(w.pid, host.pid)]
+        local = [w for w in running.workers if descends_from(w.pid, job.process.pid)]
+        assert len(remote) == 1 and len(local) == 2, running.workers
+        # Each node's worker claimed one of that node's GPUs.
+        assert remote[0].gpu in (2, 3) and {w.gpu for w in local} == {0, 1}
+        await eventually(lambda: watch.all_ranks_agree_at(3), timeout_s=30)
+        assert_params_identical(watch)
+        # Its size is fixed: a resize is refused, and nothing changes.
+        refused = Resize(
+            command_id="grow", epoch=1, issued_at=time.time(), job_id="el4", world_size=2
+        )
+        await bus.publish_durable(subjects.job("el4", "cmd"), refused, msg_id="grow")
+        outcome: ResizeCompleted = await eventually(lambda: watch.resizes.get("grow"))
+        assert not outcome.ok and "keeps its size" in outcome.reason
+        await finish(job)
+        # horovodrun saw the remote worker end as it would an ssh session.
+        await eventually(lambda: not Path(f"/proc/{remote[0].pid}").exists(), timeout_s=30)
+    finally:
+        host.send_signal(signal.SIGTERM)
+        assert host.wait(timeout=30) == 0, (tmp_path / "n2.log").read_text()[-3000:]

@@ -15,9 +15,11 @@ Each worker may claim one of the job's GPUs (workloads/devices.py): the supervis
 keeps the job's GPU list in `ALNAIR_GPU_DIR`, adds a grow's GPUs to it before the new
 workers start, and after a resize reports the GPUs its workers hold.
 
-Scope: one host. Every worker runs on the supervisor's node, started by horovodrun's
-own local launcher; workers on other nodes would need horovodrun's ssh launcher (see
-docs/elastic.md).
+Workers on other nodes (`--remote NODE=SLOTS`): horovodrun runs through
+`workloads.hvdrun`, which starts them through each node's worker host
+(`workloads/worker_host.py`, the job's process there) instead of ssh; their progress
+and exits come back on `alnair.job.<job>.workers`. Such a job keeps its size: its
+resizes are refused (adding and removing slots across nodes is not built).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from schemas.commands import JOB_COMMAND, JobCommand, Resize
 from schemas.errors import BusError
 from schemas.events import ResizeCompleted
 from schemas.progress import Progress, WorkerProgress
+from schemas.workers import WorkerRelay
 from workloads import devices
 from workloads.progress import PROGRESS_ADDR_ENV, WorkerReport
 from workloads.sdk import job_connect_options
@@ -81,6 +84,8 @@ class SupervisorConfig:
     # slots over two local names lets the job survive a killed worker on one host.
     hosts: tuple[str, ...] = ("localhost", "127.0.0.1")
     network_interface: str = "lo"
+    # Slots on other nodes, whose workers start through those nodes' worker hosts.
+    remote: tuple[tuple[str, int], ...] = ()
     progress_interval_s: float = 1.0
     resize_timeout_s: float = 120.0
     # Horovod blacklists a host whose worker failed; on one host that would strand the
@@ -98,12 +103,16 @@ class SupervisorConfig:
             )
         if not self.command:
             raise ValueError("no training command given")
+        if self.np - sum(slots for _, slots in self.remote) < 1:
+            raise ValueError(f"np ({self.np}) leaves no slot on this node beside {self.remote}")
 
 
 @dataclass(slots=True)
 class _Seen:
     report: WorkerReport
     received: float  # supervisor's monotonic clock: worker clocks are not trusted
+    # The node of a worker relayed by another node's worker host; None: this node.
+    node: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +187,9 @@ class Supervisor:
     _last_published: float = 0.0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # Workers on other nodes that have exited, as their worker hosts reported.
+    _remote_gone: set[tuple[str, int]] = field(default_factory=set)
+    _workers_sub: Subscription | None = None
 
     # -- the host list horovodrun discovers -----------------------------------------
 
@@ -192,7 +204,9 @@ class Supervisor:
     def write_hosts(self, slots: int) -> None:
         """Replace the host list atomically: discovery must never read half a file."""
         temporary = self.hosts_path.with_suffix(".tmp")
-        temporary.write_text("".join(f"{h}:{n}\n" for h, n in host_slots(self.config.hosts, slots)))
+        local = slots - sum(n for _, n in self.config.remote)
+        listed = [*host_slots(self.config.hosts, local), *self.config.remote]
+        temporary.write_text("".join(f"{h}:{n}\n" for h, n in listed))
         os.replace(temporary, self.hosts_path)
         self.slots = slots
 
@@ -222,10 +236,12 @@ class Supervisor:
 
     def horovodrun_command(self) -> list[str]:
         beside_python = Path(sys.executable).parent / "horovodrun"
-        program = str(beside_python) if beside_python.exists() else "horovodrun"
+        program = [str(beside_python) if beside_python.exists() else "horovodrun"]
+        if self.config.remote:
+            program = [sys.executable, "-m", "workloads.hvdrun"]
         low, high = self.config.blacklist_cooldown_s
         return [
-            program,
+            *program,
             "--gloo",
             "-np",
             str(self.config.np),
@@ -246,9 +262,9 @@ class Supervisor:
 
     # -- worker reports --------------------------------------------------------------
 
-    def _on_report(self, report: WorkerReport) -> None:
+    def _on_report(self, report: WorkerReport, node: str | None = None) -> None:
         now = time.monotonic()
-        self._workers[report.pid] = _Seen(report, now)
+        self._workers[report.pid] = _Seen(report, now, node)
         self._changed.set()
         if report.rank == 0 and now - self._last_published >= self.config.progress_interval_s:
             self._last_published = now
@@ -265,7 +281,7 @@ class Supervisor:
     def progress(self, report: WorkerReport) -> Progress:
         # A retired worker's last report would otherwise count at its old size for ever
         # (and again once the job returns to that size).
-        for pid in [pid for pid in self._workers if pid != report.pid and process_gone(pid)]:
+        for pid in [pid for pid in self._workers if pid != report.pid and self._gone(pid)]:
             del self._workers[pid]
         current = sorted(
             (s.report for s in self._workers.values() if s.report.world_size == report.world_size),
@@ -309,7 +325,26 @@ class Supervisor:
         if len(current) < target:
             return False
         # Shrink: the GPUs are free only once the removed workers have gone.
-        return all(process_gone(pid) for pid in old_pids - current)
+        return all(self._gone(pid) for pid in old_pids - current)
+
+    def _gone(self, pid: int) -> bool:
+        seen = self._workers.get(pid)
+        if seen is not None and seen.node is not None:
+            return (seen.node, pid) in self._remote_gone
+        return process_gone(pid)
+
+    async def _on_relay(self, relay: WorkerRelay, msg: Msg) -> None:
+        """A worker on another node: its progress, or its exit."""
+        if relay.gone_pid is not None:
+            self._remote_gone.add((relay.node, relay.gone_pid))
+            self._changed.set()
+        if relay.report:
+            try:
+                report = WorkerReport.decode(relay.report.encode())
+            except (ValueError, KeyError, TypeError) as error:
+                log.warning("ignoring a malformed report from %s: %s", relay.node, error)
+                return
+            self._on_report(report, relay.node)
 
     async def resize(self, target: int, gpus: Sequence[int] = ()) -> ResizeOutcome:
         """Run at `target` workers; return when every worker steps at that size.
@@ -320,6 +355,18 @@ class Supervisor:
         async with self._resize_lock:
             started = time.monotonic()
             from_size = self.slots
+            if self.config.remote and target != from_size:
+                return self._record(
+                    ResizeOutcome(
+                        from_size,
+                        from_size,
+                        False,
+                        0.0,
+                        0,
+                        "a job with workers on other nodes keeps its size "
+                        "(resizing across nodes is not built)",
+                    )
+                )
             if not self.config.min_np <= target <= self.config.max_np:
                 return self._record(
                     ResizeOutcome(
@@ -439,6 +486,10 @@ class Supervisor:
             log.error("resize outcome for %s not stored: %s", command.command_id, error)
 
     async def _listen(self) -> None:
+        if self.bus is not None and self.config.remote:
+            self._workers_sub = await self.bus.subscribe(
+                subjects.job(self.config.job_id, "workers"), WorkerRelay, self._on_relay
+            )
         # Pushed, from now on: a new attempt must not replay the last attempt's resizes,
         # and a node's identity (which the supervisor has under --secure) may create
         # such a consumer for job commands, not pull from one. A command lost in a
@@ -522,11 +573,12 @@ class Supervisor:
             await process.wait()
 
     async def close(self) -> None:
-        if self._consumer is not None:
-            # The consumer itself goes once nobody listens (its inactive threshold).
-            with contextlib.suppress(Exception):
-                await self._consumer.unsubscribe()
-            self._consumer = None
+        for sub in (self._consumer, self._workers_sub):
+            if sub is not None:
+                # The consumer itself goes once nobody listens (its inactive threshold).
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._consumer = self._workers_sub = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -550,13 +602,31 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
     parser.add_argument("--np", type=int, required=True, help="workers to start with")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--progress-interval", type=float, default=1.0)
-    parser.add_argument("--network-interface", default="lo")
+    parser.add_argument(
+        "--network-interface",
+        default=os.environ.get("ALNAIR_NETWORK_INTERFACE", "lo"),
+        help="the interface workers reach each other on (lo on one host; the cluster "
+        "network's across nodes; default: $ALNAIR_NETWORK_INTERFACE or lo)",
+    )
+    parser.add_argument(
+        "--remote",
+        action="append",
+        default=[],
+        metavar="NODE=SLOTS",
+        help="slots on another node, started through its worker host (repeatable)",
+    )
     parser.add_argument(
         "--hosts", default="localhost,127.0.0.1", help="local names of this node, comma-separated"
     )
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    remote: list[tuple[str, int]] = []
+    for item in args.remote:
+        node, _, slots = item.partition("=")
+        if not node or not slots.isdigit() or int(slots) < 1:
+            parser.error(f"--remote {item!r}: expected NODE=SLOTS with SLOTS >= 1")
+        remote.append((node, int(slots)))
     if not args.job_id:
         parser.error("--job-id (or ALNAIR_JOB_ID) is required")
     # Job ids repeat across clusters (and a retried attempt may overlap a dying one):
@@ -583,6 +653,7 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
         hosts=tuple(h for h in args.hosts.split(",") if h),
         progress_interval_s=args.progress_interval,
         gpus=gpus,
+        remote=tuple(remote),
     )
 
 

@@ -1,0 +1,50 @@
+"""Workers of an elastic job on nodes other than its supervisor's.
+
+horovodrun (on the supervisor's node) starts every worker itself; for a host that is
+not local it runs a remote command, which Alnair routes to the job's *worker host* on
+that node (`workloads/worker_host.py`, the job's process there, launched by the node's
+agent) instead of ssh. Request/reply on `alnair.job.<job>.exec`; the worker host relays
+its workers' progress and exits to the supervisor on `alnair.job.<job>.workers`. Core
+NATS: a lost reply is asked again (`poll`), a lost report replaced by the next.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from schemas.base import Message, NodeName
+
+
+class ExecRequest(Message):
+    """Start a worker on `node` (`start`), ask how it is (`poll`), or signal it."""
+
+    op: Literal["start", "poll", "signal"]
+    exec_id: str = Field(min_length=1, max_length=64)
+    node: NodeName
+    # `start`: the shell command horovodrun built (cd, env, the training command).
+    command: str = Field(default="", max_length=65536)
+    # `signal`: which one (SIGTERM, when horovodrun stops the worker).
+    signal: int | None = Field(default=None, ge=1, le=64)
+
+
+class ExecState(Message):
+    """A worker host's answer: the worker's pid, and its exit code once it has ended."""
+
+    exec_id: str = Field(min_length=1, max_length=64)
+    node: NodeName
+    pid: int | None = Field(default=None, ge=1)
+    running: bool
+    exit_code: int | None = None
+    # Why the request failed (an unknown exec id, a command that would not start).
+    error: str = Field(default="", max_length=1000)
+
+
+class WorkerRelay(Message):
+    """A worker host -> the supervisor: one worker's progress datagram as the worker
+    sent it, or the pid of a worker that has exited."""
+
+    node: NodeName
+    report: str = Field(default="", max_length=8192)
+    gone_pid: int | None = Field(default=None, ge=1)

@@ -1,0 +1,220 @@
+"""An elastic job's process on a node other than its supervisor's: its workers' host.
+
+horovodrun runs on the supervisor's node and starts every worker itself; for a host
+that is not local Alnair's launcher (`workloads/hvdrun.py`) sends the worker's command
+here instead of over ssh (`workloads/remote_exec.py`, request/reply on
+`alnair.job.<job>.exec`). The node's agent launches this process like any rank of a
+multi-node job, so its GPUs, log, stop and exit are the agent's as usual. It
+
+- starts each worker as a process group of its own, with one of this node's GPUs to
+  claim (`ALNAIR_GPU_DIR`, workloads/devices.py) and its own progress address;
+- answers polls and signals for its workers, and reports each one's exit;
+- relays its workers' progress datagrams to the supervisor (`alnair.job.<job>.workers`);
+- on SIGTERM (the agent stopping the job) stops its workers and exits.
+
+It imports neither torch nor horovod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from nats.aio.msg import Msg
+
+from bus.client import Bus
+from schemas import subjects
+from schemas.base import encode
+from schemas.workers import ExecRequest, ExecState, WorkerRelay
+from workloads import devices
+from workloads.progress import PROGRESS_ADDR_ENV
+from workloads.sdk import job_connect_options
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT: Final = Path(__file__).resolve().parent.parent
+STOP_GRACE_S: Final = 10.0
+
+
+class _Relay(asyncio.DatagramProtocol):
+    def __init__(self, host: WorkerHost) -> None:
+        self._host = host
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, int]) -> None:
+        self._host.relay(data)
+
+
+@dataclass
+class WorkerHost:
+    job_id: str
+    node: str
+    bus: Bus
+    work_dir: Path
+    gpus: tuple[int, ...] = ()
+    _workers: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
+    _progress_addr: str = ""
+    _transport: asyncio.DatagramTransport | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def gpu_dir(self) -> Path:
+        return self.work_dir / "gpus"
+
+    async def start(self) -> None:
+        if self.gpus:
+            devices.write_devices(self.gpu_dir, self.gpus)
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: _Relay(self), local_addr=("127.0.0.1", 0)
+        )
+        self._transport = transport
+        host, port = transport.get_extra_info("sockname")[:2]
+        self._progress_addr = f"{host}:{port}"
+        await self.bus.subscribe(subjects.job(self.job_id, "exec"), ExecRequest, self._on_request)
+        log.info("worker host for job %s on %s ready", self.job_id, self.node)
+
+    def _spawn(self, coro: Coroutine[object, object, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def relay(self, data: bytes) -> None:
+        text = data.decode("utf-8", "replace")
+        self._spawn(self._publish(WorkerRelay(node=self.node, report=text[:8192])))
+
+    async def _publish(self, relay: WorkerRelay) -> None:
+        with contextlib.suppress(Exception):  # progress may be lost; the next replaces it
+            await self.bus.publish(subjects.job(self.job_id, "workers"), relay)
+
+    # -- requests ------------------------------------------------------------------
+
+    async def _on_request(self, request: ExecRequest, msg: Msg) -> None:
+        if request.node != self.node:
+            return  # for the worker host of another node
+        if request.op == "start":
+            state = await self._start(request)
+        else:
+            process = self._workers.get(request.exec_id)
+            if process is None:
+                state = self._state(request.exec_id, None, error="no such worker here")
+            else:
+                if request.op == "signal" and process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, request.signal or signal.SIGTERM)
+                state = self._state(request.exec_id, process)
+        if msg.reply:
+            await msg.respond(encode(state))
+
+    async def _start(self, request: ExecRequest) -> ExecState:
+        known = self._workers.get(request.exec_id)
+        if known is not None:  # the same start again (its reply was lost): no second worker
+            return self._state(request.exec_id, known)
+        env = dict(os.environ)
+        env[PROGRESS_ADDR_ENV] = self._progress_addr
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        if self.gpus:
+            env[devices.GPU_DIR_ENV] = str(self.gpu_dir)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                "/bin/sh", "-c", request.command, env=env, start_new_session=True
+            )
+        except OSError as error:
+            return self._state(request.exec_id, None, error=f"cannot start: {error}")
+        self._workers[request.exec_id] = process
+        self._spawn(self._watch(process))
+        log.info("started worker %s (pid %d)", request.exec_id, process.pid)
+        return self._state(request.exec_id, process)
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+        await process.wait()
+        await self._publish(WorkerRelay(node=self.node, gone_pid=process.pid))
+
+    def _state(
+        self, exec_id: str, process: asyncio.subprocess.Process | None, *, error: str = ""
+    ) -> ExecState:
+        if process is None:
+            return ExecState(exec_id=exec_id, node=self.node, running=False, error=error)
+        code = process.returncode
+        if code is not None and code < 0:
+            code = 128 - code  # killed by a signal: the shell's convention
+        return ExecState(
+            exec_id=exec_id,
+            node=self.node,
+            pid=process.pid,
+            running=process.returncode is None,
+            exit_code=code,
+        )
+
+    # -- stopping ------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        running = [p for p in self._workers.values() if p.returncode is None]
+        for process in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+        if running:
+            waiting = asyncio.gather(*(p.wait() for p in running))
+            try:
+                await asyncio.wait_for(waiting, timeout=STOP_GRACE_S)
+            except TimeoutError:
+                for process in running:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(process.pid, signal.SIGKILL)
+        if self._transport is not None:
+            self._transport.close()
+        for task in list(self._tasks):
+            task.cancel()
+
+
+async def run() -> int:
+    env = os.environ
+    job_id, node, servers = env.get("ALNAIR_JOB_ID"), env.get("ALNAIR_NODE"), env.get("ALNAIR_NATS")
+    if not (job_id and node and servers):
+        print(
+            "worker host: ALNAIR_JOB_ID, ALNAIR_NODE and ALNAIR_NATS must be set "
+            "(the agent sets them)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        gpus = devices.parse_devices(
+            env.get("CUDA_VISIBLE_DEVICES", ""), where="CUDA_VISIBLE_DEVICES"
+        )
+    except ValueError as error:
+        log.warning("no per-worker GPUs: %s", error)
+        gpus = ()
+    bus = await Bus.connect(job_connect_options(servers, f"worker-host:{job_id}:{node}"))
+    work_dir = Path(tempfile.mkdtemp(prefix=f"alnair-{job_id}-{node}-"))
+    host = WorkerHost(job_id, node, bus, work_dir, gpus)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await host.start()
+        await stopping.wait()
+    finally:
+        await host.stop()
+        with contextlib.suppress(Exception):
+            await bus.close()
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker-host %(message)s")
+    sys.exit(asyncio.run(run()))
+
+
+if __name__ == "__main__":
+    main()
