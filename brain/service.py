@@ -24,7 +24,7 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from brain import elastic
+from brain import elastic, secrets
 from brain import queues as queue_config
 from brain.core import (
     DEFAULT_POLICY,
@@ -183,6 +183,7 @@ class Brain:
         self._dirty = True
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
+        self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self._record_counter = 0
         self._leader_tasks: list[asyncio.Task[None]] = []
         self._leader_subs: list[Subscription] = []
@@ -225,6 +226,7 @@ class Brain:
         self.api = ApiServer(self)
         await self.bus.ensure_streams()
         await self.lease.open()
+        self._exec_key = await secrets.exec_key(self.bus)
         await self.replica.load()
         self.replica.follow()
         self._election = self.bus.spawn(self._elect_forever(), name="brain-election")
@@ -1648,8 +1650,14 @@ class Brain:
         """Command every node of the job's attempt that has not confirmed its start."""
         now = self.clock()
         nodes = job.nodes
-        # An elastic job across nodes: the supervisor on the first, worker hosts after.
+        # An elastic job across nodes: the supervisor on the first, worker hosts after,
+        # each told the attempt's secret that signs the supervisor's worker starts.
         remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
+        env = dict(job.spec.env)
+        if job.spec.elastic and remote:
+            env[secrets.EXEC_SECRET_ENV] = secrets.exec_secret(
+                self._exec_key, job.job_id, job.attempt
+            )
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue
@@ -1665,7 +1673,7 @@ class Brain:
                     command=elastic.launch_command(
                         job.spec, len(grant.gpus), rank=rank, remote=remote if rank == 0 else ()
                     ),
-                    env=job.spec.env,
+                    env=env,
                     cwd=job.spec.cwd,
                     expires_at=now + self.config.launch_ttl_s,
                     node_rank=rank,

@@ -33,6 +33,7 @@ from schemas.base import check_name
 Role = Literal["brain", "node", "tenant", "operator"]
 OPERATOR: Final = "operator"
 READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "status", "history", "why")
+WORKER_SUBJECTS: Final = (f"{subjects.PREFIX}.job.*.exec", f"{subjects.PREFIX}.job.*.workers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +80,13 @@ def _node_permissions(node: str) -> tuple[list[str], list[str]]:
         # (a consumer of any name, but only over job command subjects; no pulling).
         subjects.ALL_JOB_PROGRESS,
         f"$JS.API.CONSUMER.CREATE.{stream}.*.{subjects.ALL_JOB_COMMANDS}",
+        # Elastic jobs across nodes: worker starts (each signed with the attempt's
+        # secret, which only its nodes were given) and the workers' relayed reports.
+        *WORKER_SUBJECTS,
     ]
     # Fault injection (simulated GPUs only) is a request to the node's own subject.
-    return publish, [f"_INBOX_node_{node}.>", f"{subjects.PREFIX}.node.{node}.inject"]
+    subscribe = [f"_INBOX_node_{node}.>", f"{subjects.PREFIX}.node.{node}.inject"]
+    return publish, [*subscribe, *WORKER_SUBJECTS]
 
 
 def _operator_permissions() -> tuple[list[str], list[str]]:
@@ -115,6 +120,10 @@ def authorization_block(identities: list[Identity]) -> str:
         publish, subscribe = permissions(identity)
         rules = f"publish: {{allow: {json.dumps(publish)}}}, "
         rules += f"subscribe: {{allow: {json.dumps(subscribe)}}}"
+        if identity.role == "node":
+            # A worker host answers the supervisor's requests on another node's inbox:
+            # one reply to each request it received, nothing else there.
+            rules += ", allow_responses: true"
         users.append(f"    {{nkey: {identity.public_key}, permissions: {{{rules}}}}}")
     return "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n}\n"
 

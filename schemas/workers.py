@@ -10,11 +10,16 @@ NATS: a lost reply is asked again (`poll`), a lost report replaced by the next.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from typing import Literal
 
 from pydantic import Field
 
 from schemas.base import Message, NodeName
+
+# The attempt's secret, in the environment of its supervisor and its worker hosts.
+EXEC_SECRET_ENV = "ALNAIR_EXEC_SECRET"
 
 
 class ExecRequest(Message):
@@ -27,6 +32,21 @@ class ExecRequest(Message):
     command: str = Field(default="", max_length=65536)
     # `signal`: which one (SIGTERM, when horovodrun stops the worker).
     signal: int | None = Field(default=None, ge=1, le=64)
+    # HMAC-SHA256 of the request under the attempt's secret (`exec_mac`): the worker
+    # host obeys only its own job's supervisor (brain/secrets.py says why).
+    mac: str = Field(default="", max_length=128)
+
+    def signed(self, secret: str) -> ExecRequest:
+        return self.model_copy(update={"mac": exec_mac(secret, self)})
+
+    def signed_by(self, secret: str) -> bool:
+        return bool(secret) and hmac.compare_digest(self.mac, exec_mac(secret, self))
+
+
+def exec_mac(secret: str, request: ExecRequest) -> str:
+    fields = (request.op, request.exec_id, request.node, str(request.signal or ""))
+    text = "\n".join((*fields, request.command))
+    return hmac.new(secret.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
 class ExecState(Message):

@@ -124,6 +124,68 @@ async def test_cluster_runs_under_least_privilege(secure_server, keys, tmp_path)
                 await bus.close()
 
 
+@contextlib.asynccontextmanager
+async def secure_cluster(
+    server: EmbeddedNats, ids: dict[str, Identity], data: Path, gpus: dict[str, int]
+) -> AsyncIterator[tuple[Brain, Bus]]:
+    """A brain and an agent per node of `gpus`, each with its own identity, and tenant
+    a's connection; agents pass their identity on to their jobs (ALNAIR_NKEY)."""
+    opened: list[Bus] = []
+    agents: list[Agent] = []
+    brain = None
+    try:
+        brain_bus = await open_as(server, ids["brain:brain-1"])
+        opened.append(brain_bus)
+        config = BrainConfig(lease_ttl_s=2.0, tick_s=0.2, history_path=data / "h.db")
+        brain = Brain(brain_bus, config)
+        await brain.start()
+        await asyncio.wait_for(brain.leading.wait(), timeout=30)
+        for node, count in gpus.items():
+            agent_bus = await open_as(server, ids[f"node:{node}"])
+            opened.append(agent_bus)
+            config = AgentConfig(
+                node=node,
+                data_dir=data / node,
+                heartbeat_s=0.2,
+                stop_grace_s=3.0,
+                nats_url=server.url,
+                nkey_seed=str(ids[f"node:{node}"].seed_path),
+            )
+            agents.append(Agent(agent_bus, config, SimulatedGpus(node, count, "A100")))
+            await agents[-1].start()
+        await eventually(lambda: len(brain.state.nodes) == len(gpus))
+        tenant = await open_as(server, ids["tenant:a"])
+        opened.append(tenant)
+        yield brain, tenant
+    finally:
+        for agent in agents:
+            await agent.stop(stop_jobs=True)
+        if brain is not None:
+            await brain.stop()
+        for bus in opened:
+            with contextlib.suppress(Exception):
+                await bus.close()
+
+
+def elastic_spec(gpus: int, stop_file: Path, *, max_gpus: int) -> JobSpec:
+    return JobSpec(
+        command=(
+            sys.executable,
+            "-m",
+            "workloads.examples.elastic_train",
+            "--steps=1000000",
+            "--step-delay=0.02",
+            f"--stop-file={stop_file}",
+        ),
+        gpus=gpus,
+        elastic=True,
+        min_gpus=1,
+        max_gpus=max_gpus,
+        cwd=str(REPO),
+        env={"TMPDIR": str(stop_file.parent)},
+    )
+
+
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(180)
 async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
@@ -131,77 +193,51 @@ async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
 ) -> None:
     """The supervisor reaches NATS with the identity its agent passed on (ALNAIR_NKEY):
     it hears the brain's Resize, reports progress and the outcome, and the job ends."""
-    ids = keys[0]
-    opened: list[Bus] = []
-    brain = agent = None
     stop_file = tmp_path / "stop"
     try:
-        brain_bus = await open_as(secure_server, ids["brain:brain-1"])
-        opened.append(brain_bus)
-        brain = Brain(
-            brain_bus, BrainConfig(lease_ttl_s=2.0, tick_s=0.2, history_path=tmp_path / "h.db")
-        )
-        await brain.start()
-        await asyncio.wait_for(brain.leading.wait(), timeout=30)
-        agent_bus = await open_as(secure_server, ids["node:n1"])
-        opened.append(agent_bus)
-        agent = Agent(
-            agent_bus,
-            AgentConfig(
-                node="n1",
-                data_dir=tmp_path / "n1",
-                heartbeat_s=0.2,
-                nats_url=secure_server.url,
-                nkey_seed=str(ids["node:n1"].seed_path),
-            ),
-            SimulatedGpus("n1", 4, "A100"),
-        )
-        await agent.start()
-        await eventually(lambda: brain.state.nodes)
-        tenant = await open_as(secure_server, ids["tenant:a"])
-        opened.append(tenant)
-        spec = JobSpec(
-            command=(
-                sys.executable,
-                "-m",
-                "workloads.examples.elastic_train",
-                "--steps=1000000",
-                "--step-delay=0.02",
-                f"--stop-file={stop_file}",
-            ),
-            gpus=1,
-            elastic=True,
-            min_gpus=1,
-            max_gpus=2,
-            cwd=str(REPO),
-            env={"TMPDIR": str(tmp_path)},
-        )
-        job = await submit(tenant, "a", spec)
-        await eventually(lambda: brain.progress.world_size(job.job_id) == 1, timeout_s=90)
-        reply = await call(
-            tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT
-        )
-        assert reply.job.resize is not None
-        grown = await eventually(
-            lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
-        )
-        assert grown.gpu_count == 2, grown.reason
-        assert (grown.reason or "").startswith("resized 1 -> 2")
-        await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
-        stop_file.touch()
-        done = await eventually(
-            lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=60
-        )
-        assert done.state is JobState.SUCCEEDED, done.reason
+        async with secure_cluster(secure_server, keys[0], tmp_path, {"n1": 4}) as (brain, tenant):
+            job = await submit(tenant, "a", elastic_spec(1, stop_file, max_gpus=2))
+            await eventually(lambda: brain.progress.world_size(job.job_id) == 1, timeout_s=90)
+            reply = await call(
+                tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT
+            )
+            assert reply.job.resize is not None
+            grown = await eventually(
+                lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
+            )
+            assert grown.gpu_count == 2, grown.reason
+            assert (grown.reason or "").startswith("resized 1 -> 2")
+            await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
+            stop_file.touch()
+            done = await eventually(
+                lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=60
+            )
+            assert done.state is JobState.SUCCEEDED, done.reason
     finally:
         stop_file.touch()
-        if agent is not None:
-            await agent.stop()
-        if brain is not None:
-            await brain.stop()
-        for bus in opened:
-            with contextlib.suppress(Exception):
-                await bus.close()
+
+
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(180)
+async def test_an_elastic_job_across_nodes_runs_under_least_privilege(
+    secure_server, keys, tmp_path
+) -> None:
+    """Across two nodes: the supervisor's signed worker start reaches the other node's
+    worker host, whose relay reaches the supervisor, under the nodes' identities."""
+    stop_file = tmp_path / "stop"
+    nodes = {"n1": 2, "n2": 2}
+    try:
+        async with secure_cluster(secure_server, keys[0], tmp_path, nodes) as (brain, tenant):
+            job = await submit(tenant, "a", elastic_spec(3, stop_file, max_gpus=4))
+            await eventually(lambda: brain.progress.world_size(job.job_id) == 3, timeout_s=120)
+            assert len(set(brain.state.jobs[job.job_id].nodes)) == 2
+            stop_file.touch()
+            done = await eventually(
+                lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=90
+            )
+            assert done.state is JobState.SUCCEEDED, done.reason
+    finally:
+        stop_file.touch()
 
 
 async def test_server_refuses_other_identities_subjects(secure_server, keys) -> None:

@@ -29,6 +29,7 @@ from schemas.progress import Progress
 from tests.conftest import eventually
 
 REPO = Path(__file__).resolve().parent.parent
+EXEC_SECRET = "a-secret-only-this-job-knows"
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 
 pytestmark = [
@@ -149,6 +150,8 @@ def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job
         env.update(ALNAIR_JOB_ID=job_id, ALNAIR_NATS=nats_server.url)  # type: ignore[attr-defined]
         if gpus is not None:  # as the agent sets it for the launch's GPUs
             env["CUDA_VISIBLE_DEVICES"] = gpus
+        if remote:  # the attempt's secret, which the brain gives each of its nodes
+            env["ALNAIR_EXEC_SECRET"] = EXEC_SECRET
         with log_path.open("wb") as log:
             process = subprocess.Popen(
                 command,
@@ -346,6 +349,7 @@ async def test_workers_on_another_node_start_through_its_worker_host(
         "ALNAIR_NODE": "n2",
         "ALNAIR_NATS": nats_server.url,  # type: ignore[attr-defined]
         "CUDA_VISIBLE_DEVICES": "2,3",
+        "ALNAIR_EXEC_SECRET": EXEC_SECRET,
     }
     host = start_worker_host(env, tmp_path / "n2.log")
     try:

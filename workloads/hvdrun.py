@@ -26,6 +26,8 @@ NODE_LOCAL_VARIABLES: Final = (
     "ALNAIR_PROGRESS_ADDR",
     "ALNAIR_NODE",
     "ALNAIR_NODE_RANK",
+    # Never in a command line: it would travel in every ExecRequest.
+    "ALNAIR_EXEC_SECRET",
 )
 
 

@@ -30,7 +30,7 @@ from typing import Final
 from bus.client import Bus
 from schemas import subjects
 from schemas.errors import BusError
-from schemas.workers import ExecRequest, ExecState
+from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState
 from workloads.sdk import job_connect_options
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ NO_WORKER_EXIT: Final = 255
 
 
 async def _ask(bus: Bus, job_id: str, request: ExecRequest) -> ExecState:
-    return await bus.request(subjects.job(job_id, "exec"), request, ExecState, timeout_s=2.0)
+    signed = request.signed(os.environ.get(EXEC_SECRET_ENV, ""))
+    return await bus.request(subjects.job(job_id, "exec"), signed, ExecState, timeout_s=2.0)
 
 
 async def run(job_id: str, node: str, command: str, bus: Bus) -> int:

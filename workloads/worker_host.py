@@ -34,7 +34,7 @@ from nats.aio.msg import Msg
 from bus.client import Bus
 from schemas import subjects
 from schemas.base import encode
-from schemas.workers import ExecRequest, ExecState, WorkerRelay
+from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState, WorkerRelay
 from workloads import devices
 from workloads.progress import PROGRESS_ADDR_ENV
 from workloads.sdk import job_connect_options
@@ -60,6 +60,8 @@ class WorkerHost:
     bus: Bus
     work_dir: Path
     gpus: tuple[int, ...] = ()
+    # The attempt's secret: only requests signed with it are obeyed.
+    secret: str = ""
     _workers: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
     _progress_addr: str = ""
     _transport: asyncio.DatagramTransport | None = None
@@ -100,7 +102,10 @@ class WorkerHost:
     async def _on_request(self, request: ExecRequest, msg: Msg) -> None:
         if request.node != self.node:
             return  # for the worker host of another node
-        if request.op == "start":
+        if not request.signed_by(self.secret):
+            log.warning("refused an unsigned %s request %s", request.op, request.exec_id)
+            state = self._state(request.exec_id, None, error="not signed by this job's supervisor")
+        elif request.op == "start":
             state = await self._start(request)
         else:
             process = self._workers.get(request.exec_id)
@@ -196,7 +201,10 @@ async def run() -> int:
         gpus = ()
     bus = await Bus.connect(job_connect_options(servers, f"worker-host:{job_id}:{node}"))
     work_dir = Path(tempfile.mkdtemp(prefix=f"alnair-{job_id}-{node}-"))
-    host = WorkerHost(job_id, node, bus, work_dir, gpus)
+    secret = env.get(EXEC_SECRET_ENV, "")
+    if not secret:
+        log.warning("no %s: every worker start will be refused", EXEC_SECRET_ENV)
+    host = WorkerHost(job_id, node, bus, work_dir, gpus, secret)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

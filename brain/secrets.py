@@ -1,0 +1,52 @@
+"""The cluster's secret for an elastic job's worker starts across nodes.
+
+A worker host (workloads/worker_host.py) starts whatever command an `ExecRequest`
+carries, and under `--secure` every node may publish such requests (every node may host
+workers). So each request carries an HMAC under a secret only that attempt's processes
+know: the brain derives it from a cluster key and puts it in the attempt's `Launch`
+environment (`ALNAIR_EXEC_SECRET`) on each of its nodes; another node, which never sees
+those launches, cannot sign a request for it.
+
+The key lives in a JetStream KV bucket that only brains may reach, created by the first
+brain and read by every later one, so a new leader derives the same secrets (a re-sent
+launch must carry the same one). Nothing secret enters the job's record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+from typing import Final
+
+import nats.js.errors
+
+from bus.client import Bus
+from schemas.workers import EXEC_SECRET_ENV
+
+__all__ = ["EXEC_SECRET_ENV", "exec_key", "exec_secret"]
+
+SECRETS_BUCKET: Final = "alnair_secrets"
+EXEC_KEY: Final = "exec"
+
+
+async def exec_key(bus: Bus) -> bytes:
+    """The cluster's key, created once (create-if-absent: racing brains agree)."""
+    try:
+        bucket = await bus.js.key_value(SECRETS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        bucket = await bus.js.create_key_value(
+            bucket=SECRETS_BUCKET, history=1, replicas=bus.replicas
+        )
+    # Another brain may have made it first: then the one it made is the key.
+    with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+        await bucket.create(EXEC_KEY, os.urandom(32).hex().encode())
+    entry = await bucket.get(EXEC_KEY)
+    assert entry.value is not None
+    return bytes.fromhex(entry.value.decode())
+
+
+def exec_secret(key: bytes, job_id: str, attempt: int) -> str:
+    """The secret of one attempt of one job."""
+    return hmac.new(key, f"{job_id}:{attempt}".encode(), hashlib.sha256).hexdigest()

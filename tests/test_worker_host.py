@@ -1,0 +1,85 @@
+"""A worker host obeys only requests signed with its attempt's secret (real processes,
+a real nats-server): another node, which never saw the job's launches, cannot make it
+run a command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from bus.client import Bus
+from schemas import subjects
+from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState
+from tests.conftest import eventually
+
+REPO = Path(__file__).resolve().parent.parent
+SECRET = "the-attempts-secret"
+
+
+@pytest.fixture
+def worker_host(nats_server: object, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    env = {
+        **os.environ,
+        "ALNAIR_JOB_ID": "wh1",
+        "ALNAIR_NODE": "n2",
+        "ALNAIR_NATS": nats_server.url,  # type: ignore[attr-defined]
+        "CUDA_VISIBLE_DEVICES": "0",
+        EXEC_SECRET_ENV: SECRET,
+    }
+    with (tmp_path / "host.log").open("wb") as log:
+        host = subprocess.Popen(
+            [sys.executable, "-m", "workloads.worker_host"],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    yield host
+    host.terminate()
+    host.wait(timeout=30)
+
+
+async def ask(bus: Bus, request: ExecRequest) -> ExecState | None:
+    try:
+        return await bus.request(subjects.job("wh1", "exec"), request, ExecState, timeout_s=1.0)
+    except Exception:
+        return None  # not listening yet
+
+
+async def test_only_signed_requests_start_a_worker(
+    worker_host: subprocess.Popen[bytes],
+    connect: Callable[[str], Awaitable[Bus]],
+    tmp_path: Path,
+) -> None:
+    bus = await connect("other-node")
+    marker = tmp_path / "ran"
+    command = f"touch {marker}"
+
+    def start(mac_secret: str | None) -> ExecRequest:
+        request = ExecRequest(op="start", exec_id=uuid.uuid4().hex, node="n2", command=command)
+        return request if mac_secret is None else request.signed(mac_secret)
+
+    for forged in (start(None), start("a-guess")):  # unsigned; signed with another secret
+        answer = await eventually(lambda f=forged: ask(bus, f), timeout_s=30)
+        assert answer.error == "not signed by this job's supervisor" and answer.pid is None
+    # A signed request whose command was changed in transit is refused too.
+    tampered = start(SECRET).model_copy(update={"command": f"touch {marker}.evil"})
+    answer = await eventually(lambda: ask(bus, tampered), timeout_s=30)
+    assert "not signed" in answer.error
+    assert not marker.exists() and not Path(f"{marker}.evil").exists()
+
+    signed = start(SECRET)
+    answer = await eventually(lambda: ask(bus, signed), timeout_s=30)
+    assert answer.pid is not None and not answer.error
+    await eventually(marker.exists)
+    poll = ExecRequest(op="poll", exec_id=signed.exec_id, node="n2")
+    done = await eventually(lambda: ask(bus, poll.signed(SECRET)))
+    assert done.error == ""
+    refused = await eventually(lambda: ask(bus, poll))  # a poll needs the secret too
+    assert "not signed" in refused.error
