@@ -62,9 +62,13 @@ class ExecState(Message):
 
 
 class WorkerRelay(Message):
-    """A worker host -> the supervisor: one worker's progress datagram as the worker
-    sent it, or the pid of a worker that has exited."""
+    """A worker host -> the supervisor's node: one worker's progress datagram as the
+    worker sent it, the pid of a worker that has exited, or a line of a worker's output
+    (for the `remote_exec` that started it, which prints it where horovodrun reads it,
+    as an ssh session would)."""
 
     node: NodeName
     report: str = Field(default="", max_length=8192)
     gone_pid: int | None = Field(default=None, ge=1)
+    exec_id: str = Field(default="", max_length=64)
+    output: str = Field(default="", max_length=8192)

@@ -4,7 +4,9 @@ run a command."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -83,3 +85,42 @@ async def test_only_signed_requests_start_a_worker(
     assert done.error == ""
     refused = await eventually(lambda: ask(bus, poll))  # a poll needs the secret too
     assert "not signed" in refused.error
+
+
+def remote_exec(nats_url: str, command: str, secret: str = SECRET) -> subprocess.Popen[str]:
+    """What horovodrun runs for a worker on n2 (through workloads.hvdrun)."""
+    env = {**os.environ, "ALNAIR_JOB_ID": "wh1", "ALNAIR_NATS": nats_url, EXEC_SECRET_ENV: secret}
+    return subprocess.Popen(
+        [sys.executable, "-m", "workloads.remote_exec", "--host", "n2", "--", command],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+async def test_remote_exec_behaves_like_an_ssh_session(
+    worker_host: subprocess.Popen[bytes], nats_server: object, tmp_path: Path
+) -> None:
+    """The worker's output comes back, its exit code is the session's, and a SIGTERM to
+    the session reaches the worker."""
+    url = nats_server.url  # type: ignore[attr-defined]
+    session = remote_exec(url, "echo hello-from-n2; echo $ALNAIR_GPU_DIR; exit 3")
+    out, _ = await asyncio.to_thread(session.communicate, timeout=90)
+    assert session.returncode == 3, out
+    assert "hello-from-n2" in out
+    assert "/gpus" in out  # the worker host's own GPU directory, not the supervisor's
+
+    started = tmp_path / "started"
+    session = remote_exec(url, f"touch {started}; exec sleep 60")
+    await eventually(started.exists, timeout_s=60)
+    session.send_signal(signal.SIGTERM)
+    out, _ = await asyncio.to_thread(session.communicate, timeout=60)
+    assert session.returncode == 128 + signal.SIGTERM, out
+
+    # Without the attempt's secret nothing runs, and the session says why.
+    session = remote_exec(url, f"touch {tmp_path / 'forged'}", secret="wrong")
+    out, _ = await asyncio.to_thread(session.communicate, timeout=90)
+    assert session.returncode == 255 and "not signed" in out
+    assert not (tmp_path / "forged").exists()

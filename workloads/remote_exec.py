@@ -4,8 +4,9 @@ Alnair's launcher (`workloads/hvdrun.py`) makes horovodrun run this where it wou
 `ssh <host> <command>`: it asks the job's worker host on that node
 (`workloads/worker_host.py`) to start the command, then polls until the worker ends and
 exits with its exit code, so horovodrun's elastic driver watches it as it would an ssh
-session. Stopped (SIGTERM, SIGINT), it passes the signal on and waits briefly for the
-worker to end.
+session, and prints the worker's output as it comes (relayed by the worker host; the
+node's own job log has all of it, should a line be lost here). Stopped (SIGTERM,
+SIGINT), it passes the signal on and waits briefly for the worker to end.
 
     python -m workloads.remote_exec --host NODE -- 'cd DIR ; env ... python train.py'
 
@@ -27,10 +28,12 @@ import uuid
 from collections.abc import Sequence
 from typing import Final
 
+from nats.aio.msg import Msg
+
 from bus.client import Bus
 from schemas import subjects
 from schemas.errors import BusError
-from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState
+from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState, WorkerRelay
 from workloads.sdk import job_connect_options
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ POLL_S: Final = 0.5
 # A worker host unheard of this long (its node gone) counts as a failed worker.
 LOST_AFTER_S: Final = 60.0
 SIGNAL_GRACE_S: Final = 10.0
+OUTPUT_LINGER_S: Final = 0.5
 NO_WORKER_EXIT: Final = 255
 
 
@@ -51,6 +55,20 @@ async def _ask(bus: Bus, job_id: str, request: ExecRequest) -> ExecState:
 
 async def run(job_id: str, node: str, command: str, bus: Bus) -> int:
     exec_id = uuid.uuid4().hex
+
+    async def on_relay(relay: WorkerRelay, msg: Msg) -> None:
+        if relay.exec_id == exec_id and relay.output:
+            sys.stdout.write(relay.output)
+            sys.stdout.flush()
+
+    await bus.subscribe(subjects.job(job_id, "workers"), WorkerRelay, on_relay)
+    code = await _run(job_id, node, command, bus, exec_id)
+    # The last lines may still be on their way.
+    await asyncio.sleep(OUTPUT_LINGER_S)
+    return code
+
+
+async def _run(job_id: str, node: str, command: str, bus: Bus, exec_id: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -9,6 +9,8 @@ multi-node job, so its GPUs, log, stop and exit are the agent's as usual. It
 - starts each worker as a process group of its own, with one of this node's GPUs to
   claim (`ALNAIR_GPU_DIR`, workloads/devices.py) and its own progress address;
 - answers polls and signals for its workers, and reports each one's exit;
+- writes each worker's output to its own (the node's job log) and relays it to the
+  `remote_exec` that started it, which prints it for horovodrun as ssh would;
 - relays its workers' progress datagrams to the supervisor (`alnair.job.<job>.workers`);
 - on SIGTERM (the agent stopping the job) stops its workers and exits.
 
@@ -132,16 +134,29 @@ class WorkerHost:
             env[devices.GPU_DIR_ENV] = str(self.gpu_dir)
         try:
             process = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", request.command, env=env, start_new_session=True
+                "/bin/sh",
+                "-c",
+                request.command,
+                env=env,
+                start_new_session=True,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
             )
         except OSError as error:
             return self._state(request.exec_id, None, error=f"cannot start: {error}")
         self._workers[request.exec_id] = process
-        self._spawn(self._watch(process))
+        self._spawn(self._watch(request.exec_id, process))
         log.info("started worker %s (pid %d)", request.exec_id, process.pid)
         return self._state(request.exec_id, process)
 
-    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+    async def _watch(self, exec_id: str, process: asyncio.subprocess.Process) -> None:
+        assert process.stdout is not None
+        out = sys.stdout.buffer
+        while line := await process.stdout.readline():
+            out.write(line)
+            out.flush()
+            text = line.decode("utf-8", "replace")[:8192]
+            await self._publish(WorkerRelay(node=self.node, exec_id=exec_id, output=text))
         await process.wait()
         await self._publish(WorkerRelay(node=self.node, gone_pid=process.pid))
 
