@@ -9,10 +9,11 @@ record changes of a resize, which is a statement:
   so nobody else takes them; a shrink's released ones until their workers are gone)
   and `JobRecord.resize` says what was asked, with the command id;
 - commit, on the supervisor's `ResizeCompleted` with `ok`: the grants are the target;
-- roll back, on a refusal or a timeout: the grants are what they were; or, when the
-  supervisor may have begun a grow (it timed out, or refused after trying), a revert is
-  staged instead, holding the grow's GPUs until the supervisor is back at the old size
-  (its new workers may be running on them).
+- roll back, on a refusal: the grants are what they were; or, when the supervisor may
+  have moved part of the way (it timed out, or refused after trying), a revert to the
+  old size is staged instead, like any resize: the job holds every GPU of both sizes
+  (a grow's new workers may run on the added ones) until the supervisor confirms it.
+  A revert that is rolled back in turn ends holding them all.
 
 Everything here is pure (no clock, no ids, no I/O): the shell (brain/service.py)
 journals what these return and sends the commands. It must not import torch or
@@ -254,19 +255,21 @@ def commit(job: JobRecord, message: str, held: Collection[int] = ()) -> JobRecor
 
 
 def roll_back(job: JobRecord, message: str) -> JobRecord:
-    """The staged resize undone: the job holds what it held before."""
-    assert job.resize is not None
+    """The staged resize undone: the job holds what it held before; a revert undone
+    keeps every GPU of both sizes (a silent supervisor may use any of them)."""
+    staged = job.resize
+    assert staged is not None
+    gpus = job.grants[0].gpus if staged.reverting else staged.from_gpus
     return job.model_copy(
-        update={"grants": _with_gpus(job, job.resize.from_gpus), "resize": None, "reason": message}
+        update={"grants": _with_gpus(job, gpus), "resize": None, "reason": message}
     )
 
 
 def stage_revert(job: JobRecord, message: str, *, now: float) -> JobRecord:
-    """A grow rolled back while its workers may have started: staged back to the size
-    before, holding every GPU of the grow meanwhile."""
+    """A resize rolled back while its supervisor may have moved part of the way: the
+    size before, staged as a resize of its own (the grants still hold both sizes)."""
     staged = job.resize
     assert staged is not None
-    assert staged.grow
     assert not staged.reverting
     revert = StagedResize(
         command_id=f"{staged.command_id}-revert",
@@ -297,17 +300,3 @@ def resize_command(job: JobRecord, *, epoch: int, issued_at: float) -> Resize:
 
 def describe(staged: StagedResize) -> str:
     return f"{len(staged.from_gpus)} -> {len(staged.to_gpus)} GPUs on {staged.node}"
-
-
-def revert_command(staged: StagedResize, job_id: str, *, epoch: int, issued_at: float) -> Resize:
-    """After a roll-back: run at the size before again, for a supervisor that may have
-    moved part of the way before it gave up (or that hears the command late)."""
-    return Resize(
-        command_id=f"{staged.command_id}-revert",
-        epoch=epoch,
-        issued_at=issued_at,
-        job_id=job_id,
-        world_size=len(staged.from_gpus),
-        cause=f"roll back the resize {describe(staged)}",
-        gpus=staged.from_gpus,
-    )

@@ -23,9 +23,6 @@ from typing import Final
 import nats.js.errors
 
 from bus.client import Bus
-from schemas.workers import EXEC_SECRET_ENV
-
-__all__ = ["EXEC_SECRET_ENV", "exec_key", "exec_secret"]
 
 SECRETS_BUCKET: Final = "alnair_secrets"
 EXEC_KEY: Final = "exec"

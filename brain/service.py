@@ -96,6 +96,7 @@ from schemas.state import (
     StateRecord,
 )
 from schemas.telemetry import Heartbeat, TelemetryBatch
+from schemas.workers import EXEC_SECRET_ENV
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,6 @@ class Brain:
         self.api = ApiServer(self)
         await self.bus.ensure_streams()
         await self.lease.open()
-        self._exec_key = await secrets.exec_key(self.bus)
         await self.replica.load()
         self.replica.follow()
         self._election = self.bus.spawn(self._elect_forever(), name="brain-election")
@@ -1484,37 +1484,25 @@ class Brain:
             await self._regrant(self.state.jobs[job.job_id], staged.command_id, "committed")
 
     async def _roll_back_resize(self, job: JobRecord, why: str, *, revert: bool) -> None:
-        """Back to the size before; `revert` also commands that size again, for a
-        supervisor that may have moved (its host list changed) before giving up.
-
-        A grow it may have begun is not undone here: its new workers may run on the
-        added GPUs, so the job holds them until the supervisor confirms the revert (a
-        staged resize back). A revert that times out too ends holding them all: a
-        supervisor that answers nothing may still run on every one of them."""
+        """Back to the size before. With `revert` (the supervisor may have moved part of
+        the way: it tried, or never answered) the old size is staged as a resize of its
+        own, the job holding every GPU of both sizes until the supervisor confirms it: a
+        grow's new workers may run on the added GPUs. A revert rolled back in turn ends
+        holding them all, and is not reverted again."""
         staged = job.resize
         assert staged is not None
         message = f"resize {elastic.describe(staged)} rolled back: {why}"
-        if revert and staged.grow and not staged.reverting:
-            extra = sorted(set(staged.to_gpus) - set(staged.from_gpus))
-            message += f"; GPUs {extra} stay the job's until its supervisor is back at "
+        held = list(job.grants[0].gpus)
+        if revert and not staged.reverting:
+            message += f"; GPUs {held} stay the job's until its supervisor is back at "
             message += f"{len(staged.from_gpus)}"
-            await self._job_changed(
-                elastic.stage_revert(job, message, now=self.clock()),
-                job.state,
-                Cause(
-                    kind=CauseKind.RESIZE_ROLLED_BACK,
-                    node=staged.node,
-                    job_id=job.job_id,
-                    message=message,
-                ),
-            )
-            await self._send_resize(self.state.jobs[job.job_id])
-            return
-        if staged.reverting:
-            message += f"; the job keeps GPUs {list(staged.from_gpus)} (its workers may use them)"
-        rolled = elastic.roll_back(job, message)
+            changed = elastic.stage_revert(job, message, now=self.clock())
+        else:
+            if staged.reverting:
+                message += f"; the job keeps GPUs {held} (its workers may use them)"
+            changed = elastic.roll_back(job, message)
         await self._job_changed(
-            rolled,
+            changed,
             job.state,
             Cause(
                 kind=CauseKind.RESIZE_ROLLED_BACK,
@@ -1524,15 +1512,10 @@ class Brain:
             ),
         )
         current = self.state.jobs[job.job_id]
-        if staged.grow:
+        if current.resize is not None:
+            await self._send_resize(current)
+        elif staged.grow and not staged.reverting:
             await self._regrant(current, staged.command_id, "rolled-back")
-        if revert and not staged.reverting:
-            back = elastic.revert_command(
-                staged, job.job_id, epoch=self.epoch, issued_at=self.clock()
-            )
-            await self.bus.publish_durable(
-                subjects.job(job.job_id, "cmd"), back, msg_id=back.command_id
-            )
 
     async def _check_resizes(self) -> None:
         """Roll back a resize its supervisor has not answered in time (it died, or never
@@ -1655,9 +1638,9 @@ class Brain:
         remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
         env = dict(job.spec.env)
         if job.spec.elastic and remote:
-            env[secrets.EXEC_SECRET_ENV] = secrets.exec_secret(
-                self._exec_key, job.job_id, job.attempt
-            )
+            if not self._exec_key:  # read (or made) when first needed, not at start
+                self._exec_key = await secrets.exec_key(self.bus)
+            env[EXEC_SECRET_ENV] = secrets.exec_secret(self._exec_key, job.job_id, job.attempt)
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue

@@ -610,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    from cli.up import add_up_parser
+    from cli.up import add_policy_args, add_up_parser
 
     add_up_parser(sub)
 
@@ -717,27 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("brain", help="run a brain (for multi-machine clusters)")
     _connection_args(p)
-    p.add_argument("--policy", default="fifo", help="queue order policy (default: fifo)")
-    p.add_argument(
-        "--elasticity",
-        default="marginal-gain",
-        help="how elastic jobs are sized: marginal-gain (grow into idle GPUs by observed "
-        "throughput, shrink when jobs wait), linear, or none (they keep the size they "
-        "asked for; resize by hand); default marginal-gain",
-    )
-    p.add_argument(
-        "--elastic-resize-interval",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="resize running elastic jobs only in rounds this far apart (0, the default: "
-        "at every scheduling pass); rounds pay when a resize costs more than the wait",
-    )
-    p.add_argument(
-        "--queues",
-        metavar="FILE",
-        help="queue quotas (YAML: name, guaranteed_gpus, class build|train); see docs/policies.md",
-    )
+    add_policy_args(p)
     p.add_argument(
         "--node-timeout",
         type=float,

@@ -33,6 +33,31 @@ DEFAULT_HTTP = "127.0.0.1:8470"
 CLUSTER_REPLICAS = 3
 
 
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """How a brain decides: `alnair brain`'s flags, which `alnair up` passes to its brains."""
+    p.add_argument("--policy", default="fifo", help="queue order policy (default: fifo)")
+    p.add_argument(
+        "--elasticity",
+        default="marginal-gain",
+        help="how elastic jobs are sized: marginal-gain (grow into idle GPUs by observed "
+        "throughput, shrink when jobs wait), linear, or none (they keep the size they "
+        "asked for; resize by hand); default marginal-gain",
+    )
+    p.add_argument(
+        "--elastic-resize-interval",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="resize running elastic jobs only in rounds this far apart (0, the default: "
+        "at every scheduling pass); rounds pay when a resize costs more than the wait",
+    )
+    p.add_argument(
+        "--queues",
+        metavar="FILE",
+        help="queue quotas (YAML: name, guaranteed_gpus, class build|train); see docs/policies.md",
+    )
+
+
 def add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start the one-machine cluster: NATS, a brain, agents")
     p.add_argument(
@@ -68,25 +93,7 @@ def add_up_parser(sub: Any) -> None:
         help="NATS over TLS only: a new CA, server and client certificates in "
         "$ALNAIR_HOME/keys/tls; clients must present theirs (mutual TLS)",
     )
-    p.add_argument("--policy", default="fifo", help="queue order policy")
-    p.add_argument(
-        "--elasticity",
-        default="marginal-gain",
-        help="how the brains size elastic jobs: marginal-gain, linear or none",
-    )
-    p.add_argument(
-        "--elastic-resize-interval",
-        type=float,
-        default=0.0,
-        metavar="SECONDS",
-        help="resize running elastic jobs only in rounds this far apart (0, the default: "
-        "at every scheduling pass); rounds pay when a resize costs more than the wait",
-    )
-    p.add_argument(
-        "--queues",
-        metavar="FILE",
-        help="queue quotas (YAML: name, guaranteed_gpus, class build|train), for the brains",
-    )
+    add_policy_args(p)
     p.add_argument(
         "--brains",
         type=int,

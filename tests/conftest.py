@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from agents.gpu import SimulatedGpus
 from brain.service import Brain, BrainConfig
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
+from schemas.jobs import JobSpec
 
 
 @pytest.fixture
@@ -144,3 +146,32 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s")
         await asyncio.sleep(interval_s)
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def elastic_train_spec(
+    gpus: int, stop_file: Path, *, max_gpus: int, name: str = "elastic"
+) -> JobSpec:
+    """workloads/examples/elastic_train.py as an elastic job that trains until
+    `stop_file` exists (then ends at its next commit); the supervisor's files go beside
+    it (TMPDIR)."""
+    return JobSpec(
+        name=name,
+        command=(
+            sys.executable,
+            "-m",
+            "workloads.examples.elastic_train",
+            "--steps=1000000",
+            "--step-delay=0.02",
+            "--commit-every=5",
+            f"--stop-file={stop_file}",
+        ),
+        gpus=gpus,
+        elastic=True,
+        min_gpus=1,
+        max_gpus=max_gpus,
+        cwd=str(REPO),
+        env={"TMPDIR": str(stop_file.parent)},
+    )

@@ -30,7 +30,7 @@ from schemas.api import (
     StatusRequest,
 )
 from schemas.jobs import JobSpec, JobState
-from tests.conftest import eventually
+from tests.conftest import elastic_train_spec, eventually
 
 REPO = Path(__file__).resolve().parent.parent
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
@@ -167,25 +167,6 @@ async def secure_cluster(
                 await bus.close()
 
 
-def elastic_spec(gpus: int, stop_file: Path, *, max_gpus: int) -> JobSpec:
-    return JobSpec(
-        command=(
-            sys.executable,
-            "-m",
-            "workloads.examples.elastic_train",
-            "--steps=1000000",
-            "--step-delay=0.02",
-            f"--stop-file={stop_file}",
-        ),
-        gpus=gpus,
-        elastic=True,
-        min_gpus=1,
-        max_gpus=max_gpus,
-        cwd=str(REPO),
-        env={"TMPDIR": str(stop_file.parent)},
-    )
-
-
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(180)
 async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
@@ -196,7 +177,7 @@ async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
     stop_file = tmp_path / "stop"
     try:
         async with secure_cluster(secure_server, keys[0], tmp_path, {"n1": 4}) as (brain, tenant):
-            job = await submit(tenant, "a", elastic_spec(1, stop_file, max_gpus=2))
+            job = await submit(tenant, "a", elastic_train_spec(1, stop_file, max_gpus=2))
             await eventually(lambda: brain.progress.world_size(job.job_id) == 1, timeout_s=90)
             reply = await call(
                 tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT
@@ -228,7 +209,7 @@ async def test_an_elastic_job_across_nodes_runs_under_least_privilege(
     nodes = {"n1": 2, "n2": 2}
     try:
         async with secure_cluster(secure_server, keys[0], tmp_path, nodes) as (brain, tenant):
-            job = await submit(tenant, "a", elastic_spec(3, stop_file, max_gpus=4))
+            job = await submit(tenant, "a", elastic_train_spec(3, stop_file, max_gpus=4))
             await eventually(lambda: brain.progress.world_size(job.job_id) == 3, timeout_s=120)
             assert len(set(brain.state.jobs[job.job_id].nodes)) == 2
             stop_file.touch()

@@ -36,7 +36,7 @@ from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGrant
 from schemas.progress import Progress
 from schemas.state import CauseKind, JobChanged, NodeEventRecorded, StateRecord
 from schemas.telemetry import GpuInfo, Heartbeat
-from tests.conftest import eventually
+from tests.conftest import elastic_train_spec, eventually
 from tests.httpkit import api_factory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -369,26 +369,7 @@ async def test_elastic_horovod_job_resized_through_the_brain(
     records: list[StateRecord] = []
     brain.record_observers.append(lambda record, seq: records.append(record))
     stop_file = tmp_path / "stop"
-    spec = JobSpec(
-        name="elastic",
-        command=(
-            sys.executable,
-            "-m",
-            "workloads.examples.elastic_train",
-            "--steps=1000000",
-            "--step-delay=0.02",
-            "--commit-every=5",
-            f"--stop-file={stop_file}",
-        ),
-        gpus=2,
-        elastic=True,
-        min_gpus=1,
-        max_gpus=3,
-        cwd=str(REPO),
-        # The supervisor's host list and discovery script go under TMPDIR.
-        env={"TMPDIR": str(tmp_path)},
-    )
-    job_id = await submit(brain, spec)
+    job_id = await submit(brain, elastic_train_spec(2, stop_file, max_gpus=3))
     await eventually(lambda: brain.progress.world_size(job_id) == 2, timeout_s=90)
 
     for size in (3, 1):
@@ -464,24 +445,7 @@ async def test_an_elastic_job_larger_than_a_node_runs_across_nodes_through_their
     agents = [await agent_factory(name, gpus=2) for name in ("n1", "n2")]
     await eventually(lambda: len(brain.state.nodes) == 2)
     stop_file = tmp_path / "stop"
-    spec = JobSpec(
-        name="wide",
-        command=(
-            sys.executable,
-            "-m",
-            "workloads.examples.elastic_train",
-            "--steps=1000000",
-            "--step-delay=0.02",
-            f"--stop-file={stop_file}",
-        ),
-        gpus=3,
-        elastic=True,
-        min_gpus=1,
-        max_gpus=4,
-        cwd=str(REPO),
-        env={"TMPDIR": str(tmp_path)},
-    )
-    job_id = await submit(brain, spec)
+    job_id = await submit(brain, elastic_train_spec(3, stop_file, max_gpus=4, name="wide"))
     await eventually(lambda: brain.progress.world_size(job_id) == 3, timeout_s=120)
     job = brain.state.jobs[job_id]
     assert sorted(len(g.gpus) for g in job.grants) == [1, 2] and len(set(job.nodes)) == 2
@@ -603,8 +567,18 @@ def test_stage_commit_and_roll_back_hold_every_gpu_of_both_sizes() -> None:
     assert elastic.commit(shrink, "yes", held=(5,)).grants[0].gpus == (0,)  # not the job's
     command = elastic.resize_command(shrink, epoch=3, issued_at=7.0)
     assert (command.command_id, command.world_size, command.epoch) == ("c2", 1, 3)
-    assert shrink.resize is not None
-    assert elastic.revert_command(shrink.resize, "7", epoch=3, issued_at=8.0).world_size == 3
+    # A shrink the supervisor may have begun: the old size staged again, holding both
+    # sizes; committed, back where it was; rolled back in turn, it keeps them all.
+    revert = elastic.stage_revert(shrink, "back", now=8.0)
+    assert revert.resize is not None and revert.resize.reverting
+    assert (revert.resize.command_id, revert.grants[0].gpus) == ("c2-revert", (0, 1, 2))
+    assert elastic.resize_command(revert, epoch=3, issued_at=8.0).world_size == 3
+    assert elastic.commit(revert, "ok").grants[0].gpus == (0, 1, 2)
+    assert elastic.roll_back(revert, "unanswered").grants[0].gpus == (0, 1, 2)
+    # A grow's revert: committed, the added GPU is free again; unanswered, it is kept.
+    back = elastic.stage_revert(grow, "back", now=8.0)
+    assert elastic.commit(back, "ok").grants[0].gpus == (0, 1)
+    assert elastic.roll_back(back, "unanswered").grants[0].gpus == (0, 1, 2)
     assert isinstance(elastic.choose_target(grown, 4, free=set()), elastic.ResizeRefused)
 
 

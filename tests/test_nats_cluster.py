@@ -62,7 +62,7 @@ async def state_leader(bus: Bus) -> str:
     return cluster.leader
 
 
-@pytest.mark.timeout(400)  # above the sum of its bounded phases
+@pytest.mark.timeout(700)  # above the sum of its hang guards
 async def test_state_leader_killed_mid_burst(
     nats_cluster: EmbeddedCluster, connect, brain_factory, agent_factory
 ) -> None:
@@ -83,12 +83,13 @@ async def test_state_leader_killed_mid_burst(
 
     started = time.monotonic()
     submitting = asyncio.ensure_future(burst(client, 200, concurrency=8, on_progress=kill_once))
-    # Each phase bounded, so a hang says where it was (the test's timeout says nothing).
+    # Each phase has a hang guard, far above its usual seconds (no speed is asserted),
+    # so a hang says where it was; the test's own timeout would say nothing.
     try:
-        await asyncio.wait_for(kill_at.wait(), timeout=60)
+        await asyncio.wait_for(kill_at.wait(), timeout=180)
     except TimeoutError:
         submitting.cancel()
-        raise AssertionError("60 submissions were not acknowledged within 60 s") from None
+        raise AssertionError("hung before 60 submissions were acknowledged") from None
     leader = await state_leader(client)
     victim = nats_cluster.node(leader)
     brain_was_on_it = brain.bus.nc.connected_url.port == victim.port
@@ -103,13 +104,13 @@ async def test_state_leader_killed_mid_burst(
 
     successor = await eventually(new_leader, timeout_s=60, interval_s=0.2)
     try:
-        result = await asyncio.wait_for(submitting, timeout=90)
+        result = await asyncio.wait_for(submitting, timeout=240)
     except TimeoutError:
         raise AssertionError(
-            f"the burst was still submitting 90 s after the kill of {leader} "
+            f"hung submitting after the kill of {leader} "
             f"(the brain was connected to it: {brain_was_on_it}; {successor} leads)"
         ) from None
-    result = await wait_all_finished(client, result, timeout_s=120)
+    result = await wait_all_finished(client, result, timeout_s=200)
     print(
         f"\nSTATE leader {leader} SIGKILLed after {killed_after:.1f}s with "
         f"{acked_at_kill[0]} acknowledged (the brain was connected to it: {brain_was_on_it}); "

@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Final, TextIO
+
+log = logging.getLogger(__name__)
 
 GPU_DIR_ENV: Final = "ALNAIR_GPU_DIR"
 DEVICES_FILE: Final = "devices"
@@ -50,6 +53,18 @@ def parse_devices(text: str, *, where: str) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise ValueError(f"{where}: a GPU is listed twice in {out}")
     return tuple(out)
+
+
+def launch_gpus() -> tuple[int, ...]:
+    """The GPUs the agent launched this process with (`CUDA_VISIBLE_DEVICES`): what a
+    supervisor or worker host offers its workers to claim. () when unset, or when they
+    are not indices (UUIDs, say): then workers see the list as it is."""
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        return parse_devices(visible, where="CUDA_VISIBLE_DEVICES")
+    except ValueError as error:
+        log.warning("no per-worker GPUs: %s", error)
+        return ()
 
 
 def read_devices(directory: Path) -> tuple[int, ...]:

@@ -126,6 +126,11 @@ class ResizeOutcome:
     # The GPUs the workers hold after it, when every worker claimed one.
     gpus: tuple[int, ...] = ()
 
+    @classmethod
+    def refused(cls, size: int, reason: str) -> ResizeOutcome:
+        """Not tried: the job stays at `size`."""
+        return cls(size, size, False, 0.0, 0, reason)
+
 
 def host_slots(hosts: Sequence[str], slots: int) -> list[tuple[str, int]]:
     """Deal `slots` round-robin over `hosts`, the first host always non-empty.
@@ -355,29 +360,13 @@ class Supervisor:
         async with self._resize_lock:
             started = time.monotonic()
             from_size = self.slots
+            low, high = self.config.min_np, self.config.max_np
             if self.config.remote and target != from_size:
-                return self._record(
-                    ResizeOutcome(
-                        from_size,
-                        from_size,
-                        False,
-                        0.0,
-                        0,
-                        "a job with workers on other nodes keeps its size "
-                        "(resizing across nodes is not built)",
-                    )
-                )
-            if not self.config.min_np <= target <= self.config.max_np:
-                return self._record(
-                    ResizeOutcome(
-                        from_size,
-                        from_size,
-                        False,
-                        0.0,
-                        0,
-                        f"size {target} is outside {self.config.min_np}..{self.config.max_np}",
-                    )
-                )
+                why = "a job with workers on other nodes keeps its size (resizing across "
+                return self._record(ResizeOutcome.refused(from_size, why + "nodes is not built)"))
+            if not low <= target <= high:
+                why = f"size {target} is outside {low}..{high}"
+                return self._record(ResizeOutcome.refused(from_size, why))
             old_pids = self.pids_at(from_size)
             before = self.devices
             if before and gpus:
@@ -441,14 +430,7 @@ class Supervisor:
         if command.epoch < self.epoch:
             await self._report(
                 command,
-                ResizeOutcome(
-                    self.slots,
-                    self.slots,
-                    False,
-                    0.0,
-                    0,
-                    f"stale epoch {command.epoch} < {self.epoch}",
-                ),
+                ResizeOutcome.refused(self.slots, f"stale epoch {command.epoch} < {self.epoch}"),
             )
             return
         self.epoch = command.epoch
@@ -632,13 +614,6 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
     # Job ids repeat across clusters (and a retried attempt may overlap a dying one):
     # a fresh directory per supervisor, never one named by the job id alone.
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix=f"alnair-{args.job_id}-"))
-    try:
-        gpus = devices.parse_devices(
-            os.environ.get("CUDA_VISIBLE_DEVICES", ""), where="CUDA_VISIBLE_DEVICES"
-        )
-    except ValueError as error:  # UUIDs, say: no device map, workers see the list as is
-        log.warning("no per-worker GPUs: %s", error)
-        gpus = ()
     return SupervisorConfig(
         job_id=args.job_id,
         command=command,
@@ -652,7 +627,7 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
         network_interface=args.network_interface,
         hosts=tuple(h for h in args.hosts.split(",") if h),
         progress_interval_s=args.progress_interval,
-        gpus=gpus,
+        gpus=devices.launch_gpus(),
         remote=tuple(remote),
     )
 

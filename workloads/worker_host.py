@@ -207,13 +207,7 @@ async def run() -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        gpus = devices.parse_devices(
-            env.get("CUDA_VISIBLE_DEVICES", ""), where="CUDA_VISIBLE_DEVICES"
-        )
-    except ValueError as error:
-        log.warning("no per-worker GPUs: %s", error)
-        gpus = ()
+    gpus = devices.launch_gpus()
     bus = await Bus.connect(job_connect_options(servers, f"worker-host:{job_id}:{node}"))
     work_dir = Path(tempfile.mkdtemp(prefix=f"alnair-{job_id}-{node}-"))
     secret = env.get(EXEC_SECRET_ENV, "")
