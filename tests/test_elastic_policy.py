@@ -202,10 +202,10 @@ CASES = [
         cause={"2": "grown from 4 to 5"},
     ),
     Case(
-        "within a band, less attained service gets what it asked for first",
+        "GPUs above minimums are shared by marginal gain, ties to less attained service",
         ELASTIC,
         snapshot(
-            node("n0", gpus=8, busy=(0, 1, 2, 3)),
+            node("n0", gpus=9, busy=(0, 1, 2, 3)),
             running=(
                 # Entered band 2 first (FIFO would favour it) but has had 5x the service.
                 elastic(
@@ -229,6 +229,45 @@ CASES = [
                     attained=2e4,
                     service_level=2,
                     service_level_since=50.0,
+                ),
+            ),
+        ),
+        # Equal gains: they alternate, and the odd GPU goes to the better-ranked one.
+        sizes={"1": 4, "2": 5},
+        cause={"2": "grown from 2 to 5"},
+    ),
+    Case(
+        "the job that scales better gets the GPUs above minimums, not the better-ranked",
+        ELASTIC,
+        snapshot(
+            node("n0", gpus=8, busy=(0, 1, 2, 3)),
+            running=(
+                # Better ranked (less service) but its second GPU added 30%.
+                elastic("1", 6, 1, 8, on=on("n0", 0, 1), throughput=((1, 10.0), (2, 13.0))),
+                elastic(
+                    "2",
+                    6,
+                    1,
+                    8,
+                    on=on("n0", 2, 3),
+                    throughput=((1, 10.0), (2, 20.0)),
+                    attained=1e5,
+                ),
+            ),
+        ),
+        # By rank, job 1 would take all four idle GPUs (its ask).
+        sizes={"1": 3, "2": 5},
+        cause={"2": "grown from 2 to 5"},
+    ),
+    Case(
+        "a priority is an entitlement: the higher one reaches its ask first",
+        replace(ELASTIC, order="priority"),
+        snapshot(
+            node("n0", gpus=8, busy=(0, 1, 2, 3)),
+            running=(
+                elastic("1", 6, 1, 8, on=on("n0", 0, 1), throughput=((1, 10.0), (2, 20.0))),
+                elastic(
+                    "2", 6, 1, 8, on=on("n0", 2, 3), throughput=((1, 10.0), (2, 13.0)), priority=5
                 ),
             ),
         ),

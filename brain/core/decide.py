@@ -225,6 +225,14 @@ def _elastic_key(entry: _Entry) -> _ElasticKey:
     return (key[0], key[1], key[2], key[3], entry.ranked.rank[:1], service, *key[4:])
 
 
+def _share_class(entry: _Entry, rank_entitles: bool) -> tuple[float, ...]:
+    """What entitles an elastic job to GPUs above its minimum before others get any:
+    its quota standing, whether it may be preempted, and the order's rank class when
+    that is an entitlement (a priority), not a queue heuristic (`Ordered.rank_entitles`)."""
+    key = entry.sort_key
+    return (key[0], key[1], *(entry.ranked.rank[:1] if rank_entitles else ()))
+
+
 def _select(
     cycle: _Cycle, entries: list[_Entry], head_of_line_blocking: bool, capacity: int
 ) -> tuple[list[_Entry], list[_Entry]]:
@@ -446,7 +454,10 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
     entries = _entries(ordered, snapshot, now, policy, hold)
     if stage is not None:
         entries.sort(key=_elastic_key)
-        stage.set_ranks([e.job.job_id for e in entries])
+        stage.set_ranks(
+            [e.job.job_id for e in entries],
+            {e.job.job_id: _share_class(e, ordered.rank_entitles) for e in entries},
+        )
     to_place, victims = _select(
         cycle, entries, ordered.head_of_line_blocking, ledger.total_capacity()
     )

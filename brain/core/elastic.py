@@ -8,7 +8,9 @@ allocator semantics), which `decide` runs around its rigid pipeline:
    minimums of better-ranked jobs fill the cluster does one wait (or, running, become
    a preemption candidate, exactly as a rigid job would);
 2. targets   — the GPUs that selected jobs' minimums leave raise elastic jobs toward
-   what they asked for (`gpus`), best-ranked first; the rest stay at their minimum;
+   what they asked for (`gpus`), one GPU at a time to the job whose next GPU adds the
+   most (relative marginal gain), within entitlement classes (quota standing; a
+   priority, not a queue heuristic such as a LAS band: `Ordered.rank_entitles`);
 3. reclaim   — when a selected pending job does not fit, running elastic jobs give back
    GPUs above their target, lowest marginal loss first, *before* any job is
    preempted; reclaimed GPUs nobody took are handed back; a pending elastic job that
@@ -204,6 +206,8 @@ class ElasticStage:
     targets: dict[str, int] = field(default_factory=dict)
     selected: dict[str, int] = field(default_factory=dict)
     rank_of: dict[str, int] = field(default_factory=dict)
+    # What entitles a job to GPUs above its minimum before worse classes (`plan`).
+    share_class: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # Whether this cycle may resize running jobs by itself (retreat, entitle, grow);
     # reclaims for pending jobs happen at every cycle. Off: the next round's start.
     resize_round: bool = True
@@ -264,21 +268,45 @@ class ElasticStage:
 
     def plan(self, capacity: int) -> None:
         """After selection: GPUs no selected job's minimum needs raise elastic jobs'
-        targets toward what they asked for, best-ranked first."""
+        targets toward what they asked for, one at a time, within the best entitlement
+        class first, to the job whose next GPU has the highest relative marginal gain
+        (ties: better rank).
+
+        By gain, not by rank: a queue order's rank (a LAS band) says who should start
+        first, not who makes best use of a GPU above its minimum. Handing a newcomer
+        its whole ask shrinks the long jobs already running to their minimum, where
+        they stay while newcomers keep arriving; sharing by gain keeps every job near
+        its efficient size (on Pollux's workloads, 0.83 -> 0.76 of static `las`'s
+        average JCT, docs/elastic.md)."""
         left = capacity - sum(self.selected.values())
-        for job_id in sorted(self.targets, key=lambda j: (self._rank(j), job_sequence(j))):
-            extra = min(max(left, 0), self.wanted(job_id) - self.targets[job_id])
-            if extra > 0:
-                self.targets[job_id] += extra
-                left -= extra
+        heap: list[tuple[tuple[float, ...], float, int, tuple[int, str], str]] = []
+
+        def push(job_id: str) -> None:
+            size = self.targets[job_id]
+            if size < self.wanted(job_id):
+                gain = self.gain(self.asked[job_id], size)
+                key = (self.share_class.get(job_id, ()), -gain, self._rank(job_id))
+                heapq.heappush(heap, (*key, job_sequence(job_id), job_id))
+
+        for job_id in self.targets:
+            push(job_id)
+        while heap and left > 0:
+            job_id = heapq.heappop(heap)[-1]
+            self.targets[job_id] += 1
+            left -= 1
+            push(job_id)
 
     def size(self, job: JobView) -> int:
         """The size to place a selected job at."""
         return self.targets.get(job.job_id, job.gpus)
 
-    def set_ranks(self, job_ids: Sequence[str]) -> None:
-        """Every job of the cycle, best-ranked first (the selection order)."""
+    def set_ranks(
+        self, job_ids: Sequence[str], share_class: dict[str, tuple[float, ...]] | None = None
+    ) -> None:
+        """Every job of the cycle, best-ranked first (the selection order), and what
+        entitles each to GPUs above its minimum before others (smaller first)."""
         self.rank_of = {job_id: i for i, job_id in enumerate(job_ids)}
+        self.share_class = dict(share_class or {})
 
     def _rank(self, job_id: str) -> int:
         return self.rank_of.get(job_id, 1 << 30)

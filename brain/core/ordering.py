@@ -61,6 +61,11 @@ class Ordered:
     head_of_line_blocking: bool
     level_changes: tuple[SetServiceLevel, ...] = ()
     wake_at: float | None = None
+    # True: the first rank key is an entitlement (a declared priority), so elastic jobs
+    # of a better class reach what they asked for before a worse class gets more than
+    # its minimum. False (queue heuristics: LAS bands, Gittins, FIFO): the elasticity
+    # stage shares the GPUs above minimums by marginal gain alone.
+    rank_entitles: bool = False
 
     @property
     def jobs(self) -> tuple[JobView, ...]:
@@ -87,7 +92,7 @@ def priority(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     ranked = tuple(
         Ranked(j, (-j.priority, 0 if j.running else 1), f"priority {j.priority}") for j in jobs
     )
-    return Ordered(ranked, head_of_line_blocking=False)
+    return Ordered(ranked, head_of_line_blocking=False, rank_entitles=True)
 
 
 @dataclass(frozen=True, slots=True)
