@@ -1,7 +1,8 @@
 """Jobs' progress as their supervisors report it (`alnair.job.<job>.progress`).
 
 Owns, in memory only, what the leading brain learned from those reports: each job's
-throughput per world size (an EWMA of the samples/s rank 0 reports at that size), the
+throughput per world size (an EWMA of the samples/s rank 0 reports at that size, or of
+its goodput when it reports one: a job that adapts its batch), the
 fraction of its steps done and how fast that grows (for jobs that say how many steps
 they mean to take), and whether the supervisor of its current run has spoken yet (it
 listens for Resize commands before its workers start, so a report means a resize will
@@ -70,9 +71,12 @@ class ProgressTracker:
         track = self._jobs.setdefault(report.job_id, _Track())
         news = not track.heard or report.world_size not in track.throughput
         track.heard = True
-        if report.samples_per_s > 0:
+        # A job that adapts its batch reports its goodput: samples/s would reward a GPU
+        # that only buys a bigger, less useful batch.
+        rate = report.goodput if report.goodput is not None else report.samples_per_s
+        if rate > 0:
             old = track.throughput.get(report.world_size)
-            track.throughput[report.world_size] = _blend(old, report.samples_per_s)
+            track.throughput[report.world_size] = _blend(old, rate)
         if report.total_steps is not None:
             if (
                 track.ts is not None

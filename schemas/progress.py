@@ -22,6 +22,8 @@ class WorkerProgress(Message):
     param_digest: str = Field(default="", max_length=64)
     # The GPU the worker claimed (workloads/devices.py), when it did.
     gpu: int | None = Field(default=None, ge=0)
+    # The worker's batch in its last step (samples), when it says.
+    batch_size: int | None = Field(default=None, ge=1)
 
 
 class Progress(Message):
@@ -42,3 +44,10 @@ class Progress(Message):
     # The attempt (run) of the job that reports, when known: a report from a run the
     # brain has already ended (a supervisor still stopping) is not the current run's.
     attempt: int | None = Field(default=None, ge=1)
+    # The job's global batch in rank 0's last step (its batch x the world size), when
+    # it says: it changes with the world size when the job keeps each worker's batch,
+    # and by the job's own choice when it adapts the batch.
+    batch_size: int | None = Field(default=None, ge=1)
+    # Samples/s at the job's base batch's worth (workloads/goodput.py), from a job that
+    # adapts its batch: the brain sizes the job by it instead of `samples_per_s`.
+    goodput: float | None = Field(default=None, ge=0)

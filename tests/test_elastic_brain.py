@@ -607,6 +607,15 @@ def test_progress_tracker_learns_throughput_per_size() -> None:
     assert tracker.heard_from("7") and tracker.world_size("7") == 3
 
 
+def test_progress_tracker_prefers_goodput_from_a_job_that_adapts_its_batch() -> None:
+    tracker = ProgressTracker()
+    base = {"job_id": "8", "step": 1, "loss": 0.1, "slots": 2}
+    tracker.observe(Progress(ts=1.0, world_size=2, samples_per_s=900.0, goodput=300.0, **base))
+    tracker.observe(Progress(ts=2.0, world_size=4, samples_per_s=2000.0, **base))
+    # Goodput where reported (a bigger batch's samples are worth less), else samples/s.
+    assert tracker.current()["8"].throughput == ((2, 300.0), (4, 2000.0))
+
+
 async def test_the_policy_grows_an_elastic_job_through_the_same_path(
     brain_factory, node: FakeNode
 ) -> None:

@@ -119,6 +119,7 @@ def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job
         max_np: int = 4,
         gpus: str | None = None,
         remote: tuple[str, ...] = (),
+        train_args: tuple[str, ...] = (),
     ) -> Job:
         stop_file = tmp_path / f"{job_id}.stop"
         log_path = tmp_path / f"{job_id}.log"
@@ -143,6 +144,7 @@ def start_job(nats_server: object, tmp_path: Path) -> Iterator[Callable[..., Job
             "--step-delay=0.02",
             "--commit-every=5",
             f"--stop-file={stop_file}",
+            *train_args,
         ]
         env = dict(os.environ)
         env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -264,6 +266,47 @@ async def test_resize_2_3_1_2_keeps_workers_and_state(
     assert [r.released_gpus for r in watch.resizes.values()] == [0, 2, 0]
     await finish(job)
     assert "removed from elastic job" in job.log_path.read_text()
+
+
+async def test_adaptive_batch_follows_the_world_size_and_reports_goodput(
+    bus: Bus, watch: Watch, start_job: Callable[..., Job]
+) -> None:
+    # Base batch 16 per worker; the job may pick 4..128 per worker, 512 in all.
+    job = start_job("ad1", np=2, train_args=("--adaptive-batch",))
+
+    def adapted(size: int) -> Progress | None:
+        """A report at `size` workers with a batch the job chose (not 16 per worker)."""
+        return next(
+            (
+                p
+                for p in reversed(watch.progress)
+                if p.world_size == size
+                and len(p.workers) == size
+                and p.goodput is not None
+                and p.batch_size is not None
+                and p.batch_size != 16 * size
+            ),
+            None,
+        )
+
+    first = await eventually(lambda: adapted(2), timeout_s=90)
+    assert first.batch_size is not None and first.goodput is not None
+    assert 2 * 4 <= first.batch_size <= 512
+    # Goodput is samples/s at the base batch's worth: never more than samples/s.
+    assert 0 < first.goodput <= first.samples_per_s * 1.0001
+
+    await resize(bus, watch, "ad1", 3)
+    after = await eventually(lambda: adapted(3), timeout_s=90)
+    assert after.batch_size is not None and after.batch_size <= 512
+    # The ranks step with the same batch (rank 0 decides), and stay in sync.
+    by_step: dict[int, set[int | None]] = {}
+    for message in watch.progress:
+        for worker in message.workers:
+            by_step.setdefault(worker.step, set()).add(worker.batch_size)
+    assert all(len(batches) == 1 for batches in by_step.values()), by_step
+    assert_steps_never_go_back(watch)
+    assert_params_identical(watch)
+    await finish(job)
 
 
 async def test_stale_epoch_and_duplicate_commands_are_refused(

@@ -39,6 +39,11 @@ class WorkerReport:
     total_steps: int | None = None
     # The GPU this worker claimed (workloads.devices.claim_gpu), if it did.
     gpu: int | None = None
+    # This worker's batch in the step (samples), if it says.
+    batch_size: int | None = None
+    # Samples/s of the whole job at its base batch's worth (workloads/goodput.py), for
+    # a job that adapts its batch: what the brain sizes it by instead of samples/s.
+    goodput: float | None = None
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -62,6 +67,8 @@ class WorkerReport:
             ts=float(raw.get("ts", 0.0)),
             total_steps=int(raw["total_steps"]) if raw.get("total_steps") else None,
             gpu=int(raw["gpu"]) if raw.get("gpu") is not None else None,
+            batch_size=int(raw["batch_size"]) if raw.get("batch_size") is not None else None,
+            goodput=float(raw["goodput"]) if raw.get("goodput") is not None else None,
         )
 
 
@@ -91,6 +98,8 @@ class ProgressReporter:
         loss: float,
         param_digest: str = "",
         total_steps: int | None = None,
+        batch_size: int | None = None,
+        goodput: float | None = None,
     ) -> None:
         if self._socket is None or self._target is None:
             return
@@ -105,6 +114,8 @@ class ProgressReporter:
             ts=time.time(),
             total_steps=total_steps,
             gpu=held_gpu(),
+            batch_size=batch_size,
+            goodput=goodput,
         )
         # The supervisor may be gone or busy; training goes on regardless.
         with contextlib.suppress(OSError):

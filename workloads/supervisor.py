@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import signal
@@ -302,6 +303,18 @@ class Supervisor:
             slots=self.slots,
             total_steps=report.total_steps,
             attempt=self.config.attempt,
+            batch_size=(
+                report.batch_size * report.world_size
+                if report.batch_size is not None and report.batch_size > 0
+                else None
+            ),
+            goodput=(
+                report.goodput
+                if report.goodput is not None
+                and math.isfinite(report.goodput)
+                and report.goodput >= 0
+                else None
+            ),
             workers=tuple(
                 WorkerProgress(
                     rank=r.rank,
@@ -310,6 +323,7 @@ class Supervisor:
                     world_size=r.world_size,
                     param_digest=r.param_digest,
                     gpu=r.gpu,
+                    batch_size=r.batch_size if r.batch_size and r.batch_size > 0 else None,
                 )
                 for r in current
             ),
