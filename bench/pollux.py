@@ -10,18 +10,21 @@ bench/results/ (JSON and CSV).
 
 Costs, as Pollux's simulator charges them: a job stalls 30 s when it first starts and
 loses 30 s when it resumes after a preemption; an elastic resize stalls it
-`resize_cost_s` (30 s in Pollux's restart-based rescale; Horovod elastic resized in
-2-18 s here, see docs/elastic.md). `batch` is what a resize keeps: the global batch
+`resize_cost_s` (30 s in Pollux's restart-based rescale); `-measured` rows charge
+what Horovod elastic's in-place resize took here instead (17 s a grow, 3 s a shrink,
+bench/resize_latency.py). `batch` is what a resize keeps: the global batch
 (scheduling gains only), each worker's batch (Horovod elastic's usual setup, where
 a smaller world also trains a smaller, more sample-efficient batch), or neither
-(`adaptive`: the batch with the best goodput on the new allocation). `-60s` rows
-resize running jobs by the stage's own choice only every 60 s, as the artifact
-schedules (`Policy.elastic_resize_interval_s`). The primary row is
-`elastic-local-60s`. `adaptive` rows model Pollux's own batch-size adaptation (a job
-re-choosing its batch for the best goodput at every allocation, as AdaptDL's do),
-with `las-adaptive` the same adaptation on rigid jobs (to separate the two effects);
-`adaptive-epoch` rows also re-choose the batch at every epoch, as the artifact's
-simulator does.
+(`adaptive`: the batch with the best goodput on the new allocation). `-60s` and
+`-measured` rows resize running jobs by the stage's own choice only every 60 s, as
+the artifact schedules (`Policy.elastic_resize_interval_s`). `adaptive` rows model
+Pollux's own batch-size adaptation (a job re-choosing its batch for the best goodput
+at every allocation, as AdaptDL's do), with `las-adaptive` the same adaptation on
+rigid jobs (to separate the two effects); `adaptive-epoch` rows also re-choose the
+batch at every epoch, as the artifact's simulator does and as Alnair's elastic jobs
+do with `workloads/adaptive_batch.py` (the example's `--adaptive-batch`). The primary
+row is `elastic-adaptive-epoch-measured`; `elastic-local-measured` is the same for
+jobs that keep each worker's batch.
 
     .venv/bin/python bench/pollux.py [--only workload-1] [--workers N]
 
@@ -77,10 +80,17 @@ class Variant:
     resize_cost_s: float = RESTART_COST_S
     batch: BatchScaling = "global"
     note: str = ""
+    # A shrink's stall when not `resize_cost_s` (None: the same).
+    shrink_cost_s: float | None = None
     # How each job's elastic range follows from its request (ignored by static runs).
     elastic_range: ElasticRange = field(default_factory=ElasticRange)
 
 
+# Horovod elastic's resize here, through the brain (bench/resize_latency.py,
+# bench/results/resize-latency-*.json): a grow 13-19 s (16.8 s on average: the new
+# workers start and join), a shrink 2-3 s (2.6 s: the removed workers leave).
+MEASURED_GROW_S = 17.0
+MEASURED_SHRINK_S = 3.0
 ELASTIC = Policy(order="las", elasticity="marginal-gain", elastic_may_spread=True)
 # The artifact's scheduling interval: the stage resizes running jobs by its own choice
 # only at these rounds (a reclaim for an arriving job is not deferred).
@@ -100,12 +110,6 @@ VARIANTS: tuple[Variant, ...] = (
         note="global batch kept, 30 s resize, grows/retreats every 60 s (the artifact's round)",
     ),
     Variant(
-        "elastic-one-node",
-        replace(ELASTIC, elastic_may_spread=False),
-        note="as the live brain runs them: jobs within a node elastic on it, bigger rigid",
-        elastic_range=ElasticRange(node_gpus=4),
-    ),
-    Variant(
         "elastic-linear",
         replace(ELASTIC, elasticity="linear"),
         note="throughput-blind growth (even split), for comparison",
@@ -118,18 +122,13 @@ VARIANTS: tuple[Variant, ...] = (
         note="worker batch kept (Horovod elastic), 30 s resize, 60 s rounds",
     ),
     Variant(
-        "elastic-local-10s",
-        ELASTIC,
-        resize_cost_s=10.0,
-        batch="local",
-        note="worker batch kept, 10 s resize (Horovod elastic's measured), every event",
-    ),
-    Variant(
-        "elastic-local-10s-60s",
+        "elastic-local-measured",
         ELASTIC_ROUNDS,
-        resize_cost_s=10.0,
+        resize_cost_s=MEASURED_GROW_S,
+        shrink_cost_s=MEASURED_SHRINK_S,
         batch="local",
-        note="worker batch kept, 10 s resize, 60 s rounds",
+        note="worker batch kept, Horovod elastic's measured resize (17 s grow, 3 s shrink), "
+        "60 s rounds",
     ),
     # Pollux's/AdaptDL's batch-size adaptation: every job re-chooses its global batch
     # for the best goodput at each allocation (brain/sim/pollux.py, `batch="adaptive"`).
@@ -149,11 +148,12 @@ VARIANTS: tuple[Variant, ...] = (
         note="batch re-chosen for goodput at every resize (AdaptDL), 30 s resize, 60 s rounds",
     ),
     Variant(
-        "elastic-adaptive-10s-60s",
+        "elastic-adaptive-measured",
         ELASTIC_ROUNDS,
-        resize_cost_s=10.0,
+        resize_cost_s=MEASURED_GROW_S,
+        shrink_cost_s=MEASURED_SHRINK_S,
         batch="adaptive",
-        note="batch re-chosen for goodput at every resize, 10 s resize, 60 s rounds",
+        note="batch re-chosen for goodput at every resize, measured resize, 60 s rounds",
     ),
     Variant(
         "las-adaptive-epoch",
@@ -168,16 +168,34 @@ VARIANTS: tuple[Variant, ...] = (
         note="batch re-chosen at every resize and every epoch, 30 s resize, 60 s rounds",
     ),
     Variant(
-        "elastic-adaptive-epoch-10s-60s",
+        "elastic-adaptive-epoch-measured",
         ELASTIC_ROUNDS,
-        resize_cost_s=10.0,
+        resize_cost_s=MEASURED_GROW_S,
+        shrink_cost_s=MEASURED_SHRINK_S,
         batch="adaptive-epoch",
-        note="batch re-chosen at every resize and every epoch, 10 s resize, 60 s rounds",
+        note="batch re-chosen at every resize and every epoch (the example's "
+        "--adaptive-batch), measured resize, 60 s rounds",
     ),
 )
-# Horovod elastic keeps each worker's batch (ElasticSampler, the learning rate rescaled
-# on reset), and Pollux's cost and round: the row compared with the published ratio.
-PRIMARY = "elastic-local-60s"
+# What the live brain can run today: a job larger than a node runs across nodes at a
+# fixed size (docs/elastic.md, "Not built yet"); the primary row resizes such jobs too.
+ONE_NODE = Variant(
+    "elastic-one-node-measured",
+    replace(ELASTIC_ROUNDS, elastic_may_spread=False),
+    resize_cost_s=MEASURED_GROW_S,
+    shrink_cost_s=MEASURED_SHRINK_S,
+    batch="adaptive-epoch",
+    note="as the primary, as the live brain runs it today: jobs within a node elastic on "
+    "it, bigger ones at a fixed size across nodes",
+    elastic_range=ElasticRange(node_gpus=4),
+)
+VARIANTS = (*VARIANTS, ONE_NODE)
+# The row compared with the published ratio: jobs that adapt their batch at every
+# resize and epoch, as Pollux's do (workloads/adaptive_batch.py; the example's
+# --adaptive-batch), resized in place by Horovod elastic at the cost measured here,
+# the stage resizing every 60 s (the artifact's round). `elastic-local-measured` is
+# the same for jobs that keep each worker's batch.
+PRIMARY = "elastic-adaptive-epoch-measured"
 WORKLOADS = tuple(PUBLISHED)
 
 
@@ -188,6 +206,7 @@ class Row:
     note: str
     batch: str
     resize_cost_s: float
+    shrink_cost_s: float | None
     metrics: Metrics
     wall_s: float
     decide_calls: int
@@ -208,6 +227,7 @@ def run_one(workload: str, variant: Variant) -> Row:
         preemption_cost_s=RESTART_COST_S,
         start_cost_s=RESTART_COST_S,
         resize_cost_s=variant.resize_cost_s,
+        shrink_cost_s=variant.shrink_cost_s,
         scaling=PolluxScaling(apps, cluster.gpus_per_node, batch=variant.batch),
     )
     started = time.perf_counter()
@@ -219,6 +239,7 @@ def run_one(workload: str, variant: Variant) -> Row:
         variant.note,
         variant.batch,
         variant.resize_cost_s,
+        variant.shrink_cost_s,
         summarize(result),
         wall,
         result.decide_calls,
@@ -350,6 +371,7 @@ def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
             "note": r.note,
             "batch": r.batch,
             "resize_cost_s": r.resize_cost_s,
+            "shrink_cost_s": r.resize_cost_s if r.shrink_cost_s is None else r.shrink_cost_s,
             "ratio_vs_static_las": (
                 r.metrics.avg_jct / base[r.workload] if r.workload in base else None
             ),

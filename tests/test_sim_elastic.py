@@ -147,6 +147,30 @@ def test_resizes_cost_time_and_are_checked() -> None:
     assert fast.jct < 1000.0
 
 
+def test_a_shrink_may_cost_less_than_a_grow() -> None:
+    # Job 1 runs on all 4 GPUs; rigid job 2 arrives, 1 shrinks for it, then grows back.
+    elastic = TraceJob("1", 4, 0.0, 2000.0, min_gpus=1, max_gpus=4)
+    rigid = TraceJob("2", 2, 100.0, 300.0)
+    policy = Policy(order="fifo", elasticity="linear", elastic_may_spread=True)
+
+    def jct(**costs: float | None) -> float:
+        config = SimConfig(policy, parse_cluster("1x4"), **costs)  # type: ignore[arg-type]
+        outcome = {o.job_id: o for o in simulate((elastic, rigid), config).outcomes}["1"]
+        assert outcome.resizes == 2 and outcome.jct is not None
+        return outcome.jct
+
+    same = jct(resize_cost_s=50.0)
+    assert jct(resize_cost_s=50.0, shrink_cost_s=50.0) == pytest.approx(same)
+    # The shrink's 45 s saved were spent on 2 GPUs: 22.5 s of 4-GPU work.
+    assert jct(resize_cost_s=50.0, shrink_cost_s=5.0) == pytest.approx(same - 22.5)
+    # A grow alone never pays the shrink's cost.
+    alone = (replace(elastic, gpus=2),)
+    grow_only = SimConfig(policy, parse_cluster("1x4"), resize_cost_s=50.0)
+    (plain,) = simulate(alone, grow_only).outcomes
+    (cheap,) = simulate(alone, replace(grow_only, shrink_cost_s=0.0)).outcomes
+    assert plain.resizes == 1 and cheap.jct == pytest.approx(plain.jct)
+
+
 def test_a_resize_outside_the_range_is_a_simulation_error(monkeypatch: pytest.MonkeyPatch) -> None:
     job = TraceJob("1", 2, 0.0, 100.0, min_gpus=2, max_gpus=3)
 
@@ -190,6 +214,8 @@ def test_cli_rejects_an_unknown_elasticity(
     argv = ("--trace", str(path), "--cluster", "2x4", "--apps", str(APPS))
     assert cli.run(parse(*argv, "--policy", "las+greedy")) == 2
     assert "unknown elasticity policy 'greedy'" in capsys.readouterr().err
+    assert cli.run(parse(*argv, "--shrink-cost", "-3")) == 2
+    assert "--shrink-cost cannot be negative (-3)" in capsys.readouterr().err
     assert cli.run(parse("--trace", str(path), "--cluster", "2x4", "--apps", str(tmp_path))) == 2
     assert "no application directories" in capsys.readouterr().err
 

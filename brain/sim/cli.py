@@ -128,6 +128,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds an elastic job makes no progress after a resize (default: 0)",
     )
     elastic.add_argument(
+        "--shrink-cost",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a shrink's stall, when not --resize-cost's (Horovod elastic: a shrink is "
+        "faster than a grow, which starts workers)",
+    )
+    elastic.add_argument(
         "--start-cost",
         type=float,
         default=0.0,
@@ -275,8 +283,16 @@ def load_workload(
     return trace, PolluxScaling(apps, cluster.gpus_per_node, batch=args.batch)
 
 
+def _check_costs(args: argparse.Namespace) -> None:
+    for flag in ("preemption_cost", "resize_cost", "shrink_cost", "start_cost"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise TraceError(f"--{flag.replace('_', '-')} cannot be negative ({value:g})")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_costs(args)
         policy = policy_from_args(args)
         cluster = parse_cluster(args.cluster, nodes_per_switch=args.nodes_per_switch)
         trace, scaling = load_workload(args, cluster)
@@ -288,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             queues=queues,
             scaling=scaling,
             resize_cost_s=args.resize_cost,
+            shrink_cost_s=args.shrink_cost,
             start_cost_s=args.start_cost,
         )
         if args.service_prior is not None:
@@ -313,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
         for kind, count in preemption_causes(result):
             print(f"  preemptions, {kind}: {count}")
         if metrics.resizes:
-            print(f"  resizes: {metrics.resizes} (resize cost {args.resize_cost:g} s)")
+            shrink = "" if args.shrink_cost is None else f", shrink {args.shrink_cost:g} s"
+            print(f"  resizes: {metrics.resizes} (resize cost {args.resize_cost:g} s{shrink})")
     if args.plot is not None:
         try:
             paths = plot(result, args.plot, title=f"{args.policy} on {cluster.describe()}")

@@ -6,8 +6,9 @@ exactly as the live shell would, calls `brain.core.decide`, checks the decisions
 applies them: `Place` starts a job, `Preempt` stops it and requeues it pending (it
 keeps its attained service and pays `preemption_cost_s` of lost work when it
 resumes), `Resize` changes an elastic job's GPUs at once (it then stalls for
-`resize_cost_s`), `SetServiceLevel` is stored on the job. The core never knows it is
-simulated; a decision the cluster cannot carry out is a bug and raises.
+`resize_cost_s`, or `shrink_cost_s` when it shrank), `SetServiceLevel` is stored on
+the job. The core never knows it is simulated; a decision the cluster cannot carry
+out is a bug and raises.
 
 Like Tiresias' simulator, a job runs at the speed of its trace duration wherever it
 is placed, unless the config carries a `Scaling` model (Pollux's measured step times,
@@ -170,6 +171,10 @@ class SimConfig:
     # after it first starts (Pollux's simulator charges 30 s for both).
     resize_cost_s: float = 0.0
     start_cost_s: float = 0.0
+    # A shrink's stall when it differs from a grow's (Horovod elastic: a grow waits for
+    # new workers to start, a shrink only for the removed ones to leave). None: the
+    # same as `resize_cost_s`.
+    shrink_cost_s: float | None = None
     # An elastic job reports its throughput at a new size this long after it starts
     # stepping there (past any start or resize stall); with an elasticity policy the
     # report is an event for the brain, as a progress message on the bus.
@@ -544,7 +549,11 @@ class _Replay:
         self.busy += len(wanted) - len(held)
         job.grants = action.grants
         job.resizes += 1
-        job.stall_s += self.config.resize_cost_s
+        shrink_cost = self.config.shrink_cost_s
+        shrank = len(wanted) < len(held)
+        job.stall_s += (
+            shrink_cost if shrank and shrink_cost is not None else self.config.resize_cost_s
+        )
         job.view = None
         self._set_speed(job)
 
