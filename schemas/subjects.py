@@ -7,7 +7,7 @@ identity to its own subjects (an agent may publish only `alnair.node.<its node>.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from schemas.base import check_name
 from schemas.errors import InvalidSubject
@@ -88,12 +88,12 @@ def parse(subject: str) -> ParsedSubject:
     kind = tokens[1]
     if kind == "node":
         check_name("node", tokens[2])
-        if tokens[3] not in ("telemetry", "heartbeat", "event", "cmd", "inject"):
+        if tokens[3] not in get_args(NodeChannel):
             raise InvalidSubject(subject, f"unknown node channel {tokens[3]!r}")
         return ParsedSubject("node", tokens[2], tokens[3])
     if kind == "job":
         check_name("job", tokens[2])
-        if tokens[3] not in ("cmd", "progress", "exec", "workers"):
+        if tokens[3] not in get_args(JobChannel):
             raise InvalidSubject(subject, f"unknown job channel {tokens[3]!r}")
         return ParsedSubject("job", tokens[2], tokens[3])
     if kind == "api":

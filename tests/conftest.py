@@ -151,6 +151,21 @@ async def eventually(
 REPO = Path(__file__).resolve().parent.parent
 
 
+def open_ended_training(stop_file: Path, *extra: str) -> tuple[str, ...]:
+    """workloads/examples/elastic_train.py stepping every ~20 ms with a commit every 5
+    steps, until `stop_file` exists (then it ends at its next commit)."""
+    return (
+        sys.executable,
+        "-m",
+        "workloads.examples.elastic_train",
+        "--steps=1000000",
+        "--step-delay=0.02",
+        "--commit-every=5",
+        f"--stop-file={stop_file}",
+        *extra,
+    )
+
+
 def elastic_train_spec(
     gpus: int, stop_file: Path, *, max_gpus: int, name: str = "elastic"
 ) -> JobSpec:
@@ -159,15 +174,7 @@ def elastic_train_spec(
     it (TMPDIR)."""
     return JobSpec(
         name=name,
-        command=(
-            sys.executable,
-            "-m",
-            "workloads.examples.elastic_train",
-            "--steps=1000000",
-            "--step-delay=0.02",
-            "--commit-every=5",
-            f"--stop-file={stop_file}",
-        ),
+        command=open_ended_training(stop_file),
         gpus=gpus,
         elastic=True,
         min_gpus=1,

@@ -1,7 +1,10 @@
 """Goodput arithmetic (workloads/goodput.py): the noise estimate, efficiency, and the
-batch a job picks. Pure: no torch, no horovod."""
+batch a job picks; and how a worker's report of them is read. Pure: no torch, no
+horovod."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -12,6 +15,7 @@ from workloads.goodput import (
     choose_local_batch,
     goodput,
 )
+from workloads.progress import WorkerReport
 
 LIMITS = BatchLimits(base=16, min_local=4, max_local=128, max_global=512)
 
@@ -86,3 +90,14 @@ def test_bad_limits_say_what_is_wrong() -> None:
         BatchLimits(base=16, min_local=32, max_local=64, max_global=512)
     with pytest.raises(ValueError, match="max global batch 8"):
         BatchLimits(base=16, min_local=4, max_local=64, max_global=8)
+
+
+def test_a_workers_bad_rates_and_batch_are_dropped_at_decode() -> None:
+    # A report must never stop the supervisor's progress messages (ge=0, ge=1 there).
+    fields = {"rank": 0, "pid": 7, "step": 3, "world_size": 2, "loss": 0.5}
+    odd = {**fields, "samples_per_s": float("nan"), "goodput": -1.0, "batch_size": 0}
+    report = WorkerReport.decode(json.dumps(odd).encode())
+    assert (report.samples_per_s, report.goodput, report.batch_size) == (0.0, None, None)
+    good = {**fields, "samples_per_s": 90.0, "goodput": 60.0, "batch_size": 32}
+    report = WorkerReport.decode(json.dumps(good).encode())
+    assert (report.samples_per_s, report.goodput, report.batch_size) == (90.0, 60.0, 32)

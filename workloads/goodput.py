@@ -35,6 +35,14 @@ def _blend(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
+def statistical_gain(sqr: float, var: float, scale: float) -> float:
+    """Progress of one step at `scale` times the base batch, in base-batch steps, for a
+    gradient of squared norm `sqr` and per-sample variance `var` (`scale` when the
+    statistics say nothing)."""
+    below = var / scale + sqr
+    return (var + sqr) / below if below > 0 else scale
+
+
 @dataclass(slots=True)
 class GradientNoise:
     """Smoothed estimates of `|G|^2` (`sqr`) and `tr(S)` (`var`), per sample."""
@@ -67,8 +75,7 @@ class GradientNoise:
             raise ValueError(f"scale must be positive, not {scale}")
         if self.sqr is None or self.var is None:
             return scale
-        below = self.var / scale + self.sqr
-        return (self.var + self.sqr) / below if below > 0 else scale
+        return statistical_gain(self.sqr, self.var, scale)
 
     def efficiency(self, scale: float) -> float:
         """What one sample at `scale` times the base batch is worth, in base-batch

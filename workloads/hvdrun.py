@@ -20,14 +20,18 @@ import shlex
 import sys
 from typing import Final
 
+from schemas.workers import EXEC_SECRET_ENV
+from workloads.devices import GPU_DIR_ENV
+from workloads.progress import PROGRESS_ADDR_ENV
+
 # Set by the worker host for its own node, not inherited from the supervisor's.
 NODE_LOCAL_VARIABLES: Final = (
-    "ALNAIR_GPU_DIR",
-    "ALNAIR_PROGRESS_ADDR",
+    GPU_DIR_ENV,
+    PROGRESS_ADDR_ENV,
     "ALNAIR_NODE",
     "ALNAIR_NODE_RANK",
     # Never in a command line: it would travel in every ExecRequest.
-    "ALNAIR_EXEC_SECRET",
+    EXEC_SECRET_ENV,
 )
 
 

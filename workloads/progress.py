@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Final
 
-from workloads.devices import held_gpu
+from workloads.devices import GPU_DIR_ENV, held_gpu
 
 PROGRESS_ADDR_ENV: Final = "ALNAIR_PROGRESS_ADDR"
+REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 MAX_DATAGRAM_BYTES: Final = 8192
 
 
@@ -61,15 +64,42 @@ class WorkerReport:
             pid=int(raw["pid"]),
             step=int(raw["step"]),
             world_size=int(raw["world_size"]),
-            samples_per_s=float(raw["samples_per_s"]),
+            samples_per_s=_rate(raw["samples_per_s"]) or 0.0,
             loss=float(raw["loss"]),
             param_digest=str(raw.get("param_digest", "")),
             ts=float(raw.get("ts", 0.0)),
             total_steps=int(raw["total_steps"]) if raw.get("total_steps") else None,
             gpu=int(raw["gpu"]) if raw.get("gpu") is not None else None,
-            batch_size=int(raw["batch_size"]) if raw.get("batch_size") is not None else None,
-            goodput=float(raw["goodput"]) if raw.get("goodput") is not None else None,
+            batch_size=_positive(raw.get("batch_size")),
+            goodput=_rate(raw.get("goodput")),
         )
+
+
+def _positive(value: object) -> int | None:
+    """A count a worker sent, or None when it is missing or not positive."""
+    count = None if value is None else int(value)  # type: ignore[call-overload]
+    return count if count is not None and count >= 1 else None
+
+
+def _rate(value: object) -> float | None:
+    """A rate a worker sent, or None when it is missing, negative or not finite (a
+    report must never stop the supervisor's progress messages)."""
+    if value is None:
+        return None
+    rate = float(value)  # type: ignore[arg-type]
+    return rate if math.isfinite(rate) and rate >= 0 else None
+
+
+def worker_env(progress_addr: str, gpu_dir: Path | None) -> dict[str, str]:
+    """The environment a job's workers start with (from the supervisor, or from a
+    worker host on another node): where to report progress, which GPUs to claim
+    (workloads/devices.py; None: no device map), and this project on the path."""
+    env = dict(os.environ)
+    env[PROGRESS_ADDR_ENV] = progress_addr
+    if gpu_dir is not None:
+        env[GPU_DIR_ENV] = str(gpu_dir)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
 
 
 class ProgressReporter:

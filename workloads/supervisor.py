@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import math
 import os
 import re
 import signal
@@ -53,13 +52,12 @@ from schemas.events import ResizeCompleted
 from schemas.progress import Progress, WorkerProgress
 from schemas.workers import WorkerRelay
 from workloads import devices
-from workloads.progress import PROGRESS_ADDR_ENV, WorkerReport
+from workloads.progress import WorkerReport, worker_env
 from workloads.sdk import job_connect_options
 
 log = logging.getLogger(__name__)
 
 SEEN_COMMANDS: Final = 1000
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 # Exit code of a worker Horovod retired from the job: a shrink, not a failure.
 REMOVED_WORKER_EXIT_CODE: Final = 134
 # A worker's exception as horovodrun relays it: "[1]<stderr>:ValueError: bad lr".
@@ -298,23 +296,13 @@ class Supervisor:
             ts=time.time(),
             step=report.step,
             world_size=report.world_size,
-            samples_per_s=max(0.0, report.samples_per_s),
+            samples_per_s=report.samples_per_s,
             loss=report.loss,
             slots=self.slots,
             total_steps=report.total_steps,
             attempt=self.config.attempt,
-            batch_size=(
-                report.batch_size * report.world_size
-                if report.batch_size is not None and report.batch_size > 0
-                else None
-            ),
-            goodput=(
-                report.goodput
-                if report.goodput is not None
-                and math.isfinite(report.goodput)
-                and report.goodput >= 0
-                else None
-            ),
+            batch_size=None if report.batch_size is None else report.batch_size * report.world_size,
+            goodput=report.goodput,
             workers=tuple(
                 WorkerProgress(
                     rank=r.rank,
@@ -323,7 +311,7 @@ class Supervisor:
                     world_size=r.world_size,
                     param_digest=r.param_digest,
                     gpu=r.gpu,
-                    batch_size=r.batch_size if r.batch_size and r.batch_size > 0 else None,
+                    batch_size=r.batch_size,
                 )
                 for r in current
             ),
@@ -482,7 +470,9 @@ class Supervisor:
             log.error("resize outcome for %s not stored: %s", command.command_id, error)
 
     async def _listen(self) -> None:
-        if self.bus is not None and self.config.remote:
+        if self.bus is None:
+            return
+        if self.config.remote:
             self._workers_sub = await self.bus.subscribe(
                 subjects.job(self.config.job_id, "workers"), WorkerRelay, self._on_relay
             )
@@ -490,8 +480,6 @@ class Supervisor:
         # and a node's identity (which the supervisor has under --secure) may create
         # such a consumer for job commands, not pull from one. A command lost in a
         # disconnect is re-sent by a new leader or rolled back by the brain's timeout.
-        if self.bus is None:
-            return
         self._consumer = await self.bus.follow_new(
             subjects.STREAM_COMMANDS,
             f"supervisor-{self.config.job_id}-{uuid.uuid4().hex[:8]}",
@@ -516,13 +504,8 @@ class Supervisor:
         self._transport = transport
         host, port = transport.get_extra_info("sockname")[:2]
         await self._listen()
-        env = dict(os.environ)
-        env[PROGRESS_ADDR_ENV] = f"{host}:{port}"
-        if self.config.gpus:
-            env[devices.GPU_DIR_ENV] = str(self.gpu_dir)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
+        gpu_dir = self.gpu_dir if self.config.gpus else None
+        env = worker_env(f"{host}:{port}", gpu_dir)
         self._process = await asyncio.create_subprocess_exec(
             *self.horovodrun_command(),
             env=env,

@@ -38,12 +38,11 @@ from schemas import subjects
 from schemas.base import encode
 from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState, WorkerRelay
 from workloads import devices
-from workloads.progress import PROGRESS_ADDR_ENV
+from workloads.progress import worker_env
 from workloads.sdk import job_connect_options
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 STOP_GRACE_S: Final = 10.0
 
 
@@ -125,13 +124,7 @@ class WorkerHost:
         known = self._workers.get(request.exec_id)
         if known is not None:  # the same start again (its reply was lost): no second worker
             return self._state(request.exec_id, known)
-        env = dict(os.environ)
-        env[PROGRESS_ADDR_ENV] = self._progress_addr
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
-        if self.gpus:
-            env[devices.GPU_DIR_ENV] = str(self.gpu_dir)
+        env = worker_env(self._progress_addr, self.gpu_dir if self.gpus else None)
         try:
             process = await asyncio.create_subprocess_exec(
                 "/bin/sh",

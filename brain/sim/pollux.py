@@ -39,6 +39,7 @@ from typing import Final, Literal, TypeVar
 
 from brain.sim.engine import SpeedCurve
 from brain.sim.trace import TraceError, TraceJob
+from workloads.goodput import statistical_gain
 
 POLLUX_COLUMNS: Final = ("name", "time", "application", "num_replicas", "batch_size")
 
@@ -213,10 +214,7 @@ class PolluxApp:
         cached = self._iterations.get(batch_size)
         if cached is not None:
             return cached
-        total = 0.0
-        for steps in self.epoch_steps(batch_size):
-            total += steps
-        self._iterations[batch_size] = total
+        total = self._iterations[batch_size] = sum(self.epoch_steps(batch_size))
         return total
 
     def epoch_steps(self, batch_size: int) -> tuple[float, ...]:
@@ -230,8 +228,7 @@ class PolluxApp:
         for epoch in range(self.max_epochs):
             target = min(v.progress[epoch] for v in self.validation)
             sqr, var = self._grad_stats(batch_size, epoch)
-            gain = (var + sqr) / (var / scale + sqr)
-            steps.append((target - previous) / gain)
+            steps.append((target - previous) / statistical_gain(sqr, var, scale))
             previous = target
         self._epoch_steps[batch_size] = tuple(steps)
         return self._epoch_steps[batch_size]
@@ -490,28 +487,36 @@ class PolluxScaling:
             return self._phases(job, per_node).batches
         return (self.batch_on(job, per_node),) * self.app(job).max_epochs
 
+    @staticmethod
+    def _adaptive_key(job: TraceJob, per_node: Sequence[int]) -> tuple[str, int, int, str]:
+        """What an adaptive choice depends on: the application, the job's own batch and
+        size (its candidates), and the placement."""
+        return (job.model_name, job.batch_size or 0, job.gpus, normalize_placement(per_node))
+
+    def _candidates(self, job: TraceJob, size: int) -> tuple[int, ...]:
+        """The batches an adaptive job considers on `size` GPUs: the grid, its own batch
+        and the one each worker keeping its batch would give."""
+        own = job.batch_size or 0
+        return self.app(job).batch_candidates(size, own, self._local_batch(job, size))
+
     def _adaptive(self, job: TraceJob, per_node: Sequence[int]) -> tuple[int, float]:
         """(batch, seconds to train the whole job) of the best batch on this placement."""
-        size = sum(per_node)
-        own = job.batch_size or 0
-        key = (job.model_name, own, job.gpus, normalize_placement(per_node))
+        key = self._adaptive_key(job, per_node)
         cached = self._best.get(key)
         if cached is None:
-            app = self.app(job)
-            candidates = app.batch_candidates(size, own, self._local_batch(job, size))
-            cached = app.best_batch(tuple(c for c in per_node if c > 0), candidates)
+            candidates = self._candidates(job, sum(per_node))
+            cached = self.app(job).best_batch(tuple(c for c in per_node if c > 0), candidates)
             self._best[key] = cached
         return cached
 
     def _phases(self, job: TraceJob, per_node: Sequence[int]) -> _Phased:
-        size = sum(per_node)
-        own = job.batch_size or 0
-        key = (job.model_name, own, job.gpus, normalize_placement(per_node))
+        key = self._adaptive_key(job, per_node)
         cached = self._phased.get(key)
         if cached is not None:
             return cached
         app = self.app(job)
-        candidates = app.batch_candidates(size, own, self._local_batch(job, size))
+        own = job.batch_size or 0
+        candidates = self._candidates(job, sum(per_node))
         times = {b: self._fixed_time(job, per_node, b) for b in candidates}
         steps = {b: app.epoch_steps(b) for b in candidates}
         # An epoch's work in trace seconds: its steps at the job's own batch, at the
