@@ -1,48 +1,53 @@
 """The brain's side of elastic jobs: how one is launched, and its resizes as records.
 
-It owns the translation of an elastic JobSpec into the command the agent runs (the
-user's training command wrapped by `workloads.supervisor`, which starts horovodrun in
-elastic mode and obeys Resize commands on `alnair.job.<job>.cmd`), and the pure
-record changes of a resize, which is a statement:
+It owns the translation of an elastic JobSpec into the commands the agents run (on the
+job's first node the user's training command wrapped by `workloads.supervisor`, which
+starts horovodrun in elastic mode and obeys Resize commands on `alnair.job.<job>.cmd`;
+on every other node the job's worker host, `workloads/worker_host.py`, through which
+horovodrun starts that node's workers), and the pure record changes of a resize, which
+is a statement:
 
 - stage: the job's grants hold every GPU of both sizes (a grow's added GPUs at once,
-  so nobody else takes them; a shrink's released ones until their workers are gone)
-  and `JobRecord.resize` says what was asked, with the command id;
-- commit, on the supervisor's `ResizeCompleted` with `ok`: the grants are the target;
+  so nobody else takes them, and a node new to the job gets its worker host launched;
+  a shrink's released ones until their workers are gone) and `JobRecord.resize` says
+  what was asked, with the command id;
+- commit, on the supervisor's `ResizeCompleted` with `ok`: the grants are the target,
+  and a node the job left has its worker host stopped;
 - roll back, on a refusal: the grants are what they were; or, when the supervisor may
   have moved part of the way (it timed out, or refused after trying), a revert to the
   old size is staged instead, like any resize: the job holds every GPU of both sizes
   (a grow's new workers may run on the added ones) until the supervisor confirms it.
   A revert that is rolled back in turn ends holding them all.
 
-Everything here is pure (no clock, no ids, no I/O): the shell (brain/service.py)
-journals what these return and sends the commands. It must not import torch or
-horovod.
-
-An elastic job runs on one node, where its supervisor starts every worker, and changes
-size there; except one that asks to start on more GPUs than any node has
-(`spans_nodes`): it is placed across nodes like a rigid job, at that size, which it
-keeps. Its supervisor runs on the first node and starts the workers of the others
-through their worker hosts (`workloads/worker_host.py`, each node's process of the job).
+A resize grows or shrinks; it never moves a worker. It keeps the job's first node (the
+supervisor's: Horovod carries the state over from a host of the old world), and does
+not return to a node the job left in the same attempt (that node's launch and events
+are named by the attempt). Everything here is pure (no clock, no ids, no I/O): the
+shell (brain/service.py) journals what these return and sends the commands. It must
+not import torch or horovod.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from schemas.commands import Resize
-from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant, StagedResize
+from schemas.jobs import (
+    JobRecord,
+    JobSpec,
+    JobState,
+    NodeGpus,
+    NodeGrant,
+    StagedResize,
+    describe_placement,
+    placement_size,
+)
 
-
-def spans_nodes(job: JobRecord, largest_node_gpus: int) -> bool:
-    """Whether the elastic `job` runs (or is to run) across nodes, at a fixed size: it
-    was placed so, or it asks to start on more GPUs than the largest node has."""
-    if not job.spec.elastic:
-        return False
-    return len(job.grants) > 1 or job.spec.gpus > largest_node_gpus
+# The job's GPUs per node, its first node (the supervisor's) first.
+Placement = tuple[NodeGpus, ...]
 
 
 def launch_command(
@@ -57,7 +62,7 @@ def launch_command(
     `granted_gpus` is the size the job starts at on this node (what placement granted);
     it defaults to the spec's `gpus`. For an elastic job across nodes, `rank` 0 runs
     the supervisor with the other nodes' slots (`remote`), every other rank the node's
-    worker host.
+    worker host (as does a node a grow adds later).
     """
     if not spec.elastic:
         return spec.command
@@ -65,10 +70,7 @@ def launch_command(
         return (sys.executable, "-m", "workloads.worker_host")
     low, high = spec.gpu_range
     start = spec.gpus if granted_gpus is None else granted_gpus
-    if remote:
-        # A fixed size across nodes: Horovod may go on with fewer after a failure.
-        total = start + sum(slots for _, slots in remote)
-        low, high, start = min(low, total), total, total
+    start += sum(slots for _, slots in remote)
     start = min(max(start, low), high)
     return (
         sys.executable,
@@ -91,29 +93,33 @@ class ResizeRefused:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class ResizeTarget:
-    """The GPUs of the job's one node it is to run on."""
-
-    node: str
-    gpus: tuple[int, ...]
-
-
-def current_gpus(job: JobRecord) -> tuple[int, ...]:
-    """The GPUs the job runs on now: before a staged resize, what it had."""
+def current_placement(job: JobRecord) -> Placement:
+    """The GPUs the job runs on now, per node: before a staged resize, what it had."""
     if job.resize is not None:
-        return job.resize.from_gpus
-    return tuple(gpu for grant in job.grants for gpu in grant.gpus)
+        return job.resize.before
+    return job.placement
+
+
+def _by_node(placement: Placement) -> dict[str, set[int]]:
+    return {part.node: set(part.gpus) for part in placement}
+
+
+def same_placement(a: Placement, b: Placement) -> bool:
+    return _by_node(a) == _by_node(b)
 
 
 def check_resize(
-    job: JobRecord, target: ResizeTarget, free: Collection[int], *, supervisor_ready: bool
+    job: JobRecord,
+    target: Placement,
+    free: Mapping[str, Collection[int]],
+    *,
+    supervisor_ready: bool,
 ) -> ResizeRefused | None:
-    """Whether `job` may be resized to `target` now; `free` are its node's schedulable
-    GPUs no job holds; `supervisor_ready` that its supervisor has been heard from (it
-    listens for commands before its workers start)."""
+    """Whether `job` may be resized to `target` now; `free` are each ready node's
+    schedulable GPUs no job holds; `supervisor_ready` that its supervisor has been heard
+    from (it listens for commands before its workers start)."""
     return check_resizable(
-        job, len(target.gpus), supervisor_ready=supervisor_ready
+        job, placement_size(target), supervisor_ready=supervisor_ready
     ) or check_target(job, target, free)
 
 
@@ -133,20 +139,14 @@ def check_resizable(job: JobRecord, size: int, *, supervisor_ready: bool) -> Res
         )
     if job.state is not JobState.RUNNING:
         return ResizeRefused("conflict", f"{label} is {job.state.value}, not running")
-    if len(job.grants) > 1:
-        return ResizeRefused(
-            "invalid",
-            f"{label} runs across nodes {', '.join(job.nodes)}: it keeps the size it started "
-            "at (resizing across nodes is not built)",
-        )
     if job.resize is not None:
         staged = job.resize
         return ResizeRefused(
             "conflict",
-            f"{label} is already resizing {len(staged.from_gpus)} -> {len(staged.to_gpus)} "
+            f"{label} is already resizing {staged.from_size} -> {staged.to_size} "
             f"GPUs (command {staged.command_id}); wait for it to commit or roll back",
         )
-    if len(job.grants) != 1 or not all(g.pid is not None and not g.exited for g in job.grants):
+    if not job.grants or not all(g.pid is not None and not g.exited for g in job.grants):
         return ResizeRefused("conflict", f"{label} has not started yet")
     if not supervisor_ready:
         return ResizeRefused(
@@ -156,102 +156,184 @@ def check_resizable(job: JobRecord, size: int, *, supervisor_ready: bool) -> Res
 
 
 def check_target(
-    job: JobRecord, target: ResizeTarget, free: Collection[int]
+    job: JobRecord, target: Placement, free: Mapping[str, Collection[int]]
 ) -> ResizeRefused | None:
-    """Whether `target` is GPUs the running `job` may hold: on its node, keeping some
-    or all of its GPUs, the others free."""
+    """Whether `target` is GPUs the running `job` may hold: its supervisor's node kept;
+    on every node some or all of its GPUs (a shrink) or all of them and more (a grow);
+    the added ones free, on nodes it has not left in this attempt."""
     label = f"job {job.job_id}"
-    size = len(target.gpus)
-    grant = job.grants[0]
-    if target.node != grant.node:
+    first = job.grants[0].node
+    nodes = [part.node for part in target]
+    if len(set(nodes)) != len(nodes):
+        return ResizeRefused("invalid", f"the placement names a node twice: {nodes}")
+    if first not in nodes:
         return ResizeRefused(
             "invalid",
-            f"{label} runs on node {grant.node}; an elastic job stays on one node "
-            f"(asked for {target.node})",
+            f"{label}'s supervisor runs on node {first}: a resize keeps at least one of "
+            f"its GPUs there (asked for {describe_placement(target)})",
         )
-    if len(set(target.gpus)) != size:
-        return ResizeRefused("invalid", f"GPUs {list(target.gpus)} name one GPU twice")
-    # Workers keep their GPUs: a shrink keeps some of them, a grow all of them.
-    held = set(grant.gpus)
-    wanted = set(target.gpus)
-    if not (wanted <= held or held <= wanted):
+    held = _by_node(current_placement(job))
+    wanted = _by_node(target)
+    grows = all(gpus <= wanted.get(node, set()) for node, gpus in held.items())
+    shrinks = all(node in held and gpus <= held[node] for node, gpus in wanted.items())
+    if not (grows or shrinks):
         return ResizeRefused(
             "invalid",
-            f"{label} holds GPUs {sorted(held)}: a resize keeps some or all of them, "
-            f"not {sorted(wanted)}",
+            f"{label} holds {describe_placement(current_placement(job))}: a resize keeps "
+            f"some or all of its GPUs (a shrink) or all of them and adds others (a grow), "
+            f"not {describe_placement(target)}",
         )
-    taken = set(target.gpus) - held - set(free)
-    if taken:
+    left = sorted(set(wanted) & set(job.left_nodes) - set(held))
+    if left:
         return ResizeRefused(
-            "conflict", f"GPUs {sorted(taken)} of node {grant.node} are not free for {label}"
+            "conflict",
+            f"{label} left node(s) {', '.join(left)} in this attempt; it grows there "
+            "again only in its next attempt",
         )
+    for node, gpus in wanted.items():
+        taken = gpus - held.get(node, set()) - set(free.get(node, ()))
+        if taken:
+            return ResizeRefused(
+                "conflict", f"GPUs {sorted(taken)} of node {node} are not free for {label}"
+            )
     return None
 
 
-def choose_target(job: JobRecord, gpus: int, free: Collection[int]) -> ResizeTarget | ResizeRefused:
-    """The GPUs an operator's `resize JOB N` means: a shrink keeps the lowest-numbered
-    GPUs it holds, a grow adds the lowest-numbered free ones of its node."""
-    if len(job.grants) != 1:
-        return ResizeRefused("conflict", f"job {job.job_id} is not running on one node")
-    grant = job.grants[0]
-    held = current_gpus(job)
-    if gpus <= len(held):
-        return ResizeTarget(grant.node, tuple(sorted(held)[:gpus]))
-    extra = sorted(set(free) - set(held))[: gpus - len(held)]
-    if len(held) + len(extra) < gpus:
+def choose_target(
+    job: JobRecord, gpus: int, free: Mapping[str, Collection[int]]
+) -> Placement | ResizeRefused:
+    """The GPUs an operator's `resize JOB N` means.
+
+    A shrink leaves the nodes where the job holds fewest GPUs first (fewer nodes sync
+    faster), never the supervisor's last, and keeps the lowest-numbered GPUs of each.
+    A grow adds the lowest-numbered free GPUs of the job's own nodes first, then of the
+    nodes with the most free (not those it left in this attempt)."""
+    held = {part.node: sorted(part.gpus) for part in current_placement(job)}
+    first = job.grants[0].node
+    size = sum(map(len, held.values()))
+    if gpus <= size:
+        for _ in range(size - gpus):
+            node = min(
+                (n for n, g in held.items() if g and not (n == first and len(g) == 1)),
+                key=lambda n: (n == first, len(held[n]), n),
+            )
+            held[node].pop()
+        return _placement(job, {n: g for n, g in held.items() if g})
+    want = gpus - size
+    added: dict[str, list[int]] = {}
+    others = sorted(
+        (n for n in free if n not in held and n not in job.left_nodes),
+        key=lambda n: (-len(free[n]), n),
+    )
+    for node in [*held, *others]:
+        extra = sorted(set(free.get(node, ())) - set(held.get(node, ())))[:want]
+        if extra:
+            added[node] = extra
+            want -= len(extra)
+        if want == 0:
+            break
+    if want:
         return ResizeRefused(
             "conflict",
-            f"job {job.job_id} can grow to {len(held) + len(extra)} GPUs at most now: "
-            f"node {grant.node} has {len(extra)} free and an elastic job stays on one node",
+            f"job {job.job_id} can grow to {gpus - want} GPUs at most now: that many are "
+            "free on its nodes and the nodes it may grow onto",
         )
-    return ResizeTarget(grant.node, tuple(sorted((*held, *extra))))
+    merged = {n: sorted({*held.get(n, ()), *added.get(n, ())}) for n in [*held, *added]}
+    return _placement(job, merged)
 
 
-def _with_gpus(job: JobRecord, gpus: tuple[int, ...]) -> tuple[NodeGrant, ...]:
-    return tuple(g.model_copy(update={"gpus": tuple(sorted(gpus))}) for g in job.grants)
+def _placement(job: JobRecord, gpus: Mapping[str, Collection[int]]) -> Placement:
+    """`gpus` per node as a placement: the job's nodes in their order, new ones after."""
+    order = {node: i for i, node in enumerate(job.nodes)}
+    nodes = sorted(gpus, key=lambda n: (order.get(n, len(order)), n))
+    return tuple(NodeGpus(node=n, gpus=tuple(sorted(gpus[n]))) for n in nodes if gpus[n])
+
+
+def _union(a: Placement, b: Placement) -> dict[str, set[int]]:
+    out = _by_node(a)
+    for part in b:
+        out.setdefault(part.node, set()).update(part.gpus)
+    return out
+
+
+def _with_placement(job: JobRecord, gpus: Mapping[str, Collection[int]]) -> JobRecord:
+    """The job's grants holding `gpus`: a node it keeps keeps its grant (pid, log), a
+    new node gets a grant not yet launched, a node not in `gpus` is gone from them (and
+    remembered in `left_nodes`)."""
+    grants = {g.node: g for g in job.grants}
+    placement = _placement(job, gpus)
+    kept = tuple(
+        grants[part.node].model_copy(update={"gpus": part.gpus})
+        if part.node in grants
+        else NodeGrant(node=part.node, gpus=part.gpus)
+        for part in placement
+    )
+    gone = [g.node for g in job.grants if g.node not in {p.node for p in placement}]
+    left = (*job.left_nodes, *(n for n in gone if n not in job.left_nodes))
+    return job.model_copy(update={"grants": kept, "left_nodes": left})
+
+
+def left_by(before: JobRecord, after: JobRecord) -> tuple[str, ...]:
+    """The nodes `before` had a grant on that `after` has not: their worker hosts go."""
+    return tuple(n for n in before.nodes if n not in after.nodes)
 
 
 def stage(
-    job: JobRecord, target: ResizeTarget, *, command_id: str, now: float, cause: str
+    job: JobRecord, target: Placement, *, command_id: str, now: float, cause: str
 ) -> JobRecord:
     """The job with the resize staged: holding every GPU of both sizes."""
-    before = current_gpus(job)
+    before = current_placement(job)
     staged = StagedResize(
         command_id=command_id,
-        node=target.node,
-        from_gpus=before,
-        to_gpus=tuple(sorted(target.gpus)),
+        node=job.grants[0].node,
+        before=before,
+        after=_placement(job, _by_node(target)),
         staged_at=now,
         cause=cause,
     )
-    held = tuple(sorted({*before, *target.gpus}))
-    return job.model_copy(
-        update={
-            "grants": _with_gpus(job, held),
-            "resize": staged,
-            "reason": f"resizing {describe(staged)}: {cause}",
-        }
+    held = _with_placement(job, _union(before, target))
+    return held.model_copy(
+        update={"resize": staged, "reason": f"resizing {describe(staged)}: {cause}"}
     )
 
 
-def committed_gpus(staged: StagedResize, held: Collection[int]) -> tuple[int, ...]:
+def committed_placement(staged: StagedResize, held: Placement) -> Placement:
     """The GPUs the job keeps: those its workers hold, as the supervisor reported them
     (after a shrink Horovod, not the brain, chose the workers to retire), when that
-    report is the right size and within what the staged resize held; else the target."""
-    ours = {*staged.from_gpus, *staged.to_gpus}
-    if held and len(set(held)) == len(staged.to_gpus) and set(held) <= ours:
-        return tuple(sorted(set(held)))
-    return staged.to_gpus
+    report has as many GPUs on each node as the target and within what the staged
+    resize held there; else the target."""
+    ours = _union(staged.before, staged.after)
+    target = {part.node: len(part.gpus) for part in staged.after}
+    if (
+        held
+        and {part.node: len(part.gpus) for part in held} == target
+        and all(set(part.gpus) <= ours.get(part.node, set()) for part in held)
+    ):
+        reported = _by_node(held)
+        return tuple(
+            NodeGpus(node=part.node, gpus=tuple(sorted(reported[part.node])))
+            for part in staged.after
+        )
+    return staged.after
 
 
-def commit(job: JobRecord, message: str, held: Collection[int] = ()) -> JobRecord:
-    """The staged resize done: the job holds its target GPUs (or, reported by its
-    supervisor, those its workers hold: `committed_gpus`)."""
-    assert job.resize is not None
-    gpus = committed_gpus(job.resize, held)
-    return job.model_copy(
-        update={"grants": _with_gpus(job, gpus), "resize": None, "reason": message}
+def released(staged: StagedResize, kept: Placement) -> Placement:
+    """The GPUs of the placement before that `kept` does not hold."""
+    held = _by_node(kept)
+    out = (
+        NodeGpus(node=p.node, gpus=tuple(sorted(set(p.gpus) - held.get(p.node, set()))))
+        for p in staged.before
+        if set(p.gpus) - held.get(p.node, set())
     )
+    return tuple(out)
+
+
+def commit(job: JobRecord, message: str, held: Placement = ()) -> JobRecord:
+    """The staged resize done: the job holds its target GPUs (or, reported by its
+    supervisor, those its workers hold: `committed_placement`)."""
+    assert job.resize is not None
+    kept = _with_placement(job, _by_node(committed_placement(job.resize, held)))
+    return kept.model_copy(update={"resize": None, "reason": message})
 
 
 def roll_back(job: JobRecord, message: str) -> JobRecord:
@@ -259,10 +341,8 @@ def roll_back(job: JobRecord, message: str) -> JobRecord:
     keeps every GPU of both sizes (a silent supervisor may use any of them)."""
     staged = job.resize
     assert staged is not None
-    gpus = job.grants[0].gpus if staged.reverting else staged.from_gpus
-    return job.model_copy(
-        update={"grants": _with_gpus(job, gpus), "resize": None, "reason": message}
-    )
+    gpus = _by_node(job.placement) if staged.reverting else _by_node(staged.before)
+    return _with_placement(job, gpus).model_copy(update={"resize": None, "reason": message})
 
 
 def stage_revert(job: JobRecord, message: str, *, now: float) -> JobRecord:
@@ -274,8 +354,8 @@ def stage_revert(job: JobRecord, message: str, *, now: float) -> JobRecord:
     revert = StagedResize(
         command_id=f"{staged.command_id}-revert",
         node=staged.node,
-        from_gpus=staged.to_gpus,
-        to_gpus=staged.from_gpus,
+        before=staged.after,
+        after=staged.before,
         staged_at=now,
         cause=f"roll back the resize {describe(staged)}"[:1000],
         reverting=True,
@@ -292,11 +372,15 @@ def resize_command(job: JobRecord, *, epoch: int, issued_at: float) -> Resize:
         epoch=epoch,
         issued_at=issued_at,
         job_id=job.job_id,
-        world_size=len(job.resize.to_gpus),
+        world_size=job.resize.to_size,
         cause=job.resize.cause[:1000],
-        gpus=job.resize.to_gpus,
+        placement=job.resize.after,
     )
 
 
 def describe(staged: StagedResize) -> str:
-    return f"{len(staged.from_gpus)} -> {len(staged.to_gpus)} GPUs on {staged.node}"
+    nodes = {part.node for part in (*staged.before, *staged.after)}
+    sizes = f"{staged.from_size} -> {staged.to_size} GPUs"
+    if len(nodes) == 1:
+        return f"{sizes} on {staged.node}"
+    return f"{sizes} ({describe_placement(staged.before)} -> {describe_placement(staged.after)})"

@@ -81,7 +81,16 @@ from schemas.events import (
     NodeEvent,
     ResizeCompleted,
 )
-from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobState, NodeGrant
+from schemas.jobs import (
+    AttemptFailure,
+    FailureClass,
+    JobRecord,
+    JobState,
+    NodeGpus,
+    NodeGrant,
+    describe_placement,
+    placement_size,
+)
 from schemas.nodes import DrainedGpu, NodeRecord, NodeState
 from schemas.progress import Progress
 from schemas.state import (
@@ -1330,6 +1339,9 @@ class Brain:
             return set()
         return set(self.state.schedulable_gpus(record)) - self.state.allocated().get(node, set())
 
+    def _free_by_node(self) -> dict[str, set[int]]:
+        return {node: self._free_on(node) for node in self.state.nodes}
+
     async def _resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
     ) -> JobRecord:
@@ -1342,12 +1354,13 @@ class Brain:
         refused = elastic.check_resizable(job, request.gpus, supervisor_ready=ready)
         if refused is not None:
             raise ApiError(refused.code, refused.reason)
-        if len(elastic.current_gpus(job)) == request.gpus:
+        if placement_size(elastic.current_placement(job)) == request.gpus:
             return job  # already that size: nothing to do
-        target = elastic.choose_target(job, request.gpus, self._free_on(job.grants[0].node))
+        free = self._free_by_node()
+        target = elastic.choose_target(job, request.gpus, free)
         if isinstance(target, elastic.ResizeRefused):
             raise ApiError(target.code, target.reason)
-        refused = elastic.check_target(job, target, self._free_on(target.node))
+        refused = elastic.check_target(job, target, free)
         if refused is not None:
             raise ApiError(refused.code, refused.reason)
         who = "an operator" if operator and job.tenant != tenant else f"tenant {tenant}"
@@ -1355,17 +1368,14 @@ class Brain:
 
     async def _apply_resize(self, job: JobRecord, action: Resize) -> None:
         """The policy's resize, staged if it still holds against the live state."""
-        if len(action.grants) != 1:
-            log.warning("policy resize of job %s spans nodes; ignored", job.job_id)
-            return
-        grant = action.grants[0]
-        target = elastic.ResizeTarget(grant.node, tuple(sorted(grant.gpus)))
-        if job.state is JobState.RUNNING and target.gpus == elastic.current_gpus(job):
+        target = tuple(NodeGpus(node=g.node, gpus=tuple(sorted(g.gpus))) for g in action.grants)
+        current = elastic.current_placement(job)
+        if job.state is JobState.RUNNING and elastic.same_placement(target, current):
             return
         refused = elastic.check_resize(
             job,
             target,
-            self._free_on(target.node),
+            self._free_by_node(),
             supervisor_ready=self.progress.heard_from(job.job_id),
         )
         if refused is not None:
@@ -1374,7 +1384,7 @@ class Brain:
         await self._stage_resize(job, target, action.cause)
 
     async def _stage_resize(
-        self, job: JobRecord, target: elastic.ResizeTarget, cause: str
+        self, job: JobRecord, target: elastic.Placement, cause: str
     ) -> JobRecord:
         command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
         staged = elastic.stage(job, target, command_id=command_id, now=self.clock(), cause=cause)
@@ -1384,15 +1394,18 @@ class Brain:
             job.state,
             Cause(
                 kind=CauseKind.RESIZE_STAGED,
-                node=target.node,
+                node=staged.resize.node,
                 job_id=job.job_id,
                 message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
             ),
         )
         current = self.state.jobs[job.job_id]
         if staged.resize.grow:
-            # The added GPUs are the job's from now on: its node must know.
+            # The added GPUs are the job's from now on: their nodes must know, and a
+            # node new to the job starts its worker host (horovodrun's workers there
+            # start through it).
             await self._regrant(current, command_id, "staged")
+            await self._send_launches(current)
         await self._send_resize(current)
         return current
 
@@ -1403,12 +1416,16 @@ class Brain:
         )
 
     async def _regrant(self, job: JobRecord, resize_id: str, phase: str) -> None:
-        """Tell the job's node which of its GPUs the attempt holds now."""
+        """Tell the job's nodes which of their GPUs the attempt holds now (a node whose
+        part has not started yet learns them from its launch)."""
         for grant in job.grants:
+            if grant.pid is None:
+                continue
             await self._command(
                 grant.node,
                 Regrant(
-                    command_id=f"regrant-{resize_id}-{phase}",
+                    # One id per node: JetStream de-duplicates across the stream.
+                    command_id=f"regrant-{resize_id}-{phase}-{grant.node}",
                     epoch=self.epoch,
                     issued_at=self.clock(),
                     job_id=job.job_id,
@@ -1428,6 +1445,7 @@ class Brain:
                 continue
             if job.resize.grow:
                 await self._regrant(job, job.resize.command_id, "staged")
+                await self._send_launches(job)
             await self._send_resize(job)
 
     async def _resize_completed(self, event: ResizeCompleted) -> None:
@@ -1452,36 +1470,38 @@ class Brain:
                 job, f"its supervisor refused: {event.reason}", revert=moved
             )
             return
-        if event.from_size != len(staged.from_gpus):
+        if event.from_size != staged.from_size:
             log.warning(
                 "job %s: the supervisor resized from %d workers, the brain thought %d",
                 job.job_id,
                 event.from_size,
-                len(staged.from_gpus),
+                staged.from_size,
             )
         message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
-        kept = elastic.committed_gpus(staged, event.gpus)
-        if event.gpus and kept != tuple(sorted(set(event.gpus))):
+        kept = elastic.committed_placement(staged, event.placement)
+        if event.placement and not elastic.same_placement(kept, event.placement):
             log.warning(
                 "job %s: its supervisor says its workers hold GPUs %s, which does not fit "
                 "the resize %s; keeping %s",
                 job.job_id,
-                list(event.gpus),
+                describe_placement(event.placement),
                 elastic.describe(staged),
-                list(kept),
+                describe_placement(kept),
             )
         if not staged.grow:
-            released = sorted(set(staged.from_gpus) - set(kept))
-            message += f"; GPUs {released} released"
-        committed = elastic.commit(job, message, event.gpus)
+            message += f"; GPUs {describe_placement(elastic.released(staged, kept))} released"
+        committed = elastic.commit(job, message, event.placement)
         await self._job_changed(
             committed,
             job.state,
             Cause(kind=CauseKind.RESIZED, node=staged.node, job_id=job.job_id, message=message),
         )
         if not staged.grow:
-            # Its workers on the released GPUs have exited: they are free now.
-            await self._regrant(self.state.jobs[job.job_id], staged.command_id, "committed")
+            # Its workers on the released GPUs have exited: they are free now, and a
+            # node the job left has its worker host stopped.
+            current = self.state.jobs[job.job_id]
+            await self._regrant(current, staged.command_id, "committed")
+            await self._stop_left(job, current, message)
 
     async def _roll_back_resize(self, job: JobRecord, why: str, *, revert: bool) -> None:
         """Back to the size before. With `revert` (the supervisor may have moved part of
@@ -1492,10 +1512,10 @@ class Brain:
         staged = job.resize
         assert staged is not None
         message = f"resize {elastic.describe(staged)} rolled back: {why}"
-        held = list(job.grants[0].gpus)
+        held = describe_placement(job.placement)
         if revert and not staged.reverting:
             message += f"; GPUs {held} stay the job's until its supervisor is back at "
-            message += f"{len(staged.from_gpus)}"
+            message += f"{staged.from_size}"
             changed = elastic.stage_revert(job, message, now=self.clock())
         else:
             if staged.reverting:
@@ -1516,6 +1536,12 @@ class Brain:
             await self._send_resize(current)
         elif staged.grow and not staged.reverting:
             await self._regrant(current, staged.command_id, "rolled-back")
+            await self._stop_left(job, current, message)
+
+    async def _stop_left(self, before: JobRecord, after: JobRecord, why: str) -> None:
+        """Stop the job's worker host on each node a resize took it off."""
+        for node in elastic.left_by(before, after):
+            await self._stop(after.job_id, node, f"the job left this node: {why}", after.attempt)
 
     async def _check_resizes(self) -> None:
         """Roll back a resize its supervisor has not answered in time (it died, or never
@@ -1584,17 +1610,6 @@ class Brain:
                 continue
             if job.state is not JobState.PENDING:
                 continue
-            if (
-                isinstance(action, Place)
-                and len(action.grants) > 1
-                and job.spec.elastic
-                and not elastic.spans_nodes(job, self.state.registered_gpus()[1])
-            ):
-                action = Wait(
-                    job.job_id,
-                    f"needs {job.spec.gpus} GPUs free on one node (an elastic job's "
-                    "supervisor runs every worker on its own node)",
-                )
             if isinstance(action, Place):
                 await self._place(job, action)
             elif isinstance(action, Wait) and action.reason != job.reason:
@@ -1633,11 +1648,12 @@ class Brain:
         """Command every node of the job's attempt that has not confirmed its start."""
         now = self.clock()
         nodes = job.nodes
-        # An elastic job across nodes: the supervisor on the first, worker hosts after,
-        # each told the attempt's secret that signs the supervisor's worker starts.
+        # An elastic job: the supervisor on the first node, worker hosts on the others
+        # (there from its launch, or added by a grow), each told the attempt's secret
+        # that signs the supervisor's worker starts.
         remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
         env = dict(job.spec.env)
-        if job.spec.elastic and remote:
+        if job.spec.elastic:
             if not self._exec_key:  # read (or made) when first needed, not at start
                 self._exec_key = await secrets.exec_key(self.bus)
             env[EXEC_SECRET_ENV] = secrets.exec_secret(self._exec_key, job.job_id, job.attempt)

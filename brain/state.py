@@ -23,7 +23,6 @@ from brain.core.model import (
     UtilizationProfile,
 )
 from brain.core.ordering import job_sequence
-from brain.elastic import spans_nodes
 from brain.progress import ObservedProgress
 from schemas.events import InputError
 from schemas.jobs import JobRecord, JobState
@@ -214,7 +213,6 @@ class BrainState:
         profiles = profiles or {}
         progress = progress or {}
         held = self.allocated()
-        largest = self.registered_gpus()[1]
         nodes = tuple(
             NodeView(
                 name=n.name,
@@ -227,8 +225,7 @@ class BrainState:
         return ClusterSnapshot(
             nodes=nodes,
             pending=tuple(
-                job_view(j, progress=progress.get(j.job_id), largest_node_gpus=largest)
-                for j in self.jobs_in(JobState.PENDING)
+                job_view(j, progress=progress.get(j.job_id)) for j in self.jobs_in(JobState.PENDING)
             ),
             running=tuple(
                 job_view(
@@ -236,7 +233,6 @@ class BrainState:
                     profiles.get(j.job_id),
                     now=now,
                     progress=progress.get(j.job_id),
-                    largest_node_gpus=largest,
                 )
                 for j in self.jobs_in(JobState.RUNNING)
             ),
@@ -274,14 +270,10 @@ def job_view(
     *,
     now: float | None = None,
     progress: ObservedProgress | None = None,
-    largest_node_gpus: int | None = None,
 ) -> JobView:
     run_s = current_run_s(job, now)
     low, high = job.spec.gpu_range
-    # An elastic job across nodes keeps its size: the policy sees a rigid job.
-    elastic = job.spec.elastic and not (
-        largest_node_gpus is not None and spans_nodes(job, largest_node_gpus)
-    )
+    elastic = job.spec.elastic
     progress = progress or ObservedProgress()
     return JobView(
         job_id=job.job_id,
@@ -295,16 +287,15 @@ def job_view(
         waiting_reason=job.reason if job.state is JobState.PENDING else None,
         profile=profile,
         not_before=job.not_before,
-        avoid_nodes=frozenset(job.avoid_nodes),
+        # A running elastic job does not grow back onto a node it left in this attempt.
+        avoid_nodes=frozenset((*job.avoid_nodes, *job.left_nodes)),
         attained_gpu_seconds=job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count,
         executed_seconds=job.executed_seconds + run_s,
         pending_since=job.pending_since,
         service_level=job.service_level,
         service_level_since=job.service_level_since,
         declared_duration_s=job.spec.declared_duration_s,
-        # A resizable elastic job stays on its supervisor's node: it never spreads
-        # (and the shell refuses a placement or resize that would).
-        network_sensitive=job.spec.network_sensitive or elastic,
+        network_sensitive=job.spec.network_sensitive,
         min_gpus=low if elastic else None,
         max_gpus=high if elastic else None,
         throughput=progress.throughput,

@@ -54,7 +54,7 @@ def gpus_text(job: JobRecord) -> str:
     low, high = job.spec.gpu_range
     staged = job.resize
     if staged is not None:
-        size = f"{len(staged.from_gpus)}>{len(staged.to_gpus)}"
+        size = f"{staged.from_size}>{staged.to_size}"
     elif job.state is JobState.RUNNING:
         size = str(job.gpu_count)
     else:

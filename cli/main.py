@@ -259,7 +259,7 @@ def elastic_json(job: JobRecord) -> dict[str, Any]:
     """An elastic job's size now, the range it may run in, and any resize in flight."""
     low, high = job.spec.gpu_range
     staged = job.resize
-    size = len(staged.from_gpus) if staged is not None else job.gpu_count
+    size = staged.from_size if staged is not None else job.gpu_count
     return {
         "size": size if job.state is JobState.RUNNING else None,
         "min_gpus": low,
@@ -268,10 +268,10 @@ def elastic_json(job: JobRecord) -> dict[str, Any]:
         "resize": None
         if staged is None
         else {
-            "from_gpus": len(staged.from_gpus),
-            "to_gpus": len(staged.to_gpus),
+            "from_gpus": staged.from_size,
+            "to_gpus": staged.to_size,
             "node": staged.node,
-            "gpus": list(staged.to_gpus),
+            "placement": {part.node: list(part.gpus) for part in staged.after},
             "command_id": staged.command_id,
             "staged_at": staged.staged_at,
             "cause": staged.cause,
@@ -330,7 +330,7 @@ async def cmd_resize(args: argparse.Namespace) -> int:
             print(f"job {job.job_id} already runs on {job.gpu_count} GPUs")
             return 0
         print(
-            f"job {job.job_id}: resize {len(staged.from_gpus)} -> {len(staged.to_gpus)} GPUs "
+            f"job {job.job_id}: resize {staged.from_size} -> {staged.to_size} GPUs "
             f"staged (command {staged.command_id})"
         )
         if not args.wait:
@@ -341,7 +341,7 @@ async def cmd_resize(args: argparse.Namespace) -> int:
             ask = GetJobRequest(job_id=args.job)
             job = (await call(bus, args.tenant, "job", ask, JOB_RESULT)).job
             if job.resize is None or job.resize.command_id != staged.command_id:
-                committed = job.state is JobState.RUNNING and job.gpu_count == len(staged.to_gpus)
+                committed = job.state is JobState.RUNNING and job.gpu_count == staged.to_size
                 print(f"job {job.job_id}: {job.reason or job.state.value}")
                 return 0 if committed else 1
         raise UsageError(f"job {args.job}: resize still staged after {args.timeout:g}s")
@@ -472,6 +472,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
             order=args.policy,
             elasticity=args.elasticity,
             elastic_resize_interval_s=args.elastic_resize_interval,
+            elastic_may_spread=not args.elastic_one_node,
         ).validate(),
         node_timeout_s=args.node_timeout,
         lease_ttl_s=args.lease_ttl,

@@ -52,6 +52,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         "at every scheduling pass); rounds pay when a resize costs more than the wait",
     )
     p.add_argument(
+        "--elastic-one-node",
+        action="store_true",
+        help="keep each elastic job on the node it starts on (default: a job that asks "
+        "for more than a node, or fills one, may span and grow across nodes)",
+    )
+    p.add_argument(
         "--queues",
         metavar="FILE",
         help="queue quotas (YAML: name, guaranteed_gpus, class build|train); see docs/policies.md",
@@ -417,6 +423,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
                 *[*me, "brain", "--nats", nats_urls, "--policy", args.policy, *queues],
                 *["--elasticity", args.elasticity],
                 *["--elastic-resize-interval", str(args.elastic_resize_interval)],
+                *(["--elastic-one-node"] if args.elastic_one_node else []),
                 *(["--replicas", str(CLUSTER_REPLICAS)] if args.cluster else []),
                 *["--history", str(home / "brain" / f"history-{i + 1}.db")],
                 *(["--nkey", keys.brains[i]] if keys else []),

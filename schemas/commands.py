@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, model_validator
 
 from schemas.base import Message, NodeName
+from schemas.jobs import NodeGpus, placement_size
 
 
 class _Command(Message):
@@ -88,11 +89,26 @@ class Resize(_Command):
     job_id: str = Field(min_length=1, max_length=64)
     world_size: int = Field(ge=1, le=4096)
     cause: str = Field(default="", max_length=1000)
-    # The job's GPUs on its node at the new size (physical indices), when the brain
-    # says: a grow's new workers claim the added ones (workloads/devices.py). For a
-    # shrink Horovod picks the workers to retire, so the supervisor reports which GPUs
-    # its workers still hold rather than obey this list.
-    gpus: tuple[int, ...] = Field(default=(), max_length=4096)
+    # The job's GPUs per node at the new size (physical indices), when the brain says:
+    # the supervisor's slots on each node, and the GPUs a grow's new workers claim
+    # there (workloads/devices.py). A node not listed has no workers any more (its
+    # worker host is stopped by the brain once the shrink is done). For a shrink
+    # Horovod picks the workers to retire, so the supervisor reports which GPUs its
+    # workers still hold rather than obey these lists. Empty: `world_size` workers,
+    # the other nodes' slots unchanged.
+    placement: tuple[NodeGpus, ...] = Field(default=(), max_length=1024)
+
+    @model_validator(mode="after")
+    def _sized(self) -> Resize:
+        nodes = [part.node for part in self.placement]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError(f"placement names a node twice: {nodes}")
+        if self.placement and placement_size(self.placement) != self.world_size:
+            raise ValueError(
+                f"placement holds {placement_size(self.placement)} GPUs, "
+                f"world_size is {self.world_size}"
+            )
+        return self
 
 
 JobCommand = Annotated[Resize, Field(discriminator="kind")]

@@ -7,6 +7,7 @@ from typing import Annotated, Final, Literal
 from pydantic import Field, TypeAdapter
 
 from schemas.base import Message, NodeName
+from schemas.jobs import NodeGpus
 
 LOG_TAIL_LINES: Final = 20
 
@@ -89,9 +90,10 @@ class ResizeCompleted(_NodeEvent):
     # Slots whose workers have exited (shrink): safe to give to another job now.
     released_gpus: int = Field(default=0, ge=0)
     reason: str = Field(default="", max_length=1000)
-    # The GPUs the job's workers hold after the resize, when every worker claimed one
-    # (workloads/devices.py); empty when unknown, and the brain keeps its own target.
-    gpus: tuple[int, ...] = Field(default=(), max_length=4096)
+    # The GPUs the job's workers hold after the resize, per node, when every worker
+    # claimed one (workloads/devices.py); empty when unknown, and the brain keeps its
+    # own target.
+    placement: tuple[NodeGpus, ...] = Field(default=(), max_length=1024)
 
 
 NodeEvent = Annotated[

@@ -150,23 +150,49 @@ class NodeGrant(BaseModel):
     signal: int | None = None
 
 
+class NodeGpus(BaseModel):
+    """Some GPUs of one node (physical indices): a part of an elastic job's placement."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node: NodeName
+    gpus: tuple[int, ...] = Field(min_length=1, max_length=MAX_GPUS_PER_JOB)
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, gpus: tuple[int, ...]) -> tuple[int, ...]:
+        if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+            raise ValueError(f"GPUs {list(gpus)}: each a distinct index >= 0")
+        return gpus
+
+
+def placement_size(placement: tuple[NodeGpus, ...]) -> int:
+    return sum(len(part.gpus) for part in placement)
+
+
+def describe_placement(placement: tuple[NodeGpus, ...]) -> str:
+    return ", ".join(f"{part.node}:{','.join(map(str, part.gpus))}" for part in placement)
+
+
 class StagedResize(BaseModel):
     """An elastic job's resize that the brain commanded and its supervisor has not
     acknowledged yet (a statement: committed on the supervisor's `ResizeCompleted`,
     rolled back on a refusal or a timeout).
 
     While it is staged the job's grants hold every GPU of both sizes: a grow's added
-    GPUs from the start (so nobody else takes them), a shrink's released ones until
-    the workers on them have exited. Elastic jobs run on one node.
+    GPUs from the start (so nobody else takes them, and a node the job did not run on
+    gets its worker host), a shrink's released ones until the workers on them have
+    exited. The supervisor's node (`node`, the job's first) is in both placements.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     command_id: str = Field(min_length=1, max_length=128)
+    # The node of the job's supervisor.
     node: NodeName
-    # The GPUs the job ran on before, and those it runs on once committed.
-    from_gpus: tuple[int, ...] = Field(min_length=1)
-    to_gpus: tuple[int, ...] = Field(min_length=1)
+    # The job's GPUs per node before, and once committed (the supervisor's node first).
+    before: tuple[NodeGpus, ...] = Field(min_length=1)
+    after: tuple[NodeGpus, ...] = Field(min_length=1)
     staged_at: float
     # Why: the policy's cause, or the operator who asked.
     cause: str = Field(max_length=1000)
@@ -175,9 +201,29 @@ class StagedResize(BaseModel):
     # is back at the size before. Timing out in turn, it ends holding them all.
     reverting: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_node_form(cls, data: object) -> object:
+        """Journals written when elastic jobs resized on one node only said that node's
+        GPUs (`from_gpus`, `to_gpus`)."""
+        if isinstance(data, dict) and "from_gpus" in data and "before" not in data:
+            data = dict(data)
+            node = data.get("node")
+            data["before"] = ({"node": node, "gpus": data.pop("from_gpus")},)
+            data["after"] = ({"node": node, "gpus": data.pop("to_gpus", ())},)
+        return data
+
+    @property
+    def from_size(self) -> int:
+        return placement_size(self.before)
+
+    @property
+    def to_size(self) -> int:
+        return placement_size(self.after)
+
     @property
     def grow(self) -> bool:
-        return len(self.to_gpus) > len(self.from_gpus)
+        return self.to_size > self.from_size
 
 
 class JobRecord(BaseModel):
@@ -220,6 +266,9 @@ class JobRecord(BaseModel):
     # effect in this run (GPU-seconds are counted per size).
     resize: StagedResize | None = None
     resized_at: float | None = None
+    # Nodes an elastic job's resizes took it off in this attempt: not grown onto again
+    # before its next attempt (their worker host's launch and events are the attempt's).
+    left_nodes: tuple[NodeName, ...] = ()
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -228,3 +277,8 @@ class JobRecord(BaseModel):
     @property
     def gpu_count(self) -> int:
         return sum(len(grant.gpus) for grant in self.grants)
+
+    @property
+    def placement(self) -> tuple[NodeGpus, ...]:
+        """Its grants' GPUs per node (those that hold any)."""
+        return tuple(NodeGpus(node=g.node, gpus=g.gpus) for g in self.grants if g.gpus)

@@ -32,7 +32,15 @@ from schemas.api import CancelRequest, ErrorReply, JobReply, ResizeRequest, Subm
 from schemas.base import decode
 from schemas.commands import JOB_COMMAND, NODE_COMMAND, Regrant, Resize
 from schemas.events import JobStarted, NodeEvent, ResizeCompleted
-from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGrant
+from schemas.jobs import (
+    FailureClass,
+    JobRecord,
+    JobSpec,
+    JobState,
+    NodeGpus,
+    NodeGrant,
+    StagedResize,
+)
 from schemas.progress import Progress
 from schemas.state import CauseKind, JobChanged, NodeEventRecorded, StateRecord
 from schemas.telemetry import GpuInfo, Heartbeat
@@ -155,7 +163,7 @@ class FakeNode:
                 duration_s=1.5,
                 released_gpus=max(0, from_size - command.world_size) if ok else 0,
                 reason=reason,
-                gpus=gpus,
+                placement=(NodeGpus(node=self.name, gpus=gpus),) if gpus else (),
             )
         )
 
@@ -208,6 +216,18 @@ def held(brain: Brain, job_id: str) -> tuple[int, ...]:
     return brain.state.jobs[job_id].grants[0].gpus
 
 
+def held_on(brain: Brain, job_id: str, node: str) -> tuple[int, ...]:
+    return next(g.gpus for g in brain.state.jobs[job_id].grants if g.node == node)
+
+
+def on(node: str, *gpus: int) -> tuple[NodeGpus, ...]:
+    return (NodeGpus(node=node, gpus=gpus),)
+
+
+def gpus_on(placement: tuple[NodeGpus, ...], node: str = "n1") -> set[int]:
+    return {gpu for part in placement if part.node == node for gpu in part.gpus}
+
+
 async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNode) -> None:
     brain = await brain_factory()
     await eventually(lambda: brain.state.nodes)
@@ -247,7 +267,7 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     refused(await resize(brain, job_id, 1), "conflict", "already resizing 2 -> 3")
     command = await eventually(lambda: node.resize_for(staged.command_id))
     assert (command.world_size, command.epoch) == (3, brain.epoch)
-    assert command.gpus == held(brain, job_id)  # the new worker claims the added one
+    assert command.placement == on("n1", *held(brain, job_id))  # the new worker's GPU
     await eventually(lambda: [r.gpus for r in node.regrants(job_id)] == [held(brain, job_id)])
 
     # The supervisor could not get there: rolled back, and told to go back to 2. It
@@ -258,7 +278,7 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     assert len(rolled.grants[0].gpus) == 3 and brain._free_on("n1") == set()
     assert "rolled back" in (rolled.reason or "") and "not stepping" in (rolled.reason or "")
     revert = await eventually(lambda: node.resize_for(f"{staged.command_id}-revert"))
-    assert (revert.world_size, revert.gpus) == (2, before)
+    assert (revert.world_size, revert.placement) == (2, on("n1", *before))
     refused(await resize(brain, job_id, 1), "conflict", "already resizing 3 -> 2")
     await node.resized(revert, ok=True, from_size=3, gpus=before)
     back = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
@@ -272,12 +292,12 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     reply = await resize(brain, job_id, 1)
     assert isinstance(reply, JobReply) and reply.job.resize is not None
     shrink = await eventually(lambda: node.resize_for(reply.job.resize.command_id))
-    assert shrink.gpus == before[:1]
+    assert shrink.placement == on("n1", *before[:1])
     assert held(brain, job_id) == before and brain._free_on("n1") == {3}
     await node.resized(shrink, ok=True, from_size=2, gpus=before[1:])
     done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
     assert done.gpu_count == 1 and done.grants[0].gpus == before[1:]
-    assert done.resized_at is not None and f"GPUs [{before[0]}] released" in (done.reason or "")
+    assert done.resized_at is not None and f"GPUs n1:{before[0]} released" in (done.reason or "")
     assert brain._free_on("n1") == {before[0], 3}
     await eventually(lambda: node.regrants(job_id)[-1].gpus == before[1:])
     kinds = [r["kind"] for r in brain.history.job_events(job_id)]
@@ -314,7 +334,7 @@ async def test_an_unanswered_grow_keeps_its_gpus_until_the_supervisor_is_back(
     )
     assert held(brain, job_id) == grown and "no answer" in (reverting.reason or "")
     revert = await eventually(lambda: node.resize_for(f"{reply.job.resize.command_id}-revert"))
-    assert (revert.world_size, revert.gpus) == (2, before)
+    assert (revert.world_size, revert.placement) == (2, on("n1", *before))
     given_up = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
     assert given_up.grants[0].gpus == grown
     assert "keeps GPUs" in (given_up.reason or "")
@@ -377,18 +397,18 @@ async def test_elastic_horovod_job_resized_through_the_brain(
         assert isinstance(reply, JobReply) and reply.job.resize is not None, reply
         staged = reply.job.resize
         # Staged: a grow holds the added GPU at once; a shrink keeps its GPUs for now.
-        union = set(staged.from_gpus) | set(staged.to_gpus)
+        union = gpus_on(staged.before) | gpus_on(staged.after)
         assert set(held(brain, job_id)) == union
         assert brain._free_on("n1") == set(range(4)) - union
         done = await eventually(
             lambda: (j := brain.state.jobs[job_id]).resize is None and j, timeout_s=90
         )
         assert done.gpu_count == size, done.reason
-        assert (done.reason or "").startswith(f"resized {len(staged.from_gpus)} -> {size}")
+        assert (done.reason or "").startswith(f"resized {staged.from_size} -> {size}")
         # A grow keeps what it staged; a shrink keeps the GPU of the worker Horovod kept
         # (each worker claimed one), which need not be the brain's lowest-numbered pick.
         kept = set(done.grants[0].gpus)
-        assert kept == set(staged.to_gpus) if size > len(staged.from_gpus) else kept <= union
+        assert kept == gpus_on(staged.after) if size > staged.from_size else kept <= union
         assert brain._free_on("n1") == set(range(4)) - kept
         # The agent's books follow (which launches would collide with the job).
         await eventually(lambda: agent.launcher.find(job_id)[0].gpus == held(brain, job_id))
@@ -405,7 +425,7 @@ async def test_elastic_horovod_job_resized_through_the_brain(
         (True, 3, 1, 2),
     ]
     # The supervisor said which GPUs its workers held, and the brain committed those.
-    assert [len(a.gpus) for a in answers] == [3, 1]
+    assert [len(gpus_on(a.placement)) for a in answers] == [3, 1]
     sizes = [
         (r.cause.kind, r.job.gpu_count)
         for r in records
@@ -431,40 +451,85 @@ async def test_elastic_horovod_job_resized_through_the_brain(
 
 
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
-@pytest.mark.timeout(240)
-async def test_an_elastic_job_larger_than_a_node_runs_across_nodes_through_their_agents(
+@pytest.mark.timeout(300)
+async def test_an_elastic_job_grows_onto_another_node_and_leaves_it_through_the_brain(
     brain_factory: Callable[..., Awaitable[Brain]],
     agent_factory: Callable[..., Awaitable[Agent]],
+    connect: Callable[[str], Awaitable[Bus]],
     tmp_path: Path,
 ) -> None:
-    """Three GPUs on nodes of two: placed across both like a rigid job. The first node
-    runs the supervisor, the other the job's worker host, which its agent launched and
-    through which horovodrun started that node's worker (no ssh). Its size is fixed;
-    it ends SUCCEEDED when its supervisor does, and the worker host is stopped."""
+    """Two nodes of two GPUs. A job started on n1 at 2 is resized to 3: the brain
+    launches its worker host on the other node through that node's agent, and
+    horovodrun starts the new worker through it (no ssh). Then 4 (one more worker
+    there), then 2: it leaves that node, whose worker host is stopped, and n1's workers
+    keep stepping in the same processes. It ends SUCCEEDED."""
     brain = await brain_factory()
-    agents = [await agent_factory(name, gpus=2) for name in ("n1", "n2")]
+    agents = {name: await agent_factory(name, gpus=2) for name in ("n1", "n2")}
     await eventually(lambda: len(brain.state.nodes) == 2)
-    stop_file = tmp_path / "stop"
-    job_id = await submit(brain, elastic_train_spec(3, stop_file, max_gpus=4, name="wide"))
-    await eventually(lambda: brain.progress.world_size(job_id) == 3, timeout_s=120)
-    job = brain.state.jobs[job_id]
-    assert sorted(len(g.gpus) for g in job.grants) == [1, 2] and len(set(job.nodes)) == 2
-    # Each node's agent runs the job's process there: the supervisor, the worker host.
-    first, second = (next(a for a in agents if a.node == g.node) for g in job.grants)
-    supervisor = first.launcher.find(job_id)[0]
-    host = second.launcher.find(job_id)[0]
-    remote = f"--remote={job.grants[1].node}={len(job.grants[1].gpus)}"
-    assert {"workloads.supervisor", remote} <= set(command_line(supervisor.pid))
-    assert command_line(host.pid)[-1] == "workloads.worker_host"
+    records: list[StateRecord] = []
+    brain.record_observers.append(lambda record, seq: records.append(record))
+    reports: list[Progress] = []
 
-    refused(await resize(brain, job_id, 2), "invalid", "runs across nodes")
+    async def on_progress(report: Progress, msg: Msg) -> None:
+        reports.append(report)
+
+    await (await connect("watch")).subscribe(subjects.ALL_JOB_PROGRESS, Progress, on_progress)
+
+    def stepping_at(size: int) -> Progress | None:
+        last = reports[-1] if reports else None
+        return last if last and last.world_size == size and len(last.workers) == size else None
+
+    stop_file = tmp_path / "stop"
+    job_id = await submit(brain, elastic_train_spec(2, stop_file, max_gpus=4, name="wide"))
+    start = await eventually(lambda: stepping_at(2), timeout_s=90)
+    first = brain.state.jobs[job_id].grants[0].node
+    second = next(n for n in agents if n != first)
+    supervisor = agents[first].launcher.find(job_id)[0]
+
+    for size, placed in ((3, {first: 2, second: 1}), (4, {first: 2, second: 2})):
+        reply = await resize(brain, job_id, size)
+        assert isinstance(reply, JobReply) and reply.job.resize is not None, reply
+        done = await eventually(
+            lambda: (j := brain.state.jobs[job_id]).resize is None and j, timeout_s=120
+        )
+        assert {g.node: len(g.gpus) for g in done.grants} == placed, done.reason
+        assert (done.reason or "").startswith(f"resized {size - 1} -> {size}")
+        await eventually(lambda s=size: brain.progress.world_size(job_id) == s, timeout_s=30)
+    # The other node's part is the job's worker host, launched by its agent at the grow.
+    host = agents[second].launcher.find(job_id)[0]
+    assert command_line(host.pid)[-1] == "workloads.worker_host"
+    assert agents[second].launcher.find(job_id)[0].gpus == held_on(brain, job_id, second)
+    assert agents[first].launcher.find(job_id) == [supervisor]
+
+    reply = await resize(brain, job_id, 2)
+    assert isinstance(reply, JobReply) and reply.job.resize is not None, reply
+    done = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).resize is None and j, timeout_s=120
+    )
+    assert done.nodes == (first,) and done.left_nodes == (second,), done.reason
+    assert brain._free_on(second) == {0, 1}
+    # The worker host was stopped; the job goes on on n1 with the workers it began with.
+    await eventually(lambda: host.exited.is_set(), timeout_s=30)
+    latest = await eventually(lambda: stepping_at(2), timeout_s=30)
+    assert {w.pid for w in latest.workers} == {w.pid for w in start.workers}
+    # A grow does not go back to the node it left in this attempt.
+    refused(await resize(brain, job_id, 3), "conflict", "can grow to 2 GPUs at most")
+    answers = [
+        r.event
+        for r in records
+        if isinstance(r, NodeEventRecorded) and isinstance(r.event, ResizeCompleted)
+    ]
+    assert [(a.ok, a.from_size, a.to_size) for a in answers] == [
+        (True, 2, 3),
+        (True, 3, 4),
+        (True, 4, 2),
+    ]
+
     stop_file.touch()
     ended = await eventually(
         lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=90
     )
     assert ended.state is JobState.SUCCEEDED, ended.reason
-    # The worker host was stopped once the supervisor finished.
-    await eventually(lambda: host.exited.is_set(), timeout_s=30)
 
 
 async def test_cli_submit_elastic_resize_and_show(
@@ -522,23 +587,26 @@ def running_elastic(gpus: tuple[int, ...], *, low: int = 1, high: int = 4) -> Jo
 
 
 @pytest.mark.parametrize(
-    ("node", "target", "free", "code", "words"),
+    ("target", "free", "code", "words"),
     [
-        ("n1", (0, 1, 2), {2, 3}, None, ""),
-        ("n1", (0,), set(), None, ""),
-        ("n2", (0, 1, 2), {2, 3}, "invalid", "stays on one node"),
-        ("n1", (0, 2, 3), {2, 3}, "invalid", "keeps some or all"),
-        ("n1", (0, 1, 2), {3}, "conflict", "GPUs [2] of node n1 are not free"),
-        ("n1", (0, 1, 2, 3, 4), {2, 3, 4}, "invalid", "1..4 GPUs; 5 is outside"),
+        (on("n1", 0, 1, 2), {"n1": {2, 3}}, None, ""),
+        (on("n1", 0), {}, None, ""),
+        # A grow onto another node (the job's worker host starts there).
+        ((*on("n1", 0, 1), *on("n2", 5)), {"n2": {5}}, None, ""),
+        (on("n2", 0, 1, 2), {"n2": {0, 1, 2}}, "invalid", "supervisor runs on node n1"),
+        (on("n1", 0, 2, 3), {"n1": {2, 3}}, "invalid", "keeps some or all"),
+        # Shrinking one node while growing onto another moves a worker: refused.
+        ((*on("n1", 0), *on("n2", 5)), {"n2": {5}}, "invalid", "and adds others (a grow)"),
+        (on("n1", 0, 1, 2), {"n1": {3}}, "conflict", "GPUs [2] of node n1 are not free"),
+        ((*on("n1", 0, 1), *on("n3", 0)), {"n3": {0}}, "conflict", "left node(s) n3"),
+        (on("n1", 0, 1, 2, 3, 4), {"n1": {2, 3, 4}}, "invalid", "1..4 GPUs; 5 is outside"),
     ],
 )
 def test_check_resize(
-    node: str, target: tuple[int, ...], free: set[int], code: str | None, words: str
+    target: tuple[NodeGpus, ...], free: dict[str, set[int]], code: str | None, words: str
 ) -> None:
-    job = running_elastic((0, 1))
-    found = elastic.check_resize(
-        job, elastic.ResizeTarget(node, target), free, supervisor_ready=True
-    )
+    job = running_elastic((0, 1)).model_copy(update={"left_nodes": ("n3",)})
+    found = elastic.check_resize(job, target, free, supervisor_ready=True)
     if code is None:
         assert found is None
     else:
@@ -547,24 +615,23 @@ def test_check_resize(
 
 def test_stage_commit_and_roll_back_hold_every_gpu_of_both_sizes() -> None:
     job = running_elastic((0, 1))
-    target = elastic.choose_target(job, 3, free={3, 2})
-    assert target == elastic.ResizeTarget("n1", (0, 1, 2))
+    target = elastic.choose_target(job, 3, free={"n1": {3, 2}})
+    assert target == on("n1", 0, 1, 2)
     grow = elastic.stage(job, target, command_id="c1", now=5.0, cause="test")
     assert grow.grants[0].gpus == (0, 1, 2) and grow.grants[0].pid == 99
     assert grow.resize is not None and grow.resize.grow
-    assert elastic.current_gpus(grow) == (0, 1)
+    assert elastic.current_placement(grow) == on("n1", 0, 1)
     assert elastic.roll_back(grow, "no").grants[0].gpus == (0, 1)
     grown = elastic.commit(grow, "yes")
     assert grown.grants[0].gpus == (0, 1, 2) and grown.resize is None
-    shrink = elastic.stage(
-        grown, elastic.ResizeTarget("n1", (0,)), command_id="c2", now=6.0, cause="t"
-    )
+    shrink = elastic.stage(grown, on("n1", 0), command_id="c2", now=6.0, cause="t")
     assert shrink.grants[0].gpus == (0, 1, 2)  # kept until the supervisor says so
     assert elastic.commit(shrink, "yes").grants[0].gpus == (0,)
     # What the supervisor says its workers hold wins, when it fits the resize.
-    assert elastic.commit(shrink, "yes", held=(2,)).grants[0].gpus == (2,)
-    assert elastic.commit(shrink, "yes", held=(1, 2)).grants[0].gpus == (0,)  # wrong size
-    assert elastic.commit(shrink, "yes", held=(5,)).grants[0].gpus == (0,)  # not the job's
+    assert elastic.commit(shrink, "yes", held=on("n1", 2)).grants[0].gpus == (2,)
+    assert elastic.commit(shrink, "yes", held=on("n1", 1, 2)).grants[0].gpus == (0,)  # size
+    assert elastic.commit(shrink, "yes", held=on("n1", 5)).grants[0].gpus == (0,)  # not ours
+    assert elastic.commit(shrink, "yes", held=on("n2", 2)).grants[0].gpus == (0,)  # elsewhere
     command = elastic.resize_command(shrink, epoch=3, issued_at=7.0)
     assert (command.command_id, command.world_size, command.epoch) == ("c2", 1, 3)
     # A shrink the supervisor may have begun: the old size staged again, holding both
@@ -579,7 +646,44 @@ def test_stage_commit_and_roll_back_hold_every_gpu_of_both_sizes() -> None:
     back = elastic.stage_revert(grow, "back", now=8.0)
     assert elastic.commit(back, "ok").grants[0].gpus == (0, 1)
     assert elastic.roll_back(back, "unanswered").grants[0].gpus == (0, 1, 2)
-    assert isinstance(elastic.choose_target(grown, 4, free=set()), elastic.ResizeRefused)
+    assert isinstance(elastic.choose_target(grown, 4, free={}), elastic.ResizeRefused)
+
+
+def test_a_resize_across_nodes_adds_and_removes_the_other_nodes_grants() -> None:
+    job = running_elastic((0, 1))
+    # A grow fills the job's own node first, then the node with most free GPUs.
+    target = elastic.choose_target(job, 4, free={"n1": {2}, "n2": {0}, "n3": {1, 3}})
+    assert target == (*on("n1", 0, 1, 2), *on("n3", 1))
+    grow = elastic.stage(job, target, command_id="c1", now=5.0, cause="t")
+    # The new node's grant is not launched yet; the first node's keeps its process.
+    assert [(g.node, g.gpus, g.pid) for g in grow.grants] == [
+        ("n1", (0, 1, 2), 99),
+        ("n3", (1,), None),
+    ]
+    assert elastic.resize_command(grow, epoch=1, issued_at=5.0).placement == target
+    # Rolled back, the job leaves the new node (its worker host is stopped) and does
+    # not grow onto it again in this attempt.
+    undone = elastic.roll_back(grow, "no")
+    assert undone.nodes == ("n1",) and undone.left_nodes == ("n3",)
+    assert elastic.left_by(grow, undone) == ("n3",)
+    grown = elastic.commit(grow, "yes").model_copy(
+        update={"grants": (grow.grants[0], grow.grants[1].model_copy(update={"pid": 7}))}
+    )
+    # A shrink leaves the node where the job holds fewest first, never its first one.
+    assert elastic.choose_target(grown, 3, free={}) == on("n1", 0, 1, 2)
+    assert elastic.choose_target(grown, 1, free={}) == on("n1", 0)
+    shrink = elastic.stage(grown, on("n1", 0, 1), command_id="c2", now=6.0, cause="t")
+    assert shrink.nodes == ("n1", "n3")  # held until the supervisor says so
+    reported = (*on("n1", 1), *on("n3", 1))  # not the target's nodes: the target is kept
+    done = elastic.commit(shrink, "yes", held=reported)
+    assert done.placement == on("n1", 0, 1) and done.left_nodes == ("n3",)
+    assert elastic.commit(shrink, "yes", held=on("n1", 1, 2)).placement == on("n1", 1, 2)
+    assert shrink.resize is not None
+    assert elastic.describe(shrink.resize) == "4 -> 2 GPUs (n1:0,1,2, n3:1 -> n1:0,1)"
+    # Journals from before resizes across nodes said one node's GPUs.
+    old = {"command_id": "c", "node": "n1", "from_gpus": [0], "to_gpus": [0, 1]}
+    staged = StagedResize.model_validate({**old, "staged_at": 1.0, "cause": "x"})
+    assert (staged.before, staged.after) == (on("n1", 0), on("n1", 0, 1))
 
 
 def test_progress_tracker_learns_throughput_per_size() -> None:
@@ -635,7 +739,7 @@ async def test_the_policy_grows_an_elastic_job_through_the_same_path(
     # the shell (checked against the live state), commanded, and committed on the ack.
     assert isinstance(await brain.api.handle(TENANT, CancelRequest(job_id=rigid)), JobReply)
     staged = await eventually(lambda: brain.state.jobs[job_id].resize)
-    assert len(staged.to_gpus) == 3 and staged.node == "n1"
+    assert staged.to_size == 3 and staged.node == "n1"
     command = await eventually(lambda: node.resize_for(staged.command_id))
     await node.resized(command, ok=True, from_size=2)
     done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)

@@ -35,7 +35,7 @@ from brain.core.elastic import (
 )
 
 ELASTIC = Policy(order="las", elasticity="marginal-gain")
-SPREAD = replace(ELASTIC, elastic_may_spread=True)
+ONE_NODE = replace(ELASTIC, elastic_may_spread=False)  # --elastic-one-node
 
 # -- builders -------------------------------------------------------------------------
 
@@ -362,8 +362,8 @@ CASES = [
         sizes={},
     ),
     Case(
-        "live brain: an elastic job grows on its own node only",
-        ELASTIC,
+        "one node: an elastic job grows on its own node only",
+        ONE_NODE,
         snapshot(
             node("n0", busy=(0, 1, 2, 3)),
             node("n1"),
@@ -372,8 +372,8 @@ CASES = [
         sizes={},
     ),
     Case(
-        "simulator: a job that fills its node may span another",
-        SPREAD,
+        "a job that fills its node may span another",
+        ELASTIC,
         snapshot(
             node("n0", busy=(0, 1, 2, 3)),
             node("n1"),
@@ -382,13 +382,37 @@ CASES = [
         sizes={"1": 8},
     ),
     Case(
-        "live brain: a pending elastic job needs its minimum on one node",
+        "a pending elastic job that fits a node needs its minimum on one node",
         ELASTIC,
         snapshot(
             node("n0", busy=(0, 1)), node("n1", busy=(0, 1)), pending_jobs=(elastic("1", 3, 3, 4),)
         ),
         sizes={},
         waiting=frozenset({"1"}),
+    ),
+    Case(
+        "a shrink across nodes keeps the job's first node (its supervisor's)",
+        ELASTIC,
+        snapshot(
+            # GPUs 0-2 of n0 and 3 of n1 run rigid jobs not shown.
+            node("n0", busy=(0, 1, 2, 3)),
+            node("n1", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("2", 3, at=10.0),),
+            running=(
+                elastic(
+                    "1",
+                    1,
+                    1,
+                    8,
+                    on=(Grant("n0", (3,)), Grant("n1", (0, 1, 2))),
+                    throughput=((4, 100.0),),
+                    attained=1e5,
+                ),
+            ),
+        ),
+        # Its GPUs on n1 go to job 2; its one GPU on n0 stays.
+        sizes={"1": 1, "2": 3},
+        cause={"1": "for job 2"},
     ),
 ]
 
@@ -661,3 +685,20 @@ def test_elastic_decisions_are_deterministic(
     shuffler.shuffle(nodes)
     shuffled = ClusterSnapshot(tuple(nodes), tuple(waiting), tuple(running))
     assert decide(shuffled, world.now, policy) == first
+
+
+def test_a_shrink_across_nodes_never_leaves_the_first_node() -> None:
+    """The supervisor runs on a job's first node: a shrink keeps a GPU there, though
+    giving back from the node where the job holds fewest would otherwise come first."""
+    job = elastic(
+        "1", 1, 1, 8, on=(Grant("n1", (3,)), Grant("n0", (0, 1))), throughput=((3, 100.0),)
+    )
+    world = snapshot(
+        node("n0", busy=(0, 1, 2, 3)),
+        node("n1", busy=(0, 1, 2, 3)),
+        pending_jobs=(pending("2", 1, at=10.0),),
+        running=(job,),
+    )
+    decisions = decide(world, 100.0, ELASTIC)
+    (shrink,) = decisions.resizes
+    assert [g.node for g in shrink.grants][:1] == ["n1"], shrink

@@ -25,6 +25,7 @@ from schemas import subjects
 from schemas.base import decode
 from schemas.commands import Resize
 from schemas.events import NODE_EVENT, NodeEvent, ResizeCompleted
+from schemas.jobs import NodeGpus
 from schemas.progress import Progress
 from tests.conftest import eventually, open_ended_training
 
@@ -182,8 +183,17 @@ async def finish(job: Job) -> int:
 
 
 async def resize(
-    bus: Bus, watch: Watch, job_id: str, size: int, *, epoch: int = 1, gpus: tuple[int, ...] = ()
+    bus: Bus,
+    watch: Watch,
+    job_id: str,
+    size: int,
+    *,
+    epoch: int = 1,
+    gpus: tuple[int, ...] = (),
+    placement: tuple[NodeGpus, ...] = (),
 ) -> ResizeCompleted:
+    """Resize `job_id` as the brain would: `gpus`, its GPUs on n1 (its only node), or
+    `placement`, its GPUs per node."""
     command = Resize(
         command_id=uuid.uuid4().hex,
         epoch=epoch,
@@ -191,7 +201,7 @@ async def resize(
         job_id=job_id,
         world_size=size,
         cause="test",
-        gpus=gpus,
+        placement=placement or ((NodeGpus(node="n1", gpus=gpus),) if gpus else ()),
     )
     await bus.publish_durable(subjects.job(job_id, "cmd"), command, msg_id=command.command_id)
     outcome: ResizeCompleted = await eventually(
@@ -243,11 +253,12 @@ async def test_resize_2_3_1_2_keeps_workers_and_state(
         gpus = {w.pid: w.gpu for w in now.workers}
         assert len(set(gpus.values())) == size
         assert all(gpus[pid] == gpu_of[pid] for pid in after & before)
-        assert set(outcome.gpus) == set(gpus.values())
+        (part,) = outcome.placement
+        assert part.node == "n1" and set(part.gpus) == set(gpus.values())
         if added:
-            assert set(outcome.gpus) == set(grant)
+            assert set(part.gpus) == set(grant)
         gpu_of.update(gpus)
-        held = tuple(sorted(outcome.gpus))
+        held = tuple(sorted(part.gpus))
         await eventually(lambda s=size: watch.all_ranks_agree_at(s), timeout_s=30)
         assert_steps_never_go_back(watch)
         assert_params_identical(watch)
@@ -375,13 +386,14 @@ def descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-async def test_workers_on_another_node_start_through_its_worker_host(
+async def test_a_job_grows_onto_another_node_and_leaves_it_through_its_worker_host(
     nats_server: object, bus: Bus, watch: Watch, start_job: Callable[..., Job], tmp_path: Path
 ) -> None:
     """A job on two nodes: horovodrun (through workloads.hvdrun) starts the other node's
-    worker through that node's worker host, as the node's agent would run it, not ssh.
+    workers through that node's worker host, as the node's agent would run it, not ssh.
     One host stands in for both nodes; `n2` resolves nowhere, so Horovod treats it as
-    remote."""
+    remote. The job grows there (the worker host's new worker claims the added GPU) and
+    shrinks off it (its workers retire; the supervisor's node keeps its own)."""
     env = {
         **os.environ,
         "ALNAIR_JOB_ID": "el4",
@@ -392,7 +404,7 @@ async def test_workers_on_another_node_start_through_its_worker_host(
     }
     host = start_worker_host(env, tmp_path / "n2.log")
     try:
-        job = start_job("el4", np=3, max_np=3, gpus="0,1", remote=("n2=1",))
+        job = start_job("el4", np=3, max_np=4, gpus="0,1", remote=("n2=1",))
         running = await eventually(lambda: watch.stepping_at(3), timeout_s=90)
         remote = [w for w in running.workers if descends_from(w.pid, host.pid)]
         local = [w for w in running.workers if descends_from(w.pid, job.process.pid)]
@@ -401,16 +413,42 @@ async def test_workers_on_another_node_start_through_its_worker_host(
         assert remote[0].gpu in (2, 3) and {w.gpu for w in local} == {0, 1}
         await eventually(lambda: watch.all_ranks_agree_at(3), timeout_s=30)
         assert_params_identical(watch)
-        # Its size is fixed: a resize is refused, and nothing changes.
-        refused = Resize(
-            command_id="grow", epoch=1, issued_at=time.time(), job_id="el4", world_size=2
+
+        # Grow on n2: its worker host is told the node's GPUs, the new worker takes the
+        # one not held.
+        both = (NodeGpus(node="n1", gpus=(0, 1)), NodeGpus(node="n2", gpus=(2, 3)))
+        grown = await resize(bus, watch, "el4", 4, placement=both)
+        now = await eventually(lambda: watch.stepping_at(4), timeout_s=60)
+        assert {w.pid for w in running.workers} <= {w.pid for w in now.workers}
+        assert {w.gpu for w in now.workers} == {0, 1, 2, 3}
+        assert {p.node: set(p.gpus) for p in grown.placement} == {"n1": {0, 1}, "n2": {2, 3}}
+        await eventually(lambda: watch.all_ranks_agree_at(4), timeout_s=30)
+
+        # Shrink off n2: both its workers retire, n1's keep stepping in the same process.
+        home = (NodeGpus(node="n1", gpus=(0, 1)),)
+        shrunk = await resize(bus, watch, "el4", 2, placement=home)
+        assert shrunk.released_gpus == 2 and shrunk.placement == home
+        left = await eventually(lambda: watch.stepping_at(2), timeout_s=60)
+        assert {w.pid for w in left.workers} == {w.pid for w in local}
+        await eventually(lambda: watch.all_ranks_agree_at(2), timeout_s=30)
+        assert_steps_never_go_back(watch)
+        assert_params_identical(watch)
+        # A placement without a worker on the supervisor's node is refused.
+        command = Resize(
+            command_id="away",
+            epoch=1,
+            issued_at=time.time(),
+            job_id="el4",
+            world_size=2,
+            placement=(NodeGpus(node="n2", gpus=(2, 3)),),
         )
-        await bus.publish_durable(subjects.job("el4", "cmd"), refused, msg_id="grow")
-        outcome: ResizeCompleted = await eventually(lambda: watch.resizes.get("grow"))
-        assert not outcome.ok and "keeps its size" in outcome.reason
+        await bus.publish_durable(subjects.job("el4", "cmd"), command, msg_id="away")
+        outcome: ResizeCompleted = await eventually(lambda: watch.resizes.get("away"))
+        assert not outcome.ok and "leaves no worker on node n1" in outcome.reason
         await finish(job)
-        # horovodrun saw the remote worker end as it would an ssh session.
-        await eventually(lambda: not Path(f"/proc/{remote[0].pid}").exists(), timeout_s=30)
+        # horovodrun saw the remote workers end as it would an ssh session.
+        for worker in remote:
+            await eventually(lambda w=worker: not Path(f"/proc/{w.pid}").exists(), timeout_s=30)
     finally:
         host.send_signal(signal.SIGTERM)
         assert host.wait(timeout=30) == 0, (tmp_path / "n2.log").read_text()[-3000:]

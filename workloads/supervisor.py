@@ -15,11 +15,16 @@ Each worker may claim one of the job's GPUs (workloads/devices.py): the supervis
 keeps the job's GPU list in `ALNAIR_GPU_DIR`, adds a grow's GPUs to it before the new
 workers start, and after a resize reports the GPUs its workers hold.
 
-Workers on other nodes (`--remote NODE=SLOTS`): horovodrun runs through
-`workloads.hvdrun`, which starts them through each node's worker host
-(`workloads/worker_host.py`, the job's process there) instead of ssh; their progress
-and exits come back on `alnair.job.<job>.workers`. Such a job keeps its size: its
-resizes are refused (adding and removing slots across nodes is not built).
+Workers on other nodes: horovodrun runs through `workloads.hvdrun`, which starts them
+through each node's worker host (`workloads/worker_host.py`, the job's process there,
+which that node's agent launched) instead of ssh; their progress and exits come back on
+`alnair.job.<job>.workers`. A job starts with slots on other nodes (`--remote
+NODE=SLOTS`), or a Resize's placement gives it some: the supervisor tells the node's
+worker host the GPUs its new workers claim (`devices`, request/reply on
+`alnair.job.<job>.exec`, waiting for a worker host the brain has just launched), then
+adds the slots. A shrink removes a node's slots like local ones, and the brain stops
+the worker host of a node left with none. The supervisor's own node always keeps a
+slot: Horovod carries the state over from a host of the old world.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ from schemas import subjects
 from schemas.commands import JOB_COMMAND, JobCommand, Resize
 from schemas.errors import BusError
 from schemas.events import ResizeCompleted
+from schemas.jobs import NodeGpus
 from schemas.progress import Progress, WorkerProgress
-from schemas.workers import WorkerRelay
+from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState, WorkerRelay
 from workloads import devices
 from workloads.progress import WorkerReport, worker_env
 from workloads.sdk import job_connect_options
@@ -58,6 +64,9 @@ from workloads.sdk import job_connect_options
 log = logging.getLogger(__name__)
 
 SEEN_COMMANDS: Final = 1000
+# A worker host's answer to one `devices` request; it is asked again until the resize's
+# deadline (one the brain has just launched may not listen yet).
+DEVICES_ASK_S: Final = 2.0
 # Exit code of a worker Horovod retired from the job: a shrink, not a failure.
 REMOVED_WORKER_EXIT_CODE: Final = 134
 # A worker's exception as horovodrun relays it: "[1]<stderr>:ValueError: bad lr".
@@ -106,12 +115,14 @@ class SupervisorConfig:
             raise ValueError(f"np ({self.np}) leaves no slot on this node beside {self.remote}")
 
 
+# A worker: its node (None: this one) and its pid there.
+_Key = tuple[str | None, int]
+
+
 @dataclass(slots=True)
 class _Seen:
     report: WorkerReport
     received: float  # supervisor's monotonic clock: worker clocks are not trusted
-    # The node of a worker relayed by another node's worker host; None: this node.
-    node: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +133,8 @@ class ResizeOutcome:
     duration_s: float
     released: int
     reason: str = ""
-    # The GPUs the workers hold after it, when every worker claimed one.
-    gpus: tuple[int, ...] = ()
+    # The GPUs the workers hold after it, per node, when every worker claimed one.
+    placement: tuple[NodeGpus, ...] = ()
 
     @classmethod
     def refused(cls, size: int, reason: str) -> ResizeOutcome:
@@ -179,8 +190,10 @@ class Supervisor:
     slots: int = 0
     epoch: int = 0
     outcomes: list[ResizeOutcome] = field(default_factory=list)
+    # Slots on other nodes now (a resize's placement changes them).
+    remote: dict[str, int] = field(default_factory=dict)
     _seen_commands: OrderedDict[str, None] = field(default_factory=OrderedDict)
-    _workers: dict[int, _Seen] = field(default_factory=dict)
+    _workers: dict[_Key, _Seen] = field(default_factory=dict)
     _resize_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _process: asyncio.subprocess.Process | None = None
     _relay: asyncio.Task[None] | None = None
@@ -205,14 +218,14 @@ class Supervisor:
     def discovery_script(self) -> Path:
         return self.config.work_dir / "discover-hosts.sh"
 
-    def write_hosts(self, slots: int) -> None:
+    def write_hosts(self, local: int, remote: dict[str, int]) -> None:
         """Replace the host list atomically: discovery must never read half a file."""
         temporary = self.hosts_path.with_suffix(".tmp")
-        local = slots - sum(n for _, n in self.config.remote)
-        listed = [*host_slots(self.config.hosts, local), *self.config.remote]
+        listed = [*host_slots(self.config.hosts, local), *((n, k) for n, k in remote.items() if k)]
         temporary.write_text("".join(f"{h}:{n}\n" for h, n in listed))
         os.replace(temporary, self.hosts_path)
-        self.slots = slots
+        self.remote = {n: k for n, k in remote.items() if k}
+        self.slots = local + sum(self.remote.values())
 
     # -- the job's GPUs, one per worker (workloads/devices.py) -------------------------
 
@@ -234,18 +247,19 @@ class Supervisor:
         self.config.work_dir.mkdir(parents=True, exist_ok=True)
         if self.config.gpus:
             devices.write_devices(self.gpu_dir, self.config.gpus)
-        self.write_hosts(self.config.np)
+        remote = dict(self.config.remote)
+        self.write_hosts(self.config.np - sum(remote.values()), remote)
         self.discovery_script.write_text(f"#!/bin/sh\nexec cat '{self.hosts_path}'\n")
         self.discovery_script.chmod(0o755)
 
     def horovodrun_command(self) -> list[str]:
-        beside_python = Path(sys.executable).parent / "horovodrun"
-        program = [str(beside_python) if beside_python.exists() else "horovodrun"]
-        if self.config.remote:
-            program = [sys.executable, "-m", "workloads.hvdrun"]
+        # horovodrun, starting the workers of other nodes through their worker hosts:
+        # a grow may add a node at any time.
         low, high = self.config.blacklist_cooldown_s
         return [
-            *program,
+            sys.executable,
+            "-m",
+            "workloads.hvdrun",
             "--gloo",
             "-np",
             str(self.config.np),
@@ -268,25 +282,25 @@ class Supervisor:
 
     def _on_report(self, report: WorkerReport, node: str | None = None) -> None:
         now = time.monotonic()
-        self._workers[report.pid] = _Seen(report, now, node)
+        self._workers[(node, report.pid)] = _Seen(report, now)
         self._changed.set()
         if report.rank == 0 and now - self._last_published >= self.config.progress_interval_s:
             self._last_published = now
             self._spawn(self._publish_progress(report))
 
-    def pids_at(self, world_size: int, *, since: float = 0.0) -> set[int]:
+    def pids_at(self, world_size: int, *, since: float = 0.0) -> set[_Key]:
         """Workers whose latest report (received after `since`) was at `world_size`."""
         return {
-            pid
-            for pid, seen in self._workers.items()
+            key
+            for key, seen in self._workers.items()
             if seen.report.world_size == world_size and seen.received >= since
         }
 
     def progress(self, report: WorkerReport) -> Progress:
         # A retired worker's last report would otherwise count at its old size for ever
         # (and again once the job returns to that size).
-        for pid in [pid for pid in self._workers if pid != report.pid and self._gone(pid)]:
-            del self._workers[pid]
+        for key in [k for k in self._workers if k[1] != report.pid and self._gone(k)]:
+            del self._workers[key]
         current = sorted(
             (s.report for s in self._workers.values() if s.report.world_size == report.world_size),
             key=lambda r: r.rank,
@@ -327,17 +341,17 @@ class Supervisor:
 
     # -- resize ----------------------------------------------------------------------
 
-    def _converged(self, target: int, since: float, old_pids: set[int]) -> bool:
+    def _converged(self, target: int, since: float, old: set[_Key]) -> bool:
         current = self.pids_at(target, since=since)
         if len(current) < target:
             return False
         # Shrink: the GPUs are free only once the removed workers have gone.
-        return all(self._gone(pid) for pid in old_pids - current)
+        return all(self._gone(key) for key in old - current)
 
-    def _gone(self, pid: int) -> bool:
-        seen = self._workers.get(pid)
-        if seen is not None and seen.node is not None:
-            return (seen.node, pid) in self._remote_gone
+    def _gone(self, key: _Key) -> bool:
+        node, pid = key
+        if node is not None:
+            return (node, pid) in self._remote_gone
         return process_gone(pid)
 
     async def _on_relay(self, relay: WorkerRelay, msg: Msg) -> None:
@@ -353,32 +367,48 @@ class Supervisor:
                 return
             self._on_report(report, relay.node)
 
-    async def resize(self, target: int, gpus: Sequence[int] = ()) -> ResizeOutcome:
+    async def resize(self, target: int, placement: Sequence[NodeGpus] = ()) -> ResizeOutcome:
         """Run at `target` workers; return when every worker steps at that size.
 
-        `gpus` is the brain's list of the job's GPUs at the new size: a grow's workers
-        claim those not yet held. The outcome names the GPUs held afterwards when every
-        worker holds one (after a shrink, those of the workers Horovod kept)."""
+        `placement` is the brain's list of the job's GPUs per node at the new size: the
+        slots of each node, and the GPUs a grow's workers claim there. Without it the
+        other nodes keep their slots. The outcome names the GPUs held afterwards when
+        every worker holds one (after a shrink, those of the workers Horovod kept)."""
         async with self._resize_lock:
             started = time.monotonic()
             from_size = self.slots
             low, high = self.config.min_np, self.config.max_np
-            if self.config.remote and target != from_size:
-                why = "a job with workers on other nodes keeps its size (resizing across "
-                return self._record(ResizeOutcome.refused(from_size, why + "nodes is not built)"))
             if not low <= target <= high:
                 why = f"size {target} is outside {low}..{high}"
                 return self._record(ResizeOutcome.refused(from_size, why))
-            old_pids = self.pids_at(from_size)
+            parts = {part.node: part.gpus for part in placement}
+            gpus = parts.pop(self.config.node, ())
+            remote = {n: len(g) for n, g in parts.items()} if placement else dict(self.remote)
+            local = target - sum(remote.values())
+            if local < 1:
+                why = (
+                    f"size {target} leaves no worker on node {self.config.node}, where the "
+                    f"supervisor runs (placement {placement})"
+                )
+                return self._record(ResizeOutcome.refused(from_size, why))
+            grown = [n for n, k in remote.items() if k > self.remote.get(n, 0)]
+            old = self.pids_at(from_size)
             before = self.devices
             if before and gpus:
                 # Added GPUs go after the held ones: survivors keep theirs.
                 devices.write_devices(
                     self.gpu_dir, (*before, *(g for g in gpus if g not in before))
                 )
-            self.write_hosts(target)
+            deadline = started + self.config.resize_timeout_s
+            for node in grown:
+                # The node's new workers claim its added GPUs; a node new to the job
+                # has a worker host the brain has just launched.
+                answer = await self._ask_devices(node, parts[node], deadline)
+                if isinstance(answer, str):
+                    return self._record(ResizeOutcome.refused(from_size, answer))
+            self.write_hosts(local, remote)
             try:
-                await self._wait_for(lambda: self._converged(target, started, old_pids))
+                await self._wait_for(lambda: self._converged(target, started, old))
             except TimeoutError:
                 return self._record(
                     ResizeOutcome(
@@ -392,16 +422,56 @@ class Supervisor:
                     )
                 )
             duration = time.monotonic() - started
-            held = self.held_gpus()
-            if before:
-                known = len(held) == target
-                devices.write_devices(self.gpu_dir, held if known else (gpus or before))
-                held = held if known else ()
+            held = await self._held_after(local, gpus or before, before)
             return self._record(
                 ResizeOutcome(
-                    from_size, target, True, duration, max(0, from_size - target), gpus=held
+                    from_size, target, True, duration, max(0, from_size - target), placement=held
                 )
             )
+
+    async def _held_after(
+        self, local: int, wanted: Sequence[int], before: Sequence[int]
+    ) -> tuple[NodeGpus, ...]:
+        """The GPUs the workers hold after a resize, per node, each node's list set to
+        them (a shrink's released GPUs are not claimed again); () unless every worker
+        of every node holds one."""
+        placement: list[NodeGpus] = []
+        if before:
+            mine = self.held_gpus()
+            known = len(mine) == local
+            devices.write_devices(self.gpu_dir, mine if known else wanted)
+            if known:
+                placement.append(NodeGpus(node=self.config.node, gpus=mine))
+        deadline = time.monotonic() + DEVICES_ASK_S
+        for node, slots in self.remote.items():
+            answer = await self._ask_devices(node, (), deadline)
+            if isinstance(answer, tuple) and len(answer) == slots:
+                placement.append(NodeGpus(node=node, gpus=answer))
+                await self._ask_devices(node, answer, deadline)
+        return tuple(placement) if len(placement) == 1 + len(self.remote) else ()
+
+    async def _ask_devices(
+        self, node: str, gpus: Sequence[int], deadline: float
+    ) -> tuple[int, ...] | str:
+        """Set the GPUs of `node`'s worker host (none: only ask), until `deadline`;
+        the GPUs its workers hold, or why not."""
+        if self.bus is None:
+            return f"no bus to reach node {node}'s worker host"
+        request = ExecRequest(
+            op="devices", exec_id=uuid.uuid4().hex, node=node, gpus=tuple(gpus)
+        ).signed(os.environ.get(EXEC_SECRET_ENV, ""))
+        subject = subjects.job(self.config.job_id, "exec")
+        while True:
+            try:
+                state = await self.bus.request(subject, request, ExecState, timeout_s=DEVICES_ASK_S)
+            except BusError as error:
+                if time.monotonic() + DEVICES_ASK_S > deadline:
+                    return f"no answer from the worker host on node {node}: {error}"
+                await asyncio.sleep(0.5)  # nobody listens yet: its launch is on its way
+                continue
+            if state.error:
+                return f"the worker host on node {node}: {state.error}"
+            return state.held
 
     def _record(self, outcome: ResizeOutcome) -> ResizeOutcome:
         self.outcomes.append(outcome)
@@ -442,7 +512,7 @@ class Supervisor:
             self._spawn(self._apply(command))
 
     async def _apply(self, command: Resize) -> None:
-        outcome = await self.resize(command.world_size, command.gpus)
+        outcome = await self.resize(command.world_size, command.placement)
         await self._report(command, outcome)
 
     async def _report(self, command: JobCommand, outcome: ResizeOutcome) -> None:
@@ -460,7 +530,7 @@ class Supervisor:
             duration_s=outcome.duration_s,
             released_gpus=outcome.released,
             reason=outcome.reason,
-            gpus=outcome.gpus,
+            placement=outcome.placement,
         )
         try:
             await self.bus.publish_durable(
@@ -472,10 +542,10 @@ class Supervisor:
     async def _listen(self) -> None:
         if self.bus is None:
             return
-        if self.config.remote:
-            self._workers_sub = await self.bus.subscribe(
-                subjects.job(self.config.job_id, "workers"), WorkerRelay, self._on_relay
-            )
+        # Workers of other nodes, there from the start or added by a grow.
+        self._workers_sub = await self.bus.subscribe(
+            subjects.job(self.config.job_id, "workers"), WorkerRelay, self._on_relay
+        )
         # Pushed, from now on: a new attempt must not replay the last attempt's resizes,
         # and a node's identity (which the supervisor has under --secure) may create
         # such a consumer for job commands, not pull from one. A command lost in a

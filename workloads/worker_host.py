@@ -8,6 +8,8 @@ multi-node job, so its GPUs, log, stop and exit are the agent's as usual. It
 
 - starts each worker as a process group of its own, with one of this node's GPUs to
   claim (`ALNAIR_GPU_DIR`, workloads/devices.py) and its own progress address;
+- keeps that node's GPU list as the supervisor sets it when the job grows or shrinks
+  here (`devices`), and says which GPUs its workers hold;
 - answers polls and signals for its workers, and reports each one's exit;
 - writes each worker's output to its own (the node's job log) and relays it to the
   `remote_exec` that started it, which prints it for horovodrun as ssh would;
@@ -38,7 +40,7 @@ from schemas import subjects
 from schemas.base import encode
 from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState, WorkerRelay
 from workloads import devices
-from workloads.progress import worker_env
+from workloads.progress import WorkerReport, worker_env
 from workloads.sdk import job_connect_options
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,9 @@ class WorkerHost:
     # The attempt's secret: only requests signed with it are obeyed.
     secret: str = ""
     _workers: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
+    # The pids that reported progress, by the process group (the started command's
+    # pid) they run in: the supervisor knows a worker by the pid in its reports.
+    _reporters: dict[int, set[int]] = field(default_factory=dict)
     _progress_addr: str = ""
     _transport: asyncio.DatagramTransport | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -92,7 +97,17 @@ class WorkerHost:
 
     def relay(self, data: bytes) -> None:
         text = data.decode("utf-8", "replace")
+        self._note_reporter(data)
         self._spawn(self._publish(WorkerRelay(node=self.node, report=text[:8192])))
+
+    def _note_reporter(self, data: bytes) -> None:
+        try:
+            pid = WorkerReport.decode(data).pid
+            group = os.getpgid(pid)
+        except (ValueError, KeyError, TypeError, OSError):
+            return  # malformed, or gone already: the supervisor drops it too
+        if any(p.pid == group for p in self._workers.values()):
+            self._reporters.setdefault(group, set()).add(pid)
 
     async def _publish(self, relay: WorkerRelay) -> None:
         with contextlib.suppress(Exception):  # progress may be lost; the next replaces it
@@ -108,6 +123,8 @@ class WorkerHost:
             state = self._state(request.exec_id, None, error="not signed by this job's supervisor")
         elif request.op == "start":
             state = await self._start(request)
+        elif request.op == "devices":
+            state = self._devices(request)
         else:
             process = self._workers.get(request.exec_id)
             if process is None:
@@ -119,6 +136,17 @@ class WorkerHost:
                 state = self._state(request.exec_id, process)
         if msg.reply:
             await msg.respond(encode(state))
+
+    def _devices(self, request: ExecRequest) -> ExecState:
+        """Set the node's GPUs for workers yet to start (a grow's, which claim the
+        added ones; after a shrink, those still held); answer which are held."""
+        if not self.gpus:  # no device map: workers see what the launch gave them
+            return ExecState(exec_id=request.exec_id, node=self.node)
+        known = devices.read_devices(self.gpu_dir)
+        if request.gpus:
+            devices.write_devices(self.gpu_dir, request.gpus)
+        held = devices.claimed(self.gpu_dir, (*known, *(g for g in request.gpus if g not in known)))
+        return ExecState(exec_id=request.exec_id, node=self.node, held=held)
 
     async def _start(self, request: ExecRequest) -> ExecState:
         known = self._workers.get(request.exec_id)
@@ -151,7 +179,9 @@ class WorkerHost:
             text = line.decode("utf-8", "replace")[:8192]
             await self._publish(WorkerRelay(node=self.node, exec_id=exec_id, output=text))
         await process.wait()
-        await self._publish(WorkerRelay(node=self.node, gone_pid=process.pid))
+        # The command's shell and every worker that reported from its process group.
+        for pid in sorted({process.pid, *self._reporters.pop(process.pid, ())}):
+            await self._publish(WorkerRelay(node=self.node, gone_pid=pid))
 
     def _state(
         self, exec_id: str, process: asyncio.subprocess.Process | None, *, error: str = ""

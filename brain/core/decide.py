@@ -91,9 +91,9 @@ class Policy:
     progress_probe_s: float = 60.0
     # Elasticity stage (`ELASTICITIES`); "none": elastic jobs run at their asked size.
     elasticity: str = "none"
-    # May an elastic job span nodes? Not in the live brain (an elastic job's supervisor
-    # runs every worker on its own node); the simulator may allow it (Pollux).
-    elastic_may_spread: bool = False
+    # May an elastic job span nodes (when it asks for more than a node, or fills one)?
+    # Off: each runs on one node and grows only there.
+    elastic_may_spread: bool = True
     # Grow a job only while its next GPU adds at least this share of what one of its
     # GPUs does on average (estimated): a resize is not free.
     elastic_min_gain: float = 0.25
@@ -130,6 +130,8 @@ class Policy:
         text = f"order={self.order} placement={self.placement} preemption={self.preemption}"
         if self.elasticity != "none":
             text += f" elasticity={self.elasticity}"
+            if not self.elastic_may_spread:
+                text += " one-node"
         return text
 
 

@@ -43,13 +43,15 @@ speedup prior (never steeper than the last observed slope). The plugin
 (`ELASTICITIES`) is that throughput estimate; "none" turns the stage off, and elastic
 jobs then run at the size they asked for, exactly as rigid ones.
 
-Locality: with `elastic_may_spread` off (the live brain: an elastic job's supervisor
-runs every worker on its own node) an elastic job is placed on one node and grows only
-there. With it on (the simulator, as Pollux), a job may span nodes only when it asked
-for more than a node or already fills one: cross-node synchronisation can cost more
-than a GPU adds. A job whose resize is still staged (`JobView.resizing`) keeps its
-size. Pure and deterministic, like the rest of the core: no clock, no I/O, ties broken
-by rank and job id.
+Locality: with `elastic_may_spread` on (the default of the live brain and of the
+simulator, as Pollux) a job may span nodes only when it asked for more than a node or
+already fills one: cross-node synchronisation can cost more than a GPU adds. A running
+job never gives up the last GPU of its first node (its supervisor's), and does not
+grow onto its `avoid_nodes` (in the live brain, also the nodes it left in this
+attempt). With it off an elastic job is placed on one node and grows only there. A
+job whose resize is still staged (`JobView.resizing`) keeps its size. Pure and
+deterministic, like the rest of the core: no clock, no I/O, ties broken by rank and job
+id.
 """
 
 from __future__ import annotations
@@ -164,10 +166,12 @@ def _where(grants: Iterable[Grant]) -> str:
 
 
 def _as_grants(gpus: Iterable[_Gpu]) -> tuple[Grant, ...]:
+    """Grants per node, in the order the nodes first appear: a running job's first node
+    (its supervisor's) stays first."""
     by_node: dict[str, list[int]] = {}
     for node, gpu in gpus:
         by_node.setdefault(node, []).append(gpu)
-    return tuple(Grant(node, tuple(sorted(by_node[node]))) for node in sorted(by_node))
+    return tuple(Grant(node, tuple(sorted(gpus))) for node, gpus in by_node.items())
 
 
 def _gpus(grants: Iterable[Grant]) -> list[_Gpu]:
@@ -384,7 +388,8 @@ class ElasticStage:
         if spans:
             return NoFit(f"needs at least {least} GPUs; {free} free")
         return NoFit(
-            f"needs at least {least} GPUs on one node (an elastic job runs on one node); "
+            f"needs at least {least} GPUs on one node (an elastic job that fits a node "
+            "runs on one); "
             f"at most {roomiest} free on any node"
         )
 
@@ -394,11 +399,14 @@ class ElasticStage:
         """Take one GPU from a job into the ledger: on a node in `near` if it has one;
         else from the node where it holds the fewest (a job on fewer nodes syncs
         faster), then where the most GPUs are free already (free GPUs together fit a
-        gang)."""
-        preferred = [g for g in sized.held if g[0] in near] or sized.held
+        gang). Never the last on a running job's first node: its supervisor runs there,
+        and Horovod carries the state over from a host of the old world."""
         count: dict[str, int] = {}
         for node, _ in sized.held:
             count[node] = count.get(node, 0) + 1
+        first = sized.job.grants[0].node if sized.job.grants else None
+        held = [g for g in sized.held if g[0] != first or count[g[0]] > 1]
+        preferred = [g for g in held if g[0] in near] or held
         node, gpu = min(preferred, key=lambda g: (count[g[0]], -ledger.free_on(g[0]), g[0], -g[1]))
         sized.held.remove((node, gpu))
         sized.shrank = True

@@ -145,7 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument(
         "--elastic-one-node",
         action="store_true",
-        help="keep each elastic job on one node, as the live brain must (default: may span)",
+        help="keep each elastic job on one node (the live brain's --elastic-one-node; "
+        "default: may span)",
     )
     elastic.add_argument(
         "--elastic-min-gain",
