@@ -30,7 +30,7 @@ from bus.client import Bus
 from schemas import subjects
 from schemas.api import CancelRequest, ErrorReply, JobReply, ResizeRequest, SubmitRequest
 from schemas.base import decode
-from schemas.commands import JOB_COMMAND, NODE_COMMAND, Regrant, Resize
+from schemas.commands import JOB_COMMAND, NODE_COMMAND, Launch, Regrant, Resize, Stop
 from schemas.events import JobStarted, NodeEvent, ResizeCompleted
 from schemas.jobs import (
     FailureClass,
@@ -118,7 +118,7 @@ class FakeNode:
                 job_id=job.job_id,
                 attempt=job.attempt,
                 pid=4242,
-                gpus=job.grants[0].gpus,
+                gpus=next(g.gpus for g in job.grants if g.node == self.name),
                 log_path="/dev/null",
             )
         )
@@ -718,6 +718,57 @@ def test_progress_tracker_prefers_goodput_from_a_job_that_adapts_its_batch() -> 
     tracker.observe(Progress(ts=2.0, world_size=4, samples_per_s=2000.0, **base))
     # Goodput where reported (a bigger batch's samples are worth less), else samples/s.
     assert tracker.current()["8"].throughput == ((2, 300.0), (4, 2000.0))
+
+
+async def test_the_policy_grows_a_job_that_fills_its_node_onto_another(
+    brain_factory, connect: Callable[[str], Awaitable[Bus]]
+) -> None:
+    """Nodes of two GPUs; an elastic job fills one. With nothing waiting the policy
+    grows it onto the other: the brain launches the job's worker host there (with the
+    attempt's secret), then tells the supervisor the placement per node. Cancelled, both
+    parts are stopped."""
+    from brain.core import Policy
+
+    nodes = [FakeNode(await connect(f"fake-{name}"), name, gpus=2) for name in ("n1", "n2")]
+    for fake in nodes:
+        await fake.start()
+    try:
+        brain = await brain_factory(policy=Policy(elasticity="marginal-gain"))
+        await eventually(lambda: len(brain.state.nodes) == 2)
+        job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=4))
+        job = await eventually(
+            lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j
+        )
+        first, second = sorted(nodes, key=lambda f: f.name != job.nodes[0])
+        await first.started(job)
+        await first.progress(job_id, 2, 100.0, attempt=job.attempt)
+        staged = await eventually(lambda: brain.state.jobs[job_id].resize, timeout_s=10)
+        assert {p.node: len(p.gpus) for p in staged.after} == {first.name: 2, second.name: 2}
+        assert staged.after[0].node == first.name == staged.node
+        launch = await eventually(
+            lambda: next((c for c in second.node_commands if isinstance(c, Launch)), None)
+        )
+        assert launch.command[-1] == "workloads.worker_host" and launch.node_rank == 1
+        assert launch.gpus == (0, 1) and launch.env.get("ALNAIR_EXEC_SECRET")
+        command = await eventually(lambda: first.resize_for(staged.command_id))
+        assert (command.world_size, command.placement) == (4, staged.after)
+        grown = brain.state.jobs[job_id]
+        await second.started(grown)
+        await eventually(lambda: all(g.pid for g in brain.state.jobs[job_id].grants))
+        await first.resized(command, ok=True, from_size=2)
+        done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+        assert done.gpu_count == 4 and done.nodes == (first.name, second.name)
+
+        assert isinstance(await brain.api.handle(TENANT, CancelRequest(job_id=job_id)), JobReply)
+        for fake in nodes:
+            await eventually(
+                lambda f=fake: any(
+                    isinstance(c, Stop) and c.job_id == job_id for c in f.node_commands
+                )
+            )
+    finally:
+        for fake in nodes:
+            await fake.stop()
 
 
 async def test_the_policy_grows_an_elastic_job_through_the_same_path(
