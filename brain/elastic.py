@@ -273,6 +273,14 @@ def _with_placement(job: JobRecord, gpus: Mapping[str, Collection[int]]) -> JobR
     return job.model_copy(update={"grants": kept, "left_nodes": left})
 
 
+def joining(job: JobRecord) -> set[str]:
+    """The nodes a staged grow adds to the job (their worker hosts are being launched)."""
+    staged = job.resize
+    if staged is None or staged.reverting:
+        return set()
+    return {p.node for p in staged.after} - {p.node for p in staged.before}
+
+
 def left_by(before: JobRecord, after: JobRecord) -> tuple[str, ...]:
     """The nodes `before` had a grant on that `after` has not: their worker hosts go."""
     return tuple(n for n in before.nodes if n not in after.nodes)

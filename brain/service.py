@@ -901,6 +901,8 @@ class Brain:
             for grant in job.grants:
                 if grant.pid is not None or grant.exited:
                     continue
+                if grant.node in elastic.joining(job):
+                    continue  # launched by a grow: the resize's own timeout covers it
                 live = self._liveness.get(grant.node)
                 if live is not None and (job.job_id, job.attempt) in live.running:
                     continue
@@ -1054,6 +1056,11 @@ class Brain:
         job = self._current(event.job_id, event.attempt, event.node)
         if job is None:
             return
+        if event.node in elastic.joining(job):
+            # The worker host of a grow's new node: the grow fails, not the job.
+            why = f"the job's worker host did not start on {event.node}: {event.reason}"
+            await self._roll_back_resize(job, why, revert=False)
+            return
         updated = self._with_grant(job, event.node, exited=True)
         cause = Cause(
             kind=CauseKind.LAUNCH_FAILED,
@@ -1071,7 +1078,12 @@ class Brain:
         job = self.state.jobs.get(event.job_id)
         if job is None or job.state is not JobState.RUNNING:
             return
-        if event.command_id == _launch_id(job.job_id, job.attempt, event.node):
+        if event.command_id != _launch_id(job.job_id, job.attempt, event.node):
+            return
+        if event.node in elastic.joining(job):
+            why = f"node {event.node} refused the job's worker host: {event.reason}"
+            await self._roll_back_resize(job, why, revert=False)
+        else:
             await self._requeue(
                 job,
                 Cause(
@@ -1634,6 +1646,8 @@ class Brain:
                 "signal": None,
                 "reason": action.cause,
                 "not_before": None,
+                # A new attempt may grow onto any node again.
+                "left_nodes": (),
                 "prerun": "running" if job.prerun == "pending" else job.prerun,
             }
         )

@@ -638,7 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--elastic",
         action="store_true",
         help="an elastic Horovod job: runs under the supervisor on --min-gpus..--max-gpus "
-        "GPUs of one node, starting on --gpus, resizable (`alnair resize`)",
+        "GPUs, starting on --gpus, resizable (`alnair resize`); on one node while it fits "
+        "one, across nodes once it fills one",
     )
     p.add_argument("--min-gpus", type=int, help="elastic: the fewest GPUs it runs on (default 1)")
     p.add_argument(

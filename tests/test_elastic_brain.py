@@ -31,7 +31,7 @@ from schemas import subjects
 from schemas.api import CancelRequest, ErrorReply, JobReply, ResizeRequest, SubmitRequest
 from schemas.base import decode
 from schemas.commands import JOB_COMMAND, NODE_COMMAND, Launch, Regrant, Resize, Stop
-from schemas.events import JobStarted, NodeEvent, ResizeCompleted
+from schemas.events import JobStarted, LaunchFailed, NodeEvent, ResizeCompleted
 from schemas.jobs import (
     FailureClass,
     JobRecord,
@@ -766,6 +766,49 @@ async def test_the_policy_grows_a_job_that_fills_its_node_onto_another(
                     isinstance(c, Stop) and c.job_id == job_id for c in f.node_commands
                 )
             )
+    finally:
+        for fake in nodes:
+            await fake.stop()
+
+
+async def test_a_grow_whose_worker_host_cannot_start_is_rolled_back_not_the_job(
+    brain_factory, connect: Callable[[str], Awaitable[Bus]]
+) -> None:
+    from brain.core import Policy
+
+    nodes = [FakeNode(await connect(f"fake-{name}"), name, gpus=2) for name in ("n1", "n2")]
+    for fake in nodes:
+        await fake.start()
+    try:
+        brain = await brain_factory(policy=Policy(elasticity="marginal-gain"))
+        await eventually(lambda: len(brain.state.nodes) == 2)
+        job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=4))
+        job = await eventually(
+            lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j
+        )
+        first, second = sorted(nodes, key=lambda f: f.name != job.nodes[0])
+        await first.started(job)
+        await first.progress(job_id, 2, 100.0, attempt=job.attempt)
+        await eventually(lambda: brain.state.jobs[job_id].resize, timeout_s=10)
+        await second.event(
+            LaunchFailed(
+                event_id=uuid.uuid4().hex,
+                node=second.name,
+                ts=time.time(),
+                job_id=job_id,
+                attempt=job.attempt,
+                reason="no such directory",
+            )
+        )
+        back = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+        assert back.state is JobState.RUNNING and back.nodes == (first.name,)
+        assert back.left_nodes == (second.name,) and "did not start" in (back.reason or "")
+        await eventually(
+            lambda: any(isinstance(c, Stop) and c.job_id == job_id for c in second.node_commands)
+        )
+        # It does not try that node again in this attempt.
+        await asyncio.sleep(1.0)
+        assert brain.state.jobs[job_id].resize is None
     finally:
         for fake in nodes:
             await fake.stop()

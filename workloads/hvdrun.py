@@ -10,8 +10,8 @@ between nodes are needed and the worker runs as part of the job on that node's a
 Variables that name this node's resources (its GPU directory, its progress address)
 are not exported to remote workers: their worker host sets its own.
 
-Written against Horovod 0.28.1 (pinned by infra/build_horovod.sh); the supervisor uses
-it only for jobs with workers on other nodes.
+Written against Horovod 0.28.1 (pinned by infra/build_horovod.sh); the supervisor runs
+every job through it: a grow may add a node at any time.
 """
 
 from __future__ import annotations

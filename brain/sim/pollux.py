@@ -365,7 +365,7 @@ class ElasticRange:
     min_gpus: int = 1
     grow_factor: float = 2.0
     # Set: only jobs that fit on one node of this many GPUs are elastic (within it),
-    # as the live brain runs them today; bigger ones stay rigid.
+    # as the live brain runs them with --elastic-one-node; bigger ones stay rigid.
     node_gpus: int | None = None
 
     def of(self, app: PolluxApp, requested: int, batch_size: int) -> tuple[int, int] | None:
