@@ -177,23 +177,25 @@ VARIANTS: tuple[Variant, ...] = (
         "--adaptive-batch), measured resize, 60 s rounds",
     ),
 )
-# What the live brain can run today: a job larger than a node runs across nodes at a
-# fixed size (docs/elastic.md, "Not built yet"); the primary row resizes such jobs too.
+# The live brain with --elastic-one-node: jobs within a node elastic on it, bigger ones
+# at a fixed size across nodes (what it ran before resizes across nodes were built).
 ONE_NODE = Variant(
     "elastic-one-node-measured",
     replace(ELASTIC_ROUNDS, elastic_may_spread=False),
     resize_cost_s=MEASURED_GROW_S,
     shrink_cost_s=MEASURED_SHRINK_S,
     batch="adaptive-epoch",
-    note="as the primary, as the live brain runs it today: jobs within a node elastic on "
-    "it, bigger ones at a fixed size across nodes",
+    note="as the primary, with --elastic-one-node: jobs within a node elastic on it, "
+    "bigger ones at a fixed size across nodes",
     elastic_range=ElasticRange(node_gpus=4),
 )
 VARIANTS = (*VARIANTS, ONE_NODE)
 # The row compared with the published ratio: jobs that adapt their batch at every
 # resize and epoch, as Pollux's do (workloads/adaptive_batch.py; the example's
-# --adaptive-batch), resized in place by Horovod elastic at the cost measured here,
-# the stage resizing every 60 s (the artifact's round). `elastic-local-measured` is
+# --adaptive-batch), resized in place by Horovod elastic at the cost measured here
+# (within a node and across nodes alike: bench/resize_latency.py's brain-2node mode),
+# the stage resizing every 60 s (the artifact's round): the live brain's
+# `--policy las --elastic-resize-interval 60`. `elastic-local-measured` is
 # the same for jobs that keep each worker's batch.
 PRIMARY = "elastic-adaptive-epoch-measured"
 WORKLOADS = tuple(PUBLISHED)

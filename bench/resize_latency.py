@@ -1,6 +1,6 @@
 """Elastic resize latency: a command until every worker steps at the new size.
 
-    .venv/bin/python bench/resize_latency.py [--sizes 2,3,1,2,3,1] [--modes bare supervisor brain]
+    .venv/bin/python bench/resize_latency.py [--sizes 2,3,1,2,3,1] [--modes ...]
 
 Runs workloads/examples/elastic_train.py under `horovodrun --gloo` on this machine's CPUs
 and resizes it through a sequence of world sizes, three ways:
@@ -11,7 +11,12 @@ and resizes it through a sequence of world sizes, three ways:
               sends them; it answers with `ResizeCompleted`;
 - brain:      the whole control plane: a brain and an agent (4 simulated GPUs) in this
               process, the job submitted elastic and resized with the API's `resize`,
-              which stages, commands and commits.
+              which stages, commands and commits;
+- brain-2node: the same on two agents of 2 GPUs each (both on this machine, `lo`
+              between them): a grow past the first node launches the job's worker host
+              on the second through its agent, a shrink back leaves it (its workers
+              retire, the worker host is stopped). Its default sizes are 2,3,4,3,4,2:
+              a job does not return to a node it left within an attempt.
 
 For each resize it measures, from the moment the command is given (the host file
 written, the command published, the API called):
@@ -327,8 +332,11 @@ async def run_supervisor(sizes: list[int], work: Path, server: EmbeddedNats) -> 
     return samples
 
 
-async def run_brain(sizes: list[int], work: Path, server: EmbeddedNats) -> list[Sample]:
-    """The whole control plane: the API's `resize` on a job the brain placed."""
+async def run_brain(
+    sizes: list[int], work: Path, server: EmbeddedNats, *, nodes: int = 1
+) -> list[Sample]:
+    """The whole control plane: the API's `resize` on a job the brain placed, on one
+    4-GPU node or on `nodes` nodes of 2."""
     from agents.agent import Agent, AgentConfig
     from agents.gpu import SimulatedGpus
     from brain.service import Brain, BrainConfig
@@ -336,7 +344,8 @@ async def run_brain(sizes: list[int], work: Path, server: EmbeddedNats) -> list[
     from schemas.jobs import JobSpec, JobState
 
     if max(sizes) > 4:
-        raise SystemExit("brain mode runs one 4-GPU node: sizes must be at most 4")
+        raise SystemExit("brain modes run 4 GPUs: sizes must be at most 4")
+    per_node = 4 // nodes
     options = ConnectOptions(servers=(server.url,), name="bench")
     brain = Brain(
         await Bus.connect(options),
@@ -344,12 +353,15 @@ async def run_brain(sizes: list[int], work: Path, server: EmbeddedNats) -> list[
     )
     await brain.start()
     await asyncio.wait_for(brain.leading.wait(), timeout=30)
-    agent = Agent(
-        await Bus.connect(options),
-        AgentConfig(node="n1", data_dir=work / "agent", heartbeat_s=0.2, nats_url=server.url),
-        SimulatedGpus("n1", 4, "A100"),
-    )
-    await agent.start()
+    agents = []
+    for name in (f"n{i + 1}" for i in range(nodes)):
+        agent = Agent(
+            await Bus.connect(options),
+            AgentConfig(node=name, data_dir=work / name, heartbeat_s=0.2, nats_url=server.url),
+            SimulatedGpus(name, per_node, "A100"),
+        )
+        await agent.start()
+        agents.append(agent)
     bus = await Bus.connect(options)
     watch = BusWatch()
     await watch.attach(bus)
@@ -366,7 +378,7 @@ async def run_brain(sizes: list[int], work: Path, server: EmbeddedNats) -> list[
     )
     samples: list[Sample] = []
     try:
-        await until(lambda: brain.state.nodes, timeout_s=30)
+        await until(lambda: len(brain.state.nodes) == nodes, timeout_s=30)
         reply = await brain.api.handle("bench", SubmitRequest(spec=spec))
         assert isinstance(reply, JobReply), reply
         job_id = reply.job.job_id
@@ -385,16 +397,19 @@ async def run_brain(sizes: list[int], work: Path, server: EmbeddedNats) -> list[
                 job = brain.state.jobs[job_id]
                 return job.resize is None and job.gpu_count == n
 
-            sample = await measure("brain", watch.workers, before, after, command, committed)
+            mode = "brain" if nodes == 1 else f"brain-{nodes}node"
+            sample = await measure(mode, watch.workers, before, after, command, committed)
             sample.supervisor_s = watch.answers[staged[0]].duration_s
             samples.append(sample)
         stop_file.touch()
         await until(lambda: brain.state.jobs[job_id].state is JobState.SUCCEEDED, 60)
     finally:
         stop_file.touch()
-        await agent.stop(stop_jobs=True)
+        for agent in agents:
+            await agent.stop(stop_jobs=True)
         await brain.stop()
-        await agent.bus.close()
+        for agent in agents:
+            await agent.bus.close()
         await brain.bus.close()
         await bus.close()
     return samples
@@ -406,22 +421,22 @@ def _ms(value: float | None) -> str:
 
 def table(samples: list[Sample]) -> str:
     lines = [
-        f"{'mode':<11}{'resize':<9}{'kind':<8}{'stepping ms':>12}{'released ms':>13}"
+        f"{'mode':<13}{'resize':<9}{'kind':<8}{'stepping ms':>12}{'released ms':>13}"
         f"{'ack ms':>9}{'supervisor ms':>15}"
     ]
     for s in samples:
         lines.append(
-            f"{s.mode:<11}{f'{s.from_size}->{s.to_size}':<9}{s.kind:<8}{_ms(s.stepping_s):>12}"
+            f"{s.mode:<13}{f'{s.from_size}->{s.to_size}':<9}{s.kind:<8}{_ms(s.stepping_s):>12}"
             f"{_ms(s.released_s):>13}{_ms(s.ack_s):>9}{_ms(s.supervisor_s):>15}"
         )
     lines.append("")
-    lines.append(f"{'mode':<11}{'kind':<8}{'n':>3}{'stepping median ms':>20}{'max ms':>9}")
+    lines.append(f"{'mode':<13}{'kind':<8}{'n':>3}{'stepping median ms':>20}{'max ms':>9}")
     for mode in dict.fromkeys(s.mode for s in samples):
         for kind in ("grow", "shrink"):
             values = [s.stepping_s for s in samples if s.mode == mode and s.kind == kind]
             if values:
                 lines.append(
-                    f"{mode:<11}{kind:<8}{len(values):>3}"
+                    f"{mode:<13}{kind:<8}{len(values):>3}"
                     f"{_ms(statistics.median(values)):>20}{_ms(max(values)):>9}"
                 )
     return "\n".join(lines)
@@ -431,6 +446,9 @@ async def main_async(args: argparse.Namespace) -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     if len(sizes) < 2 or min(sizes) < 1:
         raise SystemExit("--sizes takes a start size and at least one more, e.g. 2,3,1")
+    two_node = [int(n) for n in args.two_node_sizes.split(",")]
+    if len(two_node) < 2 or min(two_node) < 1 or two_node[0] > 2:
+        raise SystemExit("--two-node-sizes starts at 1 or 2 (one node) and has one more size")
     samples: list[Sample] = []
     with tempfile.TemporaryDirectory(prefix="alnair-resize-bench-") as tmp:
         work = Path(tmp)
@@ -445,8 +463,10 @@ async def main_async(args: argparse.Namespace) -> None:
                     samples += await run_bare(sizes, mode_dir)
                 elif mode == "supervisor":
                     samples += await run_supervisor(sizes, mode_dir, server)
-                else:
+                elif mode == "brain":
                     samples += await run_brain(sizes, mode_dir, server)
+                else:
+                    samples += await run_brain(two_node, mode_dir, server, nodes=2)
         finally:
             server.stop()
     print(table(samples))
@@ -460,6 +480,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 "at": stamp,
                 "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                 "sizes": sizes,
+                "two_node_sizes": two_node,
                 "workload": " ".join(train_command(Path("STOP"))[1:]),
                 "samples": [{**asdict(s), "kind": s.kind} for s in samples],
             },
@@ -474,10 +495,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="2,3,1,2,3,1", help="world sizes, the first the start")
     parser.add_argument(
+        "--two-node-sizes",
+        default="2,3,4,3,4,2",
+        help="world sizes of the brain-2node mode (nodes of 2 GPUs), the first the start",
+    )
+    parser.add_argument(
         "--modes",
         nargs="+",
-        choices=("bare", "supervisor", "brain"),
-        default=["bare", "supervisor", "brain"],
+        choices=("bare", "supervisor", "brain", "brain-2node"),
+        default=["bare", "supervisor", "brain", "brain-2node"],
     )
     args = parser.parse_args()
     if not HOROVODRUN.exists():
