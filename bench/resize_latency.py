@@ -13,10 +13,10 @@ and resizes it through a sequence of world sizes, three ways:
               process, the job submitted elastic and resized with the API's `resize`,
               which stages, commands and commits;
 - brain-2node: the same on two agents of 2 GPUs each (both on this machine, `lo`
-              between them): a grow past the first node launches the job's worker host
-              on the second through its agent, a shrink back leaves it (its workers
-              retire, the worker host is stopped). Its default sizes are 2,3,4,3,4,2:
-              a job does not return to a node it left within an attempt.
+              between them), sizes 2,3,4,2,3,2 by default: the first grow launches
+              the job's worker host on the second node through its agent; the shrink
+              to 2 leaves that node (its workers retire, the worker host idles); the
+              grow back to 3 goes through the same worker host.
 
 For each resize it measures, from the moment the command is given (the host file
 written, the command published, the API called):
@@ -496,7 +496,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,3,1,2,3,1", help="world sizes, the first the start")
     parser.add_argument(
         "--two-node-sizes",
-        default="2,3,4,3,4,2",
+        default="2,3,4,2,3,2",
         help="world sizes of the brain-2node mode (nodes of 2 GPUs), the first the start",
     )
     parser.add_argument(

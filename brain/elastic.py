@@ -11,8 +11,9 @@ is a statement:
   so nobody else takes them, and a node new to the job gets its worker host launched;
   a shrink's released ones until their workers are gone) and `JobRecord.resize` says
   what was asked, with the command id;
-- commit, on the supervisor's `ResizeCompleted` with `ok`: the grants are the target,
-  and a node the job left has its worker host stopped;
+- commit, on the supervisor's `ResizeCompleted` with `ok`: the grants are the target;
+  a node the job left keeps its grant, with no GPU, and its worker host, idle until a
+  grow comes back or the job ends;
 - roll back, on a refusal: the grants are what they were; or, when the supervisor may
   have moved part of the way (it timed out, or refused after trying), a revert to the
   old size is staged instead, like any resize: the job holds every GPU of both sizes
@@ -20,11 +21,13 @@ is a statement:
   A revert that is rolled back in turn ends holding them all.
 
 A resize grows or shrinks; it never moves a worker. It keeps the job's first node (the
-supervisor's: Horovod carries the state over from a host of the old world), and does
-not return to a node the job left in the same attempt (that node's launch and events
-are named by the attempt). Everything here is pure (no clock, no ids, no I/O): the
-shell (brain/service.py) journals what these return and sends the commands. It must
-not import torch or horovod.
+supervisor's: Horovod carries the state over from a host of the old world). A node is
+launched on once per attempt (its launch and events are named by job, attempt and
+node): a node the job leaves keeps its idle worker host, so a grow back there needs no
+launch; a node where the worker host could not start (`drop_node`) is not grown onto
+again in the attempt (`JobRecord.left_nodes`). Everything here is pure (no clock, no
+ids, no I/O): the shell (brain/service.py) journals what these return and sends the
+commands. It must not import torch or horovod.
 """
 
 from __future__ import annotations
@@ -183,12 +186,13 @@ def check_target(
             f"some or all of its GPUs (a shrink) or all of them and adds others (a grow), "
             f"not {describe_placement(target)}",
         )
-    left = sorted(set(wanted) & set(job.left_nodes) - set(held))
+    barred = {*job.left_nodes, *(g.node for g in job.grants if g.exited)}
+    left = sorted(set(wanted) & barred - set(held))
     if left:
         return ResizeRefused(
             "conflict",
-            f"{label} left node(s) {', '.join(left)} in this attempt; it grows there "
-            "again only in its next attempt",
+            f"{label}'s worker host could not start or has ended on node(s) "
+            f"{', '.join(left)}; it grows there again only in its next attempt",
         )
     for node, gpus in wanted.items():
         taken = gpus - held.get(node, set()) - set(free.get(node, ()))
@@ -221,9 +225,12 @@ def choose_target(
         return _placement(job, {n: g for n, g in held.items() if g})
     want = gpus - size
     added: dict[str, list[int]] = {}
+    barred = {*job.left_nodes, *(g.node for g in job.grants if g.exited)}
+    # Nodes where its worker host idles first: a grow there needs no launch.
+    idle = {g.node for g in job.grants if not g.gpus}
     others = sorted(
-        (n for n in free if n not in held and n not in job.left_nodes),
-        key=lambda n: (-len(free[n]), n),
+        (n for n in free if n not in held and n not in barred),
+        key=lambda n: (n not in idle, -len(free[n]), n),
     )
     for node in [*held, *others]:
         extra = sorted(set(free.get(node, ())) - set(held.get(node, ())))[:want]
@@ -257,33 +264,33 @@ def _union(a: Placement, b: Placement) -> dict[str, set[int]]:
 
 
 def _with_placement(job: JobRecord, gpus: Mapping[str, Collection[int]]) -> JobRecord:
-    """The job's grants holding `gpus`: a node it keeps keeps its grant (pid, log), a
-    new node gets a grant not yet launched, a node not in `gpus` is gone from them (and
-    remembered in `left_nodes`)."""
-    grants = {g.node: g for g in job.grants}
+    """The job's grants holding `gpus`: each node keeps its grant (pid, log), with no
+    GPU where `gpus` has none (its worker host stays, idle); a new node gets a grant
+    not yet launched."""
     placement = _placement(job, gpus)
-    kept = tuple(
-        grants[part.node].model_copy(update={"gpus": part.gpus})
-        if part.node in grants
-        else NodeGrant(node=part.node, gpus=part.gpus)
-        for part in placement
-    )
-    gone = [g.node for g in job.grants if g.node not in {p.node for p in placement}]
-    left = (*job.left_nodes, *(n for n in gone if n not in job.left_nodes))
-    return job.model_copy(update={"grants": kept, "left_nodes": left})
+    wanted = {part.node: part.gpus for part in placement}
+    kept = [g.model_copy(update={"gpus": wanted.get(g.node, ())}) for g in job.grants]
+    known = {g.node for g in job.grants}
+    added = [NodeGrant(node=p.node, gpus=p.gpus) for p in placement if p.node not in known]
+    return job.model_copy(update={"grants": (*kept, *added)})
 
 
 def joining(job: JobRecord) -> set[str]:
-    """The nodes a staged grow adds to the job (their worker hosts are being launched)."""
+    """The nodes whose worker host a staged grow is launching."""
     staged = job.resize
     if staged is None or staged.reverting:
         return set()
-    return {p.node for p in staged.after} - {p.node for p in staged.before}
+    before = {p.node for p in staged.before}
+    return {g.node for g in job.grants if g.pid is None and g.node not in before}
 
 
-def left_by(before: JobRecord, after: JobRecord) -> tuple[str, ...]:
-    """The nodes `before` had a grant on that `after` has not: their worker hosts go."""
-    return tuple(n for n in before.nodes if n not in after.nodes)
+def drop_node(job: JobRecord, node: str) -> JobRecord:
+    """The job without its part on `node`, where its worker host could not start: not
+    grown onto again in this attempt (a second launch there would bear the same id)."""
+    assert node != job.grants[0].node
+    grants = tuple(g for g in job.grants if g.node != node)
+    left = (*job.left_nodes, node) if node not in job.left_nodes else job.left_nodes
+    return job.model_copy(update={"grants": grants, "left_nodes": left})
 
 
 def stage(

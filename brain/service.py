@@ -1059,7 +1059,7 @@ class Brain:
         if event.node in elastic.joining(job):
             # The worker host of a grow's new node: the grow fails, not the job.
             why = f"the job's worker host did not start on {event.node}: {event.reason}"
-            await self._roll_back_resize(job, why, revert=False)
+            await self._roll_back_resize(job, why, revert=False, drop=event.node)
             return
         updated = self._with_grant(job, event.node, exited=True)
         cause = Cause(
@@ -1082,7 +1082,7 @@ class Brain:
             return
         if event.node in elastic.joining(job):
             why = f"node {event.node} refused the job's worker host: {event.reason}"
-            await self._roll_back_resize(job, why, revert=False)
+            await self._roll_back_resize(job, why, revert=False, drop=event.node)
         else:
             await self._requeue(
                 job,
@@ -1509,18 +1509,19 @@ class Brain:
             Cause(kind=CauseKind.RESIZED, node=staged.node, job_id=job.job_id, message=message),
         )
         if not staged.grow:
-            # Its workers on the released GPUs have exited: they are free now, and a
-            # node the job left has its worker host stopped.
-            current = self.state.jobs[job.job_id]
-            await self._regrant(current, staged.command_id, "committed")
-            await self._stop_left(job, current, message)
+            # Its workers on the released GPUs have exited: they are free now (a node
+            # the job left keeps its worker host, idle, holding none).
+            await self._regrant(self.state.jobs[job.job_id], staged.command_id, "committed")
 
-    async def _roll_back_resize(self, job: JobRecord, why: str, *, revert: bool) -> None:
+    async def _roll_back_resize(
+        self, job: JobRecord, why: str, *, revert: bool, drop: str | None = None
+    ) -> None:
         """Back to the size before. With `revert` (the supervisor may have moved part of
         the way: it tried, or never answered) the old size is staged as a resize of its
         own, the job holding every GPU of both sizes until the supervisor confirms it: a
         grow's new workers may run on the added GPUs. A revert rolled back in turn ends
-        holding them all, and is not reverted again."""
+        holding them all, and is not reverted again. `drop`: a node the grow added
+        whose worker host could not start; the job's part there goes."""
         staged = job.resize
         assert staged is not None
         message = f"resize {elastic.describe(staged)} rolled back: {why}"
@@ -1533,6 +1534,8 @@ class Brain:
             if staged.reverting:
                 message += f"; the job keeps GPUs {held} (its workers may use them)"
             changed = elastic.roll_back(job, message)
+        if drop is not None:
+            changed = elastic.drop_node(changed, drop)
         await self._job_changed(
             changed,
             job.state,
@@ -1548,12 +1551,8 @@ class Brain:
             await self._send_resize(current)
         elif staged.grow and not staged.reverting:
             await self._regrant(current, staged.command_id, "rolled-back")
-            await self._stop_left(job, current, message)
-
-    async def _stop_left(self, before: JobRecord, after: JobRecord, why: str) -> None:
-        """Stop the job's worker host on each node a resize took it off."""
-        for node in elastic.left_by(before, after):
-            await self._stop(after.job_id, node, f"the job left this node: {why}", after.attempt)
+        if drop is not None:
+            await self._stop(job.job_id, drop, message, job.attempt)
 
     async def _check_resizes(self) -> None:
         """Roll back a resize its supervisor has not answered in time (it died, or never

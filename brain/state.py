@@ -282,13 +282,17 @@ def job_view(
         submitted_at=job.submitted_at,
         queue=job.spec.queue,
         priority=job.spec.priority,
-        grants=tuple(Grant(g.node, g.gpus) for g in job.grants),
+        # Not a node where an elastic job's worker host idles with no GPU.
+        grants=tuple(Grant(g.node, g.gpus) for g in job.grants if g.gpus),
         started_at=job.started_at,
         waiting_reason=job.reason if job.state is JobState.PENDING else None,
         profile=profile,
         not_before=job.not_before,
-        # A running elastic job does not grow back onto a node it left in this attempt.
-        avoid_nodes=frozenset((*job.avoid_nodes, *job.left_nodes)),
+        # A running elastic job does not grow onto a node where its worker host could
+        # not start in this attempt, or has ended.
+        avoid_nodes=frozenset(
+            (*job.avoid_nodes, *job.left_nodes, *(g.node for g in job.grants if g.exited))
+        ),
         attained_gpu_seconds=job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count,
         executed_seconds=job.executed_seconds + run_s,
         pending_since=job.pending_since,

@@ -54,12 +54,13 @@ class Regrant(_Command):
     """The GPUs a running attempt holds on this node changed (an elastic job resized):
     a grow's added GPUs are the job's from now on, a shrink's released ones no longer
     are. The agent updates its books (what it reports, which launches would collide);
-    the processes are untouched."""
+    the processes are untouched. None: the job's worker host here holds no GPU (the
+    job's resizes left the node; the worker host idles until a grow comes back)."""
 
     kind: Literal["regrant"] = "regrant"
     job_id: str = Field(min_length=1, max_length=64)
     attempt: int = Field(ge=1)
-    gpus: tuple[int, ...] = Field(min_length=1)
+    gpus: tuple[int, ...] = Field(max_length=4096)
     reason: str = Field(default="", max_length=1000)
 
 

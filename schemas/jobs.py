@@ -266,8 +266,9 @@ class JobRecord(BaseModel):
     # effect in this run (GPU-seconds are counted per size).
     resize: StagedResize | None = None
     resized_at: float | None = None
-    # Nodes an elastic job's resizes took it off in this attempt: not grown onto again
-    # before its next attempt (their worker host's launch and events are the attempt's).
+    # Nodes where a grow could not start an elastic job's worker host in this attempt:
+    # not grown onto again before its next attempt (a launch there is named by the
+    # attempt). A node its resizes merely left keeps its grant, with no GPU.
     left_nodes: tuple[NodeName, ...] = ()
 
     @property

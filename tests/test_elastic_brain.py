@@ -461,8 +461,10 @@ async def test_an_elastic_job_grows_onto_another_node_and_leaves_it_through_the_
     """Two nodes of two GPUs. A job started on n1 at 2 is resized to 3: the brain
     launches its worker host on the other node through that node's agent, and
     horovodrun starts the new worker through it (no ssh). Then 4 (one more worker
-    there), then 2: it leaves that node, whose worker host is stopped, and n1's workers
-    keep stepping in the same processes. It ends SUCCEEDED."""
+    there), then 2: it leaves that node, whose worker host stays, idle, holding no GPU,
+    and n1's workers keep stepping in the same processes. Then 3 again, back onto that
+    node through the same worker host. It ends SUCCEEDED, and the worker host is
+    stopped."""
     brain = await brain_factory()
     agents = {name: await agent_factory(name, gpus=2) for name in ("n1", "n2")}
     await eventually(lambda: len(brain.state.nodes) == 2)
@@ -506,30 +508,40 @@ async def test_an_elastic_job_grows_onto_another_node_and_leaves_it_through_the_
     done = await eventually(
         lambda: (j := brain.state.jobs[job_id]).resize is None and j, timeout_s=120
     )
-    assert done.nodes == (first,) and done.left_nodes == (second,), done.reason
+    assert done.placement == (NodeGpus(node=first, gpus=(0, 1)),), done.reason
     assert brain._free_on(second) == {0, 1}
-    # The worker host was stopped; the job goes on on n1 with the workers it began with.
-    await eventually(lambda: host.exited.is_set(), timeout_s=30)
+    # The worker host stays, idle, holding no GPU in its agent's books either; the job
+    # goes on on n1 with the workers it began with.
+    await eventually(lambda: agents[second].launcher.find(job_id)[0].gpus == ())
+    assert not host.exited.is_set()
     latest = await eventually(lambda: stepping_at(2), timeout_s=30)
     assert {w.pid for w in latest.workers} == {w.pid for w in start.workers}
-    # A grow does not go back to the node it left in this attempt.
-    refused(await resize(brain, job_id, 3), "conflict", "can grow to 2 GPUs at most")
-    answers = [
-        r.event
-        for r in records
-        if isinstance(r, NodeEventRecorded) and isinstance(r.event, ResizeCompleted)
-    ]
-    assert [(a.ok, a.from_size, a.to_size) for a in answers] == [
-        (True, 2, 3),
-        (True, 3, 4),
-        (True, 4, 2),
-    ]
+    # A grow back onto that node goes through the same worker host: no new launch.
+    reply = await resize(brain, job_id, 3)
+    assert isinstance(reply, JobReply) and reply.job.resize is not None, reply
+    done = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).resize is None and j, timeout_s=120
+    )
+    assert {g.node: len(g.gpus) for g in done.grants} == {first: 2, second: 1}, done.reason
+    assert agents[second].launcher.find(job_id) == [host]
+    await eventually(lambda: stepping_at(3), timeout_s=30)
+
+    def answers() -> list[tuple[bool, int, int]]:
+        return [
+            (r.event.ok, r.event.from_size, r.event.to_size)
+            for r in records
+            if isinstance(r, NodeEventRecorded) and isinstance(r.event, ResizeCompleted)
+        ]
+
+    await eventually(lambda: len(answers()) == 4)
+    assert answers() == [(True, 2, 3), (True, 3, 4), (True, 4, 2), (True, 2, 3)]
 
     stop_file.touch()
     ended = await eventually(
         lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=90
     )
     assert ended.state is JobState.SUCCEEDED, ended.reason
+    await eventually(lambda: host.exited.is_set(), timeout_s=30)
 
 
 async def test_cli_submit_elastic_resize_and_show(
@@ -598,7 +610,7 @@ def running_elastic(gpus: tuple[int, ...], *, low: int = 1, high: int = 4) -> Jo
         # Shrinking one node while growing onto another moves a worker: refused.
         ((*on("n1", 0), *on("n2", 5)), {"n2": {5}}, "invalid", "and adds others (a grow)"),
         (on("n1", 0, 1, 2), {"n1": {3}}, "conflict", "GPUs [2] of node n1 are not free"),
-        ((*on("n1", 0, 1), *on("n3", 0)), {"n3": {0}}, "conflict", "left node(s) n3"),
+        ((*on("n1", 0, 1), *on("n3", 0)), {"n3": {0}}, "conflict", "ended on node(s) n3"),
         (on("n1", 0, 1, 2, 3, 4), {"n1": {2, 3, 4}}, "invalid", "1..4 GPUs; 5 is outside"),
     ],
 )
@@ -649,7 +661,7 @@ def test_stage_commit_and_roll_back_hold_every_gpu_of_both_sizes() -> None:
     assert isinstance(elastic.choose_target(grown, 4, free={}), elastic.ResizeRefused)
 
 
-def test_a_resize_across_nodes_adds_and_removes_the_other_nodes_grants() -> None:
+def test_a_resize_across_nodes_adds_grants_and_leaves_them_idle() -> None:
     job = running_elastic((0, 1))
     # A grow fills the job's own node first, then the node with most free GPUs.
     target = elastic.choose_target(job, 4, free={"n1": {2}, "n2": {0}, "n3": {1, 3}})
@@ -661,11 +673,17 @@ def test_a_resize_across_nodes_adds_and_removes_the_other_nodes_grants() -> None
         ("n3", (1,), None),
     ]
     assert elastic.resize_command(grow, epoch=1, issued_at=5.0).placement == target
-    # Rolled back, the job leaves the new node (its worker host is stopped) and does
-    # not grow onto it again in this attempt.
+    assert elastic.joining(grow) == {"n3"}  # its worker host is being launched
+    # Rolled back, the new node keeps its grant with no GPU (its worker host, once
+    # started, idles); where the worker host could not start, the part goes, and the
+    # job does not grow there again in this attempt.
     undone = elastic.roll_back(grow, "no")
-    assert undone.nodes == ("n1",) and undone.left_nodes == ("n3",)
-    assert elastic.left_by(grow, undone) == ("n3",)
+    assert [(g.node, g.gpus) for g in undone.grants] == [("n1", (0, 1)), ("n3", ())]
+    assert undone.placement == on("n1", 0, 1)
+    failed = elastic.drop_node(undone, "n3")
+    assert failed.nodes == ("n1",) and failed.left_nodes == ("n3",)
+    refusal = elastic.check_target(failed, target, {"n1": {2}, "n3": {1}})
+    assert refusal is not None and "could not start or has ended" in refusal.reason
     grown = elastic.commit(grow, "yes").model_copy(
         update={"grants": (grow.grants[0], grow.grants[1].model_copy(update={"pid": 7}))}
     )
@@ -676,7 +694,15 @@ def test_a_resize_across_nodes_adds_and_removes_the_other_nodes_grants() -> None
     assert shrink.nodes == ("n1", "n3")  # held until the supervisor says so
     reported = (*on("n1", 1), *on("n3", 1))  # not the target's nodes: the target is kept
     done = elastic.commit(shrink, "yes", held=reported)
-    assert done.placement == on("n1", 0, 1) and done.left_nodes == ("n3",)
+    # It leaves n3 holding no GPU there; its worker host stays, so a grow back needs no
+    # launch, and goes there before any other node.
+    assert done.placement == on("n1", 0, 1) and done.left_nodes == ()
+    assert [(g.node, g.gpus, g.pid) for g in done.grants][1] == ("n3", (), 7)
+    back = elastic.choose_target(done, 3, free={"n2": {0, 1}, "n3": {1}})
+    assert back == (*on("n1", 0, 1), *on("n3", 1))
+    assert elastic.check_resize(done, back, {"n3": {1}}, supervisor_ready=True) is None
+    regrow = elastic.stage(done, back, command_id="c3", now=7.0, cause="t")
+    assert elastic.joining(regrow) == set()  # no launch: it runs there already
     assert elastic.commit(shrink, "yes", held=on("n1", 1, 2)).placement == on("n1", 1, 2)
     assert shrink.resize is not None
     assert elastic.describe(shrink.resize) == "4 -> 2 GPUs (n1:0,1,2, n3:1 -> n1:0,1)"
