@@ -163,7 +163,8 @@ def check_target(
 ) -> ResizeRefused | None:
     """Whether `target` is GPUs the running `job` may hold: its supervisor's node kept;
     on every node some or all of its GPUs (a shrink) or all of them and more (a grow);
-    the added ones free, on nodes it has not left in this attempt."""
+    the added ones free, not on a node barred in this attempt (its worker host could not
+    start there, or has ended)."""
     label = f"job {job.job_id}"
     first = job.grants[0].node
     nodes = [part.node for part in target]
@@ -211,7 +212,8 @@ def choose_target(
     A shrink leaves the nodes where the job holds fewest GPUs first (fewer nodes sync
     faster), never the supervisor's last, and keeps the lowest-numbered GPUs of each.
     A grow adds the lowest-numbered free GPUs of the job's own nodes first, then of the
-    nodes with the most free (not those it left in this attempt)."""
+    nodes where its worker host idles, then of those with the most free (not a node
+    barred in this attempt)."""
     held = {part.node: sorted(part.gpus) for part in current_placement(job)}
     first = job.grants[0].node
     size = sum(map(len, held.values()))

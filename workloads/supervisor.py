@@ -22,9 +22,9 @@ which that node's agent launched) instead of ssh; their progress and exits come 
 NODE=SLOTS`), or a Resize's placement gives it some: the supervisor tells the node's
 worker host the GPUs its new workers claim (`devices`, request/reply on
 `alnair.job.<job>.exec`, waiting for a worker host the brain has just launched), then
-adds the slots. A shrink removes a node's slots like local ones, and the brain stops
-the worker host of a node left with none. The supervisor's own node always keeps a
-slot: Horovod carries the state over from a host of the old world.
+adds the slots. A shrink removes a node's slots like local ones; the worker host of a
+node left with none idles there until a grow comes back. The supervisor's own node
+always keeps a slot: Horovod carries the state over from a host of the old world.
 """
 
 from __future__ import annotations
