@@ -25,7 +25,7 @@ supervisor's: Horovod carries the state over from a host of the old world). A no
 launched on once per attempt (its launch and events are named by job, attempt and
 node): a node the job leaves keeps its idle worker host, so a grow back there needs no
 launch; a node where the worker host could not start (`drop_node`) is not grown onto
-again in the attempt (`JobRecord.left_nodes`). Everything here is pure (no clock, no
+again in the attempt (`JobRecord.barred_nodes`). Everything here is pure (no clock, no
 ids, no I/O): the shell (brain/service.py) journals what these return and sends the
 commands. It must not import torch or horovod.
 """
@@ -149,7 +149,9 @@ def check_resizable(job: JobRecord, size: int, *, supervisor_ready: bool) -> Res
             f"{label} is already resizing {staged.from_size} -> {staged.to_size} "
             f"GPUs (command {staged.command_id}); wait for it to commit or roll back",
         )
-    if not job.grants or not all(g.pid is not None and not g.exited for g in job.grants):
+    # Parts holding GPUs: an idle worker host that ended only bars its node.
+    working = [g for g in job.grants if g.gpus]
+    if not working or not all(g.pid is not None and not g.exited for g in working):
         return ResizeRefused("conflict", f"{label} has not started yet")
     if not supervisor_ready:
         return ResizeRefused(
@@ -187,8 +189,7 @@ def check_target(
             f"some or all of its GPUs (a shrink) or all of them and adds others (a grow), "
             f"not {describe_placement(target)}",
         )
-    barred = {*job.left_nodes, *(g.node for g in job.grants if g.exited)}
-    left = sorted(set(wanted) & barred - set(held))
+    left = sorted(set(wanted) & job.barred_nodes - set(held))
     if left:
         return ResizeRefused(
             "conflict",
@@ -227,11 +228,10 @@ def choose_target(
         return _placement(job, {n: g for n, g in held.items() if g})
     want = gpus - size
     added: dict[str, list[int]] = {}
-    barred = {*job.left_nodes, *(g.node for g in job.grants if g.exited)}
     # Nodes where its worker host idles first: a grow there needs no launch.
     idle = {g.node for g in job.grants if not g.gpus}
     others = sorted(
-        (n for n in free if n not in held and n not in barred),
+        (n for n in free if n not in held and n not in job.barred_nodes),
         key=lambda n: (n not in idle, -len(free[n]), n),
     )
     for node in [*held, *others]:
@@ -291,8 +291,8 @@ def drop_node(job: JobRecord, node: str) -> JobRecord:
     grown onto again in this attempt (a second launch there would bear the same id)."""
     assert node != job.grants[0].node
     grants = tuple(g for g in job.grants if g.node != node)
-    left = (*job.left_nodes, node) if node not in job.left_nodes else job.left_nodes
-    return job.model_copy(update={"grants": grants, "left_nodes": left})
+    left = (*job.failed_nodes, node) if node not in job.failed_nodes else job.failed_nodes
+    return job.model_copy(update={"grants": grants, "failed_nodes": left})
 
 
 def stage(

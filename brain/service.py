@@ -1056,10 +1056,8 @@ class Brain:
         job = self._current(event.job_id, event.attempt, event.node)
         if job is None:
             return
-        if event.node in elastic.joining(job):
-            # The worker host of a grow's new node: the grow fails, not the job.
-            why = f"the job's worker host did not start on {event.node}: {event.reason}"
-            await self._roll_back_resize(job, why, revert=False, drop=event.node)
+        why = f"the job's worker host did not start on {event.node}: {event.reason}"
+        if await self._join_failed(job, event.node, why):
             return
         updated = self._with_grant(job, event.node, exited=True)
         cause = Cause(
@@ -1080,10 +1078,8 @@ class Brain:
             return
         if event.command_id != _launch_id(job.job_id, job.attempt, event.node):
             return
-        if event.node in elastic.joining(job):
-            why = f"node {event.node} refused the job's worker host: {event.reason}"
-            await self._roll_back_resize(job, why, revert=False, drop=event.node)
-        else:
+        why = f"node {event.node} refused the job's worker host: {event.reason}"
+        if not await self._join_failed(job, event.node, why):
             await self._requeue(
                 job,
                 Cause(
@@ -1344,15 +1340,17 @@ class Brain:
 
     # -- elastic resizes (brain/elastic.py says what changes; this journals, commands) --
 
-    def _free_on(self, node: str) -> set[int]:
-        """Schedulable GPUs of a ready node that no running job holds."""
-        record = self.state.nodes.get(node)
-        if record is None or record.state is not NodeState.READY:
-            return set()
-        return set(self.state.schedulable_gpus(record)) - self.state.allocated().get(node, set())
-
     def _free_by_node(self) -> dict[str, set[int]]:
-        return {node: self._free_on(node) for node in self.state.nodes}
+        """Each ready node's schedulable GPUs that no running job holds."""
+        held = self.state.allocated()
+        return {
+            name: set(self.state.schedulable_gpus(record)) - held.get(name, set())
+            for name, record in self.state.nodes.items()
+            if record.state is NodeState.READY
+        }
+
+    def _free_on(self, node: str) -> set[int]:
+        return self._free_by_node().get(node, set())
 
     async def _resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
@@ -1554,6 +1552,14 @@ class Brain:
         if drop is not None:
             await self._stop(job.job_id, drop, message, job.attempt)
 
+    async def _join_failed(self, job: JobRecord, node: str, why: str) -> bool:
+        """A launch failed on `node`: if it was a staged grow's worker host there, the
+        grow fails, not the job (True)."""
+        if node not in elastic.joining(job):
+            return False
+        await self._roll_back_resize(job, why, revert=False, drop=node)
+        return True
+
     async def _check_resizes(self) -> None:
         """Roll back a resize its supervisor has not answered in time (it died, or never
         heard the command)."""
@@ -1646,7 +1652,7 @@ class Brain:
                 "reason": action.cause,
                 "not_before": None,
                 # A new attempt may grow onto any node again.
-                "left_nodes": (),
+                "failed_nodes": (),
                 "prerun": "running" if job.prerun == "pending" else job.prerun,
             }
         )

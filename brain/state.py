@@ -228,12 +228,7 @@ class BrainState:
                 job_view(j, progress=progress.get(j.job_id)) for j in self.jobs_in(JobState.PENDING)
             ),
             running=tuple(
-                job_view(
-                    j,
-                    profiles.get(j.job_id),
-                    now=now,
-                    progress=progress.get(j.job_id),
-                )
+                job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
                 for j in self.jobs_in(JobState.RUNNING)
             ),
             queues=queues,
@@ -273,7 +268,6 @@ def job_view(
 ) -> JobView:
     run_s = current_run_s(job, now)
     low, high = job.spec.gpu_range
-    elastic = job.spec.elastic
     progress = progress or ObservedProgress()
     return JobView(
         job_id=job.job_id,
@@ -288,11 +282,8 @@ def job_view(
         waiting_reason=job.reason if job.state is JobState.PENDING else None,
         profile=profile,
         not_before=job.not_before,
-        # A running elastic job does not grow onto a node where its worker host could
-        # not start in this attempt, or has ended.
-        avoid_nodes=frozenset(
-            (*job.avoid_nodes, *job.left_nodes, *(g.node for g in job.grants if g.exited))
-        ),
+        # A running elastic job does not grow onto its barred nodes either.
+        avoid_nodes=frozenset(job.avoid_nodes) | job.barred_nodes,
         attained_gpu_seconds=job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count,
         executed_seconds=job.executed_seconds + run_s,
         pending_since=job.pending_since,
@@ -300,8 +291,8 @@ def job_view(
         service_level_since=job.service_level_since,
         declared_duration_s=job.spec.declared_duration_s,
         network_sensitive=job.spec.network_sensitive,
-        min_gpus=low if elastic else None,
-        max_gpus=high if elastic else None,
+        min_gpus=low if job.spec.elastic else None,
+        max_gpus=high if job.spec.elastic else None,
         throughput=progress.throughput,
         resizing=job.resize is not None,
         progress_fraction=progress.progress_fraction,

@@ -266,10 +266,9 @@ class JobRecord(BaseModel):
     # effect in this run (GPU-seconds are counted per size).
     resize: StagedResize | None = None
     resized_at: float | None = None
-    # Nodes where a grow could not start an elastic job's worker host in this attempt:
-    # not grown onto again before its next attempt (a launch there is named by the
-    # attempt). A node its resizes merely left keeps its grant, with no GPU.
-    left_nodes: tuple[NodeName, ...] = ()
+    # Nodes where a grow could not start an elastic job's worker host in this attempt
+    # (`barred_nodes`). A node its resizes merely left keeps its grant, with no GPU.
+    failed_nodes: tuple[NodeName, ...] = ()
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -278,6 +277,15 @@ class JobRecord(BaseModel):
     @property
     def gpu_count(self) -> int:
         return sum(len(grant.gpus) for grant in self.grants)
+
+    @property
+    def barred_nodes(self) -> frozenset[str]:
+        """Nodes an elastic job does not grow onto again in this attempt: its worker host
+        could not start there, or has ended (a launch there is named by the attempt, so
+        a second one would be dropped as a duplicate). None once it no longer runs."""
+        if self.state is not JobState.RUNNING:
+            return frozenset()
+        return frozenset((*self.failed_nodes, *(g.node for g in self.grants if g.exited)))
 
     @property
     def placement(self) -> tuple[NodeGpus, ...]:

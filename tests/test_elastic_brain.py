@@ -617,7 +617,7 @@ def running_elastic(gpus: tuple[int, ...], *, low: int = 1, high: int = 4) -> Jo
 def test_check_resize(
     target: tuple[NodeGpus, ...], free: dict[str, set[int]], code: str | None, words: str
 ) -> None:
-    job = running_elastic((0, 1)).model_copy(update={"left_nodes": ("n3",)})
+    job = running_elastic((0, 1)).model_copy(update={"failed_nodes": ("n3",)})
     found = elastic.check_resize(job, target, free, supervisor_ready=True)
     if code is None:
         assert found is None
@@ -681,7 +681,7 @@ def test_a_resize_across_nodes_adds_grants_and_leaves_them_idle() -> None:
     assert [(g.node, g.gpus) for g in undone.grants] == [("n1", (0, 1)), ("n3", ())]
     assert undone.placement == on("n1", 0, 1)
     failed = elastic.drop_node(undone, "n3")
-    assert failed.nodes == ("n1",) and failed.left_nodes == ("n3",)
+    assert failed.nodes == ("n1",) and failed.failed_nodes == ("n3",)
     refusal = elastic.check_target(failed, target, {"n1": {2}, "n3": {1}})
     assert refusal is not None and "could not start or has ended" in refusal.reason
     grown = elastic.commit(grow, "yes").model_copy(
@@ -696,13 +696,21 @@ def test_a_resize_across_nodes_adds_grants_and_leaves_them_idle() -> None:
     done = elastic.commit(shrink, "yes", held=reported)
     # It leaves n3 holding no GPU there; its worker host stays, so a grow back needs no
     # launch, and goes there before any other node.
-    assert done.placement == on("n1", 0, 1) and done.left_nodes == ()
+    assert done.placement == on("n1", 0, 1) and done.failed_nodes == ()
     assert [(g.node, g.gpus, g.pid) for g in done.grants][1] == ("n3", (), 7)
     back = elastic.choose_target(done, 3, free={"n2": {0, 1}, "n3": {1}})
     assert back == (*on("n1", 0, 1), *on("n3", 1))
     assert elastic.check_resize(done, back, {"n3": {1}}, supervisor_ready=True) is None
     regrow = elastic.stage(done, back, command_id="c3", now=7.0, cause="t")
     assert elastic.joining(regrow) == set()  # no launch: it runs there already
+    # An idle worker host that ended bars its node, but the job still resizes; a job
+    # that no longer runs bars nothing (its next attempt starts afresh).
+    ended = done.model_copy(
+        update={"grants": (done.grants[0], done.grants[1].model_copy(update={"exited": True}))}
+    )
+    assert ended.barred_nodes == {"n3"}
+    assert elastic.check_resizable(ended, 1, supervisor_ready=True) is None
+    assert ended.model_copy(update={"state": JobState.PENDING}).barred_nodes == frozenset()
     assert elastic.commit(shrink, "yes", held=on("n1", 1, 2)).placement == on("n1", 1, 2)
     assert shrink.resize is not None
     assert elastic.describe(shrink.resize) == "4 -> 2 GPUs (n1:0,1,2, n3:1 -> n1:0,1)"
@@ -746,60 +754,13 @@ def test_progress_tracker_prefers_goodput_from_a_job_that_adapts_its_batch() -> 
     assert tracker.current()["8"].throughput == ((2, 300.0), (4, 2000.0))
 
 
-async def test_the_policy_grows_a_job_that_fills_its_node_onto_another(
-    brain_factory, connect: Callable[[str], Awaitable[Bus]]
-) -> None:
-    """Nodes of two GPUs; an elastic job fills one. With nothing waiting the policy
-    grows it onto the other: the brain launches the job's worker host there (with the
-    attempt's secret), then tells the supervisor the placement per node. Cancelled, both
-    parts are stopped."""
-    from brain.core import Policy
-
-    nodes = [FakeNode(await connect(f"fake-{name}"), name, gpus=2) for name in ("n1", "n2")]
-    for fake in nodes:
-        await fake.start()
-    try:
-        brain = await brain_factory(policy=Policy(elasticity="marginal-gain"))
-        await eventually(lambda: len(brain.state.nodes) == 2)
-        job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=4))
-        job = await eventually(
-            lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j
-        )
-        first, second = sorted(nodes, key=lambda f: f.name != job.nodes[0])
-        await first.started(job)
-        await first.progress(job_id, 2, 100.0, attempt=job.attempt)
-        staged = await eventually(lambda: brain.state.jobs[job_id].resize, timeout_s=10)
-        assert {p.node: len(p.gpus) for p in staged.after} == {first.name: 2, second.name: 2}
-        assert staged.after[0].node == first.name == staged.node
-        launch = await eventually(
-            lambda: next((c for c in second.node_commands if isinstance(c, Launch)), None)
-        )
-        assert launch.command[-1] == "workloads.worker_host" and launch.node_rank == 1
-        assert launch.gpus == (0, 1) and launch.env.get("ALNAIR_EXEC_SECRET")
-        command = await eventually(lambda: first.resize_for(staged.command_id))
-        assert (command.world_size, command.placement) == (4, staged.after)
-        grown = brain.state.jobs[job_id]
-        await second.started(grown)
-        await eventually(lambda: all(g.pid for g in brain.state.jobs[job_id].grants))
-        await first.resized(command, ok=True, from_size=2)
-        done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
-        assert done.gpu_count == 4 and done.nodes == (first.name, second.name)
-
-        assert isinstance(await brain.api.handle(TENANT, CancelRequest(job_id=job_id)), JobReply)
-        for fake in nodes:
-            await eventually(
-                lambda f=fake: any(
-                    isinstance(c, Stop) and c.job_id == job_id for c in f.node_commands
-                )
-            )
-    finally:
-        for fake in nodes:
-            await fake.stop()
-
-
-async def test_a_grow_whose_worker_host_cannot_start_is_rolled_back_not_the_job(
-    brain_factory, connect: Callable[[str], Awaitable[Bus]]
-) -> None:
+@contextlib.asynccontextmanager
+async def growing_across(
+    brain_factory: Callable[..., Awaitable[Brain]], connect: Callable[[str], Awaitable[Bus]]
+) -> AsyncIterator[tuple[Brain, FakeNode, FakeNode, JobRecord]]:
+    """Two nodes of two GPUs played on the bus, and an elastic job (2 of 1..4) that
+    fills one: the policy stages its grow onto the other. Yields the brain, the job's
+    first node, the other, and the job as placed."""
     from brain.core import Policy
 
     nodes = [FakeNode(await connect(f"fake-{name}"), name, gpus=2) for name in ("n1", "n2")]
@@ -816,6 +777,52 @@ async def test_a_grow_whose_worker_host_cannot_start_is_rolled_back_not_the_job(
         await first.started(job)
         await first.progress(job_id, 2, 100.0, attempt=job.attempt)
         await eventually(lambda: brain.state.jobs[job_id].resize, timeout_s=10)
+        yield brain, first, second, job
+    finally:
+        for fake in nodes:
+            await fake.stop()
+
+
+async def test_the_policy_grows_a_job_that_fills_its_node_onto_another(
+    brain_factory, connect: Callable[[str], Awaitable[Bus]]
+) -> None:
+    """Nodes of two GPUs; an elastic job fills one. With nothing waiting the policy
+    grows it onto the other: the brain launches the job's worker host there (with the
+    attempt's secret), then tells the supervisor the placement per node. Cancelled, both
+    parts are stopped."""
+    async with growing_across(brain_factory, connect) as (brain, first, second, job):
+        job_id = job.job_id
+        staged = brain.state.jobs[job_id].resize
+        assert staged is not None
+        assert {p.node: len(p.gpus) for p in staged.after} == {first.name: 2, second.name: 2}
+        assert staged.after[0].node == first.name == staged.node
+        launch = await eventually(
+            lambda: next((c for c in second.node_commands if isinstance(c, Launch)), None)
+        )
+        assert launch.command[-1] == "workloads.worker_host" and launch.node_rank == 1
+        assert launch.gpus == (0, 1) and launch.env.get("ALNAIR_EXEC_SECRET")
+        command = await eventually(lambda: first.resize_for(staged.command_id))
+        assert (command.world_size, command.placement) == (4, staged.after)
+        await second.started(brain.state.jobs[job_id])
+        await eventually(lambda: all(g.pid for g in brain.state.jobs[job_id].grants))
+        await first.resized(command, ok=True, from_size=2)
+        done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+        assert done.gpu_count == 4 and done.nodes == (first.name, second.name)
+
+        assert isinstance(await brain.api.handle(TENANT, CancelRequest(job_id=job_id)), JobReply)
+        for fake in (first, second):
+            await eventually(
+                lambda f=fake: any(
+                    isinstance(c, Stop) and c.job_id == job_id for c in f.node_commands
+                )
+            )
+
+
+async def test_a_grow_whose_worker_host_cannot_start_is_rolled_back_not_the_job(
+    brain_factory, connect: Callable[[str], Awaitable[Bus]]
+) -> None:
+    async with growing_across(brain_factory, connect) as (brain, first, second, job):
+        job_id = job.job_id
         await second.event(
             LaunchFailed(
                 event_id=uuid.uuid4().hex,
@@ -828,16 +835,14 @@ async def test_a_grow_whose_worker_host_cannot_start_is_rolled_back_not_the_job(
         )
         back = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
         assert back.state is JobState.RUNNING and back.nodes == (first.name,)
-        assert back.left_nodes == (second.name,) and "did not start" in (back.reason or "")
+        assert back.failed_nodes == (second.name,) and "did not start" in (back.reason or "")
+        assert back.barred_nodes == {second.name}
         await eventually(
             lambda: any(isinstance(c, Stop) and c.job_id == job_id for c in second.node_commands)
         )
         # It does not try that node again in this attempt.
         await asyncio.sleep(1.0)
         assert brain.state.jobs[job_id].resize is None
-    finally:
-        for fake in nodes:
-            await fake.stop()
 
 
 async def test_the_policy_grows_an_elastic_job_through_the_same_path(

@@ -390,30 +390,6 @@ CASES = [
         sizes={},
         waiting=frozenset({"1"}),
     ),
-    Case(
-        "a shrink across nodes keeps the job's first node (its supervisor's)",
-        ELASTIC,
-        snapshot(
-            # GPUs 0-2 of n0 and 3 of n1 run rigid jobs not shown.
-            node("n0", busy=(0, 1, 2, 3)),
-            node("n1", busy=(0, 1, 2, 3)),
-            pending_jobs=(pending("2", 3, at=10.0),),
-            running=(
-                elastic(
-                    "1",
-                    1,
-                    1,
-                    8,
-                    on=(Grant("n0", (3,)), Grant("n1", (0, 1, 2))),
-                    throughput=((4, 100.0),),
-                    attained=1e5,
-                ),
-            ),
-        ),
-        # Its GPUs on n1 go to job 2; its one GPU on n0 stays.
-        sizes={"1": 1, "2": 3},
-        cause={"1": "for job 2"},
-    ),
 ]
 
 

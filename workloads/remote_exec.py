@@ -48,9 +48,11 @@ OUTPUT_LINGER_S: Final = 0.5
 NO_WORKER_EXIT: Final = 255
 
 
-async def _ask(bus: Bus, job_id: str, request: ExecRequest) -> ExecState:
+async def ask(bus: Bus, job_id: str, request: ExecRequest, *, timeout_s: float = 2.0) -> ExecState:
+    """`request` to the job's worker hosts, signed with the attempt's secret (from the
+    environment the agent gave this process); raises BusError when none answers."""
     signed = request.signed(os.environ.get(EXEC_SECRET_ENV, ""))
-    return await bus.request(subjects.job(job_id, "exec"), signed, ExecState, timeout_s=2.0)
+    return await bus.request(subjects.job(job_id, "exec"), signed, ExecState, timeout_s=timeout_s)
 
 
 async def run(job_id: str, node: str, command: str, bus: Bus) -> int:
@@ -78,7 +80,7 @@ async def _run(job_id: str, node: str, command: str, bus: Bus, exec_id: str) -> 
     deadline = time.monotonic() + START_WAIT_S
     while True:
         try:
-            state = await _ask(bus, job_id, start)
+            state = await ask(bus, job_id, start)
             break
         except BusError as error:  # nobody answers yet: the worker host is starting
             if time.monotonic() > deadline or stop.is_set():
@@ -100,7 +102,7 @@ async def _run(job_id: str, node: str, command: str, bus: Bus, exec_id: str) -> 
         else:
             request = ExecRequest(op="poll", exec_id=exec_id, node=node)
         try:
-            state = await _ask(bus, job_id, request)
+            state = await ask(bus, job_id, request)
             heard = time.monotonic()
         except BusError:
             if time.monotonic() - heard > LOST_AFTER_S:

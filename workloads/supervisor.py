@@ -41,7 +41,7 @@ import tempfile
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -56,8 +56,8 @@ from schemas.errors import BusError
 from schemas.events import ResizeCompleted
 from schemas.jobs import NodeGpus
 from schemas.progress import Progress, WorkerProgress
-from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState, WorkerRelay
-from workloads import devices
+from schemas.workers import ExecRequest, WorkerRelay
+from workloads import devices, remote_exec
 from workloads.progress import WorkerReport, worker_env
 from workloads.sdk import job_connect_options
 
@@ -392,6 +392,7 @@ class Supervisor:
                 )
                 return self._record(ResizeOutcome.refused(from_size, why))
             grown = [n for n, k in remote.items() if k > self.remote.get(n, 0)]
+            shrunk = {n for n, k in self.remote.items() if remote.get(n, 0) < k}
             old = self.pids_at(from_size)
             before = self.devices
             if before and gpus:
@@ -422,7 +423,7 @@ class Supervisor:
                     )
                 )
             duration = time.monotonic() - started
-            held = await self._held_after(local, gpus or before, before)
+            held = await self._held_after(local, gpus or before, before, shrunk)
             return self._record(
                 ResizeOutcome(
                     from_size, target, True, duration, max(0, from_size - target), placement=held
@@ -430,11 +431,11 @@ class Supervisor:
             )
 
     async def _held_after(
-        self, local: int, wanted: Sequence[int], before: Sequence[int]
+        self, local: int, wanted: Sequence[int], before: Sequence[int], shrunk: Collection[str]
     ) -> tuple[NodeGpus, ...]:
-        """The GPUs the workers hold after a resize, per node, each node's list set to
-        them (a shrink's released GPUs are not claimed again); () unless every worker
-        of every node holds one."""
+        """The GPUs the workers hold after a resize, per node; a node that shrank has its
+        list set to them (its released GPUs are not claimed again). () unless every
+        worker of every node holds one."""
         placement: list[NodeGpus] = []
         if before:
             mine = self.held_gpus()
@@ -447,7 +448,8 @@ class Supervisor:
             answer = await self._ask_devices(node, (), deadline)
             if isinstance(answer, tuple) and len(answer) == slots:
                 placement.append(NodeGpus(node=node, gpus=answer))
-                await self._ask_devices(node, answer, deadline)
+                if node in shrunk:
+                    await self._ask_devices(node, answer, deadline)
         return tuple(placement) if len(placement) == 1 + len(self.remote) else ()
 
     async def _ask_devices(
@@ -457,13 +459,12 @@ class Supervisor:
         the GPUs its workers hold, or why not."""
         if self.bus is None:
             return f"no bus to reach node {node}'s worker host"
-        request = ExecRequest(
-            op="devices", exec_id=uuid.uuid4().hex, node=node, gpus=tuple(gpus)
-        ).signed(os.environ.get(EXEC_SECRET_ENV, ""))
-        subject = subjects.job(self.config.job_id, "exec")
+        request = ExecRequest(op="devices", exec_id=uuid.uuid4().hex, node=node, gpus=tuple(gpus))
         while True:
             try:
-                state = await self.bus.request(subject, request, ExecState, timeout_s=DEVICES_ASK_S)
+                state = await remote_exec.ask(
+                    self.bus, self.config.job_id, request, timeout_s=DEVICES_ASK_S
+                )
             except BusError as error:
                 if time.monotonic() + DEVICES_ASK_S > deadline:
                     return f"no answer from the worker host on node {node}: {error}"

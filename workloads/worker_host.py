@@ -106,8 +106,8 @@ class WorkerHost:
             group = os.getpgid(pid)
         except (ValueError, KeyError, TypeError, OSError):
             return  # malformed, or gone already: the supervisor drops it too
-        if any(p.pid == group for p in self._workers.values()):
-            self._reporters.setdefault(group, set()).add(pid)
+        if group in self._reporters:  # one of the commands this host started
+            self._reporters[group].add(pid)
 
     async def _publish(self, relay: WorkerRelay) -> None:
         with contextlib.suppress(Exception):  # progress may be lost; the next replaces it
@@ -166,6 +166,7 @@ class WorkerHost:
         except OSError as error:
             return self._state(request.exec_id, None, error=f"cannot start: {error}")
         self._workers[request.exec_id] = process
+        self._reporters[process.pid] = set()
         self._spawn(self._watch(request.exec_id, process))
         log.info("started worker %s (pid %d)", request.exec_id, process.pid)
         return self._state(request.exec_id, process)
