@@ -126,15 +126,18 @@ def check_resize(
     ) or check_target(job, target, free)
 
 
+def not_elastic(job: JobRecord) -> str:
+    return (
+        f"job {job.job_id} is not elastic: it runs on exactly {job.spec.gpus} GPUs "
+        "(submit with --elastic --min-gpus --max-gpus to make it resizable)"
+    )
+
+
 def check_resizable(job: JobRecord, size: int, *, supervisor_ready: bool) -> ResizeRefused | None:
     """Whether `job` may run on `size` GPUs, and may be resized now at all."""
     label = f"job {job.job_id}"
     if not job.spec.elastic:
-        return ResizeRefused(
-            "invalid",
-            f"{label} is not elastic: it runs on exactly {job.spec.gpus} GPUs "
-            "(submit with --elastic --min-gpus --max-gpus to make it resizable)",
-        )
+        return ResizeRefused("invalid", not_elastic(job))
     low, high = job.spec.gpu_range
     if not low <= size <= high:
         return ResizeRefused(

@@ -1,12 +1,14 @@
 """Jobs' progress as their supervisors report it (`alnair.job.<job>.progress`).
 
 Owns, in memory only, what the leading brain learned from those reports: each job's
-throughput per world size (an EWMA of the samples/s rank 0 reports at that size, or of
-its goodput when it reports one: a job that adapts its batch), the
-fraction of its steps done and how fast that grows (for jobs that say how many steps
-they mean to take), and whether the supervisor of its current run has spoken yet (it
-listens for Resize commands before its workers start, so a report means a resize will
-be heard). The brain passes these into the snapshot, as it does utilisation profiles.
+throughput per world size (the mean of the last `WINDOW` samples/s rank 0 reported at
+that size, or of its goodput when it reports one: a job that adapts its batch, with
+the mean's relative standard error once `MIN_REPORTS` came, so that the policy decides
+nothing on a difference within the noise), the fraction of its steps done and how fast
+that grows (for jobs that say how many steps they mean to take), and whether the
+supervisor of its current run has spoken yet (it listens for Resize commands before its
+workers start, so a report means a resize will be heard). The brain passes these into
+the snapshot, as it does utilisation profiles.
 
 None of it is in the STATE log: reports are lossy and frequent, and a new leader learns
 them again from the next ones. It never changes the brain's state.
@@ -14,30 +16,56 @@ them again from the next ones. It never changes the brain's state.
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
+from brain.core.model import Measured
 from schemas.jobs import JobState
 from schemas.progress import Progress
 from schemas.state import CauseKind, JobChanged, StateRecord
 
-# Weight of the newest report in the moving averages: about the last five count.
+# Weight of the newest report in the progress-rate average: about the last five count.
 NEWEST_WEIGHT: Final = 0.3
+# Throughput at a size is the mean of this many latest reports there (one a second by
+# default): a window long enough to average out step-time noise, short enough to
+# follow a change of phase.
+WINDOW: Final = 10
+# Reports at a size before its rate's error is known; until then the policy makes no
+# move that rests on it.
+MIN_REPORTS: Final = 3
 
 
 @dataclass(frozen=True, slots=True)
 class ObservedProgress:
     """What the policy may know of a job's progress."""
 
-    # (world size, samples/s of the whole job), sorted by size.
-    throughput: tuple[tuple[int, float], ...] = ()
+    # Samples/s of the whole job per world size, sorted by size.
+    throughput: tuple[Measured, ...] = ()
     progress_fraction: float | None = None
     progress_rate_per_s: float | None = None
 
 
 @dataclass
+class _Rates:
+    """The latest reports at one world size."""
+
+    rates: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
+    at: float | None = None
+
+    def measured(self, size: int) -> Measured:
+        mean = statistics.fmean(self.rates)
+        if len(self.rates) < MIN_REPORTS or mean <= 0:
+            return Measured(size, mean, math.inf, self.at)
+        error = statistics.stdev(self.rates) / math.sqrt(len(self.rates)) / mean
+        return Measured(size, mean, error, self.at)
+
+
+@dataclass
 class _Track:
-    throughput: dict[int, float] = field(default_factory=dict)
+    throughput: dict[int, _Rates] = field(default_factory=dict)
     world_size: int = 0
     step: int = 0
     ts: float | None = None
@@ -51,7 +79,11 @@ class _Track:
         if self.total_steps is not None:
             fraction = min(1.0, self.step / self.total_steps)
         return ObservedProgress(
-            throughput=tuple(sorted(self.throughput.items())),
+            throughput=tuple(
+                self.throughput[size].measured(size)
+                for size in sorted(self.throughput)
+                if self.throughput[size].rates
+            ),
             progress_fraction=fraction,
             progress_rate_per_s=self.rate_per_s if fraction is not None else None,
         )
@@ -67,16 +99,22 @@ class ProgressTracker:
 
     def observe(self, report: Progress) -> bool:
         """Fold in one report; True when it tells the policy something new (the job's
-        first report in this run, or its first at this world size)."""
+        first report in this run, its first at this world size, or the one that makes
+        its rate there known well enough to act on)."""
         track = self._jobs.setdefault(report.job_id, _Track())
-        news = not track.heard or report.world_size not in track.throughput
+        rates = track.throughput.setdefault(report.world_size, _Rates())
+        news = not track.heard or not rates.rates
+        # The first step at a new world size (or of a job) runs while the world warms
+        # up (its rendezvous, the state broadcast): not what the size can do.
+        warming = report.world_size != track.world_size
         track.heard = True
         # A job that adapts its batch reports its goodput: samples/s would reward a GPU
         # that only buys a bigger, less useful batch.
         rate = report.goodput if report.goodput is not None else report.samples_per_s
-        if rate > 0:
-            old = track.throughput.get(report.world_size)
-            track.throughput[report.world_size] = _blend(old, rate)
+        if rate > 0 and not warming:
+            rates.rates.append(rate)
+            rates.at = report.ts
+            news = news or len(rates.rates) == MIN_REPORTS
         if report.total_steps is not None:
             if (
                 track.ts is not None

@@ -589,6 +589,8 @@ class Brain:
             update["resized_at"] = now
         if job.state is not JobState.RUNNING and job.resize is not None:
             update["resize"] = None  # a run that ends takes its staged resize with it
+        if job.state is not JobState.RUNNING and job.last_resize_at is not None:
+            update["last_resize_at"] = update["last_resize_s"] = None  # a new run, new sizes
         if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
             update["pending_since"] = now
         return job.model_copy(update=update) if update else job
@@ -1355,17 +1357,21 @@ class Brain:
     async def _resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
     ) -> JobRecord:
-        """`alnair resize JOB N`: stage it, or say why not. Answered once staged; the
-        commit (or roll-back) follows when the supervisor answers."""
+        """`alnair resize JOB N`: pin the job at N and stage the resize, or say why
+        not (nothing changes then). Answered once staged; the commit (or roll-back)
+        follows when the supervisor answers. `alnair resize JOB auto` lifts the pin."""
         job = self.state.jobs.get(request.job_id)
         if job is None or (job.tenant != tenant and not operator):
             raise ApiError("not_found", f"no job {request.job_id} for tenant {tenant}")
+        who = "an operator" if operator and job.tenant != tenant else f"tenant {tenant}"
+        if request.gpus == "auto":
+            return await self._unpin(job, who)
         ready = self.progress.heard_from(job.job_id)
         refused = elastic.check_resizable(job, request.gpus, supervisor_ready=ready)
         if refused is not None:
             raise ApiError(refused.code, refused.reason)
         if placement_size(elastic.current_placement(job)) == request.gpus:
-            return job  # already that size: nothing to do
+            return await self._pin(job, request.gpus, who)  # already that size
         free = self._free_by_node()
         target = elastic.choose_target(job, request.gpus, free)
         if isinstance(target, elastic.ResizeRefused):
@@ -1373,8 +1379,40 @@ class Brain:
         refused = elastic.check_target(job, target, free)
         if refused is not None:
             raise ApiError(refused.code, refused.reason)
-        who = "an operator" if operator and job.tenant != tenant else f"tenant {tenant}"
-        return await self._stage_resize(job, target, f"asked by {who}")
+        pinned = job.model_copy(update={"pinned_gpus": request.gpus})
+        return await self._stage_resize(
+            pinned, target, f"asked by {who}, who pins it at {request.gpus} GPUs"
+        )
+
+    async def _pin(self, job: JobRecord, gpus: int, who: str) -> JobRecord:
+        if job.pinned_gpus == gpus:
+            return job
+        message = f"pinned at {gpus} GPUs by {who}: the policy leaves its size alone"
+        await self._job_changed(
+            job.model_copy(update={"pinned_gpus": gpus, "reason": message}),
+            job.state,
+            Cause(kind=CauseKind.RESIZE_PINNED, job_id=job.job_id, message=message),
+        )
+        return self.state.jobs[job.job_id]
+
+    async def _unpin(self, job: JobRecord, who: str) -> JobRecord:
+        if not job.spec.elastic:
+            raise ApiError("invalid", elastic.not_elastic(job))
+        if job.state.terminal:
+            raise ApiError("conflict", f"job {job.job_id} is {job.state.value}")
+        if job.pinned_gpus is None:
+            return job
+        message = (
+            f"pin at {job.pinned_gpus} GPUs lifted by {who}: the policy sizes it again "
+            f"within {job.spec.gpu_range[0]}..{job.spec.gpu_range[1]}"
+        )
+        await self._job_changed(
+            job.model_copy(update={"pinned_gpus": None, "reason": message}),
+            job.state,
+            Cause(kind=CauseKind.RESIZE_UNPINNED, job_id=job.job_id, message=message),
+        )
+        self._dirty = True
+        return self.state.jobs[job.job_id]
 
     async def _apply_resize(self, job: JobRecord, action: Resize) -> None:
         """The policy's resize, staged if it still holds against the live state."""
@@ -1391,6 +1429,10 @@ class Brain:
         if refused is not None:
             log.debug("policy resize of job %s not staged: %s", job.job_id, refused.reason)
             return
+        if action.retreat:
+            # The size it leaves did not earn its keep: not grown back on this evidence.
+            size = placement_size(current)
+            job = job.model_copy(update={"gain_ceiling": size, "gain_ceiling_at": self.clock()})
         await self._stage_resize(job, target, action.cause)
 
     async def _stage_resize(
@@ -1487,6 +1529,7 @@ class Brain:
                 event.from_size,
                 staged.from_size,
             )
+        now = self.clock()
         message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
         kept = elastic.committed_placement(staged, event.placement)
         if event.placement and not elastic.same_placement(kept, event.placement):
@@ -1500,7 +1543,9 @@ class Brain:
             )
         if not staged.grow:
             message += f"; GPUs {describe_placement(elastic.released(staged, kept))} released"
-        committed = elastic.commit(job, message, event.placement)
+        committed = elastic.commit(job, message, event.placement).model_copy(
+            update={"last_resize_at": now, "last_resize_s": max(0.0, now - staged.staged_at)}
+        )
         await self._job_changed(
             committed,
             job.state,
@@ -1532,6 +1577,11 @@ class Brain:
             if staged.reverting:
                 message += f"; the job keeps GPUs {held} (its workers may use them)"
             changed = elastic.roll_back(job, message)
+        if job.pinned_gpus == staged.to_size and not staged.reverting:
+            # The size an operator pinned it at could not be reached: the job goes back
+            # to the policy rather than being held at a size it does not run at.
+            message += f"; the pin at {staged.to_size} GPUs is lifted"
+            changed = changed.model_copy(update={"pinned_gpus": None, "reason": message})
         if drop is not None:
             changed = elastic.drop_node(changed, drop)
         await self._job_changed(

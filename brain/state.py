@@ -295,6 +295,11 @@ def job_view(
         max_gpus=high if job.spec.elastic else None,
         throughput=progress.throughput,
         resizing=job.resize is not None,
+        last_resize_at=job.last_resize_at,
+        last_resize_s=job.last_resize_s,
+        pinned_gpus=job.pinned_gpus,
+        gain_ceiling=job.gain_ceiling,
+        gain_ceiling_at=job.gain_ceiling_at,
         progress_fraction=progress.progress_fraction,
         progress_rate_per_s=progress.progress_rate_per_s,
     )

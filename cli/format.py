@@ -48,7 +48,7 @@ def grants_text(job: JobRecord) -> str:
 
 def gpus_text(job: JobRecord) -> str:
     """GPUs asked for; an elastic job's size now and range (`3[1..4]`), `3>2[1..4]`
-    while a resize from 3 to 2 is in flight."""
+    while a resize from 3 to 2 is in flight, and `pin=2` while an operator pins it."""
     if not job.spec.elastic:
         return str(job.spec.gpus)
     low, high = job.spec.gpu_range
@@ -59,7 +59,8 @@ def gpus_text(job: JobRecord) -> str:
         size = str(job.gpu_count)
     else:
         size = str(job.spec.gpus)
-    return f"{size}[{low}..{high}]"
+    pin = "" if job.pinned_gpus is None else f" pin={job.pinned_gpus}"
+    return f"{size}[{low}..{high}]{pin}"
 
 
 def jobs_table(jobs: Sequence[JobRecord]) -> str:

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import ValidationError
@@ -265,6 +265,8 @@ def elastic_json(job: JobRecord) -> dict[str, Any]:
         "min_gpus": low,
         "max_gpus": high,
         "start_gpus": job.spec.gpus,
+        # Set while an operator holds it at that size (`alnair resize JOB N`).
+        "pinned_gpus": job.pinned_gpus,
         "resize": None
         if staged is None
         else {
@@ -319,19 +321,35 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return await _with_bus(args, run)
 
 
+def _resize_size(text: str) -> int | Literal["auto"]:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a number of GPUs nor 'auto'"
+        ) from None
+
+
 async def cmd_resize(args: argparse.Namespace) -> int:
-    """Stage a resize; with --wait, follow it until it is committed or rolled back."""
+    """Pin a job at a size and stage the resize (or lift the pin: `auto`); with
+    --wait, follow the resize until it is committed (exit 0) or rolled back (exit 1,
+    with the reason)."""
 
     async def run(bus: Any) -> int:
         request = ResizeRequest(job_id=args.job, gpus=args.gpus)
         job = (await call(bus, args.tenant, "resize", request, JOB_RESULT)).job
+        if args.gpus == "auto":
+            print(f"job {job.job_id}: not pinned; the policy sizes it")
+            return 0
         staged = job.resize
-        if staged is None:
-            print(f"job {job.job_id} already runs on {job.gpu_count} GPUs")
+        if staged is None or staged.to_size != args.gpus:
+            print(f"job {job.job_id} runs on {job.gpu_count} GPUs, pinned there")
             return 0
         print(
             f"job {job.job_id}: resize {staged.from_size} -> {staged.to_size} GPUs "
-            f"staged (command {staged.command_id})"
+            f"staged (command {staged.command_id}); pinned at {staged.to_size}"
         )
         if not args.wait:
             return 0
@@ -472,6 +490,8 @@ async def cmd_brain(args: argparse.Namespace) -> int:
             order=args.policy,
             elasticity=args.elasticity,
             elastic_resize_interval_s=args.elastic_resize_interval,
+            elastic_payback=args.elastic_payback,
+            elastic_reprobe_s=args.elastic_reprobe,
             elastic_may_spread=not args.elastic_one_node,
         ).validate(),
         node_timeout_s=args.node_timeout,
@@ -679,10 +699,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job")
     p.set_defaults(fn=cmd_cancel)
 
-    p = sub.add_parser("resize", help="resize a running elastic job to N GPUs")
+    p = sub.add_parser(
+        "resize", help="pin a running elastic job at N GPUs (auto: let the policy size it)"
+    )
     _client_args(p)
     p.add_argument("job")
-    p.add_argument("gpus", type=int, metavar="N", help="GPUs to run on, within its min..max")
+    p.add_argument(
+        "gpus",
+        type=_resize_size,
+        metavar="N|auto",
+        help="GPUs to run on, within its min..max: the policy leaves it there until "
+        "'auto' hands its size back",
+    )
     p.add_argument("--wait", action="store_true", help="wait until it is committed or rolled back")
     p.add_argument(
         "--timeout", type=float, default=180.0, metavar="SECONDS", help="how long --wait waits"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from agents.gpu import probe_nvml
+from brain.core import DEFAULT_POLICY
 from bus.server import EmbeddedCluster, EmbeddedNats, check_cluster_size
 from cli.config import ClusterInfo, TlsSettings, alnair_home, read_cluster, remove_cluster_file
 from schemas.api import OPERATOR_TENANT
@@ -50,6 +51,23 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="resize running elastic jobs only in rounds this far apart (0, the default: "
         "at every scheduling pass); rounds pay when a resize costs more than the wait",
+    )
+    p.add_argument(
+        "--elastic-payback",
+        type=float,
+        default=DEFAULT_POLICY.elastic_payback,
+        metavar="K",
+        help="move an elastic job again only after it ran K times as long as its last "
+        f"resize took (default {DEFAULT_POLICY.elastic_payback:g}: a job flapped at the "
+        "limit stands still at most 1/(K+1) of its time)",
+    )
+    p.add_argument(
+        "--elastic-reprobe",
+        type=float,
+        default=DEFAULT_POLICY.elastic_reprobe_s,
+        metavar="SECONDS",
+        help="try an elastic job again at a size it left for lack of gain after this long "
+        f"(default {DEFAULT_POLICY.elastic_reprobe_s:g}; 0: never)",
     )
     p.add_argument(
         "--elastic-one-node",
@@ -423,6 +441,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
                 *[*me, "brain", "--nats", nats_urls, "--policy", args.policy, *queues],
                 *["--elasticity", args.elasticity],
                 *["--elastic-resize-interval", str(args.elastic_resize_interval)],
+                *["--elastic-payback", str(args.elastic_payback)],
+                *["--elastic-reprobe", str(args.elastic_reprobe)],
                 *(["--elastic-one-node"] if args.elastic_one_node else []),
                 *(["--replicas", str(CLUSTER_REPLICAS)] if args.cluster else []),
                 *["--history", str(home / "brain" / f"history-{i + 1}.db")],

@@ -59,6 +59,16 @@ def _summary(job: JobRecord) -> list[str]:
         hints.append(f"declared duration {spec.declared_duration_s:g} s")
     if spec.network_sensitive:
         hints.append("network-sensitive (never spread over switches)")
+    if spec.elastic:
+        low, high = spec.gpu_range
+        size = f"elastic {low}..{high} GPUs"
+        if job.pinned_gpus is None:
+            hints.append(f"{size}, sized by the policy")
+        else:
+            hints.append(
+                f"{size}, pinned at {job.pinned_gpus} by an operator "
+                "(`alnair resize JOB auto` hands it back)"
+            )
     if hints:
         lines.append(f"  hints:    {'; '.join(hints)}")
     return lines

@@ -6,7 +6,7 @@ an identity to its tenant's subjects, so the subject is the authenticated tenant
 
 from __future__ import annotations
 
-from typing import Final, Literal, get_args
+from typing import Annotated, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -79,11 +79,14 @@ class ResumeRequest(Message):
 
 
 class ResizeRequest(Message):
-    """Run an elastic job on `gpus` GPUs (`alnair resize JOB N`): staged now, committed
-    when the job's supervisor has the workers stepping at that size."""
+    """Pin an elastic job at `gpus` GPUs (`alnair resize JOB N`): the resize is staged
+    now and committed when the job's supervisor has the workers stepping at that size,
+    and the policy leaves the job at that size until `alnair resize JOB auto`."""
 
     job_id: str = Field(min_length=1, max_length=64)
-    gpus: int = Field(ge=1, le=MAX_GPUS_PER_JOB)
+    # A size pins the job there (the policy leaves it at that size, across attempts);
+    # "auto" lifts the pin and hands the job's size back to the policy.
+    gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_JOB)] | Literal["auto"]
 
 
 class HistoryRequest(Message):

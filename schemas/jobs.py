@@ -269,6 +269,17 @@ class JobRecord(BaseModel):
     # Nodes where a grow could not start an elastic job's worker host in this attempt
     # (`barred_nodes`). A node its resizes merely left keeps its grant, with no GPU.
     failed_nodes: tuple[NodeName, ...] = ()
+    # When the last resize of this run committed and how long it took from command to
+    # commit: the policy lets the job run a multiple of that before moving it again.
+    last_resize_at: float | None = None
+    last_resize_s: float | None = Field(default=None, ge=0)
+    # An operator's `alnair resize JOB N` pins the job at N GPUs, across attempts,
+    # until `alnair resize JOB auto`: the policy does not resize it by itself.
+    pinned_gpus: int | None = Field(default=None, ge=1)
+    # The policy shrank the job from this size because the GPUs above did not earn
+    # their keep, at `gain_ceiling_at`: it is not grown back there on the same evidence.
+    gain_ceiling: int | None = Field(default=None, ge=1)
+    gain_ceiling_at: float | None = None
 
     @property
     def nodes(self) -> tuple[str, ...]:

@@ -52,6 +52,10 @@ class CauseKind(StrEnum):
     RESIZE_STAGED = "resize_staged"
     RESIZED = "resized"
     RESIZE_ROLLED_BACK = "resize_rolled_back"
+    # An operator pinned an elastic job at a size (`alnair resize JOB N`), or handed it
+    # back to the policy (`alnair resize JOB auto`).
+    RESIZE_PINNED = "resize_pinned"
+    RESIZE_UNPINNED = "resize_unpinned"
 
 
 class Preemption(BaseModel):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import time
 import uuid
@@ -24,9 +25,11 @@ from nats.aio.msg import Msg
 
 from agents.agent import Agent
 from brain import elastic
-from brain.progress import ProgressTracker
+from brain.core import Policy
+from brain.progress import MIN_REPORTS, WINDOW, ProgressTracker
 from brain.service import Brain
 from bus.client import Bus
+from bus.server import EmbeddedNats
 from schemas import subjects
 from schemas.api import CancelRequest, ErrorReply, JobReply, ResizeRequest, SubmitRequest
 from schemas.base import decode
@@ -125,6 +128,14 @@ class FakeNode:
 
     async def progress(
         self, job_id: str, world_size: int, samples_per_s: float, attempt: int | None = None
+    ) -> None:
+        """As rank 0 reports a steady rate: the first step at a size (the world's warm-up,
+        which the brain sets aside) and then enough for the brain to act on."""
+        for _ in range(1 + MIN_REPORTS):
+            await self._progress(job_id, world_size, samples_per_s, attempt)
+
+    async def _progress(
+        self, job_id: str, world_size: int, samples_per_s: float, attempt: int | None
     ) -> None:
         report = Progress(
             attempt=attempt,
@@ -262,7 +273,7 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
         if j.job_id == job_id
     )
     assert (view.min_gpus, view.max_gpus, view.resizing) == (1, 3, True)
-    assert view.throughput == ((2, 100.0),)
+    assert [(p.size, p.rate, p.rel_error) for p in view.throughput] == [(2, 100.0, 0.0)]
     assert view.progress_fraction == pytest.approx(0.1)
     refused(await resize(brain, job_id, 1), "conflict", "already resizing 2 -> 3")
     command = await eventually(lambda: node.resize_for(staged.command_id))
@@ -437,8 +448,11 @@ async def test_elastic_horovod_job_resized_through_the_brain(
         (CauseKind.RESIZE_STAGED, 3),  # a shrink frees nothing until the ack
         (CauseKind.RESIZED, 1),
     ]
-    throughput = dict(brain.progress.current()[job_id].throughput)
-    assert set(throughput) == {1, 2, 3} and all(v > 0 for v in throughput.values())
+    # Measured at every size it ran at (the first step at each set aside as warm-up).
+    throughput = await eventually(
+        lambda: len(seen := brain.progress.current()[job_id].throughput) == 3 and seen
+    )
+    assert [p.size for p in throughput] == [1, 2, 3] and all(p.rate > 0 for p in throughput)
 
     stop_file.touch()
     ended = await eventually(
@@ -579,7 +593,15 @@ async def test_cli_submit_elastic_resize_and_show(
     await node.resized(command, ok=True, from_size=2)
     await eventually(lambda: brain.state.jobs[job_id].resize is None)
     code, out, err = await alnair("jobs", *where, env=env)
-    assert code == 0 and "3[1..3]" in out, err
+    assert code == 0 and "3[1..3] pin=3" in out, err
+    code, out, err = await alnair("why", *where, job_id, env=env)
+    assert code == 0 and "pinned at 3 by an operator" in out, err
+    code, out, err = await alnair("resize", *where, job_id, "auto", env=env)
+    assert code == 0 and "not pinned" in out, err
+    code, out, err = await alnair("job", *where, job_id, env=env)
+    assert code == 0 and json.loads(out)["elastic"]["pinned_gpus"] is None, err
+    code, _, err = await alnair("resize", *where, job_id, "two", env=env)
+    assert code != 0 and "neither a number of GPUs nor 'auto'" in err
 
 
 # -- the pure parts: brain/elastic.py and brain/progress.py ------------------------------
@@ -735,23 +757,40 @@ def test_progress_tracker_learns_throughput_per_size() -> None:
             total_steps=1000,
         )
 
-    assert tracker.observe(report(10, 2, 100.0, 1.0))  # first report: news
-    assert not tracker.observe(report(20, 2, 200.0, 2.0))
-    assert tracker.observe(report(30, 3, 240.0, 3.0))  # first at size 3: news
+    # The first step at a size is the world's warm-up: set aside, but news.
+    assert tracker.observe(report(10, 2, 5.0, 1.0))
+    assert tracker.current()["7"].throughput == ()
+    assert tracker.observe(report(20, 2, 100.0, 2.0))  # the first rate at size 2: news
+    assert not tracker.observe(report(30, 2, 200.0, 3.0))
+    (two,) = tracker.current()["7"].throughput
+    assert (two.size, two.rate, two.settled) == (2, 150.0, False)  # too few to know the error
+    assert tracker.observe(report(40, 2, 150.0, 4.0))  # the third: its error known, news
+    (two,) = tracker.current()["7"].throughput
+    assert (two.rate, two.at) == (150.0, 4.0)
+    assert two.rel_error == pytest.approx(50.0 / math.sqrt(3) / 150.0)
+    tracker.observe(report(50, 3, 10.0, 5.0))  # warm-up at 3
+    assert tracker.observe(report(60, 3, 240.0, 6.0))
     seen = tracker.current()["7"]
-    assert seen.throughput == ((2, pytest.approx(130.0)), (3, 240.0))
-    assert seen.progress_fraction == pytest.approx(0.03)
-    assert seen.progress_rate_per_s == pytest.approx(0.01)
+    assert [(p.size, p.rate) for p in seen.throughput] == [(2, 150.0), (3, 240.0)]
+    assert seen.progress_fraction == pytest.approx(0.06)
     assert tracker.heard_from("7") and tracker.world_size("7") == 3
+    # A window of the latest reports: old ones age out.
+    for i in range(2 * WINDOW):
+        tracker.observe(report(70 + i, 3, 300.0, 7.0 + i))
+    (_, three) = tracker.current()["7"].throughput
+    assert (three.rate, three.rel_error) == (300.0, 0.0)
 
 
 def test_progress_tracker_prefers_goodput_from_a_job_that_adapts_its_batch() -> None:
     tracker = ProgressTracker()
     base = {"job_id": "8", "step": 1, "loss": 0.1, "slots": 2}
-    tracker.observe(Progress(ts=1.0, world_size=2, samples_per_s=900.0, goodput=300.0, **base))
-    tracker.observe(Progress(ts=2.0, world_size=4, samples_per_s=2000.0, **base))
+    for ts in (1.0, 2.0):
+        tracker.observe(Progress(ts=ts, world_size=2, samples_per_s=900.0, goodput=300.0, **base))
+    for ts in (3.0, 4.0):
+        tracker.observe(Progress(ts=ts, world_size=4, samples_per_s=2000.0, **base))
     # Goodput where reported (a bigger batch's samples are worth less), else samples/s.
-    assert tracker.current()["8"].throughput == ((2, 300.0), (4, 2000.0))
+    seen = tracker.current()["8"].throughput
+    assert [(p.size, p.rate) for p in seen] == [(2, 300.0), (4, 2000.0)]
 
 
 @contextlib.asynccontextmanager
@@ -921,3 +960,79 @@ async def test_a_failing_elastic_job_says_which_worker_failed_and_why(
     assert failure.failure_class is FailureClass.USER
     assert "first error: worker" in failure.reason
     assert "ValueError: lr must be > 0" in failure.reason
+
+
+def _when(records: list[tuple[float, StateRecord]], kind: CauseKind) -> list[float]:
+    return [at for at, r in records if isinstance(r, JobChanged) and r.cause.kind is kind]
+
+
+def _policy_resizes(records: list[tuple[float, StateRecord]], job_id: str) -> list[float]:
+    """When the policy (not an operator) staged a resize of the job."""
+    return [
+        at
+        for at, r in records
+        if isinstance(r, JobChanged)
+        and r.job.job_id == job_id
+        and r.cause.kind is CauseKind.RESIZE_STAGED
+        and "asked by" not in r.cause.message
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(480)
+async def test_an_elastic_job_settles_and_an_operator_pin_holds(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Agent]],
+    nats_server: EmbeddedNats,
+    tmp_path: Path,
+) -> None:
+    """The first elastic user's run, on an idle node under `make up`'s policy (marginal
+    gain, resizes at every cycle): `--gpus 2 --min-gpus 1 --max-gpus 3` of the example
+    once flapped 17 times in 65 s. It settles: at most 2 policy resizes in the 90 s
+    after its first commit. `alnair resize JOB 1 --wait` exits 0 once committed and the
+    size holds for 60 s with no policy resize; `resize JOB auto` hands it back."""
+    from tests.test_cli import alnair
+
+    brain = await brain_factory(policy=Policy(order="fifo", elasticity="marginal-gain"))
+    await agent_factory("n1", gpus=4)
+    await eventually(lambda: brain.state.nodes)
+    records: list[tuple[float, StateRecord]] = []
+    brain.record_observers.append(lambda record, seq: records.append((time.monotonic(), record)))
+    stop_file = tmp_path / "stop"
+    job_id = await submit(brain, elastic_train_spec(2, stop_file, max_gpus=3))
+    await eventually(lambda: brain.progress.world_size(job_id) == 2, timeout_s=90)
+
+    # The policy may probe another size (a resize) and come back (a second): no more.
+    # The window opens at the first commit (or after a minute without one).
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: _when(records, CauseKind.RESIZED), timeout_s=60, interval_s=1)
+    committed = _when(records, CauseKind.RESIZED)
+    window_start = committed[0] if committed else time.monotonic()
+    await asyncio.sleep(max(0.0, window_start + 90 - time.monotonic()))
+    late = [at for at in _policy_resizes(records, job_id) if window_start <= at < window_start + 90]
+    assert len(late) <= 2, [r.cause.message for _, r in records if isinstance(r, JobChanged)]
+    await eventually(lambda: brain.state.jobs[job_id].resize is None, timeout_s=90)
+
+    # An operator's size holds, through the CLI a user would type.
+    env = {"PATH": "/usr/bin:/bin", "ALNAIR_HOME": str(tmp_path / "home"), "HOME": str(tmp_path)}
+    where = ("--nats", nats_server.url, "--tenant", TENANT)
+    code, out, err = await alnair("resize", *where, job_id, "1", "--wait", env=env)
+    assert code == 0, (out, err)
+    job = brain.state.jobs[job_id]
+    assert (job.gpu_count, job.pinned_gpus) == (1, 1), job.reason
+    pinned_at = time.monotonic()
+    await asyncio.sleep(60)
+    assert brain.state.jobs[job_id].gpu_count == 1
+    assert [at for at in _policy_resizes(records, job_id) if at >= pinned_at] == []
+
+    code, out, err = await alnair("resize", *where, job_id, "auto", env=env)
+    assert code == 0 and "not pinned" in out, err
+    assert _when(records, CauseKind.RESIZE_UNPINNED)
+    assert brain.state.jobs[job_id].pinned_gpus is None
+
+    stop_file.touch()
+    ended = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=90
+    )
+    assert ended.state is JobState.SUCCEEDED, ended.reason

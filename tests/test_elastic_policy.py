@@ -18,6 +18,7 @@ from brain.core import (
     Grant,
     InvalidPolicy,
     JobView,
+    Measured,
     NodeView,
     Place,
     Policy,
@@ -69,7 +70,8 @@ def elastic(
         started_at=at if on else None,
         min_gpus=least,
         max_gpus=most,
-        throughput=throughput,
+        # Exact rates, as the simulator reports them.
+        throughput=tuple(Measured(size, rate) for size, rate in throughput),
         attained_gpu_seconds=attained,
     )
     return replace(view, **fields)  # type: ignore[arg-type]

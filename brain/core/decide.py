@@ -101,6 +101,14 @@ class Policy:
     # only at rounds every this many seconds (Pollux: 60), not at every cycle; a
     # reclaim for a pending job is not deferred. 0: at every cycle.
     elastic_resize_interval_s: float = 0.0
+    # A running elastic job is moved by the policy again (retreat, entitle, grow) only
+    # once it has run this many times as long as its last resize took at that size:
+    # a resize stalls the job, so each must pay back its cost (docs/elastic.md says
+    # how the default was chosen on the Pollux bench).
+    elastic_payback: float = 4.0
+    # Evidence against a size (its measurement, a size left for lack of gain) counts
+    # this long; then the job may be tried there again. 0: for ever.
+    elastic_reprobe_s: float = 1800.0
 
     def validate(self) -> Policy:
         if self.order not in ORDERINGS:
@@ -124,6 +132,10 @@ class Policy:
             raise InvalidPolicy("the elastic minimum gain must be within 0..1")
         if self.elastic_resize_interval_s < 0:
             raise InvalidPolicy("the elastic resize interval cannot be negative")
+        if self.elastic_payback < 0:
+            raise InvalidPolicy("the elastic payback factor cannot be negative")
+        if self.elastic_reprobe_s < 0:
+            raise InvalidPolicy("the elastic re-probe interval cannot be negative")
         return self
 
     def describe(self) -> str:
@@ -447,6 +459,8 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
             min_gain=policy.elastic_min_gain,
             now=now,
             resize_interval_s=policy.elastic_resize_interval_s,
+            payback=policy.elastic_payback,
+            reprobe_s=policy.elastic_reprobe_s,
         )
         snapshot = running_views(snapshot)
     ordered = order((*snapshot.running, *snapshot.pending), context)
@@ -474,6 +488,7 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
         shrinks, cycle.actions, grows = stage.finish(ledger, cycle.actions, excluded)
         if stage.next_round is not None:
             cycle.wakes.append(stage.next_round)
+        cycle.wakes.extend(stage.wakes)
     wakes = [*cycle.wakes, *_starvation_wakes(entries, policy)]
     wakes += backoff_wakes
     if ordered.wake_at is not None:

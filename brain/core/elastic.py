@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
 
-from brain.core.model import Action, ClusterSnapshot, Grant, JobView, Place, Resize
+from brain.core.model import Action, ClusterSnapshot, Grant, JobView, Measured, Place, Resize
 from brain.core.ordering import job_sequence
 from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
 
@@ -83,6 +83,11 @@ EXPLORE_FACTOR: Final = 2.0
 # With a resize interval, a cycle this close after a round's start (seconds) is that
 # round's: the shell wakes the brain at the round, a little late.
 ROUND_TOLERANCE_S: Final = 1.0
+# How many standard errors apart two measured rates must be before a resize rests on
+# their difference (about 95 % one-sided): a job grows into a measured size only when
+# the gain clears `elastic_min_gain` by this margin, and retreats only when it falls
+# short by it. Between the two it stays where it is.
+CONFIDENCE_Z: Final = 2.0
 
 
 def is_resize_round(now: float, interval_s: float) -> bool:
@@ -106,10 +111,35 @@ def prior_speedup(size: int) -> float:
 
 def _observed(job: JobView) -> list[tuple[int, float]]:
     last: dict[int, float] = {}
-    for size, rate in job.throughput:
-        if size >= 1 and rate > 0:
-            last[size] = rate
+    for point in job.throughput:
+        if point.size >= 1 and point.rate > 0:
+            last[point.size] = point.rate
     return sorted(last.items())
+
+
+def _measured(job: JobView, size: int) -> Measured | None:
+    """The job's settled measurement at `size`, if it has one."""
+    for point in job.throughput:
+        if point.size == size and point.rate > 0 and point.settled:
+            return point
+    return None
+
+
+def fresh_evidence(job: JobView, now: float, reprobe_s: float) -> JobView:
+    """The job as the stage reasons about it: measurements and a gain ceiling older
+    than `reprobe_s` no longer count (the job may be tried at those sizes again), but
+    the size it runs at now is always measured afresh by its reports."""
+    if reprobe_s <= 0:
+        return job
+    cutoff = now - reprobe_s
+    size = job.held_gpus
+    kept = tuple(p for p in job.throughput if p.at is None or p.at >= cutoff or p.size == size)
+    stale_ceiling = job.gain_ceiling_at is not None and job.gain_ceiling_at < cutoff
+    if len(kept) == len(job.throughput) and not stale_ceiling:
+        return job
+    if stale_ceiling:
+        return replace(job, throughput=kept, gain_ceiling=None, gain_ceiling_at=None)
+    return replace(job, throughput=kept)
 
 
 def estimate_throughput(job: JobView, size: int) -> float:
@@ -216,6 +246,13 @@ class ElasticStage:
     # reclaims for pending jobs happen at every cycle. Off: the next round's start.
     resize_round: bool = True
     next_round: float | None = None
+    # Running jobs that make no move of their own this cycle (retreat, entitle, grow):
+    # pinned by an operator, their current size not measured well enough yet, or their
+    # last resize not paid back yet (`settle`). Reclaims for pending jobs may still
+    # shrink them (a pinned one only down to its pin).
+    settling: set[str] = field(default_factory=set)
+    # When a job's payback hold ends: the shell should call `decide` again then.
+    wakes: list[float] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -227,10 +264,16 @@ class ElasticStage:
         min_gain: float,
         now: float = 0.0,
         resize_interval_s: float = 0.0,
+        payback: float = 0.0,
+        reprobe_s: float = 0.0,
     ) -> ElasticStage:
-        asked = {j.job_id: j for j in (*snapshot.running, *snapshot.pending) if j.elastic}
+        asked = {
+            j.job_id: fresh_evidence(j, now, reprobe_s)
+            for j in (*snapshot.running, *snapshot.pending)
+            if j.elastic
+        }
         sized = {
-            j.job_id: _Sized(j, _gpus(j.grants), j.held_gpus)
+            j.job_id: _Sized(asked[j.job_id], _gpus(j.grants), j.held_gpus)
             for j in snapshot.running
             if j.elastic and not j.resizing
         }
@@ -239,16 +282,36 @@ class ElasticStage:
             stage.resize_round = False
             if sized:
                 stage.next_round = next_resize_round(now, resize_interval_s)
+        for sized_job in sized.values():
+            stage.settle(sized_job.job, now, payback)
         return stage
+
+    def settle(self, job: JobView, now: float, payback: float) -> None:
+        """Hold a running job still this cycle unless it may move by itself: not
+        pinned, its size measured (enough reports to know the rate's error), and run at
+        that size `payback` times as long as its last resize took, so that each resize
+        pays back the time the job stood still for it."""
+        if job.pinned_gpus is not None or _measured(job, job.held_gpus) is None:
+            self.settling.add(job.job_id)
+            return
+        if job.last_resize_at is not None and job.last_resize_s is not None:
+            until = job.last_resize_at + payback * job.last_resize_s
+            if now < until:
+                self.settling.add(job.job_id)
+                self.wakes.append(until)
 
     # -- sizes -----------------------------------------------------------------------
 
     @staticmethod
     def least(job: JobView) -> int:
+        if job.pinned_gpus is not None:
+            return job.pinned_gpus
         return max(1, job.min_gpus or 1)
 
     @staticmethod
     def most(job: JobView) -> int:
+        if job.pinned_gpus is not None:
+            return job.pinned_gpus
         return max(ElasticStage.least(job), job.max_gpus or job.gpus)
 
     def wanted(self, job_id: str) -> int:
@@ -281,14 +344,21 @@ class ElasticStage:
         its whole ask shrinks the long jobs already running to their minimum, where
         they stay while newcomers keep arriving; sharing by gain keeps every job near
         its efficient size (on Pollux's workloads, 0.83 -> 0.76 of static `las`'s
-        average JCT, docs/elastic.md)."""
+        average JCT, docs/elastic.md).
+
+        With hysteresis: a GPU a running job holds counts at the upper bound of its
+        measured gain, one it would add at the lower bound, so two jobs whose gains
+        differ by less than their measurements' error do not trade GPUs back and forth."""
         left = capacity - sum(self.selected.values())
         heap: list[tuple[tuple[float, ...], float, int, tuple[int, str], str]] = []
 
         def push(job_id: str) -> None:
             size = self.targets[job_id]
-            if size < self.wanted(job_id):
-                gain = self.gain(self.asked[job_id], size)
+            job = self.asked[job_id]
+            if size < self.wanted(job_id) and self.worth_growing(job, size):
+                gain, error = self._gain_error(job, size)
+                held = self.sized[job_id].before if job_id in self.sized else 0
+                gain += CONFIDENCE_Z * error if size < held else -CONFIDENCE_Z * error
                 key = (self.share_class.get(job_id, ()), -gain, self._rank(job_id))
                 heapq.heappush(heap, (*key, job_sequence(job_id), job_id))
 
@@ -327,10 +397,48 @@ class ElasticStage:
         now = self._rate(job, size)
         return self._rate(job, size + 1) / now - 1.0 if now > 0 else 0.0
 
+    def _gain_error(self, job: JobView, size: int) -> tuple[float, float]:
+        """`gain(job, size)` and its standard error (0 unless both sizes are measured)."""
+        gain = self.gain(job, size)
+        a, b = _measured(job, size), _measured(job, size + 1)
+        if a is None or b is None:
+            return gain, 0.0
+        return gain, (1.0 + gain) * math.hypot(a.rel_error, b.rel_error)
+
     def loss(self, job: JobView, size: int) -> float:
         """Relative throughput lost by giving up one GPU: 1 - T(n-1)/T(n)."""
         now = self._rate(job, size)
         return 1.0 - self._rate(job, size - 1) / now if now > 0 else 0.0
+
+    def _margin(self, job: JobView, low: int, high: int) -> tuple[float, float]:
+        """How far the GPUs from `low` to `high` clear the bar of `min_gain` of an
+        average GPU each (throughput above the bar; negative: short of it), and the
+        standard error of that difference (0 unless both sizes are measured: an
+        estimated size is a guess, which growth may probe and retreat never uses)."""
+        rate_low, rate_high = self._rate(job, low), self._rate(job, high)
+        bar = self.min_gain * (high - low) * rate_low / low
+        margin = rate_high - rate_low - bar
+        a, b = _measured(job, low), _measured(job, high)
+        if a is None or b is None:
+            return margin, 0.0
+        return margin, math.hypot(a.rel_error * a.rate, b.rel_error * b.rate)
+
+    def _falls_short(self, job: JobView, low: int, high: int) -> bool:
+        """Whether the GPUs from `low` to `high` miss the bar beyond the error."""
+        margin, error = self._margin(job, low, high)
+        return margin + CONFIDENCE_Z * error < 0
+
+    def worth_growing(self, job: JobView, size: int) -> bool:
+        """Whether the job's next GPU earns its keep: it adds at least `min_gain` of
+        what an average GPU of the job does, by a margin beyond the measurements'
+        error when both sizes are measured; never back to a size the job left for lack
+        of gain (its `gain_ceiling`) until that evidence is stale. The one test that
+        targets, entitlement and growth apply, whatever the job asked for: the asked
+        size is a claim against other jobs, not a reason to grow into bad scaling."""
+        if job.gain_ceiling is not None and size + 1 >= job.gain_ceiling:
+            return False
+        margin, error = self._margin(job, size, size + 1)
+        return margin - CONFIDENCE_Z * error >= 0 and margin >= 0
 
     # -- placement of a pending elastic job -----------------------------------------
 
@@ -448,35 +556,30 @@ class ElasticStage:
     # -- retreat, entitle, grow ------------------------------------------------------
 
     def retreat(self, ledger: FreeGpus, exclude: set[str]) -> None:
-        """Shrink running jobs whose observed throughput says their last GPUs do not
-        earn their keep: to the smallest observed size from which the GPUs above it
-        added less than `min_gain` of an average GPU's throughput each (the test growth
-        applies, so a job that retreated is not grown back)."""
+        """Shrink running jobs whose measured throughput says their last GPUs do not
+        earn their keep: down one measured size at a time, largest first, while the
+        GPUs between the two fall short of `min_gain` of an average GPU each beyond the
+        measurements' error. The mirror of growth (`worth_growing`): the same margin
+        over the same pairs of sizes, so a job that retreated is not grown back, and
+        one that would grow is not shrunk. Only measured sizes count: an estimate is a
+        guess to probe, not evidence against GPUs a job holds."""
         for job_id in sorted(self.sized, key=job_sequence):
             sized = self.sized[job_id]
             if job_id in exclude or sized.before == 0 or sized.shrank:
                 continue
-            size = len(sized.held)
-            observed = {n for n, _ in _observed(sized.job)}
-            if size not in observed:
+            job = sized.job
+            target = len(sized.held)
+            if _measured(job, target) is None:
                 continue
-            # Rates from the estimate (the observations, for marginal-gain), so that
-            # retreat and growth never disagree about the same sizes.
-            now = self._rate(sized.job, size)
-            least = self.least(sized.job)
-            better = [
-                n
-                for n in observed
-                if least <= n < size
-                and (now - self._rate(sized.job, n)) / (size - n)
-                < self.min_gain * self._rate(sized.job, n) / n
-            ]
-            if not better:
-                continue
-            target = min(better)
+            below = [p.size for p in job.throughput if p.settled and p.rate > 0]
+            for size in sorted((n for n in below if self.least(job) <= n < target), reverse=True):
+                if not self._falls_short(job, size, target):
+                    break
+                target = size
             while len(sized.held) > target:
                 self._give_back(sized, ledger, set())
-            self.targets[job_id] = min(self.targets.get(job_id, target), target)
+            if len(sized.held) < sized.before:
+                self.targets[job_id] = min(self.targets.get(job_id, target), target)
 
     def _grow_node(self, sized: _Sized, ledger: FreeGpus) -> str | None:
         mine: dict[str, int] = {}
@@ -570,11 +673,9 @@ class ElasticStage:
             # Past what it asked for only on evidence: measured at its ask or more, and
             # not past twice the largest size measured (the prior is only a guess).
             return
-        gain = self.gain(job, size)
-        # Worth it when the next GPU adds at least `min_gain` of what an average GPU
-        # of the job does: T(n+1) - T(n) >= min_gain * T(n) / n.
-        if gain * size < self.min_gain:
+        if not self.worth_growing(job, size):
             return
+        gain = self.gain(job, size)
         job_id = job.job_id
         heapq.heappush(heap, (-gain, self._rank(job_id), job_sequence(job_id), job_id))
 
@@ -591,6 +692,7 @@ class ElasticStage:
             if isinstance(action, Place) and action.job_id in self.asked:
                 job = self.asked[action.job_id]
                 self.sized[action.job_id] = _Sized(job, _gpus(action.grants), 0)
+        exclude = exclude | self.settling
         if not self.resize_round:
             # Between rounds running jobs keep their size (bar reclaims): only the
             # jobs placed in this cycle take part.
@@ -614,7 +716,8 @@ class ElasticStage:
                 continue
             grants = _as_grants(sized.held)
             if len(sized.held) < sized.before:
-                shrinks.append(Resize(job_id, grants, self._shrink_cause(sized)))
+                retreat = sized.shrunk_for is None
+                shrinks.append(Resize(job_id, grants, self._shrink_cause(sized), retreat=retreat))
             else:
                 grows.append(Resize(job_id, grants, self._grow_cause(sized)))
         return shrinks, rewritten, grows

@@ -71,6 +71,24 @@ class UtilizationProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class Measured:
+    """A job's throughput at one world size, from its progress reports."""
+
+    size: int
+    # Mean samples/s of the whole job (or goodput) over the reports in the window.
+    rate: float
+    # Relative standard error of `rate` (0: exact, as the simulator reports); infinite
+    # while too few reports came to know it: no decision rests on such a point.
+    rel_error: float = 0.0
+    # When the last report at this size came (the snapshot's clock); None: unknown.
+    at: float | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.rel_error != float("inf")
+
+
+@dataclass(frozen=True, slots=True)
 class JobView:
     job_id: str
     gpus: int
@@ -118,10 +136,23 @@ class JobView:
     max_gpus: int | None = None
     # Observed throughput (samples/s, whole job) per world size, from its progress
     # reports: what the elasticity stage ranks marginal gains by. Sorted by size.
-    throughput: tuple[tuple[int, float], ...] = ()
+    throughput: tuple[Measured, ...] = ()
     # A resize was staged and the job's supervisor has not acknowledged it yet: the
     # policy leaves the job's size alone until it has.
     resizing: bool = False
+    # When the job's last resize took effect in this run, and how long it took from
+    # command to commit: the policy moves it again only once it has run k times that
+    # at its size (`Policy.elastic_payback`). None: not resized in this run.
+    last_resize_at: float | None = None
+    last_resize_s: float | None = None
+    # An operator pinned the job at this many GPUs (`alnair resize JOB N`): the policy
+    # runs it at exactly that size until the pin is lifted (`resize JOB auto`).
+    pinned_gpus: int | None = None
+    # The policy shrank the job from this size because the GPUs above did not earn
+    # their keep, at `gain_ceiling_at`: it grows back to it only on new evidence
+    # (`Policy.elastic_reprobe_s` later).
+    gain_ceiling: int | None = None
+    gain_ceiling_at: float | None = None
 
     @property
     def running(self) -> bool:
@@ -236,6 +267,9 @@ class Resize:
     job_id: str
     grants: tuple[Grant, ...]
     cause: str
+    # A retreat: the GPUs given back did not earn their keep. The shell records the
+    # size left as the job's `gain_ceiling`.
+    retreat: bool = False
 
     @property
     def size(self) -> int:

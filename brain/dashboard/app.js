@@ -147,6 +147,14 @@ function grantsText(job) {
   return job.grants.map((g) => `${g.node}[${g.gpus.join(",")}]`).join(" ") || "-";
 }
 
+// GPUs held; an elastic job's range, and the size an operator pinned it at.
+function sizeText(job) {
+  const held = job.grants.reduce((n, g) => n + g.gpus.length, 0);
+  if (!job.spec.elastic) return `${held}`;
+  const pin = job.pinned_gpus == null ? "" : ` pinned ${job.pinned_gpus}`;
+  return `${held} [${job.spec.min_gpus ?? 1}..${job.spec.max_gpus ?? job.spec.gpus}]${pin}`;
+}
+
 function drawQueue(pending, now) {
   $("queue-count").textContent = `(${pending.length} pending)`;
   const rows = pending.map((job) =>
@@ -176,7 +184,7 @@ function drawRunning(running, profiles) {
       el("td", {}, job.job_id),
       el("td", {}, job.spec.name),
       el("td", {}, job.tenant),
-      el("td", {}, job.grants.reduce((n, g) => n + g.gpus.length, 0)),
+      el("td", {}, sizeText(job)),
       el("td", {}, grantsText(job)),
       el("td", {}, p ? pct(p.mean_util_pct) : "…"),
       el("td", {}, p ? pct(p.p95_util_pct) : "…"),

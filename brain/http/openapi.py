@@ -6,7 +6,7 @@ cannot drift; the paths, parameters and status codes are written here.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
@@ -43,8 +43,9 @@ class ResizeBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # The elastic job's new size, within its min_gpus..max_gpus.
-    gpus: int = Field(ge=1, le=MAX_GPUS_PER_JOB)
+    # The elastic job's new size, within its min_gpus..max_gpus: the job is pinned
+    # there (the policy leaves it at that size); "auto" lifts the pin.
+    gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_JOB)] | Literal["auto"]
 
 
 class Whoami(BaseModel):

@@ -35,6 +35,7 @@ from brain.core import (
     Decisions,
     Grant,
     JobView,
+    Measured,
     NodeView,
     Place,
     Policy,
@@ -214,9 +215,17 @@ class _Job:
     curve: SpeedCurve | None = None
     # Throughput the job reported at each size it ran at (elastic jobs only), and the
     # report still to come for its current size: (when, size, samples/s).
-    observed: dict[int, float] = field(default_factory=dict)
+    observed: dict[int, Measured] = field(default_factory=dict)
     report: tuple[float, int, float] | None = None
     view: JobView | None = None
+    # When its last resize took effect (after its stall) and how long that stall was;
+    # the size its last retreat left, and when (see `JobView`).
+    last_resize_at: float | None = None
+    last_resize_s: float | None = None
+    gain_ceiling: int | None = None
+    gain_ceiling_at: float | None = None
+    # GPU-seconds held while stalled by resizes.
+    resize_gpu_seconds: float = 0.0
 
     @property
     def size(self) -> int:
@@ -236,8 +245,10 @@ class JobOutcome:
     queued_s: float
     preemptions: int
     resizes: int = 0
-    # GPU-seconds held (GPUs x seconds, over every size it ran at).
+    # GPU-seconds held (GPUs x seconds, over every size it ran at), and of them those
+    # held while a resize stalled the job.
     gpu_seconds: float = 0.0
+    resize_gpu_seconds: float = 0.0
 
     @property
     def jct(self) -> float | None:
@@ -353,8 +364,8 @@ class _Replay:
         """Throughput reports that arrived by now become what the policy sees."""
         for job in self.running.values():
             if job.report is not None and job.report[0] <= self.now + _DONE_EPSILON:
-                _, size, rate = job.report
-                job.observed[size] = rate
+                at, size, rate = job.report
+                job.observed[size] = Measured(size, rate, at=at)
                 job.report = None
                 job.view = None
 
@@ -411,7 +422,11 @@ class _Replay:
             progress_rate_per_s=None if progress is None else self._progress_rate(job),
             min_gpus=spec.min_gpus,
             max_gpus=spec.max_gpus,
-            throughput=tuple(sorted(job.observed.items())),
+            throughput=tuple(job.observed[size] for size in sorted(job.observed)),
+            last_resize_at=job.last_resize_at,
+            last_resize_s=job.last_resize_s,
+            gain_ceiling=job.gain_ceiling,
+            gain_ceiling_at=job.gain_ceiling_at,
         )
         job.view = view
         return view
@@ -551,9 +566,14 @@ class _Replay:
         job.resizes += 1
         shrink_cost = self.config.shrink_cost_s
         shrank = len(wanted) < len(held)
-        job.stall_s += (
-            shrink_cost if shrank and shrink_cost is not None else self.config.resize_cost_s
-        )
+        cost = shrink_cost if shrank and shrink_cost is not None else self.config.resize_cost_s
+        job.stall_s += cost
+        # It commits once its workers step at the new size: after the stall.
+        job.last_resize_at = self.now + job.stall_s
+        job.last_resize_s = cost
+        job.resize_gpu_seconds += cost * len(wanted)
+        if action.retreat:
+            job.gain_ceiling, job.gain_ceiling_at = len(held), self.now
         job.view = None
         self._set_speed(job)
 
@@ -573,6 +593,7 @@ class _Replay:
         job.remaining_s += self.config.preemption_cost_s
         job.stall_s = 0.0
         job.report = None
+        job.last_resize_at = job.last_resize_s = None
         job.view = None
         self.pending[action.job_id] = job
         self.preemption_log.append(
@@ -641,6 +662,7 @@ def simulate(
             preemptions=job.preemptions,
             resizes=job.resizes,
             gpu_seconds=job.attained_gpu_seconds,
+            resize_gpu_seconds=job.resize_gpu_seconds,
         )
         for job in replay.jobs
     )

@@ -37,8 +37,11 @@ class Metrics:
     preemptions: int
     jobs: int
     unfinished: int
-    # Resizes of elastic jobs (0 without any).
+    # Resizes of elastic jobs (0 without any); per hour that jobs ran; and the share of
+    # the GPU-seconds jobs held that they held standing still in a resize.
     resizes: int = 0
+    resizes_per_job_hour: float = 0.0
+    resize_gpu_share: float = 0.0
 
     def as_json(self) -> dict[str, float | int]:
         return asdict(self)
@@ -66,6 +69,8 @@ def summarize(result: SimResult) -> Metrics:
         makespan = 0.0
     held = sum(o.gpu_seconds for o in result.outcomes)
     capacity = result.capacity_gpus * makespan
+    resizes = sum(o.resizes for o in result.outcomes)
+    ran_h = sum(o.executed_s for o in result.outcomes) / 3600.0
     return Metrics(
         avg_jct=sum(jcts) / count if count else math.nan,
         median_jct=percentile(jcts, 0.5),
@@ -77,7 +82,11 @@ def summarize(result: SimResult) -> Metrics:
         preemptions=len(result.preemptions),
         jobs=len(result.outcomes),
         unfinished=len(result.outcomes) - count,
-        resizes=sum(o.resizes for o in result.outcomes),
+        resizes=resizes,
+        resizes_per_job_hour=resizes / ran_h if ran_h > 0 else 0.0,
+        resize_gpu_share=sum(o.resize_gpu_seconds for o in result.outcomes) / held
+        if held > 0
+        else 0.0,
     )
 
 
