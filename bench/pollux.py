@@ -201,6 +201,19 @@ PRIMARY = "elastic-adaptive-epoch-measured"
 WORKLOADS = tuple(PUBLISHED)
 
 
+def payback_variant(factor: float) -> Variant:
+    """The primary row with another payback factor (how long a job runs at a size,
+    in multiples of its last resize's time, before the policy moves it again)."""
+    primary = next(v for v in VARIANTS if v.label == PRIMARY)
+    return replace(
+        primary,
+        label=f"{PRIMARY}-payback-{factor:g}",
+        policy=replace(primary.policy, elastic_payback=factor),
+        note=f"as the primary, payback factor {factor:g} (default "
+        f"{primary.policy.elastic_payback:g})",
+    )
+
+
 @dataclass(frozen=True)
 class Row:
     workload: str
@@ -256,7 +269,7 @@ def _baseline(rows: list[Row]) -> dict[str, float]:
     return {r.workload: r.metrics.avg_jct for r in rows if r.variant == BASELINE}
 
 
-def print_table(rows: list[Row]) -> None:
+def print_table(rows: list[Row], variants: tuple[Variant, ...]) -> None:
     base = _baseline(rows)
     header = (
         "workload",
@@ -271,6 +284,8 @@ def print_table(rows: list[Row]) -> None:
         "util",
         "preempt",
         "resizes",
+        "/job-h",
+        "resizing",
         "wall s",
     )
     lines = [header]
@@ -292,6 +307,8 @@ def print_table(rows: list[Row]) -> None:
                 f"{m.utilization:.1%}",
                 str(m.preemptions),
                 str(m.resizes),
+                f"{m.resizes_per_job_hour:.2f}",
+                f"{m.resize_gpu_share:.2%}",
                 f"{r.wall_s:.1f}",
             )
         )
@@ -303,11 +320,12 @@ def print_table(rows: list[Row]) -> None:
                 for i, (c, w) in enumerate(zip(line, widths, strict=True))
             )
         )
-    for variant in VARIANTS:
+    for variant in variants:
         print(f"  {variant.label}: {variant.note}")
+    print("  /job-h: resizes per hour jobs ran; resizing: share of held GPU-time stalled in one")
 
 
-def summary(rows: list[Row]) -> list[str]:
+def summary(rows: list[Row], variants: tuple[Variant, ...] = VARIANTS) -> list[str]:
     """Ratios across the workloads run, per elastic variant, beside the published ones."""
     base = _baseline(rows)
     done = sorted(base)
@@ -338,7 +356,7 @@ def summary(rows: list[Row]) -> list[str]:
         for v in VARIANTS
         if v.policy.elasticity == "none" and v.batch not in ("global", "local")
     }
-    for variant in VARIANTS:
+    for variant in variants:
         if variant.label == BASELINE:
             continue
         mine = {r.workload: r.metrics.avg_jct for r in rows if r.variant == variant.label}
@@ -398,16 +416,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=WORKLOADS, action="append")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--payback",
+        type=float,
+        nargs="+",
+        default=(),
+        metavar="K",
+        help="also run the primary row with these payback factors (Policy.elastic_payback)",
+    )
     args = parser.parse_args(argv)
     if not (DATA / "apps").is_dir():
         print(f"no Pollux data at {DATA}", file=sys.stderr)
         return 2
     workloads = args.only or list(WORKLOADS)
-    jobs = [(w, v) for w in workloads for v in VARIANTS]
+    variants = (*VARIANTS, *(payback_variant(k) for k in args.payback))
+    jobs = [(w, v) for w in workloads for v in variants]
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
         rows = list(pool.map(run_one, [w for w, _ in jobs], [v for _, v in jobs]))
-    print_table(rows)
-    notes = summary(rows)
+    print_table(rows, variants)
+    notes = summary(rows, variants)
     for note in notes:
         print(note)
     json_path, csv_path = write_results(rows, notes)
