@@ -10,13 +10,15 @@ allocator semantics), which `decide` runs around its rigid pipeline:
 2. targets   — the GPUs that selected jobs' minimums leave raise elastic jobs toward
    what they asked for (`gpus`), one GPU at a time to the job whose next GPU adds the
    most (relative marginal gain), within entitlement classes (quota standing; a
-   priority, not a queue heuristic such as a LAS band: `Ordered.rank_entitles`);
+   priority, not a queue heuristic such as a LAS band: `Ordered.rank_entitles`), and
+   only while that GPU earns its keep (`worth_growing`): the asked size is a claim
+   against other jobs, not a reason to grow into bad scaling;
 3. reclaim   — when a selected pending job does not fit, running elastic jobs give back
    GPUs above their target, lowest marginal loss first, *before* any job is
    preempted; reclaimed GPUs nobody took are handed back; a pending elastic job that
    still does not fit at its target starts smaller, down to its minimum;
-4. retreat   — a running job gives back GPUs its observed throughput says do not earn
-   their keep (by the test growth applies: see 6);
+4. retreat   — a running job gives back GPUs its measured throughput says do not earn
+   their keep: the mirror of growth's test (see 6), one measured size at a time;
 5. entitle   — in rank order, elastic jobs below their target grow to it: from idle
    GPUs, else from GPUs other jobs hold above their targets;
 6. grow      — GPUs still idle go to elastic jobs, highest relative marginal gain
@@ -24,6 +26,16 @@ allocator semantics), which `decide` runs around its rigid pipeline:
    what the job's average GPU does. Past its asked size a job grows only on evidence:
    once measured at its asked size or more, and not past twice the largest size
    measured.
+
+Settling: measured rates carry their error (`Measured.rel_error`, from the reports'
+spread); between two measured sizes a job grows only when the gain clears the bar by
+`CONFIDENCE_Z` standard errors, and retreats only when it falls short by as much, so it
+stays put on a difference within the noise. Steps 4-6 leave a running job alone until
+its size is measured and it has run `payback` times as long as its last resize took
+(`settle`; the shell is woken when that ends); a size it left for lack of gain
+(`JobView.gain_ceiling`) and measurements older than `reprobe_s` count until then
+(`fresh_evidence`). A job an operator pinned (`JobView.pinned_gpus`) runs at exactly
+that size: its minimum and maximum here, and no move of its own.
 
 With `Policy.elastic_resize_interval_s` > 0, steps 4-6 resize running jobs only in
 cycles at the start of a round (a multiple of the interval; Pollux schedules every
