@@ -165,6 +165,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "artifact does every 60 s (default: 0, at every event)",
     )
     elastic.add_argument(
+        "--elastic-payback",
+        type=float,
+        default=DEFAULT_POLICY.elastic_payback,
+        metavar="K",
+        help="move a running elastic job again only after it ran K times as long as its "
+        f"last resize took (default: {DEFAULT_POLICY.elastic_payback:g})",
+    )
+    elastic.add_argument(
+        "--elastic-reprobe",
+        type=float,
+        default=DEFAULT_POLICY.elastic_reprobe_s,
+        metavar="SECONDS",
+        help="try a size a job left for lack of gain again after this long "
+        f"(default: {DEFAULT_POLICY.elastic_reprobe_s:g}; 0: never)",
+    )
+    elastic.add_argument(
         "--apps",
         type=Path,
         default=None,
@@ -261,6 +277,8 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
         elastic_may_spread=not args.elastic_one_node,
         elastic_min_gain=args.elastic_min_gain,
         elastic_resize_interval_s=args.elastic_resize_interval,
+        elastic_payback=args.elastic_payback,
+        elastic_reprobe_s=args.elastic_reprobe,
     ).validate()
 
 
