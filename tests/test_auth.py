@@ -167,6 +167,7 @@ async def secure_cluster(
                 await bus.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(180)
 async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
@@ -198,6 +199,7 @@ async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
         stop_file.touch()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(180)
 async def test_an_elastic_job_across_nodes_runs_under_least_privilege(

@@ -11,6 +11,9 @@ import pytest
 from tests.chaos_harness import BrainProcess, burst, leading_brain, wait_all_finished
 from tests.conftest import eventually
 
+# Minutes of killed servers and brains: `-m "not slow"` leaves them out.
+pytestmark = pytest.mark.slow
+
 BURST = 1000
 
 

@@ -11,6 +11,9 @@ from schemas import subjects
 from tests.chaos_harness import burst, wait_all_finished
 from tests.conftest import eventually
 
+# Minutes of killed servers and brains: `-m "not slow"` leaves them out.
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(300)
 async def test_nats_killed_and_restarted_mid_burst(

@@ -387,6 +387,7 @@ async def test_a_new_leader_continues_a_staged_resize(brain_factory, node: FakeN
     assert late.gpu_count == 4 and "no answer from its supervisor" in (late.reason or "")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(240)
 async def test_elastic_horovod_job_resized_through_the_brain(
@@ -464,6 +465,7 @@ async def test_elastic_horovod_job_resized_through_the_brain(
         assert job_id not in brain.progress.current()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(300)
 async def test_an_elastic_job_grows_onto_another_node_and_leaves_it_through_the_brain(
@@ -930,6 +932,7 @@ async def test_http_resize_route(brain_factory, api_factory, node: FakeNode) -> 
     assert status == 409 and "has not started yet" in body["error"], body
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(120)
 async def test_a_failing_elastic_job_says_which_worker_failed_and_why(

@@ -34,6 +34,7 @@ EXEC_SECRET = "a-secret-only-this-job-knows"
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed"),
     pytest.mark.timeout(150),
 ]
