@@ -930,6 +930,20 @@ async def test_http_resize_route(brain_factory, api_factory, node: FakeNode) -> 
         "POST", f"/v1/jobs/{elastic_id}/resize", "operator", json={"gpus": 2}
     )
     assert status == 409 and "has not started yet" in body["error"], body
+    # Started and heard from: resizing pins it; the job record says so; "auto" lifts it.
+    job = brain.state.jobs[elastic_id]
+    await node.started(job)
+    await node.progress(elastic_id, 1, 10.0, attempt=job.attempt)
+    await eventually(lambda: brain.progress.heard_from(elastic_id))
+    path = f"/v1/jobs/{elastic_id}"
+    status, body = await api.call("POST", f"{path}/resize", "alice", json={"gpus": 1})
+    assert status == 200 and body["job"]["pinned_gpus"] == 1, body
+    status, body = await api.call("GET", path, "alice")
+    assert status == 200 and body["job"]["pinned_gpus"] == 1, body
+    status, body = await api.call("POST", f"{path}/resize", "alice", json={"gpus": "auto"})
+    assert status == 200 and body["job"]["pinned_gpus"] is None, body
+    status, body = await api.call("POST", f"{path}/resize", "alice", json={"gpus": "most"})
+    assert status == 400 and "gpus" in body["error"], body
 
 
 @pytest.mark.slow
