@@ -1,9 +1,10 @@
 """A brain's copy of the STATE log: snapshot, replay, follow.
 
 Every brain, leader or standby, keeps a `BrainState` equal to the fold of the log: it
-loads the latest snapshot (object store `alnair_snapshots`), replays the log after it,
-and, while standing by, follows new entries as the leader appends them, so that taking
-over needs only the last few. The sqlite history is filled from the same entries.
+loads the latest snapshot (brain/snapshots.py; else one left by an older version in the
+object store `alnair_snapshots`), replays the log after it, and, while standing by,
+follows new entries as the leader appends them, so that taking over needs only the last
+few. The sqlite history is filled from the same entries.
 """
 
 from __future__ import annotations
@@ -12,20 +13,25 @@ import asyncio
 import logging
 from typing import Final
 
+import nats.errors
 import nats.js.errors
 
 from brain.history import History
+from brain.snapshots import MAX_SNAPSHOT_BYTES, SnapshotStore, encode_snapshot
 from brain.state import BrainState
 from bus.client import Bus
 from schemas import subjects
-from schemas.base import decode, encode
-from schemas.errors import InvalidMessage
+from schemas.base import decode
+from schemas.errors import InvalidMessage, SnapshotUnreadable
 from schemas.state import STATE_RECORD, BrainSnapshot, StateRecord
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_BUCKET: Final = "alnair_snapshots"
-SNAPSHOT_NAME: Final = "brain-state"
+# Where brains before brain/snapshots.py kept one snapshot as one object: still read
+# when no newer snapshot exists, never written.
+LEGACY_SNAPSHOT_BUCKET: Final = "alnair_snapshots"
+LEGACY_SNAPSHOT_NAME: Final = "brain-state"
+LEGACY_READ_TIMEOUT_S: Final = 60.0
 
 
 class Replica:
@@ -33,7 +39,12 @@ class Replica:
         self.bus = bus
         self.history = history
         self.state = BrainState()
+        self.snapshots = SnapshotStore(bus)
+        # The sequence the latest snapshot read or written covers, and how many log
+        # entries `load` replayed (into state or history) after the one it read.
         self.snapshot_seq = 0
+        self.replayed_at_load = 0
+        self._writing: asyncio.Task[None] | None = None
         self._follower: asyncio.Task[None] | None = None
         self._stop_following = asyncio.Event()
 
@@ -54,6 +65,7 @@ class Replica:
         # from the log, folding into state only what the snapshot lacks.
         start = min(self.history.last_seq(), self.state.last_seq) + 1
         replayed = await self._replay(start)
+        self.replayed_at_load = replayed
         log.info(
             "state at seq %d: snapshot %d + %d entries replayed",
             self.state.last_seq,
@@ -127,29 +139,70 @@ class Replica:
 
     async def _read_snapshot(self) -> BrainSnapshot | None:
         try:
-            store = await self.bus.js.object_store(SNAPSHOT_BUCKET)
-            result = await store.get(SNAPSHOT_NAME)
+            snapshot = await self.snapshots.read()
+        except SnapshotUnreadable as error:
+            log.error("snapshot unreadable, replaying the whole log: %s", error)
+            return None
+        return snapshot if snapshot is not None else await self._read_legacy_snapshot()
+
+    async def _read_legacy_snapshot(self) -> BrainSnapshot | None:
+        try:
+            store = await self.bus.js.object_store(LEGACY_SNAPSHOT_BUCKET)
+            result = await asyncio.wait_for(
+                store.get(LEGACY_SNAPSHOT_NAME), timeout=LEGACY_READ_TIMEOUT_S
+            )
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
+            return None
+        except (TimeoutError, nats.errors.Error) as error:
+            log.error("old-format snapshot unreadable, replaying the whole log: %r", error)
             return None
         if not result.data:
             return None
         try:
-            return decode(result.data, BrainSnapshot)
+            # Stored as one object, so not bound by the bus's message size.
+            return decode(result.data, BrainSnapshot, max_bytes=MAX_SNAPSHOT_BYTES)
         except InvalidMessage as error:
             log.error("snapshot unreadable, replaying the whole log: %s", error.reason)
             return None
 
     async def write_snapshot(self, *, taken_at: float, epoch: int) -> int:
-        """Store the fold as it is now; returns the sequence it covers."""
+        """Store the fold as it is now; returns the sequence it covers.
+
+        The snapshot is taken at once (an immutable copy); encoding it runs in a thread.
+        """
         snapshot = self.state.to_snapshot(taken_at=taken_at, epoch=epoch)
-        data = encode(snapshot)
-        try:
-            store = await self.bus.js.object_store(SNAPSHOT_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            store = await self.bus.js.create_object_store(
-                SNAPSHOT_BUCKET, replicas=self.bus.replicas
-            )
-        await store.put(SNAPSHOT_NAME, data)
-        self.snapshot_seq = snapshot.last_seq
-        log.info("snapshot at seq %d (%d bytes)", snapshot.last_seq, len(data))
+        encoded = await asyncio.to_thread(encode_snapshot, snapshot)
+        manifest = await self.snapshots.write(encoded)
+        self.snapshot_seq = max(self.snapshot_seq, snapshot.last_seq)
+        log.info(
+            "snapshot at seq %d: %d jobs, %d bytes (%d raw) in %d chunks",
+            manifest.last_seq,
+            manifest.jobs,
+            manifest.size,
+            manifest.raw_size,
+            len(manifest.chunks),
+        )
         return snapshot.last_seq
+
+    def write_snapshot_soon(self, *, taken_at: float, epoch: int) -> bool:
+        """Take a snapshot now and store it in the background, unless one is being
+        stored already; True if one was started. A failure is logged, and the next
+        call tries again."""
+        if self._writing is not None and not self._writing.done():
+            return False
+
+        async def write() -> None:
+            try:
+                await self.write_snapshot(taken_at=taken_at, epoch=epoch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("snapshot failed; replay stays longer until the next one")
+
+        self._writing = self.bus.spawn(write(), name="snapshot")
+        return True
+
+    async def snapshot_written(self) -> None:
+        """Wait for the snapshot being stored, if any."""
+        if self._writing is not None:
+            await asyncio.wait({self._writing})
