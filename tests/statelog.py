@@ -15,7 +15,9 @@ from bus.client import Bus
 from schemas import subjects
 from schemas.base import encode
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
-from schemas.state import Cause, CauseKind, JobChanged
+from schemas.nodes import NodeRecord, NodeState
+from schemas.state import Cause, CauseKind, JobChanged, NodeChanged
+from schemas.telemetry import GpuInfo
 
 START_TS = 1_700_000_000.0
 
@@ -79,20 +81,91 @@ def _entry(number: int, phase: JobState, *, nodes: int, epoch: int) -> JobChange
     )
 
 
+def fake_instance(node: str) -> str:
+    """The agent instance a synthetic node's record names (its heartbeats must too)."""
+    return f"fake-{node}"
+
+
+def fake_gpus(node: str, gpus: int) -> tuple[GpuInfo, ...]:
+    return tuple(
+        GpuInfo(index=i, uuid=f"GPU-{node}-{i}", model="H100", memory_mib=81_559)
+        for i in range(gpus)
+    )
+
+
+def node_record(node: str, gpus: int, *, epoch: int = 1) -> NodeChanged:
+    """A READY node, as its first heartbeat would have journaled it."""
+    return NodeChanged(
+        record_id=f"synthetic-node-{node}",
+        ts=START_TS,
+        epoch=epoch,
+        node=NodeRecord(
+            name=node,
+            state=NodeState.READY,
+            hostname=node,
+            backend="sim",
+            instance=fake_instance(node),
+            gpus=fake_gpus(node, gpus),
+            joined_at=START_TS,
+        ),
+        previous=None,
+        cause=Cause(kind=CauseKind.NODE_JOINED, node=node, message=f"joined with {gpus} GPUs"),
+    )
+
+
+def live_job_record(
+    number: int, *, gpus: int, node: str | None = None, priority: int = 0, epoch: int = 1
+) -> JobChanged:
+    """Job `number` asking `gpus` GPUs: PENDING, or RUNNING on GPUs 0..gpus-1 of `node`
+    (pid 10000 + number), as a brain that placed it and heard it start would record."""
+    job_id = str(number)
+    record = JobRecord(
+        job_id=job_id,
+        tenant="default",
+        spec=JobSpec(
+            name=f"live-{number}", command=("sleep", "infinity"), gpus=gpus, priority=priority
+        ),
+        state=JobState.PENDING,
+        submitted_at=START_TS,
+        pending_since=START_TS,
+    )
+    cause = Cause(kind=CauseKind.SUBMITTED, message="submitted", job_id=job_id)
+    if node is not None:
+        grant = NodeGrant(node=node, gpus=tuple(range(gpus)), pid=10_000 + number)
+        update = {"state": JobState.RUNNING, "attempt": 1, "started_at": START_TS + 1.0}
+        record = record.model_copy(update={**update, "grants": (grant,), "pending_since": None})
+        cause = Cause(kind=CauseKind.STARTED, message="started", job_id=job_id, node=node)
+    return JobChanged(
+        record_id=f"synthetic-live-{job_id}",
+        ts=START_TS,
+        epoch=epoch,
+        job=record,
+        previous=None,
+        cause=cause,
+    )
+
+
+def _subject(record: JobChanged | NodeChanged) -> str:
+    if isinstance(record, NodeChanged):
+        return subjects.state_node(record.node.name)
+    return subjects.state_job(record.job.job_id)
+
+
 async def append_records(
-    bus: Bus, records: Sequence[JobChanged] | Iterator[JobChanged], *, window: int = 256
+    bus: Bus,
+    records: Sequence[JobChanged | NodeChanged] | Iterator[JobChanged | NodeChanged],
+    *,
+    window: int = 256,
 ) -> int:
     """Append `records` in order, `window` publishes in flight at a time; returns the
     log's last sequence."""
     await bus.ensure_streams()
     last = 0
-    batch: list[JobChanged] = []
+    batch: list[JobChanged | NodeChanged] = []
 
     async def flush() -> None:
         nonlocal last
-        acks = await asyncio.gather(
-            *(bus.js.publish(subjects.state_job(r.job.job_id), encode(r)) for r in batch)
-        )
+        acks = await asyncio.gather(*(bus.js.publish(_subject(r), encode(r)) for r in batch))
         last = max([last, *(int(a.seq) for a in acks)])
         batch.clear()
 
