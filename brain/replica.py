@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Final
 
 import nats.errors
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 LEGACY_SNAPSHOT_BUCKET: Final = "alnair_snapshots"
 LEGACY_SNAPSHOT_NAME: Final = "brain-state"
 LEGACY_READ_TIMEOUT_S: Final = 60.0
+# Log entries written to the sqlite history in one transaction while replaying.
+HISTORY_BATCH: Final = 512
 
 
 class Replica:
@@ -50,6 +53,7 @@ class Replica:
 
     async def load(self) -> None:
         """Start from the latest snapshot that fits the log, then replay the rest."""
+        began = time.monotonic()
         snapshot = await self._read_snapshot()
         log_end = await self.bus.last_seq(subjects.STREAM_STATE)
         if snapshot is not None and snapshot.last_seq <= log_end:
@@ -61,16 +65,19 @@ class Replica:
                 snapshot.last_seq,
                 log_end,
             )
+        loaded = time.monotonic()
         # The history may be behind the snapshot (a new or lost sqlite file): fill it
         # from the log, folding into state only what the snapshot lacks.
         start = min(self.history.last_seq(), self.state.last_seq) + 1
         replayed = await self._replay(start)
         self.replayed_at_load = replayed
         log.info(
-            "state at seq %d: snapshot %d + %d entries replayed",
+            "state at seq %d: snapshot %d (read in %.2f s) + %d entries replayed (in %.2f s)",
             self.state.last_seq,
             self.snapshot_seq,
+            loaded - began,
             replayed,
+            time.monotonic() - loaded,
         )
 
     async def catch_up(self) -> int:
@@ -78,24 +85,46 @@ class Replica:
 
     async def _replay(self, start: int) -> int:
         count = 0
+        history: list[tuple[StateRecord, int]] = []
         async for item, seq, subject in self.bus.read(
             subjects.STREAM_STATE, STATE_RECORD, start_seq=start
         ):
-            self._take(item, seq, subject)
+            self._take(item, seq, subject, history=history)
             count += 1
+            if len(history) >= HISTORY_BATCH:
+                self._write_history(history)
+        self._write_history(history)
         return count
 
-    def _take(self, item: StateRecord | InvalidMessage, seq: int, subject: str) -> None:
+    def _take(
+        self,
+        item: StateRecord | InvalidMessage,
+        seq: int,
+        subject: str,
+        *,
+        history: list[tuple[StateRecord, int]] | None = None,
+    ) -> None:
+        """Fold one entry; its history row is written now, or added to `history` for
+        the caller to write with others."""
         if isinstance(item, InvalidMessage):
             log.error("STATE entry %d on %s is unreadable: %s", seq, subject, item.reason)
             return
         if seq > self.history.last_seq_seen:
-            try:
-                self.history.record(item, seq)
-            except Exception:
-                log.exception("history write failed for seq %d", seq)
+            if history is None:
+                self._write_history([(item, seq)])
+            else:
+                history.append((item, seq))
         if seq > self.state.last_seq:
             self.state.apply(item, seq)
+
+    def _write_history(self, entries: list[tuple[StateRecord, int]]) -> None:
+        if not entries:
+            return
+        try:
+            self.history.record_many(entries)
+        except Exception:
+            log.exception("history write failed for seq %d to %d", entries[0][1], entries[-1][1])
+        entries.clear()
 
     def follow(self) -> None:
         """Apply new entries as they are appended (while standing by)."""
