@@ -19,7 +19,7 @@ from bus.client import Bus
 from schemas import subjects
 from schemas.base import MAX_MESSAGE_BYTES, encode
 from schemas.errors import SnapshotUnreadable
-from schemas.jobs import JobState
+from schemas.jobs import AttemptFailure, FailureClass, JobState
 from tests.statelog import append_records, finished_job_records
 
 # Enough finished jobs for a snapshot well over the bus's 1 MiB message bound.
@@ -161,3 +161,30 @@ async def test_an_old_single_object_snapshot_is_still_read(
 
     assert brain.replica.snapshot_seq == 3 * JOBS
     assert brain.state.jobs == state.jobs
+
+
+def test_history_written_in_batches_is_the_history_written_entry_by_entry() -> None:
+    entries = list(finished_job_records(3))
+    running = entries[4]  # job 2 started (attempt 1)
+    failure = AttemptFailure(
+        attempt=1, failure_class=FailureClass.INFRASTRUCTURE, reason="XID 79", at=9.0
+    )
+    retried = running.model_copy(
+        update={"job": running.job.model_copy(update={"attempt": 2, "failures": (failure,)})}
+    )
+    entries.append(retried)
+    numbered = list(enumerate(entries, start=1))
+    one_by_one, batched = History(None), History(None)
+    for seq, entry in numbered:
+        one_by_one.record(entry, seq)
+    batched.record_many((entry, seq) for seq, entry in numbered)
+
+    for table in ("events", "jobs", "attempts"):
+        query = f"SELECT * FROM {table} ORDER BY 1, 2"
+        assert batched.db.execute(query).fetchall() == one_by_one.db.execute(query).fetchall()
+    attempts = batched.attempts("2")
+    assert [(a["attempt"], a["state"], a["failure_class"]) for a in attempts] == [
+        (1, "FAILED", "infrastructure"),
+        (2, "RUNNING", None),
+    ]
+    assert batched.last_seq() == batched.last_seq_seen == len(entries)
