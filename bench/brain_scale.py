@@ -479,7 +479,9 @@ async def mode_submit_latency(args: argparse.Namespace, home: Path, modes: set[s
             raw = await fenced_append_baseline(world.client)
             where = f"{args.nodes} nodes, {pending} pending"
             if "latency" in modes:
+                cpu0, began = world.brain.cpu_s(), time.monotonic()
                 latency = await launch_latency(world, args.probes)
+                busy = (world.brain.cpu_s() - cpu0) / (time.monotonic() - began)
                 rows.append(
                     row(
                         "submit -> Launch p50 (ms)",
@@ -496,11 +498,14 @@ async def mode_submit_latency(args: argparse.Namespace, home: Path, modes: set[s
                         ms(latency["p99"]),
                         "fenced append p99",
                         ms(raw["p99"]),
-                        note=f"{latency['missed']} probes never launched",
+                        note=f"{latency['missed']} probes never launched; "
+                        f"brain CPU {100 * busy:.0f}% of a core",
                     )
                 )
             if "submit" in modes:
+                cpu0, began = world.brain.cpu_s(), time.monotonic()
                 rate = await submit_rate(world, args.clients, args.submit_s)
+                busy = (world.brain.cpu_s() - cpu0) / (time.monotonic() - began)
                 rows.append(
                     row(
                         f"submissions/s, {args.clients} clients",
@@ -508,7 +513,8 @@ async def mode_submit_latency(args: argparse.Namespace, home: Path, modes: set[s
                         round(rate["rate"], 1),
                         "fenced appends/s, 1 writer",
                         round(raw["rate"], 1),
-                        note=f"reply p99 {ms(rate['p99'])} ms, {rate['failed']} failed",
+                        note=f"reply p99 {ms(rate['p99'])} ms, {rate['failed']} failed; "
+                        f"brain CPU {100 * busy:.0f}% of a core",
                     )
                 )
         finally:
