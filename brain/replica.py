@@ -38,6 +38,8 @@ LEGACY_SNAPSHOT_NAME: Final = "brain-state"
 LEGACY_READ_TIMEOUT_S: Final = 60.0
 # Log entries written to the sqlite history in one transaction while replaying.
 HISTORY_BATCH: Final = 512
+# After a failed snapshot, the next is not tried for this long (each costs the encoding).
+SNAPSHOT_RETRY_S: Final = 30.0
 
 
 @contextlib.contextmanager
@@ -63,6 +65,7 @@ class Replica:
         self.snapshot_seq = 0
         self.replayed_at_load = 0
         self._writing: asyncio.Task[None] | None = None
+        self._retry_snapshot_at = 0.0
         self._follower: asyncio.Task[None] | None = None
         self._stop_following = asyncio.Event()
 
@@ -237,9 +240,11 @@ class Replica:
 
     def write_snapshot_soon(self, *, taken_at: float, epoch: int) -> bool:
         """Take a snapshot now and store it in the background, unless one is being
-        stored already; True if one was started. A failure is logged, and the next
-        call tries again."""
+        stored already; True if one was started. A failure is logged, and a call
+        SNAPSHOT_RETRY_S later tries again."""
         if self._writing is not None and not self._writing.done():
+            return False
+        if time.monotonic() < self._retry_snapshot_at:
             return False
 
         async def write() -> None:
@@ -248,7 +253,11 @@ class Replica:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("snapshot failed; replay stays longer until the next one")
+                self._retry_snapshot_at = time.monotonic() + SNAPSHOT_RETRY_S
+                log.exception(
+                    "snapshot failed; replay stays longer until the next one (in %g s)",
+                    SNAPSHOT_RETRY_S,
+                )
 
         self._writing = self.bus.spawn(write(), name="snapshot")
         return True

@@ -186,6 +186,13 @@ class SnapshotStore:
     async def write(self, encoded: EncodedSnapshot) -> SnapshotManifest:
         """Store the chunks, then the manifest; then drop generations before the last."""
         await self._ensure_stream()
+        try:
+            return await self._write(encoded)
+        except BaseException:
+            self._stream_ready = False  # look again next time: it may have been removed
+            raise
+
+    async def _write(self, encoded: EncodedSnapshot) -> SnapshotManifest:
         previous = await self.latest_manifest()
         # The same snapshot written twice (a retry) gets the same ids: stored once.
         write_id = f"snapshot-{encoded.last_seq}-{encoded.digest[:16]}"

@@ -17,9 +17,11 @@ from brain.snapshots import SnapshotStore, decode_snapshot, encode_snapshot
 from brain.state import BrainState
 from bus.client import Bus
 from schemas import subjects
+from schemas.api import JobReply, SubmitRequest
 from schemas.base import MAX_MESSAGE_BYTES, encode
 from schemas.errors import SnapshotUnreadable
-from schemas.jobs import AttemptFailure, FailureClass, JobState
+from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
+from tests.conftest import eventually
 from tests.statelog import append_records, finished_job_records
 
 # Enough finished jobs for a snapshot well over the bus's 1 MiB message bound.
@@ -188,3 +190,22 @@ def test_history_written_in_batches_is_the_history_written_entry_by_entry() -> N
         (2, "RUNNING", None),
     ]
     assert batched.last_seq() == batched.last_seq_seen == len(entries)
+
+
+async def test_a_leading_brain_stores_snapshots_in_the_background(brain_factory) -> None:
+    brain = await brain_factory(snapshot_every=5)
+    for _ in range(6):
+        reply = await brain.api.handle(
+            "default", SubmitRequest(spec=JobSpec(command=("true",), gpus=1))
+        )
+        assert isinstance(reply, JobReply)
+    store = brain.replica.snapshots
+
+    async def stored() -> bool:
+        manifest = await store.latest_manifest()
+        return manifest is not None and manifest.last_seq >= 5
+
+    await eventually(stored)
+    snapshot = await store.read()
+    assert snapshot is not None and len(snapshot.jobs) >= 5
+    assert brain.replica.snapshot_seq == snapshot.last_seq
