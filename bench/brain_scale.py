@@ -578,11 +578,19 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
             await world.nodes.stop()
             out, _ = await bare.communicate()
             bare_count, bare_cpu = (float(x) for x in out.split())
-            final = await call(
-                client, "default", "status", StatusRequest(), STATUS_RESULT, timeout_s=10
-            )
             elapsed = time.monotonic() - began
-            kept = final.epoch == epoch and final.brain_pid == brain.pid
+            known: object = "?"
+            try:
+                final = await call(
+                    client, "default", "status", StatusRequest(), STATUS_RESULT, timeout_s=10
+                )
+                kept = final.epoch == epoch and final.brain_pid == brain.pid
+                known = final.nodes
+            except Exception as error:  # no leader answering at all
+                kept = False
+                known = f"? ({type(error).__name__})"
+            stepped_down = "stops leading" in brain.log.read_text()
+            kept = kept and not stepped_down
             rows.append(
                 row(
                     "live nodes declared LOST",
@@ -590,7 +598,7 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                     len(lost),
                     "bare subscriber received/sent",
                     f"{int(bare_count)}/{sent}",
-                    note=f"nodes known {final.nodes}; lease kept: {kept}",
+                    note=f"nodes known {known}; lease kept: {kept}",
                 )
             )
             rows.append(
