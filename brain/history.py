@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import sqlite_utils
 
@@ -91,89 +93,40 @@ class History:
                     "state": str,
                     "exit_code": int,
                     "signal": int,
+                    "failure_class": str,
                     "reason": str,
                 },
                 pk=("job_id", "attempt"),
             )
+        elif "failure_class" not in {c.name for c in db.table("attempts").columns}:
+            db.execute("ALTER TABLE attempts ADD COLUMN failure_class TEXT")
 
     def last_seq(self) -> int:
         row = self.db.execute("SELECT MAX(seq) FROM events").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
     def record(self, record: StateRecord, seq: int) -> None:
-        self.last_seq_seen = max(self.last_seq_seen, seq)
-        with self.db.conn:
-            self.db.table("events").insert(
-                {
-                    "seq": seq,
-                    "ts": record.ts,
-                    "kind": record_kind(record),
-                    "job_id": record_job_id(record),
-                    "node": record_node(record),
-                    "state": _state_of(record),
-                    "message": _message_of(record),
-                    "epoch": record.epoch,
-                    "body": record.model_dump_json(),
-                },
-                replace=True,
-            )
-            if isinstance(record, JobChanged):
-                self._job(record.job)
+        self.record_many(((record, seq),))
 
-    def _job(self, job: JobRecord) -> None:
-        self.db.table("jobs").upsert(
-            {
-                "job_id": job.job_id,
-                "tenant": job.tenant,
-                "name": job.spec.name,
-                "queue": job.spec.queue,
-                "gpus": job.spec.gpus,
-                "state": job.state.value,
-                "attempt": job.attempt,
-                "submitted_at": job.submitted_at,
-                "started_at": job.started_at,
-                "finished_at": job.finished_at,
-                "exit_code": job.exit_code,
-                "signal": job.signal,
-                "nodes": ",".join(job.nodes),
-                "reason": job.reason,
-                "command": json.dumps(list(job.spec.command)),
-            },
-            pk="job_id",
-        )
-        for failure in job.failures:
-            # A failed attempt's row keeps where it ran; its end and class are added.
-            self.db.table("attempts").upsert(
-                {
-                    "job_id": job.job_id,
-                    "attempt": failure.attempt,
-                    "nodes": ",".join(failure.nodes),
-                    "ended_at": failure.at,
-                    "state": "FAILED",
-                    "exit_code": failure.exit_code,
-                    "signal": failure.signal,
-                    "failure_class": failure.failure_class.value,
-                    "reason": failure.reason,
-                },
-                pk=("job_id", "attempt"),
-                alter=True,
-            )
-        if job.attempt >= 1 and job.grants:
-            self.db.table("attempts").upsert(
-                {
-                    "job_id": job.job_id,
-                    "attempt": job.attempt,
-                    "nodes": ",".join(job.nodes),
-                    "gpus": json.dumps({g.node: list(g.gpus) for g in job.grants}),
-                    "started_at": job.started_at,
-                    "ended_at": job.finished_at,
-                    "state": job.state.value,
-                    "exit_code": job.exit_code,
-                    "signal": job.signal,
-                    "reason": job.reason,
-                },
-                pk=("job_id", "attempt"),
-            )
+    def record_many(self, entries: Iterable[tuple[StateRecord, int]]) -> None:
+        """Log entries with their sequences, in one transaction.
+
+        Plain SQL: sqlite-utils' insert and upsert inspect the table on every call
+        (65 statements for one job entry, 0.64 ms), which made filling the history the
+        bulk of a brain's replay of a long log.
+        """
+        rows = _Rows()
+        for record, seq in entries:
+            rows.add(record, seq)
+        if not rows.events:
+            return
+        with self.db.conn as conn:
+            conn.executemany(_INSERT_EVENT, rows.events)
+            conn.executemany(_UPSERT_JOB, rows.jobs)
+            # In log order: a later entry's view of an attempt overwrites an earlier one's.
+            for statement, row in rows.attempts:
+                conn.execute(statement, row)
+        self.last_seq_seen = max(self.last_seq_seen, rows.last_seq)
 
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
         """Every attempt of a job, oldest first, with the columns `AttemptRow` names."""
@@ -212,6 +165,127 @@ class History:
 
     def close(self) -> None:
         self.db.close()
+
+
+_INSERT_EVENT: Final = (
+    "INSERT OR REPLACE INTO events (seq, ts, kind, job_id, node, state, message, epoch, body) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _upsert(table: str, key: tuple[str, ...], columns: tuple[str, ...]) -> str:
+    """Insert a row, or update the given columns of the row with that key."""
+    names = ", ".join((*key, *columns))
+    marks = ", ".join("?" for _ in (*key, *columns))
+    updates = ", ".join(f"{c} = excluded.{c}" for c in columns)
+    return (
+        f"INSERT INTO {table} ({names}) VALUES ({marks}) "
+        f"ON CONFLICT ({', '.join(key)}) DO UPDATE SET {updates}"
+    )
+
+
+_JOB_COLUMNS: Final = (
+    "tenant", "name", "queue", "gpus", "state", "attempt", "submitted_at", "started_at",
+    "finished_at", "exit_code", "signal", "nodes", "reason", "command",
+)  # fmt: skip
+_UPSERT_JOB: Final = _upsert("jobs", ("job_id",), _JOB_COLUMNS)
+# A failed attempt's row keeps where it ran; its end and class are added.
+_UPSERT_FAILED_ATTEMPT: Final = _upsert(
+    "attempts",
+    ("job_id", "attempt"),
+    ("nodes", "ended_at", "state", "exit_code", "signal", "failure_class", "reason"),
+)
+_UPSERT_ATTEMPT: Final = _upsert(
+    "attempts",
+    ("job_id", "attempt"),
+    ("nodes", "gpus", "started_at", "ended_at", "state", "exit_code", "signal", "reason"),
+)
+
+Row = tuple[object, ...]
+
+
+@dataclass
+class _Rows:
+    """The rows a batch of log entries writes, in log order."""
+
+    events: list[Row] = field(default_factory=list)
+    jobs: list[Row] = field(default_factory=list)
+    attempts: list[tuple[str, Row]] = field(default_factory=list)
+    last_seq: int = 0
+
+    def add(self, record: StateRecord, seq: int) -> None:
+        self.last_seq = max(self.last_seq, seq)
+        self.events.append(
+            (
+                seq,
+                record.ts,
+                record_kind(record),
+                record_job_id(record),
+                record_node(record),
+                _state_of(record),
+                _message_of(record),
+                record.epoch,
+                record.model_dump_json(),
+            )
+        )
+        if isinstance(record, JobChanged):
+            self._job(record.job)
+
+    def _job(self, job: JobRecord) -> None:
+        self.jobs.append(
+            (
+                job.job_id,
+                job.tenant,
+                job.spec.name,
+                job.spec.queue,
+                job.spec.gpus,
+                job.state.value,
+                job.attempt,
+                job.submitted_at,
+                job.started_at,
+                job.finished_at,
+                job.exit_code,
+                job.signal,
+                ",".join(job.nodes),
+                job.reason,
+                json.dumps(list(job.spec.command)),
+            )
+        )
+        for failure in job.failures:
+            self.attempts.append(
+                (
+                    _UPSERT_FAILED_ATTEMPT,
+                    (
+                        job.job_id,
+                        failure.attempt,
+                        ",".join(failure.nodes),
+                        failure.at,
+                        "FAILED",
+                        failure.exit_code,
+                        failure.signal,
+                        failure.failure_class.value,
+                        failure.reason,
+                    ),
+                )
+            )
+        if job.attempt >= 1 and job.grants:
+            self.attempts.append(
+                (
+                    _UPSERT_ATTEMPT,
+                    (
+                        job.job_id,
+                        job.attempt,
+                        ",".join(job.nodes),
+                        json.dumps({g.node: list(g.gpus) for g in job.grants}),
+                        job.started_at,
+                        job.finished_at,
+                        job.state.value,
+                        job.exit_code,
+                        job.signal,
+                        job.reason,
+                    ),
+                )
+            )
 
 
 def _state_of(record: StateRecord) -> str | None:

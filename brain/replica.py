@@ -1,31 +1,57 @@
 """A brain's copy of the STATE log: snapshot, replay, follow.
 
 Every brain, leader or standby, keeps a `BrainState` equal to the fold of the log: it
-loads the latest snapshot (object store `alnair_snapshots`), replays the log after it,
-and, while standing by, follows new entries as the leader appends them, so that taking
-over needs only the last few. The sqlite history is filled from the same entries.
+loads the latest snapshot (brain/snapshots.py; else one left by an older version in the
+object store `alnair_snapshots`), replays the log after it, and, while standing by,
+follows new entries as the leader appends them, so that taking over needs only the last
+few. The sqlite history is filled from the same entries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
+import time
+from collections.abc import Iterator
 from typing import Final
 
+import nats.errors
 import nats.js.errors
 
 from brain.history import History
+from brain.snapshots import MAX_SNAPSHOT_BYTES, SnapshotStore, encode_snapshot
 from brain.state import BrainState
 from bus.client import Bus
 from schemas import subjects
-from schemas.base import decode, encode
-from schemas.errors import InvalidMessage
+from schemas.base import decode
+from schemas.errors import InvalidMessage, SnapshotUnreadable
 from schemas.state import STATE_RECORD, BrainSnapshot, StateRecord
 
 log = logging.getLogger(__name__)
 
-SNAPSHOT_BUCKET: Final = "alnair_snapshots"
-SNAPSHOT_NAME: Final = "brain-state"
+# Where brains before brain/snapshots.py kept one snapshot as one object: still read
+# when no newer snapshot exists, never written.
+LEGACY_SNAPSHOT_BUCKET: Final = "alnair_snapshots"
+LEGACY_SNAPSHOT_NAME: Final = "brain-state"
+LEGACY_READ_TIMEOUT_S: Final = 60.0
+# Log entries written to the sqlite history in one transaction while replaying.
+HISTORY_BATCH: Final = 512
+# After a failed snapshot, the next is not tried for this long (each costs the encoding).
+SNAPSHOT_RETRY_S: Final = 30.0
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (the interpreter's whole process)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class Replica:
@@ -33,32 +59,50 @@ class Replica:
         self.bus = bus
         self.history = history
         self.state = BrainState()
+        self.snapshots = SnapshotStore(bus)
+        # The sequence the latest snapshot read or written covers, and how many log
+        # entries `load` replayed (into state or history) after the one it read.
         self.snapshot_seq = 0
+        self.replayed_at_load = 0
+        self._writing: asyncio.Task[None] | None = None
+        self._retry_snapshot_at = 0.0
         self._follower: asyncio.Task[None] | None = None
         self._stop_following = asyncio.Event()
 
     async def load(self) -> None:
         """Start from the latest snapshot that fits the log, then replay the rest."""
-        snapshot = await self._read_snapshot()
-        log_end = await self.bus.last_seq(subjects.STREAM_STATE)
-        if snapshot is not None and snapshot.last_seq <= log_end:
-            self.state = BrainState.from_snapshot(snapshot)
-            self.snapshot_seq = snapshot.last_seq
-        elif snapshot is not None:
-            log.warning(
-                "snapshot at seq %d is ahead of the log (ends at %d): ignoring it",
-                snapshot.last_seq,
-                log_end,
-            )
-        # The history may be behind the snapshot (a new or lost sqlite file): fill it
-        # from the log, folding into state only what the snapshot lacks.
-        start = min(self.history.last_seq(), self.state.last_seq) + 1
-        replayed = await self._replay(start)
+        began = time.monotonic()
+        # Loading creates millions of objects that live on (a snapshot's, a replay's
+        # records): the cyclic collector would scan them again and again (more than half
+        # of decoding a snapshot of 50,000 jobs), then in every full collection for the
+        # brain's lifetime. They hold no cycles; reference counts free what is dropped.
+        with gc_paused():
+            snapshot = await self._read_snapshot()
+            log_end = await self.bus.last_seq(subjects.STREAM_STATE)
+            if snapshot is not None and snapshot.last_seq <= log_end:
+                self.state = BrainState.from_snapshot(snapshot)
+                self.snapshot_seq = snapshot.last_seq
+            elif snapshot is not None:
+                log.warning(
+                    "snapshot at seq %d is ahead of the log (ends at %d): ignoring it",
+                    snapshot.last_seq,
+                    log_end,
+                )
+            del snapshot
+            loaded = time.monotonic()
+            # The history may be behind the snapshot (a new or lost sqlite file): fill it
+            # from the log, folding into state only what the snapshot lacks.
+            start = min(self.history.last_seq(), self.state.last_seq) + 1
+            replayed = await self._replay(start)
+            gc.freeze()
+        self.replayed_at_load = replayed
         log.info(
-            "state at seq %d: snapshot %d + %d entries replayed",
+            "state at seq %d: snapshot %d (read in %.2f s) + %d entries replayed (in %.2f s)",
             self.state.last_seq,
             self.snapshot_seq,
+            loaded - began,
             replayed,
+            time.monotonic() - loaded,
         )
 
     async def catch_up(self) -> int:
@@ -66,24 +110,46 @@ class Replica:
 
     async def _replay(self, start: int) -> int:
         count = 0
+        history: list[tuple[StateRecord, int]] = []
         async for item, seq, subject in self.bus.read(
             subjects.STREAM_STATE, STATE_RECORD, start_seq=start
         ):
-            self._take(item, seq, subject)
+            self._take(item, seq, subject, history=history)
             count += 1
+            if len(history) >= HISTORY_BATCH:
+                self._write_history(history)
+        self._write_history(history)
         return count
 
-    def _take(self, item: StateRecord | InvalidMessage, seq: int, subject: str) -> None:
+    def _take(
+        self,
+        item: StateRecord | InvalidMessage,
+        seq: int,
+        subject: str,
+        *,
+        history: list[tuple[StateRecord, int]] | None = None,
+    ) -> None:
+        """Fold one entry; its history row is written now, or added to `history` for
+        the caller to write with others."""
         if isinstance(item, InvalidMessage):
             log.error("STATE entry %d on %s is unreadable: %s", seq, subject, item.reason)
             return
         if seq > self.history.last_seq_seen:
-            try:
-                self.history.record(item, seq)
-            except Exception:
-                log.exception("history write failed for seq %d", seq)
+            if history is None:
+                self._write_history([(item, seq)])
+            else:
+                history.append((item, seq))
         if seq > self.state.last_seq:
             self.state.apply(item, seq)
+
+    def _write_history(self, entries: list[tuple[StateRecord, int]]) -> None:
+        if not entries:
+            return
+        try:
+            self.history.record_many(entries)
+        except Exception:
+            log.exception("history write failed for seq %d to %d", entries[0][1], entries[-1][1])
+        entries.clear()
 
     def follow(self) -> None:
         """Apply new entries as they are appended (while standing by)."""
@@ -127,29 +193,76 @@ class Replica:
 
     async def _read_snapshot(self) -> BrainSnapshot | None:
         try:
-            store = await self.bus.js.object_store(SNAPSHOT_BUCKET)
-            result = await store.get(SNAPSHOT_NAME)
+            snapshot = await self.snapshots.read()
+        except SnapshotUnreadable as error:
+            log.error("snapshot unreadable, replaying the whole log: %s", error)
+            return None
+        return snapshot if snapshot is not None else await self._read_legacy_snapshot()
+
+    async def _read_legacy_snapshot(self) -> BrainSnapshot | None:
+        try:
+            store = await self.bus.js.object_store(LEGACY_SNAPSHOT_BUCKET)
+            result = await asyncio.wait_for(
+                store.get(LEGACY_SNAPSHOT_NAME), timeout=LEGACY_READ_TIMEOUT_S
+            )
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.ObjectNotFoundError):
+            return None
+        except (TimeoutError, nats.errors.Error) as error:
+            log.error("old-format snapshot unreadable, replaying the whole log: %r", error)
             return None
         if not result.data:
             return None
         try:
-            return decode(result.data, BrainSnapshot)
+            # Stored as one object, so not bound by the bus's message size.
+            return decode(result.data, BrainSnapshot, max_bytes=MAX_SNAPSHOT_BYTES)
         except InvalidMessage as error:
             log.error("snapshot unreadable, replaying the whole log: %s", error.reason)
             return None
 
     async def write_snapshot(self, *, taken_at: float, epoch: int) -> int:
-        """Store the fold as it is now; returns the sequence it covers."""
+        """Store the fold as it is now; returns the sequence it covers.
+
+        The snapshot is taken at once (an immutable copy); encoding it runs in a thread.
+        """
         snapshot = self.state.to_snapshot(taken_at=taken_at, epoch=epoch)
-        data = encode(snapshot)
-        try:
-            store = await self.bus.js.object_store(SNAPSHOT_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            store = await self.bus.js.create_object_store(
-                SNAPSHOT_BUCKET, replicas=self.bus.replicas
-            )
-        await store.put(SNAPSHOT_NAME, data)
-        self.snapshot_seq = snapshot.last_seq
-        log.info("snapshot at seq %d (%d bytes)", snapshot.last_seq, len(data))
+        encoded = await asyncio.to_thread(encode_snapshot, snapshot)
+        manifest = await self.snapshots.write(encoded)
+        self.snapshot_seq = max(self.snapshot_seq, snapshot.last_seq)
+        log.info(
+            "snapshot at seq %d: %d jobs, %d bytes (%d raw) in %d chunks",
+            manifest.last_seq,
+            manifest.jobs,
+            manifest.size,
+            manifest.raw_size,
+            len(manifest.chunks),
+        )
         return snapshot.last_seq
+
+    def write_snapshot_soon(self, *, taken_at: float, epoch: int) -> bool:
+        """Take a snapshot now and store it in the background, unless one is being
+        stored already; True if one was started. A failure is logged, and a call
+        SNAPSHOT_RETRY_S later tries again."""
+        if self._writing is not None and not self._writing.done():
+            return False
+        if time.monotonic() < self._retry_snapshot_at:
+            return False
+
+        async def write() -> None:
+            try:
+                await self.write_snapshot(taken_at=taken_at, epoch=epoch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self._retry_snapshot_at = time.monotonic() + SNAPSHOT_RETRY_S
+                log.exception(
+                    "snapshot failed; replay stays longer until the next one (in %g s)",
+                    SNAPSHOT_RETRY_S,
+                )
+
+        self._writing = self.bus.spawn(write(), name="snapshot")
+        return True
+
+    async def snapshot_written(self) -> None:
+        """Wait for the snapshot being stored, if any."""
+        if self._writing is not None:
+            await asyncio.wait({self._writing})

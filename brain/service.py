@@ -397,10 +397,8 @@ class Brain:
     async def _maybe_snapshot(self) -> None:
         if self.state.last_seq - self.replica.snapshot_seq < self.config.snapshot_every:
             return
-        try:
-            await self.replica.write_snapshot(taken_at=self.clock(), epoch=self.epoch)
-        except Exception:
-            log.exception("snapshot failed; replay stays longer until the next one")
+        # Stored in the background (encoded in a thread), one at a time: the loop goes on.
+        self.replica.write_snapshot_soon(taken_at=self.clock(), epoch=self.epoch)
 
     # -- inbound ---------------------------------------------------------------------
 

@@ -68,14 +68,23 @@ def _describe(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def decode(data: bytes, kind: type[M] | TypeAdapter[M], *, strict: bool = False) -> M:
+def decode(
+    data: bytes,
+    kind: type[M] | TypeAdapter[M],
+    *,
+    strict: bool = False,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> M:
     """Parse and validate one message; raise InvalidMessage saying what is wrong.
 
     `strict` refuses coercions (`0` for a boolean, `"2"` for a number): the API's
     requests are decoded so, over NATS and HTTP alike, as its OpenAPI document promises.
+    `max_bytes` stays at the bus's bound for anything that came over the bus; only a
+    document assembled from many messages whose size was declared beforehand (a
+    brain snapshot's body) passes its own.
     """
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise InvalidMessage(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if len(data) > max_bytes:
+        raise InvalidMessage(f"message of {len(data)} bytes exceeds {max_bytes}")
     try:
         if isinstance(kind, TypeAdapter):
             return kind.validate_json(data, strict=strict)

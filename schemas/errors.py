@@ -77,3 +77,14 @@ class ApiError(AlnairError):
 
 class ClusterNotFound(AlnairError):
     pass
+
+
+class SnapshotUnreadable(AlnairError):
+    """A stored brain snapshot cannot be used (torn, corrupt, or of another schema);
+    the brain replays the log instead."""
+
+    def __init__(self, reason: str, *, last_seq: int | None = None) -> None:
+        where = "snapshot" if last_seq is None else f"snapshot at seq {last_seq}"
+        super().__init__(f"{where}: {reason}")
+        self.reason = reason
+        self.last_seq = last_seq

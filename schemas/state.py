@@ -155,6 +155,30 @@ class BrainSnapshot(Message):
     input_failures: dict[str, tuple[str, ...]] = Field(default_factory=dict)
 
 
+SNAPSHOT_ENCODING: Final = "jsonl+zlib"
+
+
+class SnapshotManifest(Message):
+    """Where a stored snapshot's body lies, written after every chunk of it is stored.
+
+    The body, once its chunks are joined, matches `digest` (SHA-256, hex) and `size`;
+    decompressed (`encoding`: zlib of JSON lines: the `BrainSnapshot` without its jobs,
+    then the jobs in slices, each a JSON array) it is `raw_size` bytes, the fold of the
+    STATE log up to `last_seq`.
+    """
+
+    last_seq: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    taken_at: float
+    jobs: int = Field(ge=0)
+    encoding: Literal["jsonl+zlib"]
+    size: int = Field(ge=0)
+    raw_size: int = Field(ge=0)
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    # Stream sequences of the chunks in `SNAPSHOTS`, in body order.
+    chunks: tuple[int, ...]
+
+
 StateRecord = Annotated[
     JobChanged | NodeChanged | NodeEventRecorded | BlacklistChanged, Field(discriminator="kind")
 ]

@@ -17,6 +17,11 @@ PREFIX: Final = "alnair"
 STREAM_EVENTS: Final = "EVENTS"
 STREAM_COMMANDS: Final = "COMMANDS"
 STREAM_STATE: Final = "STATE"
+# The brain's snapshots of its state: chunks, then the manifest naming them (brain/snapshots.py).
+STREAM_SNAPSHOTS: Final = "SNAPSHOTS"
+SNAPSHOT_CHUNKS: Final = f"{PREFIX}.snapshot.chunk"
+SNAPSHOT_MANIFEST: Final = f"{PREFIX}.snapshot.manifest"
+ALL_SNAPSHOTS: Final = f"{PREFIX}.snapshot.>"
 
 # `inject` is request/reply: `alnair inject` asks a simulated node to suffer a GPU fault.
 NodeChannel = Literal["telemetry", "heartbeat", "event", "cmd", "inject"]
