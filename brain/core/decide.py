@@ -385,16 +385,33 @@ def _place_cause(entry: _Entry, grants: tuple[Grant, ...], policy: Policy) -> st
     return f"placed on {where} ({'; '.join(notes)})"
 
 
-def _overlaps(a: tuple[Grant, ...], b: tuple[Grant, ...]) -> bool:
-    held = {(g.node, gpu) for g in a for gpu in g.gpus}
-    return any((g.node, gpu) in held for g in b for gpu in g.gpus)
+def _winners_by_gpu(cycle: _Cycle) -> dict[tuple[str, int], int]:
+    """Each GPU placed in this cycle, and the index in `cycle.placed` of the first
+    placement that took it: one pass over the placements, for every victim's cause."""
+    taken: dict[tuple[str, int], int] = {}
+    for index, (_, grants) in enumerate(cycle.placed):
+        for grant in grants:
+            for gpu in grant.gpus:
+                taken.setdefault((grant.node, gpu), index)
+    return taken
 
 
-def _preempt_cause(victim: _Entry, cycle: _Cycle) -> PreemptCause:
-    winner = next(
-        (e for e, grants in cycle.placed if _overlaps(grants, victim.job.grants)),
-        cycle.placed[0][0] if cycle.placed else victim,
+def _preempt_cause(
+    victim: _Entry, cycle: _Cycle, winners: dict[tuple[str, int], int]
+) -> PreemptCause:
+    # The first placement that took one of the victim's GPUs; else the cycle's first.
+    first = min(
+        (
+            winners.get((g.node, gpu), len(cycle.placed))
+            for g in victim.job.grants
+            for gpu in g.gpus
+        ),
+        default=len(cycle.placed),
     )
+    if first < len(cycle.placed):
+        winner = cycle.placed[first][0]
+    else:
+        winner = cycle.placed[0][0] if cycle.placed else victim
     if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
         return QuotaReclaim(winner.job.queue, winner.job.job_id, victim.job.queue)
     return Outranked(
@@ -404,12 +421,13 @@ def _preempt_cause(victim: _Entry, cycle: _Cycle) -> PreemptCause:
 
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
     # Best-ranked victims first: if their GPUs are still free, they simply keep them.
+    winners = _winners_by_gpu(cycle) if released else {}
     for victim in reversed(released):
         if cycle.ledger.all_free(victim.job.grants):
             cycle.ledger.take(victim.job.grants)
             continue
         cycle.preemptions.append(
-            Preempt(victim.job.job_id, victim.job.grants, _preempt_cause(victim, cycle))
+            Preempt(victim.job.job_id, victim.job.grants, _preempt_cause(victim, cycle, winners))
         )
 
 
