@@ -8,7 +8,8 @@ of 1, 2, 4, 8 and 16 GPUs packed onto them (the cluster nearly full), with attai
 service spread over every LAS band; pending jobs, most of them new (no service: they
 outrank the long-running jobs under LAS and Gittins, which therefore preempt); three
 configured queues (two `train` with guarantees, one `build`) beside the unconfigured
-default. Times `decide()` (the median of `--repeat` runs; a case whose first run
+default. Each job's recorded LAS band matches its service, as the shell keeps it, so a
+cycle changes no band. Times `decide()` (the median of `--repeat` runs; a case whose first run
 passes `--timeout` seconds is killed and reported as such), counts its placements,
 preemptions and waits, prints a table and writes bench/results/decide-scale-<stamp>.json.
 
@@ -22,6 +23,7 @@ by cumulative and by own time instead.
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
 import multiprocessing
 import pstats
@@ -61,6 +63,7 @@ QUEUES: Final = (
     QueueQuota("prod", 400, "train"),
     QueueQuota("interactive", 100, "build"),
 )
+DEFAULT_LAS_THRESHOLDS: Final = Policy().las_thresholds_gpu_s
 QUEUE_NAMES: Final = ("default", "default", "research", "prod", "interactive")
 
 
@@ -88,6 +91,11 @@ def _service(rng: random.Random, gpus: int) -> float:
     if band < 0.5:
         return rng.uniform(3_300.0, 7_000.0)
     return rng.uniform(7_300.0, 100_000.0) * max(1, gpus // 4)
+
+
+def _level(service: float) -> int:
+    """The LAS band the shell would have recorded for this service (default bands)."""
+    return bisect.bisect_right(DEFAULT_LAS_THRESHOLDS, service)
 
 
 def _pack(rng: random.Random, nodes: int, count: int) -> list[tuple[int, list[Grant]]]:
@@ -130,6 +138,7 @@ def build_snapshot(size: Size, seed: int = 18) -> ClusterSnapshot:
             used.setdefault(g.node, set()).update(g.gpus)
         job_id += 1
         started = NOW - rng.uniform(60.0, 50_000.0)
+        service = _service(rng, gpus)
         running.append(
             JobView(
                 str(job_id),
@@ -139,7 +148,9 @@ def build_snapshot(size: Size, seed: int = 18) -> ClusterSnapshot:
                 priority=rng.choice((0, 0, 1, 2)),
                 grants=tuple(grants),
                 started_at=started,
-                attained_gpu_seconds=_service(rng, gpus),
+                attained_gpu_seconds=service,
+                service_level=_level(service),
+                service_level_since=started,
             )
         )
     nodes = tuple(
@@ -165,6 +176,7 @@ def build_snapshot(size: Size, seed: int = 18) -> ClusterSnapshot:
                 queue=rng.choice(QUEUE_NAMES),
                 priority=rng.choice((0, 1, 2, 3)),
                 attained_gpu_seconds=service,
+                service_level=_level(service),
             )
         )
     return ClusterSnapshot(nodes, tuple(pending), tuple(running), QUEUES)

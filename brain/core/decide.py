@@ -66,6 +66,14 @@ class UnknownPlugin(AlnairError, KeyError):
         return str(self.args[0])  # not KeyError's repr of the message
 
 
+class InvalidSnapshot(AlnairError, ValueError):
+    """A snapshot the core cannot decide on (a bug in whoever built it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid snapshot: {reason}")
+        self.reason = reason
+
+
 class InvalidPolicy(AlnairError, ValueError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"invalid policy: {reason}")
@@ -147,11 +155,26 @@ class _Entry:
     ranked: Ranked
     standing: Standing
     starving: bool
-    sort_key: tuple[int, int, int, float, tuple[float, ...], float, tuple[int, str]]
+    # The preemption plugin's hold (`PREEMPTIONS`).
+    hold: int
 
     @property
     def job(self) -> JobView:
         return self.ranked.job
+
+    @property
+    def sort_key(self) -> tuple[int, int, int, float, tuple[float, ...], float, tuple[int, str]]:
+        """Where the job stands in the selection order (smaller first)."""
+        job = self.ranked.job
+        return (
+            int(self.standing),
+            self.hold,
+            0 if self.starving else 1,
+            job.waiting_since() if self.starving else 0.0,
+            self.ranked.rank,
+            job.submitted_at,
+            job_sequence(job.job_id),
+        )
 
 
 @dataclass(slots=True)
@@ -178,39 +201,59 @@ class _Cycle:
         return job.gpus if self.elastic is None else self.elastic.size(job)
 
 
-def _is_starving(job: JobView, now: float, policy: Policy) -> bool:
-    guard = policy.starvation_guard_s
-    return guard is not None and not job.running and now - job.waiting_since() >= guard
+def _rank_key(item: Ranked) -> tuple[tuple[float, ...], float, tuple[int, str]]:
+    job = item.job
+    return (item.rank, job.submitted_at, job_sequence(job.job_id))
+
+
+def _standings(
+    by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot
+) -> dict[str, Standing]:
+    """Quota standings (`quota.standings`) of the jobs of configured queues, walked by
+    (hold, rank); every other job is over quota, whatever its rank."""
+    queues = quota_of(snapshot.queues)
+    if not queues:
+        return {}
+    walk = [(h, r.job) for h, r in zip(holds, by_rank, strict=True) if r.job.queue in queues]
+    # Stable: within one hold, still by rank.
+    walk.sort(key=lambda pair: pair[0])
+    return standings([job for _, job in walk], queues)
 
 
 def _entries(
     ordered: Ordered, snapshot: ClusterSnapshot, now: float, policy: Policy, hold: Preemption
 ) -> list[_Entry]:
-    ranked = ordered.ranked
-    if snapshot.queues:
-        by_rank = sorted(
-            ranked,
-            key=lambda r: (hold(r.job), r.rank, r.job.submitted_at, job_sequence(r.job.job_id)),
-        )
-        standing_of = standings([r.job for r in by_rank], quota_of(snapshot.queues))
-    else:
-        standing_of = {}
-    entries: list[_Entry] = []
-    for item in ranked:
+    """Every job in selection order: by (standing, hold, starving first and longest
+    waiting first among them, rank, submission, id).
+
+    One sort by rank; standings and the selection order are stable partitions of it,
+    so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs)."""
+    by_rank = sorted(ordered.ranked, key=_rank_key)
+    holds = [hold(r.job) for r in by_rank]
+    for item in by_rank:
+        if item.job.gpus < 1:
+            raise InvalidSnapshot(f"job {item.job.job_id} asks for {item.job.gpus} GPUs")
+    standing_of = _standings(by_rank, holds, snapshot)
+    over = Standing.OVER_QUOTA
+    guard = policy.starvation_guard_s
+    groups: dict[tuple[int, int, bool], list[_Entry]] = {}
+    for item, held in zip(by_rank, holds, strict=True):
         job = item.job
-        standing = standing_of.get(job.job_id, Standing.OVER_QUOTA)
-        starving = _is_starving(job, now, policy)
-        key = (
-            int(standing),
-            hold(job),
-            0 if starving else 1,
-            job.waiting_since() if starving else 0.0,
-            item.rank,
-            job.submitted_at,
-            job_sequence(job.job_id),
-        )
-        entries.append(_Entry(item, standing, starving, key))
-    entries.sort(key=lambda e: e.sort_key)
+        standing = standing_of.get(job.job_id, over) if standing_of else over
+        starving = guard is not None and not job.grants and now - job.waiting_since() >= guard
+        entry = _Entry(item, standing, starving, held)
+        group = groups.get((standing, held, not starving))
+        if group is None:
+            groups[(standing, held, not starving)] = [entry]
+        else:
+            group.append(entry)
+    entries: list[_Entry] = []
+    for key in sorted(groups):
+        group = groups[key]
+        if not key[2]:
+            # Starving jobs: the longest waiting first (stable: then by rank).
+            group.sort(key=lambda e: e.job.waiting_since())
+        entries.extend(group)
     return entries
 
 
@@ -238,44 +281,58 @@ def _share_class(entry: _Entry, rank_entitles: bool) -> tuple[float, ...]:
 def _select(
     cycle: _Cycle, entries: list[_Entry], head_of_line_blocking: bool, capacity: int
 ) -> tuple[list[_Entry], list[_Entry]]:
-    """Walk the ranking and keep what fits by GPU count: (pending to place, victims)."""
+    """Walk the ranking and keep what fits by GPU count: (pending to place, victims).
+
+    One pass, and most of it over jobs that wait: once the GPUs run out, a job costs
+    its `Wait` and nothing more (reasons that repeat are built once)."""
     budget = capacity
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
+    elastic = cycle.elastic
+    actions = cycle.actions
+    reasons: dict[tuple[int, int, int, str, str | None], str] = {}
     for entry in entries:
-        job = entry.job
-        need = cycle.need(job)
-        if job.running:
-            if entry.standing is Standing.PINNED or need <= budget:
+        job = entry.ranked.job
+        need = job.gpus if elastic is None else elastic.need(job)
+        if job.grants:
+            if need <= budget or entry.standing is Standing.PINNED:
                 budget -= need
-                if cycle.elastic is not None:
-                    cycle.elastic.select(job, need)
+                if elastic is not None:
+                    elastic.select(job, need)
             else:
                 victims.append(entry)
             continue
-        wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, cycle.policy)
-        if wait is not None:
-            cycle.actions.append(Wait(job.job_id, wait))
-            # A starving job that cannot start yet reserves the GPUs that free up: no
-            # job behind it may backfill them, or it could wait forever.
-            blocks = head_of_line_blocking or entry.starving
-            if (
-                blocks
-                and blocked_by is None
-                and need <= capacity
-                and entry.standing is not Standing.HELD
-            ):
-                why = "starvation guard" if entry.starving else cycle.policy.order
-                # Deliberately not naming the blocker: the head changes at every
-                # placement, and a reason that changes is journaled again for every
-                # waiting job (quadratic churn in the log).
-                blocked_by = f"an earlier job that does not fit yet ({why})"
+        held = entry.standing is Standing.HELD
+        if need <= budget and blocked_by is None and need <= capacity and not held:
+            budget -= need
+            if elastic is not None:
+                elastic.select(job, need)
+            to_place.append(entry)
             continue
-        budget -= need
-        if cycle.elastic is not None:
-            cycle.elastic.select(job, need)
-        to_place.append(entry)
+        # Everything the reason says, bar a held job's queue (which has its own).
+        key = (need, job.gpus, max(budget, 0), entry.ranked.label, blocked_by)
+        wait = None if held else reasons.get(key)
+        if wait is None:
+            wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, cycle.policy)
+            assert wait is not None  # it does not fit: there is a reason
+            if not held:
+                reasons[key] = wait
+        actions.append(Wait(job.job_id, wait))
+        # A starving job that cannot start yet reserves the GPUs that free up: no
+        # job behind it may backfill them, or it could wait forever.
+        blocks = head_of_line_blocking or entry.starving
+        if (
+            blocks
+            and blocked_by is None
+            and need <= capacity
+            and entry.standing is not Standing.HELD
+        ):
+            why = "starvation guard" if entry.starving else cycle.policy.order
+            # Deliberately not naming the blocker: the head changes at every
+            # placement, and a reason that changes is journaled again for every
+            # waiting job (quadratic churn in the log).
+            blocked_by = f"an earlier job that does not fit yet ({why})"
     return to_place, victims
 
 
@@ -308,11 +365,13 @@ def _may_spread(job: JobView, now: float, policy: Policy) -> bool:
 def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> list[_Entry]:
     """Place in rank order, releasing victims worst-ranked first only when needed.
     Returns the victims whose GPUs were released."""
+    # Worst-ranked first; `next_victim` walks it, so that releasing one is O(1).
     unreleased = list(reversed(victims))
+    next_victim = 0
     released: list[_Entry] = []
-    victim_ids = {v.job.job_id for v in victims}
+    victim_ids = {v.job.job_id for v in victims} if cycle.elastic is not None else set()
     for entry in to_place:
-        job = entry.job
+        job = entry.ranked.job
         request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, cycle.policy))
         result = _try_place(cycle, request, job)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
@@ -322,8 +381,11 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             and cycle.elastic.reclaim_one(cycle.ledger, job.job_id, victim_ids)
         ):
             result = _try_place(cycle, request, job)
-        while not isinstance(result, Fit) and unreleased:
-            victim = unreleased.pop(0)
+        # Each victim released costs one placement attempt, which the ledger's indexes
+        # keep to a few look-ups: linear in the victims released.
+        while not isinstance(result, Fit) and next_victim < len(unreleased):
+            victim = unreleased[next_victim]
+            next_victim += 1
             cycle.ledger.give(victim.job.grants)
             released.append(victim)
             result = _try_place(cycle, request, job)
