@@ -23,6 +23,7 @@ Every action carries its cause.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field, replace
 
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
@@ -501,6 +502,23 @@ def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
 
 
 def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
+    """The cycle's decisions for `snapshot` at `now` under `policy`.
+
+    The cyclic garbage collector is paused while it runs (and left as it was found):
+    a cycle allocates a few objects per job, nearly all freed by reference counting
+    as it goes, and at 14,000 jobs the collections those allocations trigger
+    (generation 2 walks the whole snapshot) were a third to a half of its time. It
+    creates no reference cycles, so nothing is left for the collector to find."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _decide(snapshot, now, policy)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
     hold = PREEMPTIONS.get(policy.preemption)
