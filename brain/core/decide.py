@@ -205,10 +205,6 @@ class _Cycle:
         return job.gpus if self.elastic is None else self.elastic.size(job)
 
 
-def _submitted(item: Ranked) -> float:
-    return item.job.submitted_at
-
-
 def _submission_then_id(item: Ranked) -> tuple[float, tuple[int, str]]:
     job = item.job
     return (job.submitted_at, job_sequence(job.job_id))
@@ -220,8 +216,11 @@ def _rank_order(ranked: Sequence[Ranked]) -> list[Ranked]:
     float, then by short rank tuples over nearly sorted data, costs a third of one sort
     by the whole (rank, submission, id) tuple."""
     submitted = [item.job.submitted_at for item in ranked]
-    distinct = len(set(submitted)) == len(submitted)
-    order = sorted(ranked, key=_submitted if distinct else _submission_then_id)
+    if len(set(submitted)) == len(submitted):
+        # Sorting positions by a list of floats reads each job once, not once per key.
+        order = [ranked[i] for i in sorted(range(len(ranked)), key=submitted.__getitem__)]
+    else:
+        order = sorted(ranked, key=_submission_then_id)
     order.sort(key=_RANK)
     return order
 
@@ -260,15 +259,14 @@ def _entries(
     so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs)."""
     by_rank = _rank_order(ordered.ranked)
     holds = [hold(r.job) for r in by_rank]
-    for item in by_rank:
-        if item.job.gpus < 1:
-            raise InvalidSnapshot(f"job {item.job.job_id} asks for {item.job.gpus} GPUs")
     standing_of = _standings(by_rank, holds, snapshot)
     over = Standing.OVER_QUOTA
     guard = policy.starvation_guard_s
     groups: dict[tuple[int, int, bool], list[_Entry]] = {}
     for item, held in zip(by_rank, holds, strict=True):
         job = item.job
+        if job.gpus < 1:
+            raise InvalidSnapshot(f"job {job.job_id} asks for {job.gpus} GPUs")
         standing = standing_of.get(job.job_id, over) if standing_of else over
         starving = guard is not None and not job.grants and now - job.waiting_since() >= guard
         entry = _Entry(item, standing, starving, held)

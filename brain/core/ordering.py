@@ -82,7 +82,8 @@ def fifo(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
 
     Tiresias' `fifo` is the same: it stops at the first pending job that does not fit.
     """
-    ranked = tuple(Ranked(j, (0.0 if j.running else 1.0,), "fifo") for j in jobs)
+    running, pending = (0.0,), (1.0,)
+    ranked = tuple(Ranked(j, running if j.grants else pending, "fifo") for j in jobs)
     return Ordered(ranked, head_of_line_blocking=True)
 
 
