@@ -9,8 +9,9 @@ service spread over every LAS band; pending jobs, most of them new (no service: 
 outrank the long-running jobs under LAS and Gittins, which therefore preempt); three
 configured queues (two `train` with guarantees, one `build`) beside the unconfigured
 default. Each job's recorded LAS band matches its service, as the shell keeps it, so a
-cycle changes no band. Times `decide()` (the median of `--repeat` runs; a case whose first run
-passes `--timeout` seconds is killed and reported as such), counts its placements,
+cycle changes no band. Times `decide()` (the median of `--repeat` runs, wall clock and
+CPU time of the process: on a shared machine the CPU time is the steadier; a case whose
+first run passes `--timeout` seconds is killed and reported as such), counts its placements,
 preemptions and waits, prints a table and writes bench/results/decide-scale-<stamp>.json.
 
 Sizes: 1k = 1,000 nodes, 4,000 running, 10,000 pending (the issue's case); 5k and 20k
@@ -191,6 +192,8 @@ class Result:
     pending: int
     runs: int
     median_s: float | None
+    # CPU seconds of the same runs (median): on a shared machine, the steadier figure.
+    median_cpu_s: float | None
     placements: int
     preemptions: int
     waits: int
@@ -206,11 +209,13 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
     snapshot = build_snapshot(size)
     policy = _policy(order)
     times: list[float] = []
+    cpu: list[float] = []
     decisions = Decisions()
     for _ in range(repeat):
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         decisions = decide(snapshot, NOW, policy)
         times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
     conn.send(  # type: ignore[attr-defined]
         Result(
             size.label,
@@ -220,6 +225,7 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
             len(snapshot.pending),
             repeat,
             statistics.median(times),
+            statistics.median(cpu),
             len(decisions.placements),
             len(decisions.preemptions),
             len(decisions.waits),
@@ -240,14 +246,27 @@ def run_case(size: Size, order: str, repeat: int, timeout_s: float) -> Result:
         return result
     child.kill()
     child.join()
-    return Result(size.label, order, size.nodes, size.running, size.pending, 0, None, 0, 0, 0, True)
+    return Result(
+        size.label, order, size.nodes, size.running, size.pending, 0, None, None, 0, 0, 0, True
+    )
 
 
 def print_table(results: list[Result], timeout_s: float) -> None:
-    header = ("size", "order", "nodes", "running", "pending", "decide ms", "place", "preempt")
+    header = (
+        "size",
+        "order",
+        "nodes",
+        "running",
+        "pending",
+        "decide ms",
+        "cpu ms",
+        "place",
+        "preempt",
+    )
     lines = [header]
     for r in results:
         median = f"> {timeout_s * 1000:,.0f}" if r.median_s is None else f"{r.median_s * 1000:,.1f}"
+        cpu = "-" if r.median_cpu_s is None else f"{r.median_cpu_s * 1000:,.1f}"
         lines.append(
             (
                 r.size,
@@ -256,6 +275,7 @@ def print_table(results: list[Result], timeout_s: float) -> None:
                 f"{r.running:,}",
                 f"{r.pending:,}",
                 median,
+                cpu,
                 f"{r.placements:,}",
                 f"{r.preemptions:,}",
             )
@@ -315,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             "pending": r.pending,
             "runs": r.runs,
             "median_ms": None if r.median_s is None else round(r.median_s * 1000, 2),
+            "median_cpu_ms": None if r.median_cpu_s is None else round(r.median_cpu_s * 1000, 2),
             "timed_out": r.timed_out,
             "placements": r.placements,
             "preemptions": r.preemptions,
