@@ -397,16 +397,19 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     unreleased = list(reversed(victims))
     next_victim = 0
     released: list[_Entry] = []
-    victim_ids = {v.job.job_id for v in victims} if cycle.elastic is not None else set()
+    elastic = cycle.elastic
+    ledger = cycle.ledger
+    policy = cycle.policy
+    victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
     for entry in to_place:
         job = entry.ranked.job
-        request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, cycle.policy))
+        request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, policy))
         result = _try_place(cycle, request, job)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
             not isinstance(result, Fit)
-            and cycle.elastic is not None
-            and cycle.elastic.reclaim_one(cycle.ledger, job.job_id, victim_ids)
+            and elastic is not None
+            and elastic.reclaim_one(ledger, job.job_id, victim_ids)
         ):
             result = _try_place(cycle, request, job)
         # Linear in the victims released: no placement can fit a gang while fewer GPUs
@@ -416,26 +419,25 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         while not isinstance(result, Fit) and next_victim < len(unreleased):
             victim = unreleased[next_victim]
             next_victim += 1
-            cycle.ledger.give(victim.job.grants)
+            ledger.give(victim.ranked.job.grants)
             released.append(victim)
-            stale = cycle.ledger.total_free() < request.gpus
+            stale = ledger.total_free() < request.gpus
             if not stale:
                 result = _try_place(cycle, request, job)
         if stale:
             result = _try_place(cycle, request, job)
-        if not isinstance(result, Fit) and cycle.elastic is not None and job.elastic:
+        if not isinstance(result, Fit) and elastic is not None and job.elastic:
             # What is left, down to its minimum.
-            result = cycle.elastic.place(job, cycle.ledger, partial=True)
+            result = elastic.place(job, ledger, partial=True)
         if isinstance(result, Fit):
-            cycle.ledger.take(result.grants)
-            cycle.placed.append((entry, result.grants))
-            cycle.actions.append(
-                Place(job.job_id, result.grants, _place_cause(entry, result.grants, cycle.policy))
-            )
+            grants = result.grants
+            ledger.take(grants)
+            cycle.placed.append((entry, grants))
+            cycle.actions.append(Place(job.job_id, grants, _place_cause(entry, grants, policy)))
             continue
         cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
-            cycle.wakes.append(job.waiting_since() + cycle.policy.relax_locality_after_s)
+            cycle.wakes.append(job.waiting_since() + policy.relax_locality_after_s)
     return released
 
 
@@ -473,12 +475,16 @@ def _retry_stage(
 
 def _place_cause(entry: _Entry, grants: tuple[Grant, ...], policy: Policy) -> str:
     where = ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
+    return f"placed on {where} ({_place_notes(entry, policy)})"
+
+
+def _place_notes(entry: _Entry, policy: Policy) -> str:
     notes = [policy.order, entry.ranked.label]
     if entry.starving:
         notes.append("starvation guard")
     if entry.standing is Standing.IN_QUOTA:
         notes.append(f"within queue {entry.job.queue}'s guarantee")
-    return f"placed on {where} ({'; '.join(notes)})"
+    return "; ".join(notes)
 
 
 def _winners_by_gpu(cycle: _Cycle) -> dict[tuple[str, int], int]:
@@ -496,18 +502,15 @@ def _preempt_cause(
     victim: _Entry, cycle: _Cycle, winners: dict[tuple[str, int], int]
 ) -> PreemptCause:
     # The first placement that took one of the victim's GPUs; else the cycle's first.
-    first = min(
-        (
-            winners.get((g.node, gpu), len(cycle.placed))
-            for g in victim.job.grants
-            for gpu in g.gpus
-        ),
-        default=len(cycle.placed),
-    )
-    if first < len(cycle.placed):
-        winner = cycle.placed[first][0]
-    else:
-        winner = cycle.placed[0][0] if cycle.placed else victim
+    placed = cycle.placed
+    first = len(placed)
+    for grant in victim.ranked.job.grants:
+        node = grant.node
+        for gpu in grant.gpus:
+            index = winners.get((node, gpu), first)
+            if index < first:
+                first = index
+    winner = placed[first if first < len(placed) else 0][0] if placed else victim
     if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
         return QuotaReclaim(winner.job.queue, winner.job.job_id, victim.job.queue)
     return Outranked(

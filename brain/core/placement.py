@@ -164,8 +164,14 @@ class FreeGpus:
         for grant in grants:
             free = self._free[grant.node]
             before = len(free)
-            for gpu in grant.gpus:
-                free.remove(gpu)
+            if len(grant.gpus) == before:
+                # The whole node's free GPUs (the common gang): check, then clear.
+                if sorted(grant.gpus) != free:
+                    raise ValueError(f"GPUs {grant.gpus} of {grant.node} are not all free")
+                free.clear()
+            else:
+                for gpu in grant.gpus:
+                    free.remove(gpu)
             self._changed(grant.node, before, len(free))
 
     def give(self, grants: Iterable[Grant]) -> None:
@@ -174,8 +180,11 @@ class FreeGpus:
             if free is None:
                 continue
             before = len(free)
-            self._free[grant.node] = sorted({*free, *grant.gpus})
-            self._changed(grant.node, before, len(self._free[grant.node]))
+            if before:
+                free = self._free[grant.node] = sorted({*free, *grant.gpus})
+            else:
+                free.extend(sorted(set(grant.gpus)))
+            self._changed(grant.node, before, len(free))
 
     def lowest(self, node: str, count: int) -> tuple[int, ...]:
         return tuple(self._free[node][:count])
