@@ -90,10 +90,14 @@ def fifo(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
 def priority(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """Higher priority first; at equal priority a running job keeps its GPUs (no
     churn among equals), then FIFO. Lower priorities may backfill."""
-    ranked = tuple(
-        Ranked(j, (-j.priority, 0 if j.running else 1), f"priority {j.priority}") for j in jobs
-    )
-    return Ordered(ranked, head_of_line_blocking=False, rank_entitles=True)
+    labels: dict[int, str] = {}
+    ranked: list[Ranked] = []
+    for j in jobs:
+        label = labels.get(j.priority)
+        if label is None:
+            label = labels[j.priority] = f"priority {j.priority}"
+        ranked.append(Ranked(j, (-j.priority, 0 if j.grants else 1), label))
+    return Ordered(tuple(ranked), head_of_line_blocking=False, rank_entitles=True)
 
 
 @dataclass(frozen=True, slots=True)
