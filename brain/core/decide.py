@@ -262,6 +262,13 @@ def _entries(
     standing_of = _standings(by_rank, holds, snapshot)
     over = Standing.OVER_QUOTA
     guard = policy.starvation_guard_s
+    if not standing_of and guard is None and min(holds, default=0) == max(holds, default=0):
+        # One standing, one hold, nobody starving (no quotas, no guard: the common
+        # case): the selection order is the rank order.
+        if any(r.job.gpus < 1 for r in by_rank):
+            job = next(r.job for r in by_rank if r.job.gpus < 1)
+            raise InvalidSnapshot(f"job {job.job_id} asks for {job.gpus} GPUs")
+        return [_Entry(item, over, False, held) for item, held in zip(by_rank, holds, strict=True)]
     groups: dict[tuple[int, int, bool], list[_Entry]] = {}
     for item, held in zip(by_rank, holds, strict=True):
         job = item.job
