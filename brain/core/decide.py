@@ -262,13 +262,8 @@ def _entries(
     standing_of = _standings(by_rank, holds, snapshot)
     over = Standing.OVER_QUOTA
     guard = policy.starvation_guard_s
-    if not standing_of and guard is None and min(holds, default=0) == max(holds, default=0):
-        # One standing, one hold, nobody starving (no quotas, no guard: the common
-        # case): the selection order is the rank order.
-        if any(r.job.gpus < 1 for r in by_rank):
-            job = next(r.job for r in by_rank if r.job.gpus < 1)
-            raise InvalidSnapshot(f"job {job.job_id} asks for {job.gpus} GPUs")
-        return [_Entry(item, over, False, held) for item, held in zip(by_rank, holds, strict=True)]
+    if guard is None and min(holds, default=0) == max(holds, default=0):
+        return _by_standing(by_rank, holds[0] if holds else 0, standing_of)
     groups: dict[tuple[int, int, bool], list[_Entry]] = {}
     for item, held in zip(by_rank, holds, strict=True):
         job = item.job
@@ -290,6 +285,24 @@ def _entries(
             group.sort(key=lambda e: e.job.waiting_since())
         entries.extend(group)
     return entries
+
+
+def _by_standing(
+    by_rank: list[Ranked], hold: int, standing_of: dict[str, Standing]
+) -> list[_Entry]:
+    """`_entries` when every job has the same hold and nobody can starve (no guard):
+    the rank order, partitioned by standing alone (with no quotas, one partition)."""
+    for item in by_rank:
+        if item.job.gpus < 1:
+            raise InvalidSnapshot(f"job {item.job.job_id} asks for {item.job.gpus} GPUs")
+    over = Standing.OVER_QUOTA
+    if not standing_of:
+        return [_Entry(item, over, False, hold) for item in by_rank]
+    partitions: list[list[_Entry]] = [[] for _ in Standing]
+    for item in by_rank:
+        standing = standing_of.get(item.job.job_id, over)
+        partitions[standing].append(_Entry(item, standing, False, hold))
+    return [entry for partition in partitions for entry in partition]
 
 
 _ElasticKey = tuple[
