@@ -23,7 +23,11 @@ Every action carries its cause.
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
+from typing import Final
 
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
 from brain.core.elastic import ELASTICITIES, ElasticStage, running_views, service_bucket
@@ -64,6 +68,14 @@ class UnknownPlugin(AlnairError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])  # not KeyError's repr of the message
+
+
+class InvalidSnapshot(AlnairError, ValueError):
+    """A snapshot the core cannot decide on (a bug in whoever built it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid snapshot: {reason}")
+        self.reason = reason
 
 
 class InvalidPolicy(AlnairError, ValueError):
@@ -159,11 +171,26 @@ class _Entry:
     ranked: Ranked
     standing: Standing
     starving: bool
-    sort_key: tuple[int, int, int, float, tuple[float, ...], float, tuple[int, str]]
+    # The preemption plugin's hold (`PREEMPTIONS`).
+    hold: int
 
     @property
     def job(self) -> JobView:
         return self.ranked.job
+
+    @property
+    def sort_key(self) -> tuple[int, int, int, float, tuple[float, ...], float, tuple[int, str]]:
+        """Where the job stands in the selection order (smaller first)."""
+        job = self.ranked.job
+        return (
+            int(self.standing),
+            self.hold,
+            0 if self.starving else 1,
+            job.waiting_since() if self.starving else 0.0,
+            self.ranked.rank,
+            job.submitted_at,
+            job_sequence(job.job_id),
+        )
 
 
 @dataclass(slots=True)
@@ -190,40 +217,104 @@ class _Cycle:
         return job.gpus if self.elastic is None else self.elastic.size(job)
 
 
-def _is_starving(job: JobView, now: float, policy: Policy) -> bool:
-    guard = policy.starvation_guard_s
-    return guard is not None and not job.running and now - job.waiting_since() >= guard
+def _submission_then_id(item: Ranked) -> tuple[float, tuple[int, str]]:
+    job = item.job
+    return (job.submitted_at, job_sequence(job.job_id))
+
+
+def _rank_order(ranked: Sequence[Ranked]) -> list[Ranked]:
+    """By (rank, submission, job id), as two stable sorts: by submission (ties broken by
+    id only when two jobs share a submission time), then by rank alone. Sorting by one
+    float, then by short rank tuples over nearly sorted data, costs a third of one sort
+    by the whole (rank, submission, id) tuple."""
+    submitted = [item.job.submitted_at for item in ranked]
+    if len(set(submitted)) == len(submitted):
+        # Sorting positions by a list of floats reads each job once, not once per key.
+        order = [ranked[i] for i in sorted(range(len(ranked)), key=submitted.__getitem__)]
+    else:
+        order = sorted(ranked, key=_submission_then_id)
+    order.sort(key=_RANK)
+    return order
+
+
+_RANK: Final = itemgetter(1)  # Ranked.rank
+
+
+def _standings(
+    by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot
+) -> dict[str, Standing]:
+    """Quota standings (`quota.standings`) of the jobs of configured queues, walked by
+    (hold, rank); every other job is over quota, whatever its rank."""
+    queues = quota_of(snapshot.queues)
+    if not queues:
+        return {}
+    if min(holds, default=0) == max(holds, default=0):
+        walk = [r.job for r in by_rank if r.job.queue in queues]
+    else:
+        # Stable: within one hold, still by rank.
+        pairs = [(h, r.job) for h, r in zip(holds, by_rank, strict=True) if r.job.queue in queues]
+        pairs.sort(key=_HOLD)
+        walk = [job for _, job in pairs]
+    return standings(walk, queues)
+
+
+_HOLD: Final = itemgetter(0)
 
 
 def _entries(
     ordered: Ordered, snapshot: ClusterSnapshot, now: float, policy: Policy, hold: Preemption
 ) -> list[_Entry]:
-    ranked = ordered.ranked
-    if snapshot.queues:
-        by_rank = sorted(
-            ranked,
-            key=lambda r: (hold(r.job), r.rank, r.job.submitted_at, job_sequence(r.job.job_id)),
-        )
-        standing_of = standings([r.job for r in by_rank], quota_of(snapshot.queues))
-    else:
-        standing_of = {}
-    entries: list[_Entry] = []
-    for item in ranked:
+    """Every job in selection order: by (standing, hold, starving first and longest
+    waiting first among them, rank, submission, id).
+
+    One sort by rank; standings and the selection order are stable partitions of it,
+    so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs)."""
+    by_rank = _rank_order(ordered.ranked)
+    holds = [hold(r.job) for r in by_rank]
+    standing_of = _standings(by_rank, holds, snapshot)
+    over = Standing.OVER_QUOTA
+    guard = policy.starvation_guard_s
+    if guard is None and min(holds, default=0) == max(holds, default=0):
+        return _by_standing(by_rank, holds[0] if holds else 0, standing_of)
+    groups: dict[tuple[int, int, bool], list[_Entry]] = {}
+    for item, held in zip(by_rank, holds, strict=True):
         job = item.job
-        standing = standing_of.get(job.job_id, Standing.OVER_QUOTA)
-        starving = _is_starving(job, now, policy)
-        key = (
-            int(standing),
-            hold(job),
-            0 if starving else 1,
-            job.waiting_since() if starving else 0.0,
-            item.rank,
-            job.submitted_at,
-            job_sequence(job.job_id),
-        )
-        entries.append(_Entry(item, standing, starving, key))
-    entries.sort(key=lambda e: e.sort_key)
+        if job.gpus < 1:
+            raise InvalidSnapshot(f"job {job.job_id} asks for {job.gpus} GPUs")
+        standing = standing_of.get(job.job_id, over) if standing_of else over
+        starving = guard is not None and not job.grants and now - job.waiting_since() >= guard
+        entry = _Entry(item, standing, starving, held)
+        group = groups.get((standing, held, not starving))
+        if group is None:
+            groups[(standing, held, not starving)] = [entry]
+        else:
+            group.append(entry)
+    entries: list[_Entry] = []
+    for key in sorted(groups):
+        group = groups[key]
+        if not key[2]:
+            # Starving jobs: the longest waiting first (stable: then by rank).
+            group.sort(key=lambda e: e.job.waiting_since())
+        entries.extend(group)
     return entries
+
+
+def _by_standing(
+    by_rank: list[Ranked], hold: int, standing_of: dict[str, Standing]
+) -> list[_Entry]:
+    """`_entries` when every job has the same hold and nobody can starve (no guard):
+    the rank order, partitioned by standing alone (with no quotas, one partition)."""
+    for item in by_rank:
+        if item.job.gpus < 1:
+            raise InvalidSnapshot(f"job {item.job.job_id} asks for {item.job.gpus} GPUs")
+    over = Standing.OVER_QUOTA
+    if not standing_of:
+        return [_Entry(item, over, False, hold) for item in by_rank]
+    partitions: list[list[_Entry]] = [[] for _ in Standing]
+    for item in by_rank:
+        standing = standing_of.get(item.job.job_id, over)
+        partitions[standing].append(_Entry(item, standing, False, hold))
+    return [entry for partition in partitions for entry in partition]
 
 
 _ElasticKey = tuple[
@@ -250,44 +341,58 @@ def _share_class(entry: _Entry, rank_entitles: bool) -> tuple[float, ...]:
 def _select(
     cycle: _Cycle, entries: list[_Entry], head_of_line_blocking: bool, capacity: int
 ) -> tuple[list[_Entry], list[_Entry]]:
-    """Walk the ranking and keep what fits by GPU count: (pending to place, victims)."""
+    """Walk the ranking and keep what fits by GPU count: (pending to place, victims).
+
+    One pass, and most of it over jobs that wait: once the GPUs run out, a job costs
+    its `Wait` and nothing more (reasons that repeat are built once)."""
     budget = capacity
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
+    elastic = cycle.elastic
+    actions = cycle.actions
+    reasons: dict[tuple[int, int, int, str, str | None], str] = {}
     for entry in entries:
-        job = entry.job
-        need = cycle.need(job)
-        if job.running:
-            if entry.standing is Standing.PINNED or need <= budget:
+        job = entry.ranked.job
+        need = job.gpus if elastic is None else elastic.need(job)
+        if job.grants:
+            if need <= budget or entry.standing is Standing.PINNED:
                 budget -= need
-                if cycle.elastic is not None:
-                    cycle.elastic.select(job, need)
+                if elastic is not None:
+                    elastic.select(job, need)
             else:
                 victims.append(entry)
             continue
-        wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, cycle.policy)
-        if wait is not None:
-            cycle.actions.append(Wait(job.job_id, wait))
-            # A starving job that cannot start yet reserves the GPUs that free up: no
-            # job behind it may backfill them, or it could wait forever.
-            blocks = head_of_line_blocking or entry.starving
-            if (
-                blocks
-                and blocked_by is None
-                and need <= capacity
-                and entry.standing is not Standing.HELD
-            ):
-                why = "starvation guard" if entry.starving else cycle.policy.order
-                # Deliberately not naming the blocker: the head changes at every
-                # placement, and a reason that changes is journaled again for every
-                # waiting job (quadratic churn in the log).
-                blocked_by = f"an earlier job that does not fit yet ({why})"
+        held = entry.standing is Standing.HELD
+        if need <= budget and blocked_by is None and need <= capacity and not held:
+            budget -= need
+            if elastic is not None:
+                elastic.select(job, need)
+            to_place.append(entry)
             continue
-        budget -= need
-        if cycle.elastic is not None:
-            cycle.elastic.select(job, need)
-        to_place.append(entry)
+        # Everything the reason says, bar a held job's queue (which has its own).
+        key = (need, job.gpus, max(budget, 0), entry.ranked.label, blocked_by)
+        wait = None if held else reasons.get(key)
+        if wait is None:
+            wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, cycle.policy)
+            assert wait is not None  # it does not fit: there is a reason
+            if not held:
+                reasons[key] = wait
+        actions.append(Wait(job.job_id, wait))
+        # A starving job that cannot start yet reserves the GPUs that free up: no
+        # job behind it may backfill them, or it could wait forever.
+        blocks = head_of_line_blocking or entry.starving
+        if (
+            blocks
+            and blocked_by is None
+            and need <= capacity
+            and entry.standing is not Standing.HELD
+        ):
+            why = "starvation guard" if entry.starving else cycle.policy.order
+            # Deliberately not naming the blocker: the head changes at every
+            # placement, and a reason that changes is journaled again for every
+            # waiting job (quadratic churn in the log).
+            blocked_by = f"an earlier job that does not fit yet ({why})"
     return to_place, victims
 
 
@@ -320,38 +425,51 @@ def _may_spread(job: JobView, now: float, policy: Policy) -> bool:
 def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> list[_Entry]:
     """Place in rank order, releasing victims worst-ranked first only when needed.
     Returns the victims whose GPUs were released."""
+    # Worst-ranked first; `next_victim` walks it, so that releasing one is O(1).
     unreleased = list(reversed(victims))
+    next_victim = 0
     released: list[_Entry] = []
-    victim_ids = {v.job.job_id for v in victims}
+    elastic = cycle.elastic
+    ledger = cycle.ledger
+    policy = cycle.policy
+    victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
     for entry in to_place:
-        job = entry.job
-        request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, cycle.policy))
+        job = entry.ranked.job
+        request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, policy))
         result = _try_place(cycle, request, job)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
             not isinstance(result, Fit)
-            and cycle.elastic is not None
-            and cycle.elastic.reclaim_one(cycle.ledger, job.job_id, victim_ids)
+            and elastic is not None
+            and elastic.reclaim_one(ledger, job.job_id, victim_ids)
         ):
             result = _try_place(cycle, request, job)
-        while not isinstance(result, Fit) and unreleased:
-            victim = unreleased.pop(0)
-            cycle.ledger.give(victim.job.grants)
+        # Linear in the victims released: no placement can fit a gang while fewer GPUs
+        # than it needs are free, so it is tried again only once enough are (and then
+        # costs a few index look-ups); a reason that went stale is asked for once.
+        stale = False
+        while not isinstance(result, Fit) and next_victim < len(unreleased):
+            victim = unreleased[next_victim]
+            next_victim += 1
+            ledger.give(victim.ranked.job.grants)
             released.append(victim)
+            stale = ledger.total_free() < request.gpus
+            if not stale:
+                result = _try_place(cycle, request, job)
+        if stale:
             result = _try_place(cycle, request, job)
-        if not isinstance(result, Fit) and cycle.elastic is not None and job.elastic:
+        if not isinstance(result, Fit) and elastic is not None and job.elastic:
             # What is left, down to its minimum.
-            result = cycle.elastic.place(job, cycle.ledger, partial=True)
+            result = elastic.place(job, ledger, partial=True)
         if isinstance(result, Fit):
-            cycle.ledger.take(result.grants)
-            cycle.placed.append((entry, result.grants))
-            cycle.actions.append(
-                Place(job.job_id, result.grants, _place_cause(entry, result.grants, cycle.policy))
-            )
+            grants = result.grants
+            ledger.take(grants)
+            cycle.placed.append((entry, grants))
+            cycle.actions.append(Place(job.job_id, grants, _place_cause(entry, grants, policy)))
             continue
         cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
-            cycle.wakes.append(job.waiting_since() + cycle.policy.relax_locality_after_s)
+            cycle.wakes.append(job.waiting_since() + policy.relax_locality_after_s)
     return released
 
 
@@ -389,24 +507,42 @@ def _retry_stage(
 
 def _place_cause(entry: _Entry, grants: tuple[Grant, ...], policy: Policy) -> str:
     where = ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
+    return f"placed on {where} ({_place_notes(entry, policy)})"
+
+
+def _place_notes(entry: _Entry, policy: Policy) -> str:
     notes = [policy.order, entry.ranked.label]
     if entry.starving:
         notes.append("starvation guard")
     if entry.standing is Standing.IN_QUOTA:
         notes.append(f"within queue {entry.job.queue}'s guarantee")
-    return f"placed on {where} ({'; '.join(notes)})"
+    return "; ".join(notes)
 
 
-def _overlaps(a: tuple[Grant, ...], b: tuple[Grant, ...]) -> bool:
-    held = {(g.node, gpu) for g in a for gpu in g.gpus}
-    return any((g.node, gpu) in held for g in b for gpu in g.gpus)
+def _winners_by_gpu(cycle: _Cycle) -> dict[tuple[str, int], int]:
+    """Each GPU placed in this cycle, and the index in `cycle.placed` of the first
+    placement that took it: one pass over the placements, for every victim's cause."""
+    taken: dict[tuple[str, int], int] = {}
+    for index, (_, grants) in enumerate(cycle.placed):
+        for grant in grants:
+            for gpu in grant.gpus:
+                taken.setdefault((grant.node, gpu), index)
+    return taken
 
 
-def _preempt_cause(victim: _Entry, cycle: _Cycle) -> PreemptCause:
-    winner = next(
-        (e for e, grants in cycle.placed if _overlaps(grants, victim.job.grants)),
-        cycle.placed[0][0] if cycle.placed else victim,
-    )
+def _preempt_cause(
+    victim: _Entry, cycle: _Cycle, winners: dict[tuple[str, int], int]
+) -> PreemptCause:
+    # The first placement that took one of the victim's GPUs; else the cycle's first.
+    placed = cycle.placed
+    first = len(placed)
+    for grant in victim.ranked.job.grants:
+        node = grant.node
+        for gpu in grant.gpus:
+            index = winners.get((node, gpu), first)
+            if index < first:
+                first = index
+    winner = placed[first if first < len(placed) else 0][0] if placed else victim
     if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
         return QuotaReclaim(winner.job.queue, winner.job.job_id, victim.job.queue)
     return Outranked(
@@ -416,12 +552,13 @@ def _preempt_cause(victim: _Entry, cycle: _Cycle) -> PreemptCause:
 
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
     # Best-ranked victims first: if their GPUs are still free, they simply keep them.
+    winners = _winners_by_gpu(cycle) if released else {}
     for victim in reversed(released):
         if cycle.ledger.all_free(victim.job.grants):
             cycle.ledger.take(victim.job.grants)
             continue
         cycle.preemptions.append(
-            Preempt(victim.job.job_id, victim.job.grants, _preempt_cause(victim, cycle))
+            Preempt(victim.job.job_id, victim.job.grants, _preempt_cause(victim, cycle, winners))
         )
 
 
@@ -433,6 +570,23 @@ def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
 
 
 def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
+    """The cycle's decisions for `snapshot` at `now` under `policy`.
+
+    The cyclic garbage collector is paused while it runs (and left as it was found):
+    a cycle allocates a few objects per job, nearly all freed by reference counting
+    as it goes, and at 14,000 jobs the collections those allocations trigger
+    (generation 2 walks the whole snapshot) were a third to a half of its time. It
+    creates no reference cycles, so nothing is left for the collector to find."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _decide(snapshot, now, policy)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
     hold = PREEMPTIONS.get(policy.preemption)

@@ -82,17 +82,22 @@ def fifo(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
 
     Tiresias' `fifo` is the same: it stops at the first pending job that does not fit.
     """
-    ranked = tuple(Ranked(j, (0.0 if j.running else 1.0,), "fifo") for j in jobs)
+    running, pending = (0.0,), (1.0,)
+    ranked = tuple(Ranked(j, running if j.grants else pending, "fifo") for j in jobs)
     return Ordered(ranked, head_of_line_blocking=True)
 
 
 def priority(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """Higher priority first; at equal priority a running job keeps its GPUs (no
     churn among equals), then FIFO. Lower priorities may backfill."""
-    ranked = tuple(
-        Ranked(j, (-j.priority, 0 if j.running else 1), f"priority {j.priority}") for j in jobs
-    )
-    return Ordered(ranked, head_of_line_blocking=False, rank_entitles=True)
+    labels: dict[int, str] = {}
+    ranked: list[Ranked] = []
+    for j in jobs:
+        label = labels.get(j.priority)
+        if label is None:
+            label = labels[j.priority] = f"priority {j.priority}"
+        ranked.append(Ranked(j, (-j.priority, 0 if j.grants else 1), label))
+    return Ordered(tuple(ranked), head_of_line_blocking=False, rank_entitles=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,16 +148,26 @@ def las(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """
     ranked: list[Ranked] = []
     changes: list[SetServiceLevel] = []
-    labels = [f"las band {level}" for level in range(len(context.las_thresholds_gpu_s) + 1)]
+    thresholds = context.las_thresholds_gpu_s
+    now = context.now
+    labels = [f"las band {level}" for level in range(len(thresholds) + 1)]
     for job in jobs:
-        band = _band(job, context)
-        if band.change is not None:
-            changes.append(band.change)
-        settled = job.running and band.since < context.now
-        rank = (float(band.level), 0.0 if settled else 1.0, band.since)
-        ranked.append(Ranked(job, rank, labels[band.level]))
-    wake = _earliest([_next_crossing(j, context) for j in jobs if j.running])
-    return Ordered(tuple(ranked), False, tuple(changes), wake)
+        # `_band`, inlined: this loop runs once per job per cycle.
+        level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
+        if level == job.service_level:
+            since = job.submitted_at if job.service_level_since is None else job.service_level_since
+        else:
+            band = _band(job, context)
+            if band.change is not None:
+                changes.append(band.change)
+            since = band.since
+        settled = 0.0 if job.grants and since < now else 1.0
+        ranked.append(Ranked(job, (float(level), settled, since), labels[level]))
+    return Ordered(tuple(ranked), False, tuple(changes), _next_crossings(jobs, context))
+
+
+def _next_crossings(jobs: Sequence[JobView], context: OrderContext) -> float | None:
+    return _earliest([_next_crossing(j, context) for j in jobs if j.grants])
 
 
 def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
@@ -164,17 +179,22 @@ def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """
     ranked: list[Ranked] = []
     changes: list[SetServiceLevel] = []
+    thresholds = context.las_thresholds_gpu_s
+    # Many jobs share a service (every new job has none): one index and label each.
+    seen: dict[float, tuple[tuple[float, float], str]] = {}
     for job in jobs:
-        band = _band(job, context)
-        if band.change is not None:
-            changes.append(band.change)
-        index = context.distribution.gittins_index(
-            job.attained_gpu_seconds, context.gittins_quantum_gpu_s
-        )
-        rank = (float(band.level), -index)
-        ranked.append(Ranked(job, rank, f"band {band.level} gittins {index:.3g}"))
-    wake = _earliest([_next_crossing(j, context) for j in jobs if j.running])
-    return Ordered(tuple(ranked), False, tuple(changes), wake)
+        attained = job.attained_gpu_seconds
+        if job.service_level != bisect.bisect_right(thresholds, attained + SERVICE_EPSILON):
+            change = _band(job, context).change
+            if change is not None:
+                changes.append(change)
+        known = seen.get(attained)
+        if known is None:
+            level = bisect.bisect_right(thresholds, attained + SERVICE_EPSILON)
+            index = context.distribution.gittins_index(attained, context.gittins_quantum_gpu_s)
+            known = seen[attained] = ((float(level), -index), f"band {level} gittins {index:.3g}")
+        ranked.append(Ranked(job, known[0], known[1]))
+    return Ordered(tuple(ranked), False, tuple(changes), _next_crossings(jobs, context))
 
 
 def remaining_gpu_seconds(job: JobView) -> float | None:

@@ -12,25 +12,115 @@ consolidation. The pipeline decides `may_spread`; the plugin only obeys it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import bisect
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
 from brain.core.model import Grant, NodeView
 
 
+class _Buckets:
+    """Node names by how many GPUs they have free: for each count from 1 up, the names
+    in sorted order. Nodes with nothing free are not kept: no placement wants them.
+
+    Sorted lists rather than sets, so that the tie-breaks placement promises (by node
+    name) cost nothing to find; an insert or a removal is a binary search and a short
+    memmove, never a scan of the cluster.
+    """
+
+    __slots__ = ("_names",)
+
+    def __init__(self) -> None:
+        self._names: list[list[str]] = [[]]
+
+    def load(self, free_counts: Iterable[tuple[str, int]]) -> None:
+        """Fill an empty index in one go (a sort per count, not an insert per node)."""
+        for name, count in free_counts:
+            if count > 0:
+                self._row(count).append(name)
+        for row in self._names:
+            row.sort()
+
+    def _row(self, count: int) -> list[str]:
+        while len(self._names) <= count:
+            self._names.append([])
+        return self._names[count]
+
+    def move(self, name: str, before: int, after: int) -> None:
+        if before == after:
+            return
+        if before > 0:
+            row = self._names[before]
+            del row[bisect.bisect_left(row, name)]
+        if after > 0:
+            bisect.insort(self._row(after), name)
+
+    def best_fit(self, gpus: int) -> str | None:
+        """The node with the fewest free GPUs that still has `gpus` (ties: by name)."""
+        for row in self._names[max(gpus, 1) :]:
+            if row:
+                return row[0]
+        return None
+
+    def most_free(self) -> int:
+        for count in range(len(self._names) - 1, 0, -1):
+            if self._names[count]:
+                return count
+        return 0
+
+    def roomiest_first(self) -> Iterator[str]:
+        """Nodes with free GPUs, most free first, ties by name."""
+        for row in reversed(self._names):
+            yield from row
+
+    def nodes_for(self, gpus: int) -> int:
+        """How many nodes, roomiest first, it takes to gather `gpus` free GPUs; 0 when
+        these nodes do not have that many."""
+        needed = gpus
+        nodes = 0
+        for count in range(len(self._names) - 1, 0, -1):
+            have = len(self._names[count])
+            if have * count >= needed:
+                return nodes + -(-needed // count)
+            needed -= have * count
+            nodes += have
+        return 0
+
+
 class FreeGpus:
-    """A staging ledger of free GPUs per node, for one decision cycle."""
+    """A staging ledger of free GPUs per node, for one decision cycle.
+
+    Indexed so that a placement never scans the cluster: nodes are bucketed by their
+    free-GPU count, cluster-wide and per switch, and the totals are kept as GPUs are
+    taken and given. Building one is O(nodes log nodes); every other operation costs
+    what it touches.
+    """
 
     def __init__(self, nodes: Iterable[NodeView]) -> None:
-        self._free: dict[str, list[int]] = {n.name: sorted(n.free) for n in nodes}
-        self._switch: dict[str, str] = {}
-        self._capacity: dict[str, int] = {}
+        by_name = {n.name: n for n in nodes}
+        self._free: dict[str, list[int]] = {name: sorted(n.free) for name, n in by_name.items()}
+        self._switch: dict[str, str] = {name: n.switch for name, n in by_name.items()}
+        self._capacity: dict[str, int] = {name: len(n.gpus) for name, n in by_name.items()}
         self._by_switch: dict[str, list[str]] = {}
-        for n in nodes:
-            self._switch[n.name] = n.switch
-            self._capacity[n.name] = len(n.gpus)
-            self._by_switch.setdefault(n.switch, []).append(n.name)
+        for name, switch in self._switch.items():
+            self._by_switch.setdefault(switch, []).append(name)
+        self._index()
+
+    def _index(self) -> None:
+        self._total_free = sum(len(v) for v in self._free.values())
+        self._total_capacity = sum(self._capacity.values())
+        self._largest = max(self._capacity.values(), default=0)
+        self._all = _Buckets()
+        self._all.load((name, len(free)) for name, free in self._free.items())
+        self._switch_order = sorted(self._by_switch)
+        self._switch_free: dict[str, int] = {}
+        self._switch_nodes: dict[str, _Buckets] = {}
+        for switch, names in self._by_switch.items():
+            buckets = _Buckets()
+            buckets.load((name, len(self._free[name])) for name in names)
+            self._switch_nodes[switch] = buckets
+            self._switch_free[switch] = sum(len(self._free[name]) for name in names)
 
     def free_on(self, node: str) -> int:
         return len(self._free[node])
@@ -42,13 +132,13 @@ class FreeGpus:
         return self._switch[node]
 
     def total_free(self) -> int:
-        return sum(len(v) for v in self._free.values())
+        return self._total_free
 
     def total_capacity(self) -> int:
-        return sum(self._capacity.values())
+        return self._total_capacity
 
     def largest_node(self) -> int:
-        return max(self._capacity.values(), default=0)
+        return self._largest
 
     def switches(self) -> dict[str, list[str]]:
         return self._by_switch
@@ -61,23 +151,91 @@ class FreeGpus:
                 return False
         return True
 
+    def _changed(self, node: str, before: int, after: int) -> None:
+        if before == after:
+            return
+        self._total_free += after - before
+        self._all.move(node, before, after)
+        switch = self._switch[node]
+        self._switch_free[switch] += after - before
+        self._switch_nodes[switch].move(node, before, after)
+
     def take(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
             free = self._free[grant.node]
-            for gpu in grant.gpus:
-                free.remove(gpu)
+            before = len(free)
+            if len(grant.gpus) == before:
+                # The whole node's free GPUs (the common gang): check, then clear.
+                if sorted(grant.gpus) != free:
+                    raise ValueError(f"GPUs {grant.gpus} of {grant.node} are not all free")
+                free.clear()
+            else:
+                for gpu in grant.gpus:
+                    free.remove(gpu)
+            self._changed(grant.node, before, len(free))
 
     def give(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
-            if grant.node in self._free:
-                self._free[grant.node] = sorted({*self._free[grant.node], *grant.gpus})
+            free = self._free.get(grant.node)
+            if free is None:
+                continue
+            before = len(free)
+            if before:
+                free = self._free[grant.node] = sorted({*free, *grant.gpus})
+            else:
+                free.extend(sorted(set(grant.gpus)))
+            self._changed(grant.node, before, len(free))
 
     def lowest(self, node: str, count: int) -> tuple[int, ...]:
         return tuple(self._free[node][:count])
 
+    def best_fit(self, gpus: int) -> str | None:
+        """The node with the fewest free GPUs that has at least `gpus` (ties: by name),
+        or None."""
+        return self._all.best_fit(gpus)
+
+    def most_free(self) -> int:
+        """The most GPUs free on any one node."""
+        return self._all.most_free()
+
+    def gather(self, gpus: int, switch: str | None = None) -> tuple[Grant, ...] | None:
+        """`gpus` GPUs on the fewest nodes (of one switch, or anywhere): the roomiest
+        nodes first, ties by name, the lowest GPUs of each; None if they are not free."""
+        buckets = self._all if switch is None else self._switch_nodes[switch]
+        grants: list[Grant] = []
+        needed = gpus
+        for node in buckets.roomiest_first():
+            if needed == 0:
+                break
+            take = min(needed, len(self._free[node]))
+            grants.append(Grant(node, self.lowest(node, take)))
+            needed -= take
+        return tuple(grants) if needed == 0 else None
+
+    def fewest_nodes_in_a_switch(self, gpus: int) -> tuple[Grant, ...] | None:
+        """`gather` within the switch that needs the fewest nodes for `gpus` (ties: the
+        first switch by name), or None if no switch has that many free."""
+        most = self.most_free()
+        if most == 0:
+            return None
+        # No switch can do better than the roomiest node allows.
+        bound = -(-gpus // most)
+        best: str | None = None
+        best_nodes = 0
+        for switch in self._switch_order:
+            if self._switch_free[switch] < gpus:
+                continue
+            nodes = self._switch_nodes[switch].nodes_for(gpus)
+            if best is None or nodes < best_nodes:
+                best, best_nodes = switch, nodes
+                if nodes <= bound:
+                    break
+        return None if best is None else self.gather(gpus, best)
+
     def excluding(self, avoid: frozenset[str]) -> FreeGpus:
         """A copy without the `avoid` nodes, for a job retried away from where it failed.
-        Placing on the copy takes nothing: the cycle takes the fit on its own ledger."""
+        Placing on the copy takes nothing: the cycle takes the fit on its own ledger.
+        O(nodes): retried jobs are few."""
         view = FreeGpus(())
         for name, free in self._free.items():
             if name in avoid:
@@ -86,6 +244,7 @@ class FreeGpus:
             view._switch[name] = self._switch[name]
             view._capacity[name] = self._capacity[name]
             view._by_switch.setdefault(self._switch[name], []).append(name)
+        view._index()
         return view
 
 
@@ -112,22 +271,6 @@ class PlacementRequest:
 Placement = Callable[[PlacementRequest, FreeGpus], PlacementResult]
 
 
-def _fewest_nodes(gpus: int, free: FreeGpus, candidates: list[str]) -> tuple[Grant, ...] | None:
-    """Greedy by most free GPUs: minimal node count for a gang across nodes."""
-    ordered = sorted(candidates, key=lambda n: (-free.free_on(n), n))
-    grants: list[Grant] = []
-    needed = gpus
-    for node in ordered:
-        if needed == 0:
-            break
-        take = min(needed, free.free_on(node))
-        if take == 0:
-            break
-        grants.append(Grant(node, free.lowest(node, take)))
-        needed -= take
-    return tuple(grants) if needed == 0 else None
-
-
 def _preferred_node_count(gpus: int, free: FreeGpus) -> int:
     """The fewest nodes the job could ever use: its GPUs over the largest nodes."""
     largest = free.largest_node()
@@ -136,35 +279,35 @@ def _preferred_node_count(gpus: int, free: FreeGpus) -> int:
 
 def consolidate(request: PlacementRequest, free: FreeGpus) -> PlacementResult:
     """Pack a job on one node if any fits (best fit), else on the fewest nodes of one
-    switch; once it may spread, on the fewest nodes anywhere."""
+    switch; once it may spread, on the fewest nodes anywhere.
+
+    Multi-node gangs take the roomiest nodes first (ties by name), the lowest GPUs of
+    each. Every step is an index look-up (`FreeGpus`): a job that cannot fit costs
+    no scan of the cluster."""
     gpus = request.gpus
-    single = [n for n in free.nodes() if free.free_on(n) >= gpus]
-    if single:
-        # Best fit: the fullest node that still fits, to keep whole nodes free for
-        # large jobs.
-        node = min(single, key=lambda n: (free.free_on(n), n))
+    # Best fit: the fullest node that still fits, to keep whole nodes free for large
+    # jobs.
+    node = free.best_fit(gpus)
+    if node is not None:
         return Fit((Grant(node, free.lowest(node, gpus)),))
-    best: tuple[Grant, ...] | None = None
-    by_switch = free.switches()
-    for switch in sorted(by_switch):
-        grants = _fewest_nodes(gpus, free, by_switch[switch])
-        if grants is not None and (best is None or len(grants) < len(best)):
-            best = grants
+    total = free.total_free()
     preferred = _preferred_node_count(gpus, free)
-    if best is not None and (request.may_spread or len(best) <= preferred):
-        return Fit(best)
-    if request.may_spread:
-        anywhere = _fewest_nodes(gpus, free, free.nodes())
-        if anywhere is not None:
-            return Fit(anywhere)
-    elif free.total_free() >= gpus:
+    # No node fits, so a switch needs two nodes or more: a job that must stay on one
+    # node (`preferred` 1) and may not spread has nothing to look for.
+    if total >= gpus and (request.may_spread or preferred > 1):
+        best = free.fewest_nodes_in_a_switch(gpus)
+        if best is not None and (request.may_spread or len(best) <= preferred):
+            return Fit(best)
+        if request.may_spread:
+            anywhere = free.gather(gpus)
+            if anywhere is not None:
+                return Fit(anywhere)
+    if not request.may_spread and total >= gpus:
         return NoFit(
             f"waiting for {gpus} GPUs on {preferred} node(s) under one switch "
-            f"({free.total_free()} free, but scattered)"
+            f"({total} free, but scattered)"
         )
-    return NoFit(
-        f"needs {gpus} GPUs; {free.total_free()} free of {free.total_capacity()} schedulable"
-    )
+    return NoFit(f"needs {gpus} GPUs; {total} free of {free.total_capacity()} schedulable")
 
 
 PLACEMENTS: Final[dict[str, Placement]] = {"consolidate": consolidate}

@@ -44,11 +44,12 @@ def standings(
     result: dict[str, Standing] = {}
     # Running build jobs are pinned whatever their rank, so they use their queue's
     # guarantee before any pending job of that queue is considered.
-    for job in jobs_by_rank:
-        quota = queues.get(job.queue, _UNCONFIGURED)
-        if quota.job_class == "build" and job.running:
-            result[job.job_id] = Standing.PINNED
-            used[job.queue] = used.get(job.queue, 0) + job.gpus
+    builds = {name for name, quota in queues.items() if quota.job_class == "build"}
+    if builds:
+        for job in jobs_by_rank:
+            if job.grants and job.queue in builds:
+                result[job.job_id] = Standing.PINNED
+                used[job.queue] = used.get(job.queue, 0) + job.gpus
     for job in jobs_by_rank:
         if job.job_id in result:
             continue

@@ -1,0 +1,356 @@
+"""How long one `decide()` takes on a large cluster: times and action counts, not a test.
+
+    .venv/bin/python bench/decide_scale.py [--size 1k 5k 20k] [--order fifo las ...]
+        [--repeat 3] [--timeout 120] [--profile las@1k]
+
+Builds seeded synthetic snapshots: nodes of 8 GPUs, 32 nodes to a switch; running jobs
+of 1, 2, 4, 8 and 16 GPUs packed onto them (the cluster nearly full), with attained
+service spread over every LAS band; pending jobs, most of them new (no service: they
+outrank the long-running jobs under LAS and Gittins, which therefore preempt); three
+configured queues (two `train` with guarantees, one `build`) beside the unconfigured
+default. Each job's recorded LAS band matches its service, as the shell keeps it, so a
+cycle changes no band. Times `decide()` (the median of `--repeat` runs, wall clock and
+CPU time of the process: on a shared machine the CPU time is the steadier; a case whose
+first run passes `--timeout` seconds is killed and reported as such), counts its placements,
+preemptions and waits, prints a table and writes bench/results/decide-scale-<stamp>.json.
+
+Sizes: 1k = 1,000 nodes, 4,000 running, 10,000 pending (the issue's case); 5k and 20k
+scale all three by 5 and 20.
+
+`--profile ORDER@SIZE` runs that case once under cProfile and prints the top functions
+by cumulative and by own time instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import cProfile
+import multiprocessing
+import pstats
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.recording import record  # noqa: E402
+from brain.core import (  # noqa: E402
+    ClusterSnapshot,
+    Decisions,
+    Grant,
+    JobView,
+    NodeView,
+    Policy,
+    QueueQuota,
+    decide,
+)
+
+GPUS_PER_NODE: Final = 8
+NODES_PER_SWITCH: Final = 32
+NOW: Final = 1_000_000.0
+# Job sizes and their weights: about 2 GPUs a job on average, so 4 running jobs per
+# node nearly fill the cluster.
+SIZES: Final = (1, 2, 4, 8, 16)
+SIZE_WEIGHTS: Final = (0.65, 0.2, 0.09, 0.05, 0.01)
+QUEUES: Final = (
+    QueueQuota("research", 800, "train"),
+    QueueQuota("prod", 400, "train"),
+    QueueQuota("interactive", 100, "build"),
+)
+DEFAULT_LAS_THRESHOLDS: Final = Policy().las_thresholds_gpu_s
+QUEUE_NAMES: Final = ("default", "default", "research", "prod", "interactive")
+
+
+@dataclass(frozen=True)
+class Size:
+    label: str
+    nodes: int
+    running: int
+    pending: int
+
+
+SIZES_BY_LABEL: Final = {
+    "1k": Size("1k", 1_000, 4_000, 10_000),
+    "5k": Size("5k", 5_000, 20_000, 50_000),
+    "20k": Size("20k", 20_000, 80_000, 200_000),
+}
+ORDERS: Final = ("fifo", "priority", "las", "gittins")
+
+
+def _service(rng: random.Random, gpus: int) -> float:
+    """Attained GPU-seconds spread over the three default LAS bands (3,250 and 7,200)."""
+    band = rng.random()
+    if band < 0.25:
+        return rng.uniform(0.0, 3_000.0)
+    if band < 0.5:
+        return rng.uniform(3_300.0, 7_000.0)
+    return rng.uniform(7_300.0, 100_000.0) * max(1, gpus // 4)
+
+
+def _level(service: float) -> int:
+    """The LAS band the shell would have recorded for this service (default bands)."""
+    return bisect.bisect_right(DEFAULT_LAS_THRESHOLDS, service)
+
+
+def _pack(rng: random.Random, nodes: int, count: int) -> list[tuple[int, list[Grant]]]:
+    """`count` running jobs' sizes and grants, biggest first onto nodes in turn (a
+    16-GPU job takes two whole nodes); stops early when the cluster is full."""
+    sizes = sorted(rng.choices(SIZES, SIZE_WEIGHTS, k=count), reverse=True)
+    free = [GPUS_PER_NODE] * nodes
+    placed: list[tuple[int, list[Grant]]] = []
+    cursor = 0
+    for size in sizes:
+        grants: list[Grant] = []
+        left = size
+        while left > 0 and cursor < nodes:
+            if free[cursor] == 0:
+                cursor += 1
+                continue
+            take = min(left, free[cursor])
+            if take < left and size <= GPUS_PER_NODE:
+                # A job that fits a node is not split: move on to the next node.
+                cursor += 1
+                continue
+            first = GPUS_PER_NODE - free[cursor]
+            grants.append(Grant(f"n{cursor}", tuple(range(first, first + take))))
+            free[cursor] -= take
+            left -= take
+        if left > 0:
+            break
+        placed.append((size, grants))
+    return placed
+
+
+def build_snapshot(size: Size, seed: int = 18) -> ClusterSnapshot:
+    rng = random.Random(seed)
+    packed = _pack(rng, size.nodes, size.running)
+    used: dict[str, set[int]] = {}
+    running: list[JobView] = []
+    job_id = 0
+    for gpus, grants in packed:
+        for g in grants:
+            used.setdefault(g.node, set()).update(g.gpus)
+        job_id += 1
+        started = NOW - rng.uniform(60.0, 50_000.0)
+        service = _service(rng, gpus)
+        running.append(
+            JobView(
+                str(job_id),
+                gpus,
+                submitted_at=started - rng.uniform(0.0, 3_600.0),
+                queue=rng.choice(QUEUE_NAMES),
+                priority=rng.choice((0, 0, 1, 2)),
+                grants=tuple(grants),
+                started_at=started,
+                attained_gpu_seconds=service,
+                service_level=_level(service),
+                service_level_since=started,
+            )
+        )
+    nodes = tuple(
+        NodeView(
+            f"n{i}",
+            tuple(range(GPUS_PER_NODE)),
+            frozenset(set(range(GPUS_PER_NODE)) - used.get(f"n{i}", set())),
+            f"s{i // NODES_PER_SWITCH}",
+        )
+        for i in range(size.nodes)
+    )
+    pending: list[JobView] = []
+    for _ in range(size.pending):
+        job_id += 1
+        gpus = rng.choices(SIZES, SIZE_WEIGHTS)[0]
+        # Most are new; a tenth were preempted before and carry some service.
+        service = _service(rng, gpus) if rng.random() < 0.1 else 0.0
+        pending.append(
+            JobView(
+                str(job_id),
+                gpus,
+                submitted_at=NOW - rng.uniform(0.0, 7_200.0),
+                queue=rng.choice(QUEUE_NAMES),
+                priority=rng.choice((0, 1, 2, 3)),
+                attained_gpu_seconds=service,
+                service_level=_level(service),
+            )
+        )
+    return ClusterSnapshot(nodes, tuple(pending), tuple(running), QUEUES)
+
+
+@dataclass(frozen=True)
+class Result:
+    size: str
+    order: str
+    nodes: int
+    running: int
+    pending: int
+    runs: int
+    median_s: float | None
+    # CPU seconds of the same runs (median): on a shared machine, the steadier figure.
+    median_cpu_s: float | None
+    placements: int
+    preemptions: int
+    waits: int
+    timed_out: bool
+
+
+def _policy(order: str) -> Policy:
+    return Policy(order=order)
+
+
+def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
+    """In a child process: build the snapshot, time `repeat` decides, send the result."""
+    snapshot = build_snapshot(size)
+    policy = _policy(order)
+    times: list[float] = []
+    cpu: list[float] = []
+    decisions = Decisions()
+    for _ in range(repeat):
+        started, started_cpu = time.perf_counter(), time.process_time()
+        decisions = decide(snapshot, NOW, policy)
+        times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
+    conn.send(  # type: ignore[attr-defined]
+        Result(
+            size.label,
+            order,
+            size.nodes,
+            len(snapshot.running),
+            len(snapshot.pending),
+            repeat,
+            statistics.median(times),
+            statistics.median(cpu),
+            len(decisions.placements),
+            len(decisions.preemptions),
+            len(decisions.waits),
+            False,
+        )
+    )
+
+
+def run_case(size: Size, order: str, repeat: int, timeout_s: float) -> Result:
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_time_case, args=(size, order, repeat, send))
+    child.start()
+    # Generous: `timeout_s` bounds each decide, plus the time to build the snapshot.
+    if receive.poll(timeout_s * repeat + 60.0):
+        result: Result = receive.recv()
+        child.join()
+        return result
+    child.kill()
+    child.join()
+    return Result(
+        size.label, order, size.nodes, size.running, size.pending, 0, None, None, 0, 0, 0, True
+    )
+
+
+def print_table(results: list[Result], timeout_s: float) -> None:
+    header = (
+        "size",
+        "order",
+        "nodes",
+        "running",
+        "pending",
+        "decide ms",
+        "cpu ms",
+        "place",
+        "preempt",
+    )
+    lines = [header]
+    for r in results:
+        median = f"> {timeout_s * 1000:,.0f}" if r.median_s is None else f"{r.median_s * 1000:,.1f}"
+        cpu = "-" if r.median_cpu_s is None else f"{r.median_cpu_s * 1000:,.1f}"
+        lines.append(
+            (
+                r.size,
+                r.order,
+                f"{r.nodes:,}",
+                f"{r.running:,}",
+                f"{r.pending:,}",
+                median,
+                cpu,
+                f"{r.placements:,}",
+                f"{r.preemptions:,}",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print(
+            "  ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(line, widths, strict=True))
+            )
+        )
+
+
+def profile(case: str) -> None:
+    order, _, label = case.partition("@")
+    snapshot = build_snapshot(SIZES_BY_LABEL[label or "1k"])
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decide(snapshot, NOW, _policy(order))
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(25)
+    stats.sort_stats("tottime").print_stats(15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES_BY_LABEL), nargs="+", default=["1k", "5k"])
+    parser.add_argument("--order", choices=ORDERS, nargs="+", default=list(ORDERS))
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per decide")
+    parser.add_argument("--profile", metavar="ORDER@SIZE")
+    parser.add_argument("--note", default="", help="free text stored with the results")
+    args = parser.parse_args(argv)
+    if args.profile:
+        profile(args.profile)
+        return 0
+    results: list[Result] = []
+    for label in args.size:
+        for order in args.order:
+            result = run_case(SIZES_BY_LABEL[label], order, args.repeat, args.timeout)
+            results.append(result)
+            print(
+                f"  {label} {order}: "
+                + ("timed out" if result.timed_out else f"{(result.median_s or 0) * 1000:.1f} ms"),
+                flush=True,
+            )
+    print_table(results, args.timeout)
+    rows = [
+        {
+            "size": r.size,
+            "order": r.order,
+            "nodes": r.nodes,
+            "gpus": r.nodes * GPUS_PER_NODE,
+            "running": r.running,
+            "pending": r.pending,
+            "runs": r.runs,
+            "median_ms": None if r.median_s is None else round(r.median_s * 1000, 2),
+            "median_cpu_ms": None if r.median_cpu_s is None else round(r.median_cpu_s * 1000, 2),
+            "timed_out": r.timed_out,
+            "placements": r.placements,
+            "preemptions": r.preemptions,
+            "waits": r.waits,
+        }
+        for r in results
+    ]
+    json_path, csv_path = record(
+        "decide-scale",
+        {"timeout_s": args.timeout, "repeat": args.repeat, "note": args.note},
+        rows,
+    )
+    print(f"results: {json_path.relative_to(REPO)}, {csv_path.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
