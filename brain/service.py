@@ -17,7 +17,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -53,6 +53,12 @@ from brain.core.failures import (
     fault_action,
 )
 from brain.history import History
+from brain.ingest import (
+    TELEMETRY_PENDING_BYTES,
+    TELEMETRY_PENDING_MSGS,
+    NodeIngest,
+    NodeNews,
+)
 from brain.leader import Lease
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
@@ -153,13 +159,6 @@ class _Item:
     done: asyncio.Future[object] | None = None
 
 
-@dataclass
-class _Liveness:
-    last_seen: float
-    instance: str
-    running: set[tuple[str, int]] = field(default_factory=set)
-
-
 class Brain:
     def __init__(
         self,
@@ -183,8 +182,10 @@ class Brain:
         self.instance = uuid.uuid4().hex[:12]
         self.started_at = clock()
         self.host = socket.gethostname()
-        self.telemetry: dict[str, TelemetryBatch] = {}
-        self._liveness: dict[str, _Liveness] = {}
+        # Heartbeats and telemetry arrive on a connection of their own (`ingest_bus`,
+        # opened at start) and stop in `ingest`; only their news reaches the inbox.
+        self.ingest = NodeIngest(node_timeout_s=self.config.node_timeout_s)
+        self.ingest_bus: Bus = bus
         self._stops_sent: dict[tuple[str, str, int], float] = {}
         # (job, attempt, node) -> when its node's agent came back as a new instance
         # without it: the process went with the old agent (`_check_vanished`).
@@ -227,6 +228,11 @@ class Brain:
     def state(self) -> BrainState:
         return self.replica.state
 
+    @property
+    def telemetry(self) -> dict[str, TelemetryBatch]:
+        """Each node's latest telemetry batch."""
+        return self.ingest.latest_telemetry
+
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -235,6 +241,9 @@ class Brain:
 
         self.api = ApiServer(self)
         await self.bus.ensure_streams()
+        # A telemetry flood may make the server cut this connection; the lease, the
+        # log, commands, events and the API live on `bus` and do not go with it.
+        self.ingest_bus = await self.bus.sibling(f"{self.bus.component}:ingest")
         await self.lease.open()
         await self.replica.load()
         self.replica.follow()
@@ -257,6 +266,8 @@ class Brain:
         await self._stop_leading("brain shutting down")
         await self.lease.release()
         await self.replica.stop_following()
+        if self.ingest_bus is not self.bus:
+            await self.ingest_bus.close()
         self.history.close()
         self.profiles.close()
 
@@ -315,12 +326,21 @@ class Brain:
         caught_up = await self.replica.catch_up()
         self.epoch = epoch
         now = self.monotonic()
+        self.ingest.reset()
         for node in self.state.nodes.values():
             # Liveness is not in the log: every known node gets a fresh grace period.
-            self._liveness[node.name] = _Liveness(last_seen=now, instance=node.instance)
+            self.ingest.expect(node.name, node.instance, now)
+        ingest = self.ingest_bus
         self._leader_subs = [
-            await self.bus.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat),
-            await self.bus.subscribe(subjects.ALL_TELEMETRY, TelemetryBatch, self._on_telemetry),
+            await ingest.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat),
+            await ingest.subscribe(
+                subjects.ALL_TELEMETRY,
+                TelemetryBatch,
+                self._on_telemetry,
+                # Shed telemetry, never heartbeats, when the brain falls behind.
+                pending_msgs_limit=TELEMETRY_PENDING_MSGS,
+                pending_bytes_limit=TELEMETRY_PENDING_BYTES,
+            ),
             await self.bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, self._on_progress),
             await self.api.serve(),
         ]
@@ -407,11 +427,15 @@ class Brain:
     async def _on_heartbeat(self, beat: Heartbeat, msg: Msg) -> None:
         if not await self._from_own_node(beat.node, msg):
             return
-        await self._inbox.put(_Item("heartbeat", beat))
+        news = self.ingest.heartbeat(beat, self.monotonic())
+        if news is not None:
+            # Only news reaches the inbox: a heartbeat that changes nothing moved the
+            # node's last-seen time and is done.
+            await self._inbox.put(_Item("heartbeat", news))
 
     async def _on_telemetry(self, batch: TelemetryBatch, msg: Msg) -> None:
         if await self._from_own_node(batch.node, msg):
-            self.telemetry[batch.node] = batch
+            self.ingest.telemetry(batch)
             self._notify(self.telemetry_observers, batch)
 
     async def _on_progress(self, report: Progress, msg: Msg) -> None:
@@ -438,7 +462,7 @@ class Brain:
         """A node speaks only for itself: the payload's node must be the subject's."""
         token = msg.subject.split(".")[2] if msg.subject.count(".") >= 3 else ""
         if token != node:
-            await self.bus.dead_letter(
+            await self.ingest_bus.dead_letter(
                 msg.subject, msg.data, f"payload names node {node!r} but the subject is {token!r}"
             )
             return False
@@ -486,12 +510,18 @@ class Brain:
 
     async def _handle(self, item: _Item) -> object:
         if item.kind == "heartbeat":
-            assert isinstance(item.payload, Heartbeat)
-            await self._heartbeat(item.payload)
+            assert isinstance(item.payload, NodeNews)
+            try:
+                await self._heartbeat(item.payload.beat)
+            except BaseException:
+                # Not handled: the node's next heartbeat must be news again.
+                self.ingest.unsettle(item.payload.beat.node)
+                raise
         elif item.kind == "event":
             await self._event(item.payload)  # type: ignore[arg-type]
         elif item.kind == "tick":
             await self._check_nodes()
+            await self._reconcile_all()
             await self._check_vanished()
             await self._check_launches()
             await self._check_preruns()
@@ -700,13 +730,8 @@ class Brain:
     # -- nodes -----------------------------------------------------------------------
 
     async def _heartbeat(self, beat: Heartbeat) -> None:
+        """A heartbeat with news (brain/ingest.py): journal what changed, reconcile."""
         now = self.monotonic()
-        live = self._liveness.get(beat.node)
-        if live is None:
-            live = self._liveness[beat.node] = _Liveness(last_seen=now, instance=beat.instance)
-        live.last_seen = now
-        live.instance = beat.instance
-        live.running = {(r.job_id, r.attempt) for r in beat.running}
         known = self.state.nodes.get(beat.node)
         if known is not None and known.instance != beat.instance:
             self._agent_restarted(beat, now)
@@ -769,8 +794,11 @@ class Brain:
             del self._vanishing[key]
             job_id, attempt, node = key
             job = self._current(job_id, attempt, node)
-            live = self._liveness.get(node)
-            if job is None or live is None or (job_id, attempt) in live.running:
+            if (
+                job is None
+                or not self.ingest.known(node)
+                or (job_id, attempt) in self.ingest.running(node)
+            ):
                 continue
             if any(g.exited for g in job.grants if g.node == node):
                 continue
@@ -783,6 +811,12 @@ class Brain:
                     "went with the old agent",
                 ),
             )
+
+    async def _reconcile_all(self) -> None:
+        """Reconcile every node that reports processes: a heartbeat that changes nothing
+        is not handed to the loop, and what the brain holds may have changed since."""
+        for beat in list(self.ingest.reporting()):
+            await self._reconcile(beat)
 
     async def _reconcile(self, beat: Heartbeat) -> None:
         """Stop what a node runs that the brain did not give it (any more)."""
@@ -863,14 +897,10 @@ class Brain:
         return node
 
     async def _check_nodes(self) -> None:
-        now = self.monotonic()
-        for name, node in list(self.state.nodes.items()):
-            live = self._liveness.get(name)
+        for name, silent in list(self.ingest.silent(self.monotonic())):
+            node = self.state.nodes.get(name)
             # A drained node can be lost too: its running jobs must be taken back.
-            if node.state is NodeState.LOST or live is None:
-                continue
-            silent = now - live.last_seen
-            if silent <= self.config.node_timeout_s:
+            if node is None or node.state is NodeState.LOST:
                 continue
             await self._node_changed(
                 node.model_copy(update={"state": NodeState.LOST}),
@@ -903,8 +933,7 @@ class Brain:
                     continue
                 if grant.node in elastic.joining(job):
                     continue  # launched by a grow: the resize's own timeout covers it
-                live = self._liveness.get(grant.node)
-                if live is not None and (job.job_id, job.attempt) in live.running:
+                if (job.job_id, job.attempt) in self.ingest.running(grant.node):
                     continue
                 await self._requeue(
                     job,
@@ -1712,8 +1741,7 @@ class Brain:
     # -- views -----------------------------------------------------------------------
 
     def last_seen_ago(self, node: str) -> float | None:
-        live = self._liveness.get(node)
-        return None if live is None else max(0.0, self.monotonic() - live.last_seen)
+        return self.ingest.last_seen_ago(node, self.monotonic())
 
     @property
     def pid(self) -> int:
