@@ -1,10 +1,13 @@
 """The brain's asyncio shell: fold events into state, decide, command, journal.
 
-Every input (a heartbeat, a node event, an API call, a tick) goes through one inbox
-and is handled to completion before the next, so state has a single writer. Each
-change is appended to the STATE stream first and applied to memory once JetStream has
-stored it (write-ahead), so what any client was told is in the log. Decisions come from
-the pure `decide()`; this module only turns them into records and commands.
+Every input that may change state (a heartbeat with news, a node event, an API call,
+a tick) goes through one inbox and is handled to completion before the next; heartbeats
+and telemetry stop in brain/ingest.py, which passes on only their news. State has one
+writer at a time: the inbox loop, or a scheduling pass applying its decisions (passes
+are coalesced and run decide() off the request path). Each change is appended to the
+STATE stream first and applied to memory once JetStream has stored it (write-ahead), so
+what any client was told is in the log. Decisions come from the pure `decide()`; this
+module only turns them into records and commands.
 """
 
 from __future__ import annotations
@@ -191,7 +194,12 @@ class Brain:
         # without it: the process went with the old agent (`_check_vanished`).
         self._vanishing: dict[tuple[str, int, str], float] = {}
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        # State and the log have one writer at a time: an inbox item being handled, or
+        # a scheduling pass applying its decisions (decide() itself runs outside it).
+        self._writer = asyncio.Lock()
+        # State changed since the last pass began: one more pass is due.
         self._dirty = True
+        self._pass_wanted = asyncio.Event()
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
@@ -349,9 +357,11 @@ class Brain:
         )
         self._leader_tasks = [
             self.bus.spawn(self._run(), name="brain-loop"),
+            self.bus.spawn(self._schedule_forever(), name="brain-scheduler"),
             self.bus.spawn(self._tick_forever(), name="brain-tick"),
         ]
         self._dirty = True
+        self._pass_wanted.set()
         self.leading.set()
         if self.lease.epoch != epoch:
             # The renewer gave the lease up while this takeover waited on the bus.
@@ -479,34 +489,47 @@ class Brain:
             await self._inbox.put(_Item("tick"))
 
     async def _run(self) -> None:
+        """Handle the inbox in order. A caller is answered once its change is stored;
+        scheduling happens in `_schedule_forever`, off this path."""
         while True:
             item = await self._inbox.get()
-            try:
-                result = await self._handle(item)
-            except ApiError as error:
-                if item.done is not None and not item.done.done():
-                    item.done.set_exception(error)
-            except SequenceConflict as error:
-                # Another brain appended to the log: we were deposed. Stop acting.
-                if item.done is not None and not item.done.done():
-                    item.done.set_exception(ApiError("unavailable", "brain lost leadership"))
-                self.bus.spawn(self._stop_leading(str(error)), name="step-down")
-                return
-            except Exception as error:
-                log.exception("brain failed handling %s", item.kind)
-                if item.done is not None and not item.done.done():
-                    item.done.set_exception(error)
-            else:
-                if item.done is not None and not item.done.done():
-                    item.done.set_result(result)
-            if self._dirty and self._inbox.empty():
+            async with self._writer:
                 try:
-                    await self._schedule()
+                    result = await self._handle(item)
+                except ApiError as error:
+                    if item.done is not None and not item.done.done():
+                        item.done.set_exception(error)
                 except SequenceConflict as error:
+                    # Another brain appended to the log: we were deposed. Stop acting.
+                    if item.done is not None and not item.done.done():
+                        item.done.set_exception(ApiError("unavailable", "brain lost leadership"))
                     self.bus.spawn(self._stop_leading(str(error)), name="step-down")
                     return
-                except Exception:
-                    log.exception("scheduling cycle failed")
+                except Exception as error:
+                    log.exception("brain failed handling %s", item.kind)
+                    if item.done is not None and not item.done.done():
+                        item.done.set_exception(error)
+                else:
+                    if item.done is not None and not item.done.done():
+                        item.done.set_result(result)
+            if self._dirty:
+                self._pass_wanted.set()
+
+    async def _schedule_forever(self) -> None:
+        """Scheduling passes, coalesced: at most one runs at a time, and the next starts
+        once state has changed since the last began, however many changes that was."""
+        while True:
+            await self._pass_wanted.wait()
+            self._pass_wanted.clear()
+            try:
+                await self._schedule()
+            except SequenceConflict as error:
+                self.bus.spawn(self._stop_leading(str(error)), name="step-down")
+                return
+            except Exception:
+                log.exception("scheduling cycle failed")
+            if self._dirty:
+                self._pass_wanted.set()
 
     async def _handle(self, item: _Item) -> object:
         if item.kind == "heartbeat":
@@ -1603,6 +1626,9 @@ class Brain:
     # -- scheduling ------------------------------------------------------------------
 
     async def _schedule(self) -> None:
+        """One pass: snapshot, decide() in a worker thread (the inbox goes on meanwhile:
+        submissions are stored and answered), then apply the decisions as the writer,
+        each checked against the state as it is by then."""
         self._dirty = False
         snapshot = self.state.snapshot(
             profiles=self.profiles.current(),
@@ -1615,9 +1641,16 @@ class Brain:
             if self.config.policy.order in DISTRIBUTION_AWARE
             else None,
         )
-        decisions = decide(snapshot, self.clock(), self.config.policy)
+        decisions = await asyncio.to_thread(decide, snapshot, self.clock(), self.config.policy)
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
+        async with self._writer:
+            await self._apply(decisions)
+
+    async def _apply(self, decisions: Decisions) -> None:
+        # Free GPUs now, for the placements: state may have moved while decide() ran (a
+        # node lost or drained, a resize staged by an operator). None: to be computed.
+        free: dict[str, set[int]] | None = None
         for action in decisions.actions:
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
@@ -1633,6 +1666,7 @@ class Brain:
                         ),
                     )
                     self.preemptions += 1
+                    free = None
                 continue
             if job is None:
                 continue
@@ -1653,10 +1687,19 @@ class Brain:
                 continue
             if isinstance(action, Resize):
                 await self._apply_resize(job, action)
+                free = None
                 continue
             if job.state is not JobState.PENDING:
                 continue
             if isinstance(action, Place):
+                free = self._free_by_node() if free is None else free
+                if not _fits(action, free):
+                    # Decided on a state that has moved on: the next pass decides again.
+                    log.info("placement of job %s no longer fits; deciding again", job.job_id)
+                    self._dirty = True
+                    continue
+                for grant in action.grants:
+                    free[grant.node] -= set(grant.gpus)
                 await self._place(job, action)
             elif isinstance(action, Wait) and action.reason != job.reason:
                 await self._job_changed(
@@ -1750,6 +1793,11 @@ class Brain:
 
 def _job_order(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (0, job_id)
+
+
+def _fits(action: Place, free: dict[str, set[int]]) -> bool:
+    """Every GPU the placement names is free on a ready node."""
+    return all(set(g.gpus) <= free.get(g.node, set()) for g in action.grants)
 
 
 def _preemption(action: Preempt) -> Preemption:
