@@ -201,150 +201,145 @@ async def _status_ms(bus: Bus) -> tuple[float, int, bool]:
     return (time.monotonic() - started) * 1000, status.epoch, leader
 
 
-async def run_one(nodes: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+async def _start_brain(
+    url: str, nodes: int, args: argparse.Namespace, work: Path, port: int
+) -> asyncio.subprocess.Process:
+    """The brain under test, from `--brain-tree`, serving /metrics on `port` (operator
+    token in `work/token`)."""
     from brain.http.auth import TokenEntry, TokenFile
 
-    server = EmbeddedNats(data_dir=work / "nats")
-    server.start()
     token = "bench-operator-token-" + "x" * 24
+    (work / "token").write_text(token)
     tokens = work / "tokens.json"
-    tokens.write_text(
-        TokenFile(
-            tokens=(TokenEntry(token=token, tenant="operator", operator=True),)
-        ).model_dump_json()
-    )
-    port = _free_port()
+    entry = TokenEntry(token=token, tenant="operator", operator=True)
+    tokens.write_text(TokenFile(tokens=(entry,)).model_dump_json())
     tree = Path(args.brain_tree).resolve()
     env = {**os.environ, "ALNAIR_HOME": str(work), "PYTHONPATH": str(tree)}
-    brain_log = (work / "brain.log").open("wb")
     # Under cProfile when asked: stopped with SIGTERM at the end, so the profile is written.
     profile = ("-m", "cProfile", "-o", f"{args.profile}-{nodes}.prof") if args.profile else ()
-    brain = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *profile,
-        "-m",
-        "cli",
-        "brain",
-        "--nats",
-        server.url,
-        "--history",
-        str(work / "history.db"),
-        "--node-timeout",
-        str(NODE_TIMEOUT_S),
-        "--lease-ttl",
-        "5",
-        "--http",
-        f"127.0.0.1:{port}",
-        "--http-tokens",
-        str(tokens),
-        cwd=tree,
-        env=env,
-        stdout=brain_log,
-        stderr=asyncio.subprocess.STDOUT,
-        stdin=asyncio.subprocess.DEVNULL,
-    )
+    with (work / "brain.log").open("wb") as brain_log:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            *profile,
+            "-m",
+            "cli",
+            "brain",
+            "--nats",
+            url,
+            "--history",
+            str(work / "history.db"),
+            "--node-timeout",
+            str(NODE_TIMEOUT_S),
+            "--lease-ttl",
+            "5",
+            "--http",
+            f"127.0.0.1:{port}",
+            "--http-tokens",
+            str(tokens),
+            cwd=tree,
+            env=env,
+            stdout=brain_log,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+
+
+async def _until_leading(client: Bus, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if (await _status_ms(client))[2]:
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"no brain led within {timeout_s:g} s")
+
+
+async def _window(client: Bus, brain_pid: int, seconds: float) -> dict[str, Any]:
+    """Ask the API for status four times a second; the brain's CPU over the window."""
+    cpu_before, started = _cpu_s(brain_pid), time.monotonic()
+    latencies: list[float] = []
+    epochs: set[int] = set()
+    leading = True
+    while time.monotonic() - started < seconds:
+        try:
+            ms, epoch, leader = await _status_ms(client)
+            latencies.append(ms)
+            epochs.add(epoch)
+            leading = leading and leader
+        except Exception:
+            latencies.append(5000.0)  # the request's timeout
+            leading = False
+        await asyncio.sleep(0.25)
+    elapsed = time.monotonic() - started
+    latencies.sort()
+    return {
+        "lease_kept": leading and len(epochs) == 1,
+        "api_p50_ms": round(statistics.median(latencies), 1),
+        "api_p99_ms": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 1),
+        "brain_cpu_pct": round(100 * (_cpu_s(brain_pid) - cpu_before) / elapsed),
+        "brain_rss_mib": round(_rss_mib(brain_pid)),
+    }
+
+
+async def _child(*argv: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(sys.executable, __file__, *argv)
+
+
+async def run_one(nodes: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    server = EmbeddedNats(data_dir=work / "nats")
+    server.start()
+    port = _free_port()
+    brain = await _start_brain(server.url, nodes, args, work, port)
     children: list[asyncio.subprocess.Process] = [brain]
     client = await Bus.connect(ConnectOptions(servers=(server.url,), name="bench"))
     joined: set[str] = set()
     lost: list[str] = []
 
     async def on_state(msg: Any) -> None:
-        record_ = json.loads(msg.data)
-        kind = record_.get("cause", {}).get("kind")
+        entry = json.loads(msg.data)
+        kind = entry.get("cause", {}).get("kind")
         if kind == "node_joined":
-            joined.add(record_["node"]["name"])
+            joined.add(entry["node"]["name"])
         elif kind == "node_lost":
-            lost.append(record_["node"]["name"])
+            lost.append(entry["node"]["name"])
 
     try:
         await client.nc.subscribe(f"{subjects.PREFIX}.state.node.>", cb=on_state)
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(Exception):
-                _, epoch, leader = await _status_ms(client)
-                if leader:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("no brain led within 60 s")
-            await asyncio.sleep(0.2)
-        join_s = args.join_timeout
-        total_s = join_s + args.seconds + 5
-        published = work / "published.json"
+        await _until_leading(client)
+        published, raw_out = work / "published.json", work / "raw.json"
+        total_s = args.join_timeout + args.seconds + 5
         children.append(
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                __file__,
-                "--publisher",
-                server.url,
-                str(nodes),
-                str(total_s),
-                str(published),
-            )
+            await _child("--publisher", server.url, str(nodes), str(total_s), str(published))
         )
         flood_started = time.monotonic()
-        while len(joined) < nodes and time.monotonic() - flood_started < join_s:  # noqa: ASYNC110
+        while len(joined) < nodes and time.monotonic() - flood_started < args.join_timeout:  # noqa: ASYNC110
             await asyncio.sleep(0.2)
-        all_joined_s = time.monotonic() - flood_started
-        # The window: nothing the join did counts.
-        raw_out = work / "raw.json"
+        join_s = time.monotonic() - flood_started
+        # The window: nothing the join did counts. /metrics is read only after it (its
+        # rendering of every GPU's series takes the brain's loop for seconds).
         children.append(
-            await asyncio.create_subprocess_exec(
-                sys.executable,
-                __file__,
-                "--raw-subscriber",
-                server.url,
-                str(args.seconds),
-                str(raw_out),
-            )
+            await _child("--raw-subscriber", server.url, str(args.seconds), str(raw_out))
         )
         lost_before = len(lost)
-        metrics_before = _scrape(port, token)
-        cpu_before, started = _cpu_s(brain.pid), time.monotonic()
-        latencies: list[float] = []
-        epochs: set[int] = set()
-        leading = True
-        while time.monotonic() - started < args.seconds:
-            try:
-                ms, epoch, leader = await _status_ms(client)
-                latencies.append(ms)
-                epochs.add(epoch)
-                leading = leading and leader
-            except Exception:
-                latencies.append(5000.0)
-                leading = False
-            await asyncio.sleep(0.25)
-        elapsed = time.monotonic() - started
-        cpu = _cpu_s(brain.pid) - cpu_before
-        rss = _rss_mib(brain.pid)
-        metrics_after = _scrape(port, token)
+        window = await _window(client, brain.pid, args.seconds)
+        metrics = _scrape(port, (work / "token").read_text())
         await children[2].wait()
         raw = json.loads(raw_out.read_text())
         await children[1].wait()
         sent = json.loads(published.read_text())
-
-        def delta(name: str) -> float | str:
-            if name not in metrics_after:
-                return "n/a"
-            return round(metrics_after[name] - metrics_before.get(name, 0.0))
-
-        latencies.sort()
         return {
             "nodes": nodes,
             "brain": args.label,
             "msgs_per_s": round(sent["sent"] / sent["seconds"]),
             "publisher_late_s": round(sent["late_s"], 2),
             "joined": len(joined),
-            "join_s": round(all_joined_s, 1),
+            "join_s": round(join_s, 1),
             "lost_in_window": len(lost) - lost_before,
             "lost_total": len(lost),
-            "lease_kept": leading and len(epochs) == 1,
-            "api_p50_ms": round(statistics.median(latencies), 1),
-            "api_p99_ms": round(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))], 1),
-            "brain_cpu_pct": round(100 * cpu / elapsed),
-            "brain_rss_mib": round(rss),
-            "heartbeats": delta("alnair_ingest_heartbeats_total"),
-            "forwarded": delta("alnair_ingest_heartbeats_forwarded_total"),
-            "telemetry_shed": delta("alnair_telemetry_shed_total"),
+            **window,
+            "heartbeats": metrics.get("alnair_ingest_heartbeats_total", "n/a"),
+            "forwarded": metrics.get("alnair_ingest_heartbeats_forwarded_total", "n/a"),
+            "telemetry_shed": metrics.get("alnair_telemetry_shed_total", "n/a"),
             "raw_msgs_per_s": round(raw["received"] / raw["seconds"]),
             "raw_cpu_pct": round(100 * raw["cpu_s"] / raw["seconds"]),
         }
@@ -358,7 +353,6 @@ async def run_one(nodes: int, args: argparse.Namespace, work: Path) -> dict[str,
                 child.kill()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(child.wait(), timeout=10)
-        brain_log.close()
         kept = Path(tempfile.gettempdir()) / f"ingest_flood-brain-{args.label}-{nodes}.log"
         with contextlib.suppress(OSError):
             kept.write_bytes((work / "brain.log").read_bytes())

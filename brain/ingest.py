@@ -67,6 +67,8 @@ class _Node:
     # None until a heartbeat arrives (a node known from the log gets a grace period).
     reported: _Reported | None = None
     beat: Heartbeat | None = None
+    # The last heartbeat's bytes without its time and sequence (`_without_clock`).
+    raw: bytes | None = None
 
 
 @dataclass
@@ -77,6 +79,20 @@ class IngestCounts:
     # Heartbeats handed to the decision loop (the rest only moved a last-seen time).
     heartbeats_forwarded: int = 0
     telemetry: int = 0
+
+
+def _without_clock(raw: bytes) -> bytes | None:
+    """A heartbeat's bytes without its `"ts"` and `"seq"`, where they sit together before
+    `"instance"` (as pydantic writes a Heartbeat); None for any other layout.
+
+    Only for a message already validated: its schema allows no other `"ts"` key, and
+    exactly two keys between the cut's ends means nothing else is cut out, so equal
+    results mean equal heartbeats but for their time and sequence."""
+    start = raw.find(b',"ts":')
+    end = raw.find(b',"instance":', start + 1)
+    if start < 0 or end < 0 or raw.count(b'":', start, end) != 2:
+        return None
+    return raw[:start] + raw[end:]
 
 
 class NodeIngest:
@@ -100,22 +116,38 @@ class NodeIngest:
         Its first heartbeat is news, so the loop compares it with the log's record."""
         self._nodes[node] = _Node(last_seen=now, instance=instance)
 
-    def heartbeat(self, beat: Heartbeat, now: float) -> NodeNews | None:
-        """Note a (validated) heartbeat that arrived at `now`; the news in it, if any."""
+    def heartbeat(self, beat: Heartbeat, now: float, raw: bytes | None = None) -> NodeNews | None:
+        """Note a (validated) heartbeat that arrived at `now`; the news in it, if any.
+
+        `raw`, the bytes it was decoded from, makes the common case cheap: bytes equal to
+        the previous heartbeat's but for time and sequence say nothing new."""
         self.counts.heartbeats += 1
-        reported = _Reported.of(beat)
+        stripped = _without_clock(raw) if raw is not None else None
         known = self._nodes.get(beat.node)
         if known is None:
             self._nodes[beat.node] = _Node(
-                last_seen=now, instance=beat.instance, reported=reported, beat=beat
+                last_seen=now,
+                instance=beat.instance,
+                reported=_Reported.of(beat),
+                beat=beat,
+                raw=stripped,
             )
             return self._forward(NodeNews("first", beat))
         silent_s = now - known.last_seen
         previous = known.reported
         known.last_seen = max(known.last_seen, now)
+        known.beat = beat
+        if (
+            stripped is not None
+            and stripped == known.raw
+            and previous is not None
+            and silent_s <= self.node_timeout_s
+        ):
+            return None
+        reported = _Reported.of(beat)
         known.instance = beat.instance
         known.reported = reported
-        known.beat = beat
+        known.raw = stripped
         if previous is None:
             return self._forward(NodeNews("first", beat))
         if silent_s > self.node_timeout_s:
@@ -130,6 +162,7 @@ class NodeIngest:
         known = self._nodes.get(node)
         if known is not None:
             known.reported = None
+            known.raw = None
 
     def _forward(self, news: NodeNews) -> NodeNews:
         self.counts.heartbeats_forwarded += 1

@@ -437,7 +437,7 @@ class Brain:
     async def _on_heartbeat(self, beat: Heartbeat, msg: Msg) -> None:
         if not await self._from_own_node(beat.node, msg):
             return
-        news = self.ingest.heartbeat(beat, self.monotonic())
+        news = self.ingest.heartbeat(beat, self.monotonic(), msg.data)
         if news is not None:
             # Only news reaches the inbox: a heartbeat that changes nothing moved the
             # node's last-seen time and is done.

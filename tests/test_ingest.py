@@ -4,11 +4,13 @@ journals nothing for heartbeats that change nothing."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from brain.ingest import NodeIngest
 from schemas import subjects
+from schemas.base import encode
 from schemas.telemetry import GpuHealth, GpuInfo, GpuSample, Heartbeat, RunningJob, TelemetryBatch
 from tests.conftest import eventually
 
@@ -156,6 +158,41 @@ def test_latest_telemetry_per_node() -> None:
         ingest.telemetry(TelemetryBatch(node="n1", ts=ts, samples=(sample,)))
     assert ingest.latest_telemetry["n1"].ts == 3.0
     assert ingest.counts.telemetry == 3
+
+
+def test_raw_bytes_make_repeats_cheap_and_changes_still_news() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = beat(seq=1)
+    assert ingest.heartbeat(first, 0.0, encode(first)) is not None
+    for seq in range(2, 10):
+        same = beat(seq=seq)
+        assert ingest.heartbeat(same, float(seq), encode(same)) is None
+    changed = beat(seq=10, running=(job("3"),))
+    news = ingest.heartbeat(changed, 10.0, encode(changed))
+    assert news is not None and news.kind == "changed"
+    assert ingest.running("n1") == frozenset({("3", 1)})
+    # Only the epoch seen differs: the bytes differ, the news is none.
+    seen = beat(seq=11, running=(job("3"),), epoch_seen=4)
+    assert ingest.heartbeat(seen, 11.0, encode(seen)) is None
+    # A silent node's heartbeat is news even when its bytes are the same.
+    back = beat(seq=12, running=(job("3"),), epoch_seen=4)
+    returned = ingest.heartbeat(back, 20.0, encode(back))
+    assert returned is not None and returned.kind == "returned"
+
+
+def test_raw_bytes_in_another_layout_fall_back_to_comparing_fields() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    # Keys in another order (another sender's encoder): compared field by field.
+    for seq in (1, 2):
+        message = beat(seq=seq)
+        fields = json.loads(encode(message))
+        reordered = json.dumps({"gpus": fields.pop("gpus"), **fields}).encode()
+        news = ingest.heartbeat(message, float(seq), reordered)
+        assert (news is not None) == (seq == 1)
+    grown = beat(seq=3, inventory=gpus(4))
+    fields = json.loads(encode(grown))
+    raw = json.dumps({"gpus": fields.pop("gpus"), **fields}).encode()
+    assert ingest.heartbeat(grown, 3.0, raw) is not None
 
 
 def test_bad_timeout_is_refused() -> None:
