@@ -8,11 +8,16 @@ For each node count N: an embedded nats-server, a brain as a real process
 exported older commit to measure before and after on the same machine), and a
 publisher process playing N fake 8-GPU nodes straight onto the bus with nats-py: one
 heartbeat and one telemetry batch per node per second, spread over the second. Once the
-brain knows every node, it measures for `--seconds`: nodes declared LOST (from the STATE
-log), whether the brain kept its lease, the API's status latency, the brain's CPU and
-memory, and (where the brain exports them) the heartbeats forwarded to its decision
-loop and the telemetry it shed. A raw nats-py subscriber (another process, counting
-messages, decoding nothing) takes the same flood in the same run: the baseline.
+brain knows every node (or `--join-timeout` passed), it measures for `--seconds`: nodes
+declared LOST (from the STATE log), whether the brain kept its lease, the API's status
+latency, the brain's CPU and memory. A raw nats-py subscriber (another process, counting
+messages, decoding nothing) takes the same flood in the same window: the baseline. Then,
+with the flood going on, `--jobs` one-GPU submissions from each of `--clients` concurrent
+clients: answered per second, and submit -> Launch latency (the Launch command seen on
+the bus). Last, where the brain exports them, its totals of heartbeats received and
+forwarded to its decision loop and of telemetry shed (read from /metrics after the
+window: rendering every GPU's series holds the brain's loop for seconds).
+`--profile PREFIX` runs the brain under cProfile.
 
 Prints a table and writes bench/results/ingest_flood-<stamp>.json. Not a test.
 """
@@ -126,6 +131,9 @@ async def _publish(url: str, nodes: int, seconds: float, out: Path) -> None:
                 await asyncio.sleep(wait)
             else:
                 late_s = max(late_s, -wait)
+        # Every second: the bench may stop this process once it has what it needs.
+        elapsed = time.monotonic() - started
+        out.write_text(json.dumps({"sent": sent, "seconds": elapsed, "late_s": late_s}))
     await nc.flush()
     await nc.close()
     elapsed = time.monotonic() - started
@@ -281,6 +289,57 @@ async def _window(client: Bus, brain_pid: int, seconds: float) -> dict[str, Any]
     }
 
 
+async def _submissions(client: Bus, clients: int, jobs: int, tag: str) -> dict[str, Any]:
+    """`jobs` one-GPU submissions from `clients` concurrent clients, each waiting for its
+    answer before the next: answered per second, and submit -> Launch command latency
+    (the Launch seen on the bus: the fake nodes never start anything)."""
+    from cli.client import submit
+    from schemas.jobs import JobSpec
+
+    sent_at: dict[str, float] = {}
+    launched_ms: list[float] = []
+    pending_ids: dict[str, float] = {}
+
+    async def on_command(msg: Any) -> None:
+        command = json.loads(msg.data)
+        if command.get("kind") == "launch":
+            at = pending_ids.pop(command["job_id"], None)
+            if at is not None:
+                launched_ms.append((time.monotonic() - at) * 1000)
+
+    sub = await client.nc.subscribe(subjects.ALL_NODE_COMMANDS, cb=on_command)
+    spec = JobSpec(name="flood-submit", command=("true",), gpus=1)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(jobs):
+        queue.put_nowait(i)
+
+    async def worker() -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            key = f"{tag}-{i}"
+            sent_at[key] = time.monotonic()
+            job = await submit(client, "default", spec, idempotency_key=key, retry_for_s=30)
+            # A Launch can only follow the answer's job id; the clock started at the send.
+            pending_ids[job.job_id] = sent_at[key]
+
+    started = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    elapsed = time.monotonic() - started
+    deadline = time.monotonic() + 30
+    while pending_ids and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.1)
+    await sub.unsubscribe()
+    launched_ms.sort()
+    n = len(launched_ms)
+    return {
+        f"submit_c{clients}_per_s": round(jobs / elapsed),
+        f"launch_c{clients}_p50_ms": round(launched_ms[n // 2], 1) if n else "n/a",
+        f"launch_c{clients}_p99_ms": round(launched_ms[min(n - 1, int(n * 0.99))], 1)
+        if n
+        else "n/a",
+    }
+
+
 async def _child(*argv: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(sys.executable, __file__, *argv)
 
@@ -307,7 +366,7 @@ async def run_one(nodes: int, args: argparse.Namespace, work: Path) -> dict[str,
         await client.nc.subscribe(f"{subjects.PREFIX}.state.node.>", cb=on_state)
         await _until_leading(client)
         published, raw_out = work / "published.json", work / "raw.json"
-        total_s = args.join_timeout + args.seconds + 5
+        total_s = args.join_timeout + args.seconds + 60 * len(args.clients) + 5
         children.append(
             await _child("--publisher", server.url, str(nodes), str(total_s), str(published))
         )
@@ -322,10 +381,12 @@ async def run_one(nodes: int, args: argparse.Namespace, work: Path) -> dict[str,
         )
         lost_before = len(lost)
         window = await _window(client, brain.pid, args.seconds)
+        submitted: dict[str, Any] = {}
+        for clients in args.clients:
+            submitted |= await _submissions(client, clients, args.jobs, f"c{clients}")
         metrics = _scrape(port, (work / "token").read_text())
         await children[2].wait()
         raw = json.loads(raw_out.read_text())
-        await children[1].wait()
         sent = json.loads(published.read_text())
         return {
             "nodes": nodes,
@@ -342,6 +403,7 @@ async def run_one(nodes: int, args: argparse.Namespace, work: Path) -> dict[str,
             "telemetry_shed": metrics.get("alnair_telemetry_shed_total", "n/a"),
             "raw_msgs_per_s": round(raw["received"] / raw["seconds"]),
             "raw_cpu_pct": round(100 * raw["cpu_s"] / raw["seconds"]),
+            **submitted,
         }
     finally:
         if args.profile and brain.returncode is None:
@@ -391,6 +453,10 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 2000, 4000])
     parser.add_argument("--seconds", type=float, default=30.0, help="measured window")
     parser.add_argument("--join-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--clients", type=int, nargs="*", default=[8, 64], help="then submit with this many"
+    )
+    parser.add_argument("--jobs", type=int, default=400, help="submissions per client count")
     parser.add_argument("--brain-tree", default=str(REPO), help="run the brain from here")
     parser.add_argument("--label", default="this checkout")
     parser.add_argument("--profile", metavar="PREFIX", help="cProfile the brain to PREFIX-N.prof")
@@ -400,9 +466,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             rows.append(asyncio.run(run_one(nodes, args, Path(work))))
         print(json.dumps(rows[-1]), flush=True)
-    print("\n" + "  ".join(f"{c:>14}" for c in COLUMNS))
+    columns = [*COLUMNS, *(k for k in rows[0] if k.startswith(("submit_", "launch_")))]
+    print("\n" + "  ".join(f"{c:>14}" for c in columns))
     for row in rows:
-        print("  ".join(f"{row[c]!s:>14}" for c in COLUMNS))
+        print("  ".join(f"{row[c]!s:>14}" for c in columns))
     notes = {
         "node_timeout_s": NODE_TIMEOUT_S,
         "gpus_per_node": GPUS_PER_NODE,
