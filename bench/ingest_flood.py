@@ -11,7 +11,9 @@ heartbeat and one telemetry batch per node per second, spread over the second. O
 brain knows every node (or `--join-timeout` passed), it measures for `--seconds`: nodes
 declared LOST (from the STATE log), whether the brain kept its lease, the API's status
 latency, the brain's CPU and memory. A raw nats-py subscriber (another process, counting
-messages, decoding nothing) takes the same flood in the same window: the baseline. Then,
+messages, decoding nothing) takes the same flood in the same window: the baseline; a raw
+fenced JetStream append (one at a time, as the brain's) is the baseline for what follows.
+Then,
 with the flood going on, `--jobs` one-GPU submissions from each of `--clients` concurrent
 clients: answered per second, and submit -> Launch latency (the Launch command seen on
 the bus). Last, where the brain exports them, its totals of heartbeats received and
@@ -313,16 +315,25 @@ async def _submissions(client: Bus, clients: int, jobs: int, tag: str) -> dict[s
     for i in range(jobs):
         queue.put_nowait(i)
 
+    failed = [0]
+    answered = [0]
+    started = time.monotonic()
+
     async def worker() -> None:
-        while not queue.empty():
+        # At most a minute per phase: a brain that answers a few a second gets a rate.
+        while not queue.empty() and time.monotonic() - started < 60:
             i = queue.get_nowait()
             key = f"{tag}-{i}"
             sent_at[key] = time.monotonic()
-            job = await submit(client, "default", spec, idempotency_key=key, retry_for_s=30)
+            try:
+                job = await submit(client, "default", spec, idempotency_key=key, retry_for_s=10)
+            except Exception:
+                failed[0] += 1
+                continue
+            answered[0] += 1
             # A Launch can only follow the answer's job id; the clock started at the send.
             pending_ids[job.job_id] = sent_at[key]
 
-    started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(clients)))
     elapsed = time.monotonic() - started
     deadline = time.monotonic() + 30
@@ -332,12 +343,32 @@ async def _submissions(client: Bus, clients: int, jobs: int, tag: str) -> dict[s
     launched_ms.sort()
     n = len(launched_ms)
     return {
-        f"submit_c{clients}_per_s": round(jobs / elapsed),
+        f"submit_c{clients}_per_s": round(answered[0] / elapsed),
+        f"submit_c{clients}_failed": failed[0],
         f"launch_c{clients}_p50_ms": round(launched_ms[n // 2], 1) if n else "n/a",
         f"launch_c{clients}_p99_ms": round(launched_ms[min(n - 1, int(n * 0.99))], 1)
         if n
         else "n/a",
     }
+
+
+async def _raw_fenced_appends(client: Bus, seconds: float = 3.0) -> int:
+    """The baseline for an append: a raw nats-py JetStream publish of a ~930-byte record,
+    fenced with Nats-Expected-Last-Sequence as the brain's are, one at a time, into a
+    stream of its own on the same server during the flood. Appends per second."""
+    from nats.js.api import StreamConfig
+
+    await client.js.add_stream(StreamConfig(name="FLOODBENCH", subjects=["floodbench.append"]))
+    payload = b"x" * 930
+    last = 0
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        headers = {"Nats-Expected-Last-Sequence": str(last)}
+        ack = await client.js.publish("floodbench.append", payload, headers=headers)
+        last = int(ack.seq)
+    rate = round(last / (time.monotonic() - started))
+    await client.js.delete_stream("FLOODBENCH")
+    return rate
 
 
 async def _child(*argv: str) -> asyncio.subprocess.Process:
@@ -381,7 +412,7 @@ async def run_one(nodes: int, args: argparse.Namespace, work: Path) -> dict[str,
         )
         lost_before = len(lost)
         window = await _window(client, brain.pid, args.seconds)
-        submitted: dict[str, Any] = {}
+        submitted: dict[str, Any] = {"raw_appends_per_s": await _raw_fenced_appends(client)}
         for clients in args.clients:
             submitted |= await _submissions(client, clients, args.jobs, f"c{clients}")
         metrics = _scrape(port, (work / "token").read_text())
@@ -466,7 +497,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             rows.append(asyncio.run(run_one(nodes, args, Path(work))))
         print(json.dumps(rows[-1]), flush=True)
-    columns = [*COLUMNS, *(k for k in rows[0] if k.startswith(("submit_", "launch_")))]
+    columns = [*COLUMNS, *(k for k in rows[0] if k.startswith(("submit_", "launch_", "raw_app")))]
     print("\n" + "  ".join(f"{c:>14}" for c in columns))
     for row in rows:
         print("  ".join(f"{row[c]!s:>14}" for c in columns))
