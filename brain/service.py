@@ -120,6 +120,13 @@ log = logging.getLogger(__name__)
 
 # Do not repeat a reconciliation stop for the same process more often than this.
 RESTOP_AFTER_S: Final = 10.0
+# A pass waits for the inbox to empty (one pass for all the changes queued), but no
+# longer than this: a steady stream of requests must not starve scheduling.
+PASS_WAITS_FOR_INBOX_S: Final = 0.05
+# A decide() that took longer than this last time runs in a worker thread, so the loop
+# (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
+# where it does not make every wake-up of the loop wait for the GIL.
+DECIDE_IN_THREAD_AFTER_S: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +207,9 @@ class Brain:
         # State changed since the last pass began: one more pass is due.
         self._dirty = True
         self._pass_wanted = asyncio.Event()
+        # Set while the inbox loop waits for an item with none queued.
+        self._inbox_idle = asyncio.Event()
+        self._last_decide_s = 0.0
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
@@ -492,7 +502,10 @@ class Brain:
         """Handle the inbox in order. A caller is answered once its change is stored;
         scheduling happens in `_schedule_forever`, off this path."""
         while True:
+            if self._inbox.empty():
+                self._inbox_idle.set()
             item = await self._inbox.get()
+            self._inbox_idle.clear()
             async with self._writer:
                 try:
                     result = await self._handle(item)
@@ -520,6 +533,8 @@ class Brain:
         once state has changed since the last began, however many changes that was."""
         while True:
             await self._pass_wanted.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._inbox_idle.wait(), PASS_WAITS_FOR_INBOX_S)
             self._pass_wanted.clear()
             try:
                 await self._schedule()
@@ -1626,9 +1641,9 @@ class Brain:
     # -- scheduling ------------------------------------------------------------------
 
     async def _schedule(self) -> None:
-        """One pass: snapshot, decide() in a worker thread (the inbox goes on meanwhile:
-        submissions are stored and answered), then apply the decisions as the writer,
-        each checked against the state as it is by then."""
+        """One pass: snapshot, decide() (in a worker thread when it is slow: the inbox
+        goes on meanwhile, submissions are stored and answered), then apply the decisions
+        as the writer, each checked against the state as it is by then."""
         self._dirty = False
         snapshot = self.state.snapshot(
             profiles=self.profiles.current(),
@@ -1641,7 +1656,12 @@ class Brain:
             if self.config.policy.order in DISTRIBUTION_AWARE
             else None,
         )
-        decisions = await asyncio.to_thread(decide, snapshot, self.clock(), self.config.policy)
+        started = self.monotonic()
+        if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
+            decisions = await asyncio.to_thread(decide, snapshot, self.clock(), self.config.policy)
+        else:
+            decisions = decide(snapshot, self.clock(), self.config.policy)
+        self._last_decide_s = self.monotonic() - started
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
         async with self._writer:
