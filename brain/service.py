@@ -1670,7 +1670,7 @@ class Brain:
     async def _apply(self, decisions: Decisions) -> None:
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
         # node lost or drained, a resize staged by an operator). None: to be computed.
-        free: dict[str, set[int]] | None = None
+        free: dict[str, frozenset[int]] | None = None
         for action in decisions.actions:
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
@@ -1712,14 +1712,14 @@ class Brain:
             if job.state is not JobState.PENDING:
                 continue
             if isinstance(action, Place):
-                free = self._free_by_node() if free is None else free
+                free = self.state.free_gpus() if free is None else free
                 if not _fits(action, free):
                     # Decided on a state that has moved on: the next pass decides again.
                     log.info("placement of job %s no longer fits; deciding again", job.job_id)
                     self._dirty = True
                     continue
                 for grant in action.grants:
-                    free[grant.node] -= set(grant.gpus)
+                    free[grant.node] = free[grant.node] - set(grant.gpus)
                 await self._place(job, action)
             elif isinstance(action, Wait) and action.reason != job.reason:
                 await self._job_changed(
@@ -1815,9 +1815,9 @@ def _job_order(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (0, job_id)
 
 
-def _fits(action: Place, free: dict[str, set[int]]) -> bool:
+def _fits(action: Place, free: dict[str, frozenset[int]]) -> bool:
     """Every GPU the placement names is free on a ready node."""
-    return all(set(g.gpus) <= free.get(g.node, set()) for g in action.grants)
+    return all(set(g.gpus) <= free.get(g.node, frozenset()) for g in action.grants)
 
 
 def _preemption(action: Preempt) -> Preemption:

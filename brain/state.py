@@ -235,6 +235,11 @@ class BrainState:
             ),
         )
 
+    def free_gpus(self) -> dict[str, frozenset[int]]:
+        """Each READY node's schedulable GPUs that no running job holds (from the same
+        views a snapshot reuses: cheap when few nodes changed)."""
+        return {view.name: view.free for view in self._node_views(self.allocated())}
+
     def _node_views(self, held: dict[str, set[int]]) -> tuple[NodeView, ...]:
         """READY nodes' views in name order, reusing each one whose record and held GPUs
         are the same objects and values as when it was built."""

@@ -1,5 +1,5 @@
-"""Ingest apart from decisions: brain/ingest.py without a server, then a real brain that
-journals nothing for heartbeats that change nothing."""
+"""Ingest apart from decisions: brain/ingest.py without a server, a real brain that
+journals nothing for heartbeats that change nothing, and the snapshot's reused node views."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import json
 import pytest
 
 from brain.ingest import NodeIngest
+from brain.state import BrainState
 from schemas import subjects
 from schemas.base import encode
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.nodes import DrainedGpu, NodeRecord, NodeState
+from schemas.state import Cause, CauseKind, JobChanged, NodeChanged
 from schemas.telemetry import GpuHealth, GpuInfo, GpuSample, Heartbeat, RunningJob, TelemetryBatch
 from tests.conftest import eventually
 
@@ -236,3 +240,73 @@ async def test_a_heartbeat_that_changes_nothing_journals_nothing(brain_factory, 
     await beat_for(20, 300, inventory=gpus(3))
     await eventually(lambda: brain.state.nodes["fake"].gpu_count == 3)
     assert brain.state.last_seq == seq_before + 1
+
+
+# -- the snapshot's node views, reused while nothing about a node changed ---------------
+
+
+def _node_changed(name: str, seq: int, **update: object) -> NodeChanged:
+    record = NodeRecord(
+        name=name,
+        state=NodeState.READY,
+        hostname=name,
+        backend="sim",
+        instance="a",
+        gpus=gpus(4),
+        joined_at=0.0,
+    ).model_copy(update=update)
+    cause = Cause(kind=CauseKind.NODE_UPDATED, node=name, message="test")
+    return NodeChanged(
+        record_id=f"n-{seq}", ts=0.0, epoch=1, node=record, previous=None, cause=cause
+    )
+
+
+def _job_on(job_id: str, node: str, gpu_ids: tuple[int, ...], state: JobState) -> JobChanged:
+    job = JobRecord(
+        job_id=job_id,
+        tenant="t",
+        spec=JobSpec(command=("true",), gpus=len(gpu_ids)),
+        state=state,
+        submitted_at=0.0,
+        grants=(NodeGrant(node=node, gpus=gpu_ids),) if state is JobState.RUNNING else (),
+    )
+    cause = Cause(kind=CauseKind.PLACED, job_id=job_id, message="test")
+    return JobChanged(
+        record_id=f"j-{job_id}-{state}", ts=0.0, epoch=1, job=job, previous=None, cause=cause
+    )
+
+
+def test_snapshot_views_follow_nodes_and_allocations() -> None:
+    state = BrainState()
+    seq = 0
+
+    def apply(record: NodeChanged | JobChanged) -> None:
+        nonlocal seq
+        seq += 1
+        state.apply(record, seq)
+
+    for name in ("b", "a", "c"):
+        apply(_node_changed(name, seq))
+    first = state.snapshot().nodes
+    assert [v.name for v in first] == ["a", "b", "c"]
+    assert all(v.free == frozenset(range(4)) for v in first)
+    # Nothing changed: the very same views.
+    assert all(x is y for x, y in zip(first, state.snapshot().nodes, strict=True))
+
+    apply(_job_on("1", "b", (0, 1), JobState.RUNNING))
+    apply(_node_changed("c", seq, drained_gpus=(DrainedGpu(index=3, reason="x", at=0.0),)))
+    apply(_node_changed("a", seq, state=NodeState.LOST))
+    views = {v.name: v for v in state.snapshot().nodes}
+    assert set(views) == {"b", "c"}
+    assert views["b"].free == frozenset({2, 3}) and views["b"].gpus == (0, 1, 2, 3)
+    assert views["c"].gpus == (0, 1, 2) and views["c"].free == frozenset({0, 1, 2})
+    assert state.free_gpus() == {"b": frozenset({2, 3}), "c": frozenset({0, 1, 2})}
+
+    apply(_job_on("1", "b", (0, 1), JobState.SUCCEEDED))
+    apply(_node_changed("d", seq))
+    assert state.free_gpus() == {
+        "b": frozenset(range(4)),
+        "c": frozenset({0, 1, 2}),
+        "d": frozenset(range(4)),
+    }
+    assert [v.name for v in state.snapshot().nodes] == ["b", "c", "d"]
