@@ -29,6 +29,10 @@ NewsKind = Literal["first", "returned", "changed"]
 # 20,000 batches is an interval's worth at 20,000 nodes.
 TELEMETRY_PENDING_MSGS: Final = 20_000
 TELEMETRY_PENDING_BYTES: Final = 64 * 1024 * 1024
+# The brain also drops telemetry unread, before decoding it, while its loop runs this
+# late or its inbox holds this many items: heartbeats, events and the API go first.
+SHED_TELEMETRY_LAG_S: Final = 0.25
+SHED_TELEMETRY_INBOX: Final = 1_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,8 @@ from brain.core.failures import (
 )
 from brain.history import History
 from brain.ingest import (
+    SHED_TELEMETRY_INBOX,
+    SHED_TELEMETRY_LAG_S,
     TELEMETRY_PENDING_BYTES,
     TELEMETRY_PENDING_MSGS,
     NodeIngest,
@@ -210,6 +212,8 @@ class Brain:
         # Set while the inbox loop waits for an item with none queued.
         self._inbox_idle = asyncio.Event()
         self._last_decide_s = 0.0
+        # How late the last tick woke up: how far behind the event loop runs.
+        self._loop_lag_s = 0.0
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
@@ -358,6 +362,7 @@ class Brain:
                 # Shed telemetry, never heartbeats, when the brain falls behind.
                 pending_msgs_limit=TELEMETRY_PENDING_MSGS,
                 pending_bytes_limit=TELEMETRY_PENDING_BYTES,
+                accept=self._takes_telemetry,
             ),
             await self.bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, self._on_progress),
             await self.api.serve(),
@@ -495,8 +500,16 @@ class Brain:
 
     async def _tick_forever(self) -> None:
         while not self._closing:
+            due = self.monotonic() + self.config.tick_s
             await asyncio.sleep(self.config.tick_s)
+            self._loop_lag_s = max(0.0, self.monotonic() - due)
             await self._inbox.put(_Item("tick"))
+
+    def _takes_telemetry(self) -> bool:
+        """False while the brain is behind: telemetry is what it sheds first."""
+        return (
+            self._loop_lag_s <= SHED_TELEMETRY_LAG_S and self._inbox.qsize() < SHED_TELEMETRY_INBOX
+        )
 
     async def _run(self) -> None:
         """Handle the inbox in order. A caller is answered once its change is stored;

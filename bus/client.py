@@ -365,14 +365,19 @@ class Bus:
         queue: str = "",
         pending_msgs_limit: int = DEFAULT_SUB_PENDING_MSGS_LIMIT,
         pending_bytes_limit: int = DEFAULT_SUB_PENDING_BYTES_LIMIT,
+        accept: Callable[[], bool] | None = None,
     ) -> Subscription:
         """Core subscription; invalid messages go to the DLQ, handler errors are logged.
 
         Past `pending_msgs_limit` messages or `pending_bytes_limit` bytes waiting for the
         handler, this client drops what arrives (counted in `dropped`) instead of letting
-        the server fall behind on the whole connection and cut it."""
+        the server fall behind on the whole connection and cut it. While `accept()` is
+        false, messages are dropped unread, before decoding (counted in `dropped` too)."""
 
         async def on_message(msg: Msg) -> None:
+            if accept is not None and not accept():
+                self.dropped[subject] += 1
+                return
             try:
                 message = decode(msg.data, decoder)
             except InvalidMessage as error:

@@ -310,3 +310,30 @@ def test_snapshot_views_follow_nodes_and_allocations() -> None:
         "d": frozenset(range(4)),
     }
     assert [v.name for v in state.snapshot().nodes] == ["b", "c", "d"]
+
+
+async def test_a_subscription_drops_unread_while_it_does_not_accept(connect) -> None:
+    """How the brain sheds telemetry while it is behind: dropped before decoding
+    (garbage is not even dead-lettered), counted; taken again once it accepts."""
+    receiver = await connect("brain:ingest")
+    sender = await connect("agent:n1")
+    accepting = [False]
+    got: list[TelemetryBatch] = []
+
+    async def handler(batch: TelemetryBatch, _msg: object) -> None:
+        got.append(batch)
+
+    await receiver.subscribe(
+        subjects.ALL_TELEMETRY, TelemetryBatch, handler, accept=lambda: accepting[0]
+    )
+    await receiver.nc.flush()
+    batch = TelemetryBatch(node="n1", ts=1.0, samples=())
+    for _ in range(5):
+        await sender.publish(subjects.node("n1", "telemetry"), batch)
+    await sender.nc.publish(subjects.node("n1", "telemetry"), b"garbage")
+    await sender.nc.flush()
+    await eventually(lambda: receiver.dropped[subjects.ALL_TELEMETRY] == 6)
+    accepting[0] = True
+    await sender.publish(subjects.node("n1", "telemetry"), batch)
+    await eventually(lambda: len(got) == 1)
+    assert receiver.dead_lettered["node.telemetry"] == 0
