@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from brain.core.model import Decisions, Preempt, QuotaReclaim
@@ -142,7 +142,38 @@ class _ClusterCollector(Collector):
         yield GaugeMetricFamily(
             "alnair_brain_state_seq", "Last STATE log sequence applied.", value=state.last_seq
         )
+        yield from self._ingest()
         yield from self._profiles()
+
+    def _ingest(self) -> Iterator[Metric]:
+        """Heartbeats and telemetry (brain/ingest.py): what arrived, what was news, and
+        what was shed because the brain fell behind."""
+        brain = self.metrics.brain
+        counts = brain.ingest.counts
+        dropped = brain.ingest_bus.dropped
+        yield CounterMetricFamily(
+            "alnair_ingest_heartbeats",
+            "Heartbeats received while leading.",
+            value=counts.heartbeats,
+        )
+        yield CounterMetricFamily(
+            "alnair_ingest_heartbeats_forwarded",
+            "Heartbeats with news (a node new, back, or changed) handed to the decision loop.",
+            value=counts.heartbeats_forwarded,
+        )
+        yield CounterMetricFamily(
+            "alnair_ingest_telemetry", "Telemetry batches received.", value=counts.telemetry
+        )
+        yield CounterMetricFamily(
+            "alnair_telemetry_shed",
+            "Telemetry batches dropped unread because the brain fell behind.",
+            value=dropped[subjects.ALL_TELEMETRY],
+        )
+        yield CounterMetricFamily(
+            "alnair_heartbeats_dropped",
+            "Heartbeats dropped unread because the brain fell far behind (should stay 0).",
+            value=dropped[subjects.ALL_HEARTBEATS],
+        )
 
     @staticmethod
     def _queues(pending: list[JobRecord]) -> Iterator[Metric]:

@@ -1,10 +1,13 @@
 """The brain's asyncio shell: fold events into state, decide, command, journal.
 
-Every input (a heartbeat, a node event, an API call, a tick) goes through one inbox
-and is handled to completion before the next, so state has a single writer. Each
-change is appended to the STATE stream first and applied to memory once JetStream has
-stored it (write-ahead), so what any client was told is in the log. Decisions come from
-the pure `decide()`; this module only turns them into records and commands.
+Every input that may change state (a heartbeat with news, a node event, an API call,
+a tick) goes through one inbox and is handled to completion before the next; heartbeats
+and telemetry stop in brain/ingest.py, which passes on only their news. State has one
+writer at a time: the inbox loop, or a scheduling pass applying its decisions (passes
+are coalesced and run decide() off the request path). Each change is appended to the
+STATE stream first and applied to memory once JetStream has stored it (write-ahead), so
+what any client was told is in the log. Decisions come from the pure `decide()`; this
+module only turns them into records and commands.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -53,6 +56,14 @@ from brain.core.failures import (
     fault_action,
 )
 from brain.history import History
+from brain.ingest import (
+    SHED_TELEMETRY_INBOX,
+    SHED_TELEMETRY_LAG_S,
+    TELEMETRY_PENDING_BYTES,
+    TELEMETRY_PENDING_MSGS,
+    NodeIngest,
+    NodeNews,
+)
 from brain.leader import Lease
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
@@ -111,6 +122,13 @@ log = logging.getLogger(__name__)
 
 # Do not repeat a reconciliation stop for the same process more often than this.
 RESTOP_AFTER_S: Final = 10.0
+# A pass waits for the inbox to empty (one pass for all the changes queued), but no
+# longer than this: a steady stream of requests must not starve scheduling.
+PASS_WAITS_FOR_INBOX_S: Final = 0.05
+# A decide() that took longer than this last time runs in a worker thread, so the loop
+# (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
+# where it does not make every wake-up of the loop wait for the GIL.
+DECIDE_IN_THREAD_AFTER_S: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,13 +171,6 @@ class _Item:
     done: asyncio.Future[object] | None = None
 
 
-@dataclass
-class _Liveness:
-    last_seen: float
-    instance: str
-    running: set[tuple[str, int]] = field(default_factory=set)
-
-
 class Brain:
     def __init__(
         self,
@@ -183,14 +194,26 @@ class Brain:
         self.instance = uuid.uuid4().hex[:12]
         self.started_at = clock()
         self.host = socket.gethostname()
-        self.telemetry: dict[str, TelemetryBatch] = {}
-        self._liveness: dict[str, _Liveness] = {}
+        # Heartbeats and telemetry arrive on a connection of their own (`ingest_bus`,
+        # opened at start) and stop in `ingest`; only their news reaches the inbox.
+        self.ingest = NodeIngest(node_timeout_s=self.config.node_timeout_s)
+        self.ingest_bus: Bus = bus
         self._stops_sent: dict[tuple[str, str, int], float] = {}
         # (job, attempt, node) -> when its node's agent came back as a new instance
         # without it: the process went with the old agent (`_check_vanished`).
         self._vanishing: dict[tuple[str, int, str], float] = {}
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        # State and the log have one writer at a time: an inbox item being handled, or
+        # a scheduling pass applying its decisions (decide() itself runs outside it).
+        self._writer = asyncio.Lock()
+        # State changed since the last pass began: one more pass is due.
         self._dirty = True
+        self._pass_wanted = asyncio.Event()
+        # Set while the inbox loop waits for an item with none queued.
+        self._inbox_idle = asyncio.Event()
+        self._last_decide_s = 0.0
+        # How late the last tick woke up: how far behind the event loop runs.
+        self._loop_lag_s = 0.0
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
@@ -227,6 +250,11 @@ class Brain:
     def state(self) -> BrainState:
         return self.replica.state
 
+    @property
+    def telemetry(self) -> dict[str, TelemetryBatch]:
+        """Each node's latest telemetry batch."""
+        return self.ingest.latest_telemetry
+
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -235,6 +263,9 @@ class Brain:
 
         self.api = ApiServer(self)
         await self.bus.ensure_streams()
+        # A telemetry flood may make the server cut this connection; the lease, the
+        # log, commands, events and the API live on `bus` and do not go with it.
+        self.ingest_bus = await self.bus.sibling(f"{self.bus.component}:ingest")
         await self.lease.open()
         await self.replica.load()
         self.replica.follow()
@@ -257,6 +288,8 @@ class Brain:
         await self._stop_leading("brain shutting down")
         await self.lease.release()
         await self.replica.stop_following()
+        if self.ingest_bus is not self.bus:
+            await self.ingest_bus.close()
         self.history.close()
         self.profiles.close()
 
@@ -315,12 +348,22 @@ class Brain:
         caught_up = await self.replica.catch_up()
         self.epoch = epoch
         now = self.monotonic()
+        self.ingest.reset()
         for node in self.state.nodes.values():
             # Liveness is not in the log: every known node gets a fresh grace period.
-            self._liveness[node.name] = _Liveness(last_seen=now, instance=node.instance)
+            self.ingest.expect(node.name, node.instance, now)
+        ingest = self.ingest_bus
         self._leader_subs = [
-            await self.bus.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat),
-            await self.bus.subscribe(subjects.ALL_TELEMETRY, TelemetryBatch, self._on_telemetry),
+            await ingest.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat),
+            await ingest.subscribe(
+                subjects.ALL_TELEMETRY,
+                TelemetryBatch,
+                self._on_telemetry,
+                # Shed telemetry, never heartbeats, when the brain falls behind.
+                pending_msgs_limit=TELEMETRY_PENDING_MSGS,
+                pending_bytes_limit=TELEMETRY_PENDING_BYTES,
+                accept=self._takes_telemetry,
+            ),
             await self.bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, self._on_progress),
             await self.api.serve(),
         ]
@@ -329,9 +372,11 @@ class Brain:
         )
         self._leader_tasks = [
             self.bus.spawn(self._run(), name="brain-loop"),
+            self.bus.spawn(self._schedule_forever(), name="brain-scheduler"),
             self.bus.spawn(self._tick_forever(), name="brain-tick"),
         ]
         self._dirty = True
+        self._pass_wanted.set()
         self.leading.set()
         if self.lease.epoch != epoch:
             # The renewer gave the lease up while this takeover waited on the bus.
@@ -405,11 +450,15 @@ class Brain:
     async def _on_heartbeat(self, beat: Heartbeat, msg: Msg) -> None:
         if not await self._from_own_node(beat.node, msg):
             return
-        await self._inbox.put(_Item("heartbeat", beat))
+        news = self.ingest.heartbeat(beat, self.monotonic(), msg.data)
+        if news is not None:
+            # Only news reaches the inbox: a heartbeat that changes nothing moved the
+            # node's last-seen time and is done.
+            await self._inbox.put(_Item("heartbeat", news))
 
     async def _on_telemetry(self, batch: TelemetryBatch, msg: Msg) -> None:
         if await self._from_own_node(batch.node, msg):
-            self.telemetry[batch.node] = batch
+            self.ingest.telemetry(batch)
             self._notify(self.telemetry_observers, batch)
 
     async def _on_progress(self, report: Progress, msg: Msg) -> None:
@@ -436,7 +485,7 @@ class Brain:
         """A node speaks only for itself: the payload's node must be the subject's."""
         token = msg.subject.split(".")[2] if msg.subject.count(".") >= 3 else ""
         if token != node:
-            await self.bus.dead_letter(
+            await self.ingest_bus.dead_letter(
                 msg.subject, msg.data, f"payload names node {node!r} but the subject is {token!r}"
             )
             return False
@@ -449,47 +498,79 @@ class Brain:
 
     async def _tick_forever(self) -> None:
         while not self._closing:
+            due = self.monotonic() + self.config.tick_s
             await asyncio.sleep(self.config.tick_s)
+            self._loop_lag_s = max(0.0, self.monotonic() - due)
             await self._inbox.put(_Item("tick"))
 
+    def _takes_telemetry(self) -> bool:
+        """False while the brain is behind: telemetry is what it sheds first."""
+        return (
+            self._loop_lag_s <= SHED_TELEMETRY_LAG_S and self._inbox.qsize() < SHED_TELEMETRY_INBOX
+        )
+
     async def _run(self) -> None:
+        """Handle the inbox in order. A caller is answered once its change is stored;
+        scheduling happens in `_schedule_forever`, off this path."""
         while True:
+            if self._inbox.empty():
+                self._inbox_idle.set()
             item = await self._inbox.get()
-            try:
-                result = await self._handle(item)
-            except ApiError as error:
-                if item.done is not None and not item.done.done():
-                    item.done.set_exception(error)
-            except SequenceConflict as error:
-                # Another brain appended to the log: we were deposed. Stop acting.
-                if item.done is not None and not item.done.done():
-                    item.done.set_exception(ApiError("unavailable", "brain lost leadership"))
-                self.bus.spawn(self._stop_leading(str(error)), name="step-down")
-                return
-            except Exception as error:
-                log.exception("brain failed handling %s", item.kind)
-                if item.done is not None and not item.done.done():
-                    item.done.set_exception(error)
-            else:
-                if item.done is not None and not item.done.done():
-                    item.done.set_result(result)
-            if self._dirty and self._inbox.empty():
+            self._inbox_idle.clear()
+            async with self._writer:
                 try:
-                    await self._schedule()
+                    result = await self._handle(item)
+                except ApiError as error:
+                    if item.done is not None and not item.done.done():
+                        item.done.set_exception(error)
                 except SequenceConflict as error:
+                    # Another brain appended to the log: we were deposed. Stop acting.
+                    if item.done is not None and not item.done.done():
+                        item.done.set_exception(ApiError("unavailable", "brain lost leadership"))
                     self.bus.spawn(self._stop_leading(str(error)), name="step-down")
                     return
-                except Exception:
-                    log.exception("scheduling cycle failed")
+                except Exception as error:
+                    log.exception("brain failed handling %s", item.kind)
+                    if item.done is not None and not item.done.done():
+                        item.done.set_exception(error)
+                else:
+                    if item.done is not None and not item.done.done():
+                        item.done.set_result(result)
+            if self._dirty:
+                self._pass_wanted.set()
+
+    async def _schedule_forever(self) -> None:
+        """Scheduling passes, coalesced: at most one runs at a time, and the next starts
+        once state has changed since the last began, however many changes that was."""
+        while True:
+            await self._pass_wanted.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._inbox_idle.wait(), PASS_WAITS_FOR_INBOX_S)
+            self._pass_wanted.clear()
+            try:
+                await self._schedule()
+            except SequenceConflict as error:
+                self.bus.spawn(self._stop_leading(str(error)), name="step-down")
+                return
+            except Exception:
+                log.exception("scheduling cycle failed")
+            if self._dirty:
+                self._pass_wanted.set()
 
     async def _handle(self, item: _Item) -> object:
         if item.kind == "heartbeat":
-            assert isinstance(item.payload, Heartbeat)
-            await self._heartbeat(item.payload)
+            assert isinstance(item.payload, NodeNews)
+            try:
+                await self._heartbeat(item.payload.beat)
+            except BaseException:
+                # Not handled: the node's next heartbeat must be news again.
+                self.ingest.unsettle(item.payload.beat.node)
+                raise
         elif item.kind == "event":
             await self._event(item.payload)  # type: ignore[arg-type]
         elif item.kind == "tick":
             await self._check_nodes()
+            await self._reconcile_all()
             await self._check_vanished()
             await self._check_launches()
             await self._check_preruns()
@@ -700,13 +781,8 @@ class Brain:
     # -- nodes -----------------------------------------------------------------------
 
     async def _heartbeat(self, beat: Heartbeat) -> None:
+        """A heartbeat with news (brain/ingest.py): journal what changed, reconcile."""
         now = self.monotonic()
-        live = self._liveness.get(beat.node)
-        if live is None:
-            live = self._liveness[beat.node] = _Liveness(last_seen=now, instance=beat.instance)
-        live.last_seen = now
-        live.instance = beat.instance
-        live.running = {(r.job_id, r.attempt) for r in beat.running}
         known = self.state.nodes.get(beat.node)
         if known is not None and known.instance != beat.instance:
             self._agent_restarted(beat, now)
@@ -769,8 +845,11 @@ class Brain:
             del self._vanishing[key]
             job_id, attempt, node = key
             job = self._current(job_id, attempt, node)
-            live = self._liveness.get(node)
-            if job is None or live is None or (job_id, attempt) in live.running:
+            if (
+                job is None
+                or not self.ingest.known(node)
+                or (job_id, attempt) in self.ingest.running(node)
+            ):
                 continue
             if any(g.exited for g in job.grants if g.node == node):
                 continue
@@ -783,6 +862,12 @@ class Brain:
                     "went with the old agent",
                 ),
             )
+
+    async def _reconcile_all(self) -> None:
+        """Reconcile every node that reports processes: a heartbeat that changes nothing
+        is not handed to the loop, and what the brain holds may have changed since."""
+        for beat in list(self.ingest.reporting()):
+            await self._reconcile(beat)
 
     async def _reconcile(self, beat: Heartbeat) -> None:
         """Stop what a node runs that the brain did not give it (any more)."""
@@ -863,14 +948,10 @@ class Brain:
         return node
 
     async def _check_nodes(self) -> None:
-        now = self.monotonic()
-        for name, node in list(self.state.nodes.items()):
-            live = self._liveness.get(name)
+        for name, silent in list(self.ingest.silent(self.monotonic())):
+            node = self.state.nodes.get(name)
             # A drained node can be lost too: its running jobs must be taken back.
-            if node.state is NodeState.LOST or live is None:
-                continue
-            silent = now - live.last_seen
-            if silent <= self.config.node_timeout_s:
+            if node is None or node.state is NodeState.LOST:
                 continue
             await self._node_changed(
                 node.model_copy(update={"state": NodeState.LOST}),
@@ -903,8 +984,7 @@ class Brain:
                     continue
                 if grant.node in elastic.joining(job):
                     continue  # launched by a grow: the resize's own timeout covers it
-                live = self._liveness.get(grant.node)
-                if live is not None and (job.job_id, job.attempt) in live.running:
+                if (job.job_id, job.attempt) in self.ingest.running(grant.node):
                     continue
                 await self._requeue(
                     job,
@@ -1622,6 +1702,9 @@ class Brain:
     # -- scheduling ------------------------------------------------------------------
 
     async def _schedule(self) -> None:
+        """One pass: snapshot, decide() (in a worker thread when it is slow: the inbox
+        goes on meanwhile, submissions are stored and answered), then apply the decisions
+        as the writer, each checked against the state as it is by then."""
         self._dirty = False
         snapshot = self.state.snapshot(
             profiles=self.profiles.current(),
@@ -1634,9 +1717,21 @@ class Brain:
             if self.config.policy.order in DISTRIBUTION_AWARE
             else None,
         )
-        decisions = decide(snapshot, self.clock(), self.config.policy)
+        started = self.monotonic()
+        if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
+            decisions = await asyncio.to_thread(decide, snapshot, self.clock(), self.config.policy)
+        else:
+            decisions = decide(snapshot, self.clock(), self.config.policy)
+        self._last_decide_s = self.monotonic() - started
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
+        async with self._writer:
+            await self._apply(decisions)
+
+    async def _apply(self, decisions: Decisions) -> None:
+        # Free GPUs now, for the placements: state may have moved while decide() ran (a
+        # node lost or drained, a resize staged by an operator). None: to be computed.
+        free: dict[str, frozenset[int]] | None = None
         for action in decisions.actions:
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
@@ -1652,6 +1747,7 @@ class Brain:
                         ),
                     )
                     self.preemptions += 1
+                    free = None
                 continue
             if job is None:
                 continue
@@ -1672,10 +1768,19 @@ class Brain:
                 continue
             if isinstance(action, Resize):
                 await self._apply_resize(job, action)
+                free = None
                 continue
             if job.state is not JobState.PENDING:
                 continue
             if isinstance(action, Place):
+                free = self.state.free_gpus() if free is None else free
+                if not _fits(action, free):
+                    # Decided on a state that has moved on: the next pass decides again.
+                    log.info("placement of job %s no longer fits; deciding again", job.job_id)
+                    self._dirty = True
+                    continue
+                for grant in action.grants:
+                    free[grant.node] = free[grant.node] - set(grant.gpus)
                 await self._place(job, action)
             elif isinstance(action, Wait) and action.reason != job.reason:
                 await self._job_changed(
@@ -1760,8 +1865,7 @@ class Brain:
     # -- views -----------------------------------------------------------------------
 
     def last_seen_ago(self, node: str) -> float | None:
-        live = self._liveness.get(node)
-        return None if live is None else max(0.0, self.monotonic() - live.last_seen)
+        return self.ingest.last_seen_ago(node, self.monotonic())
 
     @property
     def pid(self) -> int:
@@ -1770,6 +1874,11 @@ class Brain:
 
 def _job_order(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (0, job_id)
+
+
+def _fits(action: Place, free: dict[str, frozenset[int]]) -> bool:
+    """Every GPU the placement names is free on a ready node."""
+    return all(set(g.gpus) <= free.get(g.node, frozenset()) for g in action.grants)
 
 
 def _preemption(action: Preempt) -> Preemption:

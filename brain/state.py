@@ -71,6 +71,13 @@ class BrainState:
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # Each READY node's snapshot view, with the record and the GPUs held there that it
+    # was built from: a snapshot rebuilds only the views of nodes that changed, so a
+    # pass after one node joined does not redo thousands. And the node names, sorted.
+    _views: dict[str, tuple[NodeRecord, frozenset[int], NodeView]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
@@ -212,16 +219,7 @@ class BrainState:
         `progress` (job id -> what its reports said) comes from its supervisor."""
         profiles = profiles or {}
         progress = progress or {}
-        held = self.allocated()
-        nodes = tuple(
-            NodeView(
-                name=n.name,
-                gpus=self.schedulable_gpus(n),
-                free=frozenset(self.schedulable_gpus(n)) - held.get(n.name, set()),
-            )
-            for n in sorted(self.nodes.values(), key=lambda n: n.name)
-            if n.state is NodeState.READY
-        )
+        nodes = self._node_views(self.allocated())
         return ClusterSnapshot(
             nodes=nodes,
             pending=tuple(
@@ -236,6 +234,33 @@ class BrainState:
                 None if service_prior is None else self.service_distribution(service_prior)
             ),
         )
+
+    def free_gpus(self) -> dict[str, frozenset[int]]:
+        """Each READY node's schedulable GPUs that no running job holds (from the same
+        views a snapshot reuses: cheap when few nodes changed)."""
+        return {view.name: view.free for view in self._node_views(self.allocated())}
+
+    def _node_views(self, held: dict[str, set[int]]) -> tuple[NodeView, ...]:
+        """READY nodes' views in name order, reusing each one whose record and held GPUs
+        are the same objects and values as when it was built."""
+        if len(self._sorted_names) != len(self.nodes):  # nodes are added, never removed
+            self._sorted_names = sorted(self.nodes)
+        views = []
+        nothing: frozenset[int] = frozenset()
+        for name in self._sorted_names:
+            record = self.nodes[name]
+            if record.state is not NodeState.READY:
+                continue
+            here = held.get(name, nothing)
+            cached = self._views.get(name)
+            if cached is not None and cached[0] is record and cached[1] == here:
+                views.append(cached[2])
+                continue
+            gpus = self.schedulable_gpus(record)
+            view = NodeView(name=name, gpus=gpus, free=frozenset(gpus) - here)
+            self._views[name] = (record, frozenset(here), view)
+            views.append(view)
+        return tuple(views)
 
 
 def _finish_order(job: JobRecord) -> tuple[float, tuple[int, str]]:

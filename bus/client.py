@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import ssl
 import time
@@ -24,7 +25,11 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.aio.subscription import (
+    DEFAULT_SUB_PENDING_BYTES_LIMIT,
+    DEFAULT_SUB_PENDING_MSGS_LIMIT,
+    Subscription,
+)
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -143,6 +148,11 @@ class Bus:
         self.component = component
         self.replicas = replicas
         self.dead_lettered: Counter[str] = Counter()
+        # Messages this client dropped because a subscription's pending limit was full
+        # (nats-py's client-side slow consumer), by the subscription's subject.
+        self.dropped: Counter[str] = Counter()
+        # How it was connected, when through `connect`: `sibling` opens another so.
+        self.options: ConnectOptions | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._pull_subs: list[JetStreamContext.PullSubscription] = []
         self._consumers: list[Consumer] = []
@@ -152,6 +162,15 @@ class Bus:
     @classmethod
     async def connect(cls, options: ConnectOptions, *, replicas: int = 1) -> Bus:
         _check_replicas(replicas)
+        # The error callback counts drops on the Bus, which exists only once connected.
+        made: list[Bus] = []
+
+        async def on_error(error: Exception) -> None:
+            if isinstance(error, nats.errors.SlowConsumerError) and made:
+                made[0].dropped[error.sub.subject if error.sub else error.subject] += 1
+                return
+            await _log_error(error)
+
         kwargs: dict[str, Any] = {
             "servers": list(options.servers),
             "name": options.name,
@@ -159,7 +178,7 @@ class Bus:
             "max_reconnect_attempts": options.max_reconnect_attempts,
             "reconnect_time_wait": 0.5,
             "allow_reconnect": True,
-            "error_cb": _log_error,
+            "error_cb": on_error,
             "disconnected_cb": _log_disconnected(options.name),
             "reconnected_cb": _log_reconnected(options.name),
         }
@@ -177,7 +196,21 @@ class Bus:
             raise BusError(
                 f"cannot connect to NATS at {', '.join(options.servers)}: {error or 'timeout'}"
             ) from error
-        return cls(nc, component=options.name, replicas=replicas)
+        bus = cls(nc, component=options.name, replicas=replicas)
+        bus.options = options
+        made.append(bus)
+        return bus
+
+    async def sibling(self, name: str) -> Bus:
+        """Another connection made as this one was, under its own `name`, sharing this
+        bus's dead-letter counts: a flood on it (and the server dropping it as a slow
+        consumer) does not touch this one. Without known options, this bus itself."""
+        if self.options is None:
+            return self
+        options = dataclasses.replace(self.options, name=name)
+        other = await Bus.connect(options, replicas=self.replicas)
+        other.dead_lettered = self.dead_lettered
+        return other
 
     async def close(self) -> None:
         await asyncio.gather(*(c.stop() for c in self._consumers))
@@ -330,10 +363,21 @@ class Bus:
         handler: Handler[T],
         *,
         queue: str = "",
+        pending_msgs_limit: int = DEFAULT_SUB_PENDING_MSGS_LIMIT,
+        pending_bytes_limit: int = DEFAULT_SUB_PENDING_BYTES_LIMIT,
+        accept: Callable[[], bool] | None = None,
     ) -> Subscription:
-        """Core subscription; invalid messages go to the DLQ, handler errors are logged."""
+        """Core subscription; invalid messages go to the DLQ, handler errors are logged.
+
+        Past `pending_msgs_limit` messages or `pending_bytes_limit` bytes waiting for the
+        handler, this client drops what arrives (counted in `dropped`) instead of letting
+        the server fall behind on the whole connection and cut it. While `accept()` is
+        false, messages are dropped unread, before decoding (counted in `dropped` too)."""
 
         async def on_message(msg: Msg) -> None:
+            if accept is not None and not accept():
+                self.dropped[subject] += 1
+                return
             try:
                 message = decode(msg.data, decoder)
             except InvalidMessage as error:
@@ -344,8 +388,13 @@ class Bus:
             except Exception:
                 log.exception("handler for %s failed", msg.subject)
 
-        sub = await self.nc.subscribe(subject, queue=queue, cb=on_message)
-        return sub
+        return await self.nc.subscribe(
+            subject,
+            queue=queue,
+            cb=on_message,
+            pending_msgs_limit=pending_msgs_limit,
+            pending_bytes_limit=pending_bytes_limit,
+        )
 
     async def follow_new(
         self,

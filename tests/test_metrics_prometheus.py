@@ -126,6 +126,14 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     )
     assert dead is not None and dead >= 1
     assert value(metrics["alnair_jobs"], "alnair_jobs", state="RUNNING") == 1
+    # Ingest: heartbeats arrive, few are news, and nothing was shed at this load.
+    beats = value(metrics["alnair_ingest_heartbeats"], "alnair_ingest_heartbeats_total")
+    news = value(
+        metrics["alnair_ingest_heartbeats_forwarded"], "alnair_ingest_heartbeats_forwarded_total"
+    )
+    assert beats is not None and news is not None and 1 <= news <= beats
+    assert value(metrics["alnair_telemetry_shed"], "alnair_telemetry_shed_total") == 0
+    assert value(metrics["alnair_heartbeats_dropped"], "alnair_heartbeats_dropped_total") == 0
     assert value(metrics["alnair_gpus_allocated"], "alnair_gpus_allocated") == 1
     mean = value(
         metrics["alnair_job_gpu_util_mean_percent"],

@@ -1,0 +1,216 @@
+"""Heartbeats and telemetry, kept apart from decisions.
+
+Every node sends a heartbeat and a telemetry batch each interval; at thousands of nodes
+that is tens of thousands of messages a second, almost all saying what the previous one
+said. `NodeIngest` keeps the latest of each per node and their arrival times (liveness),
+and tells the decision loop only what changes what it decides on: a node heard for the
+first time (or again after falling silent), or a heartbeat whose inventory, GPU health,
+agent instance or running processes differ from the node's previous one. A heartbeat
+that changes nothing only moves the node's last-seen time.
+
+It owns no I/O and reads no clock: arrival times (monotonic seconds) are passed in, and
+the brain's shell subscribes, validates at the edge and dead-letters what fails before
+anything reaches it. It never touches the brain's state or the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from schemas.telemetry import GpuInfo, Heartbeat, TelemetryBatch
+
+# Why a heartbeat is handed to the decision loop.
+NewsKind = Literal["first", "returned", "changed"]
+
+# Telemetry waiting for the brain's handler past these limits is dropped by the
+# client (shed, and counted): it is the only traffic the brain may lose under load.
+# 20,000 batches is an interval's worth at 20,000 nodes.
+TELEMETRY_PENDING_MSGS: Final = 20_000
+TELEMETRY_PENDING_BYTES: Final = 64 * 1024 * 1024
+# The brain also drops telemetry unread, before decoding it, while its loop runs this
+# late or its inbox holds this many items: heartbeats, events and the API go first.
+SHED_TELEMETRY_LAG_S: Final = 0.25
+SHED_TELEMETRY_INBOX: Final = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class NodeNews:
+    """A heartbeat the decision loop must look at, and why."""
+
+    kind: NewsKind
+    beat: Heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class _Reported:
+    """What a heartbeat says that decisions depend on (not its time or sequence)."""
+
+    instance: str
+    hostname: str
+    backend: str
+    gpus: tuple[GpuInfo, ...]
+    running: frozenset[tuple[str, int]]
+
+    @classmethod
+    def of(cls, beat: Heartbeat) -> _Reported:
+        return cls(
+            instance=beat.instance,
+            hostname=beat.hostname,
+            backend=beat.backend,
+            gpus=beat.gpus,
+            running=frozenset((r.job_id, r.attempt) for r in beat.running),
+        )
+
+
+@dataclass(slots=True)
+class _Node:
+    last_seen: float
+    instance: str
+    # None until a heartbeat arrives (a node known from the log gets a grace period).
+    reported: _Reported | None = None
+    beat: Heartbeat | None = None
+    # The last heartbeat's bytes without its time and sequence (`_without_clock`).
+    raw: bytes | None = None
+
+
+@dataclass
+class IngestCounts:
+    """What ingest has seen since it started (exported in /metrics)."""
+
+    heartbeats: int = 0
+    # Heartbeats handed to the decision loop (the rest only moved a last-seen time).
+    heartbeats_forwarded: int = 0
+    telemetry: int = 0
+
+
+def _without_clock(raw: bytes) -> bytes | None:
+    """A heartbeat's bytes without its `"ts"` and `"seq"`, where they sit together before
+    `"instance"` (as pydantic writes a Heartbeat); None for any other layout.
+
+    Only for a message already validated: its schema allows no other `"ts"` key, and
+    exactly two keys between the cut's ends means nothing else is cut out, so equal
+    results mean equal heartbeats but for their time and sequence."""
+    start = raw.find(b',"ts":')
+    end = raw.find(b',"instance":', start + 1)
+    if start < 0 or end < 0 or raw.count(b'":', start, end) != 2:
+        return None
+    return raw[:start] + raw[end:]
+
+
+class NodeIngest:
+    """Latest heartbeat and telemetry per node, liveness, and the news in them."""
+
+    def __init__(self, *, node_timeout_s: float) -> None:
+        if node_timeout_s <= 0:
+            raise ValueError(f"node_timeout_s must be positive, not {node_timeout_s!r}")
+        self.node_timeout_s = node_timeout_s
+        self.counts = IngestCounts()
+        self._nodes: dict[str, _Node] = {}
+        self._telemetry: dict[str, TelemetryBatch] = {}
+
+    def reset(self) -> None:
+        """Forget every node's liveness (a new tenure starts from the log); keep the
+        latest telemetry, which is only ever shown."""
+        self._nodes.clear()
+
+    def expect(self, node: str, instance: str, now: float) -> None:
+        """A node the log knows: it has `node_timeout_s` from `now` to be heard from.
+        Its first heartbeat is news, so the loop compares it with the log's record."""
+        self._nodes[node] = _Node(last_seen=now, instance=instance)
+
+    def heartbeat(self, beat: Heartbeat, now: float, raw: bytes | None = None) -> NodeNews | None:
+        """Note a (validated) heartbeat that arrived at `now`; the news in it, if any.
+
+        `raw`, the bytes it was decoded from, makes the common case cheap: bytes equal to
+        the previous heartbeat's but for time and sequence say nothing new."""
+        self.counts.heartbeats += 1
+        stripped = _without_clock(raw) if raw is not None else None
+        known = self._nodes.get(beat.node)
+        if known is None:
+            self._nodes[beat.node] = _Node(
+                last_seen=now,
+                instance=beat.instance,
+                reported=_Reported.of(beat),
+                beat=beat,
+                raw=stripped,
+            )
+            return self._forward(NodeNews("first", beat))
+        silent_s = now - known.last_seen
+        previous = known.reported
+        known.last_seen = max(known.last_seen, now)
+        known.beat = beat
+        if (
+            stripped is not None
+            and stripped == known.raw
+            and previous is not None
+            and silent_s <= self.node_timeout_s
+        ):
+            return None
+        reported = _Reported.of(beat)
+        known.instance = beat.instance
+        known.reported = reported
+        known.raw = stripped
+        if previous is None:
+            return self._forward(NodeNews("first", beat))
+        if silent_s > self.node_timeout_s:
+            return self._forward(NodeNews("returned", beat))
+        if reported != previous:
+            return self._forward(NodeNews("changed", beat))
+        return None
+
+    def unsettle(self, node: str) -> None:
+        """The loop could not act on the node's news (a failed append): its next
+        heartbeat is news again, whatever it says."""
+        known = self._nodes.get(node)
+        if known is not None:
+            known.reported = None
+            known.raw = None
+
+    def _forward(self, news: NodeNews) -> NodeNews:
+        self.counts.heartbeats_forwarded += 1
+        return news
+
+    def telemetry(self, batch: TelemetryBatch) -> None:
+        self.counts.telemetry += 1
+        self._telemetry[batch.node] = batch
+
+    # -- views -----------------------------------------------------------------------
+
+    @property
+    def latest_telemetry(self) -> dict[str, TelemetryBatch]:
+        """Each node's latest telemetry batch (read-only by convention)."""
+        return self._telemetry
+
+    def known(self, node: str) -> bool:
+        return node in self._nodes
+
+    def silent(self, now: float) -> Iterator[tuple[str, float]]:
+        """Every node not heard from for more than `node_timeout_s`, with how long."""
+        limit = self.node_timeout_s
+        for name, node in self._nodes.items():
+            silent_s = now - node.last_seen
+            if silent_s > limit:
+                yield name, silent_s
+
+    def last_seen_ago(self, node: str, now: float) -> float | None:
+        known = self._nodes.get(node)
+        return None if known is None else max(0.0, now - known.last_seen)
+
+    def running(self, node: str) -> frozenset[tuple[str, int]]:
+        """The (job, attempt) processes the node's latest heartbeat reported."""
+        known = self._nodes.get(node)
+        if known is None or known.reported is None:
+            return frozenset()
+        return known.reported.running
+
+    def instance(self, node: str) -> str | None:
+        known = self._nodes.get(node)
+        return None if known is None else known.instance
+
+    def reporting(self) -> Iterator[Heartbeat]:
+        """The latest heartbeat of every node that reports running processes."""
+        for node in self._nodes.values():
+            if node.beat is not None and node.beat.running:
+                yield node.beat

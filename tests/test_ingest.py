@@ -1,0 +1,339 @@
+"""Ingest apart from decisions: brain/ingest.py without a server, a real brain that
+journals nothing for heartbeats that change nothing, and the snapshot's reused node views."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from brain.ingest import NodeIngest
+from brain.state import BrainState
+from schemas import subjects
+from schemas.base import encode
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.nodes import DrainedGpu, NodeRecord, NodeState
+from schemas.state import Cause, CauseKind, JobChanged, NodeChanged
+from schemas.telemetry import GpuHealth, GpuInfo, GpuSample, Heartbeat, RunningJob, TelemetryBatch
+from tests.conftest import eventually
+
+TIMEOUT_S = 5.0
+
+
+def gpus(count: int = 2, *, unhealthy: int | None = None) -> tuple[GpuInfo, ...]:
+    return tuple(
+        GpuInfo(
+            index=i,
+            uuid=f"GPU-{i}",
+            model="H100",
+            memory_mib=81920,
+            health=GpuHealth.UNHEALTHY if i == unhealthy else GpuHealth.HEALTHY,
+        )
+        for i in range(count)
+    )
+
+
+def beat(
+    node: str = "n1",
+    seq: int = 1,
+    *,
+    instance: str = "a",
+    inventory: tuple[GpuInfo, ...] | None = None,
+    running: tuple[RunningJob, ...] = (),
+    epoch_seen: int = 0,
+) -> Heartbeat:
+    return Heartbeat(
+        node=node,
+        ts=1000.0 + seq,
+        seq=seq,
+        instance=instance,
+        hostname="host",
+        backend="sim",
+        interval_s=1.0,
+        gpus=gpus() if inventory is None else inventory,
+        running=running,
+        epoch_seen=epoch_seen,
+    )
+
+
+def job(job_id: str, attempt: int = 1, pid: int = 10) -> RunningJob:
+    return RunningJob(job_id=job_id, attempt=attempt, pid=pid, gpus=(0,))
+
+
+def test_first_heartbeat_is_news_and_repeats_are_not() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = ingest.heartbeat(beat(seq=1), 0.0)
+    assert first is not None and first.kind == "first"
+    # Time, sequence and the epoch the agent saw change every beat: none is news.
+    for seq in range(2, 50):
+        assert ingest.heartbeat(beat(seq=seq, epoch_seen=seq), seq * 1.0) is None
+    assert ingest.last_seen_ago("n1", 52.0) == pytest.approx(3.0)
+    assert ingest.counts.heartbeats == 49
+    assert ingest.counts.heartbeats_forwarded == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        ({"instance": "b"}, "agent restarted"),
+        ({"inventory": gpus(3)}, "inventory"),
+        ({"inventory": gpus(2, unhealthy=1)}, "GPU health"),
+        ({"running": (job("7"),)}, "processes"),
+    ],
+)
+def test_a_change_in_what_decisions_read_is_news(change: dict[str, object], what: str) -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    ingest.heartbeat(beat(seq=1), 0.0)
+    news = ingest.heartbeat(beat(seq=2, **change), 1.0)  # type: ignore[arg-type]
+    assert news is not None and news.kind == "changed", what
+    # ...once: the same again is not news.
+    assert ingest.heartbeat(beat(seq=3, **change), 2.0) is None  # type: ignore[arg-type]
+
+
+def test_a_process_that_only_changes_pid_is_the_same_attempt() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    ingest.heartbeat(beat(seq=1, running=(job("7", pid=10),)), 0.0)
+    assert ingest.heartbeat(beat(seq=2, running=(job("7", pid=11),)), 1.0) is None
+    assert ingest.running("n1") == frozenset({("7", 1)})
+    news = ingest.heartbeat(beat(seq=3, running=(job("7", attempt=2),)), 2.0)
+    assert news is not None and ingest.running("n1") == frozenset({("7", 2)})
+
+
+def test_silence_and_return() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    ingest.heartbeat(beat("n1", 1), 0.0)
+    ingest.heartbeat(beat("n2", 1), 0.0)
+    ingest.heartbeat(beat("n2", 2), 4.0)
+    assert list(ingest.silent(5.0)) == []
+    assert list(ingest.silent(5.5)) == [("n1", 5.5)]
+    # Reported every time it is asked: the loop decides what is new (it may have failed).
+    assert [name for name, _ in ingest.silent(6.0)] == ["n1"]
+    back = ingest.heartbeat(beat("n1", 2), 7.0)
+    assert back is not None and back.kind == "returned"
+    assert list(ingest.silent(7.0)) == []
+
+
+def test_nodes_from_the_log_get_a_grace_period_and_their_first_beat_is_news() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    ingest.expect("n1", "a", 100.0)
+    assert ingest.known("n1")
+    assert list(ingest.silent(104.0)) == []
+    assert [name for name, _ in ingest.silent(105.5)] == ["n1"]
+    ingest.reset()
+    ingest.expect("n1", "a", 200.0)
+    news = ingest.heartbeat(beat("n1", 9), 201.0)
+    assert news is not None and news.kind == "first"
+    assert ingest.instance("n1") == "a"
+
+
+def test_unsettled_node_makes_its_next_beat_news() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    ingest.heartbeat(beat(seq=1), 0.0)
+    ingest.unsettle("n1")
+    again = ingest.heartbeat(beat(seq=2), 1.0)
+    assert again is not None and again.kind == "first"
+    ingest.unsettle("unknown")  # harmless
+
+
+def test_reporting_lists_nodes_with_processes() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    ingest.heartbeat(beat("n1", 1, running=(job("1"),)), 0.0)
+    ingest.heartbeat(beat("n2", 1), 0.0)
+    assert [b.node for b in ingest.reporting()] == ["n1"]
+    assert ingest.running("n2") == frozenset()
+    assert ingest.running("n3") == frozenset()
+
+
+def test_latest_telemetry_per_node() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    sample = GpuSample(
+        index=0,
+        util_gpu_pct=50,
+        util_mem_pct=10,
+        mem_used_mib=1,
+        mem_total_mib=2,
+        power_w=100,
+        temp_c=40,
+        sm_clock_mhz=1000,
+        mem_clock_mhz=1000,
+    )
+    for ts in (1.0, 2.0, 3.0):
+        ingest.telemetry(TelemetryBatch(node="n1", ts=ts, samples=(sample,)))
+    assert ingest.latest_telemetry["n1"].ts == 3.0
+    assert ingest.counts.telemetry == 3
+
+
+def test_raw_bytes_make_repeats_cheap_and_changes_still_news() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = beat(seq=1)
+    assert ingest.heartbeat(first, 0.0, encode(first)) is not None
+    for seq in range(2, 10):
+        same = beat(seq=seq)
+        assert ingest.heartbeat(same, float(seq), encode(same)) is None
+    changed = beat(seq=10, running=(job("3"),))
+    news = ingest.heartbeat(changed, 10.0, encode(changed))
+    assert news is not None and news.kind == "changed"
+    assert ingest.running("n1") == frozenset({("3", 1)})
+    # Only the epoch seen differs: the bytes differ, the news is none.
+    seen = beat(seq=11, running=(job("3"),), epoch_seen=4)
+    assert ingest.heartbeat(seen, 11.0, encode(seen)) is None
+    # A silent node's heartbeat is news even when its bytes are the same.
+    back = beat(seq=12, running=(job("3"),), epoch_seen=4)
+    returned = ingest.heartbeat(back, 20.0, encode(back))
+    assert returned is not None and returned.kind == "returned"
+
+
+def test_raw_bytes_in_another_layout_fall_back_to_comparing_fields() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    # Keys in another order (another sender's encoder): compared field by field.
+    for seq in (1, 2):
+        message = beat(seq=seq)
+        fields = json.loads(encode(message))
+        reordered = json.dumps({"gpus": fields.pop("gpus"), **fields}).encode()
+        news = ingest.heartbeat(message, float(seq), reordered)
+        assert (news is not None) == (seq == 1)
+    grown = beat(seq=3, inventory=gpus(4))
+    fields = json.loads(encode(grown))
+    raw = json.dumps({"gpus": fields.pop("gpus"), **fields}).encode()
+    assert ingest.heartbeat(grown, 3.0, raw) is not None
+
+
+def test_bad_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match="node_timeout_s"):
+        NodeIngest(node_timeout_s=0)
+
+
+async def test_a_heartbeat_that_changes_nothing_journals_nothing(brain_factory, connect) -> None:
+    """A fake node beats fast; after its join, the STATE log does not grow, and no
+    scheduling pass runs, however many heartbeats arrive."""
+    brain = await brain_factory()
+    node = await connect("agent:fake")
+    passes = [0]
+    brain.decision_observers.append(lambda _: passes.__setitem__(0, passes[0] + 1))
+
+    async def beat_for(count: int, start: int, **change: object) -> None:
+        for seq in range(start, start + count):
+            message = beat("fake", seq, **change)  # type: ignore[arg-type]
+            await node.publish(subjects.node("fake", "heartbeat"), message)
+            await asyncio.sleep(0.005)
+        await node.nc.flush()
+
+    await beat_for(5, 1)
+    await eventually(lambda: "fake" in brain.state.nodes)
+    # Let the join's own passes settle.
+    await eventually(lambda: brain.ingest.counts.heartbeats >= 5)
+    await asyncio.sleep(3 * brain.config.tick_s)
+    seq_before, passes_before = brain.state.last_seq, passes[0]
+    forwarded_before = brain.ingest.counts.heartbeats_forwarded
+    received_before = brain.ingest.counts.heartbeats
+
+    await beat_for(200, 10)
+    await eventually(lambda: brain.ingest.counts.heartbeats >= received_before + 200)
+    await asyncio.sleep(3 * brain.config.tick_s)  # ticks run meanwhile: still nothing
+    assert brain.state.last_seq == seq_before
+    assert passes[0] == passes_before
+    assert brain.ingest.counts.heartbeats_forwarded == forwarded_before
+    assert (brain.last_seen_ago("fake") or 0.0) < 2 * brain.config.node_timeout_s
+
+    # A change is news: journaled once.
+    await beat_for(20, 300, inventory=gpus(3))
+    await eventually(lambda: brain.state.nodes["fake"].gpu_count == 3)
+    assert brain.state.last_seq == seq_before + 1
+
+
+# -- the snapshot's node views, reused while nothing about a node changed ---------------
+
+
+def _node_changed(name: str, seq: int, **update: object) -> NodeChanged:
+    record = NodeRecord(
+        name=name,
+        state=NodeState.READY,
+        hostname=name,
+        backend="sim",
+        instance="a",
+        gpus=gpus(4),
+        joined_at=0.0,
+    ).model_copy(update=update)
+    cause = Cause(kind=CauseKind.NODE_UPDATED, node=name, message="test")
+    return NodeChanged(
+        record_id=f"n-{seq}", ts=0.0, epoch=1, node=record, previous=None, cause=cause
+    )
+
+
+def _job_on(job_id: str, node: str, gpu_ids: tuple[int, ...], state: JobState) -> JobChanged:
+    job = JobRecord(
+        job_id=job_id,
+        tenant="t",
+        spec=JobSpec(command=("true",), gpus=len(gpu_ids)),
+        state=state,
+        submitted_at=0.0,
+        grants=(NodeGrant(node=node, gpus=gpu_ids),) if state is JobState.RUNNING else (),
+    )
+    cause = Cause(kind=CauseKind.PLACED, job_id=job_id, message="test")
+    return JobChanged(
+        record_id=f"j-{job_id}-{state}", ts=0.0, epoch=1, job=job, previous=None, cause=cause
+    )
+
+
+def test_snapshot_views_follow_nodes_and_allocations() -> None:
+    state = BrainState()
+    seq = 0
+
+    def apply(record: NodeChanged | JobChanged) -> None:
+        nonlocal seq
+        seq += 1
+        state.apply(record, seq)
+
+    for name in ("b", "a", "c"):
+        apply(_node_changed(name, seq))
+    first = state.snapshot().nodes
+    assert [v.name for v in first] == ["a", "b", "c"]
+    assert all(v.free == frozenset(range(4)) for v in first)
+    # Nothing changed: the very same views.
+    assert all(x is y for x, y in zip(first, state.snapshot().nodes, strict=True))
+
+    apply(_job_on("1", "b", (0, 1), JobState.RUNNING))
+    apply(_node_changed("c", seq, drained_gpus=(DrainedGpu(index=3, reason="x", at=0.0),)))
+    apply(_node_changed("a", seq, state=NodeState.LOST))
+    views = {v.name: v for v in state.snapshot().nodes}
+    assert set(views) == {"b", "c"}
+    assert views["b"].free == frozenset({2, 3}) and views["b"].gpus == (0, 1, 2, 3)
+    assert views["c"].gpus == (0, 1, 2) and views["c"].free == frozenset({0, 1, 2})
+    assert state.free_gpus() == {"b": frozenset({2, 3}), "c": frozenset({0, 1, 2})}
+
+    apply(_job_on("1", "b", (0, 1), JobState.SUCCEEDED))
+    apply(_node_changed("d", seq))
+    assert state.free_gpus() == {
+        "b": frozenset(range(4)),
+        "c": frozenset({0, 1, 2}),
+        "d": frozenset(range(4)),
+    }
+    assert [v.name for v in state.snapshot().nodes] == ["b", "c", "d"]
+
+
+async def test_a_subscription_drops_unread_while_it_does_not_accept(connect) -> None:
+    """How the brain sheds telemetry while it is behind: dropped before decoding
+    (garbage is not even dead-lettered), counted; taken again once it accepts."""
+    receiver = await connect("brain:ingest")
+    sender = await connect("agent:n1")
+    accepting = [False]
+    got: list[TelemetryBatch] = []
+
+    async def handler(batch: TelemetryBatch, _msg: object) -> None:
+        got.append(batch)
+
+    await receiver.subscribe(
+        subjects.ALL_TELEMETRY, TelemetryBatch, handler, accept=lambda: accepting[0]
+    )
+    await receiver.nc.flush()
+    batch = TelemetryBatch(node="n1", ts=1.0, samples=())
+    for _ in range(5):
+        await sender.publish(subjects.node("n1", "telemetry"), batch)
+    await sender.nc.publish(subjects.node("n1", "telemetry"), b"garbage")
+    await sender.nc.flush()
+    await eventually(lambda: receiver.dropped[subjects.ALL_TELEMETRY] == 6)
+    accepting[0] = True
+    await sender.publish(subjects.node("n1", "telemetry"), batch)
+    await eventually(lambda: len(got) == 1)
+    assert receiver.dead_lettered["node.telemetry"] == 0
