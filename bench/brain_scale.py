@@ -198,6 +198,8 @@ class FakeNodes:
     _beats: dict[str, bytes] = field(default_factory=dict)
     _telemetry: dict[str, bytes] = field(default_factory=dict)
     _seq: int = 0
+    # Probe exits in flight (kept referenced until done).
+    _exits: set[asyncio.Future[None]] = field(default_factory=set)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -281,19 +283,26 @@ class FakeNodes:
         )
         await self._event(node, started)
         if command.command[0] == PROBE_NAME:
-            await asyncio.sleep(0.05)
-            self.running[node].pop((job.job_id, job.attempt), None)
-            self._beats.pop(node, None)
-            exited = JobExited(
-                event_id=f"{command.command_id}-exited"[:64],
-                node=node,
-                ts=time.time(),
-                job_id=job.job_id,
-                attempt=job.attempt,
-                exit_code=0,
-                runtime_s=0.05,
-            )
-            await self._event(node, exited)
+            # Not in this callback: nats-py runs a subscription's callbacks one at a
+            # time, and the next Launch (its arrival time) would wait behind the sleep.
+            done = asyncio.ensure_future(self._probe_exits(node, job, command))
+            self._exits.add(done)
+            done.add_done_callback(self._exits.discard)
+
+    async def _probe_exits(self, node: str, job: RunningJob, command: Launch) -> None:
+        await asyncio.sleep(0.05)
+        self.running[node].pop((job.job_id, job.attempt), None)
+        self._beats.pop(node, None)
+        exited = JobExited(
+            event_id=f"{command.command_id}-exited"[:64],
+            node=node,
+            ts=time.time(),
+            job_id=job.job_id,
+            attempt=job.attempt,
+            exit_code=0,
+            runtime_s=0.05,
+        )
+        await self._event(node, exited)
 
     async def _event(self, node: str, event: JobStarted | JobExited) -> None:
         with contextlib.suppress(Exception):

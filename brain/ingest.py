@@ -209,8 +209,13 @@ class NodeIngest:
         known = self._nodes.get(node)
         return None if known is None else known.instance
 
-    def reporting(self) -> Iterator[Heartbeat]:
-        """The latest heartbeat of every node that reports running processes."""
+    def reporting(self, now: float) -> Iterator[Heartbeat]:
+        """The latest heartbeat of every live node that reports running processes (a
+        silent node's last word is stale: its jobs are requeued, not stopped again)."""
         for node in self._nodes.values():
-            if node.beat is not None and node.beat.running:
+            if (
+                node.beat is not None
+                and node.beat.running
+                and now - node.last_seen <= self.node_timeout_s
+            ):
                 yield node.beat

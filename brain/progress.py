@@ -57,7 +57,7 @@ class _Rates:
 
     def measured(self, size: int) -> Measured:
         mean = statistics.fmean(self.rates)
-        if len(self.rates) < MIN_REPORTS or mean <= 0:
+        if len(self.rates) < MIN_REPORTS:
             return Measured(size, mean, math.inf, self.at)
         error = statistics.stdev(self.rates) / math.sqrt(len(self.rates)) / mean
         return Measured(size, mean, error, self.at)
@@ -160,3 +160,4 @@ class ProgressTracker:
         if job.state is not JobState.RUNNING or record.cause.kind is CauseKind.PLACED:
             track.heard = False
             track.ts = None
+            track.world_size = 0  # its next first step is a warm-up too

@@ -10,16 +10,15 @@ few. The sqlite history is filled from the same entries.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
 from typing import Final
 
 import nats.errors
 import nats.js.errors
 
+from brain.core.collector import collector_paused
 from brain.history import History
 from brain.snapshots import MAX_SNAPSHOT_BYTES, SnapshotStore, encode_snapshot
 from brain.state import BrainState
@@ -40,18 +39,6 @@ LEGACY_READ_TIMEOUT_S: Final = 60.0
 HISTORY_BATCH: Final = 512
 # After a failed snapshot, the next is not tried for this long (each costs the encoding).
 SNAPSHOT_RETRY_S: Final = 30.0
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside (the interpreter's whole process)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class Replica:
@@ -76,7 +63,7 @@ class Replica:
         # records): the cyclic collector would scan them again and again (more than half
         # of decoding a snapshot of 50,000 jobs), then in every full collection for the
         # brain's lifetime. They hold no cycles; reference counts free what is dropped.
-        with gc_paused():
+        with collector_paused():
             snapshot = await self._read_snapshot()
             log_end = await self.bus.last_seq(subjects.STREAM_STATE)
             if snapshot is not None and snapshot.last_seq <= log_end:
@@ -239,8 +226,9 @@ class Replica:
         return snapshot.last_seq
 
     def write_snapshot_soon(self, *, taken_at: float, epoch: int) -> bool:
-        """Take a snapshot now and store it in the background, unless one is being
-        stored already; True if one was started. A failure is logged, and a call
+        """Take a snapshot of the fold (when the background task first runs, on the
+        loop's next turn) and store it, unless one is being stored already; True if one
+        was started. A failure is logged, and a call
         SNAPSHOT_RETRY_S later tries again."""
         if self._writing is not None and not self._writing.done():
             return False

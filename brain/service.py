@@ -19,7 +19,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -866,7 +866,7 @@ class Brain:
     async def _reconcile_all(self) -> None:
         """Reconcile every node that reports processes: a heartbeat that changes nothing
         is not handed to the loop, and what the brain holds may have changed since."""
-        for beat in list(self.ingest.reporting()):
+        for beat in list(self.ingest.reporting(self.monotonic())):
             await self._reconcile(beat)
 
     async def _reconcile(self, beat: Heartbeat) -> None:
@@ -1420,17 +1420,12 @@ class Brain:
 
     # -- elastic resizes (brain/elastic.py says what changes; this journals, commands) --
 
-    def _free_by_node(self) -> dict[str, set[int]]:
+    def _free_by_node(self) -> dict[str, frozenset[int]]:
         """Each ready node's schedulable GPUs that no running job holds."""
-        held = self.state.allocated()
-        return {
-            name: set(self.state.schedulable_gpus(record)) - held.get(name, set())
-            for name, record in self.state.nodes.items()
-            if record.state is NodeState.READY
-        }
+        return self.state.free_gpus()
 
-    def _free_on(self, node: str) -> set[int]:
-        return self._free_by_node().get(node, set())
+    def _free_on(self, node: str) -> frozenset[int]:
+        return self._free_by_node().get(node, frozenset())
 
     async def _resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
@@ -1463,33 +1458,32 @@ class Brain:
         )
 
     async def _pin(self, job: JobRecord, gpus: int, who: str) -> JobRecord:
-        if job.pinned_gpus == gpus:
-            return job
         message = f"pinned at {gpus} GPUs by {who}: the policy leaves its size alone"
-        await self._job_changed(
-            job.model_copy(update={"pinned_gpus": gpus, "reason": message}),
-            job.state,
-            Cause(kind=CauseKind.RESIZE_PINNED, job_id=job.job_id, message=message),
-        )
-        return self.state.jobs[job.job_id]
+        return await self._set_pin(job, gpus, CauseKind.RESIZE_PINNED, message)
 
     async def _unpin(self, job: JobRecord, who: str) -> JobRecord:
         if not job.spec.elastic:
             raise ApiError("invalid", elastic.not_elastic(job))
         if job.state.terminal:
             raise ApiError("conflict", f"job {job.job_id} is {job.state.value}")
-        if job.pinned_gpus is None:
-            return job
+        low, high = job.spec.gpu_range
         message = (
             f"pin at {job.pinned_gpus} GPUs lifted by {who}: the policy sizes it again "
-            f"within {job.spec.gpu_range[0]}..{job.spec.gpu_range[1]}"
+            f"within {low}..{high}"
         )
+        return await self._set_pin(job, None, CauseKind.RESIZE_UNPINNED, message)
+
+    async def _set_pin(
+        self, job: JobRecord, gpus: int | None, kind: CauseKind, message: str
+    ) -> JobRecord:
+        """Journal the job's new pin (None: none); nothing when it is already so."""
+        if job.pinned_gpus == gpus:
+            return job
         await self._job_changed(
-            job.model_copy(update={"pinned_gpus": None, "reason": message}),
+            job.model_copy(update={"pinned_gpus": gpus, "reason": message}),
             job.state,
-            Cause(kind=CauseKind.RESIZE_UNPINNED, job_id=job.job_id, message=message),
+            Cause(kind=kind, job_id=job.job_id, message=message),
         )
-        self._dirty = True
         return self.state.jobs[job.job_id]
 
     async def _apply_resize(self, job: JobRecord, action: Resize) -> None:
@@ -1705,18 +1699,19 @@ class Brain:
         """One pass: snapshot, decide() (in a worker thread when it is slow: the inbox
         goes on meanwhile, submissions are stored and answered), then apply the decisions
         as the writer, each checked against the state as it is by then."""
-        self._dirty = False
-        snapshot = self.state.snapshot(
-            profiles=self.profiles.current(),
-            now=self.clock(),
-            queues=self.config.queues,
-            # Elastic jobs' throughput per size and progress, from their supervisors.
-            progress=self.progress.current(),
-            # Learned only for the orders that read it: a rebuild costs milliseconds.
-            service_prior=self.config.service_prior
-            if self.config.policy.order in DISTRIBUTION_AWARE
-            else None,
-        )
+        async with self._writer:  # not halfway through a handler's records
+            self._dirty = False
+            snapshot = self.state.snapshot(
+                profiles=self.profiles.current(),
+                now=self.clock(),
+                queues=self.config.queues,
+                # Elastic jobs' throughput per size and progress, from their supervisors.
+                progress=self.progress.current(),
+                # Learned only for the orders that read it: a rebuild costs milliseconds.
+                service_prior=self.config.service_prior
+                if self.config.policy.order in DISTRIBUTION_AWARE
+                else None,
+            )
         started = self.monotonic()
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
             decisions = await asyncio.to_thread(decide, snapshot, self.clock(), self.config.policy)
@@ -1736,7 +1731,9 @@ class Brain:
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
                 # Preemptions come first: the placements after them use the GPUs freed.
-                if job is not None and job.state is JobState.RUNNING:
+                # Only as decided: the victim on those GPUs, its beneficiary waiting
+                # (decide() may have run in a thread while the inbox went on).
+                if job is not None and _still_holds(action, job, self.state.jobs):
                     await self._requeue(
                         job,
                         Cause(
@@ -1748,6 +1745,8 @@ class Brain:
                     )
                     self.preemptions += 1
                     free = None
+                else:
+                    self._dirty = True  # decided on a state that has moved: decide again
                 continue
             if job is None:
                 continue
@@ -1874,6 +1873,19 @@ class Brain:
 
 def _job_order(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (0, job_id)
+
+
+def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:
+    """Whether a preemption decided on an earlier snapshot still stands: the victim runs
+    on the GPUs it was decided for, and the job it makes room for still waits."""
+    if job.state is not JobState.RUNNING:
+        return False
+    held = tuple((g.node, tuple(g.gpus)) for g in job.grants if g.gpus)
+    if held != tuple((g.node, tuple(g.gpus)) for g in action.grants):
+        return False
+    cause = action.cause
+    beneficiary = jobs.get(cause.for_job if isinstance(cause, QuotaReclaim) else cause.by_job)
+    return beneficiary is not None and beneficiary.state is JobState.PENDING
 
 
 def _fits(action: Place, free: dict[str, frozenset[int]]) -> bool:

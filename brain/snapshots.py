@@ -26,7 +26,6 @@ from typing import Final
 
 import nats.errors
 import nats.js.errors
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from pydantic import TypeAdapter
 
 from bus.client import Bus
@@ -47,8 +46,6 @@ JOBS_PER_LINE: Final = 500
 # A body that would decompress to more than this is refused, not read into memory.
 MAX_SNAPSHOT_BYTES: Final = 16 * 1024**3
 GENERATIONS_KEPT: Final = 2
-# A retried write of the same snapshot within this window is stored once.
-DUPLICATE_WINDOW_S: Final = 120.0
 
 _JOBS: Final[TypeAdapter[tuple[JobRecord, ...]]] = TypeAdapter(tuple[JobRecord, ...])
 
@@ -160,40 +157,17 @@ class SnapshotStore:
             )
         self.bus = bus
         self.chunk_bytes = chunk_bytes
-        self._stream_ready = False
-
-    async def _ensure_stream(self) -> None:
-        if self._stream_ready:
-            return
-        try:
-            await self.bus.js.stream_info(subjects.STREAM_SNAPSHOTS)
-        except nats.js.errors.NotFoundError:
-            await self.bus.js.add_stream(
-                StreamConfig(
-                    name=subjects.STREAM_SNAPSHOTS,
-                    description="the brain's state snapshots: chunks, then a manifest",
-                    subjects=[subjects.ALL_SNAPSHOTS],
-                    retention=RetentionPolicy.LIMITS,
-                    storage=StorageType.FILE,
-                    discard=DiscardPolicy.OLD,
-                    duplicate_window=DUPLICATE_WINDOW_S,
-                    num_replicas=self.bus.replicas,
-                    allow_direct=True,
-                )
-            )
-        self._stream_ready = True
 
     async def write(self, encoded: EncodedSnapshot) -> SnapshotManifest:
-        """Store the chunks, then the manifest; then drop generations before the last."""
-        await self._ensure_stream()
+        """Store the chunks, then the manifest; then drop generations before the last.
+        The stream is the bus's (`Bus.ensure_streams`, which a leading brain runs)."""
         try:
-            return await self._write(encoded)
-        except BaseException:
-            self._stream_ready = False  # look again next time: it may have been removed
-            raise
-
-    async def _write(self, encoded: EncodedSnapshot) -> SnapshotManifest:
-        previous = await self.latest_manifest()
+            previous = await self.latest_manifest()
+        except SnapshotUnreadable as error:
+            # A manifest this brain cannot read (corrupt, or a newer format) must not
+            # stop it from ever writing one: this snapshot replaces it.
+            log.warning("writing a snapshot over an unreadable one: %s", error)
+            previous = None
         # The same snapshot written twice (a retry) gets the same ids: stored once.
         write_id = f"snapshot-{encoded.last_seq}-{encoded.digest[:16]}"
         seqs: list[int] = []

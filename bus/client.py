@@ -79,6 +79,9 @@ class StreamSpec:
     subjects: tuple[str, ...]
     max_age_s: float | None
     description: str
+    # Readers may get a message by subject straight from any replica (the snapshot
+    # manifest, `js.get_msg`).
+    allow_direct: bool = False
 
 
 STREAMS: Final = (
@@ -99,6 +102,13 @@ STREAMS: Final = (
         (subjects.ALL_STATE,),
         None,
         "the brain's journal: every job and node state change with its cause",
+    ),
+    StreamSpec(
+        subjects.STREAM_SNAPSHOTS,
+        (subjects.ALL_SNAPSHOTS,),
+        None,
+        "the brain's state snapshots: chunks, then a manifest (brain/snapshots.py)",
+        allow_direct=True,
     ),
 )
 
@@ -254,6 +264,7 @@ class Bus:
                 max_age=spec.max_age_s,
                 duplicate_window=DEDUP_WINDOW_S,
                 num_replicas=self.replicas,
+                allow_direct=spec.allow_direct,
             )
             try:
                 try:

@@ -25,11 +25,15 @@ from brain.core import (
     NodeView,
     Place,
     Policy,
+    Preempt,
     QueueQuota,
     QuotaReclaim,
     Resize,
+    SetServiceLevel,
+    Wait,
     decide,
 )
+from brain.core.elastic import UNREPORTED_AFTER_S
 from brain.progress import ProgressTracker
 from schemas.progress import Progress
 
@@ -138,16 +142,18 @@ def _run(nodes: list[NodeView], jobs: list[_Job], noise: float, seed: int) -> No
             if job.grants:
                 for k in range(REPORTS_PER_CYCLE):
                     tracker.observe(_report(job, now + k, rng, noise))
-        decisions = decide(_snapshot(nodes, jobs, tracker), now + REPORTS_PER_CYCLE, POLICY)
+        now += REPORTS_PER_CYCLE  # the reports came in during the cycle
+        decisions = decide(_snapshot(nodes, jobs, tracker), now, POLICY)
         for action in decisions.actions:
             job = by_id[action.job_id]
-            if isinstance(action, Place):
-                job.grants = action.grants
-            elif isinstance(action, Resize):
-                if action.retreat:
-                    job.gain_ceiling, job.gain_ceiling_at = job.size, now
-                job.grants = action.grants
-                job.last_resize_at = now
+            # Applied as the shell applies them, so the world here is decide()'s.
+            if isinstance(action, Wait | SetServiceLevel):
+                continue
+            assert isinstance(action, Place | Resize | Preempt), action
+            if isinstance(action, Resize) and action.retreat:
+                job.gain_ceiling, job.gain_ceiling_at = job.size, now
+            job.last_resize_at = now if isinstance(action, Resize) else None
+            job.grants = () if isinstance(action, Preempt) else action.grants
         for job in jobs:
             job.sizes.append(job.size)
 
@@ -285,3 +291,17 @@ def test_a_quota_reclaim_still_takes_a_pinned_jobs_gpus_and_says_so() -> None:
     assert preempt.job_id == "1"
     assert isinstance(preempt.cause, QuotaReclaim)
     assert "quota reclaim" in preempt.reason
+
+
+def test_a_job_that_never_reports_is_sized_by_the_prior_once_it_has_been_quiet() -> None:
+    # Shrunk below its ask by a reclaim; no throughput at all: its script uses no SDK.
+    silent = _running(2, asked=3, most=3)
+    held = decide(_alone(silent), 30.0, POLICY)
+    assert held.resizes == () and held.wake_at == UNREPORTED_AFTER_S
+    assert _sizes(_alone(silent), now=UNREPORTED_AFTER_S) == [3]
+
+
+def test_a_point_with_too_few_reports_is_not_evidence() -> None:
+    # One report says 3 GPUs are slower: not enough to know; the prior still says grow.
+    job = _running(2, Measured(2, 100.0, 0.01), Measured(3, 50.0, math.inf), most=3)
+    assert _sizes(_alone(job)) == [3]

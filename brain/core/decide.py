@@ -23,12 +23,12 @@ Every action carries its cause.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from operator import itemgetter
 from typing import Final
 
+from brain.core.collector import collector_paused
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
 from brain.core.elastic import ELASTICITIES, ElasticStage, running_views, service_bucket
 from brain.core.model import (
@@ -207,10 +207,6 @@ class _Cycle:
     wakes: list[float] = field(default_factory=list)
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
     elastic: ElasticStage | None = None
-
-    def need(self, job: JobView) -> int:
-        """GPUs the job takes in selection (an elastic job: its minimum)."""
-        return job.gpus if self.elastic is None else self.elastic.need(job)
 
     def size(self, job: JobView) -> int:
         """GPUs to place a selected job on."""
@@ -577,13 +573,8 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
     as it goes, and at 14,000 jobs the collections those allocations trigger
     (generation 2 walks the whole snapshot) were a third to a half of its time. It
     creates no reference cycles, so nothing is left for the collector to find."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_paused():
         return _decide(snapshot, now, policy)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:

@@ -100,6 +100,9 @@ ROUND_TOLERANCE_S: Final = 1.0
 # the gain clears `elastic_min_gain` by this margin, and retreats only when it falls
 # short by it. Between the two it stays where it is.
 CONFIDENCE_Z: Final = 2.0
+# A running elastic job that has reported no throughput this long after it started is
+# taken never to report: the prior sizes it from then on.
+UNREPORTED_AFTER_S: Final = 60.0
 
 
 def is_resize_round(now: float, interval_s: float) -> bool:
@@ -124,7 +127,8 @@ def prior_speedup(size: int) -> float:
 def _observed(job: JobView) -> list[tuple[int, float]]:
     last: dict[int, float] = {}
     for point in job.throughput:
-        if point.size >= 1 and point.rate > 0:
+        # A point with too few reports to know its error is not evidence yet.
+        if point.size >= 1 and point.rate > 0 and point.settled:
             last[point.size] = point.rate
     return sorted(last.items())
 
@@ -146,12 +150,9 @@ def fresh_evidence(job: JobView, now: float, reprobe_s: float) -> JobView:
     cutoff = now - reprobe_s
     size = job.held_gpus
     kept = tuple(p for p in job.throughput if p.at is None or p.at >= cutoff or p.size == size)
-    stale_ceiling = job.gain_ceiling_at is not None and job.gain_ceiling_at < cutoff
-    if len(kept) == len(job.throughput) and not stale_ceiling:
-        return job
-    if stale_ceiling:
+    if job.gain_ceiling_at is not None and job.gain_ceiling_at < cutoff:
         return replace(job, throughput=kept, gain_ceiling=None, gain_ceiling_at=None)
-    return replace(job, throughput=kept)
+    return job if len(kept) == len(job.throughput) else replace(job, throughput=kept)
 
 
 def estimate_throughput(job: JobView, size: int) -> float:
@@ -303,9 +304,19 @@ class ElasticStage:
         pinned, its size measured (enough reports to know the rate's error), and run at
         that size `payback` times as long as its last resize took, so that each resize
         pays back the time the job stood still for it."""
-        if job.pinned_gpus is not None or _measured(job, job.held_gpus) is None:
+        if job.pinned_gpus is not None:
             self.settling.add(job.job_id)
             return
+        if _measured(job, job.held_gpus) is None:
+            # Wait for its reports; a job that has reported nothing for
+            # `UNREPORTED_AFTER_S` never will (its script does not use the SDK): the
+            # prior sizes it, as it sized it at placement.
+            quiet_since = job.started_at if job.started_at is not None else now
+            if job.throughput or now < quiet_since + UNREPORTED_AFTER_S:
+                self.settling.add(job.job_id)
+                if not job.throughput:
+                    self.wakes.append(quiet_since + UNREPORTED_AFTER_S)
+                return
         if job.last_resize_at is not None and job.last_resize_s is not None:
             until = job.last_resize_at + payback * job.last_resize_s
             if now < until:
@@ -450,7 +461,7 @@ class ElasticStage:
         if job.gain_ceiling is not None and size + 1 >= job.gain_ceiling:
             return False
         margin, error = self._margin(job, size, size + 1)
-        return margin - CONFIDENCE_Z * error >= 0 and margin >= 0
+        return margin - CONFIDENCE_Z * error >= 0
 
     # -- placement of a pending elastic job -----------------------------------------
 
@@ -466,19 +477,6 @@ class ElasticStage:
             or len({node for node, _ in held}) > 1
         )
 
-    @staticmethod
-    def _across(size: int, ledger: FreeGpus, nodes: Sequence[str]) -> tuple[Grant, ...] | None:
-        """`size` GPUs on the fewest nodes (most free first), or None."""
-        grants: list[Grant] = []
-        left = size
-        for node in sorted(nodes, key=lambda n: (-ledger.free_on(n), n)):
-            take = min(left, ledger.free_on(node))
-            if take <= 0:
-                break
-            grants.append(Grant(node, ledger.lowest(node, take)))
-            left -= take
-        return tuple(grants) if left == 0 else None
-
     def place(self, job: JobView, ledger: FreeGpus, *, partial: bool) -> PlacementResult:
         """Place a selected pending elastic job at its target: on the one node with the
         most room up to its maximum (best fit for its maximum, so it can grow there),
@@ -486,20 +484,21 @@ class ElasticStage:
         start it smaller, down to its minimum."""
         size = self.size(job)
         least, most = self.least(job), self.most(job)
-        nodes = [n for n in ledger.nodes() if n not in job.avoid_nodes]
+        view = ledger.excluding(job.avoid_nodes) if job.avoid_nodes else ledger
+        nodes = view.nodes()
         one = [n for n in nodes if ledger.free_on(n) >= size]
         if one:
             node = min(one, key=lambda n: (-min(ledger.free_on(n), most), ledger.free_on(n), n))
             return Fit((Grant(node, ledger.lowest(node, size)),))
         spans = self._may_span(job, [], ledger)
         if spans:
-            grants = self._across(size, ledger, nodes)
+            grants = view.gather(size)
             if grants is not None:
                 return Fit(grants)
         free = sum(ledger.free_on(n) for n in nodes)
         roomiest = max((ledger.free_on(n) for n in nodes), default=0)
         if partial and spans and free >= least:
-            grants = self._across(min(size, free), ledger, nodes)
+            grants = view.gather(min(size, free))
             if grants is not None:
                 return Fit(grants)
         if partial and roomiest >= least:

@@ -7,6 +7,7 @@ other. Everything here is immutable.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -85,7 +86,7 @@ class Measured:
 
     @property
     def settled(self) -> bool:
-        return self.rel_error != float("inf")
+        return math.isfinite(self.rel_error)
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,9 +128,6 @@ class FreeGpus:
     def nodes(self) -> list[str]:
         return list(self._free)
 
-    def switch_of(self, node: str) -> str:
-        return self._switch[node]
-
     def total_free(self) -> int:
         return self._total_free
 
@@ -139,9 +136,6 @@ class FreeGpus:
 
     def largest_node(self) -> int:
         return self._largest
-
-    def switches(self) -> dict[str, list[str]]:
-        return self._by_switch
 
     def all_free(self, grants: Iterable[Grant]) -> bool:
         """Whether every GPU of these grants is still free in this ledger."""
