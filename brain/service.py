@@ -80,7 +80,7 @@ from schemas.api import (
     SubmitRequest,
 )
 from schemas.commands import Launch, NodeCommand, Regrant, Stop
-from schemas.errors import ApiError, SequenceConflict
+from schemas.errors import ApiError, HandBack, SequenceConflict
 from schemas.events import (
     NODE_EVENT,
     CommandRejected,
@@ -479,7 +479,12 @@ class Brain:
     async def _on_event(self, event: NodeEvent, msg: Msg) -> None:
         if not await self._from_own_node(event.node, msg):
             return
-        await self.submit_item(_Item("event", event))
+        try:
+            await self.submit_item(_Item("event", event))
+        except ApiError as error:
+            if error.code != "unavailable":
+                raise
+            raise HandBack(error.message) from None  # the next leader records it
 
     async def _from_own_node(self, node: str, msg: Msg) -> bool:
         """A node speaks only for itself: the payload's node must be the subject's."""
@@ -552,6 +557,10 @@ class Brain:
             except SequenceConflict as error:
                 self.bus.spawn(self._stop_leading(str(error)), name="step-down")
                 return
+            except ApiError as error:
+                if error.code != "unavailable" or self.leading.is_set():
+                    log.exception("scheduling cycle failed")
+                # else: leadership ended mid-pass; the next leader plans from the log
             except Exception:
                 log.exception("scheduling cycle failed")
             if self._dirty:

@@ -50,6 +50,7 @@ from schemas.errors import (
     BrainUnavailable,
     BusError,
     BusTimeout,
+    HandBack,
     InvalidMessage,
     SequenceConflict,
 )
@@ -483,6 +484,10 @@ class Bus:
                 return
             try:
                 await handler(message, msg)
+            except HandBack as back:
+                log.info("handing %s back for redelivery: %s", msg.subject, back.reason)
+                await msg.nak(delay=1.0)
+                return
             except Exception as error:
                 log.exception("handler for %s failed", msg.subject)
                 if msg.metadata.num_delivered >= MAX_HANDLER_ATTEMPTS:

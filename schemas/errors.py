@@ -66,6 +66,16 @@ class BrainUnavailable(BusError):
         self.subject = subject
 
 
+class HandBack(AlnairError):
+    """A consumer cannot take this message now for a reason that is not the
+    message's fault (this brain stopped leading): the bus hands it back for
+    redelivery, to whichever consumer leads next, without calling it a failure."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class ApiError(AlnairError):
     """The brain refused a request; `code` tells callers what kind of refusal."""
 

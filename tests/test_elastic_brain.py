@@ -404,7 +404,16 @@ async def test_elastic_horovod_job_resized_through_the_brain(
     job_id = await submit(brain, elastic_train_spec(2, stop_file, max_gpus=3))
     await eventually(lambda: brain.progress.world_size(job_id) == 2, timeout_s=90)
 
+    def measured_at(size: int) -> bool:
+        """A rate counts once a report after the warm-up step at that size came."""
+        seen = brain.progress.current().get(job_id)
+        return seen is not None and any(p.size == size for p in seen.throughput)
+
+    running_at = 2
     for size in (3, 1):
+        # Moving on before a rate is measured at this size would leave it unmeasured.
+        await eventually(lambda at=running_at: measured_at(at), timeout_s=60)
+        running_at = size
         reply = await resize(brain, job_id, size)
         assert isinstance(reply, JobReply) and reply.job.resize is not None, reply
         staged = reply.job.resize
@@ -450,9 +459,8 @@ async def test_elastic_horovod_job_resized_through_the_brain(
         (CauseKind.RESIZED, 1),
     ]
     # Measured at every size it ran at (the first step at each set aside as warm-up).
-    throughput = await eventually(
-        lambda: len(seen := brain.progress.current()[job_id].throughput) == 3 and seen
-    )
+    await eventually(lambda: measured_at(1), timeout_s=60)
+    throughput = brain.progress.current()[job_id].throughput
     assert [p.size for p in throughput] == [1, 2, 3] and all(p.rate > 0 for p in throughput)
 
     stop_file.touch()
