@@ -388,7 +388,7 @@ class World:
         self.server.stop()
 
 
-async def busy_world(home: Path, nodes: int, pending: int) -> World:
+async def busy_world(home: Path, nodes: int, pending: int, *, profile: bool = False) -> World:
     """`nodes` nodes, all but FREE_NODES running an 8-GPU job of priority 10; `pending`
     jobs of WIDE_GPUS GPUs (more than are free) at priority 0 waiting; one leader."""
     server = EmbeddedNats(data_dir=home / "nats")
@@ -409,7 +409,7 @@ async def busy_world(home: Path, nodes: int, pending: int) -> World:
         )
         fake.running[node] = {(job.job_id, 1): job}
     await fake.start()
-    brain = BrainProc(server.url, home, "brain")
+    brain = BrainProc(server.url, home, "brain", profile=home / "brain.prof" if profile else None)
     await brain.start(home / "history.db")
     world = World(home, server, brain, client, fake, [fake.bus])
     try:
@@ -483,7 +483,9 @@ Row = dict[str, Any]
 async def mode_submit_latency(args: argparse.Namespace, home: Path, modes: set[str]) -> list[Row]:
     rows: list[Row] = []
     for pending in sorted({0, args.pending}):
-        world = await busy_world(home / f"busy-{pending}", args.nodes, pending)
+        world = await busy_world(
+            home / f"busy-{pending}", args.nodes, pending, profile=args.profile_submit
+        )
         try:
             raw = await fenced_append_baseline(world.client)
             where = f"{args.nodes} nodes, {pending} pending"
@@ -792,6 +794,11 @@ def main() -> None:
     parser.add_argument("--finished", type=int, default=5000, help="finished jobs for restart")
     parser.add_argument("--restarts", type=int, default=3, help="restarts over the snapshot")
     parser.add_argument("--profile-restart", action="store_true")
+    parser.add_argument(
+        "--profile-submit",
+        action="store_true",
+        help="run the submit/latency brains under cProfile (busy-*/brain.prof, with --keep)",
+    )
     parser.add_argument("--keep", metavar="DIR", help="keep servers' data and brains' logs here")
     args = parser.parse_args()
     for name in ("nodes", "pending", "clients", "probes", "finished", "restarts"):

@@ -8,7 +8,9 @@ naming what was wrong; invalid requests are also dead-lettered.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from typing import Final
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -62,9 +64,17 @@ Reply = (
 )
 
 
+# Requests answered at once. nats-py runs a subscription's callback one message at a
+# time: each request is answered in a task of its own, so that concurrent submissions
+# reach the inbox together and share a group commit. Past this many, the callback
+# waits for one to finish (and NATS buffers the rest, as for any slow consumer).
+IN_FLIGHT_MAX: Final = 1024
+
+
 class ApiServer:
     def __init__(self, brain: Brain) -> None:
         self.brain = brain
+        self._in_flight = asyncio.Semaphore(IN_FLIGHT_MAX)
 
     async def serve(self) -> Subscription:
         return await self.brain.bus.nc.subscribe(
@@ -72,6 +82,18 @@ class ApiServer:
         )
 
     async def _on_request(self, msg: Msg) -> None:
+        await self._in_flight.acquire()
+        self.brain.bus.spawn(self._serve(msg), name="api-request")
+
+    async def _serve(self, msg: Msg) -> None:
+        try:
+            await self._respond(msg)
+        except Exception:
+            log.exception("answering %s failed", msg.subject)
+        finally:
+            self._in_flight.release()
+
+    async def _respond(self, msg: Msg) -> None:
         reply = await self._answer(msg)
         if msg.reply:
             data = encode(reply)
@@ -199,7 +221,7 @@ class ApiServer:
         )
 
     def _own_job(self, tenant: str, job_id: str, *, operator: bool = False) -> JobRecord:
-        job = self.brain.state.jobs.get(job_id)
+        job = self.brain.job_record(job_id)
         if job is None or (job.tenant != tenant and not operator):
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
         return job
@@ -238,7 +260,7 @@ class ApiServer:
     async def _status(self) -> StatusReply:
         brain = self.brain
         others = [b for b in await brain.lease.brains() if b.brain_id != brain.instance]
-        counts = {state.value: len(ids) for state, ids in brain.state.by_state.items()}
+        counts = {state.value: n for state, n in brain.state.counts_by_state().items()}
         return StatusReply(
             brains=(brain.info(), *sorted(others, key=lambda b: b.since)),
             epoch=brain.epoch,

@@ -163,6 +163,16 @@ class History:
         changes = [(int(seq), JobChanged.model_validate_json(body)) for seq, body in rows]
         return changes[:limit][::-1], len(changes) > limit
 
+    def last_job(self, job_id: str) -> JobRecord | None:
+        """The job as its latest record left it (for a finished job no longer in the
+        brain's memory), or None if the history has no record of it."""
+        row = self.db.execute(
+            "SELECT body FROM events WHERE job_id = ? AND state IS NOT NULL "
+            "ORDER BY seq DESC LIMIT 1",
+            [job_id],
+        ).fetchone()
+        return JobChanged.model_validate_json(row[0]).job if row is not None else None
+
     def close(self) -> None:
         self.db.close()
 

@@ -169,6 +169,15 @@ class _ClusterCollector(Collector):
             "Telemetry batches dropped unread because the brain fell behind.",
             value=dropped[subjects.ALL_TELEMETRY],
         )
+        journal = brain.journal
+        yield CounterMetricFamily(
+            "alnair_journal_groups",
+            "Groups of state records committed to the log (one fenced, pipelined append each).",
+            value=journal.groups,
+        )
+        yield CounterMetricFamily(
+            "alnair_journal_records", "State records committed to the log.", value=journal.records
+        )
         yield CounterMetricFamily(
             "alnair_heartbeats_dropped",
             "Heartbeats dropped unread because the brain fell far behind (should stay 0).",

@@ -92,6 +92,13 @@ class Replica:
             time.monotonic() - loaded,
         )
 
+    async def reload(self) -> None:
+        """Forget state and load it from the latest snapshot and the log again (after
+        state ran ahead of the log: a group the leader applied was not stored)."""
+        self.state = BrainState()
+        self.snapshot_seq = 0
+        await self.load()
+
     async def catch_up(self) -> int:
         return await self._replay(self.state.last_seq + 1)
 

@@ -16,10 +16,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -64,6 +65,7 @@ from brain.ingest import (
     NodeIngest,
     NodeNews,
 )
+from brain.journal import Journal
 from brain.leader import Lease
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
@@ -80,7 +82,7 @@ from schemas.api import (
     SubmitRequest,
 )
 from schemas.commands import Launch, NodeCommand, Regrant, Stop
-from schemas.errors import ApiError, HandBack, SequenceConflict
+from schemas.errors import ApiError, HandBack
 from schemas.events import (
     NODE_EVENT,
     CommandRejected,
@@ -129,6 +131,10 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
 # where it does not make every wake-up of the loop wait for the GIL.
 DECIDE_IN_THREAD_AFTER_S: Final = 0.05
+# Inbox items handled as one unit, their records stored as one group: enough to carry
+# a burst of submissions in a few round trips, few enough that the first caller in a
+# group is not kept waiting long for the last.
+GROUP_MAX: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +251,8 @@ class Brain:
         # Elastic jobs' throughput per world size, from their supervisors' reports.
         self.progress = ProgressTracker()
         self.record_observers.append(self.progress.on_record)
+        # Records staged by the writer, stored as one group per unit of work.
+        self.journal = Journal(bus, self.history, lambda: self.state, self.record_observers)
 
     @property
     def state(self) -> BrainState:
@@ -382,8 +390,9 @@ class Brain:
             # The renewer gave the lease up while this takeover waited on the bus.
             await self._stop_leading("the lease was lost while taking over")
             return
-        await self._resend_unconfirmed_launches()
-        await self._resend_staged_resizes()
+        async with self._unit():
+            await self._resend_unconfirmed_launches()
+            await self._resend_staged_resizes()
         log.info(
             "brain %s leads with epoch %d (caught up %d entries, seq %d)",
             self.instance,
@@ -431,12 +440,18 @@ class Brain:
                 task.cancel()
             if others:
                 await asyncio.wait(others, timeout=3.0)
+            while not self._inbox.empty():
+                item = self._inbox.get_nowait()
+                if item.done is not None and not item.done.done():
+                    error = ApiError("unavailable", f"brain stepped down: {reason}")
+                    item.done.set_exception(error)
+            self.journal.discard()  # staged by a unit cut short: never stored
+            if self.journal.tainted:
+                # State ran ahead of the log (a group not stored): read it all again.
+                await self.replica.reload()
+                self.journal.tainted = False
         finally:
             self._stepping_down = False
-        while not self._inbox.empty():
-            item = self._inbox.get_nowait()
-            if item.done is not None and not item.done.done():
-                item.done.set_exception(ApiError("unavailable", f"brain stepped down: {reason}"))
         self.replica.follow()
 
     async def _maybe_snapshot(self) -> None:
@@ -515,34 +530,50 @@ class Brain:
         )
 
     async def _run(self) -> None:
-        """Handle the inbox in order. A caller is answered once its change is stored;
-        scheduling happens in `_schedule_forever`, off this path."""
+        """Handle the inbox in order, in groups: what is queued when the loop comes
+        round (up to GROUP_MAX items) is handled as one unit, its records committed as
+        one group, and only then is each caller answered. Scheduling happens in
+        `_schedule_forever`, off this path."""
         while True:
             if self._inbox.empty():
                 self._inbox_idle.set()
-            item = await self._inbox.get()
+            batch = [await self._inbox.get()]
             self._inbox_idle.clear()
-            async with self._writer:
-                try:
-                    result = await self._handle(item)
-                except ApiError as error:
-                    if item.done is not None and not item.done.done():
-                        item.done.set_exception(error)
-                except SequenceConflict as error:
-                    # Another brain appended to the log: we were deposed. Stop acting.
+            while len(batch) < GROUP_MAX and not self._inbox.empty():
+                batch.append(self._inbox.get_nowait())
+            try:
+                async with self._unit():
+                    outcomes = [await self._outcome(item) for item in batch]
+            except Exception as error:
+                # The group was not stored (or not known to be): nobody is acknowledged,
+                # and state, ahead of the log, is loaded again after stepping down.
+                for item in batch:
                     if item.done is not None and not item.done.done():
                         item.done.set_exception(ApiError("unavailable", "brain lost leadership"))
-                    self.bus.spawn(self._stop_leading(str(error)), name="step-down")
-                    return
-                except Exception as error:
-                    log.exception("brain failed handling %s", item.kind)
-                    if item.done is not None and not item.done.done():
-                        item.done.set_exception(error)
+                reason = f"the log did not take a group of {len(batch)} items: {error!r}"
+                self.bus.spawn(self._stop_leading(reason), name="step-down")
+                return
+            for item, (result, failure) in zip(batch, outcomes, strict=True):
+                if item.done is None or item.done.done():
+                    continue
+                if failure is None:
+                    item.done.set_result(result)
                 else:
-                    if item.done is not None and not item.done.done():
-                        item.done.set_result(result)
+                    item.done.set_exception(failure)
             if self._dirty:
                 self._pass_wanted.set()
+
+    async def _outcome(self, item: _Item) -> tuple[object, BaseException | None]:
+        """Handle one item of a group: its result, or what it failed with."""
+        try:
+            return await self._handle(item), None
+        except ApiError as error:
+            return None, error
+        except Exception as error:
+            if self.journal.tainted:
+                raise  # a commit within the unit failed: the whole group is lost
+            log.exception("brain failed handling %s", item.kind)
+            return None, error
 
     async def _schedule_forever(self) -> None:
         """Scheduling passes, coalesced: at most one runs at a time, and the next starts
@@ -554,15 +585,15 @@ class Brain:
             self._pass_wanted.clear()
             try:
                 await self._schedule()
-            except SequenceConflict as error:
-                self.bus.spawn(self._stop_leading(str(error)), name="step-down")
-                return
-            except ApiError as error:
-                if error.code != "unavailable" or self.leading.is_set():
+            except Exception as error:
+                if self.journal.tainted:
+                    # The pass's group was not stored: state is ahead of the log.
+                    reason = f"a scheduling pass's group was not stored: {error!r}"
+                    self.bus.spawn(self._stop_leading(reason), name="step-down")
+                    return
+                leaving = isinstance(error, ApiError) and not self.leading.is_set()
+                if not leaving:  # else: leadership ended mid-pass; the next plans anew
                     log.exception("scheduling cycle failed")
-                # else: leadership ended mid-pass; the next leader plans from the log
-            except Exception:
-                log.exception("scheduling cycle failed")
             if self._dirty:
                 self._pass_wanted.set()
 
@@ -588,6 +619,8 @@ class Brain:
                 # decide() asked to be called again by now (a retry back-off ending).
                 self._wake_at = None
                 self._dirty = True
+            # A snapshot covers stored records only: what this unit staged goes first.
+            await self.journal.commit()
             await self._maybe_snapshot()
             # A profile that changed what policy sees (e.g. a job turned underused).
             self._dirty = self.profiles.poll() or self._dirty
@@ -618,21 +651,26 @@ class Brain:
         return f"{self.instance}-{self._record_counter}"
 
     async def _append(self, record: StateRecord, subject: str) -> None:
-        """Journal, then apply. Fenced: it fails if another brain has appended since."""
+        """Apply now and stage for the unit's commit (brain/journal.py): stored, fenced,
+        before any command that follows it goes out and before any caller is answered."""
         if not self.leading.is_set():
             raise ApiError("unavailable", "this brain is not the leader")
-        seq = await self.bus.publish_durable(
-            subject,
-            record,
-            msg_id=record.record_id,
-            fence=(subjects.STREAM_STATE, self.state.last_seq),
-        )
-        self.state.apply(record, seq)
-        try:
-            self.history.record(record, seq)
-        except Exception:
-            log.exception("history write failed for seq %d; the log has it", seq)
-        self._notify(self.record_observers, record, seq)
+        assert self._writer.locked(), "records are staged by the writer only"
+        self.journal.stage(record, subject)
+
+    @contextlib.asynccontextmanager
+    async def _unit(self) -> AsyncIterator[None]:
+        """A unit of work as the writer: what it stages is committed as one group
+        before the writer is let go. A failed commit means state ran ahead of the log:
+        this brain steps down and loads it again (SequenceConflict, BusTimeout, ...)."""
+        async with self._writer:
+            try:
+                yield
+            finally:
+                if self.journal.dirty and self.leading.is_set():
+                    await self.journal.commit()
+                elif self.journal.dirty:
+                    self.journal.discard()  # left leading halfway: nothing may go out
 
     async def _job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
         job = self._account(job)
@@ -706,9 +744,9 @@ class Brain:
     # -- commands --------------------------------------------------------------------
 
     async def _command(self, node: str, command: NodeCommand) -> None:
-        await self.bus.publish_durable(
-            subjects.node(node, "cmd"), command, msg_id=command.command_id
-        )
+        """Sent once the records staged before it are stored (at the unit's commit)."""
+        assert self._writer.locked(), "commands are sent by the writer only"
+        self.journal.send_after(subjects.node(node, "cmd"), command, command.command_id)
 
     async def _stop(self, job_id: str, node: str, reason: str, attempt: int | None) -> None:
         command = Stop(
@@ -738,6 +776,9 @@ class Brain:
             known = self.state.job_for_key(tenant, request.idempotency_key)
             if known is not None:
                 return known
+            away = self.state.job_away_for_key(tenant, request.idempotency_key)
+            if away is not None and (finished := self.job_record(away)) is not None:
+                return finished  # finished long ago: answered from the history
         # Against every registered GPU, not only those up right now: a job must not be
         # refused because nodes are briefly away (a NATS restart, a network blip).
         total, largest = self.state.registered_gpus()
@@ -767,7 +808,7 @@ class Brain:
         return job
 
     async def _cancel(self, tenant: str, job_id: str) -> JobRecord:
-        job = self.state.jobs.get(job_id)
+        job = self.job_record(job_id)
         if job is None or job.tenant != tenant:
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
         if job.state.terminal:
@@ -1544,9 +1585,7 @@ class Brain:
 
     async def _send_resize(self, job: JobRecord) -> None:
         command = elastic.resize_command(job, epoch=self.epoch, issued_at=self.clock())
-        await self.bus.publish_durable(
-            subjects.job(job.job_id, "cmd"), command, msg_id=command.command_id
-        )
+        self.journal.send_after(subjects.job(job.job_id, "cmd"), command, command.command_id)
 
     async def _regrant(self, job: JobRecord, resize_id: str, phase: str) -> None:
         """Tell the job's nodes which of their GPUs the attempt holds now (a node whose
@@ -1729,7 +1768,7 @@ class Brain:
         self._last_decide_s = self.monotonic() - started
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
-        async with self._writer:
+        async with self._unit():
             await self._apply(decisions)
 
     async def _apply(self, decisions: Decisions) -> None:
@@ -1791,11 +1830,20 @@ class Brain:
                     free[grant.node] = free[grant.node] - set(grant.gpus)
                 await self._place(job, action)
             elif isinstance(action, Wait) and action.reason != job.reason:
-                await self._job_changed(
-                    job.model_copy(update={"reason": action.reason}),
-                    job.state,
-                    Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=action.reason),
-                )
+                await self._note_wait(job, action.reason)
+
+    async def _note_wait(self, job: JobRecord, reason: str) -> None:
+        if _reason_kind(reason) == _reason_kind(job.reason):
+            # Same reason, new figures (GPUs left, a blocker's id): shown, not journaled,
+            # or every change of free capacity would write one entry per pending job.
+            # The log keeps each change of kind.
+            self.state.refresh_reason(job.job_id, reason)
+            return
+        await self._job_changed(
+            job.model_copy(update={"reason": reason}),
+            job.state,
+            Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=reason),
+        )
 
     async def _place(self, job: JobRecord, action: Place) -> None:
         now = self.clock()
@@ -1872,6 +1920,17 @@ class Brain:
 
     # -- views -----------------------------------------------------------------------
 
+    def job_record(self, job_id: str) -> JobRecord | None:
+        """The job as it stands: from memory, or, for a finished job no longer held
+        there, from the history (a projection of the log)."""
+        job = self.state.jobs.get(job_id)
+        if job is None:
+            try:
+                job = self.history.last_job(job_id)
+            except Exception:
+                log.exception("reading job %s from the history failed", job_id)
+        return job
+
     def last_seen_ago(self, node: str) -> float | None:
         return self.ingest.last_seen_ago(node, self.monotonic())
 
@@ -1882,6 +1941,14 @@ class Brain:
 
 def _job_order(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (0, job_id)
+
+
+def _reason_kind(reason: str | None) -> str:
+    """A waiting reason without its figures: what changes of it are journaled."""
+    return _FIGURES.sub("#", reason or "")
+
+
+_FIGURES: Final = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:

@@ -1,9 +1,15 @@
 """The brain's in-memory state: a fold of the STATE log, and the snapshot it yields.
 
 `BrainState.apply` is the only way state changes, and it takes a journal record; the
-live brain appends a record to the log before applying it, and a restarted brain
+live brain stages a record (brain/journal.py) and applies it, and a restarted brain
 replays the log through the same `apply`. Because every job or node record carries the
 whole entity, applying a record twice changes nothing.
+
+Memory grows with live jobs, not with history: of the finished jobs, the latest
+`FINISHED_KEPT` stay; older ones leave (their records stay in the log and the sqlite
+history, where queries find them), counted by final state, their idempotency keys kept
+a while longer (`KEYS_KEPT`). Which ones leave follows from the log alone, so every
+replica, and a brain started from a snapshot, holds the same ones.
 """
 
 from __future__ import annotations
@@ -42,6 +48,12 @@ SEEN_EVENTS: Final = 100_000
 # Finished jobs' service the Gittins distribution learns from: the latest this many, so
 # memory stays bounded and the distribution follows the cluster's recent workload.
 SERVICE_SAMPLES: Final = 10_000
+# Finished jobs kept in memory, newest: `alnair jobs` lists them (and the live ones);
+# older ones are read from the history. About 7 KB each.
+FINISHED_KEPT: Final = 2_000
+# Idempotency keys of finished jobs no longer in memory, newest: a submission retried
+# with one of these is answered with its job (read from the history), not run again.
+KEYS_KEPT: Final = 50_000
 
 
 @dataclass
@@ -68,6 +80,11 @@ class BrainState:
     # Attained GPU-seconds of the latest SUCCEEDED jobs, oldest first (the Gittins
     # order's samples), and the distribution last built from them, by prior.
     service_samples: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_SAMPLES))
+    # Finished jobs in memory, in the order they finished; those gone from memory, by
+    # final state; and the idempotency keys of those gone, (tenant, key) -> job id.
+    finished: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    finished_away: dict[JobState, int] = field(default_factory=dict)
+    keys_away: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -78,6 +95,11 @@ class BrainState:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    # Each pending job's view, with the record and progress it was built from: a pending
+    # job's view does not depend on the clock, so a pass rebuilds only those that changed.
+    _pending_views: dict[str, tuple[JobRecord, ObservedProgress | None, JobView]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
@@ -94,6 +116,14 @@ class BrainState:
         elif isinstance(record, BlacklistChanged):
             self.blacklist = {e.uri: e for e in record.entries}
         self.last_seq = max(self.last_seq, seq)
+
+    def refresh_reason(self, job_id: str, reason: str) -> None:
+        """Show a pending job's waiting reason with today's figures. Not journaled:
+        the only state a replica may see differently (it has the reason of the last
+        change of kind); the next leader's first pass writes its own."""
+        job = self.jobs.get(job_id)
+        if job is not None and job.state is JobState.PENDING:
+            self.jobs[job_id] = job.model_copy(update={"reason": reason})
 
     def _saw_event(self, event_id: str) -> None:
         self.seen_events[event_id] = None
@@ -117,6 +147,35 @@ class BrainState:
             self.last_job_number = max(self.last_job_number, int(job.job_id))
         if job.idempotency_key is not None:
             self.by_key[(job.tenant, job.idempotency_key)] = job.job_id
+        if job.state.terminal:
+            self.finished.pop(job.job_id, None)
+            self.finished[job.job_id] = None
+            while len(self.finished) > FINISHED_KEPT:
+                self._let_go(next(iter(self.finished)))
+        elif previous is not None and previous.state.terminal:
+            self.finished.pop(job.job_id, None)
+
+    def _let_go(self, job_id: str) -> None:
+        """A finished job leaves memory (the log and the history keep it)."""
+        del self.finished[job_id]
+        job = self.jobs.pop(job_id)
+        self.by_state[job.state].discard(job_id)
+        self.finished_away[job.state] = self.finished_away.get(job.state, 0) + 1
+        for attempt in range(1, job.attempt + 1):
+            self.input_reports.pop((job_id, attempt), None)
+        if job.idempotency_key is not None:
+            key = (job.tenant, job.idempotency_key)
+            if self.by_key.pop(key, None) is not None:
+                self.keys_away[key] = job_id
+                while len(self.keys_away) > KEYS_KEPT:
+                    self.keys_away.popitem(last=False)
+
+    def counts_by_state(self) -> dict[JobState, int]:
+        """Jobs by state, those gone from memory included."""
+        return {
+            state: len(ids) + self.finished_away.get(state, 0)
+            for state, ids in self.by_state.items()
+        }
 
     def _learn_service(self, attained_gpu_seconds: float) -> None:
         self.service_samples.append(attained_gpu_seconds)
@@ -133,9 +192,19 @@ class BrainState:
     @classmethod
     def from_snapshot(cls, snapshot: BrainSnapshot) -> BrainState:
         state = cls(last_seq=snapshot.last_seq, last_job_number=snapshot.last_job_number)
-        # In the order they finished, as the log's replay would have learned them.
+        # In the order they finished, as the log's replay would have learned them (and,
+        # from a snapshot that has them, the service samples as they were).
+        learned = snapshot.service_samples is None
         for job in sorted(snapshot.jobs, key=_finish_order):
-            state._put_job(job)
+            state._put_job(job, new=learned)
+        if snapshot.service_samples is not None:
+            state.service_samples.extend(snapshot.service_samples)
+        # Finished jobs in the order they finished (ties as the log had them).
+        order = {job_id: i for i, job_id in enumerate(snapshot.finished)}
+        for job_id in sorted(state.finished, key=lambda j: order.get(j, -1)):
+            state.finished.move_to_end(job_id)
+        state.finished_away = {JobState(k): v for k, v in snapshot.finished_away.items()}
+        state.keys_away = OrderedDict(((t, k), j) for t, k, j in snapshot.keys_away)
         state.nodes = {node.name: node for node in snapshot.nodes}
         state.blacklist = {e.uri: e for e in snapshot.blacklist}
         state.input_failures = {uri: set(jobs) for uri, jobs in snapshot.input_failures.items()}
@@ -151,11 +220,19 @@ class BrainState:
             nodes=tuple(self.nodes.values()),
             blacklist=tuple(self.blacklist.values()),
             input_failures={u: tuple(sorted(j)) for u, j in self.input_failures.items()},
+            service_samples=tuple(self.service_samples),
+            finished=tuple(self.finished),
+            finished_away={state.value: n for state, n in self.finished_away.items()},
+            keys_away=tuple((t, k, j) for (t, k), j in self.keys_away.items()),
         )
 
     def job_for_key(self, tenant: str, key: str) -> JobRecord | None:
         job_id = self.by_key.get((tenant, key))
         return self.jobs.get(job_id) if job_id is not None else None
+
+    def job_away_for_key(self, tenant: str, key: str) -> str | None:
+        """The id of a finished job no longer in memory that was submitted with `key`."""
+        return self.keys_away.get((tenant, key))
 
     def next_job_id(self) -> str:
         return str(self.last_job_number + 1)
@@ -222,9 +299,7 @@ class BrainState:
         nodes = self._node_views(self.allocated())
         return ClusterSnapshot(
             nodes=nodes,
-            pending=tuple(
-                job_view(j, progress=progress.get(j.job_id)) for j in self.jobs_in(JobState.PENDING)
-            ),
+            pending=self._pending_job_views(progress),
             running=tuple(
                 job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
                 for j in self.jobs_in(JobState.RUNNING)
@@ -234,6 +309,25 @@ class BrainState:
                 None if service_prior is None else self.service_distribution(service_prior)
             ),
         )
+
+    def _pending_job_views(self, progress: Mapping[str, ObservedProgress]) -> tuple[JobView, ...]:
+        """Pending jobs' views in job order, reusing each one whose record is the same
+        object, and progress the same value, as when it was built."""
+        cache = self._pending_views
+        views = []
+        for job in self.jobs_in(JobState.PENDING):
+            seen = progress.get(job.job_id)
+            cached = cache.get(job.job_id)
+            if cached is not None and cached[0] is job and cached[1] == seen:
+                views.append(cached[2])
+                continue
+            view = job_view(job, progress=seen)
+            cache[job.job_id] = (job, seen, view)
+            views.append(view)
+        if len(cache) > 2 * len(views) + 64:  # forget jobs that left the queue
+            pending = self.by_state[JobState.PENDING]
+            self._pending_views = {k: v for k, v in cache.items() if k in pending}
+        return tuple(views)
 
     def free_gpus(self) -> dict[str, frozenset[int]]:
         """Each READY node's schedulable GPUs that no running job holds (from the same

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import ssl
 import time
@@ -66,6 +67,7 @@ DAY_S: Final = 86_400.0
 DEDUP_WINDOW_S: Final = 120.0
 # JetStream's error code for a failed Nats-Expected-Last-Sequence check.
 WRONG_LAST_SEQUENCE: Final = 10071
+WRONG_LAST_MSG_ID: Final = 10070
 # How long one fetch waits for messages: also how long a loop takes to notice a stop.
 FETCH_WAIT_S: Final = 0.5
 # A poison message is dead-lettered after this many failed deliveries.
@@ -167,6 +169,10 @@ class Bus:
         self._tasks: set[asyncio.Task[None]] = set()
         self._pull_subs: list[JetStreamContext.PullSubscription] = []
         self._consumers: list[Consumer] = []
+        # Pipelined JetStream publishes awaiting their acknowledgement, by reply token.
+        self._ack_prefix: str | None = None
+        self._acks: dict[str, asyncio.Future[int]] = {}
+        self._ack_tokens = 0
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -342,6 +348,177 @@ class Bus:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def append_many(
+        self,
+        stream: str,
+        entries: list[tuple[str, BaseModel, str]],
+        *,
+        after: int,
+        retry_for_s: float = 30.0,
+        attempt_timeout_s: float = 2.0,
+    ) -> int:
+        """Append `entries` (subject, message, msg id) to `stream` as one group, in
+        order, right after sequence `after`; return the last one's sequence.
+
+        Pipelined: every entry is sent before any acknowledgement is awaited, each
+        fenced on the one before it (`Nats-Expected-Last-Sequence` = after + i and, past
+        the first, `Nats-Expected-Last-Msg-Id` = the previous entry's id), so the group
+        lands contiguously, each entry right after its predecessor, or its tail not at
+        all. What is unconfirmed is sent
+        again, with the same ids and fences, until `retry_for_s` has passed; an entry
+        that meets a moved fence is looked up where it would be, and counts as stored
+        if it is ours (a first try that landed). SequenceConflict when another writer
+        got there first; BusTimeout when it stays unconfirmed.
+        """
+        payloads = [(subject, encode(message), msg_id) for subject, message, msg_id in entries]
+        deadline = time.monotonic() + retry_for_s
+        stored = 0  # entries[:stored] are known to be in the stream
+        delay = 0.05
+        while stored < len(payloads):
+            acks: list[asyncio.Future[int]] = []
+            try:
+                for i in range(stored, len(payloads)):
+                    subject, payload, msg_id = payloads[i]
+                    headers = {
+                        "Nats-Msg-Id": msg_id,
+                        "Nats-Expected-Last-Sequence": str(after + i),
+                    }
+                    if i > 0:
+                        # The sequence alone would take another writer's entry, landed
+                        # where our refused one should be, for ours.
+                        headers["Nats-Expected-Last-Msg-Id"] = payloads[i - 1][2]
+                    acks.append(await self._publish_acked(subject, payload, headers))
+                if acks:
+                    await asyncio.wait(acks, timeout=attempt_timeout_s)
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                pass  # what went out is looked at below; the rest is sent again
+            try:
+                stored, error = await self._confirmed(stream, after, payloads, stored, acks)
+            finally:
+                for ack in acks:
+                    if not ack.done():
+                        ack.cancel()
+                    elif not ack.cancelled():
+                        ack.exception()  # retrieved: no "never retrieved" warning
+            if stored == len(payloads):
+                break
+            if time.monotonic() + delay >= deadline:
+                raise BusTimeout(payloads[stored][0], retry_for_s) from error
+            log.warning(
+                "append of %d entries to %s unconfirmed from #%d (%r); sending them again",
+                len(payloads),
+                stream,
+                stored,
+                error,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        return after + len(payloads)
+
+    async def _confirmed(
+        self,
+        stream: str,
+        after: int,
+        payloads: list[tuple[str, bytes, str]],
+        stored: int,
+        acks: list[asyncio.Future[int]],
+    ) -> tuple[int, BaseException | None]:
+        """Walk one try's acknowledgements in order (`acks[i]` is for entry stored + i):
+        how many entries are known stored now, and why the next is not (None: all are).
+        Raises SequenceConflict when another writer's entry sits where ours would."""
+        for ack in acks:
+            if not ack.done():
+                return stored, TimeoutError("no acknowledgement in time")
+            error = ack.exception()
+            if error is None:
+                stored += 1
+                continue
+            if not isinstance(error, nats.js.errors.APIError):
+                return stored, error  # no stream answered, say: sent again
+            if error.err_code not in (WRONG_LAST_SEQUENCE, WRONG_LAST_MSG_ID):
+                raise error
+            # The fence moved. By an earlier try of this very entry, stored after all?
+            if not await self._stored_as(stream, after + stored + 1, payloads[stored][2]):
+                raise SequenceConflict(stream, after + stored) from error
+            stored += 1
+        return stored, None
+
+    async def publish_many_durable(
+        self, messages: list[tuple[str, BaseModel, str]], *, retry_for_s: float = 30.0
+    ) -> None:
+        """Publish (subject, message, msg id) to JetStream, pipelined, and return once
+        every one is stored; retried with the same ids (the server keeps one copy)."""
+        if len(messages) == 1:
+            subject, message, msg_id = messages[0]
+            await self.publish_durable(subject, message, msg_id=msg_id, retry_for_s=retry_for_s)
+            return
+        pending = [(subject, encode(message), msg_id) for subject, message, msg_id in messages]
+        deadline = time.monotonic() + retry_for_s
+        delay = 0.05
+        while pending:
+            acks = []
+            try:
+                for subject, payload, msg_id in pending:
+                    headers = {"Nats-Msg-Id": msg_id}
+                    acks.append(await self._publish_acked(subject, payload, headers))
+                if acks:
+                    await asyncio.wait(acks, timeout=2.0)
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                pass
+            left = []
+            error: BaseException | None = None
+            for entry, ack in zip(pending, acks, strict=False):
+                if ack.done() and not ack.cancelled() and ack.exception() is None:
+                    continue
+                if ack.done() and not ack.cancelled():
+                    error = ack.exception()
+                    if isinstance(error, nats.js.errors.APIError):
+                        raise error
+                else:
+                    ack.cancel()
+                left.append(entry)
+            left += pending[len(acks) :]
+            pending = left
+            if pending:
+                if time.monotonic() + delay >= deadline:
+                    raise BusTimeout(pending[0][0], retry_for_s) from error
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _publish_acked(
+        self, subject: str, payload: bytes, headers: dict[str, str]
+    ) -> asyncio.Future[int]:
+        """Publish to JetStream without waiting: the future gets the stored sequence, or
+        the stream's refusal as nats-py's APIError. (nats-py's own `publish_async`
+        never completes a future whose answer is an error: `APIError.from_error`
+        raises inside its reply handler.) In order: one connection, sent as called."""
+        if self._ack_prefix is None:
+            self._ack_prefix = f"{self.nc.new_inbox()}."
+            await self.nc.subscribe(f"{self._ack_prefix}*", cb=self._on_ack)
+        self._ack_tokens += 1
+        token = str(self._ack_tokens)
+        ack: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._acks[token] = ack
+        ack.add_done_callback(lambda _: self._acks.pop(token, None))
+        await self.nc.publish(subject, payload, reply=f"{self._ack_prefix}{token}", headers=headers)
+        return ack
+
+    async def _on_ack(self, msg: Msg) -> None:
+        assert self._ack_prefix is not None
+        ack = self._acks.get(msg.subject[len(self._ack_prefix) :])
+        if ack is None or ack.done():
+            return  # answered after its try gave up: the retry asks again
+        if msg.headers and msg.headers.get("Status") == "503":
+            ack.set_exception(nats.js.errors.NoStreamResponseError())
+            return
+        try:
+            answer = json.loads(msg.data)
+            if "error" in answer:
+                nats.js.errors.APIError.from_error(answer["error"])  # raises it
+            ack.set_result(int(answer["seq"]))
+        except Exception as error:
+            ack.set_exception(error)
 
     async def _stored_as(self, stream: str, seq: int, msg_id: str) -> int | None:
         try:

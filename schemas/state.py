@@ -153,6 +153,15 @@ class BrainSnapshot(Message):
     blacklist: tuple[BlacklistEntry, ...] = ()
     # Distinct jobs that reported failing on each input not (yet) blacklisted.
     input_failures: dict[str, tuple[str, ...]] = Field(default_factory=dict)
+    # Attained GPU-seconds of the latest succeeded jobs, oldest first (the Gittins
+    # order's samples; None in a snapshot from before they were kept: learned from
+    # its jobs then).
+    service_samples: tuple[float, ...] | None = None
+    # Finished jobs in memory, in the order they finished; how many finished jobs left
+    # memory, by final state; and their idempotency keys: (tenant, key, job id).
+    finished: tuple[str, ...] = ()
+    finished_away: dict[str, int] = Field(default_factory=dict)
+    keys_away: tuple[tuple[str, str, str], ...] = ()
 
 
 SNAPSHOT_ENCODING: Final = "jsonl+zlib"

@@ -134,6 +134,10 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     assert beats is not None and news is not None and 1 <= news <= beats
     assert value(metrics["alnair_telemetry_shed"], "alnair_telemetry_shed_total") == 0
     assert value(metrics["alnair_heartbeats_dropped"], "alnair_heartbeats_dropped_total") == 0
+    # The log took its records in groups: never more groups than records.
+    groups = value(metrics["alnair_journal_groups"], "alnair_journal_groups_total")
+    stored = value(metrics["alnair_journal_records"], "alnair_journal_records_total")
+    assert groups is not None and stored is not None and 1 <= groups <= stored
     assert value(metrics["alnair_gpus_allocated"], "alnair_gpus_allocated") == 1
     mean = value(
         metrics["alnair_job_gpu_util_mean_percent"],

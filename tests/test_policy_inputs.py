@@ -213,10 +213,14 @@ def test_the_fold_learns_each_finished_jobs_service_once() -> None:
     assert set(learned.values) >= {10.0, 30.0} and len(learned.values) == 26
     # Built once, until another job finishes.
     assert state.snapshot().service_distribution is learned
-    # A brain starting from a snapshot learns the same samples, in finishing order.
-    restored = BrainState.from_snapshot(state.to_snapshot(taken_at=3, epoch=1))
-    assert list(restored.service_samples) == [10.0, 30.0]
+    # A brain starting from a snapshot has the same samples, in the same order.
+    snapshot = state.to_snapshot(taken_at=3, epoch=1)
+    restored = BrainState.from_snapshot(snapshot)
+    assert list(restored.service_samples) == [30.0, 10.0]
     assert restored.service_distribution().values == learned.values
+    # One from a snapshot that predates them learns them from its jobs, as they finished.
+    older = BrainState.from_snapshot(snapshot.model_copy(update={"service_samples": None}))
+    assert list(older.service_samples) == [10.0, 30.0]
     # A configured prior is used in place of the default one.
     prior = DEFAULT_SERVICE_PRIOR.with_samples([5.0])
     assert state.service_distribution(prior).observed == 3

@@ -1,0 +1,199 @@
+"""Group commit: the leader's records go to the log as fenced, pipelined groups.
+
+`Bus.append_many` against a real nats-server (contiguous, retried without
+duplicates, refused when another writer got there first), and the brain's journal:
+callers are answered only once their group is stored, a group the log did not take
+acknowledges nobody and leaves no trace in state, and a heartbeat with no news adds
+no STATE entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from brain.service import Brain
+from bus.client import Bus
+from cli.client import submit as client_submit
+from schemas import subjects
+from schemas.api import JOB_RESULT, JobReply, SubmitRequest
+from schemas.errors import ApiError, SequenceConflict
+from schemas.jobs import JobSpec
+from schemas.state import (
+    STATE_RECORD,
+    BlacklistChanged,
+    Cause,
+    CauseKind,
+    JobChanged,
+    NodeChanged,
+)
+from tests.conftest import eventually
+from tests.statelog import node_record
+
+TENANT = "team"
+
+
+def entries(names: list[str]) -> list[tuple[str, NodeChanged, str]]:
+    return [(subjects.state_node(name), node_record(name, 8), f"id-{name}") for name in names]
+
+
+async def stored(bus: Bus) -> list[str]:
+    """Node names of the STATE log's entries, in order."""
+    return [
+        item.node.name
+        async for item, _, _ in bus.read(subjects.STREAM_STATE, STATE_RECORD, start_seq=1)
+        if isinstance(item, NodeChanged)
+    ]
+
+
+async def test_a_group_lands_contiguously_after_the_fence(connect) -> None:
+    bus = await connect("writer")
+    await bus.ensure_streams()
+    assert await bus.append_many(subjects.STREAM_STATE, entries(["a", "b"]), after=0) == 2
+    last = await bus.append_many(subjects.STREAM_STATE, entries(["c", "d", "e"]), after=2)
+    assert last == 5
+    assert await stored(bus) == ["a", "b", "c", "d", "e"]
+
+
+async def test_a_retried_group_is_not_stored_twice(connect) -> None:
+    """A group sent again with the same ids (its acknowledgements were lost) counts
+    what landed and stores only the rest."""
+    bus = await connect("writer")
+    await bus.ensure_streams()
+    group = entries(["a", "b", "c", "d"])
+    assert await bus.append_many(subjects.STREAM_STATE, group[:2], after=0) == 2  # half landed
+    assert await bus.append_many(subjects.STREAM_STATE, group, after=0) == 4
+    assert await bus.append_many(subjects.STREAM_STATE, group, after=0) == 4  # all had
+    assert await stored(bus) == ["a", "b", "c", "d"]
+
+
+async def test_a_group_behind_another_writer_is_refused_whole(connect) -> None:
+    bus, rival = await connect("writer"), await connect("rival")
+    await bus.ensure_streams()
+    await bus.append_many(subjects.STREAM_STATE, entries(["a"]), after=0)
+    await rival.append_many(subjects.STREAM_STATE, entries(["r"]), after=1)
+    with pytest.raises(SequenceConflict):
+        await bus.append_many(subjects.STREAM_STATE, entries(["b", "c"]), after=1)
+    assert await stored(bus) == ["a", "r"]
+
+
+async def submit(brain: Brain, name: str) -> JobReply:
+    request = SubmitRequest(
+        spec=JobSpec(name=name, command=("sleep", "1"), gpus=64), idempotency_key=name
+    )
+    reply = await brain.bus.request(subjects.api(TENANT, "submit"), request, JOB_RESULT)
+    if not isinstance(reply, JobReply):
+        raise ApiError(reply.code, reply.error)
+    return reply
+
+
+async def test_concurrent_submissions_share_groups_and_are_answered_once_stored(
+    brain_factory: Callable[..., Awaitable[Brain]],
+) -> None:
+    brain = await brain_factory()
+    stored_seqs: list[int] = []
+    brain.record_observers.append(lambda record, seq: stored_seqs.append(seq))
+    groups_before = brain.journal.groups
+    replies = await asyncio.gather(*(submit(brain, f"burst-{i}") for i in range(40)))
+    ids = {reply.job.job_id for reply in replies}
+    assert len(ids) == 40
+    # Every answered job is in the log, once.
+    logged = [
+        item.job.job_id
+        async for item, _, _ in brain.bus.read(subjects.STREAM_STATE, STATE_RECORD, start_seq=1)
+        if isinstance(item, JobChanged)
+        and item.job.spec.name.startswith("burst-")
+        and item.previous is None
+    ]
+    assert sorted(logged) == sorted(ids)
+    # Fewer groups than submissions: concurrent callers shared appends.
+    assert brain.journal.groups - groups_before < 40
+    assert stored_seqs == sorted(stored_seqs)
+
+
+async def test_a_group_the_log_refuses_acknowledges_nobody(
+    brain_factory: Callable[..., Awaitable[Brain]], connect
+) -> None:
+    """Another writer appends behind the leader's back: the leader's next group is
+    refused whole. None of its callers is told the job exists, state forgets what the
+    group held (it is read from the log again), and retried with their keys each job
+    ends up stored exactly once."""
+    brain = await brain_factory()
+    await submit(brain, "before")
+    rival = await connect("rival")
+    last = await rival.last_seq(subjects.STREAM_STATE)
+    intrusion = BlacklistChanged(
+        record_id="intruder",
+        ts=0.0,
+        epoch=1,
+        entries=(),
+        cause=Cause(kind=CauseKind.BLACKLISTED, message="written behind the leader's back"),
+    )
+    await rival.append_many(
+        subjects.STREAM_STATE, [(subjects.STATE_BLACKLIST, intrusion, "intruder")], after=last
+    )
+    results = await asyncio.gather(
+        *(submit(brain, f"lost-{i}") for i in range(5)), return_exceptions=True
+    )
+    assert all(isinstance(r, ApiError) and r.code == "unavailable" for r in results), results
+    # Stepping down, it reads state from the log again: the group's jobs are gone.
+    await eventually(
+        lambda: (
+            not brain.journal.tainted
+            and brain.state.last_seq > last
+            and not any(j.spec.name.startswith("lost-") for j in brain.state.jobs.values())
+        )
+    )
+
+    # It leads again (the lease is still its own) over state read from the log.
+    await eventually(lambda: brain.leading.is_set(), timeout_s=30)
+    retried = [await submit(brain, f"lost-{i}") for i in range(5)]
+    names = [j.spec.name for j in brain.state.jobs.values() if j.spec.name.startswith("lost-")]
+    assert sorted(names) == [f"lost-{i}" for i in range(5)]
+    assert len({r.job.job_id for r in retried}) == 5
+
+
+async def test_a_heartbeat_with_no_news_adds_no_state_entry(
+    brain_factory: Callable[..., Awaitable[Brain]], agent_factory
+) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    await eventually(lambda: "n1" in brain.state.nodes)
+    await eventually(lambda: brain.ingest.counts.heartbeats >= 2)
+    seq = await brain.bus.last_seq(subjects.STREAM_STATE)
+    beats = brain.ingest.counts.heartbeats
+    await eventually(lambda: brain.ingest.counts.heartbeats >= beats + 3, timeout_s=30)
+    assert await brain.bus.last_seq(subjects.STREAM_STATE) == seq
+
+
+async def test_a_reply_lost_with_the_leader_is_given_by_the_next_one(
+    brain_factory: Callable[..., Awaitable[Brain]], connect
+) -> None:
+    """The leader stores a submission's group and dies before answering. `alnair
+    submit` (cli.client.submit) retries with its idempotency key through the failover
+    and is answered, by the next leader, with the job the first try created."""
+    first = await brain_factory()
+    second = await brain_factory(lead=False)
+    stored_commit = first.journal.commit
+
+    async def commit_then_die() -> None:
+        names = {r.job.spec.name for _, r, _ in first.journal.staged if isinstance(r, JobChanged)}
+        await stored_commit()
+        if "lost-reply" in names:
+            await first.bus.nc.close()  # as if killed: no reply, no lease renewal
+            await asyncio.Event().wait()
+
+    first.journal.commit = commit_then_die  # type: ignore[method-assign]
+    client = await connect("client")
+    spec = JobSpec(name="lost-reply", command=("sleep", "1"), gpus=64)
+    job = await client_submit(client, TENANT, spec, idempotency_key="k-1", retry_for_s=90)
+
+    await eventually(lambda: second.leading.is_set(), timeout_s=30)
+    created = [
+        item.job.job_id
+        async for item, _, _ in client.read(subjects.STREAM_STATE, STATE_RECORD, start_seq=1)
+        if isinstance(item, JobChanged) and item.previous is None
+    ]
+    assert created == [job.job_id]
