@@ -781,7 +781,13 @@ class Bus:
             msg = await self.nc.request(subject, encode(message), timeout=timeout_s)
         except nats.errors.NoRespondersError:
             raise BrainUnavailable(subject) from None
-        except nats.errors.TimeoutError:
+        except (
+            nats.errors.TimeoutError,
+            # Our server is away: no answer yet, as with a timeout (the caller may retry).
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.OutboundBufferLimitError,
+            nats.errors.StaleConnectionError,
+        ):
             raise BusTimeout(subject, timeout_s) from None
         return decode(msg.data, reply)
 

@@ -16,7 +16,7 @@ from cli.config import TlsSettings
 from schemas import subjects
 from schemas.api import JOB_RESULT, ErrorReply, JobReply, SubmitRequest
 from schemas.base import Message
-from schemas.errors import ApiError, BrainUnavailable, BusTimeout
+from schemas.errors import ApiError, BrainUnavailable, BusTimeout, NoDefiniteAnswer
 from schemas.jobs import JobRecord, JobSpec
 
 R = TypeVar("R")
@@ -89,6 +89,6 @@ async def submit(
                 raise
             retryable = error
         if time.monotonic() + delay > deadline:
-            raise retryable
+            raise NoDefiniteAnswer(key, retry_for_s, retryable) from retryable
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)

@@ -215,9 +215,14 @@ def _env_pairs(pairs: Sequence[str]) -> dict[str, str]:
 
 async def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_spec(args)
+    key = args.idempotency_key
+    if key is not None and not 1 <= len(key) <= 128:
+        raise UsageError(f"--idempotency-key must be 1 to 128 characters, not {len(key)}")
 
     async def run(bus: Any) -> int:
-        job = await submit(bus, args.tenant, spec, retry_for_s=args.retry_for)
+        job = await submit(
+            bus, args.tenant, spec, idempotency_key=args.idempotency_key, retry_for_s=args.retry_for
+        )
         if args.json:
             print(job.model_dump_json())
         else:
@@ -669,9 +674,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--retry-for",
         type=float,
-        default=30.0,
+        default=120.0,
         metavar="SECONDS",
-        help="keep retrying while no brain answers (a failover), this long",
+        help="keep retrying while no brain answers (a failover), this long (default 120)",
+    )
+    p.add_argument(
+        "--idempotency-key",
+        metavar="KEY",
+        help="submissions with the same key (and tenant) create one job: a retry is "
+        "answered with it (default: a fresh key per command, reused by its own retries)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS..., or job.yaml")
     p.set_defaults(fn=cmd_submit)

@@ -76,6 +76,19 @@ class HandBack(AlnairError):
         self.reason = reason
 
 
+class NoDefiniteAnswer(AlnairError):
+    """A submission was neither acknowledged nor refused in time (no brain answered
+    through a failover): the job may exist. Its idempotency key finds out safely."""
+
+    def __init__(self, key: str, waited_s: float, last: Exception) -> None:
+        super().__init__(
+            f"no definite answer within {waited_s:g}s ({last}); the job may have been "
+            f"created: submit again with --idempotency-key {key} to find out without "
+            "creating a second one"
+        )
+        self.key = key
+
+
 class ApiError(AlnairError):
     """The brain refused a request; `code` tells callers what kind of refusal."""
 

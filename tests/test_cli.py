@@ -139,6 +139,13 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
         assert code == 1
         code, _, err = await alnair("submit", "--gpus", "9", "--", "true", env=cli_env)
         assert code == 1 and "cluster has 8" in err
+        # One key, one job: a resubmission is answered with the job the first created.
+        keyed = ("submit", "--gpus", "1", "--idempotency-key", "nightly-7", "--", "true")
+        (_, first, _), (_, again, _) = [await alnair(*keyed, env=cli_env) for _ in range(2)]
+        assert first.split()[2] == again.split()[2], (first, again)
+        empty_key = ("submit", "--gpus", "1", "--idempotency-key", "", "--", "true")
+        code, _, err = await alnair(*empty_key, env=cli_env)
+        assert code == 1 and "--idempotency-key must be 1 to 128" in err
         code, out, _ = await alnair("status", env=cli_env)
         assert "epoch 1" in out
     finally:
