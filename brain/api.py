@@ -15,7 +15,7 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from brain.service import Brain, _Item
+from brain.port import BrainPort
 from schemas import subjects
 from schemas.api import (
     OPERATOR_TENANT,
@@ -72,7 +72,7 @@ IN_FLIGHT_MAX: Final = 1024
 
 
 class ApiServer:
-    def __init__(self, brain: Brain) -> None:
+    def __init__(self, brain: BrainPort) -> None:
         self.brain = brain
         self._in_flight = asyncio.Semaphore(IN_FLIGHT_MAX)
 
@@ -141,16 +141,16 @@ class ApiServer:
     async def _dispatch(self, tenant: str, request: Message, operator: bool) -> Reply:
         brain = self.brain
         if isinstance(request, SubmitRequest):
-            job = await brain.submit_item(_Item("submit", request, tenant))
+            job = await brain.call(tenant, request)
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
         if isinstance(request, CancelRequest):
-            job = await brain.submit_item(_Item("cancel", request.job_id, tenant))
+            job = await brain.call(tenant, request)
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
         if isinstance(request, ResizeRequest):
             # An operator may resize any tenant's job; a tenant only its own.
-            job = await brain.submit_item(_Item("resize", request, tenant, operator=operator))
+            job = await brain.call(tenant, request, operator=operator)
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
         if isinstance(request, GetJobRequest | HistoryRequest | WhyRequest):
@@ -165,7 +165,7 @@ class ApiServer:
             verb = "drain" if isinstance(request, DrainRequest) else "resume"
             if not operator:
                 raise ApiError("forbidden", f"only an operator may {verb} nodes, not {tenant}")
-            await brain.submit_item(_Item(verb, request, tenant))
+            await brain.call(tenant, request)
             return NodeReply(node=self._node_status(request.node))
         if isinstance(request, BlacklistRequest):
             if request.action != "list":
@@ -173,7 +173,7 @@ class ApiServer:
                     raise ApiError(
                         "forbidden", f"only an operator may edit the blacklist, not {tenant}"
                     )
-                await brain.submit_item(_Item("blacklist", request, tenant))
+                await brain.call(tenant, request)
             state = brain.state
             return BlacklistReply(
                 entries=tuple(state.blacklist.values()),

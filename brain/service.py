@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 
 from brain import elastic, secrets
 from brain import queues as queue_config
+from brain.api import ApiServer
 from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
@@ -57,13 +58,13 @@ from brain.core.failures import (
     fault_action,
 )
 from brain.history import History
+from brain.inbox import ApiCall, EventArrived, HeartbeatNews, Item, Tick, WriteRequest
 from brain.ingest import (
     SHED_TELEMETRY_INBOX,
     SHED_TELEMETRY_LAG_S,
     TELEMETRY_PENDING_BYTES,
     TELEMETRY_PENDING_MSGS,
     NodeIngest,
-    NodeNews,
 )
 from brain.journal import Journal
 from brain.leader import Lease
@@ -76,6 +77,7 @@ from schemas import subjects
 from schemas.api import (
     BlacklistRequest,
     BrainInfo,
+    CancelRequest,
     DrainRequest,
     ResizeRequest,
     ResumeRequest,
@@ -165,18 +167,6 @@ class BrainConfig:
     service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
 
 
-@dataclass
-class _Item:
-    """One unit of work for the inbox; `done` resolves when it has been handled."""
-
-    kind: str
-    payload: object = None
-    tenant: str = ""
-    # The caller may act on every tenant's jobs (an operator's API request).
-    operator: bool = False
-    done: asyncio.Future[object] | None = None
-
-
 class Brain:
     def __init__(
         self,
@@ -208,7 +198,7 @@ class Brain:
         # (job, attempt, node) -> when its node's agent came back as a new instance
         # without it: the process went with the old agent (`_check_vanished`).
         self._vanishing: dict[tuple[str, int, str], float] = {}
-        self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        self._inbox: asyncio.Queue[Item] = asyncio.Queue()
         # State and the log have one writer at a time: an inbox item being handled, or
         # a scheduling pass applying its decisions (decide() itself runs outside it).
         self._writer = asyncio.Lock()
@@ -267,7 +257,6 @@ class Brain:
 
     async def start(self) -> None:
         """Come up as a standby with the log's state; the election makes it lead."""
-        from brain.api import ApiServer  # the API serves this brain; import late
 
         self.api = ApiServer(self)
         await self.bus.ensure_streams()
@@ -469,7 +458,7 @@ class Brain:
         if news is not None:
             # Only news reaches the inbox: a heartbeat that changes nothing moved the
             # node's last-seen time and is done.
-            await self._inbox.put(_Item("heartbeat", news))
+            await self._inbox.put(HeartbeatNews(news))
 
     async def _on_telemetry(self, batch: TelemetryBatch, msg: Msg) -> None:
         if await self._from_own_node(batch.node, msg):
@@ -495,7 +484,7 @@ class Brain:
         if not await self._from_own_node(event.node, msg):
             return
         try:
-            await self.submit_item(_Item("event", event))
+            await self.submit_item(EventArrived(event))
         except ApiError as error:
             if error.code != "unavailable":
                 raise
@@ -511,17 +500,21 @@ class Brain:
             return False
         return True
 
-    async def submit_item(self, item: _Item) -> object:
+    async def submit_item(self, item: Item) -> object:
         item.done = asyncio.get_running_loop().create_future()
         await self._inbox.put(item)
         return await item.done
+
+    async def call(self, tenant: str, request: WriteRequest, *, operator: bool = False) -> object:
+        """Handle an API request that writes, as the writer; answered once stored."""
+        return await self.submit_item(ApiCall(tenant, request, operator))
 
     async def _tick_forever(self) -> None:
         while not self._closing:
             due = self.monotonic() + self.config.tick_s
             await asyncio.sleep(self.config.tick_s)
             self._loop_lag_s = max(0.0, self.monotonic() - due)
-            await self._inbox.put(_Item("tick"))
+            await self._inbox.put(Tick())
 
     def _takes_telemetry(self) -> bool:
         """False while the brain is behind: telemetry is what it sheds first."""
@@ -563,7 +556,7 @@ class Brain:
             if self._dirty:
                 self._pass_wanted.set()
 
-    async def _outcome(self, item: _Item) -> tuple[object, BaseException | None]:
+    async def _outcome(self, item: Item) -> tuple[object, BaseException | None]:
         """Handle one item of a group: its result, or what it failed with."""
         try:
             return await self._handle(item), None
@@ -572,7 +565,7 @@ class Brain:
         except Exception as error:
             if self.journal.tainted:
                 raise  # a commit within the unit failed: the whole group is lost
-            log.exception("brain failed handling %s", item.kind)
+            log.exception("brain failed handling %s", type(item).__name__)
             return None, error
 
     async def _schedule_forever(self) -> None:
@@ -597,51 +590,54 @@ class Brain:
             if self._dirty:
                 self._pass_wanted.set()
 
-    async def _handle(self, item: _Item) -> object:
-        if item.kind == "heartbeat":
-            assert isinstance(item.payload, NodeNews)
-            try:
-                await self._heartbeat(item.payload.beat)
-            except BaseException:
-                # Not handled: the node's next heartbeat must be news again.
-                self.ingest.unsettle(item.payload.beat.node)
-                raise
-        elif item.kind == "event":
-            await self._event(item.payload)  # type: ignore[arg-type]
-        elif item.kind == "tick":
-            await self._check_nodes()
-            await self._reconcile_all()
-            await self._check_vanished()
-            await self._check_launches()
-            await self._check_preruns()
-            await self._check_resizes()
-            if self._wake_at is not None and self.clock() >= self._wake_at:
-                # decide() asked to be called again by now (a retry back-off ending).
-                self._wake_at = None
-                self._dirty = True
-            # A snapshot covers stored records only: what this unit staged goes first.
-            await self.journal.commit()
-            await self._maybe_snapshot()
-            # A profile that changed what policy sees (e.g. a job turned underused).
-            self._dirty = self.profiles.poll() or self._dirty
-        elif item.kind == "submit":
-            assert isinstance(item.payload, SubmitRequest)
-            return await self._submit(item.tenant, item.payload)
-        elif item.kind == "cancel":
-            assert isinstance(item.payload, str)
-            return await self._cancel(item.tenant, item.payload)
-        elif item.kind == "drain":
-            assert isinstance(item.payload, DrainRequest)
-            await self._drain(item.tenant, item.payload)
-        elif item.kind == "resume":
-            assert isinstance(item.payload, ResumeRequest)
-            await self._resume(item.tenant, item.payload)
-        elif item.kind == "blacklist":
-            assert isinstance(item.payload, BlacklistRequest)
-            await self._edit_blacklist(item.tenant, item.payload)
-        elif item.kind == "resize":
-            assert isinstance(item.payload, ResizeRequest)
-            return await self._resize_request(item.tenant, item.payload, operator=item.operator)
+    async def _handle(self, item: Item) -> object:
+        match item:
+            case HeartbeatNews(news=news):
+                try:
+                    await self._heartbeat(news.beat)
+                except BaseException:
+                    # Not handled: the node's next heartbeat must be news again.
+                    self.ingest.unsettle(news.beat.node)
+                    raise
+            case EventArrived(event=event):
+                await self._event(event)
+            case Tick():
+                await self._tick()
+            case ApiCall(tenant=tenant, request=request, operator=operator):
+                return await self._write(tenant, request, operator=operator)
+        return None
+
+    async def _tick(self) -> None:
+        await self._check_nodes()
+        await self._reconcile_all()
+        await self._check_vanished()
+        await self._check_launches()
+        await self._check_preruns()
+        await self._check_resizes()
+        if self._wake_at is not None and self.clock() >= self._wake_at:
+            # decide() asked to be called again by now (a retry back-off ending).
+            self._wake_at = None
+            self._dirty = True
+        # A snapshot covers stored records only: what this unit staged goes first.
+        await self.journal.commit()
+        await self._maybe_snapshot()
+        # A profile that changed what policy sees (e.g. a job turned underused).
+        self._dirty = self.profiles.poll() or self._dirty
+
+    async def _write(self, tenant: str, request: WriteRequest, *, operator: bool) -> object:
+        match request:
+            case SubmitRequest():
+                return await self._submit(tenant, request)
+            case CancelRequest(job_id=job_id):
+                return await self._cancel(tenant, job_id)
+            case DrainRequest():
+                await self._drain(tenant, request)
+            case ResumeRequest():
+                await self._resume(tenant, request)
+            case BlacklistRequest():
+                await self._edit_blacklist(tenant, request)
+            case ResizeRequest():
+                return await self._resize_request(tenant, request, operator=operator)
         return None
 
     # -- journal ---------------------------------------------------------------------

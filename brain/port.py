@@ -1,0 +1,58 @@
+"""What the API needs of the brain: a narrow port, so brain/api.py does not import
+the service (brain/service.py `Brain` is the one implementation)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from brain.core import Policy
+from brain.history import History
+from brain.inbox import WriteRequest
+from brain.leader import Lease
+from brain.profiles import Profiler
+from brain.state import BrainState
+from bus.client import Bus
+from schemas.api import BrainInfo
+from schemas.jobs import JobRecord
+from schemas.telemetry import TelemetryBatch
+
+
+class BrainConfigView(Protocol):
+    @property
+    def policy(self) -> Policy: ...
+
+
+class BrainPort(Protocol):
+    """Reads are of state as it stands (between the writer's units); writes go through
+    `call`, handled by the writer in order and answered once stored."""
+
+    bus: Bus
+    history: History
+    lease: Lease
+    profiles: Profiler
+    epoch: int
+    instance: str
+    host: str
+    started_at: float
+
+    @property
+    def config(self) -> BrainConfigView: ...
+
+    @property
+    def state(self) -> BrainState: ...
+
+    @property
+    def telemetry(self) -> dict[str, TelemetryBatch]: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    def info(self) -> BrainInfo: ...
+
+    def job_record(self, job_id: str) -> JobRecord | None: ...
+
+    def last_seen_ago(self, node: str) -> float | None: ...
+
+    async def call(
+        self, tenant: str, request: WriteRequest, *, operator: bool = False
+    ) -> object: ...
