@@ -14,8 +14,10 @@ This module only reads brain state and observes; it never changes either.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from nats.aio.msg import Msg
@@ -28,8 +30,9 @@ from brain.core.model import Decisions, Preempt, QuotaReclaim
 from schemas import subjects
 from schemas.events import GpuFault
 from schemas.jobs import JobRecord, JobState
-from schemas.nodes import NodeState
+from schemas.nodes import NodeRecord, NodeState
 from schemas.state import JobChanged, NodeEventRecorded, StateRecord
+from schemas.telemetry import TelemetryBatch
 
 if TYPE_CHECKING:
     from brain.service import Brain
@@ -67,16 +70,38 @@ def _gpu_families() -> dict[str, GaugeMetricFamily]:
     }
 
 
+@dataclass(frozen=True)
+class _GpuView:
+    """What the GPU series are made of, copied in the event loop (records and batches
+    are immutable: shallow copies suffice), so that they can be rendered in a thread
+    while the loop goes on changing state."""
+
+    telemetry: list[tuple[str, TelemetryBatch]]
+    nodes: dict[str, NodeRecord]
+    holders: dict[tuple[str, int], str]
+    last_xid: dict[tuple[str, int], int]
+
+    @classmethod
+    def take(cls, metrics: BrainMetrics) -> _GpuView:
+        brain = metrics.brain
+        return cls(
+            telemetry=sorted(brain.telemetry.items()),
+            nodes=dict(brain.state.nodes),
+            holders=_gpu_holders(brain.state.jobs_in(JobState.RUNNING)),
+            last_xid=dict(metrics.last_xid),
+        )
+
+
 class _GpuCollector(Collector):
-    def __init__(self, metrics: BrainMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, view: _GpuView) -> None:
+        self.view = view
 
     def collect(self) -> Iterator[Metric]:
-        brain = self.metrics.brain
+        view = self.view
         families = _gpu_families()
-        holders = _gpu_holders(brain.state.jobs_in(JobState.RUNNING))
-        for name, batch in sorted(brain.telemetry.items()):
-            node = brain.state.nodes.get(name)
+        holders = view.holders
+        for name, batch in view.telemetry:
+            node = view.nodes.get(name)
             if node is None or node.state is NodeState.LOST:
                 continue  # its last batch is stale, not a measurement
             infos = {gpu.index: gpu for gpu in node.gpus}
@@ -102,9 +127,7 @@ class _GpuCollector(Collector):
                 families["temp"].add_metric(labels, sample.temp_c)
                 families["sm_clock"].add_metric(labels, sample.sm_clock_mhz)
                 families["mem_clock"].add_metric(labels, sample.mem_clock_mhz)
-                families["xid"].add_metric(
-                    labels, self.metrics.last_xid.get((name, sample.index), 0)
-                )
+                families["xid"].add_metric(labels, view.last_xid.get((name, sample.index), 0))
                 if sample.ecc_dbe_total is not None:
                     families["dbe"].add_metric(labels, sample.ecc_dbe_total)
         yield from families.values()
@@ -290,7 +313,6 @@ class BrainMetrics:
             ["origin"],
             registry=registry,
         )
-        registry.register(_GpuCollector(self))
         registry.register(_ClusterCollector(self))
         brain.record_observers.append(self.on_record)
         brain.decision_observers.append(self.on_decisions)
@@ -307,8 +329,13 @@ class BrainMetrics:
                 log.debug("dead-letter subscription: %r", error)
             self._dlq_sub = None
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    async def render(self) -> bytes:
+        """The exposition: the scheduler's series rendered in the loop (cheap), every
+        GPU's from a copy taken in the loop and rendered in a worker thread (seconds
+        at thousands of nodes, which would otherwise hold the loop)."""
+        scheduler = generate_latest(self.registry)
+        view = _GpuView.take(self)
+        return scheduler + await asyncio.to_thread(_render_gpus, view)
 
     async def _on_dead_letter(self, msg: Msg) -> None:
         origin = msg.subject.removeprefix(f"{subjects.PREFIX}.dlq.") or "unknown"
@@ -340,6 +367,12 @@ class BrainMetrics:
         if job.state.terminal and (record.previous is None or not record.previous.terminal):
             self._pending_since.pop(job.job_id, None)
             self.outcomes.labels(state=job.state.value, failure_class=_failure_class(job)).inc()
+
+
+def _render_gpus(view: _GpuView) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_GpuCollector(view))
+    return generate_latest(registry)
 
 
 def _action_name(action: object) -> str:

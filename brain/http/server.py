@@ -298,7 +298,7 @@ class HttpServer:
         if not self._caller(request).operator:
             raise HttpRefusal(403, "forbidden", "/metrics is for operator tokens")
         return web.Response(
-            body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=await self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def _whoami(self, request: web.Request) -> web.Response:
