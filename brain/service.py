@@ -69,6 +69,7 @@ from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.replica import Replica
 from brain.state import BrainState, current_size_s
+from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
 from schemas import subjects
 from schemas.api import (
@@ -100,6 +101,7 @@ from schemas.jobs import (
     NodeGpus,
     NodeGrant,
     describe_placement,
+    job_limits,
     placement_size,
 )
 from schemas.nodes import DrainedGpu, NodeRecord, NodeState
@@ -157,6 +159,9 @@ class BrainConfig:
     # What the Gittins order believes of job service before any job has finished; the
     # finished jobs' service (from the log) is learned on top of it.
     service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    # The tenants of the tenant map (`--tenant-users`): others are refused at submit.
+    # None: no map, every tenant may submit (its jobs run as the agent's user).
+    tenants: frozenset[str] | None = None
 
 
 @dataclass
@@ -221,6 +226,7 @@ class Brain:
         self._leader_tasks: list[asyncio.Task[None]] = []
         self._leader_subs: list[Subscription] = []
         self._events: Consumer | None = None
+        self._job_events: Consumer | None = None
         self._election: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._taking_over = False
@@ -370,6 +376,13 @@ class Brain:
         self._events = await self.bus.consume(
             subjects.STREAM_EVENTS, "brain", subjects.ALL_NODE_EVENTS, NODE_EVENT, self._on_event
         )
+        self._job_events = await self.bus.consume(
+            subjects.STREAM_EVENTS,
+            "brain-jobs",
+            subjects.ALL_JOB_EVENTS,
+            NODE_EVENT,
+            self._on_job_event,
+        )
         self._leader_tasks = [
             self.bus.spawn(self._run(), name="brain-loop"),
             self.bus.spawn(self._schedule_forever(), name="brain-scheduler"),
@@ -418,15 +431,17 @@ class Brain:
         self._stepping_down = True
         self.epoch = 0
         current = asyncio.current_task()
-        subs, events = self._leader_subs, self._events
+        subs, events = self._leader_subs, (self._events, self._job_events)
         others = [t for t in (*self._leader_tasks, self._renewer) if t and t is not current]
         self._leader_subs, self._leader_tasks, self._renewer, self._events = [], [], None, None
+        self._job_events = None
         try:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            if events is not None:
-                await events.stop()
+            for consumer in events:
+                if consumer is not None:
+                    await consumer.stop()
             for task in others:
                 task.cancel()
             if others:
@@ -485,6 +500,19 @@ class Brain:
             if error.code != "unavailable":
                 raise
             raise HandBack(error.message) from None  # the next leader records it
+
+    async def _on_job_event(self, event: NodeEvent, msg: Msg) -> None:
+        """A job's own report: only of kinds a job may make, about itself."""
+        refusal = job_event_refusal(msg.subject, event)
+        if refusal is not None:
+            await self.ingest_bus.dead_letter(msg.subject, msg.data, refusal)
+            return
+        try:
+            await self.submit_item(_Item("event", event))
+        except ApiError as error:
+            if error.code != "unavailable":
+                raise
+            raise HandBack(error.message) from None
 
     async def _from_own_node(self, node: str, msg: Msg) -> bool:
         """A node speaks only for itself: the payload's node must be the subject's."""
@@ -734,6 +762,7 @@ class Brain:
 
     async def _submit(self, tenant: str, request: SubmitRequest) -> JobRecord:
         spec = request.spec
+        check_tenant(self.config.tenants, tenant)
         if request.idempotency_key is not None:
             known = self.state.job_for_key(tenant, request.idempotency_key)
             if known is not None:
@@ -1137,6 +1166,7 @@ class Brain:
             signal=event.signal,
             log_tail=event.log_tail,
             runtime_s=event.runtime_s,
+            oom_limit_mb=event.oom_limit_mb,
         )
         reported = self.state.input_reports.get((job.job_id, job.attempt))
         await self._fail_attempt(updated, event.node, classify(end, (), reported), end)
@@ -1859,6 +1889,9 @@ class Brain:
                     nodes=nodes,
                     blacklist=tuple(sorted(self.state.blacklist)),
                     prerun=job.prerun == "running",
+                    tenant=job.tenant,
+                    memory_mb=job_limits(job.spec, len(grant.gpus))[0],
+                    cpus=job_limits(job.spec, len(grant.gpus))[1],
                 ),
             )
 

@@ -3,10 +3,13 @@
 Every component connects as its own nkey user, and the server enforces:
 
 - an agent publishes only its node's telemetry, heartbeat and event subjects, and
-  reaches only its own JetStream consumer of its own command subject. The jobs it
-  launches get its identity (`ALNAIR_NKEY`: they run as its user and could read the
-  seed anyway), so it may also publish job progress and create consumers that push
-  job commands to its own inbox (an elastic job's supervisor);
+  reaches only its own JetStream consumer of its own command subject;
+- the jobs a node runs share one *job* identity per node (`job-<node>`, passed to them
+  as `ALNAIR_NKEY`; never the node's own seed): they may publish job progress, create
+  consumers that push job commands to their own inbox (an elastic job's supervisor),
+  and start and answer elastic workers (the worker subjects), and nothing of the
+  node's: no telemetry, heartbeat, event or command subject. It is not confined to one
+  job's subjects (docs/security.md says what that leaves open);
 - a tenant publishes only `alnair.api.<tenant>.>` (the brain takes the tenant from
   that subject, so a tenant cannot act as another);
 - the operator reads everything and changes nothing (read-only API verbs, reading
@@ -30,7 +33,7 @@ import nkeys
 from schemas import subjects
 from schemas.base import check_name
 
-Role = Literal["brain", "node", "tenant", "operator"]
+Role = Literal["brain", "node", "job", "tenant", "operator"]
 OPERATOR: Final = "operator"
 READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "status", "history", "why")
 WORKER_SUBJECTS: Final = (f"{subjects.PREFIX}.job.*.exec", f"{subjects.PREFIX}.job.*.workers")
@@ -76,17 +79,29 @@ def _node_permissions(node: str) -> tuple[list[str], list[str]]:
         f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
         f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"$JS.ACK.{stream}.{consumer}.>",
-        # Its jobs' supervisors: progress, and job commands pushed to the node's inbox
-        # (a consumer of any name, but only over job command subjects; no pulling).
-        subjects.ALL_JOB_PROGRESS,
-        f"$JS.API.CONSUMER.CREATE.{stream}.*.{subjects.ALL_JOB_COMMANDS}",
-        # Elastic jobs across nodes: worker starts (each signed with the attempt's
-        # secret, which only its nodes were given) and the workers' relayed reports.
-        *WORKER_SUBJECTS,
     ]
     # Fault injection (simulated GPUs only) is a request to the node's own subject.
     subscribe = [f"_INBOX_node_{node}.>", f"{subjects.PREFIX}.node.{node}.inject"]
-    return publish, [*subscribe, *WORKER_SUBJECTS]
+    return publish, subscribe
+
+
+def _job_permissions(node: str) -> tuple[list[str], list[str]]:
+    """The jobs of one node: their supervisors, worker hosts and SDK."""
+    stream = subjects.STREAM_COMMANDS
+    publish = [
+        # Progress, and job commands pushed to the job's own inbox (a consumer of any
+        # name, but only over job command subjects; no pulling).
+        subjects.ALL_JOB_PROGRESS,
+        f"$JS.API.CONSUMER.CREATE.{stream}.*.{subjects.ALL_JOB_COMMANDS}",
+        # What a job reports itself (a resize done, a bad input); the brain takes only
+        # those kinds there, each about the subject's job (brain/tenants.py).
+        subjects.ALL_JOB_EVENTS,
+        # Elastic jobs across nodes: worker starts (each signed with the attempt's
+        # secret, which only its nodes were given) and the workers' relayed reports.
+        *WORKER_SUBJECTS,
+        f"{subjects.PREFIX}.dlq.>",
+    ]
+    return publish, [f"_INBOX_job_{node}.>", *WORKER_SUBJECTS]
 
 
 def _operator_permissions() -> tuple[list[str], list[str]]:
@@ -108,6 +123,8 @@ def permissions(identity: Identity) -> tuple[list[str], list[str]]:
         return [">"], [">"]
     if identity.role == "node":
         return _node_permissions(identity.name)
+    if identity.role == "job":
+        return _job_permissions(identity.name)
     if identity.role == "tenant":
         return [f"{subjects.PREFIX}.api.{identity.name}.>"], [f"_INBOX_tenant_{identity.name}.>"]
     return _operator_permissions()
@@ -120,7 +137,7 @@ def authorization_block(identities: list[Identity]) -> str:
         publish, subscribe = permissions(identity)
         rules = f"publish: {{allow: {json.dumps(publish)}}}, "
         rules += f"subscribe: {{allow: {json.dumps(subscribe)}}}"
-        if identity.role == "node":
+        if identity.role == "job":
             # A worker host answers the supervisor's requests on another node's inbox:
             # one reply to each request it received, nothing else there.
             rules += ", allow_responses: true"
@@ -134,6 +151,7 @@ def write_cluster_keys(
     """Identities for a whole cluster and the server config file admitting them."""
     identities = [create_identity("brain", f"brain-{i + 1}", directory) for i in range(brains)]
     identities += [create_identity("node", node, directory) for node in nodes]
+    identities += [create_identity("job", node, directory) for node in nodes]
     identities += [create_identity("tenant", tenant, directory) for tenant in tenants]
     identities.append(create_identity("operator", OPERATOR, directory))
     config = directory / "nats-auth.conf"
@@ -149,6 +167,6 @@ def inbox_prefix_for_seed(path: str | Path) -> str | None:
     name (`<role>-<name>.nk`, as written here); None for a brain or an unknown name."""
     stem = Path(path).name.removesuffix(".nk")
     role, _, name = stem.partition("-")
-    if role in ("node", "tenant", "operator") and name:
+    if role in ("node", "job", "tenant", "operator") and name:
         return f"_INBOX_{role}_{name}"
     return None

@@ -88,9 +88,10 @@ class StreamSpec:
 STREAMS: Final = (
     StreamSpec(
         subjects.STREAM_EVENTS,
-        (subjects.ALL_NODE_EVENTS,),
+        (subjects.ALL_NODE_EVENTS, subjects.ALL_JOB_EVENTS),
         7 * DAY_S,
-        "node events: job exits, GPU faults, input errors (agent -> brain)",
+        "node events: job exits, GPU faults (agent -> brain); job events: resizes done, "
+        "input errors (a job's supervisor or SDK -> brain)",
     ),
     StreamSpec(
         subjects.STREAM_COMMANDS,

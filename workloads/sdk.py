@@ -92,7 +92,7 @@ async def _publish_bad_input(
     )
     bus = await Bus.connect(options)
     try:
-        await bus.publish_durable(subjects.node(node, "event"), event, msg_id=event.event_id)
+        await bus.publish_durable(subjects.job(job_id, "event"), event, msg_id=event.event_id)
         return True
     finally:
         await bus.close()
