@@ -206,14 +206,9 @@ class Confinement:
 
     def _environment(self, request: JobRequest, user: JobUser, runtime: Path) -> dict[str, str]:
         env = {k: self.agent_env[k] for k in PASSED_FROM_AGENT if self.agent_env.get(k)}
-        env.update(request.env)
-        env.update(
-            PATH=self.path,
-            HOME=user.home,
-            USER=user.name,
-            LOGNAME=user.name,
-            TMPDIR=str(runtime),
-        )
+        env.update(PATH=self.path, HOME=user.home, TMPDIR=str(runtime))
+        env.update(request.env)  # the job's own settings win, as unconfined
+        env.update(USER=user.name, LOGNAME=user.name)
         env.pop(NKEY_ENV, None)
         blacklist = env.get(BLACKLIST_FILE_ENV)
         if blacklist:
