@@ -342,11 +342,14 @@ async def test_a_tenant_with_no_user_is_refused_by_name(
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(180)
 async def test_a_confined_elastic_job_resizes_with_its_job_identity(
-    secure_server, keys, users, place, cgroup_parent
+    secure_server, keys, users, place, cgroup_parent, monkeypatch
 ) -> None:
     """Horovod's driver and workers run as tenant a's user in the job's cgroup, and the
     supervisor reaches NATS with the node's job identity: it hears the Resize, reports
     progress and the outcome."""
+    # The brain starts the supervisor with its own interpreter, which a's user cannot
+    # reach here (see JOB_PYTHON); the job's own command is built from it too.
+    monkeypatch.setattr(sys, "executable", JOB_PYTHON)
     from cli.client import call
     from schemas.api import JOB_RESULT, ResizeRequest
 
@@ -360,8 +363,13 @@ async def test_a_confined_elastic_job_resizes_with_its_job_identity(
             brain,
             a,
         ):
-            job = await submit(a, "a", elastic_train_spec(1, stop_file, max_gpus=2))
+            spec = elastic_train_spec(1, stop_file, max_gpus=2)
+            spec = spec.model_copy(update={"env": {**spec.env, **JOB_ENV}})
+            job = await submit(a, "a", spec)
             await eventually(lambda: brain.progress.world_size(job.job_id) == 1, timeout_s=90)
+            pid = brain.state.jobs[job.job_id].grants[0].pid
+            assert os.stat(f"/proc/{pid}").st_uid == users["a"].pw_uid
+            assert f"/{cgroup_parent}/n1/" in Path(f"/proc/{pid}/cgroup").read_text()
             await call(a, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT)
             grown = await eventually(
                 lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
