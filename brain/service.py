@@ -55,6 +55,7 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
+from brain.credentials import JobCredentials, load_signer
 from brain.history import History
 from brain.ingest import (
     SHED_TELEMETRY_INBOX,
@@ -162,6 +163,9 @@ class BrainConfig:
     # The tenants of the tenant map (`--tenant-users`): others are refused at submit.
     # None: no map, every tenant may submit (its jobs run as the agent's user).
     tenants: frozenset[str] | None = None
+    # The account seed that signs jobs' NATS users (auth callout, brain/credentials.py);
+    # None: jobs get no token, and use their node's job identity if it gives them one.
+    callout_seed: Path | None = None
 
 
 @dataclass
@@ -222,6 +226,11 @@ class Brain:
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
+        self.credentials = (
+            JobCredentials(load_signer(self.config.callout_seed), self._cluster_key, self._running)
+            if self.config.callout_seed is not None
+            else None
+        )
         self._record_counter = 0
         self._leader_tasks: list[asyncio.Task[None]] = []
         self._leader_subs: list[Subscription] = []
@@ -373,6 +382,8 @@ class Brain:
             await self.bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, self._on_progress),
             await self.api.serve(),
         ]
+        if self.credentials is not None:  # the leader admits jobs: it knows which run
+            self._leader_subs.append(await self.credentials.serve(self.bus))
         self._events = await self.bus.consume(
             subjects.STREAM_EVENTS, "brain", subjects.ALL_NODE_EVENTS, NODE_EVENT, self._on_event
         )
@@ -500,6 +511,16 @@ class Brain:
             if error.code != "unavailable":
                 raise
             raise HandBack(error.message) from None  # the next leader records it
+
+    async def _cluster_key(self) -> bytes:
+        if not self._exec_key:  # read (or made) when first needed, not at start
+            self._exec_key = await secrets.exec_key(self.bus)
+        return self._exec_key
+
+    def _running(self, job_id: str, attempt: int) -> bool:
+        """Whether this attempt runs (its job's NATS token admits it only then)."""
+        job = self.state.jobs.get(job_id)
+        return job is not None and job.attempt == attempt and job.state is JobState.RUNNING
 
     async def _on_job_event(self, event: NodeEvent, msg: Msg) -> None:
         """A job's own report: only of kinds a job may make, about itself."""
@@ -1864,9 +1885,11 @@ class Brain:
         remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
         env = dict(job.spec.env)
         if job.spec.elastic:
-            if not self._exec_key:  # read (or made) when first needed, not at start
-                self._exec_key = await secrets.exec_key(self.bus)
-            env[EXEC_SECRET_ENV] = secrets.exec_secret(self._exec_key, job.job_id, job.attempt)
+            key = await self._cluster_key()
+            env[EXEC_SECRET_ENV] = secrets.exec_secret(key, job.job_id, job.attempt)
+        if self.credentials is not None:
+            key = await self._cluster_key()
+            env[secrets.JOB_TOKEN_ENV] = secrets.job_token(key, job.job_id, job.attempt)
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue

@@ -142,6 +142,8 @@ class ConnectOptions:
     # prefix its permissions allow.
     nkey_seed: str | None = None
     inbox_prefix: str | None = None
+    # A token the brain's auth callout turns into a user (a job's, brain/credentials.py).
+    token: str | None = None
     # TLS (bus/tls.py): the CA that signed the servers' certificate, and this client's
     # certificate and key, which servers that verify clients require.
     tls_ca: str | None = None
@@ -200,6 +202,8 @@ class Bus:
             kwargs["nkeys_seed"] = options.nkey_seed
         if options.inbox_prefix:
             kwargs["inbox_prefix"] = options.inbox_prefix
+        if options.token:
+            kwargs["token"] = options.token
         if options.tls_ca or options.tls_cert:
             kwargs["tls"] = tls_context(options)
         try:

@@ -38,6 +38,19 @@ def add_tenant_users_arg(p: argparse.ArgumentParser, *, agent: bool) -> None:
     )
 
 
+def add_brain_args(p: argparse.ArgumentParser) -> None:
+    add_tenant_users_arg(p, agent=False)
+    p.add_argument(
+        "--callout-seed",
+        metavar="FILE",
+        default=os.environ.get("ALNAIR_CALLOUT_SEED") or None,
+        help="the account seed (keys/callout-issuer.nk from `alnair keys`) this brain signs "
+        "jobs' NATS users with, answering the server's auth callout while it leads; each "
+        "job attempt then gets a token (ALNAIR_JOB_TOKEN) good for its own subjects while "
+        "it runs (default: $ALNAIR_CALLOUT_SEED)",
+    )
+
+
 def add_agent_args(p: argparse.ArgumentParser) -> None:
     add_tenant_users_arg(p, agent=True)
     p.add_argument(
@@ -45,7 +58,9 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         default=os.environ.get("ALNAIR_JOB_NKEY") or None,
         help="the seed of this node's job identity (keys/job-NODE.nk from `alnair keys`), "
-        "given to its jobs instead of the node's own (default: $ALNAIR_JOB_NKEY)",
+        "given to its jobs instead of the node's own, for clusters whose brains run no auth "
+        "callout (--callout-seed); it lets a job use every job's subjects (default: "
+        "$ALNAIR_JOB_NKEY)",
     )
     p.add_argument(
         "--gpu-device-dir",

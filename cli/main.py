@@ -502,6 +502,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
         history_path=Path(args.history) if args.history else alnair_home() / "brain" / "history.db",
         failures=failures.policy_of(args),
         tenants=load_tenant_map(args.tenant_users).tenants if args.tenant_users else None,
+        callout_seed=Path(args.callout_seed) if args.callout_seed else None,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -597,7 +598,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from bus.auth import write_cluster_keys
+    from bus.auth import CALLOUT_SEED_FILE, write_cluster_keys
 
     names = [n for n in args.nodes.split(",") if n]
     tenants = [t for t in args.tenants.split(",") if t]
@@ -612,6 +613,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     )
     for identity in identities:
         print(f"{identity.role:<8} {identity.name:<16} {identity.public_key}  {identity.seed_path}")
+    print(f"callout  (brains' --callout-seed)  {Path(args.dir) / CALLOUT_SEED_FILE}")
     print(f"server config: {config}  (include it from nats-server.conf)")
     if args.tls:
         from bus.tls import write_tls_config, write_tls_files
@@ -790,7 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
         "written with new tokens if missing)",
     )
     failures.add_policy_args(p)
-    confine.add_tenant_users_arg(p, agent=False)
+    confine.add_brain_args(p)
     p.add_argument(
         "--http-leader-only",
         action="store_true",

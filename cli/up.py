@@ -309,8 +309,8 @@ class ClusterKeys:
     config: Path
     brains: list[str]
     nodes: dict[str, str]
-    # Each node's job identity: what its jobs reach NATS with.
-    jobs: dict[str, str]
+    # The account seed brains sign jobs' NATS users with (auth callout).
+    callout: str
     operator: str
     client: str
     # The tenant map (a user per tenant), when this process could make the users.
@@ -319,7 +319,7 @@ class ClusterKeys:
 
 def _plan_keys(args: argparse.Namespace, home: Path, node_names: list[str]) -> ClusterKeys:
     """Fresh identities for every component, and the server config admitting them."""
-    from bus.auth import write_cluster_keys
+    from bus.auth import CALLOUT_SEED_FILE, write_cluster_keys
     from cli.confine import ensure_tenant_users
 
     tenants = ["default"]
@@ -334,7 +334,7 @@ def _plan_keys(args: argparse.Namespace, home: Path, node_names: list[str]) -> C
         config=config,
         brains=by_role["brain"],
         nodes={i.name: str(i.seed_path) for i in identities if i.role == "node"},
-        jobs={i.name: str(i.seed_path) for i in identities if i.role == "job"},
+        callout=str(home / "keys" / CALLOUT_SEED_FILE),
         operator=by_role["operator"][0],
         client=by_role["tenant"][0],
         tenant_users=ensure_tenant_users(tenants, home / "tenant-users.yaml"),
@@ -456,7 +456,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
                 *(["--elastic-one-node"] if args.elastic_one_node else []),
                 *(["--replicas", str(CLUSTER_REPLICAS)] if args.cluster else []),
                 *["--history", str(home / "brain" / f"history-{i + 1}.db")],
-                *(["--nkey", keys.brains[i]] if keys else []),
+                *(["--nkey", keys.brains[i], "--callout-seed", keys.callout] if keys else []),
                 *(["--tenant-users", str(keys.tenant_users)] if keys and keys.tenant_users else []),
                 # One HTTP address on this machine, served by whichever brain leads.
                 *["--http", http, "--http-tokens", str(tokens_path), "--http-leader-only"],
@@ -469,7 +469,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             name,
             [
                 *[*me, "agent", "--node", name, "--gpus", spec, "--nats", nats_urls],
-                *(["--nkey", keys.nodes[name], "--job-nkey", keys.jobs[name]] if keys else []),
+                *(["--nkey", keys.nodes[name]] if keys else []),
                 *(["--tenant-users", str(keys.tenant_users)] if keys and keys.tenant_users else []),
             ],
         )

@@ -17,7 +17,7 @@ from agents.agent import Agent, AgentConfig
 from agents.confine import Confinement
 from agents.gpu import SimulatedGpus
 from brain.service import Brain, BrainConfig
-from bus.auth import Identity, write_cluster_keys
+from bus.auth import CALLOUT_SEED_FILE, Identity, write_cluster_keys
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
 from cli.client import call, submit
@@ -134,18 +134,26 @@ async def secure_cluster(
     *,
     tenants: frozenset[str] | None = None,
     confinement: Callable[[str], Confinement] | None = None,
+    callout: bool = True,
 ) -> AsyncIterator[tuple[Brain, Bus]]:
     """A brain and an agent per node of `gpus`, each with its own identity, and tenant
-    a's connection; agents give their jobs the node's job identity (ALNAIR_NKEY), never
-    their own; with `confinement`, each node's jobs run confined by it."""
+    a's connection. The brain answers the auth callout, so each job attempt reaches NATS
+    with its own token (ALNAIR_JOB_TOKEN); without `callout`, agents give their jobs the
+    node's job identity (ALNAIR_NKEY) instead, never their own seed. With `confinement`,
+    each node's jobs run confined by it."""
     opened: list[Bus] = []
     agents: list[Agent] = []
     brain = None
     try:
         brain_bus = await open_as(server, ids["brain:brain-1"])
         opened.append(brain_bus)
+        seed = ids["brain:brain-1"].seed_path.parent / CALLOUT_SEED_FILE
         config = BrainConfig(
-            lease_ttl_s=2.0, tick_s=0.2, history_path=data / "h.db", tenants=tenants
+            lease_ttl_s=2.0,
+            tick_s=0.2,
+            history_path=data / "h.db",
+            tenants=tenants,
+            callout_seed=seed if callout else None,
         )
         brain = Brain(brain_bus, config)
         await brain.start()
@@ -160,7 +168,7 @@ async def secure_cluster(
                 stop_grace_s=3.0,
                 nats_url=server.url,
                 nkey_seed=str(ids[f"node:{node}"].seed_path),
-                job_nkey_seed=str(ids[f"job:{node}"].seed_path),
+                job_nkey_seed=None if callout else str(ids[f"job:{node}"].seed_path),
                 confinement=confinement(node) if confinement is not None else None,
             )
             agents.append(Agent(agent_bus, config, SimulatedGpus(node, count, "A100")))
@@ -293,13 +301,15 @@ async def test_unknown_key_cannot_connect(secure_server, tmp_path) -> None:
     async def on_error(error: Exception) -> None:
         errors.append(str(error))
 
+    # A key the server does not know goes to the auth callout; with no brain to answer,
+    # the server refuses it after its auth timeout (about 2 s): wait longer than that.
     with pytest.raises(Exception) as refused:  # noqa: PT011 - nats-py raises its own kinds
         await nats.connect(
             secure_server.url,
             nkeys_seed=str(stranger.seed_path),
             allow_reconnect=False,
             max_reconnect_attempts=0,
-            connect_timeout=2,
+            connect_timeout=10,
             error_cb=on_error,
         )
     said = " ".join([*errors, str(refused.value), repr(refused.value)]).lower()

@@ -11,6 +11,7 @@ test makes are removed when it ends.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pwd
 import shutil
@@ -23,6 +24,7 @@ import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats
 import pytest
 
 from agents import cgroups
@@ -150,7 +152,6 @@ async def confined_cluster(
             path=os.pathsep.join([str(Path(sys.executable).parent), os.defpath]),
             cgroups=cgroups.Cgroups("v1", parent=parent, node=node),
             device_dir=place / "dev",
-            job_nkey_seed=ids[f"job:{node}"].seed_path,
         )
 
     async with secure_cluster(
@@ -207,8 +208,13 @@ async def test_a_job_runs_as_its_tenant_and_cannot_read_another_tenants_log(
                     print(what, "readable")
                 except OSError as error:
                     print(what, type(error).__name__)
-            seed = os.environ.get("ALNAIR_NKEY", "")
-            print("seed-is-node", open(seed).read().strip() == {node_seed.read_text()!r})
+            print("nkey", os.environ.get("ALNAIR_NKEY"))
+            print("token", os.environ["ALNAIR_JOB_TOKEN"].startswith("2:1:"))
+            try:
+                open({str(node_seed)!r}).read()
+                print("node-seed readable")
+            except OSError as error:
+                print("node-seed", type(error).__name__)
             print("agent-env", sorted(k for k in os.environ if k.startswith("PYTEST")))
             """
         own_log = place / "n1" / "logs" / "2" / "attempt-1.log"  # the next job's id is 2
@@ -221,16 +227,21 @@ async def test_a_job_runs_as_its_tenant_and_cannot_read_another_tenants_log(
         assert f"uid {users['a'].pw_uid} gid {users['a'].pw_gid}" in out
         assert "b-log PermissionError" in out
         assert "own-log readable" in out
-        assert "seed-is-node False" in out
+        assert "nkey None" in out  # no node-wide identity: its attempt's token
+        assert "token True" in out
+        assert "node-seed PermissionError" in out
         assert "agent-env []" in out
         await eventually(lambda: not _job_cgroups(cgroup_parent, "n1"))
 
 
 @needs_root
 @pytest.mark.timeout(120)
-async def test_a_job_cannot_publish_on_its_nodes_subjects(
+async def test_a_job_reaches_only_its_own_subjects_while_its_attempt_runs(
     secure_server, keys, users, place, cgroup_parent
 ) -> None:
+    """Its token admits it as a user of its own job's subjects: the server refuses its
+    publishes on its node's subjects and on another job's; once the attempt has ended
+    the same token admits nobody."""
     ids = keys[0]
     probe = """
         import asyncio, os, nats
@@ -241,18 +252,26 @@ async def test_a_job_cannot_publish_on_its_nodes_subjects(
             async def on_error(error):
                 errors.append(str(error))
 
+            token = os.environ["ALNAIR_JOB_TOKEN"]
+            job, attempt, _ = token.split(":")
+            print("token", token)
             nc = await nats.connect(
                 os.environ["ALNAIR_NATS"],
-                nkeys_seed=os.environ["ALNAIR_NKEY"],
-                inbox_prefix="_INBOX_job_n1",
+                token=token,
+                inbox_prefix=f"_INBOX_job_{job}_{attempt}",
                 error_cb=on_error,
                 allow_reconnect=False,
             )
-            await nc.publish("alnair.node.n1.event", b"{}")
-            await nc.publish("alnair.node.n1.heartbeat", b"{}")
+            for subject in (
+                f"alnair.job.{job}.progress",
+                "alnair.node.n1.event",
+                "alnair.node.n1.heartbeat",
+                "alnair.job.999.progress",
+            ):
+                await nc.publish(subject, b"{}")
             await nc.flush()
             for _ in range(200):
-                if len(errors) >= 2:
+                if len(errors) >= 3:
                     break
                 await asyncio.sleep(0.05)
             for error in errors:
@@ -265,9 +284,30 @@ async def test_a_job_cannot_publish_on_its_nodes_subjects(
         job = await submit(a, "a", JobSpec(command=_python(probe), gpus=1, env=JOB_ENV))
         done = await _finished(brain, job)
         assert done.state is JobState.SUCCEEDED, done.reason
-        out = _log(done).lower()
-        assert 'permissions violation for publish to "alnair.node.n1.event"' in out
-        assert 'permissions violation for publish to "alnair.node.n1.heartbeat"' in out
+        out = _log(done)
+        said = [line.lower() for line in out.splitlines() if line.startswith("server said:")]
+        for subject in (
+            "alnair.node.n1.event",
+            "alnair.node.n1.heartbeat",
+            "alnair.job.999.progress",
+        ):
+            assert any(f'permissions violation for publish to "{subject}"' in s for s in said), said
+        assert not any(f'"alnair.job.{job.job_id}.progress"' in s for s in said), said
+        assert brain.credentials is not None and brain.credentials.admitted >= 1
+
+        token = next(line.split()[1] for line in out.splitlines() if line.startswith("token "))
+        with pytest.raises(Exception) as refused:  # noqa: PT011 - nats-py raises its own kinds
+            await nats.connect(
+                secure_server.url,
+                token=token,
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                connect_timeout=10,
+            )
+        assert "authorization violation" in str(refused.value).lower()
+        del refused
+        gc.collect()  # the refused transport, under this test's filters
+        assert brain.credentials.refused >= 1
 
 
 @needs_root
