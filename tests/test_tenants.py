@@ -5,16 +5,21 @@ tests/test_confine.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import nkeys
 import pytest
 
 from agents import cgroups
 from agents.confine import SHIM, ConfineError, Confinement
 from brain.core.failures import AttemptEnd, classify
+from brain.credentials import JobCredentials
+from brain.secrets import check_job_token, job_token
 from brain.tenants import check_tenant, job_event_refusal, load_tenant_map
+from bus import natsjwt
 from schemas.errors import ApiError
 from schemas.events import GpuFault, InputError, ResizeCompleted
 from schemas.jobs import DEFAULT_MEMORY_MB_PER_GPU, FailureClass, JobSpec, job_limits
@@ -166,3 +171,71 @@ def test_the_exec_shim_never_runs_a_job_as_root() -> None:
     )
     assert done.returncode == 127
     assert "refusing to run a job as root" in done.stderr
+
+
+# -- jobs' NATS identity: the auth callout's answers, without a server -----------------
+
+
+def _keypair(prefix: int) -> nkeys.KeyPair:
+    return nkeys.from_seed(nkeys.encode_seed(os.urandom(32), prefix))
+
+
+def _request(server: nkeys.KeyPair, user: str, token: str) -> bytes:
+    """An authorization request as nats-server signs it."""
+    claims = {
+        "sub": "ACALLOUT",
+        "aud": "nats-authorization-request",
+        "nats": {
+            "server_id": {"id": server.public_key.decode(), "name": "s"},
+            "user_nkey": user,
+            "connect_opts": {"auth_token": token, "name": "supervisor:7"},
+            "type": "authorization_request",
+            "version": 2,
+        },
+    }
+    return natsjwt.encode(claims, server).encode()
+
+
+async def test_the_callout_admits_a_running_attempt_to_its_own_subjects_only() -> None:
+    key = os.urandom(32)
+    server = _keypair(nkeys.PREFIX_BYTE_SERVER)
+    signer = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    user = _keypair(nkeys.PREFIX_BYTE_USER).public_key.decode()
+    running = {("7", 2)}
+
+    async def cluster_key() -> bytes:
+        return key
+
+    callout = JobCredentials(signer, cluster_key, lambda j, a: (j, a) in running, clock=lambda: 1e9)
+    token = job_token(key, "7", 2)
+    assert check_job_token(key, token) == ("7", 2)
+    assert check_job_token(os.urandom(32), token) is None
+    assert check_job_token(key, "7:2:forged") is None
+
+    answer = natsjwt.decode((await callout.answer(_request(server, user, token))).decode())
+    assert answer["sub"] == user
+    assert answer["aud"] == server.public_key.decode()
+    assert answer["iss"] == signer.public_key.decode()
+    granted = natsjwt.decode(answer["nats"]["jwt"])
+    assert (granted["sub"], granted["aud"], granted["exp"]) == (user, "$G", 1e9 + 3600)
+    allowed = granted["nats"]["pub"]["allow"]
+    assert "alnair.job.7.progress" in allowed and "alnair.job.7.event" in allowed
+    assert not any(s.startswith("alnair.node.") or "job.*" in s for s in allowed), allowed
+    assert granted["nats"]["sub"]["allow"][0] == "_INBOX_job_7_2.>"
+
+    running.clear()  # the attempt ended: the same token admits nobody
+    refused = natsjwt.decode((await callout.answer(_request(server, user, token))).decode())
+    assert refused["nats"]["error"] == "job 7 attempt 2 is not running"
+    assert "jwt" not in refused["nats"]
+    other = natsjwt.decode((await callout.answer(_request(server, user, "x"))).decode())
+    assert other["nats"]["error"] == "not a job token of this cluster"
+    assert (callout.admitted, callout.refused) == (1, 2)
+
+
+def test_a_forged_request_does_not_verify() -> None:
+    server = _keypair(nkeys.PREFIX_BYTE_SERVER)
+    head, body, _ = _request(server, "U", "t").decode().split(".")
+    other = _keypair(nkeys.PREFIX_BYTE_SERVER)
+    forged = f"{head}.{body}." + _request(other, "U", "t").decode().split(".")[2]
+    with pytest.raises(natsjwt.JwtError, match="does not verify"):
+        natsjwt.parse_auth_request(forged.encode())
