@@ -9,7 +9,9 @@ import logging
 import os
 import pwd
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -138,4 +140,25 @@ def ensure_tenant_users(tenants: list[str], path: Path) -> Path | None:
         "# Written by `alnair up --secure`: the Unix user each tenant's jobs run as.\n"
         + render_tenant_map(tuple(users))
     )
+    blocked = unreachable_by_others(Path(sys.executable))
+    if blocked is not None:
+        print(
+            f"alnair up: warning: {sys.executable} is not reachable by the tenants' users "
+            f"({blocked} is closed to others): a job that runs `python` from PATH fails; "
+            "use an interpreter outside it (docs/security.md)"
+        )
     return path
+
+
+def unreachable_by_others(program: Path) -> Path | None:
+    """The first directory (or the file) on the way to `program`, links followed, that
+    a user other than its owner and group may not pass; None if all may."""
+    target = program.resolve()
+    for step in [*reversed(target.parents), target]:
+        try:
+            mode = step.stat().st_mode
+        except OSError:
+            return step
+        if not mode & stat.S_IXOTH:
+            return step
+    return None

@@ -6,8 +6,10 @@ tests/test_confine.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nkeys
@@ -20,6 +22,7 @@ from brain.credentials import JobCredentials
 from brain.secrets import check_job_token, job_token
 from brain.tenants import check_tenant, job_event_refusal, load_tenant_map
 from bus import natsjwt
+from cli.confine import unreachable_by_others
 from schemas.errors import ApiError
 from schemas.events import GpuFault, InputError, ResizeCompleted
 from schemas.jobs import DEFAULT_MEMORY_MB_PER_GPU, FailureClass, JobSpec, job_limits
@@ -239,3 +242,23 @@ def test_a_forged_request_does_not_verify() -> None:
     forged = f"{head}.{body}." + _request(other, "U", "t").decode().split(".")[2]
     with pytest.raises(natsjwt.JwtError, match="does not verify"):
         natsjwt.parse_auth_request(forged.encode())
+
+
+def test_up_can_tell_an_interpreter_other_users_cannot_reach() -> None:
+    # Not under tmp_path: pytest keeps that closed to others.
+    base = Path(tempfile.mkdtemp(prefix="alnair-reach-"))
+    try:
+        base.chmod(0o755)
+        closed = base / "closed"
+        (closed / "bin").mkdir(parents=True)
+        program = closed / "bin" / "python"
+        program.write_text("")
+        program.chmod(0o755)
+        closed.chmod(0o700)
+        assert unreachable_by_others(program) == closed
+        closed.chmod(0o755)
+        assert unreachable_by_others(program) is None
+        program.chmod(0o750)
+        assert unreachable_by_others(program) == program
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
