@@ -235,7 +235,6 @@ class Brain:
         self._leader_tasks: list[asyncio.Task[None]] = []
         self._leader_subs: list[Subscription] = []
         self._events: Consumer | None = None
-        self._job_events: Consumer | None = None
         self._election: asyncio.Task[None] | None = None
         self._renewer: asyncio.Task[None] | None = None
         self._taking_over = False
@@ -384,15 +383,11 @@ class Brain:
         ]
         if self.credentials is not None:  # the leader admits jobs: it knows which run
             self._leader_subs.append(await self.credentials.serve(self.bus))
+        # Named apart from the node-events-only consumer ("brain") of earlier versions,
+        # whose filter cannot change: a brain upgraded in place reads the EVENTS stream
+        # again from its start, harmlessly (each effect checks the attempt).
         self._events = await self.bus.consume(
-            subjects.STREAM_EVENTS, "brain", subjects.ALL_NODE_EVENTS, NODE_EVENT, self._on_event
-        )
-        self._job_events = await self.bus.consume(
-            subjects.STREAM_EVENTS,
-            "brain-jobs",
-            subjects.ALL_JOB_EVENTS,
-            NODE_EVENT,
-            self._on_job_event,
+            subjects.STREAM_EVENTS, "brain-events", subjects.ALL_EVENTS, NODE_EVENT, self._on_event
         )
         self._leader_tasks = [
             self.bus.spawn(self._run(), name="brain-loop"),
@@ -442,17 +437,15 @@ class Brain:
         self._stepping_down = True
         self.epoch = 0
         current = asyncio.current_task()
-        subs, events = self._leader_subs, (self._events, self._job_events)
+        subs, events = self._leader_subs, self._events
         others = [t for t in (*self._leader_tasks, self._renewer) if t and t is not current]
         self._leader_subs, self._leader_tasks, self._renewer, self._events = [], [], None, None
-        self._job_events = None
         try:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            for consumer in events:
-                if consumer is not None:
-                    await consumer.stop()
+            if events is not None:
+                await events.stop()
             for task in others:
                 task.cancel()
             if others:
@@ -503,7 +496,13 @@ class Brain:
             self._dirty = True  # a first report, or a first at this size: news for policy
 
     async def _on_event(self, event: NodeEvent, msg: Msg) -> None:
-        if not await self._from_own_node(event.node, msg):
+        if msg.subject.startswith(f"{subjects.PREFIX}.job."):
+            # A job's own report: only of kinds a job may make, about itself.
+            refusal = job_event_refusal(msg.subject, event)
+            if refusal is not None:
+                await self.ingest_bus.dead_letter(msg.subject, msg.data, refusal)
+                return
+        elif not await self._from_own_node(event.node, msg):
             return
         try:
             await self.submit_item(_Item("event", event))
@@ -521,19 +520,6 @@ class Brain:
         """Whether this attempt runs (its job's NATS token admits it only then)."""
         job = self.state.jobs.get(job_id)
         return job is not None and job.attempt == attempt and job.state is JobState.RUNNING
-
-    async def _on_job_event(self, event: NodeEvent, msg: Msg) -> None:
-        """A job's own report: only of kinds a job may make, about itself."""
-        refusal = job_event_refusal(msg.subject, event)
-        if refusal is not None:
-            await self.ingest_bus.dead_letter(msg.subject, msg.data, refusal)
-            return
-        try:
-            await self.submit_item(_Item("event", event))
-        except ApiError as error:
-            if error.code != "unavailable":
-                raise
-            raise HandBack(error.message) from None
 
     async def _from_own_node(self, node: str, msg: Msg) -> bool:
         """A node speaks only for itself: the payload's node must be the subject's."""

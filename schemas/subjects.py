@@ -36,6 +36,9 @@ ALL_JOB_COMMANDS: Final = f"{PREFIX}.job.*.cmd"
 ALL_JOB_PROGRESS: Final = f"{PREFIX}.job.*.progress"
 # What a job itself reports (a resize done, a bad input): in the EVENTS stream too.
 ALL_JOB_EVENTS: Final = f"{PREFIX}.job.*.event"
+# Both, as the brain reads them: one consumer, so a job's report (its bad input) comes
+# before its node's report of its exit, as they were stored.
+ALL_EVENTS: Final = f"{PREFIX}.*.*.event"
 ALL_API: Final = f"{PREFIX}.api.*.>"
 ALL_STATE: Final = f"{PREFIX}.state.>"
 ALL_DLQ: Final = f"{PREFIX}.dlq.>"
