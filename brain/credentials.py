@@ -6,10 +6,11 @@ leading brain answers. A job connects with the token of its attempt
 (`ALNAIR_JOB_TOKEN`, `<job>:<attempt>:<mac>` under the cluster key, brain/secrets.py),
 put in its launch's environment by the brain. The callout admits it only while that
 attempt runs, as a user that may use its own job's subjects and nothing else
-(`bus.auth.job_permissions`), expiring after `ttl_s` (the client then reconnects, and
-is admitted again only if the attempt still runs). Once the attempt has ended the token
-admits nobody; its processes, which held the connections, are gone with the job's
-cgroup (agents/confine.py).
+(`bus.auth.job_permissions`). Once the attempt has ended the token admits nobody; its
+processes, which held the connections, are gone with the job's cgroup
+(agents/confine.py). The users do not expire by default (`ttl_s` None): nats-py closes a
+connection whose user expired ('User Authentication Expired') rather than reconnecting,
+which would cut a long job off the bus for good.
 
 The callout's answers are JWTs signed with the account key whose public half is the
 `issuer` of the server's `auth_callout` block (`callout-issuer.nk` from `alnair keys`).
@@ -36,7 +37,6 @@ from bus.natsjwt import JwtError, authorization_response, parse_auth_request
 log = logging.getLogger(__name__)
 
 AUTH_CALLOUT_SUBJECT: Final = "$SYS.REQ.USER.AUTH"
-DEFAULT_TTL_S: Final = 3600.0
 
 
 def load_signer(path: str | Path) -> nkeys.KeyPair:
@@ -52,7 +52,8 @@ class JobCredentials:
     key: Callable[[], Awaitable[bytes]]
     # Whether this attempt of this job runs now.
     running: Callable[[str, int], bool]
-    ttl_s: float = DEFAULT_TTL_S
+    # The user's lifetime, when it should have one (see above).
+    ttl_s: float | None = None
     clock: Callable[[], float] = time.time
     admitted: int = field(default=0)
     refused: int = field(default=0)
@@ -91,5 +92,5 @@ class JobCredentials:
             now=now,
             name=f"job-{job_id}-{attempt}",
             permissions=job_permissions(job_id, attempt),
-            expires_at=now + self.ttl_s,
+            expires_at=None if self.ttl_s is None else now + self.ttl_s,
         )
