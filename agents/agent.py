@@ -165,6 +165,8 @@ class Agent:
                 reason="agent shutting down", grace_s=self.config.stop_grace_s
             )
             await self.launcher.wait_idle()
+            if self.config.confinement is not None:
+                self.config.confinement.close()
         if self._sender is not None:
             # Let the exits just reported reach the brain, within reason.
             with contextlib.suppress(TimeoutError):

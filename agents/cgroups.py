@@ -180,6 +180,18 @@ class Cgroups:
             base = self.root / "cpu,cpuacct"
         return base / self.parent / self.node
 
+    def remove_empty(self) -> None:
+        """Remove this node's (and the parent's) directories if no job's is left in them:
+        an agent shutting down leaves nothing behind."""
+        if self.version == "v1":
+            levels = [self._v1_dir(c) for c in ("memory", "cpu", "pids", "devices")]
+        else:
+            levels = [self.root / self.parent / self.node]
+        for level in levels:
+            for directory in (level, level.parent):
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+
     def create(self, name: str, limits: Limits) -> JobCgroup:
         """A fresh cgroup with these limits (an old one of the same name is replaced)."""
         if self.version == "v1":

@@ -25,6 +25,7 @@ kills what the job left behind, and removes the cgroup and the runtime directory
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import logging
 import os
@@ -134,6 +135,13 @@ class Confinement:
         self.runtime_root.mkdir(parents=True, exist_ok=True)
         os.chown(self.runtime_root, 0, 0)
         self.runtime_root.chmod(0o711)
+
+    def close(self) -> None:
+        """The agent is done: remove what `check` and the jobs left, if empty."""
+        if self.cgroups is not None:
+            self.cgroups.remove_empty()
+        with contextlib.suppress(OSError):
+            self.runtime_root.rmdir()
 
     def user_for(self, tenant: str | None) -> JobUser:
         entry = self.tenants.get(tenant or "")

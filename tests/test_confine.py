@@ -357,6 +357,10 @@ async def test_a_job_is_killed_at_its_memory_limit_as_a_user_failure(
         assert failure.reason == "out of memory (limit 64 MiB)"
         assert "survived" not in _log(done)
         await eventually(lambda: not _job_cgroups(cgroup_parent, "n1"))
+    # The agent stopped: it left no cgroup directory and no runtime directory behind.
+    for controller in ("memory", "cpu", "pids", "devices"):
+        assert not (cgroups.CGROUP_ROOT / controller / cgroup_parent).exists()
+    assert not (place / "run" / "n1").exists()
 
 
 @needs_root
