@@ -23,6 +23,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from agents.confine import Confinement
 from agents.gpu import GpuBackend, SimulatedGpus
 from agents.health import (
     FaultReport,
@@ -66,9 +67,14 @@ class AgentConfig:
     stop_grace_s: float = 10.0
     hostname: str = field(default_factory=socket.gethostname)
     nats_url: str | None = None
-    # This agent's nkey seed file, passed on to its jobs (ALNAIR_NKEY) so that an
-    # elastic job's supervisor and the SDK reach NATS under --secure.
+    # This agent's own nkey seed file. It never reaches a job: jobs get the node's
+    # *job* identity (`job_nkey_seed`, bus/auth.py), which may not act as the node.
     nkey_seed: str | None = None
+    # The seed file a job's supervisor and SDK reach NATS with under --secure
+    # (ALNAIR_NKEY in the job's environment).
+    job_nkey_seed: str | None = None
+    # Run each job as its tenant's user, in its own cgroup (agents/confine.py).
+    confinement: Confinement | None = None
 
 
 class Agent:
@@ -88,7 +94,9 @@ class Agent:
         self.epoch = 0
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._heartbeat_seq = 0
-        self.launcher = Launcher(config.data_dir / "logs", self._on_exit, clock=clock)
+        self.launcher = Launcher(
+            config.data_dir / "logs", self._on_exit, clock=clock, confinement=config.confinement
+        )
         # Attempts started here whose exit is not yet stored: what a crash leaves behind.
         self.ledger = ProcessLedger(config.data_dir / "processes")
         self._loops: list[asyncio.Task[None]] = []
@@ -108,6 +116,8 @@ class Agent:
 
     async def start(self) -> None:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.confinement is not None:
+            self.config.confinement.check()
         leftovers = self.ledger.leftovers()  # before this agent launches anything
         # Hear commands before announcing ourselves: a brain may place a job on the
         # first heartbeat, and the consumer takes only commands stored after it exists.
@@ -155,6 +165,8 @@ class Agent:
                 reason="agent shutting down", grace_s=self.config.stop_grace_s
             )
             await self.launcher.wait_idle()
+            if self.config.confinement is not None:
+                self.config.confinement.close()
         if self._sender is not None:
             # Let the exits just reported reach the brain, within reason.
             with contextlib.suppress(TimeoutError):
@@ -355,8 +367,8 @@ class Agent:
         )
         if self.config.nats_url:
             env["ALNAIR_NATS"] = self.config.nats_url
-        if self.config.nkey_seed:
-            env["ALNAIR_NKEY"] = self.config.nkey_seed
+        if self.config.job_nkey_seed:
+            env["ALNAIR_NKEY"] = self.config.job_nkey_seed
         env[BLACKLIST_FILE_ENV] = str(self._blacklist_file(command))
         if command.prerun:
             env["ALNAIR_PRERUN"] = "1"
@@ -367,6 +379,9 @@ class Agent:
             command=command.command,
             env=env,
             cwd=command.cwd,
+            tenant=command.tenant,
+            memory_mb=command.memory_mb,
+            cpus=command.cpus,
         )
         try:
             job = await self.launcher.launch(request)
@@ -428,6 +443,7 @@ class Agent:
                 stopped=job.stop_reason is not None,
                 runtime_s=status.runtime_s,
                 log_tail=status.log_tail,
+                oom_limit_mb=status.oom_limit_mb,
             )
         )
         self.backend.set_busy(self.launcher.busy_gpus())

@@ -1,9 +1,11 @@
 """Job processes on one node: start, watch, stop.
 
 Each job attempt runs as its own process group with `CUDA_VISIBLE_DEVICES` set to its
-granted GPUs and its stdout/stderr appended to a per-attempt log file. Stopping sends
-SIGTERM to the whole group, then SIGKILL after the grace period, so a training
-launcher's workers go with it.
+granted GPUs and its stdout/stderr appended to a per-attempt log file. Given a
+`Confinement` (agents/confine.py), each runs as its tenant's user, in its own cgroup,
+with a clean environment; without one, as the agent's user with the agent's
+environment. Stopping sends SIGTERM to the whole group, then SIGKILL after the grace
+period, so a training launcher's workers go with it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from agents.cgroups import CgroupError
+from agents.confine import Confined, ConfineError, Confinement, JobRequest
 from schemas.errors import AlnairError
 from schemas.events import LOG_TAIL_LINES
 
@@ -45,6 +49,9 @@ class LaunchRequest:
     command: tuple[str, ...]
     env: Mapping[str, str]
     cwd: str | None
+    tenant: str | None = None
+    memory_mb: int | None = None
+    cpus: float | None = None
 
 
 @dataclass
@@ -58,6 +65,7 @@ class JobProcess:
     started_monotonic: float
     stop_reason: str | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
+    confined: Confined | None = None
 
     @property
     def pid(self) -> int:
@@ -70,6 +78,8 @@ class ExitStatus:
     signal: int | None
     runtime_s: float
     log_tail: tuple[str, ...]
+    # The job's cgroup killed it at this memory limit (MiB).
+    oom_limit_mb: int | None = None
 
 
 ExitCallback = Callable[[JobProcess, ExitStatus], Awaitable[None]]
@@ -96,10 +106,14 @@ class Launcher:
         *,
         base_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
+        confinement: Confinement | None = None,
     ) -> None:
         self.log_dir = log_dir
+        self._confinement = confinement
         self._on_exit = on_exit
         self._base_env = dict(os.environ if base_env is None else base_env)
+        # The agent's own NATS identity is never a job's (the agent sets the job's).
+        self._base_env.pop("ALNAIR_NKEY", None)
         self._clock = clock
         self._procs: dict[tuple[str, int], JobProcess] = {}
         self._finished: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -144,10 +158,16 @@ class Launcher:
         cwd = request.cwd
         if cwd is not None and not os.path.isdir(cwd):  # noqa: ASYNC240 - one stat
             raise LaunchError(request.job_id, f"working directory {cwd} does not exist")
+        argv, confined = request.command, None
+        if self._confinement is not None:
+            confined = self._confine(self._confinement, request, log_path)
+            # The shim enters the working directory as the job's user.
+            argv, env, cwd = confined.argv, confined.env, None
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, request.gpus))
         with log_path.open("ab") as log_file:
             try:
                 process = await asyncio.create_subprocess_exec(
-                    *request.command,
+                    *argv,
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log_file,
                     stderr=asyncio.subprocess.STDOUT,
@@ -156,6 +176,8 @@ class Launcher:
                     start_new_session=True,
                 )
             except OSError as error:
+                if confined is not None:
+                    await confined.finish()
                 raise LaunchError(
                     request.job_id,
                     f"cannot start {request.command[0]!r}: {error.strerror or error}",
@@ -168,12 +190,36 @@ class Launcher:
             log_path=log_path,
             started_at=self._clock(),
             started_monotonic=time.monotonic(),
+            confined=confined,
         )
         self._procs[(request.job_id, request.attempt)] = job
         watcher = asyncio.ensure_future(self._watch(job))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)
         return job
+
+    @staticmethod
+    def _confine(confinement: Confinement, request: LaunchRequest, log_path: Path) -> Confined:
+        try:
+            return confinement.prepare(
+                JobRequest(
+                    job_id=request.job_id,
+                    attempt=request.attempt,
+                    tenant=request.tenant,
+                    gpus=request.gpus,
+                    command=request.command,
+                    env=request.env,
+                    cwd=request.cwd,
+                    memory_mb=request.memory_mb,
+                    cpus=request.cpus,
+                ),
+                log_path,
+            )
+        except ConfineError as error:
+            raise LaunchError(request.job_id, error.reason, retryable=error.retryable) from None
+        except (CgroupError, OSError) as error:
+            # The node cannot confine it (cgroup filesystem, disk): another node may.
+            raise LaunchError(request.job_id, f"cannot confine: {error}", retryable=True) from None
 
     async def _wait_for_gpus(self, request: LaunchRequest, wait_s: float) -> None:
         """A GPU may still be held by a process being stopped: wait for it to go.
@@ -200,11 +246,18 @@ class Launcher:
 
     async def _watch(self, job: JobProcess) -> None:
         returncode = await job.process.wait()
+        oom_limit_mb = None
+        if job.confined is not None:
+            try:
+                oom_limit_mb = await job.confined.finish()
+            except Exception:
+                log.exception("job %s: cleaning up its confinement failed", job.job_id)
         status = ExitStatus(
             exit_code=returncode if returncode >= 0 else None,
             signal=-returncode if returncode < 0 else None,
             runtime_s=time.monotonic() - job.started_monotonic,
             log_tail=read_tail(job.log_path),
+            oom_limit_mb=oom_limit_mb,
         )
         job.exited.set()
         try:

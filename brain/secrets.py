@@ -47,3 +47,24 @@ async def exec_key(bus: Bus) -> bytes:
 def exec_secret(key: bytes, job_id: str, attempt: int) -> str:
     """The secret of one attempt of one job."""
     return hmac.new(key, f"{job_id}:{attempt}".encode(), hashlib.sha256).hexdigest()
+
+
+JOB_TOKEN_ENV: Final = "ALNAIR_JOB_TOKEN"
+
+
+def job_token(key: bytes, job_id: str, attempt: int) -> str:
+    """What one attempt of one job connects to NATS with (brain/credentials.py):
+    `<job>:<attempt>:<mac>`, the MAC under the cluster key."""
+    mac = hmac.new(key, f"nats:{job_id}:{attempt}".encode(), hashlib.sha256).hexdigest()
+    return f"{job_id}:{attempt}:{mac}"
+
+
+def check_job_token(key: bytes, token: str) -> tuple[str, int] | None:
+    """The (job, attempt) a token was made for, or None if it was not made with `key`."""
+    job_id, _, rest = token.partition(":")
+    attempt, _, _ = rest.partition(":")
+    if not job_id or not attempt.isdigit():
+        return None
+    if not hmac.compare_digest(token, job_token(key, job_id, int(attempt))):
+        return None
+    return job_id, int(attempt)

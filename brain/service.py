@@ -57,6 +57,7 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
+from brain.credentials import JobCredentials, load_signer
 from brain.history import History
 from brain.inbox import ApiCall, EventArrived, HeartbeatNews, Item, Tick, WriteRequest
 from brain.ingest import (
@@ -72,6 +73,7 @@ from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.replica import Replica
 from brain.state import BrainState, current_size_s
+from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
 from schemas import subjects
 from schemas.api import (
@@ -104,6 +106,7 @@ from schemas.jobs import (
     NodeGpus,
     NodeGrant,
     describe_placement,
+    job_limits,
     placement_size,
 )
 from schemas.nodes import DrainedGpu, NodeRecord, NodeState
@@ -165,6 +168,12 @@ class BrainConfig:
     # What the Gittins order believes of job service before any job has finished; the
     # finished jobs' service (from the log) is learned on top of it.
     service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    # The tenants of the tenant map (`--tenant-users`): others are refused at submit.
+    # None: no map, every tenant may submit (its jobs run as the agent's user).
+    tenants: frozenset[str] | None = None
+    # The account seed that signs jobs' NATS users (auth callout, brain/credentials.py);
+    # None: jobs get no token, and use their node's job identity if it gives them one.
+    callout_seed: Path | None = None
 
 
 class Brain:
@@ -213,6 +222,11 @@ class Brain:
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
+        self.credentials = (
+            JobCredentials(load_signer(self.config.callout_seed), self._cluster_key, self._running)
+            if self.config.callout_seed is not None
+            else None
+        )
         self._record_counter = 0
         self._leader_tasks: list[asyncio.Task[None]] = []
         self._leader_subs: list[Subscription] = []
@@ -364,8 +378,13 @@ class Brain:
             await self.bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, self._on_progress),
             await self.api.serve(),
         ]
+        if self.credentials is not None:  # the leader admits jobs: it knows which run
+            self._leader_subs.append(await self.credentials.serve(self.bus))
+        # Named apart from the node-events-only consumer ("brain") of earlier versions,
+        # whose filter cannot change: a brain upgraded in place reads the EVENTS stream
+        # again from its start, harmlessly (each effect checks the attempt).
         self._events = await self.bus.consume(
-            subjects.STREAM_EVENTS, "brain", subjects.ALL_NODE_EVENTS, NODE_EVENT, self._on_event
+            subjects.STREAM_EVENTS, "brain-events", subjects.ALL_EVENTS, NODE_EVENT, self._on_event
         )
         self._leader_tasks = [
             self.bus.spawn(self._run(), name="brain-loop"),
@@ -481,7 +500,13 @@ class Brain:
             self._dirty = True  # a first report, or a first at this size: news for policy
 
     async def _on_event(self, event: NodeEvent, msg: Msg) -> None:
-        if not await self._from_own_node(event.node, msg):
+        if msg.subject.startswith(f"{subjects.PREFIX}.job."):
+            # A job's own report: only of kinds a job may make, about itself.
+            refusal = job_event_refusal(msg.subject, event)
+            if refusal is not None:
+                await self.ingest_bus.dead_letter(msg.subject, msg.data, refusal)
+                return
+        elif not await self._from_own_node(event.node, msg):
             return
         try:
             await self.submit_item(EventArrived(event))
@@ -489,6 +514,16 @@ class Brain:
             if error.code != "unavailable":
                 raise
             raise HandBack(error.message) from None  # the next leader records it
+
+    async def _cluster_key(self) -> bytes:
+        if not self._exec_key:  # read (or made) when first needed, not at start
+            self._exec_key = await secrets.exec_key(self.bus)
+        return self._exec_key
+
+    def _running(self, job_id: str, attempt: int) -> bool:
+        """Whether this attempt runs (its job's NATS token admits it only then)."""
+        job = self.state.jobs.get(job_id)
+        return job is not None and job.attempt == attempt and job.state is JobState.RUNNING
 
     async def _from_own_node(self, node: str, msg: Msg) -> bool:
         """A node speaks only for itself: the payload's node must be the subject's."""
@@ -768,6 +803,7 @@ class Brain:
 
     async def _submit(self, tenant: str, request: SubmitRequest) -> JobRecord:
         spec = request.spec
+        check_tenant(self.config.tenants, tenant)
         if request.idempotency_key is not None:
             known = self.state.job_for_key(tenant, request.idempotency_key)
             if known is not None:
@@ -1174,6 +1210,7 @@ class Brain:
             signal=event.signal,
             log_tail=event.log_tail,
             runtime_s=event.runtime_s,
+            oom_limit_mb=event.oom_limit_mb,
         )
         reported = self.state.input_reports.get((job.job_id, job.attempt))
         await self._fail_attempt(updated, event.node, classify(end, (), reported), end)
@@ -1878,9 +1915,11 @@ class Brain:
         remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
         env = dict(job.spec.env)
         if job.spec.elastic:
-            if not self._exec_key:  # read (or made) when first needed, not at start
-                self._exec_key = await secrets.exec_key(self.bus)
-            env[EXEC_SECRET_ENV] = secrets.exec_secret(self._exec_key, job.job_id, job.attempt)
+            key = await self._cluster_key()
+            env[EXEC_SECRET_ENV] = secrets.exec_secret(key, job.job_id, job.attempt)
+        if self.credentials is not None:
+            key = await self._cluster_key()
+            env[secrets.JOB_TOKEN_ENV] = secrets.job_token(key, job.job_id, job.attempt)
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue
@@ -1903,6 +1942,9 @@ class Brain:
                     nodes=nodes,
                     blacklist=tuple(sorted(self.state.blacklist)),
                     prerun=job.prerun == "running",
+                    tenant=job.tenant,
+                    memory_mb=job_limits(job.spec, len(grant.gpus))[0],
+                    cpus=job_limits(job.spec, len(grant.gpus))[1],
                 ),
             )
 

@@ -3,10 +3,13 @@
 Every component connects as its own nkey user, and the server enforces:
 
 - an agent publishes only its node's telemetry, heartbeat and event subjects, and
-  reaches only its own JetStream consumer of its own command subject. The jobs it
-  launches get its identity (`ALNAIR_NKEY`: they run as its user and could read the
-  seed anyway), so it may also publish job progress and create consumers that push
-  job commands to its own inbox (an elastic job's supervisor);
+  reaches only its own JetStream consumer of its own command subject;
+- the jobs a node runs share one *job* identity per node (`job-<node>`, passed to them
+  as `ALNAIR_NKEY`; never the node's own seed): they may publish job progress, create
+  consumers that push job commands to their own inbox (an elastic job's supervisor),
+  and start and answer elastic workers (the worker subjects), and nothing of the
+  node's: no telemetry, heartbeat, event or command subject. It is not confined to one
+  job's subjects (docs/security.md says what that leaves open);
 - a tenant publishes only `alnair.api.<tenant>.>` (the brain takes the tenant from
   that subject, so a tenant cannot act as another);
 - the operator reads everything and changes nothing (read-only API verbs, reading
@@ -27,12 +30,15 @@ from typing import Final, Literal
 
 import nkeys
 
+from bus.natsjwt import Permissions
 from schemas import subjects
 from schemas.base import check_name
 
-Role = Literal["brain", "node", "tenant", "operator"]
+Role = Literal["brain", "node", "job", "tenant", "operator"]
 OPERATOR: Final = "operator"
 READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "status", "history", "why")
+# The account key a brain signs job users with (its auth callout), beside the seeds.
+CALLOUT_SEED_FILE: Final = "callout-issuer.nk"
 WORKER_SUBJECTS: Final = (f"{subjects.PREFIX}.job.*.exec", f"{subjects.PREFIX}.job.*.workers")
 
 
@@ -76,17 +82,29 @@ def _node_permissions(node: str) -> tuple[list[str], list[str]]:
         f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{consumer}",
         f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"$JS.ACK.{stream}.{consumer}.>",
-        # Its jobs' supervisors: progress, and job commands pushed to the node's inbox
-        # (a consumer of any name, but only over job command subjects; no pulling).
-        subjects.ALL_JOB_PROGRESS,
-        f"$JS.API.CONSUMER.CREATE.{stream}.*.{subjects.ALL_JOB_COMMANDS}",
-        # Elastic jobs across nodes: worker starts (each signed with the attempt's
-        # secret, which only its nodes were given) and the workers' relayed reports.
-        *WORKER_SUBJECTS,
     ]
     # Fault injection (simulated GPUs only) is a request to the node's own subject.
     subscribe = [f"_INBOX_node_{node}.>", f"{subjects.PREFIX}.node.{node}.inject"]
-    return publish, [*subscribe, *WORKER_SUBJECTS]
+    return publish, subscribe
+
+
+def _job_permissions(node: str) -> tuple[list[str], list[str]]:
+    """The jobs of one node: their supervisors, worker hosts and SDK."""
+    stream = subjects.STREAM_COMMANDS
+    publish = [
+        # Progress, and job commands pushed to the job's own inbox (a consumer of any
+        # name, but only over job command subjects; no pulling).
+        subjects.ALL_JOB_PROGRESS,
+        f"$JS.API.CONSUMER.CREATE.{stream}.*.{subjects.ALL_JOB_COMMANDS}",
+        # What a job reports itself (a resize done, a bad input); the brain takes only
+        # those kinds there, each about the subject's job (brain/tenants.py).
+        subjects.ALL_JOB_EVENTS,
+        # Elastic jobs across nodes: worker starts (each signed with the attempt's
+        # secret, which only its nodes were given) and the workers' relayed reports.
+        *WORKER_SUBJECTS,
+        f"{subjects.PREFIX}.dlq.>",
+    ]
+    return publish, [f"_INBOX_job_{node}.>", *WORKER_SUBJECTS]
 
 
 def _operator_permissions() -> tuple[list[str], list[str]]:
@@ -108,24 +126,69 @@ def permissions(identity: Identity) -> tuple[list[str], list[str]]:
         return [">"], [">"]
     if identity.role == "node":
         return _node_permissions(identity.name)
+    if identity.role == "job":
+        return _job_permissions(identity.name)
     if identity.role == "tenant":
         return [f"{subjects.PREFIX}.api.{identity.name}.>"], [f"_INBOX_tenant_{identity.name}.>"]
     return _operator_permissions()
 
 
-def authorization_block(identities: list[Identity]) -> str:
-    """The nats-server configuration that admits exactly these identities."""
+def job_inbox_prefix(job_id: str, attempt: int) -> str:
+    return f"_INBOX_job_{job_id}_{attempt}"
+
+
+def job_permissions(job_id: str, attempt: int) -> Permissions:
+    """What one attempt of one job may do (its supervisor, worker hosts, SDK), as the
+    brain's auth callout grants it (brain/credentials.py): its own job's subjects only."""
+    stream = subjects.STREAM_COMMANDS
+    own = [subjects.job(job_id, channel) for channel in ("exec", "workers")]
+    publish = (
+        subjects.job(job_id, "progress"),
+        subjects.job(job_id, "event"),
+        *own,
+        # Job commands pushed to its own inbox (a consumer of any name, over its own
+        # command subject only; no pulling).
+        f"$JS.API.CONSUMER.CREATE.{stream}.*.{subjects.job(job_id, 'cmd')}",
+        f"{subjects.PREFIX}.dlq.>",
+    )
+    subscribe = (f"{job_inbox_prefix(job_id, attempt)}.>", *own)
+    return Permissions(publish, subscribe, allow_responses=True)
+
+
+def create_callout_key(directory: Path) -> tuple[str, Path]:
+    """The account nkey the brain signs job users with (auth callout): (public, seed)."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT)
+    public = nkeys.from_seed(seed).public_key.decode()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CALLOUT_SEED_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(seed)
+    return public, path
+
+
+def authorization_block(identities: list[Identity], callout_issuer: str | None = None) -> str:
+    """The nats-server configuration that admits exactly these identities, and, with a
+    callout issuer, whoever the brain's auth callout admits (jobs, with a token)."""
     users = []
     for identity in identities:
         publish, subscribe = permissions(identity)
         rules = f"publish: {{allow: {json.dumps(publish)}}}, "
         rules += f"subscribe: {{allow: {json.dumps(subscribe)}}}"
-        if identity.role == "node":
+        if identity.role == "job":
             # A worker host answers the supervisor's requests on another node's inbox:
             # one reply to each request it received, nothing else there.
             rules += ", allow_responses: true"
         users.append(f"    {{nkey: {identity.public_key}, permissions: {{{rules}}}}}")
-    return "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n}\n"
+    callout = ""
+    if callout_issuer is not None:
+        # Every identity above bypasses the callout; any other connection is the
+        # brain's to admit or refuse (a job presenting its attempt's token).
+        known = json.dumps([identity.public_key for identity in identities])
+        callout = (
+            f"  auth_callout {{\n    issuer: {callout_issuer}\n    auth_users: {known}\n  }}\n"
+        )
+    return "authorization {\n  users = [\n" + ",\n".join(users) + "\n  ]\n" + callout + "}\n"
 
 
 def write_cluster_keys(
@@ -134,12 +197,14 @@ def write_cluster_keys(
     """Identities for a whole cluster and the server config file admitting them."""
     identities = [create_identity("brain", f"brain-{i + 1}", directory) for i in range(brains)]
     identities += [create_identity("node", node, directory) for node in nodes]
+    identities += [create_identity("job", node, directory) for node in nodes]
     identities += [create_identity("tenant", tenant, directory) for tenant in tenants]
     identities.append(create_identity("operator", OPERATOR, directory))
+    issuer, _ = create_callout_key(directory)
     config = directory / "nats-auth.conf"
     config.write_text(
         "# Generated by `alnair keys`: who may connect to NATS and what each may do.\n"
-        + authorization_block(identities)
+        + authorization_block(identities, issuer)
     )
     return identities, config
 
@@ -149,6 +214,6 @@ def inbox_prefix_for_seed(path: str | Path) -> str | None:
     name (`<role>-<name>.nk`, as written here); None for a brain or an unknown name."""
     stem = Path(path).name.removesuffix(".nk")
     role, _, name = stem.partition("-")
-    if role in ("node", "tenant", "operator") and name:
+    if role in ("node", "job", "tenant", "operator") and name:
         return f"_INBOX_{role}_{name}"
     return None

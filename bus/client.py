@@ -90,9 +90,10 @@ class StreamSpec:
 STREAMS: Final = (
     StreamSpec(
         subjects.STREAM_EVENTS,
-        (subjects.ALL_NODE_EVENTS,),
+        (subjects.ALL_NODE_EVENTS, subjects.ALL_JOB_EVENTS),
         7 * DAY_S,
-        "node events: job exits, GPU faults, input errors (agent -> brain)",
+        "node events: job exits, GPU faults (agent -> brain); job events: resizes done, "
+        "input errors (a job's supervisor or SDK -> brain)",
     ),
     StreamSpec(
         subjects.STREAM_COMMANDS,
@@ -143,6 +144,8 @@ class ConnectOptions:
     # prefix its permissions allow.
     nkey_seed: str | None = None
     inbox_prefix: str | None = None
+    # A token the brain's auth callout turns into a user (a job's, brain/credentials.py).
+    token: str | None = None
     # TLS (bus/tls.py): the CA that signed the servers' certificate, and this client's
     # certificate and key, which servers that verify clients require.
     tls_ca: str | None = None
@@ -205,6 +208,8 @@ class Bus:
             kwargs["nkeys_seed"] = options.nkey_seed
         if options.inbox_prefix:
             kwargs["inbox_prefix"] = options.inbox_prefix
+        if options.token:
+            kwargs["token"] = options.token
         if options.tls_ca or options.tls_cert:
             kwargs["tls"] = tls_context(options)
         try:

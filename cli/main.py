@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from bus.auth import inbox_prefix_for_seed
-from cli import failures, why
+from cli import confine, failures, why
 from cli import format as fmt
 from cli.client import call, open_bus, submit
 from cli.config import alnair_home, resolve_nats, resolve_nkey, resolve_tls
@@ -488,6 +488,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
     from brain.core import Policy
     from brain.queues import load_queues
     from brain.service import Brain, BrainConfig
+    from brain.tenants import load_tenant_map
     from bus.client import Bus, ConnectOptions
 
     config = BrainConfig(
@@ -505,6 +506,8 @@ async def cmd_brain(args: argparse.Namespace) -> int:
         queues=load_queues(args.queues) if args.queues else (),
         history_path=Path(args.history) if args.history else alnair_home() / "brain" / "history.db",
         failures=failures.policy_of(args),
+        tenants=load_tenant_map(args.tenant_users).tenants if args.tenant_users else None,
+        callout_seed=Path(args.callout_seed) if args.callout_seed else None,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -574,6 +577,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         # Every URL, so a job's supervisor survives a server's death too.
         nats_url=",".join(servers),
         nkey_seed=_absolute(resolve_nkey(args.nkey)),
+        job_nkey_seed=_absolute(args.job_nkey),
+        confinement=confine.agent_confinement(args, args.node),
     )
     bus = await Bus.connect(
         _with_tls(
@@ -598,7 +603,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from bus.auth import write_cluster_keys
+    from bus.auth import CALLOUT_SEED_FILE, write_cluster_keys
 
     names = [n for n in args.nodes.split(",") if n]
     tenants = [t for t in args.tenants.split(",") if t]
@@ -613,6 +618,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     )
     for identity in identities:
         print(f"{identity.role:<8} {identity.name:<16} {identity.public_key}  {identity.seed_path}")
+    print(f"callout  (brains' --callout-seed)  {Path(args.dir) / CALLOUT_SEED_FILE}")
     print(f"server config: {config}  (include it from nats-server.conf)")
     if args.tls:
         from bus.tls import write_tls_config, write_tls_files
@@ -797,6 +803,7 @@ def build_parser() -> argparse.ArgumentParser:
         "written with new tokens if missing)",
     )
     failures.add_policy_args(p)
+    confine.add_brain_args(p)
     p.add_argument(
         "--http-leader-only",
         action="store_true",
@@ -811,6 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", required=True, help="'nvml', or simulated: sim:<count>x<model>")
     p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
+    confine.add_agent_args(p)
     p.set_defaults(fn=cmd_agent)
 
     p = sub.add_parser("keys", help="create NATS identities (nkeys) and the server config")

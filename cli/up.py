@@ -134,7 +134,9 @@ def add_up_parser(sub: Any) -> None:
     p.add_argument(
         "--secure",
         action="store_true",
-        help="run with per-component NATS identities (nkeys) and least-privilege permissions",
+        help="run with per-component NATS identities (nkeys) and least-privilege "
+        "permissions; as root, also run jobs as an unprivileged user per tenant, each in "
+        "its own cgroup (docs/security.md)",
     )
     p.add_argument(
         "--fresh",
@@ -307,16 +309,22 @@ class ClusterKeys:
     config: Path
     brains: list[str]
     nodes: dict[str, str]
+    # The account seed brains sign jobs' NATS users with (auth callout).
+    callout: str
     operator: str
     client: str
+    # The tenant map (a user per tenant), when this process could make the users.
+    tenant_users: Path | None
 
 
 def _plan_keys(args: argparse.Namespace, home: Path, node_names: list[str]) -> ClusterKeys:
     """Fresh identities for every component, and the server config admitting them."""
-    from bus.auth import write_cluster_keys
+    from bus.auth import CALLOUT_SEED_FILE, write_cluster_keys
+    from cli.confine import ensure_tenant_users
 
+    tenants = ["default"]
     identities, config = write_cluster_keys(
-        home / "keys", nodes=node_names, tenants=["default"], brains=max(1, args.brains)
+        home / "keys", nodes=node_names, tenants=tenants, brains=max(1, args.brains)
     )
     by_role: dict[str, list[str]] = {}
     for identity in identities:
@@ -326,8 +334,10 @@ def _plan_keys(args: argparse.Namespace, home: Path, node_names: list[str]) -> C
         config=config,
         brains=by_role["brain"],
         nodes={i.name: str(i.seed_path) for i in identities if i.role == "node"},
+        callout=str(home / "keys" / CALLOUT_SEED_FILE),
         operator=by_role["operator"][0],
         client=by_role["tenant"][0],
+        tenant_users=ensure_tenant_users(tenants, home / "tenant-users.yaml"),
     )
 
 
@@ -446,7 +456,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
                 *(["--elastic-one-node"] if args.elastic_one_node else []),
                 *(["--replicas", str(CLUSTER_REPLICAS)] if args.cluster else []),
                 *["--history", str(home / "brain" / f"history-{i + 1}.db")],
-                *(["--nkey", keys.brains[i]] if keys else []),
+                *(["--nkey", keys.brains[i], "--callout-seed", keys.callout] if keys else []),
+                *(["--tenant-users", str(keys.tenant_users)] if keys and keys.tenant_users else []),
                 # One HTTP address on this machine, served by whichever brain leads.
                 *["--http", http, "--http-tokens", str(tokens_path), "--http-leader-only"],
             ],
@@ -459,6 +470,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             [
                 *[*me, "agent", "--node", name, "--gpus", spec, "--nats", nats_urls],
                 *(["--nkey", keys.nodes[name]] if keys else []),
+                *(["--tenant-users", str(keys.tenant_users)] if keys and keys.tenant_users else []),
             ],
         )
         for name in node_names

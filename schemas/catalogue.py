@@ -65,11 +65,11 @@ ENTRIES: Final = (
             events.LaunchFailed,
             events.CommandRejected,
             events.GpuFault,
-            events.ResizeCompleted,
-            events.InputError,
         ),
         "Discriminated by `kind`. `Nats-Msg-Id` is `event_id`; the agent retries until "
-        "stored, in order.",
+        "stored, in order. The brain reads this subject and `alnair.job.<job>.event` with one "
+        "consumer, in the order stored (it still takes `ResizeCompleted` and `InputError` "
+        "here, from a node).",
     ),
     Entry(
         "alnair.node.<node>.cmd",
@@ -86,7 +86,16 @@ ENTRIES: Final = (
         (commands.Resize,),
         "An elastic job's supervisor de-duplicates by `command_id`, refuses an older "
         "`epoch` than the newest it obeyed, and answers with `ResizeCompleted` on its "
-        "node's event subject (see docs/elastic.md).",
+        "job's event subject (see docs/elastic.md).",
+    ),
+    Entry(
+        "alnair.job.<job>.event",
+        "supervisor, SDK → brain",
+        "JetStream `EVENTS`",
+        (events.ResizeCompleted, events.InputError),
+        "What a job reports itself, under its own NATS identity (docs/security.md). "
+        "`Nats-Msg-Id` is `event_id`. The brain takes only these kinds here, and only about "
+        "the job the subject names; others are dead-lettered.",
     ),
     Entry(
         "alnair.job.<job>.progress",

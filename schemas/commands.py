@@ -11,7 +11,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, TypeAdapter, model_validator
 
-from schemas.base import Message, NodeName
+from schemas.base import Message, NodeName, TenantName
 from schemas.jobs import NodeGpus, placement_size
 
 
@@ -39,6 +39,12 @@ class Launch(_Command):
     blacklist: tuple[str, ...] = ()
     # Set for a pre-run (one GPU, for a short trial); the job sees ALNAIR_PRERUN=1.
     prerun: bool = False
+    # Whose job it is: a confining agent runs it as that tenant's Unix user (see
+    # docs/security.md), within these limits (schemas.jobs.job_limits; None: the
+    # agent applies the defaults to the GPUs of this launch).
+    tenant: TenantName | None = None
+    memory_mb: int | None = Field(default=None, ge=16)
+    cpus: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 class Stop(_Command):

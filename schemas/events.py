@@ -38,6 +38,8 @@ class JobExited(_NodeEvent):
     stopped: bool = False
     runtime_s: float = Field(ge=0)
     log_tail: tuple[str, ...] = Field(default=(), max_length=LOG_TAIL_LINES)
+    # Set when the job's cgroup killed it for exceeding its memory limit (MiB).
+    oom_limit_mb: int | None = Field(default=None, ge=0)
 
 
 class LaunchFailed(_NodeEvent):
@@ -66,7 +68,7 @@ class GpuFault(_NodeEvent):
 
 
 class InputError(_NodeEvent):
-    """A job says which input it failed on (the in-job SDK publishes it on its node's
+    """A job says which input it failed on (the in-job SDK publishes it on its job's
     event subject); the brain counts distinct jobs per input to blacklist it."""
 
     kind: Literal["input_error"] = "input_error"

@@ -24,6 +24,12 @@ BAD_INPUT_EXIT_CODE: Final = 66
 BAD_INPUT_MARKER: Final = "ALNAIR_BAD_INPUT"
 # Names the file (one URI per line) holding the cluster's input blacklist for a job.
 BLACKLIST_FILE_ENV: Final = "ALNAIR_BLACKLIST_FILE"
+# A confined job's limits (agents/cgroups.py) when its spec names none: per GPU it
+# holds on a node, and a flat cap on its processes and threads.
+DEFAULT_MEMORY_MB_PER_GPU: Final = 16 * 1024
+DEFAULT_CPUS_PER_GPU: Final = 4.0
+JOB_PIDS_MAX: Final = 4096
+MAX_MEMORY_MB_PER_GPU: Final = 16 * 1024 * 1024
 
 
 class JobState(StrEnum):
@@ -95,6 +101,11 @@ class JobSpec(BaseModel):
     )
     # Network-bound (e.g. all-reduce heavy): never spread over switches to start sooner.
     network_sensitive: bool = False
+    # Limits of a confined job's cgroup on each node, per GPU it may hold there
+    # (defaults DEFAULT_MEMORY_MB_PER_GPU, DEFAULT_CPUS_PER_GPU). Exceeding the memory
+    # limit kills the job: a user failure, "out of memory (limit ...)".
+    memory_mb_per_gpu: int | None = Field(default=None, ge=16, le=MAX_MEMORY_MB_PER_GPU)
+    cpus_per_gpu: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> JobSpec:
@@ -164,6 +175,17 @@ class NodeGpus(BaseModel):
         if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
             raise ValueError(f"GPUs {list(gpus)}: each a distinct index >= 0")
         return gpus
+
+
+def job_limits(spec: JobSpec, gpus_here: int) -> tuple[int, float]:
+    """(memory MiB, CPUs) of a job's cgroup on a node where it holds `gpus_here` GPUs.
+    An elastic job is sized for the most it may grow to, since its supervisor's workers
+    share the one cgroup of its launch."""
+    sized_for = max(gpus_here, spec.gpu_range[1]) if spec.elastic else gpus_here
+    sized_for = max(1, sized_for)
+    memory = spec.memory_mb_per_gpu or DEFAULT_MEMORY_MB_PER_GPU
+    cpus = spec.cpus_per_gpu or DEFAULT_CPUS_PER_GPU
+    return memory * sized_for, cpus * sized_for
 
 
 def placement_size(placement: tuple[NodeGpus, ...]) -> int:

@@ -26,7 +26,7 @@ ALL_SNAPSHOTS: Final = f"{PREFIX}.snapshot.>"
 # `inject` is request/reply: `alnair inject` asks a simulated node to suffer a GPU fault.
 NodeChannel = Literal["telemetry", "heartbeat", "event", "cmd", "inject"]
 # `exec` and `workers`: an elastic job's workers on other nodes (schemas/workers.py).
-JobChannel = Literal["cmd", "progress", "exec", "workers"]
+JobChannel = Literal["cmd", "progress", "exec", "workers", "event"]
 
 ALL_TELEMETRY: Final = f"{PREFIX}.node.*.telemetry"
 ALL_HEARTBEATS: Final = f"{PREFIX}.node.*.heartbeat"
@@ -34,6 +34,11 @@ ALL_NODE_EVENTS: Final = f"{PREFIX}.node.*.event"
 ALL_NODE_COMMANDS: Final = f"{PREFIX}.node.*.cmd"
 ALL_JOB_COMMANDS: Final = f"{PREFIX}.job.*.cmd"
 ALL_JOB_PROGRESS: Final = f"{PREFIX}.job.*.progress"
+# What a job itself reports (a resize done, a bad input): in the EVENTS stream too.
+ALL_JOB_EVENTS: Final = f"{PREFIX}.job.*.event"
+# Both, as the brain reads them: one consumer, so a job's report (its bad input) comes
+# before its node's report of its exit, as they were stored.
+ALL_EVENTS: Final = f"{PREFIX}.*.*.event"
 ALL_API: Final = f"{PREFIX}.api.*.>"
 ALL_STATE: Final = f"{PREFIX}.state.>"
 ALL_DLQ: Final = f"{PREFIX}.dlq.>"

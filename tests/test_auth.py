@@ -7,16 +7,17 @@ import asyncio
 import contextlib
 import gc
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import nats
 import pytest
 
 from agents.agent import Agent, AgentConfig
+from agents.confine import Confinement
 from agents.gpu import SimulatedGpus
 from brain.service import Brain, BrainConfig
-from bus.auth import Identity, write_cluster_keys
+from bus.auth import CALLOUT_SEED_FILE, Identity, write_cluster_keys
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
 from cli.client import call, submit
@@ -126,17 +127,34 @@ async def test_cluster_runs_under_least_privilege(secure_server, keys, tmp_path)
 
 @contextlib.asynccontextmanager
 async def secure_cluster(
-    server: EmbeddedNats, ids: dict[str, Identity], data: Path, gpus: dict[str, int]
+    server: EmbeddedNats,
+    ids: dict[str, Identity],
+    data: Path,
+    gpus: dict[str, int],
+    *,
+    tenants: frozenset[str] | None = None,
+    confinement: Callable[[str], Confinement] | None = None,
+    callout: bool = True,
 ) -> AsyncIterator[tuple[Brain, Bus]]:
     """A brain and an agent per node of `gpus`, each with its own identity, and tenant
-    a's connection; agents pass their identity on to their jobs (ALNAIR_NKEY)."""
+    a's connection. The brain answers the auth callout, so each job attempt reaches NATS
+    with its own token (ALNAIR_JOB_TOKEN); without `callout`, agents give their jobs the
+    node's job identity (ALNAIR_NKEY) instead, never their own seed. With `confinement`,
+    each node's jobs run confined by it."""
     opened: list[Bus] = []
     agents: list[Agent] = []
     brain = None
     try:
         brain_bus = await open_as(server, ids["brain:brain-1"])
         opened.append(brain_bus)
-        config = BrainConfig(lease_ttl_s=2.0, tick_s=0.2, history_path=data / "h.db")
+        seed = ids["brain:brain-1"].seed_path.parent / CALLOUT_SEED_FILE
+        config = BrainConfig(
+            lease_ttl_s=2.0,
+            tick_s=0.2,
+            history_path=data / "h.db",
+            tenants=tenants,
+            callout_seed=seed if callout else None,
+        )
         brain = Brain(brain_bus, config)
         await brain.start()
         await asyncio.wait_for(brain.leading.wait(), timeout=30)
@@ -150,6 +168,8 @@ async def secure_cluster(
                 stop_grace_s=3.0,
                 nats_url=server.url,
                 nkey_seed=str(ids[f"node:{node}"].seed_path),
+                job_nkey_seed=None if callout else str(ids[f"job:{node}"].seed_path),
+                confinement=confinement(node) if confinement is not None else None,
             )
             agents.append(Agent(agent_bus, config, SimulatedGpus(node, count, "A100")))
             await agents[-1].start()
@@ -173,8 +193,8 @@ async def secure_cluster(
 async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
     secure_server, keys, tmp_path
 ) -> None:
-    """The supervisor reaches NATS with the identity its agent passed on (ALNAIR_NKEY):
-    it hears the brain's Resize, reports progress and the outcome, and the job ends."""
+    """The supervisor reaches NATS with its node's job identity (ALNAIR_NKEY), not the
+    node's: it hears the brain's Resize, reports progress and the outcome, and the job ends."""
     stop_file = tmp_path / "stop"
     try:
         async with secure_cluster(secure_server, keys[0], tmp_path, {"n1": 4}) as (brain, tenant):
@@ -281,13 +301,15 @@ async def test_unknown_key_cannot_connect(secure_server, tmp_path) -> None:
     async def on_error(error: Exception) -> None:
         errors.append(str(error))
 
+    # A key the server does not know goes to the auth callout; with no brain to answer,
+    # the server refuses it after its auth timeout (about 2 s): wait longer than that.
     with pytest.raises(Exception) as refused:  # noqa: PT011 - nats-py raises its own kinds
         await nats.connect(
             secure_server.url,
             nkeys_seed=str(stranger.seed_path),
             allow_reconnect=False,
             max_reconnect_attempts=0,
-            connect_timeout=2,
+            connect_timeout=10,
             error_cb=on_error,
         )
     said = " ".join([*errors, str(refused.value), repr(refused.value)]).lower()

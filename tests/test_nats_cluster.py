@@ -12,8 +12,10 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,6 +153,9 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
     the STATE copies, and jobs still run after the STATE leader's server is SIGKILLed."""
     from tests.test_cli import CLI, alnair
 
+    # As root, `up --secure` makes a user for tenant default's jobs: remove it after if
+    # this test made it.
+    user_made = _no_user("alnair-default")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALNAIR_")}
     env.update(ALNAIR_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     home = tmp_path / "home"
@@ -204,7 +209,23 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
             up.send_signal(signal.SIGINT)
         await asyncio.wait_for(up.wait(), timeout=60)
         await reader
+        if user_made:
+            _remove_user("alnair-default")
     assert up.returncode == 0, "".join(output[-30:])
+
+
+def _remove_user(name: str) -> None:
+    if not _no_user(name):
+        subprocess.run(["userdel", name], check=False, capture_output=True)
+        subprocess.run(["groupdel", name], check=False, capture_output=True)
+
+
+def _no_user(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return True
+    return False
 
 
 def _pids_running(needle: str) -> list[str]:

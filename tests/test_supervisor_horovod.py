@@ -101,7 +101,7 @@ async def watch(bus: Bus) -> AsyncIterator[Watch]:
             seen.resizes[event.command_id] = event
 
     await bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, on_progress)
-    sub = await bus.nc.subscribe(subjects.node("n1", "event"), cb=on_event)
+    sub = await bus.nc.subscribe(subjects.ALL_JOB_EVENTS, cb=on_event)
     try:
         yield seen
     finally:

@@ -92,7 +92,7 @@ async def _publish_bad_input(
     )
     bus = await Bus.connect(options)
     try:
-        await bus.publish_durable(subjects.node(node, "event"), event, msg_id=event.event_id)
+        await bus.publish_durable(subjects.job(job_id, "event"), event, msg_id=event.event_id)
         return True
     finally:
         await bus.close()
@@ -100,18 +100,26 @@ async def _publish_bad_input(
 
 def job_connect_options(servers: str, name: str) -> ConnectOptions:
     """How a job's own processes (its supervisor, this SDK) reach NATS: every server the
-    agent named, and under --secure / --tls the identity and TLS files it passed on
-    (ALNAIR_NKEY, ALNAIR_TLS_CA/_CERT/_KEY)."""
-    from bus.auth import inbox_prefix_for_seed
+    agent named, and under --secure / --tls the credential and TLS files it was given:
+    its attempt's token (ALNAIR_JOB_TOKEN, admitted by the brain's auth callout as a
+    user of its own job's subjects), else its node's job identity (ALNAIR_NKEY), and
+    ALNAIR_TLS_CA/_CERT/_KEY."""
+    from bus.auth import inbox_prefix_for_seed, job_inbox_prefix
     from bus.client import ConnectOptions
 
     env = os.environ
-    nkey = env.get("ALNAIR_NKEY") or None
+    token = env.get("ALNAIR_JOB_TOKEN") or None
+    nkey = None if token else env.get("ALNAIR_NKEY") or None
+    inbox = inbox_prefix_for_seed(nkey) if nkey else None
+    if token:
+        job_id, _, rest = token.partition(":")
+        inbox = job_inbox_prefix(job_id, int(rest.partition(":")[0] or 0))
     return ConnectOptions(
         servers=tuple(url for url in servers.split(",") if url),
         name=name,
         nkey_seed=nkey,
-        inbox_prefix=inbox_prefix_for_seed(nkey) if nkey else None,
+        token=token,
+        inbox_prefix=inbox,
         tls_ca=env.get("ALNAIR_TLS_CA") or None,
         tls_cert=env.get("ALNAIR_TLS_CERT") or None,
         tls_key=env.get("ALNAIR_TLS_KEY") or None,

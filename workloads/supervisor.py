@@ -535,7 +535,7 @@ class Supervisor:
         )
         try:
             await self.bus.publish_durable(
-                subjects.node(self.config.node, "event"), event, msg_id=event.event_id
+                subjects.job(self.config.job_id, "event"), event, msg_id=event.event_id
             )
         except BusError as error:
             log.error("resize outcome for %s not stored: %s", command.command_id, error)

@@ -4,9 +4,10 @@ Pure: no I/O, no clock. The shell hands in what it knows about an attempt's end 
 exit, the last lines of its log, the infrastructure events that touched it, the input
 it reported) and gets back a class with its reason, then a `Retry` or a `GiveUp`.
 
-- `user`: its own code or configuration (a Python traceback, a usage error, any
-  non-zero exit that no infrastructure event explains). Running it again fails the same
-  way, so it is not retried unless its queue says so.
+- `user`: its own code or configuration (a Python traceback, a usage error, its own
+  cgroup's memory limit exceeded, any non-zero exit that no infrastructure event
+  explains). Running it again fails the same way, so it is not retried unless its
+  queue says so.
 - `infrastructure`: the node was lost, a GPU faulted (XID, ECC), a collective timed
   out (NCCL, Gloo), or the kernel's OOM killer killed it. Retried with exponential
   back-off up to a limit, never on a node it failed on; past the limit UNSUCCESSFUL.
@@ -110,6 +111,9 @@ class AttemptEnd:
     signal: int | None = None
     log_tail: tuple[str, ...] = ()
     runtime_s: float = 0.0
+    # The job's own cgroup killed it at this memory limit (MiB): it asked for too little,
+    # or uses too much; another node would kill it the same way.
+    oom_limit_mb: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +178,8 @@ def classify(
     reported through the SDK, if any."""
     if infra_events:
         return Classification(FailureClass.INFRASTRUCTURE, "; ".join(infra_events))
+    if end.oom_limit_mb is not None:
+        return Classification(FailureClass.USER, f"out of memory (limit {end.oom_limit_mb} MiB)")
     marked = bad_input_in(end.log_tail)
     if reported_input is not None or (marked is not None and end.exit_code == BAD_INPUT_EXIT_CODE):
         uri = reported_input if reported_input is not None else marked[0] if marked else ""

@@ -1,0 +1,164 @@
+"""The command line of job confinement: `--tenant-users` for brains and agents, the
+agent's confinement settings, and `alnair up --secure`'s users (one per tenant it knows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from schemas.errors import AlnairError
+from schemas.tenants import TenantUser, render_tenant_map
+
+if TYPE_CHECKING:
+    from agents.confine import Confinement
+
+log = logging.getLogger(__name__)
+
+USER_PREFIX: Final = "alnair-"
+NOLOGIN: Final = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false")
+
+
+def add_tenant_users_arg(p: argparse.ArgumentParser, *, agent: bool) -> None:
+    who = "runs each job as its tenant's user" if agent else "refuses tenants not listed"
+    p.add_argument(
+        "--tenant-users",
+        metavar="FILE",
+        default=os.environ.get("ALNAIR_TENANT_USERS") or None,
+        help=f"the tenant map (YAML: tenants: {{NAME: {{user: U, group: G}}}}); with it the "
+        f"{'agent' if agent else 'brain'} {who} (default: $ALNAIR_TENANT_USERS; see "
+        "docs/security.md)",
+    )
+
+
+def add_brain_args(p: argparse.ArgumentParser) -> None:
+    add_tenant_users_arg(p, agent=False)
+    p.add_argument(
+        "--callout-seed",
+        metavar="FILE",
+        default=os.environ.get("ALNAIR_CALLOUT_SEED") or None,
+        help="the account seed (keys/callout-issuer.nk from `alnair keys`) this brain signs "
+        "jobs' NATS users with, answering the server's auth callout while it leads; each "
+        "job attempt then gets a token (ALNAIR_JOB_TOKEN) good for its own subjects while "
+        "it runs (default: $ALNAIR_CALLOUT_SEED)",
+    )
+
+
+def add_agent_args(p: argparse.ArgumentParser) -> None:
+    add_tenant_users_arg(p, agent=True)
+    p.add_argument(
+        "--job-nkey",
+        metavar="FILE",
+        default=os.environ.get("ALNAIR_JOB_NKEY") or None,
+        help="the seed of this node's job identity (keys/job-NODE.nk from `alnair keys`), "
+        "given to its jobs instead of the node's own, for clusters whose brains run no auth "
+        "callout (--callout-seed); it lets a job use every job's subjects (default: "
+        "$ALNAIR_JOB_NKEY)",
+    )
+    p.add_argument(
+        "--gpu-device-dir",
+        metavar="DIR",
+        help="where the GPUs' device files (nvidia<N>, nvidiactl, ...) are, for confined "
+        "jobs' device access (default: /dev with --gpus nvml; with simulated GPUs none: a "
+        "job may open no GPU device file)",
+    )
+    p.add_argument(
+        "--cgroup-parent",
+        default="alnair",
+        help="confined jobs' cgroups go under <cgroup root>/.../PARENT/NODE/ (default alnair)",
+    )
+    p.add_argument(
+        "--job-runtime-dir",
+        metavar="DIR",
+        help="confined jobs' private directories (default: <tmp>/alnair/NODE)",
+    )
+
+
+def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None:
+    """The agent's Confinement from its flags, or None without `--tenant-users`."""
+    if not args.tenant_users:
+        return None
+    from agents import cgroups
+    from agents.confine import Confinement
+    from brain.tenants import load_tenant_map
+
+    tenants = load_tenant_map(args.tenant_users)
+    version = cgroups.detect()
+    if version is None:
+        log.warning("no usable cgroup filesystem: confined jobs run without limits")
+    elif version == "v2":
+        log.warning(
+            "cgroup v2: memory, CPU and process limits only; GPU device access is "
+            "not restricted (docs/security.md)"
+        )
+    device_dir = Path(args.gpu_device_dir) if args.gpu_device_dir else None
+    if device_dir is None and args.gpus == "nvml":
+        device_dir = Path("/dev")
+    runtime = args.job_runtime_dir or Path(tempfile.gettempdir()) / "alnair" / node
+    return Confinement(
+        tenants=tenants,
+        runtime_root=Path(runtime),
+        path=os.environ.get("PATH", os.defpath),
+        cgroups=cgroups.Cgroups(version, parent=args.cgroup_parent, node=node) if version else None,
+        device_dir=device_dir,
+        job_nkey_seed=Path(args.job_nkey).resolve() if args.job_nkey else None,
+    )
+
+
+def ensure_tenant_users(tenants: list[str], path: Path) -> Path | None:
+    """`alnair up --secure`: an unprivileged user per tenant (made with useradd when
+    missing), and the tenant map naming them. None, said plainly, when this process is
+    not root (jobs then run as its own user)."""
+    if os.geteuid() != 0:
+        print("alnair up: not root: jobs run as this user, unconfined (docs/security.md)")
+        return None
+    useradd = shutil.which("useradd")
+    shell = next((s for s in NOLOGIN if Path(s).exists()), "/bin/false")
+    users = []
+    for tenant in tenants:
+        name = f"{USER_PREFIX}{tenant}"[:32].lower()
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            if useradd is None:
+                raise AlnairError(f"no user {name} and no useradd to make one") from None
+            command = [useradd, "--system", "--user-group", "--no-create-home"]
+            command += ["--home-dir", "/nonexistent", "--shell", shell, name]
+            subprocess.run(command, check=True, capture_output=True)
+            print(f"alnair up: created user {name} for tenant {tenant}'s jobs")
+        users.append(TenantUser(tenant, name))
+    path.write_text(
+        "# Written by `alnair up --secure`: the Unix user each tenant's jobs run as.\n"
+        + render_tenant_map(tuple(users))
+    )
+    blocked = unreachable_by_others(Path(sys.executable))
+    if blocked is not None:
+        print(
+            f"alnair up: warning: {sys.executable} is not reachable by the tenants' users "
+            f"({blocked} is closed to others): a job that runs `python` from PATH fails; "
+            "use an interpreter outside it (docs/security.md)"
+        )
+    return path
+
+
+def unreachable_by_others(program: Path) -> Path | None:
+    """The first directory (or the file) on the way to `program`, links followed, that
+    a user other than its owner and group may not pass; None if all may."""
+    target = program.resolve()
+    for step in [*reversed(target.parents), target]:
+        try:
+            mode = step.stat().st_mode
+        except OSError:
+            return step
+        if not mode & stat.S_IXOTH:
+            return step
+    return None
