@@ -780,6 +780,8 @@ class Brain:
         self.journal.send_after(subjects.node(node, "cmd"), command, command.command_id)
 
     async def _stop(self, job_id: str, node: str, reason: str, attempt: int | None) -> None:
+        if not self.leading.is_set():
+            return  # stepping down mid-unit: only a leader (with an epoch) commands
         command = Stop(
             command_id=f"stop-{uuid.uuid4().hex}",
             epoch=self.epoch,
