@@ -22,7 +22,14 @@ from brain.core.model import (
     SetServiceLevel,
     Wait,
 )
-from brain.core.ordering import DISTRIBUTION_AWARE, DURATION_AWARE, ORDERINGS, PROGRESS_AWARE
+from brain.core.ordering import (
+    DISTRIBUTION_AWARE,
+    DURATION_AWARE,
+    ORDER_READS,
+    ORDERINGS,
+    PROGRESS_AWARE,
+    reads,
+)
 from brain.core.placement import PLACEMENTS
 from brain.core.preemption import PREEMPTIONS
 
@@ -33,6 +40,7 @@ __all__ = [
     "DURATION_AWARE",
     "ELASTICITIES",
     "ORDERINGS",
+    "ORDER_READS",
     "PLACEMENTS",
     "PREEMPTIONS",
     "PROGRESS_AWARE",
@@ -58,4 +66,5 @@ __all__ = [
     "UnknownPlugin",
     "Wait",
     "decide",
+    "reads",
 ]

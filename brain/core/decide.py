@@ -45,7 +45,13 @@ from brain.core.model import (
     Resize,
     Wait,
 )
-from brain.core.ordering import ORDERINGS, OrderContext, Ordered, Ranked, job_sequence
+from brain.core.ordering import (
+    ORDERINGS,
+    OrderContext,
+    Ordered,
+    Ranked,
+    job_sequence,
+)
 from brain.core.placement import (
     PLACEMENTS,
     Fit,
@@ -638,6 +644,16 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     wakes += backoff_wakes
     if ordered.wake_at is not None:
         wakes.append(ordered.wake_at)
+    crossing = ordered.crossing
+    if crossing is not None:
+        # A job started by this very cycle crosses its band's threshold too: without
+        # this wake it would be demoted only at the next unrelated event.
+        thresholds = policy.las_thresholds_gpu_s
+        wakes += [
+            t
+            for entry, grants in cycle.placed
+            if (t := crossing(entry.job, grants, thresholds, now)) is not None
+        ]
     future = [t for t in wakes if t > now]
     # Preemptions and shrinks first: the placements after them may use the GPUs they
     # free; grows last, into what nobody else took.

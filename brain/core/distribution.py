@@ -105,5 +105,35 @@ class ServiceDistribution:
             return math.inf
         return finishing_w / expected_service
 
+    def gittins_index_tiresias(self, attained: float, quantum: float) -> float:
+        """The index as Tiresias' simulator computes it (`get_gittins_index` over
+        `cal_r_gittins_index`), quirks kept: it is read at the first sample above the
+        attained service (a step function), a job past the largest sample gets 0, the
+        look-ahead past the largest sample leaves that sample out, and the expected
+        service sums the finishing jobs' *whole* service rather than what is left of it
+        (so a job with more service ranks lower than the exact index says)."""
+        values = self.values
+        if not values or attained > values[-1]:
+            return 0.0
+        point = values[bisect.bisect_right(values, attained)] - 1.0
+        if point > values[-1] - 1.0:
+            return 0.0
+        total_w = self.cumulative_weight[-1]
+        at = bisect.bisect_right(values, point)
+        ahead = point + quantum
+        beyond_at = (
+            len(values) - 1 if ahead > values[-1] - 1.0 else bisect.bisect_right(values, ahead)
+        )
+        below_w = self.cumulative_weight[at - 1] if at else 0.0
+        below_v = self.cumulative_weighted_value[at - 1] if at else 0.0
+        upto_w = self.cumulative_weight[beyond_at - 1] if beyond_at else 0.0
+        upto_v = self.cumulative_weighted_value[beyond_at - 1] if beyond_at else 0.0
+        above_w = total_w - below_w
+        if above_w <= 0.0:
+            return 0.0
+        finishing = (upto_w - below_w) / above_w
+        expected = ((upto_v - below_v) + quantum * (total_w - upto_w)) / above_w
+        return 0.0 if expected <= 0.0 else finishing / expected
+
 
 DEFAULT_SERVICE_PRIOR = ServiceDistribution.log_uniform_prior(10.0, 1.0e7)

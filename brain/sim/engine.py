@@ -29,8 +29,6 @@ from typing import Protocol, runtime_checkable
 
 from brain.core import (
     DEFAULT_SERVICE_PRIOR,
-    DURATION_AWARE,
-    PROGRESS_AWARE,
     ClusterSnapshot,
     Decisions,
     Grant,
@@ -45,8 +43,9 @@ from brain.core import (
     ServiceDistribution,
     SetServiceLevel,
     decide,
+    reads,
 )
-from brain.sim.trace import ClusterSpec, TraceJob
+from brain.sim.trace import ClusterSpec, TraceError, TraceJob
 from schemas.errors import AlnairError
 
 # Work left below this many seconds is done: time is floating point.
@@ -158,6 +157,9 @@ class SimConfig:
     preemption_cost_s: float = 0.0
     # Pseudo-samples the Gittins distribution starts from; finished jobs are added.
     service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    # False: the prior is the whole distribution (Tiresias reads a fixed file);
+    # True: every finished job's service is added to it, as the live brain does.
+    learn_service: bool = True
     queues: tuple[QueueQuota, ...] = ()
     # A running job's first progress report arrives after it has run this long (a few
     # steps to measure); only progress-aware orderings are told.
@@ -357,8 +359,9 @@ class _Replay:
             job.phase = _Phase.DONE
             job.finished_at = self.now
             self.finished += 1
-            # Learn the service distribution online, as the live brain does.
-            self.distribution = self.distribution.with_sample(job.attained_gpu_seconds)
+            if self.config.learn_service:
+                # Learn the service distribution online, as the live brain does.
+                self.distribution = self.distribution.with_sample(job.attained_gpu_seconds)
 
     def measure(self) -> None:
         """Throughput reports that arrived by now become what the policy sees."""
@@ -410,6 +413,7 @@ class _Replay:
             gpus=spec.gpus,
             submitted_at=spec.submit_time,
             queue=spec.queue,
+            priority=spec.priority or 0,
             grants=job.grants,
             started_at=job.run_started_at,
             attained_gpu_seconds=job.attained_gpu_seconds,
@@ -623,18 +627,30 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
         nodes=names,
         switch_of={name: f"switch{i // per_switch}" for i, name in enumerate(names)},
         free={name: set(range(cluster.gpus_per_node)) for name in names},
-        reveal_durations=config.policy.order in DURATION_AWARE,
-        report_progress=config.policy.order in PROGRESS_AWARE,
+        reveal_durations=reads(config.policy.order, "declared_duration"),
+        report_progress=reads(config.policy.order, "progress"),
         report_throughput=config.policy.elasticity != "none",
         distribution=config.service_prior,
     )
 
 
+def check_trace_fits(trace: Sequence[TraceJob], policy: Policy) -> None:
+    """Refuse a trace that lacks what the policy's order reads: `priority` on a trace
+    with no priorities would silently be FIFO with backfill."""
+    if reads(policy.order, "priority") and all(job.priority is None for job in trace):
+        raise TraceError(
+            f"--policy {policy.order} orders by priority, and this trace has no `priority` "
+            "column (or no job with one); add the column, or choose another order"
+        )
+
+
 def simulate(
     trace: Sequence[TraceJob], config: SimConfig, *, on_progress: ProgressCallback | None = None
 ) -> SimResult:
-    """Replay `trace` to the end (or until nothing can ever start) under `config`."""
+    """Replay `trace` to the end (or until nothing can ever start) under `config`.
+    Raises `TraceError` for a trace the policy cannot run on (`check_trace_fits`)."""
     policy = config.policy.validate()
+    check_trace_fits(trace, policy)
     replay = _new_replay(trace, config)
     total = len(replay.jobs)
     while True:
