@@ -151,8 +151,24 @@ ORDER_CASES = [
         preempted=set(),
     ),
     OrderCase(
-        "las: a job demoted into a band queues behind the band's waiting jobs",
+        "las: a job just demoted into a band with less service than its waiting jobs keeps running",
         Policy(order="las"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(
+                pending(
+                    "waiting", 4, attained_gpu_seconds=3300, service_level=1, service_level_since=10
+                ),
+            ),
+            running_jobs=(running("demoted", "n0", (0, 1, 2, 3), attained_gpu_seconds=3250.0),),
+        ),
+        now=500,
+        placed=set(),
+        preempted=set(),
+    ),
+    OrderCase(
+        "las-tiresias: a job demoted into a band queues behind the band's waiting jobs",
+        Policy(order="las-tiresias"),
         cluster(
             node("n0", busy=(0, 1, 2, 3)),
             pending_jobs=(
@@ -203,7 +219,7 @@ ORDER_CASES = [
         preempted={"old-huge"},
     ),
     OrderCase(
-        "las: a job preempted in its band waits behind the band's jobs already waiting",
+        "las: among a band's waiting jobs, the least attained service first",
         Policy(order="las"),
         cluster(
             node("n0"),

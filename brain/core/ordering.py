@@ -176,17 +176,17 @@ def _earliest(times: Sequence[float | None]) -> float | None:
 def _within_band(job: JobView, level: int, since: float, now: float) -> tuple[float, ...]:
     """Where a job stands within its LAS band (after the band itself; smaller first).
 
-    The jobs running in the band keep going, in the order they started running
-    there: the job that has held its GPUs in the band the shortest time is the first
-    to lose them, so a job that entered the last band long ago does not hold its
-    GPUs there for good. Then the band's waiting jobs, in the order they started
-    waiting in it (a job preempted in the band queues behind those already waiting,
-    and a job demoted into it behind the band's waiting jobs)."""
+    The jobs running in the band keep going (bands exist so that jobs of one band do
+    not churn), in the order they started running there: the job that has held its
+    GPUs in the band the shortest time is the first to lose them, so a job that
+    entered the last band long ago does not hold its GPUs there for good. Then the
+    band's other jobs (waiting, or just demoted into it) by least attained service,
+    LAS's own rule: with service times whose hazard falls as service grows (as job
+    durations on GPU clusters do), less service means likelier to finish soon."""
     if job.grants and since < now:
         started = job.started_at if job.started_at is not None else since
         return (0.0, max(started, since))
-    waiting = job.submitted_at if job.pending_since is None else job.pending_since
-    return (1.0, max(waiting, since) if not job.grants else now)
+    return (1.0, job.attained_gpu_seconds)
 
 
 def _within_band_tiresias(job: JobView, level: int, since: float, now: float) -> tuple[float, ...]:
@@ -237,8 +237,8 @@ def las(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
 
     Attained service is GPUs x executed time; thresholds split it into K bands and a
     lower band always runs first. Within a band, the jobs running there keep going
-    (the last to start there is the first to yield), then the waiting ones in the
-    order they started waiting there (`_within_band`).
+    (the last to start there is the first to yield), then the others by least
+    attained service (`_within_band`).
     """
     return _las(jobs, context, _within_band, next_band_crossing)
 
