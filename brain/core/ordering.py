@@ -13,6 +13,7 @@ by submission, so a plugin never has to.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ from brain.core.model import Grant, JobView, SetServiceLevel
 SERVICE_EPSILON: Final = 1e-6
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def job_sequence(job_id: str) -> tuple[int, str]:
-    """Sort key for job ids: numeric ids in numeric order, others after, by text."""
+    """Sort key for job ids: numeric ids in numeric order, others after, by text.
+    Cached: it is asked for every job of every cycle whose submissions tie."""
     return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)
 
 

@@ -296,6 +296,8 @@ class _Replay:
     running: dict[str, _Job] = field(default_factory=dict)
     finished: int = 0
     distribution: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    # Learn finished jobs' service only for an order that reads the distribution.
+    learn_service: bool = False
     wake_at: float | None = None
     busy: int = 0
     timeline: list[tuple[float, int]] = field(default_factory=list)
@@ -359,7 +361,7 @@ class _Replay:
             job.phase = _Phase.DONE
             job.finished_at = self.now
             self.finished += 1
-            if self.config.learn_service:
+            if self.learn_service:
                 # Learn the service distribution online, as the live brain does.
                 self.distribution = self.distribution.with_sample(job.attained_gpu_seconds)
 
@@ -631,6 +633,7 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
         report_progress=reads(config.policy.order, "progress"),
         report_throughput=config.policy.elasticity != "none",
         distribution=config.service_prior,
+        learn_service=config.learn_service and reads(config.policy.order, "distribution"),
     )
 
 
