@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from brain.core import (
     DEFAULT_SERVICE_PRIOR,
@@ -298,6 +298,9 @@ class _Replay:
     distribution: ServiceDistribution = DEFAULT_SERVICE_PRIOR
     # Learn finished jobs' service only for an order that reads the distribution.
     learn_service: bool = False
+    # The scaling model's speed may change as work goes on (`CurvedScaling`): asked
+    # once, as a runtime Protocol check is slow and a start asks it every time.
+    curved: bool = False
     wake_at: float | None = None
     busy: int = 0
     timeline: list[tuple[float, int]] = field(default_factory=list)
@@ -531,7 +534,7 @@ class _Replay:
         per_node = [len(g.gpus) for g in job.grants]
         scaling = self.config.scaling or LINEAR_SCALING
         job.curve = (
-            scaling.speed_curve(job.spec, per_node) if isinstance(scaling, CurvedScaling) else None
+            cast(CurvedScaling, scaling).speed_curve(job.spec, per_node) if self.curved else None
         )
         if job.curve is None:
             job.speed = scaling.speed(job.spec, per_node)
@@ -634,6 +637,7 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
         report_throughput=config.policy.elasticity != "none",
         distribution=config.service_prior,
         learn_service=config.learn_service and reads(config.policy.order, "distribution"),
+        curved=isinstance(config.scaling, CurvedScaling),
     )
 
 
