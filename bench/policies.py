@@ -28,7 +28,14 @@ if str(REPO) not in sys.path:
 
 from bench.recording import record  # noqa: E402
 from brain.core import DEFAULT_SERVICE_PRIOR, Policy, ServiceDistribution  # noqa: E402
-from brain.sim import SimConfig, load_trace, parse_cluster, simulate, summarize  # noqa: E402
+from brain.sim import (  # noqa: E402
+    SimConfig,
+    SimResult,
+    load_trace,
+    parse_cluster,
+    simulate,
+    summarize,
+)
 from brain.sim.cli import load_prior  # noqa: E402
 from brain.sim.report import Metrics  # noqa: E402
 
@@ -117,6 +124,8 @@ class Row:
     metrics: Metrics
     cpu_s: float
     decide_calls: int
+    # Learned Gittins only: finished jobs after which the index stayed near its final.
+    converged_after: int | None = None
 
     @property
     def jobs_per_cpu_s(self) -> float:
@@ -127,6 +136,31 @@ def _prior(variant: Variant) -> tuple[ServiceDistribution, bool]:
     if variant.distribution == "yarn":
         return load_prior(YARN), False
     return DEFAULT_SERVICE_PRIOR, True
+
+
+# Attained services (GPU-s) at which convergence is judged: a new job, the band
+# thresholds, and deep in the last band.
+PROBES = (0.0, 1_000.0, 3_250.0, 7_200.0, 36_000.0)
+
+
+def converged_after(result: SimResult, prior: ServiceDistribution, quantum: float) -> int:
+    """How many finished jobs (in finishing order) the learned distribution took until
+    its Gittins index at every probe stayed within 10 % of where the replay left it."""
+    services = [
+        o.gpu_seconds
+        for o in sorted(result.outcomes, key=lambda o: o.finished_at or 0.0)
+        if o.finished_at is not None
+    ]
+    seen = [prior]
+    for service in services:
+        seen.append(seen[-1].with_sample(service))
+    final = [seen[-1].gittins_index(a, quantum) for a in PROBES]
+    last_off = 0
+    for n, distribution in enumerate(seen):
+        indices = (distribution.gittins_index(a, quantum) for a in PROBES)
+        if any(abs(i - f) > 0.1 * f for i, f in zip(indices, final, strict=True)):
+            last_off = n + 1
+    return last_off
 
 
 def run_one(scenario: str, variant: Variant) -> Row:
@@ -143,7 +177,10 @@ def run_one(scenario: str, variant: Variant) -> Row:
     result = simulate(trace, config)
     cpu = time.process_time() - started
     reference = REFERENCE[scenario].get(variant.counterpart) if variant.counterpart else None
-    return Row(scenario, variant, reference, summarize(result), cpu, result.decide_calls)
+    learned = None
+    if learn and variant.policy.order.startswith("gittins"):
+        learned = converged_after(result, prior, variant.policy.gittins_quantum_gpu_s)
+    return Row(scenario, variant, reference, summarize(result), cpu, result.decide_calls, learned)
 
 
 def _fmt(value: float | None) -> str:
@@ -227,6 +264,20 @@ def targets(rows: list[Row]) -> list[str]:
                 f"Tiresias' best ({best_ref:,.0f}); target <= 0.9: "
                 f"{'met' if ratio <= 0.9 else 'MISSED'}"
             )
+        learned = mine.get("gittins")
+        if learned is not None and learned.converged_after is not None:
+            fixed = mine.get("gittins yarn")
+            beside = (
+                f"; fed Tiresias' yarn-gput1000 in advance: {fixed.metrics.avg_jct:,.0f} s"
+                if fixed is not None
+                else ""
+            )
+            out.append(
+                f"{scenario}: gittins learned online: {learned.metrics.avg_jct:,.0f} s{beside}; "
+                f"its index settled (within 10 % of its end value at "
+                f"{', '.join(f'{a:,.0f}' for a in PROBES)} GPU-s) after "
+                f"{learned.converged_after:,} of {learned.metrics.jobs:,} finished jobs"
+            )
         if "progress E=1" in mine:
             ratio = mine["progress E=1"].metrics.avg_jct / best_ref
             out.append(
@@ -251,6 +302,7 @@ def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
             "cpu_s": round(r.cpu_s, 2),
             "jobs_per_cpu_s": round(r.jobs_per_cpu_s, 1),
             "decide_calls": r.decide_calls,
+            "gittins_converged_after_jobs": r.converged_after,
             **r.metrics.as_json(),
         }
         for r in rows
