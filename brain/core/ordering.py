@@ -176,8 +176,8 @@ def _earliest(times: Sequence[float | None]) -> float | None:
     return min(present) if present else None
 
 
-def _within_band(job: JobView, level: int, since: float, now: float) -> tuple[float, ...]:
-    """Where a job stands within its LAS band (after the band itself; smaller first).
+def _within_band(job: JobView, level: float, since: float, now: float) -> tuple[float, ...]:
+    """A job's rank: its LAS band `level`, then where it stands within it (smaller first).
 
     The jobs running in the band keep going (bands exist so that jobs of one band do
     not churn), in the order they started running there: the job that has held its
@@ -188,11 +188,13 @@ def _within_band(job: JobView, level: int, since: float, now: float) -> tuple[fl
     durations on GPU clusters do), less service means likelier to finish soon."""
     if job.grants and since < now:
         started = job.started_at if job.started_at is not None else since
-        return (0.0, max(started, since))
-    return (1.0, job.attained_gpu_seconds)
+        return (level, 0.0, started if started > since else since)
+    return (level, 1.0, job.attained_gpu_seconds)
 
 
-def _within_band_tiresias(job: JobView, level: int, since: float, now: float) -> tuple[float, ...]:
+def _within_band_tiresias(
+    job: JobView, level: float, since: float, now: float
+) -> tuple[float, ...]:
     """Tiresias' simulator's order within a queue, as its lists behave: a job enters
     at the tail (new, or demoted); after every pass the waiting jobs are moved behind
     the running ones, in the order they stood. So running jobs stand in the order they
@@ -201,15 +203,15 @@ def _within_band_tiresias(job: JobView, level: int, since: float, now: float) ->
     if job.grants:
         if since < now:
             started = job.started_at if job.started_at is not None else since
-            return (0.0, max(started, since))
-        return (2.0, now)
+            return (level, 0.0, max(started, since))
+        return (level, 2.0, now)
     waiting = job.submitted_at if job.pending_since is None else job.pending_since
     if waiting > since:
-        return (1.0, -waiting)
-    return (2.0, since)
+        return (level, 1.0, -waiting)
+    return (level, 2.0, since)
 
 
-WithinBand = Callable[[JobView, int, float, float], tuple[float, ...]]
+WithinBand = Callable[[JobView, float, float, float], tuple[float, ...]]
 
 
 def _las(
@@ -220,6 +222,8 @@ def _las(
     thresholds = context.las_thresholds_gpu_s
     now = context.now
     labels = [f"las band {level}" for level in range(len(thresholds) + 1)]
+    levels = [float(level) for level in range(len(thresholds) + 1)]
+    wakes: list[float] = []
     for job in jobs:
         # `_band`, inlined: this loop runs once per job per cycle.
         level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
@@ -230,8 +234,12 @@ def _las(
             if band.change is not None:
                 changes.append(band.change)
             since = band.since
-        ranked.append(Ranked(job, (float(level), *within(job, level, since, now)), labels[level]))
-    wake_at = _next_crossings(jobs, context, crossing)
+        ranked.append(Ranked(job, within(job, levels[level], since, now), labels[level]))
+        if job.grants and level < len(thresholds):
+            wake = crossing(job, job.grants, thresholds, now)
+            if wake is not None:
+                wakes.append(wake)
+    wake_at = min(wakes) if wakes else None
     return Ordered(tuple(ranked), False, tuple(changes), wake_at, crossing=crossing)
 
 
