@@ -42,6 +42,7 @@ from brain.core import (
     Resize,
     ServiceDistribution,
     SetServiceLevel,
+    Wait,
     decide,
     reads,
 )
@@ -401,7 +402,14 @@ class _Replay:
         )
         return ClusterSnapshot(
             nodes=nodes,
-            pending=tuple(self._view(job) for job in self.pending.values()),
+            # A pending job's view is dropped whenever it changes (placed, preempted,
+            # band set), so a kept one is current: most cycles rebuild none.
+            pending=tuple(
+                [
+                    job.view if job.view is not None else self._view(job)
+                    for job in self.pending.values()
+                ]
+            ),
             running=tuple(self._view(job) for job in self.running.values()),
             queues=self.config.queues,
             service_distribution=self.distribution,
@@ -463,6 +471,8 @@ class _Replay:
 
     def apply(self, decisions: Decisions) -> None:
         for action in decisions.actions:
+            if type(action) is Wait:
+                continue  # most actions, and nothing for the cluster to do
             if isinstance(action, Preempt):
                 self._preempt(action)
             elif isinstance(action, Place):
