@@ -39,6 +39,7 @@ from brain.core.model import (
     JobView,
     Outranked,
     Place,
+    Placed,
     Preempt,
     PreemptCause,
     QuotaReclaim,
@@ -467,7 +468,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             grants = result.grants
             ledger.take(grants)
             cycle.placed.append((entry, grants))
-            cycle.actions.append(Place(job.job_id, grants, _place_cause(entry, grants, policy)))
+            why = Placed(grants, _place_notes(entry, policy))
+            cycle.actions.append(Place(job.job_id, grants, why.describe(), why))
             continue
         cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
@@ -507,18 +509,13 @@ def _retry_stage(
     return replace(snapshot, pending=eligible), waits, wakes
 
 
-def _place_cause(entry: _Entry, grants: tuple[Grant, ...], policy: Policy) -> str:
-    where = ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
-    return f"placed on {where} ({_place_notes(entry, policy)})"
-
-
-def _place_notes(entry: _Entry, policy: Policy) -> str:
+def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
     notes = [policy.order, entry.ranked.label]
     if entry.starving:
         notes.append("starvation guard")
     if entry.standing is Standing.IN_QUOTA:
         notes.append(f"within queue {entry.job.queue}'s guarantee")
-    return "; ".join(notes)
+    return tuple(notes)
 
 
 def _winners_by_gpu(cycle: _Cycle) -> dict[tuple[str, int], int]:
