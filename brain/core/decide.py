@@ -48,6 +48,7 @@ from brain.core.model import (
 )
 from brain.core.ordering import (
     ORDERINGS,
+    Crossing,
     OrderContext,
     Ordered,
     Ranked,
@@ -568,6 +569,26 @@ def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
     return [e.job.waiting_since() + guard for e in entries if not e.job.running and not e.starving]
 
 
+def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
+    """When the jobs this cycle starts will cross their bands' thresholds: without these
+    wakes a job started and crossing in the same decision would be demoted only at the
+    next unrelated event. Jobs alike in what a crossing reads (most are new: no service)
+    are asked once."""
+    thresholds, now = cycle.policy.las_thresholds_gpu_s, cycle.now
+    asked: dict[tuple[float, float, int], float | None] = {}
+    times: list[float | None] = []
+    for entry, grants in cycle.placed:
+        job = entry.ranked.job
+        if job.elastic:
+            # Its size is what it was granted, not what it asked for.
+            times.append(crossing(job, grants, thresholds, now))
+            continue
+        key = (job.attained_gpu_seconds, job.executed_seconds, job.gpus)
+        if key not in asked:
+            asked[key] = crossing(job, grants, thresholds, now)
+    return [t for t in (*times, *asked.values()) if t is not None]
+
+
 def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
     """The cycle's decisions for `snapshot` at `now` under `policy`.
 
@@ -641,16 +662,8 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     wakes += backoff_wakes
     if ordered.wake_at is not None:
         wakes.append(ordered.wake_at)
-    crossing = ordered.crossing
-    if crossing is not None:
-        # A job started by this very cycle crosses its band's threshold too: without
-        # this wake it would be demoted only at the next unrelated event.
-        thresholds = policy.las_thresholds_gpu_s
-        wakes += [
-            t
-            for entry, grants in cycle.placed
-            if (t := crossing(entry.job, grants, thresholds, now)) is not None
-        ]
+    if ordered.crossing is not None:
+        wakes += _placed_crossings(cycle, ordered.crossing)
     future = [t for t in wakes if t > now]
     # Preemptions and shrinks first: the placements after them may use the GPUs they
     # free; grows last, into what nobody else took.
