@@ -297,6 +297,36 @@ def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "preemptions, Outranked: 1" in out
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--policy", "priority"), "no `priority` column"),
+        (("--progress-error", "-1"), "--progress-error cannot be negative"),
+        (("--policy", "gittins", "--fixed-distribution"), "--fixed-distribution needs"),
+    ],
+)
+def test_cli_refuses_what_the_policy_cannot_run_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], message: str
+) -> None:
+    path = write_trace(tmp_path, "0,1,0,1,m,10,0\n")
+    assert cli.run(parse("--trace", str(path), "--cluster", "1x1", *flags)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_progress_error_and_fixed_distribution(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path, "0,1,0,1,m,100,0\n1,1,5,1,m,10,0\n")
+    prior = tmp_path / "prior.csv"
+    prior.write_text("duration\n50\n5000\n")
+    for flags in (
+        ("--policy", "progress", "--progress-error", "1"),
+        ("--policy", "gittins-tiresias", "--service-prior", str(prior), "--fixed-distribution"),
+    ):
+        assert cli.run(parse("--trace", str(path), "--cluster", "1x1", "--json", *flags)) == 0
+        assert '"unfinished": 0' in capsys.readouterr().out
+
+
 def test_cli_reports_bad_input_without_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
