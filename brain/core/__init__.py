@@ -29,6 +29,8 @@ from brain.core.ordering import (
     ORDER_READS,
     ORDERINGS,
     PROGRESS_AWARE,
+    QUEUE_ORDERS,
+    QueueOrder,
     reads,
 )
 from brain.core.placement import PLACEMENTS
@@ -45,6 +47,7 @@ __all__ = [
     "PLACEMENTS",
     "PREEMPTIONS",
     "PROGRESS_AWARE",
+    "QUEUE_ORDERS",
     "Action",
     "ClusterSnapshot",
     "Decisions",
@@ -60,6 +63,7 @@ __all__ = [
     "Policy",
     "Preempt",
     "PreemptCause",
+    "QueueOrder",
     "QueueQuota",
     "QuotaReclaim",
     "Resize",

@@ -369,35 +369,42 @@ def progress(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     return Ordered(tuple(ranked), head_of_line_blocking=False)
 
 
-ORDERINGS: Final[dict[str, Ordering]] = {
-    "fifo": fifo,
-    "priority": priority,
-    "las": las,
-    "las-tiresias": las_tiresias,
-    "gittins": gittins,
-    "gittins-tiresias": gittins_tiresias,
-    "srtf": srtf,
-    "progress": progress,
-}
-
-# What each ordering reads beyond a job's size, submission, grants and attained
-# service: the shell and the simulator fill (and a simulator refuses a trace without)
-# exactly these, so that every other policy is provably blind to them.
+# What an order may read beyond a job's size, submission, grants and attained service:
+# the shell and the simulator fill (and a simulator refuses a trace without) exactly
+# what an order declares, so that every other order is provably blind to it.
 #   declared_duration: `JobView.declared_duration_s` (the simulator reveals the trace's)
 #   progress:          `JobView.progress_fraction`/`progress_rate_per_s` (reports)
 #   distribution:      `ClusterSnapshot.service_distribution` (finished jobs' service)
 #   priority:          `JobView.priority` (a trace must carry a `priority` column)
 Input = Literal["declared_duration", "progress", "distribution", "priority"]
-ORDER_READS: Final[dict[str, frozenset[Input]]] = {
-    "fifo": frozenset(),
-    "priority": frozenset({"priority"}),
-    "las": frozenset(),
-    "las-tiresias": frozenset(),
-    "gittins": frozenset({"distribution"}),
-    "gittins-tiresias": frozenset({"distribution"}),
-    "srtf": frozenset({"declared_duration"}),
-    "progress": frozenset({"progress"}),
-}
+
+
+@dataclass(frozen=True, slots=True)
+class QueueOrder:
+    """A queue-order plugin: its name (what `Policy.order` says), its ranking, and what
+    it reads. Adding an order is one of these in `QUEUE_ORDERS` around a function
+    `(jobs, OrderContext) -> Ordered`; nothing else names orders."""
+
+    name: str
+    rank: Ordering
+    reads: frozenset[Input] = frozenset()
+
+    def __call__(self, jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+        return self.rank(jobs, context)
+
+
+QUEUE_ORDERS: Final[tuple[QueueOrder, ...]] = (
+    QueueOrder("fifo", fifo),
+    QueueOrder("priority", priority, frozenset({"priority"})),
+    QueueOrder("las", las),
+    QueueOrder("las-tiresias", las_tiresias),
+    QueueOrder("gittins", gittins, frozenset({"distribution"})),
+    QueueOrder("gittins-tiresias", gittins_tiresias, frozenset({"distribution"})),
+    QueueOrder("srtf", srtf, frozenset({"declared_duration"})),
+    QueueOrder("progress", progress, frozenset({"progress"})),
+)
+ORDERINGS: Final[dict[str, QueueOrder]] = {order.name: order for order in QUEUE_ORDERS}
+ORDER_READS: Final[dict[str, frozenset[Input]]] = {o.name: o.reads for o in QUEUE_ORDERS}
 
 
 def reads(order: str, what: Input) -> bool:
