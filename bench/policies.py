@@ -1,12 +1,13 @@
-"""Scheduling quality on real traces, beside Tiresias' published simulator numbers.
+"""Scheduling quality on the shared Philly clusters, beside Tiresias' own simulator.
 
-Runs every queue-order policy (and a few tuned variants) through `brain.sim` on the
-Philly virtual cluster vc_0e4a51 at 12x4 and 8x4 GPUs and on Tiresias' 60_job trace
-at 2x4 and 4x4, with zero preemption cost as Tiresias' simulator assumes, prints our
-average JCT beside the reference, checks the two targets of the issue, and writes
-everything to bench/results/ (JSON and CSV) to compare run to run.
+Runs every queue order (and Tiresias' quirks as their named orders) through `brain.sim`
+on the four shared Philly virtual clusters (../shared/data/README.md), with zero
+preemption cost as Tiresias' simulator assumes, prints our average JCT beside
+Tiresias' number for the same trace and cluster, the CPU seconds of each replay and
+jobs replayed per CPU second, checks the issue's targets, and writes everything to
+bench/results/ (JSON and CSV).
 
-    .venv/bin/python bench/policies.py [--only vc_0e4a51-12x4] [--workers N]
+    .venv/bin/python bench/policies.py [--only vc_0e4a51] [--variant las] [--workers N]
 
 Not a test: nothing here asserts; it reports.
 """
@@ -26,44 +27,53 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.recording import record  # noqa: E402
-from brain.core import Policy  # noqa: E402
-from brain.sim import SimConfig, load_trace, parse_cluster, simulate, summarize  # noqa: E402
+from brain.core import DEFAULT_SERVICE_PRIOR, Policy, ServiceDistribution  # noqa: E402
+from brain.sim import (  # noqa: E402
+    SimConfig,
+    SimResult,
+    load_trace,
+    parse_cluster,
+    simulate,
+    summarize,
+)
+from brain.sim.cli import load_prior  # noqa: E402
 from brain.sim.report import Metrics  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
+YARN = DATA / "tiresias" / "yarn-gput1000.csv"
 
 # Tiresias' own simulator on these files (../shared/data/README.md): average JCT.
 REFERENCE: dict[str, dict[str, float]] = {
-    "vc_0e4a51-12x4": {
+    "vc_0e4a51": {
         "fifo": 1_407_738,
         "dlas-gpu": 376_388,
         "dlas-gpu-gittins": 351_635,
         "shortest-gpu": 195_115,
     },
-    "vc_0e4a51-8x4": {
-        "fifo": 3_179_904,
-        "dlas-gpu": 800_817,
-        "dlas-gpu-gittins": 773_834,
-        "shortest-gpu": 353_150,
+    "vc_2869ce": {
+        "fifo": 841_485,
+        "dlas-gpu": 362_072,
+        "dlas-gpu-gittins": 607_775,
+        "shortest-gpu": 260_758,
     },
-    "60_job-2x4": {
-        "fifo": 1_556.5,
-        "dlas-gpu": 715.3,
-        "dlas-gpu-gittins": 821.2,
-        "shortest-gpu": 563.4,
+    "vc_6c71a0": {
+        "fifo": 818_597,
+        "dlas-gpu": 50_922,
+        "dlas-gpu-gittins": 36_004,
+        "shortest-gpu": 26_122,
     },
-    "60_job-4x4": {
-        "fifo": 200.8,
-        "dlas-gpu": 190.7,
-        "dlas-gpu-gittins": 219.1,
-        "shortest-gpu": 195.9,
+    "vc_b436b2": {
+        "fifo": 1_326_675,
+        "dlas-gpu": 24_288,
+        "dlas-gpu-gittins": 34_141,
+        "shortest-gpu": 20_822,
     },
 }
-SCENARIOS: dict[str, tuple[Path, str]] = {
-    "vc_0e4a51-12x4": (DATA / "philly" / "vc_0e4a51.csv", "12x4"),
-    "vc_0e4a51-8x4": (DATA / "philly" / "vc_0e4a51.csv", "8x4"),
-    "60_job-2x4": (DATA / "tiresias" / "60_job.csv", "2x4"),
-    "60_job-4x4": (DATA / "tiresias" / "60_job.csv", "4x4"),
+CLUSTERS: dict[str, str] = {
+    "vc_0e4a51": "12x4",
+    "vc_2869ce": "12x4",
+    "vc_6c71a0": "12x4",
+    "vc_b436b2": "18x4",
 }
 # Fifteen geometric LAS bands, 100 GPU-s doubling: close to continuous LAS.
 FINE_BANDS = tuple(100.0 * 2**i for i in range(15))
@@ -78,21 +88,30 @@ class Variant:
     knows_durations: bool = False
     # `progress` only: how wrong jobs may be about their total work (see SimConfig).
     progress_error: float = 0.0
+    # The Gittins distribution: "learned" (online, from the default prior), "yarn"
+    # (Tiresias' yarn-gput1000.csv, fixed: what its dlas-gpu-gittins reads).
+    distribution: str = "learned"
+    # Reads progress reports (not durations, but not blind to how far a job is).
+    reads_progress: bool = False
 
 
 VARIANTS: tuple[Variant, ...] = (
+    Variant(
+        "progress E=1", Policy(order="progress"), None, progress_error=1.0, reads_progress=True
+    ),
     Variant("fifo", Policy(order="fifo"), "fifo"),
-    Variant("priority", Policy(order="priority"), None),
     Variant("las", Policy(order="las"), "dlas-gpu"),
+    Variant("las-tiresias", Policy(order="las-tiresias"), "dlas-gpu"),
     Variant("las-fine", Policy(order="las", las_thresholds_gpu_s=FINE_BANDS), None),
     Variant("gittins", Policy(order="gittins"), "dlas-gpu-gittins"),
+    Variant("gittins yarn", Policy(order="gittins"), "dlas-gpu-gittins", distribution="yarn"),
     Variant(
-        "gittins-1band",
-        Policy(order="gittins", las_thresholds_gpu_s=(), gittins_quantum_gpu_s=300_000.0),
-        None,
+        "gittins-tiresias yarn",
+        Policy(order="gittins-tiresias"),
+        "dlas-gpu-gittins",
+        distribution="yarn",
     ),
-    Variant("progress", Policy(order="progress"), None),
-    Variant("progress-2x-off", Policy(order="progress"), None, progress_error=1.0),
+    Variant("progress E=0", Policy(order="progress"), None, reads_progress=True),
     Variant("srtf", Policy(order="srtf"), "shortest-gpu", knows_durations=True),
 )
 
@@ -100,73 +119,103 @@ VARIANTS: tuple[Variant, ...] = (
 @dataclass(frozen=True)
 class Row:
     scenario: str
-    variant: str
-    knows_durations: bool
-    counterpart: str | None
+    variant: Variant
     reference_avg_jct: float | None
     metrics: Metrics
-    wall_s: float
+    cpu_s: float
     decide_calls: int
+    # Learned Gittins only: finished jobs after which the index stayed near its final.
+    converged_after: int | None = None
+
+    @property
+    def jobs_per_cpu_s(self) -> float:
+        return self.metrics.jobs / self.cpu_s if self.cpu_s > 0 else float("inf")
+
+
+def _prior(variant: Variant) -> tuple[ServiceDistribution, bool]:
+    if variant.distribution == "yarn":
+        return load_prior(YARN), False
+    return DEFAULT_SERVICE_PRIOR, True
+
+
+# Attained services (GPU-s) at which convergence is judged: a new job, the band
+# thresholds, and deep in the last band.
+PROBES = (0.0, 1_000.0, 3_250.0, 7_200.0, 36_000.0)
+
+
+def converged_after(result: SimResult, prior: ServiceDistribution, quantum: float) -> int:
+    """How many finished jobs (in finishing order) the learned distribution took until
+    its Gittins index at every probe stayed within 10 % of where the replay left it."""
+    services = [
+        o.gpu_seconds
+        for o in sorted(result.outcomes, key=lambda o: o.finished_at or 0.0)
+        if o.finished_at is not None
+    ]
+    seen = [prior]
+    for service in services:
+        seen.append(seen[-1].with_sample(service))
+    final = [seen[-1].gittins_index(a, quantum) for a in PROBES]
+    last_off = 0
+    for n, distribution in enumerate(seen):
+        indices = (distribution.gittins_index(a, quantum) for a in PROBES)
+        if any(abs(i - f) > 0.1 * f for i, f in zip(indices, final, strict=True)):
+            last_off = n + 1
+    return last_off
 
 
 def run_one(scenario: str, variant: Variant) -> Row:
-    trace_path, cluster = SCENARIOS[scenario]
-    trace = load_trace(trace_path)
-    started = time.perf_counter()
+    trace = load_trace(DATA / "philly" / f"{scenario}.csv")
+    prior, learn = _prior(variant)
     config = SimConfig(
-        policy=variant.policy, cluster=parse_cluster(cluster), progress_error=variant.progress_error
+        policy=variant.policy,
+        cluster=parse_cluster(CLUSTERS[scenario]),
+        progress_error=variant.progress_error,
+        service_prior=prior,
+        learn_service=learn,
     )
+    started = time.process_time()
     result = simulate(trace, config)
-    wall = time.perf_counter() - started
+    cpu = time.process_time() - started
     reference = REFERENCE[scenario].get(variant.counterpart) if variant.counterpart else None
-    return Row(
-        scenario,
-        variant.label,
-        variant.knows_durations,
-        variant.counterpart,
-        reference,
-        summarize(result),
-        wall,
-        result.decide_calls,
-    )
+    learned = None
+    if learn and variant.policy.order.startswith("gittins"):
+        learned = converged_after(result, prior, variant.policy.gittins_quantum_gpu_s)
+    return Row(scenario, variant, reference, summarize(result), cpu, result.decide_calls, learned)
 
 
 def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.1f}"
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def print_table(rows: list[Row]) -> None:
     header = (
-        "scenario",
+        "cluster",
         "policy",
         "avg JCT",
         "Tiresias",
         "vs ref",
-        "median",
         "p99",
-        "makespan",
-        "util",
         "preempt",
-        "wall s",
+        "CPU s",
+        "jobs/s",
     )
     lines = [header]
     for r in rows:
         m = r.metrics
         ratio = "-" if r.reference_avg_jct is None else f"{m.avg_jct / r.reference_avg_jct:.3f}"
-        label = r.variant + (" *" if r.knows_durations else "")
+        v = r.variant
+        label = v.label + (" *" if v.knows_durations else "")
         lines.append(
             (
                 r.scenario,
                 label,
                 _fmt(m.avg_jct),
-                _fmt(r.reference_avg_jct) + (f" ({r.counterpart})" if r.counterpart else ""),
+                _fmt(r.reference_avg_jct) + (f" ({v.counterpart})" if v.counterpart else ""),
                 ratio,
-                _fmt(m.median_jct),
                 _fmt(m.p99_jct),
-                _fmt(m.makespan),
-                f"{m.utilization:.1%}",
                 str(m.preemptions),
-                f"{r.wall_s:.1f}",
+                f"{r.cpu_s:.1f}",
+                f"{r.jobs_per_cpu_s:,.0f}",
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -182,30 +231,58 @@ def print_table(rows: list[Row]) -> None:
 
 def targets(rows: list[Row]) -> list[str]:
     out: list[str] = []
-    main = [r for r in rows if r.scenario == "vc_0e4a51-12x4"]
-    las = next((r for r in main if r.variant == "las"), None)
-    if las is not None:
-        gap = las.metrics.avg_jct / 376_388 - 1
-        out.append(
-            f"las vs Tiresias dlas-gpu at 12x4: {las.metrics.avg_jct:,.0f} s "
-            f"({gap:+.1%}; target within 5%: {'met' if abs(gap) <= 0.05 else 'MISSED'})"
-        )
-    blind = [r for r in main if not r.knows_durations]
-    if blind:
-        best = min(blind, key=lambda r: r.metrics.avg_jct)
-        ratio = best.metrics.avg_jct / 351_635
-        out.append(
-            f"best policy blind to durations at 12x4: {best.variant} "
-            f"{best.metrics.avg_jct:,.0f} s = {ratio:.3f} x Tiresias' best (351,635); "
-            f"target <= 0.75 x (264,000 s): {'met' if ratio <= 0.75 else 'MISSED'}"
-        )
-        service_only = [r for r in blind if not r.variant.startswith("progress")]
-        if service_only:
-            best_service = min(service_only, key=lambda r: r.metrics.avg_jct)
+    for scenario in dict.fromkeys(r.scenario for r in rows):
+        ref = REFERENCE[scenario]
+        best_ref = min(ref["dlas-gpu"], ref["dlas-gpu-gittins"])
+        mine = {r.variant.label: r for r in rows if r.scenario == scenario}
+        for label, column in (
+            ("las", "dlas-gpu"),
+            ("las-tiresias", "dlas-gpu"),
+            ("gittins", "dlas-gpu-gittins"),
+            ("gittins-tiresias yarn", "dlas-gpu-gittins"),
+        ):
+            if label in mine:
+                ratio = mine[label].metrics.avg_jct / ref[column]
+                verdict = (
+                    "at or below" if ratio <= 1.0 else "within 5%" if ratio <= 1.05 else "OVER"
+                )
+                out.append(f"{scenario}: {label} = {ratio:.3f} x Tiresias {column} ({verdict})")
+        for label, column in (("fifo", "fifo"), ("srtf", "shortest-gpu")):
+            if label in mine:
+                gap = mine[label].metrics.avg_jct - ref[column]
+                out.append(f"{scenario}: {label} - Tiresias {column} = {gap:+.1f} s")
+        blind = [
+            r
+            for r in mine.values()
+            if not r.variant.knows_durations and not r.variant.reads_progress
+        ]
+        if blind:
+            best = min(blind, key=lambda r: r.metrics.avg_jct)
+            ratio = best.metrics.avg_jct / best_ref
             out.append(
-                f"best policy that also ignores progress reports: {best_service.variant} "
-                f"{best_service.metrics.avg_jct:,.0f} s = "
-                f"{best_service.metrics.avg_jct / 351_635:.3f} x Tiresias' best"
+                f"{scenario}: best duration-blind: {best.variant.label} = {ratio:.3f} x "
+                f"Tiresias' best ({best_ref:,.0f}); target <= 0.9: "
+                f"{'met' if ratio <= 0.9 else 'MISSED'}"
+            )
+        learned = mine.get("gittins")
+        if learned is not None and learned.converged_after is not None:
+            fixed = mine.get("gittins yarn")
+            beside = (
+                f"; fed Tiresias' yarn-gput1000 in advance: {fixed.metrics.avg_jct:,.0f} s"
+                if fixed is not None
+                else ""
+            )
+            out.append(
+                f"{scenario}: gittins learned online: {learned.metrics.avg_jct:,.0f} s{beside}; "
+                f"its index settled (within 10 % of its end value at "
+                f"{', '.join(f'{a:,.0f}' for a in PROBES)} GPU-s) after "
+                f"{learned.converged_after:,} of {learned.metrics.jobs:,} finished jobs"
+            )
+        if "progress E=1" in mine:
+            ratio = mine["progress E=1"].metrics.avg_jct / best_ref
+            out.append(
+                f"{scenario}: progress at E=1 = {ratio:.3f} x Tiresias' best; target <= 0.75: "
+                f"{'met' if ratio <= 0.75 else 'MISSED'}"
             )
     return out
 
@@ -213,13 +290,19 @@ def targets(rows: list[Row]) -> list[str]:
 def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
     records = [
         {
-            "scenario": r.scenario,
-            "policy": r.variant,
-            "knows_durations": r.knows_durations,
-            "tiresias_counterpart": r.counterpart,
+            "cluster": r.scenario,
+            "shape": CLUSTERS[r.scenario],
+            "policy": r.variant.label,
+            "order": r.variant.policy.order,
+            "distribution": r.variant.distribution,
+            "progress_error": r.variant.progress_error,
+            "knows_durations": r.variant.knows_durations,
+            "tiresias_counterpart": r.variant.counterpart,
             "tiresias_avg_jct": r.reference_avg_jct,
-            "wall_s": round(r.wall_s, 2),
+            "cpu_s": round(r.cpu_s, 2),
+            "jobs_per_cpu_s": round(r.jobs_per_cpu_s, 1),
             "decide_calls": r.decide_calls,
+            "gittins_converged_after_jobs": r.converged_after,
             **r.metrics.as_json(),
         }
         for r in rows
@@ -229,13 +312,24 @@ def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=sorted(SCENARIOS), action="append")
+    parser.add_argument("--only", choices=sorted(CLUSTERS), action="append")
+    parser.add_argument(
+        "--variant", choices=[v.label for v in VARIANTS], action="append", metavar="LABEL"
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
-    scenarios = args.only or list(SCENARIOS)
-    jobs = [(s, v) for s in scenarios for v in VARIANTS]
+    scenarios = args.only or list(CLUSTERS)
+    variants = [v for v in VARIANTS if not args.variant or v.label in args.variant]
+    # The longest replays first, so that the pool ends together.
+    jobs = [
+        (s, v)
+        for s in ("vc_6c71a0", "vc_b436b2", "vc_0e4a51", "vc_2869ce")
+        if s in scenarios
+        for v in variants
+    ]
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
         rows = list(pool.map(run_one, [s for s, _ in jobs], [v for _, v in jobs]))
+    rows.sort(key=lambda r: (list(CLUSTERS).index(r.scenario), VARIANTS.index(r.variant)))
     print_table(rows)
     notes = targets(rows)
     for note in notes:

@@ -151,8 +151,24 @@ ORDER_CASES = [
         preempted=set(),
     ),
     OrderCase(
-        "las: a job demoted into a band queues behind the band's waiting jobs",
+        "las: a job just demoted into a band with less service than its waiting jobs keeps running",
         Policy(order="las"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            pending_jobs=(
+                pending(
+                    "waiting", 4, attained_gpu_seconds=3300, service_level=1, service_level_since=10
+                ),
+            ),
+            running_jobs=(running("demoted", "n0", (0, 1, 2, 3), attained_gpu_seconds=3250.0),),
+        ),
+        now=500,
+        placed=set(),
+        preempted=set(),
+    ),
+    OrderCase(
+        "las-tiresias: a job demoted into a band queues behind the band's waiting jobs",
+        Policy(order="las-tiresias"),
         cluster(
             node("n0", busy=(0, 1, 2, 3)),
             pending_jobs=(
@@ -165,6 +181,137 @@ ORDER_CASES = [
         now=500,
         placed={"waiting"},
         preempted={"demoted"},
+    ),
+    OrderCase(
+        "las: in a band, the job that started running there last yields first, "
+        "however early it entered the band",
+        Policy(order="las"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            node("n1", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("new", 4, at=900),),
+            running_jobs=(
+                # Entered the last band first, preempted, and resumed at 800.
+                running(
+                    "old-huge",
+                    "n0",
+                    (0, 1, 2, 3),
+                    at=800,
+                    attained_gpu_seconds=90_000,
+                    service_level=2,
+                    service_level_since=10,
+                    submitted_at=0,
+                ),
+                running(
+                    "steady",
+                    "n1",
+                    (0, 1, 2, 3),
+                    at=100,
+                    attained_gpu_seconds=8_000,
+                    service_level=2,
+                    service_level_since=50,
+                    submitted_at=5,
+                ),
+            ),
+        ),
+        now=1000,
+        placed={"new"},
+        preempted={"old-huge"},
+    ),
+    OrderCase(
+        "las: among a band's waiting jobs, the least attained service first",
+        Policy(order="las"),
+        cluster(
+            node("n0"),
+            pending_jobs=(
+                # Entered band 2 first, but was preempted after "patient" began waiting.
+                pending(
+                    "preempted",
+                    4,
+                    at=0,
+                    attained_gpu_seconds=90_000,
+                    service_level=2,
+                    service_level_since=10,
+                    pending_since=700,
+                ),
+                pending(
+                    "patient",
+                    4,
+                    at=5,
+                    attained_gpu_seconds=8_000,
+                    service_level=2,
+                    service_level_since=50,
+                    pending_since=60,
+                ),
+            ),
+        ),
+        now=1000,
+        placed={"patient"},
+        preempted=set(),
+    ),
+    OrderCase(
+        "las-tiresias: Tiresias' lists put the job preempted last first among waiting",
+        Policy(order="las-tiresias"),
+        cluster(
+            node("n0"),
+            pending_jobs=(
+                pending(
+                    "preempted",
+                    4,
+                    at=0,
+                    attained_gpu_seconds=90_000,
+                    service_level=2,
+                    service_level_since=10,
+                    pending_since=700,
+                ),
+                pending(
+                    "patient",
+                    4,
+                    at=5,
+                    attained_gpu_seconds=8_000,
+                    service_level=2,
+                    service_level_since=50,
+                    pending_since=60,
+                ),
+            ),
+        ),
+        now=1000,
+        placed={"preempted"},
+        preempted=set(),
+    ),
+    OrderCase(
+        "las-tiresias: in a band, the job that started running there last yields first",
+        Policy(order="las-tiresias"),
+        cluster(
+            node("n0", busy=(0, 1, 2, 3)),
+            node("n1", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("new", 4, at=900),),
+            running_jobs=(
+                running(
+                    "old-huge",
+                    "n0",
+                    (0, 1, 2, 3),
+                    at=800,
+                    attained_gpu_seconds=90_000,
+                    service_level=2,
+                    service_level_since=10,
+                    submitted_at=0,
+                ),
+                running(
+                    "steady",
+                    "n1",
+                    (0, 1, 2, 3),
+                    at=100,
+                    attained_gpu_seconds=8_000,
+                    service_level=2,
+                    service_level_since=50,
+                    submitted_at=5,
+                ),
+            ),
+        ),
+        now=1000,
+        placed={"new"},
+        preempted={"old-huge"},
     ),
     OrderCase(
         "srtf: the shortest declared remaining GPU-time runs",
@@ -255,6 +402,44 @@ def test_las_reports_band_changes_and_when_to_wake() -> None:
     )
     # Next threshold: 7200 GPU-s, at 2 GPUs: (7200 - 3250) / 2 seconds from now.
     assert decisions.wake_at == pytest.approx(1000 + 3950 / 2)
+
+
+@dataclass(frozen=True)
+class WakeCase:
+    name: str
+    order: str
+    attained_gpu_seconds: float
+    gpus: int
+    # When the job placed at `now` = 100 crosses its band's threshold; None: never.
+    wake_at: float | None
+
+
+WAKE_CASES = [
+    WakeCase("las: a new 2-GPU job crosses 3250 GPU-s after 1625 s", "las", 0.0, 2, 1725.0),
+    WakeCase("las: a resumed job crosses 7200 from 5000 on 4 GPUs", "las", 5000.0, 4, 650.0),
+    WakeCase("las: a job in the last band never crosses", "las", 9000.0, 4, None),
+    WakeCase("gittins: bands too", "gittins", 0.0, 1, 3350.0),
+    WakeCase("las-tiresias: a 1-GPU job, the same wake", "las-tiresias", 3000.0, 1, 350.0),
+    # Tiresias: floor((3250 - 1500 wall seconds) / 2) = 875 s, not (3250 - 3000) / 2.
+    WakeCase("las-tiresias: a resumed 2-GPU job, looked at late", "las-tiresias", 3000.0, 2, 975.0),
+    WakeCase("fifo: no bands, no wake", "fifo", 0.0, 1, None),
+]
+
+
+@pytest.mark.parametrize("case", WAKE_CASES, ids=[c.name for c in WAKE_CASES])
+def test_a_job_started_in_this_decision_is_woken_for_its_band_crossing(case: WakeCase) -> None:
+    level = 0 if case.attained_gpu_seconds < 3250 else 1 if case.attained_gpu_seconds < 7200 else 2
+    job = pending(
+        "j",
+        case.gpus,
+        at=0,
+        attained_gpu_seconds=case.attained_gpu_seconds,
+        executed_seconds=case.attained_gpu_seconds / case.gpus,
+        service_level=level,
+    )
+    decisions = decide(cluster(node("n0"), pending_jobs=(job,)), 100, Policy(order=case.order))
+    assert set(placed(decisions)) == {"j"}
+    assert decisions.wake_at == (None if case.wake_at is None else pytest.approx(case.wake_at))
 
 
 def test_las_stays_quiet_when_the_band_is_recorded() -> None:
@@ -494,7 +679,9 @@ def test_bad_policies_are_rejected(policy: Policy, error: type[Exception]) -> No
 
 
 def test_decide_rejects_an_unknown_plugin() -> None:
-    with pytest.raises(UnknownPlugin, match="known: fifo, gittins, las, priority"):
+    with pytest.raises(
+        UnknownPlugin, match="known: fifo, gittins, gittins-tiresias, las, las-tiresias, priority"
+    ):
         decide(cluster(node("n0")), 0, Policy(order="nope"))
 
 

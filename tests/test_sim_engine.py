@@ -189,6 +189,64 @@ def test_sixty_job_trace_matches_tiresias(order: str, shape: str, tiresias: floa
     assert summarize(result).avg_jct == pytest.approx(tiresias, abs=0.05)
 
 
+PHILLY = SHARED / "philly"
+# Tiresias' own simulator on the shared Philly clusters (../shared/data/README.md).
+PHILLY_FIFO_AND_SHORTEST_GPU = [
+    pytest.param("vc_0e4a51", "12x4", "fifo", 1_407_738),
+    pytest.param("vc_0e4a51", "12x4", "srtf", 195_115),
+    pytest.param("vc_2869ce", "12x4", "fifo", 841_485),
+    pytest.param("vc_2869ce", "12x4", "srtf", 260_758),
+    # Ten-thousand-job replays: seconds each, so kept out of the quick run.
+    pytest.param("vc_6c71a0", "12x4", "fifo", 818_597, marks=pytest.mark.slow),
+    pytest.param("vc_6c71a0", "12x4", "srtf", 26_122, marks=pytest.mark.slow),
+    pytest.param("vc_b436b2", "18x4", "fifo", 1_326_675, marks=pytest.mark.slow),
+    pytest.param("vc_b436b2", "18x4", "srtf", 20_822, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.skipif(not PHILLY.exists(), reason="shared trace data not present")
+@pytest.mark.parametrize(("trace", "shape", "order", "tiresias"), PHILLY_FIFO_AND_SHORTEST_GPU)
+def test_philly_fifo_and_srtf_equal_tiresias(
+    trace: str, shape: str, order: str, tiresias: float
+) -> None:
+    """fifo and srtf are Tiresias' fifo and shortest-gpu exactly (its numbers are
+    rounded to the second)."""
+    config = SimConfig(Policy(order=order), parse_cluster(shape))
+    result = simulate(load_trace(PHILLY / f"{trace}.csv"), config)
+    assert summarize(result).avg_jct == pytest.approx(tiresias, abs=0.5)
+
+
+def test_priority_on_a_trace_without_priorities_is_refused() -> None:
+    trace = jobs(("1", 1, 0, 10), ("2", 1, 1, 10))
+    with pytest.raises(TraceError, match="no `priority` column"):
+        simulate(trace, SimConfig(Policy(order="priority"), parse_cluster("1x4")))
+
+
+def test_priority_column_orders_the_jobs(tmp_path: Path) -> None:
+    path = write_trace(
+        tmp_path,
+        "1,4,0,100\n2,4,1,100,\n3,4,2,100,5\n",
+        header="job_id,num_gpu,submit_time,duration,priority\n",
+    )
+    trace = load_trace(path)
+    assert [j.priority for j in trace] == [None, None, 5]
+    result = simulate(trace, SimConfig(Policy(order="priority"), parse_cluster("1x4")))
+    finished = {o.job_id: o.finished_at for o in result.outcomes}
+    # Job 3 (priority 5) preempts job 1 on arrival and finishes before job 2.
+    assert finished["3"] == 102
+    assert finished["3"] < finished["2"]
+
+
+def test_progress_error_is_fixed_per_job_and_bounded() -> None:
+    from brain.sim.engine import _misestimate
+
+    factors = [_misestimate(str(i), 1.0) for i in range(2000)]
+    assert factors == [_misestimate(str(i), 1.0) for i in range(2000)]
+    assert all(0.5 <= f <= 2.0 for f in factors)
+    assert min(factors) < 0.55 and max(factors) > 1.9
+    assert _misestimate("7", 0.0) == 1.0
+
+
 # -- the CLI glue ---------------------------------------------------------------------
 
 
@@ -237,6 +295,36 @@ def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "avg JCT" in out
     assert "preemptions, Outranked: 1" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--policy", "priority"), "no `priority` column"),
+        (("--progress-error", "-1"), "--progress-error cannot be negative"),
+        (("--policy", "gittins", "--fixed-distribution"), "--fixed-distribution needs"),
+    ],
+)
+def test_cli_refuses_what_the_policy_cannot_run_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], message: str
+) -> None:
+    path = write_trace(tmp_path, "0,1,0,1,m,10,0\n")
+    assert cli.run(parse("--trace", str(path), "--cluster", "1x1", *flags)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_progress_error_and_fixed_distribution(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path, "0,1,0,1,m,100,0\n1,1,5,1,m,10,0\n")
+    prior = tmp_path / "prior.csv"
+    prior.write_text("duration\n50\n5000\n")
+    for flags in (
+        ("--policy", "progress", "--progress-error", "1"),
+        ("--policy", "gittins-tiresias", "--service-prior", str(prior), "--fixed-distribution"),
+    ):
+        assert cli.run(parse("--trace", str(path), "--cluster", "1x1", "--json", *flags)) == 0
+        assert '"unfinished": 0' in capsys.readouterr().out
 
 
 def test_cli_reports_bad_input_without_a_traceback(

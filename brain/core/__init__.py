@@ -14,6 +14,7 @@ from brain.core.model import (
     NodeView,
     Outranked,
     Place,
+    Placed,
     Preempt,
     PreemptCause,
     QueueQuota,
@@ -22,7 +23,16 @@ from brain.core.model import (
     SetServiceLevel,
     Wait,
 )
-from brain.core.ordering import DISTRIBUTION_AWARE, DURATION_AWARE, ORDERINGS, PROGRESS_AWARE
+from brain.core.ordering import (
+    DISTRIBUTION_AWARE,
+    DURATION_AWARE,
+    ORDER_READS,
+    ORDERINGS,
+    PROGRESS_AWARE,
+    QUEUE_ORDERS,
+    QueueOrder,
+    reads,
+)
 from brain.core.placement import PLACEMENTS
 from brain.core.preemption import PREEMPTIONS
 
@@ -33,9 +43,11 @@ __all__ = [
     "DURATION_AWARE",
     "ELASTICITIES",
     "ORDERINGS",
+    "ORDER_READS",
     "PLACEMENTS",
     "PREEMPTIONS",
     "PROGRESS_AWARE",
+    "QUEUE_ORDERS",
     "Action",
     "ClusterSnapshot",
     "Decisions",
@@ -47,9 +59,11 @@ __all__ = [
     "NodeView",
     "Outranked",
     "Place",
+    "Placed",
     "Policy",
     "Preempt",
     "PreemptCause",
+    "QueueOrder",
     "QueueQuota",
     "QuotaReclaim",
     "Resize",
@@ -58,4 +72,5 @@ __all__ = [
     "UnknownPlugin",
     "Wait",
     "decide",
+    "reads",
 ]

@@ -39,13 +39,21 @@ from brain.core.model import (
     JobView,
     Outranked,
     Place,
+    Placed,
     Preempt,
     PreemptCause,
     QuotaReclaim,
     Resize,
     Wait,
 )
-from brain.core.ordering import ORDERINGS, OrderContext, Ordered, Ranked, job_sequence
+from brain.core.ordering import (
+    ORDERINGS,
+    Crossing,
+    OrderContext,
+    Ordered,
+    Ranked,
+    job_sequence,
+)
 from brain.core.placement import (
     PLACEMENTS,
     Fit,
@@ -461,7 +469,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             grants = result.grants
             ledger.take(grants)
             cycle.placed.append((entry, grants))
-            cycle.actions.append(Place(job.job_id, grants, _place_cause(entry, grants, policy)))
+            why = Placed(grants, _place_notes(entry, policy))
+            cycle.actions.append(Place(job.job_id, grants, why.describe(), why))
             continue
         cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
@@ -501,18 +510,13 @@ def _retry_stage(
     return replace(snapshot, pending=eligible), waits, wakes
 
 
-def _place_cause(entry: _Entry, grants: tuple[Grant, ...], policy: Policy) -> str:
-    where = ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
-    return f"placed on {where} ({_place_notes(entry, policy)})"
-
-
-def _place_notes(entry: _Entry, policy: Policy) -> str:
+def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
     notes = [policy.order, entry.ranked.label]
     if entry.starving:
         notes.append("starvation guard")
     if entry.standing is Standing.IN_QUOTA:
         notes.append(f"within queue {entry.job.queue}'s guarantee")
-    return "; ".join(notes)
+    return tuple(notes)
 
 
 def _winners_by_gpu(cycle: _Cycle) -> dict[tuple[str, int], int]:
@@ -563,6 +567,26 @@ def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
     if guard is None:
         return []
     return [e.job.waiting_since() + guard for e in entries if not e.job.running and not e.starving]
+
+
+def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
+    """When the jobs this cycle starts will cross their bands' thresholds: without these
+    wakes a job started and crossing in the same decision would be demoted only at the
+    next unrelated event. Jobs alike in what a crossing reads (most are new: no service)
+    are asked once."""
+    thresholds, now = cycle.policy.las_thresholds_gpu_s, cycle.now
+    asked: dict[tuple[float, float, int], float | None] = {}
+    times: list[float | None] = []
+    for entry, grants in cycle.placed:
+        job = entry.ranked.job
+        if job.elastic:
+            # Its size is what it was granted, not what it asked for.
+            times.append(crossing(job, grants, thresholds, now))
+            continue
+        key = (job.attained_gpu_seconds, job.executed_seconds, job.gpus)
+        if key not in asked:
+            asked[key] = crossing(job, grants, thresholds, now)
+    return [t for t in (*times, *asked.values()) if t is not None]
 
 
 def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
@@ -638,6 +662,8 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     wakes += backoff_wakes
     if ordered.wake_at is not None:
         wakes.append(ordered.wake_at)
+    if ordered.crossing is not None:
+        wakes += _placed_crossings(cycle, ordered.crossing)
     future = [t for t in wakes if t > now]
     # Preemptions and shrinks first: the placements after them may use the GPUs they
     # free; grows last, into what nobody else took.

@@ -15,7 +15,8 @@ import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import add
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,17 +49,24 @@ class ServiceDistribution:
         return ServiceDistribution.from_samples(samples, weight_each=total_weight / points)
 
     def with_sample(self, value: float) -> ServiceDistribution:
-        """A copy that has also seen one finished job's service (weight 1)."""
+        """A copy that has also seen one finished job's service (weight 1).
+
+        The running totals above the new sample each grow by the same amount, added
+        with `map` (no Python-level loop): the simulator adds every finished job, and
+        rebuilding the totals one Python step per sample made learning quadratic in
+        the trace (37 % of a 9,953-job replay)."""
         at = bisect.bisect_right(self.values, value)
-        values = (*self.values[:at], value, *self.values[at:])
-        cumulative = self.cumulative_weight
-        weights = [w - p for w, p in zip(cumulative, (0.0, *cumulative[:-1]), strict=True)]
-        weights.insert(at, 1.0)
-        weighted = (w * v for w, v in zip(weights, values, strict=True))
+        weights, weighted = self.cumulative_weight, self.cumulative_weighted_value
+        below_w = weights[at - 1] if at else 0.0
+        below_v = weighted[at - 1] if at else 0.0
         return ServiceDistribution(
-            values=values,
-            cumulative_weight=tuple(accumulate(weights)),
-            cumulative_weighted_value=tuple(accumulate(weighted)),
+            values=(*self.values[:at], value, *self.values[at:]),
+            cumulative_weight=(*weights[:at], below_w + 1.0, *map(add, weights[at:], repeat(1.0))),
+            cumulative_weighted_value=(
+                *weighted[:at],
+                below_v + value,
+                *map(add, weighted[at:], repeat(value)),
+            ),
             observed=self.observed + 1,
         )
 
@@ -104,6 +112,36 @@ class ServiceDistribution:
         if expected_service <= 0.0:
             return math.inf
         return finishing_w / expected_service
+
+    def gittins_index_tiresias(self, attained: float, quantum: float) -> float:
+        """The index as Tiresias' simulator computes it (`get_gittins_index` over
+        `cal_r_gittins_index`), quirks kept: it is read at the first sample above the
+        attained service (a step function), a job past the largest sample gets 0, the
+        look-ahead past the largest sample leaves that sample out, and the expected
+        service sums the finishing jobs' *whole* service rather than what is left of it
+        (so a job with more service ranks lower than the exact index says)."""
+        values = self.values
+        if not values or attained > values[-1]:
+            return 0.0
+        point = values[bisect.bisect_right(values, attained)] - 1.0
+        if point > values[-1] - 1.0:
+            return 0.0
+        total_w = self.cumulative_weight[-1]
+        at = bisect.bisect_right(values, point)
+        ahead = point + quantum
+        beyond_at = (
+            len(values) - 1 if ahead > values[-1] - 1.0 else bisect.bisect_right(values, ahead)
+        )
+        below_w = self.cumulative_weight[at - 1] if at else 0.0
+        below_v = self.cumulative_weighted_value[at - 1] if at else 0.0
+        upto_w = self.cumulative_weight[beyond_at - 1] if beyond_at else 0.0
+        upto_v = self.cumulative_weighted_value[beyond_at - 1] if beyond_at else 0.0
+        above_w = total_w - below_w
+        if above_w <= 0.0:
+            return 0.0
+        finishing = (upto_w - below_w) / above_w
+        expected = ((upto_v - below_v) + quantum * (total_w - upto_w)) / above_w
+        return 0.0 if expected <= 0.0 else finishing / expected
 
 
 DEFAULT_SERVICE_PRIOR = ServiceDistribution.log_uniform_prior(10.0, 1.0e7)

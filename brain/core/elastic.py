@@ -74,7 +74,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
 
-from brain.core.model import Action, ClusterSnapshot, Grant, JobView, Measured, Place, Resize
+from brain.core.model import (
+    Action,
+    ClusterSnapshot,
+    Grant,
+    JobView,
+    Measured,
+    Place,
+    Placed,
+    Resize,
+)
 from brain.core.ordering import job_sequence
 from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
 
@@ -202,10 +211,6 @@ ELASTICITIES: Final[dict[str, Estimator | None]] = {
 
 
 _Gpu = tuple[str, int]
-
-
-def _where(grants: Iterable[Grant]) -> str:
-    return ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
 
 
 def _as_grants(gpus: Iterable[_Gpu]) -> tuple[Grant, ...]:
@@ -747,8 +752,9 @@ class ElasticStage:
             note = f"elastic: {size}"
         if target != len(sized.held) and not sized.grown:
             note += f" (target {target})"
-        cause = action.cause.replace(_where(action.grants), _where(grants), 1)
-        return replace(action, grants=grants, cause=f"{cause}; {note}")
+        why = action.why or Placed(action.grants, (action.cause,))
+        why = replace(why, grants=grants, extra=(*why.extra, note))
+        return replace(action, grants=grants, cause=why.describe(), why=why)
 
     def _basis(self, job: JobView) -> str:
         sizes = [n for n, _ in _observed(job)]

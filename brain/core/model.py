@@ -183,13 +183,36 @@ class ClusterSnapshot:
     service_distribution: ServiceDistribution | None = None
 
 
+def describe_grants(grants: tuple[Grant, ...]) -> str:
+    """`node0[0,1], node1[3]`: where a job's GPUs are, for an operator."""
+    return ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Why a job was placed where it was: the GPUs, and the notes of each stage that
+    had a say (the order and its rank, a guard, a quota, the elasticity stage)."""
+
+    grants: tuple[Grant, ...]
+    notes: tuple[str, ...]
+    # Said after the notes' parenthesis (the elasticity stage's account of the size).
+    extra: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        text = f"placed on {describe_grants(self.grants)} ({'; '.join(self.notes)})"
+        return "; ".join((text, *self.extra))
+
+
 @dataclass(frozen=True, slots=True)
 class Place:
-    """Start a pending job on these GPUs (a gang: every grant or none)."""
+    """Start a pending job on these GPUs (a gang: every grant or none). `cause` is what
+    the shell records; `why`, when the core built it, the typed value it describes."""
 
     job_id: str
     grants: tuple[Grant, ...]
     cause: str
+    # Not compared: two placements are the same decision when they say the same.
+    why: Placed | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

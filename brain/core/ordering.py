@@ -13,12 +13,14 @@ by submission, so a plugin never has to.
 from __future__ import annotations
 
 import bisect
+import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 from brain.core.distribution import ServiceDistribution
-from brain.core.model import JobView, SetServiceLevel
+from brain.core.model import Grant, JobView, SetServiceLevel
 
 # Attained service is accumulated in floating point; a job that reaches a threshold
 # exactly must count as past it, or the core would ask to be woken again and again
@@ -26,8 +28,10 @@ from brain.core.model import JobView, SetServiceLevel
 SERVICE_EPSILON: Final = 1e-6
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def job_sequence(job_id: str) -> tuple[int, str]:
-    """Sort key for job ids: numeric ids in numeric order, others after, by text."""
+    """Sort key for job ids: numeric ids in numeric order, others after, by text.
+    Cached: it is asked for every job of every cycle whose submissions tie."""
     return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)
 
 
@@ -66,6 +70,10 @@ class Ordered:
     # its minimum. False (queue heuristics: LAS bands, Gittins, FIFO): the elasticity
     # stage shares the GPUs above minimums by marginal gain alone.
     rank_entitles: bool = False
+    # Set when ranks change as running jobs cross LAS band thresholds: when a job
+    # running on these grants from now will cross its band's threshold. The pipeline
+    # asks to be woken then for every job it starts in this cycle, too.
+    crossing: Crossing | None = None
 
     @property
     def jobs(self) -> tuple[JobView, ...]:
@@ -122,15 +130,45 @@ def _band(job: JobView, context: OrderContext) -> _Band:
     return _Band(level, context.now, SetServiceLevel(job.job_id, level, context.now, cause))
 
 
-def _next_crossing(job: JobView, context: OrderContext) -> float | None:
-    """When a running job's service will cross its band's upper threshold."""
-    if not job.running or job.gpus <= 0:
+def next_band_crossing(
+    job: JobView, grants: Sequence[Grant], thresholds: Sequence[float], now: float
+) -> float | None:
+    """When a job running on `grants` from `now` will cross its band's upper
+    threshold (None: it is in the last band, or holds no GPU)."""
+    gpus = sum(len(g.gpus) for g in grants)
+    if gpus <= 0:
         return None
-    thresholds = context.las_thresholds_gpu_s
     level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
     if level >= len(thresholds):
         return None
-    return context.now + (thresholds[level] - job.attained_gpu_seconds) / job.gpus
+    return now + (thresholds[level] - job.attained_gpu_seconds) / gpus
+
+
+def tiresias_band_crossing(
+    job: JobView, grants: Sequence[Grant], thresholds: Sequence[float], now: float
+) -> float | None:
+    """When Tiresias' simulator next looks at a running job's band: it subtracts the
+    job's *wall* seconds run (not its GPU-seconds) from the threshold before dividing
+    by its GPUs, and rounds down (Python 2), so a multi-GPU job that has run before
+    is looked at late, and demoted only then (or at an unrelated event before)."""
+    gpus = sum(len(g.gpus) for g in grants)
+    if gpus <= 0:
+        return None
+    level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
+    if level >= len(thresholds):
+        return None
+    at = now + math.floor((thresholds[level] - job.executed_seconds) / gpus)
+    return at if at > now else next_band_crossing(job, grants, thresholds, now)
+
+
+Crossing = Callable[[JobView, Sequence[Grant], Sequence[float], float], float | None]
+
+
+def _next_crossings(
+    jobs: Sequence[JobView], context: OrderContext, crossing: Crossing = next_band_crossing
+) -> float | None:
+    thresholds, now = context.las_thresholds_gpu_s, context.now
+    return _earliest([crossing(j, j.grants, thresholds, now) for j in jobs if j.grants])
 
 
 def _earliest(times: Sequence[float | None]) -> float | None:
@@ -138,19 +176,54 @@ def _earliest(times: Sequence[float | None]) -> float | None:
     return min(present) if present else None
 
 
-def las(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
-    """Tiresias' discretised 2D-LAS (dlas-gpu).
+def _within_band(job: JobView, level: float, since: float, now: float) -> tuple[float, ...]:
+    """A job's rank: its LAS band `level`, then where it stands within it (smaller first).
 
-    Attained service is GPUs x executed time; thresholds split it into K bands and a
-    lower band always runs first. Within a band, as in Tiresias' queue lists, jobs that
-    were already running there keep going, then the others in the order they entered
-    the band: a job demoted into a band queues behind the band's waiting jobs.
-    """
+    The jobs running in the band keep going (bands exist so that jobs of one band do
+    not churn), in the order they started running there: the job that has held its
+    GPUs in the band the shortest time is the first to lose them, so a job that
+    entered the last band long ago does not hold its GPUs there for good. Then the
+    band's other jobs (waiting, or just demoted into it) by least attained service,
+    LAS's own rule: with service times whose hazard falls as service grows (as job
+    durations on GPU clusters do), less service means likelier to finish soon."""
+    if job.grants and since < now:
+        started = job.started_at if job.started_at is not None else since
+        return (level, 0.0, started if started > since else since)
+    return (level, 1.0, job.attained_gpu_seconds)
+
+
+def _within_band_tiresias(
+    job: JobView, level: float, since: float, now: float
+) -> tuple[float, ...]:
+    """Tiresias' simulator's order within a queue, as its lists behave: a job enters
+    at the tail (new, or demoted); after every pass the waiting jobs are moved behind
+    the running ones, in the order they stood. So running jobs stand in the order they
+    started in the queue, and among waiting jobs the one preempted last stands first,
+    ahead of every job that has not run in the queue since it entered it."""
+    if job.grants:
+        if since < now:
+            started = job.started_at if job.started_at is not None else since
+            return (level, 0.0, max(started, since))
+        return (level, 2.0, now)
+    waiting = job.submitted_at if job.pending_since is None else job.pending_since
+    if waiting > since:
+        return (level, 1.0, -waiting)
+    return (level, 2.0, since)
+
+
+WithinBand = Callable[[JobView, float, float, float], tuple[float, ...]]
+
+
+def _las(
+    jobs: Sequence[JobView], context: OrderContext, within: WithinBand, crossing: Crossing
+) -> Ordered:
     ranked: list[Ranked] = []
     changes: list[SetServiceLevel] = []
     thresholds = context.las_thresholds_gpu_s
     now = context.now
     labels = [f"las band {level}" for level in range(len(thresholds) + 1)]
+    levels = [float(level) for level in range(len(thresholds) + 1)]
+    wakes: list[float] = []
     for job in jobs:
         # `_band`, inlined: this loop runs once per job per cycle.
         level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
@@ -161,22 +234,34 @@ def las(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
             if band.change is not None:
                 changes.append(band.change)
             since = band.since
-        settled = 0.0 if job.grants and since < now else 1.0
-        ranked.append(Ranked(job, (float(level), settled, since), labels[level]))
-    return Ordered(tuple(ranked), False, tuple(changes), _next_crossings(jobs, context))
+        ranked.append(Ranked(job, within(job, levels[level], since, now), labels[level]))
+        if job.grants and level < len(thresholds):
+            wake = crossing(job, job.grants, thresholds, now)
+            if wake is not None:
+                wakes.append(wake)
+    wake_at = min(wakes) if wakes else None
+    return Ordered(tuple(ranked), False, tuple(changes), wake_at, crossing=crossing)
 
 
-def _next_crossings(jobs: Sequence[JobView], context: OrderContext) -> float | None:
-    return _earliest([_next_crossing(j, context) for j in jobs if j.grants])
+def las(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """Discretised 2D-LAS (Tiresias' dlas-gpu).
 
-
-def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
-    """Tiresias' 2D-Gittins (dlas-gpu-gittins): LAS bands, and within a band the
-    higher Gittins index of the job's attained service first.
-
-    The index comes from the distribution of finished jobs' service the shell has
-    seen so far (with a prior), not from a fixed file, so it adapts to the cluster.
+    Attained service is GPUs x executed time; thresholds split it into K bands and a
+    lower band always runs first. Within a band, the jobs running there keep going
+    (the last to start there is the first to yield), then the others by least
+    attained service (`_within_band`).
     """
+    return _las(jobs, context, _within_band, next_band_crossing)
+
+
+def las_tiresias(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """`las` as Tiresias' simulator runs it: the order within a band its queue lists
+    produce (`_within_band_tiresias`: the job preempted last waits first), and its
+    late look at a multi-GPU job's band (`tiresias_band_crossing`)."""
+    return _las(jobs, context, _within_band_tiresias, tiresias_band_crossing)
+
+
+def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) -> Ordered:
     ranked: list[Ranked] = []
     changes: list[SetServiceLevel] = []
     thresholds = context.las_thresholds_gpu_s
@@ -191,10 +276,37 @@ def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
         known = seen.get(attained)
         if known is None:
             level = bisect.bisect_right(thresholds, attained + SERVICE_EPSILON)
-            index = context.distribution.gittins_index(attained, context.gittins_quantum_gpu_s)
+            distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
+            index = (
+                distribution.gittins_index_tiresias(attained, quantum)
+                if tiresias
+                else distribution.gittins_index(attained, quantum)
+            )
             known = seen[attained] = ((float(level), -index), f"band {level} gittins {index:.3g}")
-        ranked.append(Ranked(job, known[0], known[1]))
-    return Ordered(tuple(ranked), False, tuple(changes), _next_crossings(jobs, context))
+        rank = (*known[0], -job.submitted_at) if tiresias else known[0]
+        ranked.append(Ranked(job, rank, known[1]))
+    crossing = tiresias_band_crossing if tiresias else next_band_crossing
+    wake_at = _next_crossings(jobs, context, crossing)
+    return Ordered(tuple(ranked), False, tuple(changes), wake_at, crossing=crossing)
+
+
+def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """2D-Gittins (Tiresias' dlas-gpu-gittins): LAS bands, and within a band the
+    higher Gittins index of the job's attained service first; equal indices (every
+    new job has the same) in submission order.
+
+    The index comes from the distribution of finished jobs' service the shell has
+    seen so far (with a prior), not from a fixed file, so it adapts to the cluster.
+    """
+    return _gittins(jobs, context, tiresias=False)
+
+
+def gittins_tiresias(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """`gittins` as Tiresias' simulator computes it: its index formula
+    (`ServiceDistribution.gittins_index_tiresias`), and its tie order: it sorts each
+    queue by (index, submission time) descending, so among equal indices (every job
+    past the largest sample has 0) the newest job runs first."""
+    return _gittins(jobs, context, tiresias=True)
 
 
 def remaining_gpu_seconds(job: JobView) -> float | None:
@@ -257,24 +369,50 @@ def progress(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     return Ordered(tuple(ranked), head_of_line_blocking=False)
 
 
-ORDERINGS: Final[dict[str, Ordering]] = {
-    "fifo": fifo,
-    "priority": priority,
-    "las": las,
-    "gittins": gittins,
-    "srtf": srtf,
-    "progress": progress,
-}
+# What an order may read beyond a job's size, submission, grants and attained service:
+# the shell and the simulator fill (and a simulator refuses a trace without) exactly
+# what an order declares, so that every other order is provably blind to it.
+#   declared_duration: `JobView.declared_duration_s` (the simulator reveals the trace's)
+#   progress:          `JobView.progress_fraction`/`progress_rate_per_s` (reports)
+#   distribution:      `ClusterSnapshot.service_distribution` (finished jobs' service)
+#   priority:          `JobView.priority` (a trace must carry a `priority` column)
+Input = Literal["declared_duration", "progress", "distribution", "priority"]
 
-# Orderings that read `JobView.declared_duration_s`. The simulator gives durations
-# from the trace only to these, so that every other policy is provably blind to them.
-DURATION_AWARE: Final[frozenset[str]] = frozenset({"srtf"})
 
-# Orderings that read `JobView.progress_fraction` (reported by a running job, never
-# known before it runs). The simulator reports progress only to these, so that the
-# extra progress events cannot perturb the others.
-PROGRESS_AWARE: Final[frozenset[str]] = frozenset({"progress"})
+@dataclass(frozen=True, slots=True)
+class QueueOrder:
+    """A queue-order plugin: its name (what `Policy.order` says), its ranking, and what
+    it reads. Adding an order is one of these in `QUEUE_ORDERS` around a function
+    `(jobs, OrderContext) -> Ordered`; nothing else names orders."""
 
-# Orderings that read `ClusterSnapshot.service_distribution`. The live brain builds the
-# learned distribution only for these.
-DISTRIBUTION_AWARE: Final[frozenset[str]] = frozenset({"gittins"})
+    name: str
+    rank: Ordering
+    reads: frozenset[Input] = frozenset()
+
+    def __call__(self, jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+        return self.rank(jobs, context)
+
+
+QUEUE_ORDERS: Final[tuple[QueueOrder, ...]] = (
+    QueueOrder("fifo", fifo),
+    QueueOrder("priority", priority, frozenset({"priority"})),
+    QueueOrder("las", las),
+    QueueOrder("las-tiresias", las_tiresias),
+    QueueOrder("gittins", gittins, frozenset({"distribution"})),
+    QueueOrder("gittins-tiresias", gittins_tiresias, frozenset({"distribution"})),
+    QueueOrder("srtf", srtf, frozenset({"declared_duration"})),
+    QueueOrder("progress", progress, frozenset({"progress"})),
+)
+ORDERINGS: Final[dict[str, QueueOrder]] = {order.name: order for order in QUEUE_ORDERS}
+ORDER_READS: Final[dict[str, frozenset[Input]]] = {o.name: o.reads for o in QUEUE_ORDERS}
+
+
+def reads(order: str, what: Input) -> bool:
+    """Does the ordering named `order` read `what`?"""
+    return what in ORDER_READS.get(order, frozenset())
+
+
+# The name lists older callers test membership in; derived from `ORDER_READS`.
+DURATION_AWARE: Final = frozenset(o for o in ORDER_READS if reads(o, "declared_duration"))
+PROGRESS_AWARE: Final = frozenset(o for o in ORDER_READS if reads(o, "progress"))
+DISTRIBUTION_AWARE: Final = frozenset(o for o in ORDER_READS if reads(o, "distribution"))

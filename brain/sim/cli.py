@@ -27,7 +27,7 @@ from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, UnknownPlugin
 from brain.core.elastic import ELASTICITIES
 from brain.queues import QueueConfigError, checked, load_queues, parse_quota
 from brain.queues import describe as describe_queues
-from brain.sim.engine import Scaling, SimConfig, simulate
+from brain.sim.engine import Scaling, SimConfig, check_trace_fits, simulate
 from brain.sim.pollux import (
     BATCH_SCALINGS,
     PolluxScaling,
@@ -103,6 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CSV",
         help="samples (a 'duration' column, GPU-seconds) to seed the Gittins "
         "distribution, e.g. Tiresias' yarn-gput1000.csv",
+    )
+    parser.add_argument(
+        "--fixed-distribution",
+        action="store_true",
+        help="with --service-prior: the samples are the whole Gittins distribution and "
+        "finished jobs teach it nothing (as Tiresias' dlas-gpu-gittins reads "
+        "yarn-gput1000.csv); default: learned online on top of the prior",
+    )
+    parser.add_argument(
+        "--progress-error",
+        type=float,
+        default=0.0,
+        metavar="E",
+        help="each job's believed total work is off by a factor in [1/(1+E), 1+E], fixed "
+        "per job id (what `progress` reads; default 0: exact)",
     )
     parser.add_argument(
         "--queues",
@@ -326,8 +341,16 @@ def run(args: argparse.Namespace) -> int:
             shrink_cost_s=args.shrink_cost,
             start_cost_s=args.start_cost,
         )
+        if args.progress_error < 0:
+            raise TraceError(f"--progress-error cannot be negative ({args.progress_error:g})")
+        config = replace(config, progress_error=args.progress_error)
         if args.service_prior is not None:
             config = replace(config, service_prior=load_prior(args.service_prior))
+        if args.fixed_distribution:
+            if args.service_prior is None:
+                raise TraceError("--fixed-distribution needs --service-prior")
+            config = replace(config, learn_service=False)
+        check_trace_fits(trace, policy)
     except (TraceError, InvalidPolicy, UnknownPlugin, QueueConfigError) as err:
         # A KeyError (UnknownPlugin) would print its message quoted.
         print(f"alnair sim: {err.args[0] if err.args else err}", file=sys.stderr)

@@ -4,7 +4,9 @@ A trace is a CSV with at least `job_id,num_gpu,submit_time,duration` (Tiresias'
 `60_job.csv` and the Philly virtual-cluster files also carry `iterations`,
 `model_name` and `interval`, which are read when present). An optional `queue` column
 puts each job in a queue, for quotas (`alnair sim --queues`); without it, or where it
-is empty, a job is in queue `default`. `duration` is the run time
+is empty, a job is in queue `default`. An optional `priority` column (an integer,
+higher first) is what `--policy priority` orders by; a trace without one cannot be
+run under it (`TraceJob.priority` is None). `duration` is the run time
 on the requested GPUs. A bad row is reported with its line and column.
 """
 
@@ -59,6 +61,9 @@ class TraceJob:
     max_gpus: int | None = None
     # The queue whose quota the job counts against (`alnair sim --queues`).
     queue: str = "default"
+    # The submitter's priority (higher first), from an optional `priority` column;
+    # None when the trace has none.
+    priority: int | None = None
 
     @property
     def elastic(self) -> bool:
@@ -122,6 +127,15 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
         check_name("queue", queue)
     except InvalidName as error:
         raise TraceError(str(error), path=path, line=line, column="queue") from None
+    priority_raw = (row.get("priority") or "").strip()
+    priority: int | None = None
+    if priority_raw:
+        try:
+            priority = int(priority_raw)
+        except ValueError:
+            raise TraceError(
+                f"{priority_raw!r} is not a whole number", path=path, line=line, column="priority"
+            ) from None
     iterations_raw = (row.get("iterations") or "").strip()
     iterations = int(_number(row, "iterations", path, line)) if iterations_raw else None
     return TraceJob(
@@ -132,6 +146,7 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
         iterations=iterations,
         model_name=(row.get("model_name") or "").strip(),
         queue=queue,
+        priority=priority,
     )
 
 
