@@ -15,6 +15,7 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from brain.core.ordering import job_sequence
 from brain.port import BrainPort
 from schemas import subjects
 from schemas.api import (
@@ -235,7 +236,7 @@ class ApiServer:
             for j in self.brain.state.jobs.values()
             if (operator or j.tenant == tenant) and (wanted is None or j.state in wanted)
         ]
-        jobs.sort(key=lambda j: (j.submitted_at, int(j.job_id) if j.job_id.isdigit() else 0))
+        jobs.sort(key=lambda j: (j.submitted_at, job_sequence(j.job_id)))
         return tuple(jobs[-request.limit :])
 
     def _nodes(self) -> tuple[NodeStatus, ...]:

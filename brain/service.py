@@ -57,6 +57,7 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
+from brain.core.ordering import job_sequence
 from brain.credentials import JobCredentials, load_signer
 from brain.history import History
 from brain.inbox import ApiCall, EventArrived, HeartbeatNews, Item, Tick, WriteRequest
@@ -1392,7 +1393,7 @@ class Brain:
                 event.uri: BlacklistEntry(
                     uri=event.uri,
                     reason=f"{len(jobs)} jobs failed on it (limit {limit}); last: {event.reason}",
-                    jobs=tuple(sorted(jobs, key=_job_order)),
+                    jobs=tuple(sorted(jobs, key=job_sequence)),
                     added_at=self.clock(),
                     added_by="brain",
                 ),
@@ -1977,10 +1978,6 @@ class Brain:
     @property
     def pid(self) -> int:
         return os.getpid()
-
-
-def _job_order(job_id: str) -> tuple[int, str]:
-    return (int(job_id), "") if job_id.isdigit() else (0, job_id)
 
 
 def _reason_kind(reason: str | None) -> str:
