@@ -134,8 +134,14 @@ DECIDE_IN_THREAD_AFTER_S: Final = 0.05
 @dataclass(frozen=True, slots=True)
 class BrainConfig:
     policy: Policy = DEFAULT_POLICY
-    # A node silent this long is LOST and its jobs are taken back.
+    # A node silent this long is LOST: nothing new is placed on it.
     node_timeout_s: float = 5.0
+    # Its jobs run elsewhere only this much later, once its agent has surely stopped
+    # them (agents/fence.py; the arithmetic is in docs/operations.md, "Partitions").
+    fence_margin_s: float = 5.0
+    # How long a job submitted with on_disconnect "keep" may run on unheard: its agent
+    # fences it after this, and the brain runs it elsewhere after this plus the margin.
+    keep_disconnected_s: float = 300.0
     tick_s: float = 0.5
     # A launch not confirmed by the node within this long is given up and requeued.
     launch_ttl_s: float = 60.0
@@ -959,28 +965,47 @@ class Brain:
     async def _check_nodes(self) -> None:
         for name, silent in list(self.ingest.silent(self.monotonic())):
             node = self.state.nodes.get(name)
-            # A drained node can be lost too: its running jobs must be taken back.
-            if node is None or node.state is NodeState.LOST:
+            if node is None:
                 continue
-            await self._node_changed(
-                node.model_copy(update={"state": NodeState.LOST}),
-                node.state,
-                Cause(
-                    kind=CauseKind.NODE_LOST,
-                    node=name,
-                    message=f"no heartbeat for {silent:.1f}s "
-                    f"(limit {self.config.node_timeout_s:g}s)",
-                ),
-            )
+            # A drained node can be lost too: its running jobs must be taken back.
+            if node.state is not NodeState.LOST:
+                await self._node_changed(
+                    node.model_copy(update={"state": NodeState.LOST}),
+                    node.state,
+                    Cause(
+                        kind=CauseKind.NODE_LOST,
+                        node=name,
+                        message=f"no heartbeat for {silent:.1f}s "
+                        f"(limit {self.config.node_timeout_s:g}s)",
+                    ),
+                )
             for job in self.state.running_on(name):
+                # Not before its agent has fenced it: never two attempts at once.
+                unheard_for = self._fenced_after(job)
+                if silent < unheard_for:
+                    continue
                 await self._fail_attempt(
                     job,
                     name,
                     Classification(
                         FailureClass.INFRASTRUCTURE,
-                        f"node {name} was lost (no heartbeat for {silent:.1f}s)",
+                        f"node {name} was lost (no heartbeat for {silent:.1f}s; its agent "
+                        f"stops the job after {unheard_for - self.config.fence_margin_s:g}s "
+                        f"without NATS, margin {self.config.fence_margin_s:g}s)",
                     ),
                 )
+
+    def _fenced_after(self, job: JobRecord) -> float:
+        """How long a job's node must be silent before the job may run elsewhere."""
+        if job.spec.on_disconnect == "keep":
+            return self.config.keep_disconnected_s + self.config.fence_margin_s
+        return self.config.node_timeout_s + self.config.fence_margin_s
+
+    def _on_lost_node(self, job: JobRecord) -> bool:
+        return any(
+            (node := self.state.nodes.get(g.node)) is not None and node.state is NodeState.LOST
+            for g in job.grants
+        )
 
     async def _check_launches(self) -> None:
         """Requeue a job whose launch a node never confirmed nor refused."""
@@ -1732,6 +1757,29 @@ class Brain:
         async with self._writer:
             await self._apply(decisions)
 
+    async def _preempt(self, action: Preempt, job: JobRecord | None) -> bool:
+        """Requeue the victim, only as decided: on those GPUs, its beneficiary waiting
+        (decide() may have run in a thread while the inbox went on). True if it was."""
+        if job is not None and self._on_lost_node(job):
+            # Never a victim on a lost node: its stop cannot arrive, and it would be
+            # requeued (and run elsewhere) before its agent fenced it. The node's loss
+            # frees it in its time, and makes state dirty then.
+            return False
+        if job is None or not _still_holds(action, job, self.state.jobs):
+            self._dirty = True  # decided on a state that has moved: decide again
+            return False
+        await self._requeue(
+            job,
+            Cause(
+                kind=CauseKind.PREEMPTED,
+                job_id=job.job_id,
+                message=action.reason,
+                preemption=_preemption(action),
+            ),
+        )
+        self.preemptions += 1
+        return True
+
     async def _apply(self, decisions: Decisions) -> None:
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
         # node lost or drained, a resize staged by an operator). None: to be computed.
@@ -1740,22 +1788,8 @@ class Brain:
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
                 # Preemptions come first: the placements after them use the GPUs freed.
-                # Only as decided: the victim on those GPUs, its beneficiary waiting
-                # (decide() may have run in a thread while the inbox went on).
-                if job is not None and _still_holds(action, job, self.state.jobs):
-                    await self._requeue(
-                        job,
-                        Cause(
-                            kind=CauseKind.PREEMPTED,
-                            job_id=job.job_id,
-                            message=action.reason,
-                            preemption=_preemption(action),
-                        ),
-                    )
-                    self.preemptions += 1
+                if await self._preempt(action, job):
                     free = None
-                else:
-                    self._dirty = True  # decided on a state that has moved: decide again
                 continue
             if job is None:
                 continue
@@ -1859,6 +1893,9 @@ class Brain:
                     nodes=nodes,
                     blacklist=tuple(sorted(self.state.blacklist)),
                     prerun=job.prerun == "running",
+                    fence_after_s=self.config.keep_disconnected_s
+                    if job.spec.on_disconnect == "keep"
+                    else None,
                 ),
             )
 

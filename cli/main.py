@@ -157,6 +157,8 @@ def _policy_hints(args: argparse.Namespace) -> dict[str, Any]:
         hints["declared_duration_s"] = args.duration
     if args.network_sensitive:
         hints["network_sensitive"] = True
+    if args.on_disconnect is not None:
+        hints["on_disconnect"] = args.on_disconnect
     return hints
 
 
@@ -495,6 +497,8 @@ async def cmd_brain(args: argparse.Namespace) -> int:
             elastic_may_spread=not args.elastic_one_node,
         ).validate(),
         node_timeout_s=args.node_timeout,
+        fence_margin_s=args.fence_margin,
+        keep_disconnected_s=args.keep_disconnected,
         lease_ttl_s=args.lease_ttl,
         launch_ttl_s=args.launch_ttl,
         queues=load_queues(args.queues) if args.queues else (),
@@ -569,6 +573,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         # Every URL, so a job's supervisor survives a server's death too.
         nats_url=",".join(servers),
         nkey_seed=_absolute(resolve_nkey(args.nkey)),
+        fence_after_s=args.fence_after or None,
+        fence_grace_s=args.fence_grace,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -653,6 +659,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--network-sensitive",
         action="store_true",
         help="never spread the job over switches to start it sooner",
+    )
+    p.add_argument(
+        "--on-disconnect",
+        choices=("stop", "keep"),
+        help="when its node loses NATS: stop it (default; it runs again elsewhere) or keep "
+        "it running, not run elsewhere until the node returns or the brain's "
+        "--keep-disconnected passes (docs/operations.md, Partitions)",
     )
     p.add_argument(
         "--elastic",
@@ -754,6 +767,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="seconds without heartbeat before a node is LOST",
     )
+    p.add_argument(
+        "--fence-margin",
+        type=float,
+        default=5.0,
+        help="seconds after a node is LOST before its jobs run elsewhere: at least the "
+        "agents' --fence-after plus --fence-grace minus --node-timeout, plus slack",
+    )
+    p.add_argument(
+        "--keep-disconnected",
+        type=float,
+        default=300.0,
+        help="seconds an --on-disconnect keep job's node may be unheard before the job "
+        "is stopped there and (after --fence-margin more) run elsewhere",
+    )
     p.add_argument("--history", help="sqlite history file (default: $ALNAIR_HOME/brain/history.db)")
     p.add_argument(
         "--replicas",
@@ -800,6 +827,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", required=True, help="'nvml', or simulated: sim:<count>x<model>")
     p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
+    p.add_argument(
+        "--fence-after",
+        type=float,
+        default=5.0,
+        help="stop this node's jobs after this many seconds without NATS (0: never)",
+    )
+    p.add_argument(
+        "--fence-grace",
+        type=float,
+        default=3.0,
+        help="seconds between SIGTERM and SIGKILL when fencing",
+    )
     p.set_defaults(fn=cmd_agent)
 
     p = sub.add_parser("keys", help="create NATS identities (nkeys) and the server config")

@@ -25,6 +25,8 @@ BAD_INPUT_MARKER: Final = "ALNAIR_BAD_INPUT"
 # Names the file (one URI per line) holding the cluster's input blacklist for a job.
 BLACKLIST_FILE_ENV: Final = "ALNAIR_BLACKLIST_FILE"
 
+OnDisconnect = Literal["stop", "keep"]
+
 
 class JobState(StrEnum):
     PENDING = "PENDING"
@@ -95,6 +97,11 @@ class JobSpec(BaseModel):
     )
     # Network-bound (e.g. all-reduce heavy): never spread over switches to start sooner.
     network_sensitive: bool = False
+    # What its node does when it loses NATS (docs/operations.md, "Partitions"): "stop"
+    # (fence: the agent stops it, and the brain runs it elsewhere once that is sure to
+    # be done) or "keep" (it runs on through the partition; the brain runs it elsewhere
+    # only when its node returns without it or a much longer timeout passes).
+    on_disconnect: OnDisconnect = "stop"
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> JobSpec:
