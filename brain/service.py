@@ -1001,12 +1001,6 @@ class Brain:
             return self.config.keep_disconnected_s + self.config.fence_margin_s
         return self.config.node_timeout_s + self.config.fence_margin_s
 
-    def _on_lost_node(self, job: JobRecord) -> bool:
-        return any(
-            (node := self.state.nodes.get(g.node)) is not None and node.state is NodeState.LOST
-            for g in job.grants
-        )
-
     async def _check_launches(self) -> None:
         """Requeue a job whose launch a node never confirmed nor refused."""
         now = self.clock()
@@ -1760,7 +1754,7 @@ class Brain:
     async def _preempt(self, action: Preempt, job: JobRecord | None) -> bool:
         """Requeue the victim, only as decided: on those GPUs, its beneficiary waiting
         (decide() may have run in a thread while the inbox went on). True if it was."""
-        if job is not None and self._on_lost_node(job):
+        if job is not None and self.state.on_lost_node(job):
             # Never a victim on a lost node: its stop cannot arrive, and it would be
             # requeued (and run elsewhere) before its agent fenced it. The node's loss
             # frees it in its time, and makes state dirty then.
