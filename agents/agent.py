@@ -33,6 +33,7 @@ from agents.health import (
     watch_nvml,
 )
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
+from agents.logserve import LogServer
 from agents.orphans import Leftover, ProcessLedger, stop_leftovers
 from bus.client import Bus, Consumer
 from schemas import subjects
@@ -116,6 +117,11 @@ class Agent:
         # PINGs in flight after heartbeats (a few at most: one sent on a connection that
         # then broke is never answered, and must not hold the others back).
         self._probes: set[asyncio.Task[None]] = set()
+        self.logs = LogServer(
+            config.node,
+            config.data_dir / "logs",
+            lambda job_id, attempt: bool(self.launcher.find(job_id, attempt)),
+        )
 
     @property
     def node(self) -> str:
@@ -145,6 +151,7 @@ class Agent:
         self._inject_sub = await self.bus.nc.subscribe(
             subjects.node(self.node, "inject"), cb=self._on_inject
         )
+        await self.logs.serve(self.bus)
         if self.backend.kind == "nvml":
             loop = asyncio.get_running_loop()
 
@@ -157,6 +164,7 @@ class Agent:
 
     async def stop(self, *, stop_jobs: bool = True) -> None:
         self._closing = True
+        await self.logs.close()
         await self._stop_health()
         for task in self._loops:
             task.cancel()
@@ -185,6 +193,7 @@ class Agent:
     async def crash(self) -> list[int]:
         """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""
         self._closing = True
+        await self.logs.close()
         await self._stop_health()
         if self._commands is not None:
             self._commands.stopping.set()

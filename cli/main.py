@@ -27,12 +27,14 @@ from cli.client import call, open_bus, submit
 from cli.config import alnair_home, resolve_nats, resolve_nkey, resolve_tls
 from schemas import subjects
 from schemas.api import (
+    HISTORY_RESULT,
     JOB_RESULT,
     JOBS_RESULT,
     NODES_RESULT,
     STATUS_RESULT,
     CancelRequest,
     GetJobRequest,
+    HistoryRequest,
     ListJobsRequest,
     ListNodesRequest,
     ResizeRequest,
@@ -411,20 +413,52 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
+    """The log of a job's attempt, from the node that ran it, over NATS: works from any
+    host. A node that does not answer (down, cut off, an older agent) is read from this
+    machine's disk if the log is here."""
+    from bus.logs import LogUnavailable, attempt_nodes, copy_log
+
     async def run(bus: Any) -> int:
-        reply = await call(bus, args.tenant, "job", GetJobRequest(job_id=args.job), JOB_RESULT)
-        paths = [Path(g.log_path) for g in reply.job.grants if g.log_path]
-        if not paths:
-            raise UsageError(f"job {args.job} has no log yet (state {reply.job.state.value})")
-        for path in paths:
-            if not path.is_file():
-                raise UsageError(f"log {path} is not on this machine; read it on its node")
-            if len(paths) > 1:
-                print(f"==> {path} <==")
-            sys.stdout.write(path.read_text(errors="replace"))
+        history = await call(
+            bus, args.tenant, "history", HistoryRequest(job_id=args.job), HISTORY_RESULT
+        )
+        job = history.job
+        rows = [(a.attempt, a.nodes) for a in history.attempts]
+        try:
+            attempt, nodes = attempt_nodes(rows, (job.attempt, job.nodes), args.attempt)
+        except LogUnavailable as error:
+            raise UsageError(f"job {args.job}: {error.reason} (state {job.state.value})") from None
+        if args.node:
+            if args.node not in nodes:
+                raise UsageError(f"job {args.job} attempt {attempt} did not run on {args.node}")
+            nodes = (args.node,)
+        for node in nodes if not args.follow else nodes[:1]:
+            if len(nodes) > 1 and not args.follow:
+                print(f"==> {node} <==", flush=True)
+            try:
+                await copy_log(bus, node, args.job, attempt, _write_out, follow=args.follow)
+            except LogUnavailable as error:
+                if not _local_log(job, node, attempt):
+                    raise UsageError(error.reason) from None
         return 0
 
     return await _with_bus(args, run)
+
+
+def _write_out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _local_log(job: JobRecord, node: str, attempt: int) -> bool:
+    """The log as this machine's disk has it (the node's agent did not answer)."""
+    for grant in job.grants:
+        if grant.node == node and grant.log_path and attempt == job.attempt:
+            path = Path(grant.log_path)
+            if path.is_file():
+                sys.stdout.write(path.read_text(errors="replace"))
+                return True
+    return False
 
 
 # -- events ---------------------------------------------------------------------------
@@ -730,9 +764,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_resize)
 
-    p = sub.add_parser("logs", help="print a job's log (on the machine that ran it)")
+    p = sub.add_parser("logs", help="print a job's log, from the node that ran it")
     _client_args(p)
     p.add_argument("job")
+    p.add_argument("--attempt", type=int, help="this attempt (default: the latest)")
+    p.add_argument("--node", help="of a job on several nodes, this node's part only")
+    p.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing while the attempt runs"
+    )
     p.set_defaults(fn=cmd_logs)
 
     p = sub.add_parser("nodes", help="list nodes (like sinfo)")

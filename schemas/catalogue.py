@@ -18,6 +18,7 @@ from schemas import (
     dlq,
     events,
     jobs,
+    logs,
     nodes,
     profiles,
     progress,
@@ -70,6 +71,15 @@ ENTRIES: Final = (
         ),
         "Discriminated by `kind`. `Nats-Msg-Id` is `event_id`; the agent retries until "
         "stored, in order.",
+    ),
+    Entry(
+        "alnair.node.<node>.logs",
+        "CLI / brain → agent",
+        "request/reply",
+        (logs.LogRequest, logs.LogChunk, logs.LogMissing),
+        "A chunk of one attempt's log (at most 256 KiB), from `offset`; the agent answers "
+        "for the logs it holds, at a bounded byte rate. `alnair logs` and "
+        "`GET /v1/jobs/{id}/logs` page through it by `next_offset`.",
     ),
     Entry(
         "alnair.node.<node>.cmd",

@@ -205,6 +205,37 @@ class MultiHost:
         host.processes[role] = process
         return process
 
+    def run_on(
+        self, host_name: str, argv: list[str], *, timeout_s: float = 60.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command to completion on a host (its namespace, hostname and
+        ALNAIR_HOME) and return what it printed."""
+        host = self.hosts[host_name]
+        env = {**os.environ, "ALNAIR_HOME": str(host.home), "PYTHONPATH": str(REPO)}
+        env.pop("ALNAIR_NATS", None)
+        return subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                host.netns,
+                "unshare",
+                "--uts",
+                "--",
+                "sh",
+                "-c",
+                'hostname "$0" && exec "$@"',
+                host.name,
+                *argv,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=str(REPO),
+            timeout=timeout_s,
+            check=False,
+        )
+
     def supervise(self, host_name: str, role: str, argv: list[str]) -> subprocess.Popen[bytes]:
         with self._lock:
             self._supervised[(host_name, role)] = argv

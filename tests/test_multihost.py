@@ -366,3 +366,27 @@ async def test_nats_server_cut_off_while_submissions_flow(
     jobs: list[JobRecord] = await eventually(all_listed, timeout_s=120, interval_s=0.5)
     assert_each_once(acknowledged, jobs)
     assert len({j.job_id for j in jobs}) == len(jobs)
+
+
+async def test_logs_from_another_host(multihost: MultiHost, client: Bus, tmp_path: Path) -> None:
+    await ready(client, multihost)
+    code = (
+        "import socket, time\n"
+        "print('hello from', socket.gethostname(), flush=True)\n"
+        "time.sleep(600)"
+    )
+    spec = JobSpec(name="hello", command=(sys.executable, "-c", code), gpus=1, cwd="/")
+    job_id = (await submit(client, TENANT, spec)).job_id
+    running = await running_started(client, job_id, attempt=1)
+    (node,) = running.nodes
+    elsewhere = next(h for h in multihost.agent_hosts if h != node)
+    argv = multihost.alnair("logs", job_id, "--nats", ",".join(multihost.urls))
+
+    def read() -> str | None:
+        done = multihost.run_on(elsewhere, argv)
+        return done.stdout if "hello from" in done.stdout else None
+
+    out: str = await eventually(lambda: asyncio.to_thread(read), timeout_s=60, interval_s=0.5)
+    # The job's own output, naming the host it ran on, read on another host.
+    assert out.splitlines()[0] == f"hello from {node}"
+    await cancel(client, job_id)
