@@ -23,7 +23,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from agents.fence import CHECK_EVERY_S, ContactClock, round_trip
+from agents.fence import CHECK_EVERY_S, ContactClock
 from agents.gpu import GpuBackend, SimulatedGpus
 from agents.health import (
     FaultReport,
@@ -36,6 +36,7 @@ from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, Launc
 from agents.logserve import LogServer
 from agents.orphans import Leftover, ProcessLedger, stop_leftovers
 from bus.client import Bus, Consumer
+from bus.ping import round_trip
 from schemas import subjects
 from schemas.base import decode, encode
 from schemas.commands import (

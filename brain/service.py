@@ -55,6 +55,7 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
+from brain.hearing import Hearing
 from brain.history import History
 from brain.ingest import (
     SHED_TELEMETRY_INBOX,
@@ -203,6 +204,7 @@ class Brain:
         # Heartbeats and telemetry arrive on a connection of their own (`ingest_bus`,
         # opened at start) and stop in `ingest`; only their news reaches the inbox.
         self.ingest = NodeIngest(node_timeout_s=self.config.node_timeout_s)
+        self.hearing = Hearing(monotonic)
         self.ingest_bus: Bus = bus
         self._stops_sent: dict[tuple[str, str, int], float] = {}
         # (job, attempt, node) -> when its node's agent came back as a new instance
@@ -380,6 +382,10 @@ class Brain:
             self.bus.spawn(self._run(), name="brain-loop"),
             self.bus.spawn(self._schedule_forever(), name="brain-scheduler"),
             self.bus.spawn(self._tick_forever(), name="brain-tick"),
+            self.bus.spawn(
+                self.hearing.watch(self.ingest_bus, every_s=self.config.tick_s),
+                name="brain-hearing",
+            ),
         ]
         self._dirty = True
         self._pass_wanted.set()
@@ -963,6 +969,8 @@ class Brain:
         return node
 
     async def _check_nodes(self) -> None:
+        if self.hearing.deaf_within(self.config.node_timeout_s):
+            return  # heartbeats may have been sent and lost on our side: judge none
         for name, silent in list(self.ingest.silent(self.monotonic())):
             node = self.state.nodes.get(name)
             if node is None:

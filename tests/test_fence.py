@@ -8,6 +8,7 @@ tests/test_multihost.py.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from agents.agent import Agent, AgentConfig
 from agents.fence import ContactClock
 from agents.gpu import SimulatedGpus
+from brain.hearing import Hearing
 from bus.server import EmbeddedNats
 from schemas.commands import Launch
 from schemas.jobs import JobSpec, JobState
@@ -113,3 +115,18 @@ async def test_brain_runs_a_lost_nodes_job_elsewhere_only_after_the_margin(
     kept = brain.state.jobs[keep_job]
     assert (kept.state, kept.nodes, kept.attempt) == (JobState.RUNNING, ("n1",), 1)
     assert not second.launcher.find(keep_job)
+
+
+async def test_brain_hearing_goes_deaf_when_its_connection_does(
+    connect, nats_server: EmbeddedNats
+) -> None:
+    hearing = Hearing(time.monotonic)
+    bus = await connect("brain:ingest")
+    watching = asyncio.ensure_future(hearing.watch(bus, every_s=0.1, timeout_s=0.5))
+    try:
+        await asyncio.sleep(0.5)
+        assert not hearing.deaf_within(60.0)  # it answered every PING so far
+        nats_server.stop()
+        await eventually(lambda: hearing.deaf_within(1.0), timeout_s=30)
+    finally:
+        watching.cancel()
