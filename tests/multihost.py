@@ -96,6 +96,7 @@ class MultiHost:
         gpus: str = "sim:2xA100",
         timings: Timings | None = None,
         tag: str | None = None,
+        agent_env: dict[str, str] | None = None,
     ) -> None:
         self.workdir = workdir
         self.agent_count = agents
@@ -106,9 +107,12 @@ class MultiHost:
         self.bridge = f"alb{self.tag}"
         self.subnet = f"{SUBNET_PREFIX}.{self._free_octet()}"
         self.hosts: dict[str, Host] = {}
+        # Added to each agent's environment (and so its jobs'): e.g. the interface
+        # elastic jobs' workers reach each other on, eth0 on every host here.
+        self.agent_env = {"ALNAIR_NETWORK_INTERFACE": "eth0", **(agent_env or {})}
         # Brains and agents that exit are started again, as `alnair up` does (a brain
         # whose first stream creation times out while the cluster settles, say).
-        self._supervised: dict[tuple[str, str], list[str]] = {}
+        self._supervised: dict[tuple[str, str], tuple[list[str], dict[str, str]]] = {}
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._supervisor: threading.Thread | None = None
@@ -168,7 +172,14 @@ class MultiHost:
 
     # -- processes ------------------------------------------------------------------------
 
-    def spawn(self, host_name: str, role: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(
+        self,
+        host_name: str,
+        role: str,
+        argv: list[str],
+        *,
+        extra_env: dict[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
         """Run `argv` on a host: in its namespace, under its own hostname."""
         host = self.hosts[host_name]
         log = (host.home / f"{role}.log").open("ab")
@@ -178,6 +189,7 @@ class MultiHost:
             "ALNAIR_HOME": str(host.home),
             "PYTHONPATH": str(REPO),
             "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
         }
         env.pop("ALNAIR_NATS", None)
         process = subprocess.Popen(
@@ -236,19 +248,21 @@ class MultiHost:
             check=False,
         )
 
-    def supervise(self, host_name: str, role: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def supervise(
+        self, host_name: str, role: str, argv: list[str], *, extra_env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         with self._lock:
-            self._supervised[(host_name, role)] = argv
-            return self.spawn(host_name, role, argv)
+            self._supervised[(host_name, role)] = (argv, extra_env or {})
+            return self.spawn(host_name, role, argv, extra_env=extra_env)
 
     def _supervise_forever(self) -> None:
         while not self._closing.wait(1.0):
             with self._lock:
-                for (host_name, role), argv in self._supervised.items():
+                for (host_name, role), (argv, env) in self._supervised.items():
                     process = self.hosts[host_name].processes[role]
                     if process.poll() is not None and not self._closing.is_set():
                         self.restarts.append((host_name, role, process.returncode))
-                        self.spawn(host_name, role, argv)
+                        self.spawn(host_name, role, argv, extra_env=env)
 
     def kill(self, host_name: str, role: str, sig: signal.Signals = signal.SIGKILL) -> None:
         """Stop a process for good (not restarted)."""
@@ -383,6 +397,7 @@ class MultiHost:
                 "--fence-grace",
                 str(t.fence_grace_s),
             ),
+            extra_env=self.agent_env,
         )
 
     # -- teardown ---------------------------------------------------------------------------

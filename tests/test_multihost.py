@@ -30,6 +30,7 @@ from schemas.api import (
     GetJobRequest,
     ListJobsRequest,
     ListNodesRequest,
+    ResizeRequest,
     StatusReply,
     StatusRequest,
 )
@@ -37,7 +38,8 @@ from schemas.commands import Stop
 from schemas.errors import AlnairError
 from schemas.jobs import JobRecord, JobSpec, JobState
 from schemas.nodes import NodeState
-from tests.conftest import eventually
+from schemas.progress import Progress
+from tests.conftest import elastic_train_spec, eventually
 from tests.multihost import MultiHost, unavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -390,3 +392,54 @@ async def test_logs_from_another_host(multihost: MultiHost, client: Bus, tmp_pat
     # The job's own output, naming the host it ran on, read on another host.
     assert out.splitlines()[0] == f"hello from {node}"
     await cancel(client, job_id)
+
+
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+
+
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(600)
+async def test_elastic_job_across_hosts_grows_onto_a_third_and_shrinks_back(
+    multihost: MultiHost, client: Bus, tmp_path: Path
+) -> None:
+    """An elastic Horovod job over two hosts (Gloo over the bridge, eth0), grown onto
+    a third host and shrunk back, its workers stepping at each size."""
+    await ready(client, multihost)
+    reports: list[Progress] = []
+
+    async def on_progress(report: Progress, msg: Msg) -> None:
+        reports.append(report)
+
+    await client.subscribe(subjects.ALL_JOB_PROGRESS, Progress, on_progress)
+
+    def stepping_at(size: int) -> Progress | None:
+        last = reports[-1] if reports else None
+        return last if last and last.world_size == size and len(last.workers) == size else None
+
+    stop_file = tmp_path / "stop"
+    spec = elastic_train_spec(4, stop_file, max_gpus=6, name="wide")
+    job_id = (await submit(client, TENANT, spec)).job_id
+    await eventually(lambda: stepping_at(4), timeout_s=180, interval_s=0.5)
+    started = await job(client, job_id)
+    assert started is not None and len(started.nodes) == 2, started
+    sizes = {}
+    for size in (6, 4):
+        await call(client, TENANT, "resize", ResizeRequest(job_id=job_id, gpus=size), JOB_RESULT)
+
+        async def settled() -> JobRecord | None:
+            record = await job(client, job_id)
+            return record if record is not None and record.resize is None else None
+
+        done: JobRecord = await eventually(settled, timeout_s=180, interval_s=0.5)
+        await eventually(lambda s=size: stepping_at(s), timeout_s=120, interval_s=0.5)
+        sizes[size] = {g.node: len(g.gpus) for g in done.grants if g.gpus}
+    assert len(sizes[6]) == 3, sizes  # onto a third host
+    assert sum(sizes[4].values()) == 4, sizes
+    stop_file.touch()
+
+    async def ended() -> JobRecord | None:
+        record = await job(client, job_id)
+        return record if record is not None and record.state.terminal else None
+
+    final: JobRecord = await eventually(ended, timeout_s=120, interval_s=0.5)
+    assert final.state is JobState.SUCCEEDED, final.reason
