@@ -1,5 +1,6 @@
 """Many hosts on one machine: network namespaces on a bridge, each with its own address,
-hostname (a UTS namespace) and ALNAIR_HOME, running a real Alnair cluster.
+hostname (a UTS namespace), /etc/hosts naming every host (a mount namespace) and
+ALNAIR_HOME, running a real Alnair cluster.
 
 Hosts `nats-1..3` run one JetStream cluster (R3 streams), `brain-1..2` a leader and a
 standby, `node-1..N` an agent each (simulated GPUs). The test process stays in the root
@@ -193,20 +194,7 @@ class MultiHost:
         }
         env.pop("ALNAIR_NATS", None)
         process = subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                host.netns,
-                "unshare",
-                "--uts",
-                "--",
-                "sh",
-                "-c",
-                'hostname "$0" && exec "$@"',
-                host.name,
-                *argv,
-            ],
+            self._on_host(host, argv),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -217,6 +205,29 @@ class MultiHost:
         host.processes[role] = process
         return process
 
+    @property
+    def hosts_file(self) -> Path:
+        """Every host's name and address: each host's /etc/hosts (its own mount
+        namespace), so that names resolve as on a real network (Horovod's workers
+        resolve their own)."""
+        return self.workdir / "etc-hosts"
+
+    def _write_hosts_file(self) -> None:
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        lines += [f"{h.address} {h.name}" for h in self.hosts.values()]
+        self.hosts_file.write_text("\n".join(lines) + "\n")
+
+    def _on_host(self, host: Host, argv: list[str]) -> list[str]:
+        """`argv` in the host's network namespace, under its hostname (a UTS namespace)
+        and with the cluster's hosts file (a mount namespace: the machine's own
+        /etc/hosts is untouched)."""
+        script = 'hostname "$0" && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+        return [
+            *("ip", "netns", "exec", host.netns),
+            *("unshare", "--uts", "--mount", "--"),
+            *("sh", "-c", script, host.name, str(self.hosts_file), *argv),
+        ]
+
     def run_on(
         self, host_name: str, argv: list[str], *, timeout_s: float = 60.0
     ) -> subprocess.CompletedProcess[str]:
@@ -226,20 +237,7 @@ class MultiHost:
         env = {**os.environ, "ALNAIR_HOME": str(host.home), "PYTHONPATH": str(REPO)}
         env.pop("ALNAIR_NATS", None)
         return subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                host.netns,
-                "unshare",
-                "--uts",
-                "--",
-                "sh",
-                "-c",
-                'hostname "$0" && exec "$@"',
-                host.name,
-                *argv,
-            ],
+            self._on_host(host, argv),
             capture_output=True,
             text=True,
             env=env,
@@ -300,6 +298,7 @@ class MultiHost:
         self._make_bridge()
         for name in [*self.nats_hosts, *self.brain_hosts, *self.agent_hosts]:
             self.add_host(name)
+        self._write_hosts_file()
         self._start_nats(timeout_s)
         for name in self.brain_hosts:
             self.start_brain(name)
