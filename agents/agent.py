@@ -281,6 +281,11 @@ class Agent:
             gpus=self.backend.inventory(),
             running=running,
             epoch_seen=self.epoch,
+            fence_s=(
+                self.config.fence_after_s + self.config.fence_grace_s
+                if self.config.fence_after_s is not None
+                else None
+            ),
         )
         sent_at = time.monotonic()
         await self.bus.publish(subjects.node(self.node, "heartbeat"), message)

@@ -819,6 +819,8 @@ class Brain:
             drain_reason=drain_reason,
             drained_gpus=known.drained_gpus if known is not None else (),
         )
+        if known is None or known.instance != beat.instance:
+            self._check_fence(beat)
         if known is None:
             await self._node_changed(
                 fresh,
@@ -1002,6 +1004,25 @@ class Brain:
                         f"without NATS, margin {self.config.fence_margin_s:g}s)",
                     ),
                 )
+
+    def _check_fence(self, beat: Heartbeat) -> None:
+        """Say so when a node's agent may run its jobs on past the moment this brain
+        runs them elsewhere (docs/operations.md, "Partitions")."""
+        limit = self.config.node_timeout_s + self.config.fence_margin_s
+        if beat.fence_s is None:
+            log.warning(
+                "node %s does not fence itself: a partition of it may run its jobs twice",
+                beat.node,
+            )
+        elif beat.fence_s >= limit:
+            log.warning(
+                "node %s stops its jobs %gs after losing NATS, not before this brain runs "
+                "them elsewhere (node timeout + fence margin = %gs): a partition of it may "
+                "run them twice",
+                beat.node,
+                beat.fence_s,
+                limit,
+            )
 
     def _fenced_after(self, job: JobRecord) -> float:
         """How long a job's node must be silent before the job may run elsewhere."""

@@ -130,3 +130,16 @@ async def test_brain_hearing_goes_deaf_when_its_connection_does(
         await eventually(lambda: hearing.deaf_within(1.0), timeout_s=30)
     finally:
         watching.cancel()
+
+
+async def test_brain_warns_of_an_agent_that_fences_too_late(
+    brain_factory, agent_factory, caplog
+) -> None:
+    brain = await brain_factory(node_timeout_s=1.0, fence_margin_s=2.0)
+    await agent_factory("n1", gpus=1)  # fences after 5 s + 3 s of grace: too late here
+    await eventually(lambda: "n1" in brain.state.nodes)
+    assert any(
+        "node n1 stops its jobs 8s after losing NATS" in r.getMessage()
+        and "node timeout + fence margin = 3s" in r.getMessage()
+        for r in caplog.records
+    )
