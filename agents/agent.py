@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from agents.confine import Confinement
+from agents.fence import CHECK_EVERY_S, ContactClock
 from agents.gpu import GpuBackend, SimulatedGpus
 from agents.health import (
     FaultReport,
@@ -33,8 +34,10 @@ from agents.health import (
     watch_nvml,
 )
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
+from agents.logserve import LogServer
 from agents.orphans import Leftover, ProcessLedger, stop_leftovers
 from bus.client import Bus, Consumer
+from bus.ping import round_trip
 from schemas import subjects
 from schemas.base import decode, encode
 from schemas.commands import (
@@ -54,6 +57,7 @@ from schemas.telemetry import Heartbeat, RunningJob, TelemetryBatch
 log = logging.getLogger(__name__)
 
 SEEN_COMMANDS: Final = 10_000
+PROBES_IN_FLIGHT: Final = 4
 
 AgentEvent = JobStarted | JobExited | LaunchFailed | CommandRejected | GpuFault
 
@@ -75,6 +79,13 @@ class AgentConfig:
     job_nkey_seed: str | None = None
     # Run each job as its tenant's user, in its own cgroup (agents/confine.py).
     confinement: Confinement | None = None
+    # Self-fencing (agents/fence.py): an attempt runs on at most this long after the
+    # last heartbeat known to have reached NATS, then is stopped with `fence_grace_s`
+    # between SIGTERM and SIGKILL. None: never fence. A launch may set its own period
+    # (a job submitted with on_disconnect "keep"). The brain's node timeout plus its
+    # fence margin must exceed both together (docs/operations.md, "Partitions").
+    fence_after_s: float | None = 5.0
+    fence_grace_s: float = 3.0
 
 
 class Agent:
@@ -109,6 +120,17 @@ class Agent:
         self._commands: Consumer | None = None
         self._health: NvmlHealthWatcher | None = None
         self._inject_sub: Subscription | None = None
+        self.contact = ContactClock(time.monotonic)
+        # Each attempt's own fence period, from its launch (None: never fenced).
+        self._fence_after: dict[tuple[str, int], float | None] = {}
+        # PINGs in flight after heartbeats (a few at most: one sent on a connection that
+        # then broke is never answered, and must not hold the others back).
+        self._probes: set[asyncio.Task[None]] = set()
+        self.logs = LogServer(
+            config.node,
+            config.data_dir / "logs",
+            lambda job_id, attempt: bool(self.launcher.find(job_id, attempt)),
+        )
 
     @property
     def node(self) -> str:
@@ -135,10 +157,12 @@ class Agent:
         )
         if self._commands is None:
             self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
+        self._loops.append(self.bus.spawn(self._fence_forever(), name="fence"))
         self._sender = self.bus.spawn(self._send_events(), name="events")
         self._inject_sub = await self.bus.nc.subscribe(
             subjects.node(self.node, "inject"), cb=self._on_inject
         )
+        await self.logs.serve(self.bus)
         if self.backend.kind == "nvml":
             loop = asyncio.get_running_loop()
 
@@ -151,6 +175,7 @@ class Agent:
 
     async def stop(self, *, stop_jobs: bool = True) -> None:
         self._closing = True
+        await self.logs.close()
         await self._stop_health()
         for task in self._loops:
             task.cancel()
@@ -181,10 +206,11 @@ class Agent:
     async def crash(self) -> list[int]:
         """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""
         self._closing = True
+        await self.logs.close()
         await self._stop_health()
         if self._commands is not None:
             self._commands.stopping.set()
-        for task in [*self._loops, self._sender]:
+        for task in [*self._loops, self._sender, *self._probes]:
             if task is not None:
                 task.cancel()
         self._loops.clear()
@@ -267,8 +293,45 @@ class Agent:
             gpus=self.backend.inventory(),
             running=running,
             epoch_seen=self.epoch,
+            fence_s=(
+                self.config.fence_after_s + self.config.fence_grace_s
+                if self.config.fence_after_s is not None
+                else None
+            ),
         )
+        sent_at = time.monotonic()
         await self.bus.publish(subjects.node(self.node, "heartbeat"), message)
+        # While the server does not answer, the contact clock stands still at the last
+        # heartbeat it confirmed.
+        if len(self._probes) < PROBES_IN_FLIGHT:
+            probe = self.bus.spawn(self._confirm(sent_at), name="contact")
+            self._probes.add(probe)
+            probe.add_done_callback(self._probes.discard)
+
+    async def _confirm(self, sent_at: float) -> None:
+        """The PONG after a heartbeat: that heartbeat reached the server."""
+        timeout_s = max(self.config.heartbeat_s, 1.0) * 3
+        if await round_trip(self.bus.nc, timeout_s):
+            self.contact.confirmed(sent_at)
+
+    # -- self-fencing ------------------------------------------------------------------
+
+    def _fence_period(self, job_id: str, attempt: int) -> float | None:
+        return self._fence_after.get((job_id, attempt), self.config.fence_after_s)
+
+    async def _fence_forever(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(CHECK_EVERY_S)
+            running = [(p.job_id, p.attempt) for p in self.launcher.running()]
+            for job_id, attempt, silent_s in self.contact.due(running, self._fence_period):
+                reason = f"fenced: no contact with NATS for {silent_s:.1f}s"
+                log.warning("%s: job %s attempt %d %s", self.node, job_id, attempt, reason)
+                for process in self.launcher.find(job_id, attempt):
+                    process.stop_reason = process.stop_reason or reason
+                self.bus.spawn(self._stop_fenced(job_id, attempt, reason), name=f"fence:{job_id}")
+
+    async def _stop_fenced(self, job_id: str, attempt: int, reason: str) -> None:
+        await self.launcher.stop(job_id, attempt, reason=reason, grace_s=self.config.fence_grace_s)
 
     async def publish_telemetry(self) -> None:
         self.backend.set_busy(self.launcher.busy_gpus())
@@ -372,6 +435,11 @@ class Agent:
         env[BLACKLIST_FILE_ENV] = str(self._blacklist_file(command))
         if command.prerun:
             env["ALNAIR_PRERUN"] = "1"
+        self._fence_after[(command.job_id, command.attempt)] = (
+            command.fence_after_s
+            if command.fence_after_s is not None
+            else self.config.fence_after_s
+        )
         request = LaunchRequest(
             job_id=command.job_id,
             attempt=command.attempt,
@@ -386,6 +454,7 @@ class Agent:
         try:
             job = await self.launcher.launch(request)
         except LaunchError as error:
+            self._fence_after.pop((command.job_id, command.attempt), None)
             await self._event(
                 LaunchFailed(
                     event_id=uuid.uuid4().hex,
@@ -446,6 +515,8 @@ class Agent:
                 oom_limit_mb=status.oom_limit_mb,
             )
         )
+        self._fence_after.pop((job.job_id, job.attempt), None)
+        self.contact.forget(job.job_id, job.attempt)
         self.backend.set_busy(self.launcher.busy_gpus())
 
     async def _event(self, event: AgentEvent) -> None:

@@ -4,11 +4,12 @@ Starts an embedded nats-server, a brain and two simulated agents (real processes
 the job), runs a one-GPU job on n1, then cuts n1 off at once (`Agent.crash`: no more
 heartbeats, the job left running) and measures, per trial, the time from n1's last
 heartbeat to the job's start on n2 (its `JobStarted` reaching the brain). The target at
-1 Hz heartbeats is at most 5 s; it is the node timeout plus the first retry's back-off
-plus a launch.
+1 Hz heartbeats is at most 5 s plus the fence margin; it is the node timeout plus the
+fence margin (the brain waits for the node's agent to have fenced the job: see
+docs/operations.md, "Partitions") plus the first retry's back-off plus a launch.
 
     .venv/bin/python bench/failover_node_loss.py [--trials 5] [--heartbeat-s 1]
-        [--missed 3] [--backoff-s 0.5]
+        [--missed 3] [--fence-margin-s 5] [--backoff-s 0.5]
 
 Not a test: nothing here asserts; it reports.
 """
@@ -57,6 +58,7 @@ async def trial(url: str, home: Path, args: argparse.Namespace, index: int) -> f
         await bus("brain"),
         BrainConfig(
             node_timeout_s=args.heartbeat_s * args.missed,
+            fence_margin_s=args.fence_margin_s,
             tick_s=0.1,
             history_path=home / f"history-{index}.db",
             failures=FailurePolicy(backoff_base_s=args.backoff_s),
@@ -122,6 +124,9 @@ async def main() -> None:
     parser.add_argument("--heartbeat-s", type=float, default=1.0)
     parser.add_argument("--missed", type=int, default=3, help="intervals before LOST")
     parser.add_argument("--backoff-s", type=float, default=0.5, help="first retry back-off")
+    parser.add_argument(
+        "--fence-margin-s", type=float, default=5.0, help="the brain's wait after LOST"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,12 +142,14 @@ async def main() -> None:
                 server.stop()
     print(
         f"heartbeat {args.heartbeat_s:g}s, LOST after {args.missed} missed "
-        f"({args.heartbeat_s * args.missed:g}s), first retry back-off {args.backoff_s:g}s"
+        f"({args.heartbeat_s * args.missed:g}s), fence margin {args.fence_margin_s:g}s, "
+        f"first retry back-off {args.backoff_s:g}s"
     )
+    target = 5.0 + args.fence_margin_s
     print("last heartbeat -> running on another node (s): " + ", ".join(f"{t:.2f}" for t in times))
     print(
         f"median {statistics.median(times):.2f}s, max {max(times):.2f}s "
-        f"(target <= 5 s: {'met' if max(times) <= 5.0 else 'NOT met'})"
+        f"(target <= {target:g} s: {'met' if max(times) <= target else 'NOT met'})"
     )
 
 

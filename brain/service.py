@@ -59,6 +59,7 @@ from brain.core.failures import (
 )
 from brain.core.ordering import job_sequence
 from brain.credentials import JobCredentials, load_signer
+from brain.hearing import Hearing
 from brain.history import History
 from brain.inbox import ApiCall, EventArrived, HeartbeatNews, Item, Tick, WriteRequest
 from brain.ingest import (
@@ -146,8 +147,14 @@ GROUP_MAX: Final = 256
 @dataclass(frozen=True, slots=True)
 class BrainConfig:
     policy: Policy = DEFAULT_POLICY
-    # A node silent this long is LOST and its jobs are taken back.
+    # A node silent this long is LOST: nothing new is placed on it.
     node_timeout_s: float = 5.0
+    # Its jobs run elsewhere only this much later, once its agent has surely stopped
+    # them (agents/fence.py; the arithmetic is in docs/operations.md, "Partitions").
+    fence_margin_s: float = 5.0
+    # How long a job submitted with on_disconnect "keep" may run on unheard: its agent
+    # fences it after this, and the brain runs it elsewhere after this plus the margin.
+    keep_disconnected_s: float = 300.0
     tick_s: float = 0.5
     # A launch not confirmed by the node within this long is given up and requeued.
     launch_ttl_s: float = 60.0
@@ -203,6 +210,7 @@ class Brain:
         # Heartbeats and telemetry arrive on a connection of their own (`ingest_bus`,
         # opened at start) and stop in `ingest`; only their news reaches the inbox.
         self.ingest = NodeIngest(node_timeout_s=self.config.node_timeout_s)
+        self.hearing = Hearing(monotonic)
         self.ingest_bus: Bus = bus
         self._stops_sent: dict[tuple[str, str, int], float] = {}
         # (job, attempt, node) -> when its node's agent came back as a new instance
@@ -391,6 +399,10 @@ class Brain:
             self.bus.spawn(self._run(), name="brain-loop"),
             self.bus.spawn(self._schedule_forever(), name="brain-scheduler"),
             self.bus.spawn(self._tick_forever(), name="brain-tick"),
+            self.bus.spawn(
+                self.hearing.watch(self.ingest_bus, every_s=self.config.tick_s),
+                name="brain-hearing",
+            ),
         ]
         self._dirty = True
         self._pass_wanted.set()
@@ -883,6 +895,8 @@ class Brain:
             drain_reason=drain_reason,
             drained_gpus=known.drained_gpus if known is not None else (),
         )
+        if known is None or known.instance != beat.instance:
+            self._check_fence(beat)
         if known is None:
             await self._node_changed(
                 fresh,
@@ -1033,30 +1047,64 @@ class Brain:
         return node
 
     async def _check_nodes(self) -> None:
+        if self.hearing.deaf_within(self.config.node_timeout_s):
+            return  # heartbeats may have been sent and lost on our side: judge none
         for name, silent in list(self.ingest.silent(self.monotonic())):
             node = self.state.nodes.get(name)
-            # A drained node can be lost too: its running jobs must be taken back.
-            if node is None or node.state is NodeState.LOST:
+            if node is None:
                 continue
-            await self._node_changed(
-                node.model_copy(update={"state": NodeState.LOST}),
-                node.state,
-                Cause(
-                    kind=CauseKind.NODE_LOST,
-                    node=name,
-                    message=f"no heartbeat for {silent:.1f}s "
-                    f"(limit {self.config.node_timeout_s:g}s)",
-                ),
-            )
+            # A drained node can be lost too: its running jobs must be taken back.
+            if node.state is not NodeState.LOST:
+                await self._node_changed(
+                    node.model_copy(update={"state": NodeState.LOST}),
+                    node.state,
+                    Cause(
+                        kind=CauseKind.NODE_LOST,
+                        node=name,
+                        message=f"no heartbeat for {silent:.1f}s "
+                        f"(limit {self.config.node_timeout_s:g}s)",
+                    ),
+                )
             for job in self.state.running_on(name):
+                # Not before its agent has fenced it: never two attempts at once.
+                unheard_for = self._fenced_after(job)
+                if silent < unheard_for:
+                    continue
                 await self._fail_attempt(
                     job,
                     name,
                     Classification(
                         FailureClass.INFRASTRUCTURE,
-                        f"node {name} was lost (no heartbeat for {silent:.1f}s)",
+                        f"node {name} was lost (no heartbeat for {silent:.1f}s; its agent "
+                        f"stops the job after {unheard_for - self.config.fence_margin_s:g}s "
+                        f"without NATS, margin {self.config.fence_margin_s:g}s)",
                     ),
                 )
+
+    def _check_fence(self, beat: Heartbeat) -> None:
+        """Say so when a node's agent may run its jobs on past the moment this brain
+        runs them elsewhere (docs/operations.md, "Partitions")."""
+        limit = self.config.node_timeout_s + self.config.fence_margin_s
+        if beat.fence_s is None:
+            log.warning(
+                "node %s does not fence itself: a partition of it may run its jobs twice",
+                beat.node,
+            )
+        elif beat.fence_s >= limit:
+            log.warning(
+                "node %s stops its jobs %gs after losing NATS, not before this brain runs "
+                "them elsewhere (node timeout + fence margin = %gs): a partition of it may "
+                "run them twice",
+                beat.node,
+                beat.fence_s,
+                limit,
+            )
+
+    def _fenced_after(self, job: JobRecord) -> float:
+        """How long a job's node must be silent before the job may run elsewhere."""
+        if job.spec.on_disconnect == "keep":
+            return self.config.keep_disconnected_s + self.config.fence_margin_s
+        return self.config.node_timeout_s + self.config.fence_margin_s
 
     async def _check_launches(self) -> None:
         """Requeue a job whose launch a node never confirmed nor refused."""
@@ -1807,6 +1855,29 @@ class Brain:
         async with self._unit():
             await self._apply(decisions)
 
+    async def _preempt(self, action: Preempt, job: JobRecord | None) -> bool:
+        """Requeue the victim, only as decided: on those GPUs, its beneficiary waiting
+        (decide() may have run in a thread while the inbox went on). True if it was."""
+        if job is not None and self.state.on_lost_node(job):
+            # Never a victim on a lost node: its stop cannot arrive, and it would be
+            # requeued (and run elsewhere) before its agent fenced it. The node's loss
+            # frees it in its time, and makes state dirty then.
+            return False
+        if job is None or not _still_holds(action, job, self.state.jobs):
+            self._dirty = True  # decided on a state that has moved: decide again
+            return False
+        await self._requeue(
+            job,
+            Cause(
+                kind=CauseKind.PREEMPTED,
+                job_id=job.job_id,
+                message=action.reason,
+                preemption=_preemption(action),
+            ),
+        )
+        self.preemptions += 1
+        return True
+
     async def _apply(self, decisions: Decisions) -> None:
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
         # node lost or drained, a resize staged by an operator). None: to be computed.
@@ -1815,22 +1886,8 @@ class Brain:
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
                 # Preemptions come first: the placements after them use the GPUs freed.
-                # Only as decided: the victim on those GPUs, its beneficiary waiting
-                # (decide() may have run in a thread while the inbox went on).
-                if job is not None and _still_holds(action, job, self.state.jobs):
-                    await self._requeue(
-                        job,
-                        Cause(
-                            kind=CauseKind.PREEMPTED,
-                            job_id=job.job_id,
-                            message=action.reason,
-                            preemption=_preemption(action),
-                        ),
-                    )
-                    self.preemptions += 1
+                if await self._preempt(action, job):
                     free = None
-                else:
-                    self._dirty = True  # decided on a state that has moved: decide again
                 continue
             if job is None:
                 continue
@@ -1948,6 +2005,9 @@ class Brain:
                     tenant=job.tenant,
                     memory_mb=job_limits(job.spec, len(grant.gpus))[0],
                     cpus=job_limits(job.spec, len(grant.gpus))[1],
+                    fence_after_s=self.config.keep_disconnected_s
+                    if job.spec.on_disconnect == "keep"
+                    else None,
                 ),
             )
 

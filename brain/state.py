@@ -303,6 +303,7 @@ class BrainState:
             running=tuple(
                 job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
                 for j in self.jobs_in(JobState.RUNNING)
+                if not self.on_lost_node(j)
             ),
             queues=queues,
             service_distribution=(
@@ -328,6 +329,15 @@ class BrainState:
             pending = self.by_state[JobState.PENDING]
             self._pending_views = {k: v for k, v in cache.items() if k in pending}
         return tuple(views)
+
+    def on_lost_node(self, job: JobRecord) -> bool:
+        """A job waiting out its lost node's fence margin (docs/operations.md,
+        Partitions) is left out of decisions: its GPUs are not in the capacity, it
+        cannot be stopped, and it is neither a victim nor a claim on other GPUs."""
+        return any(
+            (node := self.nodes.get(g.node)) is not None and node.state is NodeState.LOST
+            for g in job.grants
+        )
 
     def free_gpus(self) -> dict[str, frozenset[int]]:
         """Each READY node's schedulable GPUs that no running job holds (from the same

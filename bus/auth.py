@@ -83,8 +83,13 @@ def _node_permissions(node: str) -> tuple[list[str], list[str]]:
         f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}",
         f"$JS.ACK.{stream}.{consumer}.>",
     ]
-    # Fault injection (simulated GPUs only) is a request to the node's own subject.
-    subscribe = [f"_INBOX_node_{node}.>", f"{subjects.PREFIX}.node.{node}.inject"]
+    # Fault injection (simulated GPUs only) and its jobs' logs are requests to the
+    # node's own subjects.
+    subscribe = [
+        f"_INBOX_node_{node}.>",
+        subjects.node(node, "inject"),
+        subjects.node(node, "logs"),
+    ]
     return publish, subscribe
 
 
@@ -110,6 +115,9 @@ def _job_permissions(node: str) -> tuple[list[str], list[str]]:
 def _operator_permissions() -> tuple[list[str], list[str]]:
     state = subjects.STREAM_STATE
     publish = [subjects.api(OPERATOR, verb) for verb in READ_ONLY_VERBS] + [
+        # Any node's job logs (`alnair logs`); tenants read theirs through the brain's
+        # HTTP API, which checks the job is theirs.
+        f"{subjects.PREFIX}.node.*.logs",
         "$JS.API.INFO",
         f"$JS.API.STREAM.INFO.{state}",
         f"$JS.API.CONSUMER.CREATE.{state}",

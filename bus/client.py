@@ -154,6 +154,11 @@ class ConnectOptions:
     connect_timeout_s: float = 5.0
     # Keep trying for ever: a component outlives a restart of its NATS server.
     max_reconnect_attempts: int = -1
+    # A server that stops answering (its host partitioned: no reset, no EOF) is given
+    # up after this many unanswered PINGs this far apart, and another one tried;
+    # nats-py's defaults (2 x 120 s) leave a client on a dead link for minutes.
+    ping_interval_s: float = 3.0
+    max_outstanding_pings: int = 2
 
 
 class Bus:
@@ -197,6 +202,8 @@ class Bus:
             "connect_timeout": options.connect_timeout_s,
             "max_reconnect_attempts": options.max_reconnect_attempts,
             "reconnect_time_wait": 0.5,
+            "ping_interval": options.ping_interval_s,
+            "max_outstanding_pings": options.max_outstanding_pings,
             "allow_reconnect": True,
             "error_cb": on_error,
             "disconnected_cb": _log_disconnected(options.name),

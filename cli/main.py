@@ -27,12 +27,14 @@ from cli.client import call, open_bus, submit
 from cli.config import alnair_home, resolve_nats, resolve_nkey, resolve_tls
 from schemas import subjects
 from schemas.api import (
+    HISTORY_RESULT,
     JOB_RESULT,
     JOBS_RESULT,
     NODES_RESULT,
     STATUS_RESULT,
     CancelRequest,
     GetJobRequest,
+    HistoryRequest,
     ListJobsRequest,
     ListNodesRequest,
     ResizeRequest,
@@ -157,6 +159,8 @@ def _policy_hints(args: argparse.Namespace) -> dict[str, Any]:
         hints["declared_duration_s"] = args.duration
     if args.network_sensitive:
         hints["network_sensitive"] = True
+    if args.on_disconnect is not None:
+        hints["on_disconnect"] = args.on_disconnect
     return hints
 
 
@@ -414,20 +418,52 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
+    """The log of a job's attempt, from the node that ran it, over NATS: works from any
+    host. A node that does not answer (down, cut off, an older agent) is read from this
+    machine's disk if the log is here."""
+    from bus.logs import LogUnavailable, attempt_nodes, copy_log
+
     async def run(bus: Any) -> int:
-        reply = await call(bus, args.tenant, "job", GetJobRequest(job_id=args.job), JOB_RESULT)
-        paths = [Path(g.log_path) for g in reply.job.grants if g.log_path]
-        if not paths:
-            raise UsageError(f"job {args.job} has no log yet (state {reply.job.state.value})")
-        for path in paths:
-            if not path.is_file():
-                raise UsageError(f"log {path} is not on this machine; read it on its node")
-            if len(paths) > 1:
-                print(f"==> {path} <==")
-            sys.stdout.write(path.read_text(errors="replace"))
+        history = await call(
+            bus, args.tenant, "history", HistoryRequest(job_id=args.job), HISTORY_RESULT
+        )
+        job = history.job
+        rows = [(a.attempt, a.nodes) for a in history.attempts]
+        try:
+            attempt, nodes = attempt_nodes(rows, (job.attempt, job.nodes), args.attempt)
+        except LogUnavailable as error:
+            raise UsageError(f"job {args.job}: {error.reason} (state {job.state.value})") from None
+        if args.node:
+            if args.node not in nodes:
+                raise UsageError(f"job {args.job} attempt {attempt} did not run on {args.node}")
+            nodes = (args.node,)
+        for node in nodes if not args.follow else nodes[:1]:
+            if len(nodes) > 1 and not args.follow:
+                print(f"==> {node} <==", flush=True)
+            try:
+                await copy_log(bus, node, args.job, attempt, _write_out, follow=args.follow)
+            except LogUnavailable as error:
+                if not _local_log(job, node, attempt):
+                    raise UsageError(error.reason) from None
         return 0
 
     return await _with_bus(args, run)
+
+
+def _write_out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _local_log(job: JobRecord, node: str, attempt: int) -> bool:
+    """The log as this machine's disk has it (the node's agent did not answer)."""
+    for grant in job.grants:
+        if grant.node == node and grant.log_path and attempt == job.attempt:
+            path = Path(grant.log_path)
+            if path.is_file():
+                sys.stdout.write(path.read_text(errors="replace"))
+                return True
+    return False
 
 
 # -- events ---------------------------------------------------------------------------
@@ -501,6 +537,8 @@ async def cmd_brain(args: argparse.Namespace) -> int:
             elastic_may_spread=not args.elastic_one_node,
         ).validate(),
         node_timeout_s=args.node_timeout,
+        fence_margin_s=args.fence_margin,
+        keep_disconnected_s=args.keep_disconnected,
         lease_ttl_s=args.lease_ttl,
         launch_ttl_s=args.launch_ttl,
         queues=load_queues(args.queues) if args.queues else (),
@@ -579,6 +617,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         nkey_seed=_absolute(resolve_nkey(args.nkey)),
         job_nkey_seed=_absolute(args.job_nkey),
         confinement=confine.agent_confinement(args, args.node),
+        fence_after_s=args.fence_after or None,
+        fence_grace_s=args.fence_grace,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -666,6 +706,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="never spread the job over switches to start it sooner",
     )
     p.add_argument(
+        "--on-disconnect",
+        choices=("stop", "keep"),
+        help="when its node loses NATS: stop it (default; it runs again elsewhere) or keep "
+        "it running, not run elsewhere until the node returns or the brain's "
+        "--keep-disconnected passes (docs/operations.md, Partitions)",
+    )
+    p.add_argument(
         "--elastic",
         action="store_true",
         help="an elastic Horovod job: runs under the supervisor on --min-gpus..--max-gpus "
@@ -734,9 +781,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_resize)
 
-    p = sub.add_parser("logs", help="print a job's log (on the machine that ran it)")
+    p = sub.add_parser("logs", help="print a job's log, from the node that ran it")
     _client_args(p)
     p.add_argument("job")
+    p.add_argument("--attempt", type=int, help="this attempt (default: the latest)")
+    p.add_argument("--node", help="of a job on several nodes, this node's part only")
+    p.add_argument(
+        "--follow", "-f", action="store_true", help="keep printing while the attempt runs"
+    )
     p.set_defaults(fn=cmd_logs)
 
     p = sub.add_parser("nodes", help="list nodes (like sinfo)")
@@ -770,6 +822,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         help="seconds without heartbeat before a node is LOST",
+    )
+    p.add_argument(
+        "--fence-margin",
+        type=float,
+        default=5.0,
+        help="seconds after a node is LOST before its jobs run elsewhere: at least the "
+        "agents' --fence-after plus --fence-grace minus --node-timeout, plus slack",
+    )
+    p.add_argument(
+        "--keep-disconnected",
+        type=float,
+        default=300.0,
+        help="seconds an --on-disconnect keep job's node may be unheard before the job "
+        "is stopped there and (after --fence-margin more) run elsewhere",
     )
     p.add_argument("--history", help="sqlite history file (default: $ALNAIR_HOME/brain/history.db)")
     p.add_argument(
@@ -819,6 +885,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
     confine.add_agent_args(p)
+    p.add_argument(
+        "--fence-after",
+        type=float,
+        default=5.0,
+        help="stop this node's jobs after this many seconds without NATS (0: never)",
+    )
+    p.add_argument(
+        "--fence-grace",
+        type=float,
+        default=3.0,
+        help="seconds between SIGTERM and SIGKILL when fencing",
+    )
     p.set_defaults(fn=cmd_agent)
 
     p = sub.add_parser("keys", help="create NATS identities (nkeys) and the server config")

@@ -18,6 +18,7 @@ from schemas import (
     dlq,
     events,
     jobs,
+    logs,
     nodes,
     profiles,
     progress,
@@ -70,6 +71,15 @@ ENTRIES: Final = (
         "stored, in order. The brain reads this subject and `alnair.job.<job>.event` with one "
         "consumer, in the order stored (it still takes `ResizeCompleted` and `InputError` "
         "here, from a node).",
+    ),
+    Entry(
+        "alnair.node.<node>.logs",
+        "CLI / brain → agent",
+        "request/reply",
+        (logs.LogRequest, logs.LogChunk, logs.LogMissing),
+        "A chunk of one attempt's log (at most 256 KiB), from `offset`; the agent answers "
+        "for the logs it holds, at a bounded byte rate. `alnair logs` and "
+        "`GET /v1/jobs/{id}/logs` page through it by `next_offset`.",
     ),
     Entry(
         "alnair.node.<node>.cmd",

@@ -45,6 +45,11 @@ class Launch(_Command):
     tenant: TenantName | None = None
     memory_mb: int | None = Field(default=None, ge=16)
     cpus: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    # How long the agent lets this attempt run on without NATS before stopping it
+    # (self-fencing); None: the agent's own fence period. The brain sets it for a job
+    # submitted with on_disconnect "keep", and runs the job elsewhere only after it
+    # plus the fence margin (docs/operations.md, "Partitions").
+    fence_after_s: float | None = Field(default=None, gt=0, le=7 * 86400, allow_inf_nan=False)
 
 
 class Stop(_Command):

@@ -31,6 +31,8 @@ DEFAULT_CPUS_PER_GPU: Final = 4.0
 JOB_PIDS_MAX: Final = 4096
 MAX_MEMORY_MB_PER_GPU: Final = 16 * 1024 * 1024
 
+OnDisconnect = Literal["stop", "keep"]
+
 
 class JobState(StrEnum):
     PENDING = "PENDING"
@@ -106,6 +108,11 @@ class JobSpec(BaseModel):
     # limit kills the job: a user failure, "out of memory (limit ...)".
     memory_mb_per_gpu: int | None = Field(default=None, ge=16, le=MAX_MEMORY_MB_PER_GPU)
     cpus_per_gpu: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False)
+    # What its node does when it loses NATS (docs/operations.md, "Partitions"): "stop"
+    # (fence: the agent stops it, and the brain runs it elsewhere once that is sure to
+    # be done) or "keep" (it runs on through the partition; the brain runs it elsewhere
+    # only when its node returns without it or a much longer timeout passes).
+    on_disconnect: OnDisconnect = "stop"
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> JobSpec:

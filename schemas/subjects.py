@@ -24,7 +24,7 @@ SNAPSHOT_MANIFEST: Final = f"{PREFIX}.snapshot.manifest"
 ALL_SNAPSHOTS: Final = f"{PREFIX}.snapshot.>"
 
 # `inject` is request/reply: `alnair inject` asks a simulated node to suffer a GPU fault.
-NodeChannel = Literal["telemetry", "heartbeat", "event", "cmd", "inject"]
+NodeChannel = Literal["telemetry", "heartbeat", "event", "cmd", "inject", "logs"]
 # `exec` and `workers`: an elastic job's workers on other nodes (schemas/workers.py).
 JobChannel = Literal["cmd", "progress", "exec", "workers", "event"]
 

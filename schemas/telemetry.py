@@ -75,3 +75,6 @@ class Heartbeat(Message):
     running: tuple[RunningJob, ...] = ()
     # Highest brain epoch the agent has accepted commands from.
     epoch_seen: int = Field(default=0, ge=0)
+    # The longest an attempt runs on here after the agent's last confirmed heartbeat:
+    # its fence period plus grace (agents/fence.py). None: this agent does not fence.
+    fence_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)

@@ -22,6 +22,7 @@ from schemas.api import (
     WhyReply,
 )
 from schemas.jobs import MAX_GPUS_PER_JOB, JobState
+from schemas.logs import MAX_LOG_CHUNK, LogChunk
 
 # Names of nodes, tenants and queues (schemas/base.py checks them; JSON Schema shows it).
 NAME_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
@@ -69,6 +70,7 @@ _MODELS: Final[tuple[tuple[type[BaseModel], JsonSchemaMode], ...]] = (
     (WhyReply, "serialization"),
     (ErrorReply, "serialization"),
     (Whoami, "serialization"),
+    (LogChunk, "serialization"),
 )
 
 
@@ -256,6 +258,48 @@ def _paths() -> dict[str, Any]:
                     },
                 ],
                 operation_id="whyJob",
+            )
+        },
+        "/v1/jobs/{job_id}/logs": {
+            "get": _operation(
+                "A chunk of one attempt's log, read from the node that ran it (page on "
+                "with offset=next_offset; follow a running attempt by asking again)",
+                _json(_ref("LogChunk"), "the chunk, the log's size so far, whether it runs"),
+                errors=(400, 404),
+                parameters=[
+                    JOB_ID,
+                    {
+                        "name": "attempt",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1},
+                        "description": "the attempt (default: the latest)",
+                    },
+                    {
+                        "name": "node",
+                        "in": "query",
+                        "schema": {"type": "string", "pattern": NAME_PATTERN},
+                        "description": "of an attempt on several nodes, this node's log "
+                        "(default: the first node's)",
+                    },
+                    {
+                        "name": "offset",
+                        "in": "query",
+                        "schema": {"type": "integer", "default": 0},
+                        "description": "from this byte; negative: that many bytes before the end",
+                    },
+                    {
+                        "name": "max_bytes",
+                        "in": "query",
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": MAX_LOG_CHUNK,
+                            "default": 65536,
+                        },
+                        "description": "at most this many bytes",
+                    },
+                ],
+                operation_id="jobLogs",
             )
         },
         "/v1/nodes": {

@@ -31,12 +31,15 @@ from brain.http import events
 from brain.http.auth import Caller, TokenTable
 from brain.http.openapi import DrainBody, ResizeBody, Whoami, document
 from brain.metrics import BrainMetrics
+from bus.logs import LogUnavailable, attempt_nodes, read_chunk
 from schemas.api import (
     CancelRequest,
     DrainRequest,
     ErrorCode,
     ErrorReply,
     GetJobRequest,
+    HistoryReply,
+    HistoryRequest,
     JobReply,
     ListJobsRequest,
     ListNodesRequest,
@@ -48,6 +51,7 @@ from schemas.api import (
 )
 from schemas.base import MAX_MESSAGE_BYTES, Message, decode
 from schemas.errors import AlnairError, InvalidMessage
+from schemas.logs import LogRequest
 
 if TYPE_CHECKING:
     from brain.service import Brain
@@ -155,6 +159,7 @@ class HttpServer:
         r.add_post("/v1/jobs/{job_id}/cancel", self._cancel)
         r.add_post("/v1/jobs/{job_id}/resize", self._resize)
         r.add_get("/v1/jobs/{job_id}/why", self._why)
+        r.add_get("/v1/jobs/{job_id}/logs", self._logs)
         r.add_get("/v1/nodes", self._nodes)
         r.add_post("/v1/nodes/{node}/drain", self._drain)
         r.add_post("/v1/nodes/{node}/resume", self._resume)
@@ -337,6 +342,46 @@ class HttpServer:
             limit = request.query["limit"]
             data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
         return await self._call(request, self._decode(WhyRequest, data, "why"))
+
+    async def _logs(self, request: web.Request) -> web.Response:
+        """The attempt's log from the node that ran it, over NATS (bus/logs.py); the
+        brain's history, read as the caller's tenant, says which node that was."""
+        caller = self._caller(request)
+        await self._leader()
+        job_id = request.match_info["job_id"]
+        query = {
+            k: request.query[k] for k in ("attempt", "offset", "max_bytes") if k in request.query
+        }
+        numbers = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in query.items()}
+        wanted = numbers.pop("attempt", None)
+        if wanted is not None and (not isinstance(wanted, int) or wanted < 1):
+            raise HttpRefusal(400, "invalid", f"invalid logs request: attempt {wanted!r}")
+        history = await self.brain.api.handle(
+            caller.tenant,
+            self._decode(HistoryRequest, {"job_id": job_id}, "logs"),
+            operator=caller.operator,
+        )
+        if isinstance(history, ErrorReply):
+            return _json(history, STATUS_OF.get(history.code, 500))
+        assert isinstance(history, HistoryReply)
+        job = history.job
+        rows = [(a.attempt, a.nodes) for a in history.attempts]
+        try:
+            attempt, nodes = attempt_nodes(rows, (job.attempt, job.nodes), wanted)
+            node = request.query.get("node", nodes[0])
+            if node not in nodes:
+                raise LogUnavailable(
+                    node, f"attempt {attempt} did not run on {node}", answered=True
+                )
+            chunk = await read_chunk(
+                self.brain.bus,
+                node,
+                self._decode(LogRequest, {"job_id": job_id, "attempt": attempt, **numbers}, "logs"),
+            )
+        except LogUnavailable as error:
+            code = "not_found" if error.answered else "unavailable"
+            return _json(ErrorReply(code=code, error=error.reason), STATUS_OF[code])
+        return _json(chunk)
 
     async def _resize(self, request: web.Request) -> web.Response:
         self._caller(request)

@@ -1,0 +1,132 @@
+"""An agent serves its jobs' logs over NATS, so `alnair logs` works from any host.
+
+It answers `alnair.node.<node>.logs` requests (schemas/logs.py) from the per-attempt
+log files the launcher writes (`<data_dir>/logs/<job>/attempt-<n>.log`), one chunk of
+at most `MAX_LOG_CHUNK` bytes per request, and no faster than `bytes_per_s` over all
+readers together: answers wait their turn, so a reader paging through a large log
+cannot crowd out the agent's heartbeats. It reads files and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from bus.client import Bus
+from schemas import subjects
+from schemas.base import check_name, decode, encode
+from schemas.errors import InvalidMessage, InvalidName
+from schemas.logs import LogChunk, LogMissing, LogRequest
+
+DEFAULT_BYTES_PER_S: Final = 4 * 1024 * 1024
+
+
+def _utf8_prefix(data: bytes) -> tuple[str, int]:
+    """The longest prefix that ends on a character boundary, decoded, and its length
+    in bytes: a character split between two chunks comes whole in the second."""
+    for cut in range(min(4, len(data))):
+        with contextlib.suppress(UnicodeDecodeError):
+            return data[: len(data) - cut].decode("utf-8"), len(data) - cut
+    return data.decode("utf-8", "replace"), len(data)
+
+
+class LogServer:
+    def __init__(
+        self,
+        node: str,
+        log_dir: Path,
+        running: Callable[[str, int], bool],
+        *,
+        bytes_per_s: float = DEFAULT_BYTES_PER_S,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node = node
+        self.log_dir = log_dir
+        self._running = running
+        self.bytes_per_s = bytes_per_s
+        self._monotonic = monotonic
+        # Bytes that may go out now (a token bucket holding one chunk at most).
+        self._allowance = float(bytes_per_s)
+        self._refilled_at = monotonic()
+        self._subscription: Subscription | None = None
+
+    async def serve(self, bus: Bus) -> None:
+        self._subscription = await bus.nc.subscribe(
+            subjects.node(self.node, "logs"), cb=self._on_request
+        )
+
+    async def close(self) -> None:
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+            self._subscription = None
+
+    async def _on_request(self, msg: Msg) -> None:
+        if not msg.reply:
+            return
+        answer = self.read_request(msg.data)
+        if isinstance(answer, LogChunk):
+            await self._wait_for_allowance(answer.next_offset - answer.offset)
+        with contextlib.suppress(Exception):  # the reader gave up: nothing to do
+            await msg.respond(encode(answer))
+
+    async def _wait_for_allowance(self, size: int) -> None:
+        now = self._monotonic()
+        cap = max(self.bytes_per_s, float(size))
+        self._allowance = min(cap, self._allowance + (now - self._refilled_at) * self.bytes_per_s)
+        self._refilled_at = now
+        self._allowance -= size
+        if self._allowance < 0:
+            await asyncio.sleep(-self._allowance / self.bytes_per_s)
+
+    def read_request(self, data: bytes) -> LogChunk | LogMissing:
+        try:
+            request = decode(data, LogRequest)
+        except InvalidMessage as error:
+            return LogMissing(node=self.node, error=f"invalid log request: {error.reason}")
+        return self.read(request)
+
+    def path(self, job_id: str, attempt: int) -> Path | None:
+        """Where the attempt's log is, if the job id names a file under the log dir."""
+        try:
+            check_name("job", job_id)
+        except InvalidName:
+            return None
+        path = self.log_dir / job_id / f"attempt-{attempt}.log"
+        return path if path.resolve().is_relative_to(self.log_dir.resolve()) else None
+
+    def read(self, request: LogRequest) -> LogChunk | LogMissing:
+        path = self.path(request.job_id, request.attempt)
+        where = f"job {request.job_id} attempt {request.attempt}"
+        if path is None:
+            return LogMissing(node=self.node, error=f"invalid job id {request.job_id!r}")
+        try:
+            with path.open("rb") as log:
+                size = os.fstat(log.fileno()).st_size
+                start = max(0, size + request.offset) if request.offset < 0 else request.offset
+                start = min(start, size)
+                log.seek(start)
+                raw = log.read(min(request.max_bytes, size - start))
+        except FileNotFoundError:
+            return LogMissing(node=self.node, error=f"no log of {where} on node {self.node}")
+        except OSError as error:
+            return LogMissing(node=self.node, error=f"cannot read the log of {where}: {error}")
+        text, used = _utf8_prefix(raw)
+        return LogChunk(
+            node=self.node,
+            job_id=request.job_id,
+            attempt=request.attempt,
+            offset=start,
+            next_offset=start + used,
+            size=size,
+            data=text,
+            running=self._running(request.job_id, request.attempt),
+        )
