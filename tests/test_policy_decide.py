@@ -80,6 +80,63 @@ class OrderCase:
     preempted: set[str]
 
 
+# A full cluster, two jobs running in band 2, one new job waiting: "old-huge" entered
+# the band first, was preempted, and resumed at 800; "steady" has run there since 100.
+BAND_TWO_RUNNERS = cluster(
+    node("n0", busy=(0, 1, 2, 3)),
+    node("n1", busy=(0, 1, 2, 3)),
+    pending_jobs=(pending("new", 4, at=900),),
+    running_jobs=(
+        running(
+            "old-huge",
+            "n0",
+            (0, 1, 2, 3),
+            at=800,
+            attained_gpu_seconds=90_000,
+            service_level=2,
+            service_level_since=10,
+            submitted_at=0,
+        ),
+        running(
+            "steady",
+            "n1",
+            (0, 1, 2, 3),
+            at=100,
+            attained_gpu_seconds=8_000,
+            service_level=2,
+            service_level_since=50,
+            submitted_at=5,
+        ),
+    ),
+)
+
+# Two jobs waiting in band 2: "preempted" entered it first (and has more service) but
+# was preempted after "patient" began waiting.
+BAND_TWO_WAITERS = cluster(
+    node("n0"),
+    pending_jobs=(
+        pending(
+            "preempted",
+            4,
+            at=0,
+            attained_gpu_seconds=90_000,
+            service_level=2,
+            service_level_since=10,
+            pending_since=700,
+        ),
+        pending(
+            "patient",
+            4,
+            at=5,
+            attained_gpu_seconds=8_000,
+            service_level=2,
+            service_level_since=50,
+            pending_since=60,
+        ),
+    ),
+)
+
+
 ORDER_CASES = [
     OrderCase(
         "fifo: the head blocks the queue (Tiresias' fifo is head-of-line blocking)",
@@ -186,34 +243,7 @@ ORDER_CASES = [
         "las: in a band, the job that started running there last yields first, "
         "however early it entered the band",
         Policy(order="las"),
-        cluster(
-            node("n0", busy=(0, 1, 2, 3)),
-            node("n1", busy=(0, 1, 2, 3)),
-            pending_jobs=(pending("new", 4, at=900),),
-            running_jobs=(
-                # Entered the last band first, preempted, and resumed at 800.
-                running(
-                    "old-huge",
-                    "n0",
-                    (0, 1, 2, 3),
-                    at=800,
-                    attained_gpu_seconds=90_000,
-                    service_level=2,
-                    service_level_since=10,
-                    submitted_at=0,
-                ),
-                running(
-                    "steady",
-                    "n1",
-                    (0, 1, 2, 3),
-                    at=100,
-                    attained_gpu_seconds=8_000,
-                    service_level=2,
-                    service_level_since=50,
-                    submitted_at=5,
-                ),
-            ),
-        ),
+        BAND_TWO_RUNNERS,
         now=1000,
         placed={"new"},
         preempted={"old-huge"},
@@ -221,30 +251,7 @@ ORDER_CASES = [
     OrderCase(
         "las: among a band's waiting jobs, the least attained service first",
         Policy(order="las"),
-        cluster(
-            node("n0"),
-            pending_jobs=(
-                # Entered band 2 first, but was preempted after "patient" began waiting.
-                pending(
-                    "preempted",
-                    4,
-                    at=0,
-                    attained_gpu_seconds=90_000,
-                    service_level=2,
-                    service_level_since=10,
-                    pending_since=700,
-                ),
-                pending(
-                    "patient",
-                    4,
-                    at=5,
-                    attained_gpu_seconds=8_000,
-                    service_level=2,
-                    service_level_since=50,
-                    pending_since=60,
-                ),
-            ),
-        ),
+        BAND_TWO_WAITERS,
         now=1000,
         placed={"patient"},
         preempted=set(),
@@ -252,29 +259,7 @@ ORDER_CASES = [
     OrderCase(
         "las-tiresias: Tiresias' lists put the job preempted last first among waiting",
         Policy(order="las-tiresias"),
-        cluster(
-            node("n0"),
-            pending_jobs=(
-                pending(
-                    "preempted",
-                    4,
-                    at=0,
-                    attained_gpu_seconds=90_000,
-                    service_level=2,
-                    service_level_since=10,
-                    pending_since=700,
-                ),
-                pending(
-                    "patient",
-                    4,
-                    at=5,
-                    attained_gpu_seconds=8_000,
-                    service_level=2,
-                    service_level_since=50,
-                    pending_since=60,
-                ),
-            ),
-        ),
+        BAND_TWO_WAITERS,
         now=1000,
         placed={"preempted"},
         preempted=set(),
@@ -282,33 +267,7 @@ ORDER_CASES = [
     OrderCase(
         "las-tiresias: in a band, the job that started running there last yields first",
         Policy(order="las-tiresias"),
-        cluster(
-            node("n0", busy=(0, 1, 2, 3)),
-            node("n1", busy=(0, 1, 2, 3)),
-            pending_jobs=(pending("new", 4, at=900),),
-            running_jobs=(
-                running(
-                    "old-huge",
-                    "n0",
-                    (0, 1, 2, 3),
-                    at=800,
-                    attained_gpu_seconds=90_000,
-                    service_level=2,
-                    service_level_since=10,
-                    submitted_at=0,
-                ),
-                running(
-                    "steady",
-                    "n1",
-                    (0, 1, 2, 3),
-                    at=100,
-                    attained_gpu_seconds=8_000,
-                    service_level=2,
-                    service_level_since=50,
-                    submitted_at=5,
-                ),
-            ),
-        ),
+        BAND_TWO_RUNNERS,
         now=1000,
         placed={"new"},
         preempted={"old-huge"},
