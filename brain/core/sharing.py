@@ -1,0 +1,568 @@
+"""Placement of tasks on shared, typed GPUs: the ledger, and the plugins that choose.
+
+A node has CPU (milli-cores), memory (MiB) and GPUs of one model; each GPU has a free
+share in thousandths (`gpu_milli`, 1000 = the whole GPU) and free GPU memory. A task
+asks CPU and memory, and either no GPU, a share of one GPU (`gpus=1, gpu_milli<1000`)
+or N whole GPUs, optionally only of some models. `SharedCluster` is the ledger: it
+refuses any placement that would give a GPU more than 1000 thousandths or more memory
+than it has, over-commit a node's CPU or memory, or break a type constraint (a bug in
+a plugin raises `OverCommitted`, it is never silently applied).
+
+Plugins (objects behind `SharingPlugin.choose`) decide where a task goes:
+
+- `fgd`: fragmentation gradient descent, after the idea of Weng et al. (ATC'23,
+  "Beware of Fragmentation"): the free GPU share of a node counts as *fragment* for a
+  task shape when that shape could not use it there; a node's expected fragmentation
+  weighs each shape by its share of the workload (`TaskMix`). A task goes where the
+  cluster's expected fragmentation grows least (steepest descent).
+- `best-fit`: the node (and GPU) left with the least free resources, normalised.
+- `dot-product`: Tetris' alignment of the task's demand with the node's free vector.
+- `gpu-packing`: a share goes to a GPU already in use, then to a node already in use,
+  then to an idle node (best-fit within each tier).
+- `random`: a feasible node uniformly at random, from a seeded generator.
+
+Pure: no I/O, no clock; the random plugin owns a seeded generator. The live brain does
+not use this module yet (docs/sharing.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from schemas.errors import AlnairError
+
+GPU_MILLI: Final = 1000
+
+
+class InvalidShare(AlnairError, ValueError):
+    """A task or node that cannot be described: names the field."""
+
+    def __init__(self, name: str, field_name: str, reason: str) -> None:
+        super().__init__(f"{name}: {field_name}: {reason}")
+        self.name = name
+        self.field = field_name
+        self.reason = reason
+
+
+class OverCommitted(AlnairError, RuntimeError):
+    """A placement the ledger refuses: a plugin bug, never an expected outcome."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedNode:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    model: str
+    # Per GPU; 0 where it is not known (then no task asking GPU memory fits here).
+    gpu_memory_mib: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_milli", "memory_mib", "gpus", "gpu_memory_mib"):
+            if getattr(self, name) < 0:
+                raise InvalidShare(self.name, name, "cannot be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class TaskShape:
+    """What placement reads of a task: equal shapes place alike."""
+
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    gpu_milli: int
+    gpu_memory_mib: int
+    gpu_types: frozenset[str]
+
+    @property
+    def fractional(self) -> bool:
+        return self.gpus == 1 and self.gpu_milli < GPU_MILLI
+
+    @property
+    def gpu_milli_total(self) -> int:
+        return self.gpus * self.gpu_milli
+
+    def allows(self, model: str) -> bool:
+        return not self.gpu_types or model in self.gpu_types
+
+
+@dataclass(frozen=True, slots=True)
+class SharedTask:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    # 0: CPU only; 1 with gpu_milli < 1000: a share of one GPU; N: N whole GPUs.
+    gpus: int = 0
+    gpu_milli: int = GPU_MILLI
+    # GPU memory per GPU the task needs (a share's limit); 0: none asked.
+    gpu_memory_mib: int = 0
+    # Allowed GPU models; empty: any.
+    gpu_types: frozenset[str] = frozenset()
+    shape: TaskShape = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_milli", "memory_mib", "gpus", "gpu_memory_mib"):
+            if getattr(self, name) < 0:
+                raise InvalidShare(self.name, name, "cannot be negative")
+        milli = self.gpu_milli
+        if self.gpus == 0:
+            milli = 0
+        elif not 0 < milli <= GPU_MILLI:
+            raise InvalidShare(self.name, "gpu_milli", f"{milli} is not in 1..{GPU_MILLI}")
+        elif self.gpus > 1 and milli != GPU_MILLI:
+            raise InvalidShare(
+                self.name, "gpu_milli", "a share below 1000 is for one GPU only (gpus=1)"
+            )
+        shape = TaskShape(
+            self.cpu_milli,
+            self.memory_mib,
+            self.gpus,
+            milli,
+            self.gpu_memory_mib if self.gpus else 0,
+            self.gpu_types if self.gpus else frozenset(),
+        )
+        object.__setattr__(self, "gpu_milli", milli)
+        object.__setattr__(self, "shape", shape)
+
+
+@dataclass(frozen=True, slots=True)
+class SharePlacement:
+    """Where a task went: a node and its GPUs, each giving `gpu_milli` thousandths."""
+
+    task: SharedTask
+    node: int
+    gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Unschedulable:
+    task: SharedTask
+    reason: str
+
+
+class SharedCluster:
+    """The mutable ledger of what is free, node by node and GPU by GPU.
+
+    `version[i]` changes whenever node i does, so that plugins may remember what they
+    computed for a node until it changes.
+    """
+
+    def __init__(self, nodes: Sequence[SharedNode]) -> None:
+        self.nodes: tuple[SharedNode, ...] = tuple(nodes)
+        self.cpu_free = [n.cpu_milli for n in self.nodes]
+        self.mem_free = [n.memory_mib for n in self.nodes]
+        self.gpu_free = [[GPU_MILLI] * n.gpus for n in self.nodes]
+        self.gpu_mem_free = [[n.gpu_memory_mib] * n.gpus for n in self.nodes]
+        self.version = [0] * len(self.nodes)
+        self.gpu_capacity_milli = GPU_MILLI * sum(n.gpus for n in self.nodes)
+        self.gpu_allocated_milli = 0
+
+    def fits(self, shape: TaskShape, i: int) -> bool:
+        """Whether node i can take a task of this shape now (on some GPUs)."""
+        node = self.nodes[i]
+        if self.cpu_free[i] < shape.cpu_milli or self.mem_free[i] < shape.memory_mib:
+            return False
+        if shape.gpus == 0:
+            return True
+        if not shape.allows(node.model):
+            return False
+        return len(self.fitting_gpus(shape, i)) >= shape.gpus
+
+    def fitting_gpus(self, shape: TaskShape, i: int) -> list[int]:
+        """GPUs of node i that could give this shape its per-GPU share."""
+        free = self.gpu_free[i]
+        mem = self.gpu_mem_free[i]
+        if shape.fractional:
+            need, need_mem = shape.gpu_milli, shape.gpu_memory_mib
+            return [g for g in range(len(free)) if free[g] >= need and mem[g] >= need_mem]
+        full = self.nodes[i].gpu_memory_mib
+        if shape.gpu_memory_mib > full:
+            return []
+        return [g for g in range(len(free)) if free[g] == GPU_MILLI]
+
+    def _check(self, placement: SharePlacement) -> None:
+        task, i = placement.task, placement.node
+        shape = task.shape
+        node = self.nodes[i]
+        if self.cpu_free[i] < shape.cpu_milli or self.mem_free[i] < shape.memory_mib:
+            raise OverCommitted(f"{task.name} on {node.name}: CPU or memory over-committed")
+        if len(placement.gpus) != shape.gpus or len(set(placement.gpus)) != shape.gpus:
+            raise OverCommitted(f"{task.name} on {node.name}: wants {shape.gpus} distinct GPUs")
+        if shape.gpus and not shape.allows(node.model):
+            raise OverCommitted(f"{task.name} on {node.name}: {node.model} not allowed")
+        allowed = set(self.fitting_gpus(shape, i))
+        for g in placement.gpus:
+            if g not in allowed:
+                raise OverCommitted(f"{task.name} on {node.name}: GPU {g} has not enough free")
+
+    def apply(self, placement: SharePlacement) -> None:
+        self._check(placement)
+        shape, i = placement.task.shape, placement.node
+        self.cpu_free[i] -= shape.cpu_milli
+        self.mem_free[i] -= shape.memory_mib
+        whole = not shape.fractional
+        for g in placement.gpus:
+            self.gpu_free[i][g] -= shape.gpu_milli
+            # A whole GPU is the task's, memory and all.
+            self.gpu_mem_free[i][g] = 0 if whole else self.gpu_mem_free[i][g] - shape.gpu_memory_mib
+        self.gpu_allocated_milli += shape.gpu_milli_total
+        self.version[i] += 1
+
+    def release(self, placement: SharePlacement) -> None:
+        shape, i = placement.task.shape, placement.node
+        node = self.nodes[i]
+        self.cpu_free[i] += shape.cpu_milli
+        self.mem_free[i] += shape.memory_mib
+        whole = not shape.fractional
+        for g in placement.gpus:
+            self.gpu_free[i][g] += shape.gpu_milli
+            self.gpu_mem_free[i][g] = (
+                node.gpu_memory_mib if whole else self.gpu_mem_free[i][g] + shape.gpu_memory_mib
+            )
+        self.gpu_allocated_milli -= shape.gpu_milli_total
+        if self.cpu_free[i] > node.cpu_milli or self.mem_free[i] > node.memory_mib:
+            raise OverCommitted(f"{placement.task.name} released twice from {node.name}")
+        if any(f > GPU_MILLI for f in self.gpu_free[i]):
+            raise OverCommitted(f"{placement.task.name} released twice from {node.name}")
+        self.version[i] += 1
+
+    def place(self, task: SharedTask, plugin: SharingPlugin) -> SharePlacement | Unschedulable:
+        """Ask the plugin, and apply what it chose."""
+        outcome = plugin.choose(task, self)
+        if isinstance(outcome, SharePlacement):
+            self.apply(outcome)
+        return outcome
+
+    def unallocated_gpus(self) -> float:
+        return (self.gpu_capacity_milli - self.gpu_allocated_milli) / GPU_MILLI
+
+
+class SharingPlugin(Protocol):
+    name: str
+
+    def choose(self, task: SharedTask, cluster: SharedCluster) -> SharePlacement | Unschedulable:
+        """Where this task should go now (nothing is applied)."""
+        ...
+
+
+def no_fit(task: SharedTask) -> Unschedulable:
+    shape = task.shape
+    if shape.gpus == 0:
+        gpu = "no GPU"
+    elif shape.fractional:
+        gpu = f"{shape.gpu_milli / GPU_MILLI:g} of a GPU"
+    else:
+        gpu = f"{shape.gpus} whole GPU{'s' if shape.gpus > 1 else ''}"
+    types = f" of type {'|'.join(sorted(shape.gpu_types))}" if shape.gpu_types else ""
+    return Unschedulable(
+        task,
+        f"no node has {shape.cpu_milli} CPU milli, {shape.memory_mib} MiB and {gpu}{types} free",
+    )
+
+
+def tightest(cluster: SharedCluster, shape: TaskShape, i: int, gpus: list[int]) -> tuple[int, ...]:
+    """The GPUs a best-fit would take: for a share, the fullest GPU that fits; for whole
+    GPUs, the first free ones (all alike)."""
+    if shape.fractional:
+        free = cluster.gpu_free[i]
+        return (min(gpus, key=lambda g: (free[g], g)),)
+    return tuple(gpus[: shape.gpus])
+
+
+# What a scoring plugin says of one node: lower is better; and the GPUs it would take.
+Scored = tuple[float, tuple[int, ...]] | None
+
+
+class ScoringPlugin:
+    """A plugin that scores each node alone; the lowest score wins (ties: lower index).
+
+    Scores depend only on the task's shape and the node's state, so one is remembered
+    per (shape, node) until the node changes: a task rescans the cluster cheaply.
+    """
+
+    name = "scoring"
+
+    def __init__(self) -> None:
+        self._bound: SharedCluster | None = None
+        self._memo: dict[TaskShape, list[tuple[int, Scored]]] = {}
+
+    def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
+        raise NotImplementedError
+
+    def choose(self, task: SharedTask, cluster: SharedCluster) -> SharePlacement | Unschedulable:
+        if cluster is not self._bound:
+            self._bound, self._memo = cluster, {}
+        shape = task.shape
+        memo = self._memo.get(shape)
+        if memo is None:
+            memo = self._memo[shape] = [(-1, None)] * len(cluster.nodes)
+        version = cluster.version
+        best: tuple[float, int, tuple[int, ...]] | None = None
+        for i in range(len(memo)):
+            seen, scored = memo[i]
+            if seen != version[i]:
+                scored = None
+                if cluster.fits(shape, i):
+                    scored = self.score(shape, cluster, i, cluster.fitting_gpus(shape, i))
+                memo[i] = (version[i], scored)
+            if scored is not None and (best is None or scored[0] < best[0]):
+                best = (scored[0], i, scored[1])
+        if best is None:
+            return no_fit(task)
+        return SharePlacement(task, best[1], best[2])
+
+
+def _remaining(cluster: SharedCluster, shape: TaskShape, i: int) -> float:
+    """Free CPU, memory and GPU share left on node i after this task, each as a share
+    of the node's capacity."""
+    node = cluster.nodes[i]
+    cpu = (cluster.cpu_free[i] - shape.cpu_milli) / node.cpu_milli if node.cpu_milli else 0.0
+    mem = (cluster.mem_free[i] - shape.memory_mib) / node.memory_mib if node.memory_mib else 0.0
+    gpu_cap = node.gpus * GPU_MILLI
+    gpu = (sum(cluster.gpu_free[i]) - shape.gpu_milli_total) / gpu_cap if gpu_cap else 0.0
+    return cpu + mem + gpu
+
+
+class BestFit(ScoringPlugin):
+    name = "best-fit"
+
+    def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
+        return _remaining(cluster, shape, i), tightest(cluster, shape, i, gpus)
+
+
+class DotProduct(ScoringPlugin):
+    """Tetris: the node whose free vector lines up best with the task's demand."""
+
+    name = "dot-product"
+
+    def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
+        node = cluster.nodes[i]
+        gpu_cap = node.gpus * GPU_MILLI
+        dot = 0.0
+        if node.cpu_milli:
+            dot += shape.cpu_milli * cluster.cpu_free[i] / node.cpu_milli**2
+        if node.memory_mib:
+            dot += shape.memory_mib * cluster.mem_free[i] / node.memory_mib**2
+        if gpu_cap:
+            dot += shape.gpu_milli_total * sum(cluster.gpu_free[i]) / gpu_cap**2
+        return -dot, tightest(cluster, shape, i, gpus)
+
+
+class GpuPacking(ScoringPlugin):
+    """A share on a GPU already shared, else a node already in use, else an idle one."""
+
+    name = "gpu-packing"
+
+    def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
+        chosen = tightest(cluster, shape, i, gpus)
+        free = cluster.gpu_free[i]
+        node = cluster.nodes[i]
+        if shape.fractional and free[chosen[0]] < GPU_MILLI:
+            tier = 0
+        elif (
+            sum(free) < node.gpus * GPU_MILLI
+            or cluster.cpu_free[i] < node.cpu_milli
+            or cluster.mem_free[i] < node.memory_mib
+        ):
+            tier = 1
+        else:
+            tier = 2
+        return 10.0 * tier + _remaining(cluster, shape, i), chosen
+
+
+class RandomFit:
+    """A feasible node, uniformly at random (seeded: the same seed, the same choices);
+    a share goes to a random GPU that fits."""
+
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, task: SharedTask, cluster: SharedCluster) -> SharePlacement | Unschedulable:
+        shape = task.shape
+        feasible = [i for i in range(len(cluster.nodes)) if cluster.fits(shape, i)]
+        if not feasible:
+            return no_fit(task)
+        i = self._rng.choice(feasible)
+        gpus = cluster.fitting_gpus(shape, i)
+        if shape.fractional:
+            return SharePlacement(task, i, (self._rng.choice(gpus),))
+        return SharePlacement(task, i, tuple(gpus[: shape.gpus]))
+
+
+@dataclass(frozen=True, slots=True)
+class TaskMix:
+    """The workload's task shapes and the share of tasks each is (summing to 1)."""
+
+    shapes: tuple[tuple[TaskShape, float], ...]
+
+    @staticmethod
+    def of(tasks: Iterable[SharedTask]) -> TaskMix:
+        counts = Counter(t.shape for t in tasks)
+        total = sum(counts.values())
+        if not total:
+            return TaskMix(())
+        ordered = sorted(counts.items(), key=lambda kv: (-kv[1], repr(kv[0])))
+        return TaskMix(tuple((shape, n / total) for shape, n in ordered))
+
+
+class _FragmentWeights:
+    """Per-GPU fragment weights: a GPU's free share counts, for each shape of the mix,
+    as fragment when that shape could not use it on this node, weighted by the shape's
+    popularity. What decides it for one GPU is coarse (the node's model, which demand
+    levels its free CPU and memory reach, how many of its GPUs are whole, and which
+    share and GPU-memory levels this GPU reaches), so weights are remembered by that.
+    """
+
+    def __init__(self, mix: TaskMix) -> None:
+        shapes = [s for s, _ in mix.shapes]
+        self.cpu_levels = sorted({s.cpu_milli for s in shapes})
+        self.mem_levels = sorted({s.memory_mib for s in shapes})
+        self.milli_levels = sorted({s.gpu_milli for s in shapes if s.fractional})
+        self.gmem_levels = sorted({s.gpu_memory_mib for s in shapes})
+        self._shapes = [
+            (
+                s,
+                p,
+                bisect.bisect_left(self.cpu_levels, s.cpu_milli),
+                bisect.bisect_left(self.mem_levels, s.memory_mib),
+                bisect.bisect_left(self.milli_levels, s.gpu_milli) if s.fractional else -1,
+                bisect.bisect_left(self.gmem_levels, s.gpu_memory_mib),
+            )
+            for s, p in mix.shapes
+        ]
+        self._memo: dict[tuple[str, int, int, int, int, bool, int], float] = {}
+
+    def node_key(self, model: str, cpu_free: int, mem_free: int) -> tuple[str, int, int]:
+        return (
+            model,
+            bisect.bisect_right(self.cpu_levels, cpu_free),
+            bisect.bisect_right(self.mem_levels, mem_free),
+        )
+
+    def gpu_weight(
+        self, node: tuple[str, int, int], whole_gpus: int, free: int, gpu_mem_free: int
+    ) -> float:
+        key = (
+            node[0],
+            node[1],
+            node[2],
+            whole_gpus,
+            bisect.bisect_right(self.milli_levels, free),
+            free >= GPU_MILLI,
+            bisect.bisect_right(self.gmem_levels, gpu_mem_free),
+        )
+        weight = self._memo.get(key)
+        if weight is None:
+            weight = self._memo[key] = self._weigh(key)
+        return weight
+
+    def _weigh(self, key: tuple[str, int, int, int, int, bool, int]) -> float:
+        model, cpu_b, mem_b, whole_gpus, milli_b, is_whole, gmem_b = key
+        weight = 0.0
+        for shape, p, cpu_i, mem_i, milli_i, gmem_i in self._shapes:
+            usable = (
+                shape.gpus > 0
+                and shape.allows(model)
+                and cpu_i < cpu_b
+                and mem_i < mem_b
+                and gmem_i < gmem_b
+                and (
+                    milli_i < milli_b if shape.fractional else is_whole and whole_gpus >= shape.gpus
+                )
+            )
+            if not usable:
+                weight += p
+        return weight
+
+
+class Fgd(ScoringPlugin):
+    """Fragmentation gradient descent: the node and GPU where the expected fragmentation
+    (thousandths of GPU, over the mix's shapes) grows least."""
+
+    name = "fgd"
+
+    def __init__(self, mix: TaskMix) -> None:
+        super().__init__()
+        self._weights = _FragmentWeights(mix)
+
+    def fragmentation(
+        self, model: str, cpu_free: int, mem_free: int, free: Sequence[int], gmem: Sequence[int]
+    ) -> float:
+        """Expected fragmentation of a node in this state, in thousandths of a GPU."""
+        weights = self._weights
+        node = weights.node_key(model, cpu_free, mem_free)
+        whole = sum(1 for f in free if f >= GPU_MILLI)
+        return sum(
+            f * weights.gpu_weight(node, whole, f, m) for f, m in zip(free, gmem, strict=True) if f
+        )
+
+    def node_fragmentation(self, cluster: SharedCluster, i: int) -> float:
+        return self.fragmentation(
+            cluster.nodes[i].model,
+            cluster.cpu_free[i],
+            cluster.mem_free[i],
+            cluster.gpu_free[i],
+            cluster.gpu_mem_free[i],
+        )
+
+    def _after(
+        self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: tuple[int, ...]
+    ) -> float:
+        free = list(cluster.gpu_free[i])
+        gmem = list(cluster.gpu_mem_free[i])
+        for g in gpus:
+            free[g] -= shape.gpu_milli
+            gmem[g] = gmem[g] - shape.gpu_memory_mib if shape.fractional else 0
+        return self.fragmentation(
+            cluster.nodes[i].model,
+            cluster.cpu_free[i] - shape.cpu_milli,
+            cluster.mem_free[i] - shape.memory_mib,
+            free,
+            gmem,
+        )
+
+    def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
+        before = self.node_fragmentation(cluster, i)
+        if not shape.fractional:
+            chosen = tuple(gpus[: shape.gpus])
+            return self._after(shape, cluster, i, chosen) - before, chosen
+        # A share: try each distinct GPU state once (GPUs alike in state score alike).
+        free, gmem = cluster.gpu_free[i], cluster.gpu_mem_free[i]
+        tried: set[tuple[int, int]] = set()
+        best: tuple[float, tuple[int, ...]] | None = None
+        for g in gpus:
+            state = (free[g], gmem[g])
+            if state in tried:
+                continue
+            tried.add(state)
+            delta = self._after(shape, cluster, i, (g,)) - before
+            if best is None or delta < best[0]:
+                best = (delta, (g,))
+        return best
+
+
+def cluster_fragmentation(cluster: SharedCluster, mix: TaskMix) -> float:
+    """The cluster's expected fragmentation under this mix, in GPUs."""
+    fgd = Fgd(mix)
+    return sum(fgd.node_fragmentation(cluster, i) for i in range(len(cluster.nodes))) / GPU_MILLI
+
+
+# Plugins by name; each factory takes the workload's mix (read by fgd) and a seed
+# (read by random).
+SHARING_PLUGINS: Final[dict[str, Callable[[TaskMix, int], SharingPlugin]]] = {
+    "fgd": lambda mix, seed: Fgd(mix),
+    "best-fit": lambda mix, seed: BestFit(),
+    "dot-product": lambda mix, seed: DotProduct(),
+    "gpu-packing": lambda mix, seed: GpuPacking(),
+    "random": lambda mix, seed: RandomFit(seed),
+}
+# The packing-based baselines FGD is compared with (random is a baseline, not packing).
+PACKING_PLUGINS: Final = ("best-fit", "dot-product", "gpu-packing")
