@@ -25,6 +25,7 @@ from brain.core import (
 )
 from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, UnknownPlugin
 from brain.core.elastic import ELASTICITIES
+from brain.core.sharing import SHARING_PLUGINS
 from brain.queues import QueueConfigError, checked, load_queues, parse_quota
 from brain.queues import describe as describe_queues
 from brain.sim.engine import Scaling, SimConfig, check_trace_fits, simulate
@@ -37,19 +38,19 @@ from brain.sim.pollux import (
     load_pollux_workload,
 )
 from brain.sim.report import PlotUnavailable, format_table, plot, preemption_causes, summarize
+from brain.sim.sharing import check_types, load_nodes, load_tasks, mix_of, replay
 from brain.sim.trace import ClusterSpec, TraceError, TraceJob, load_trace, parse_cluster
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
-        required=True,
         type=Path,
         help="Tiresias-format CSV (job_id,num_gpu,submit_time,duration,...), or a Pollux "
         "workload (name,time,application,num_replicas,batch_size: elastic jobs)",
     )
     parser.add_argument(
-        "--cluster", required=True, metavar="NODESxGPUS", help="cluster shape, e.g. 12x4"
+        "--cluster", metavar="NODESxGPUS", help="cluster shape, e.g. 12x4 (with --trace)"
     )
     parser.add_argument(
         "--policy",
@@ -133,6 +134,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=GPUS[:build|train]",
         help="a queue's quota (repeatable; with --queues, adds to the file's)",
+    )
+    shared = parser.add_argument_group(
+        "shared, typed GPUs (Alibaba's GPU-sharing trace format, instead of --trace)"
+    )
+    shared.add_argument(
+        "--nodes",
+        type=Path,
+        metavar="CSV",
+        help="node list (sn,cpu_milli,memory_mib,gpu,model), e.g. openb_node_list_gpu_node.csv",
+    )
+    shared.add_argument(
+        "--tasks",
+        type=Path,
+        metavar="CSV",
+        help="task list (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec,...,"
+        "creation_time,deletion_time]), e.g. openb_pod_list_default.csv",
+    )
+    shared.add_argument(
+        "--share-placement",
+        default="fgd",
+        choices=sorted(SHARING_PLUGINS),
+        help="placement plugin for shared GPUs (default: fgd)",
+    )
+    shared.add_argument(
+        "--seed", type=int, default=0, help="seed of the random plugin (default: 0)"
     )
     elastic = parser.add_argument_group("elastic jobs (Pollux workloads)")
     elastic.add_argument(
@@ -318,13 +344,71 @@ def load_workload(
 
 
 def _check_costs(args: argparse.Namespace) -> None:
+    if args.trace is None or args.cluster is None:
+        raise TraceError("--trace and --cluster are required (or --nodes and --tasks)")
     for flag in ("preemption_cost", "resize_cost", "shrink_cost", "start_cost"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             raise TraceError(f"--{flag.replace('_', '-')} cannot be negative ({value:g})")
 
 
+def run_shared(args: argparse.Namespace) -> int:
+    """Replay a node list and a task list through a sharing placement plugin."""
+    try:
+        if args.nodes is None or args.tasks is None:
+            raise TraceError("--nodes and --tasks go together")
+        if args.trace is not None:
+            raise TraceError("--trace replays whole-GPU jobs; give it or --nodes/--tasks")
+        nodes = load_nodes(args.nodes)
+        tasks = load_tasks(args.tasks)
+        check_types(nodes, tasks, str(args.tasks))
+    except TraceError as err:
+        print(f"alnair sim: {err}", file=sys.stderr)
+        return 2
+    plugin = SHARING_PLUGINS[args.share_placement](mix_of(tasks), args.seed)
+    result = replay(nodes, tasks, plugin)
+    timed = all(t.created_s is not None for t in tasks)
+    report = {
+        "tasks": result.tasks,
+        "placed": result.placed,
+        "unschedulable": result.unschedulable,
+        "unschedulable_by_kind": result.failed_by_kind,
+        "gpu_capacity": result.gpu_capacity,
+        "peak_allocated_gpus": round(result.peak_allocated_gpus, 3),
+        "unallocated_gpus_at_first_failure": result.unallocated_at_first_failure,
+        "timed": timed,
+    }
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+        return 0
+    order = "creation/deletion times" if timed else "file order, no departures (no times)"
+    print(
+        f"tasks {args.tasks} ({result.tasks}) on {args.nodes} ({len(nodes)} nodes, "
+        f"{result.gpu_capacity:,.0f} GPUs), placement {args.share_placement}, {order}"
+    )
+    print(f"  placed {result.placed:,}, unschedulable {result.unschedulable:,}", end="")
+    kinds = ", ".join(f"{k} {n:,}" for k, n in sorted(result.failed_by_kind.items()))
+    print(f" ({kinds})" if kinds else "")
+    print(
+        f"  peak allocated {result.peak_allocated_gpus:,.1f} GPUs "
+        f"({result.peak_allocated_gpus / result.gpu_capacity:.1%})"
+    )
+    if result.unallocated_at_first_failure is not None:
+        print(
+            f"  unallocated when the first task could not be placed: "
+            f"{result.unallocated_at_first_failure:,.1f} GPUs"
+        )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    """A whole-GPU job trace (`--trace`) or a shared-GPU node and task list."""
+    if args.nodes is not None or args.tasks is not None:
+        return run_shared(args)
+    return run_jobs(args)
+
+
+def run_jobs(args: argparse.Namespace) -> int:
     try:
         _check_costs(args)
         policy = policy_from_args(args)
