@@ -1,0 +1,371 @@
+"""Shared, typed GPU placement (brain.core.sharing) and the Alibaba trace reader.
+
+Pure: small clusters built in the test, no bus, no clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from brain.core.sharing import (
+    GPU_MILLI,
+    SHARING_PLUGINS,
+    Fgd,
+    InvalidShare,
+    OverCommitted,
+    SharedCluster,
+    SharedNode,
+    SharedTask,
+    SharePlacement,
+    SharingPlugin,
+    TaskMix,
+    Unschedulable,
+)
+from brain.sim import cli
+from brain.sim.sharing import check_types, draw, inflate, load_nodes, load_tasks, replay
+from brain.sim.trace import TraceError
+
+PLUGINS = sorted(SHARING_PLUGINS)
+
+
+def node(
+    name: str,
+    gpus: int = 1,
+    model: str = "T4",
+    *,
+    cpu: int = 32_000,
+    mem: int = 65_536,
+    gpu_mem: int = 16_384,
+) -> SharedNode:
+    return SharedNode(name, cpu, mem, gpus, model, gpu_mem)
+
+
+def task(
+    name: str,
+    gpus: int = 1,
+    milli: int = GPU_MILLI,
+    *,
+    cpu: int = 1_000,
+    mem: int = 1_024,
+    gpu_mem: int = 0,
+    types: tuple[str, ...] = (),
+) -> SharedTask:
+    return SharedTask(name, cpu, mem, gpus, milli, gpu_mem, frozenset(types))
+
+
+def plugin_for(name: str, tasks: list[SharedTask]) -> SharingPlugin:
+    return SHARING_PLUGINS[name](TaskMix.of(tasks), 7)
+
+
+def place_all(
+    nodes: list[SharedNode], tasks: list[SharedTask], plugin_name: str
+) -> tuple[SharedCluster, list[SharePlacement | Unschedulable]]:
+    cluster = SharedCluster(nodes)
+    plugin = plugin_for(plugin_name, tasks)
+    return cluster, [cluster.place(t, plugin) for t in tasks]
+
+
+def placed(outcome: SharePlacement | Unschedulable) -> SharePlacement:
+    assert isinstance(outcome, SharePlacement), outcome
+    return outcome
+
+
+# (nodes, tasks, which tasks must be unschedulable): for every plugin.
+TABLE = {
+    "two halves share a GPU, a third does not fit": (
+        [node("a")],
+        [task("h1", milli=500), task("h2", milli=500), task("h3", milli=500)],
+        {"h3"},
+    ),
+    "GPU memory limits a share even with share left": (
+        [node("a", gpu_mem=16_384)],
+        [task("m1", milli=300, gpu_mem=10_000), task("m2", milli=300, gpu_mem=10_000)],
+        {"m2"},
+    ),
+    "a whole GPU needs one nobody shares": (
+        [node("a", 2)],
+        [task("s", milli=100), task("w2", 2), task("w1")],
+        {"w2"},
+    ),
+    "a type constraint holds": (
+        [node("t4", model="T4"), node("v100", model="V100M16")],
+        [task("v1", types=("V100M16",)), task("v2", types=("V100M16",))],
+        {"v2"},
+    ),
+    "CPU is never over-committed": (
+        [node("a", 2, cpu=4_000)],
+        [task("c1", cpu=3_000), task("c2", cpu=3_000)],
+        {"c2"},
+    ),
+    "memory is never over-committed": (
+        [node("a", 2, mem=8_192)],
+        [task("r1", mem=5_000), task("r2", milli=100, mem=5_000)],
+        {"r2"},
+    ),
+    "a CPU-only task needs no GPU": (
+        [node("a", 1)],
+        [task("w"), task("cpu", 0)],
+        set(),
+    ),
+}
+
+
+@pytest.mark.parametrize("plugin_name", PLUGINS)
+@pytest.mark.parametrize("case", sorted(TABLE))
+def test_placement_table(case: str, plugin_name: str) -> None:
+    nodes, tasks, refused = TABLE[case]
+    cluster, outcomes = place_all(nodes, tasks, plugin_name)
+    assert {o.task.name for o in outcomes if isinstance(o, Unschedulable)} == refused
+    for outcome in outcomes:
+        if isinstance(outcome, SharePlacement):
+            n = cluster.nodes[outcome.node]
+            assert not outcome.task.gpu_types or n.model in outcome.task.gpu_types
+    assert_consistent(cluster, [o for o in outcomes if isinstance(o, SharePlacement)])
+
+
+def test_an_unschedulable_task_says_what_it_asked() -> None:
+    _, (outcome,) = place_all([node("a")], [task("big", 4)], "fgd")
+    assert isinstance(outcome, Unschedulable)
+    assert "4 whole GPUs" in outcome.reason
+
+
+def test_fgd_fills_a_half_used_gpu_before_breaking_an_idle_one() -> None:
+    tasks = [task("first", milli=500), task("second", milli=500), task("whole")]
+    cluster = SharedCluster([node("a"), node("b")])
+    fgd = Fgd(TaskMix.of(tasks))
+    first = placed(cluster.place(tasks[0], fgd))
+    second = placed(cluster.place(tasks[1], fgd))
+    assert (second.node, second.gpus) == (first.node, first.gpus)
+    # The whole-GPU shape still finds an idle GPU: nothing was fragmented.
+    placed(cluster.place(tasks[2], fgd))
+
+
+def test_fgd_keeps_whole_gpus_whole_where_a_share_fits_a_shared_one() -> None:
+    # Node a: one GPU 700 used (300 free), one idle; a 0.3 share fits the used one.
+    cluster = SharedCluster([node("a", 2)])
+    tasks = [task("big", milli=700), task("small", milli=300), task("whole")]
+    fgd = Fgd(TaskMix.of(tasks))
+    big = placed(cluster.place(tasks[0], fgd))
+    small = placed(cluster.place(tasks[1], fgd))
+    assert small.gpus == big.gpus
+    placed(cluster.place(tasks[2], fgd))
+
+
+def test_random_is_seeded() -> None:
+    nodes = [node(f"n{i}", 4) for i in range(20)]
+    tasks = [task(f"t{i}", milli=250) for i in range(30)]
+
+    def run(seed: int) -> list[tuple[int, tuple[int, ...]]]:
+        cluster = SharedCluster(nodes)
+        plugin = SHARING_PLUGINS["random"](TaskMix.of(tasks), seed)
+        return [(p.node, p.gpus) for p in map(placed, (cluster.place(t, plugin) for t in tasks))]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_the_ledger_refuses_an_over_commit() -> None:
+    cluster = SharedCluster([node("a")])
+    cluster.apply(SharePlacement(task("x", milli=600), 0, (0,)))
+    with pytest.raises(OverCommitted):
+        cluster.apply(SharePlacement(task("y", milli=600), 0, (0,)))
+    with pytest.raises(OverCommitted):
+        cluster.apply(SharePlacement(task("z", types=("A100",)), 0, (0,)))
+
+
+def test_a_task_that_cannot_be_described_names_its_field() -> None:
+    with pytest.raises(InvalidShare, match="gpu_milli"):
+        task("x", 2, 500)
+    with pytest.raises(InvalidShare, match="gpu_milli"):
+        task("x", 1, 1_500)
+    with pytest.raises(InvalidShare, match="cpu_milli"):
+        task("x", cpu=-1)
+
+
+def assert_consistent(cluster: SharedCluster, held: list[SharePlacement]) -> None:
+    """The ledger equals what the held placements add up to, and nothing exceeds."""
+    for i, n in enumerate(cluster.nodes):
+        mine = [p for p in held if p.node == i]
+        assert cluster.cpu_free[i] == n.cpu_milli - sum(p.task.cpu_milli for p in mine) >= 0
+        assert cluster.mem_free[i] == n.memory_mib - sum(p.task.memory_mib for p in mine) >= 0
+        for g in range(n.gpus):
+            on_gpu = [p.task for p in mine if g in p.gpus]
+            share = sum(t.gpu_milli for t in on_gpu)
+            assert share <= GPU_MILLI
+            assert cluster.gpu_free[i][g] == GPU_MILLI - share
+            whole = [t for t in on_gpu if t.gpu_milli == GPU_MILLI]
+            assert len(whole) <= 1 and (not whole or len(on_gpu) == 1)
+            memory = n.gpu_memory_mib if whole else sum(t.gpu_memory_mib for t in on_gpu)
+            assert memory <= n.gpu_memory_mib
+            assert cluster.gpu_mem_free[i][g] == n.gpu_memory_mib - memory
+            for t in on_gpu:
+                assert not t.gpu_types or n.model in t.gpu_types
+
+
+task_strategy = st.builds(
+    lambda gpus, milli, cpu, mem, gpu_mem, types: SharedTask(
+        "t", cpu, mem, gpus, milli if gpus == 1 else GPU_MILLI, gpu_mem, frozenset(types)
+    ),
+    gpus=st.sampled_from([0, 1, 1, 1, 2, 4]),
+    milli=st.sampled_from([100, 250, 300, 470, 500, 810, 1000]),
+    cpu=st.integers(0, 16_000),
+    mem=st.integers(0, 40_000),
+    gpu_mem=st.sampled_from([0, 0, 4_000, 9_000]),
+    types=st.sampled_from([(), (), ("T4",), ("V100M16",), ("T4", "V100M16")]),
+)
+# A step: place a task, or release the held placement at some index.
+steps = st.lists(st.one_of(task_strategy, st.integers(0, 50)), min_size=1, max_size=60)
+
+
+@pytest.mark.parametrize("plugin_name", PLUGINS)
+@settings(max_examples=40, deadline=None)
+@given(ops=steps)
+def test_no_gpu_over_committed_whatever_the_sequence(
+    plugin_name: str, ops: list[SharedTask | int]
+) -> None:
+    nodes = [
+        node("a", 2, "T4", cpu=16_000, mem=32_768),
+        node("b", 4, "V100M16", cpu=24_000, mem=65_536),
+        node("c", 1, "T4", cpu=8_000, mem=16_384, gpu_mem=8_000),
+    ]
+    tasks = [op for op in ops if isinstance(op, SharedTask)]
+    cluster = SharedCluster(nodes)
+    plugin = plugin_for(plugin_name, tasks)
+    held: list[SharePlacement] = []
+    for op in ops:
+        if isinstance(op, int):
+            if held:
+                cluster.release(held.pop(op % len(held)))
+        else:
+            outcome = cluster.place(op, plugin)
+            if isinstance(outcome, SharePlacement):
+                held.append(outcome)
+            else:
+                # Refused only when no node could take it now.
+                assert not any(cluster.fits(op.shape, i) for i in range(len(nodes)))
+        assert_consistent(cluster, held)
+    for placement in held:
+        cluster.release(placement)
+    assert_consistent(cluster, [])
+
+
+# --- the trace reader -------------------------------------------------------------
+
+NODES_CSV = "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,2,T4\nn1,64000,131072,1,V100M16\n"
+TASKS_HEADER = (
+    "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
+    "creation_time,deletion_time,scheduled_time\n"
+)
+GOOD_TASK = "p0,4000,8192,1,500,,LS,Running,0,100,0\n"
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("row", "column"),
+    [
+        ("p1,4000,8192,1,1500,,LS,Running,0,100,0", "gpu_milli"),
+        ("p1,4000,8192,2,500,,LS,Running,0,100,0", "gpu_milli"),
+        ("p1,lots,8192,1,500,,LS,Running,0,100,0", "cpu_milli"),
+        ("p1,4000,-5,1,500,,LS,Running,0,100,0", "memory_mib"),
+        ("p1,4000,8192,,500,,LS,Running,0,100,0", "num_gpu"),
+        ("p1,4000,8192,1,500,,LS,Running,50,10,0", "deletion_time"),
+        ("p1,4000,8192,1,500,,LS,Running,soon,100,0", "creation_time"),
+        ("p0,4000,8192,1,500,,LS,Running,0,100,0", "name"),
+    ],
+)
+def test_a_bad_task_row_is_refused_naming_file_line_and_field(
+    tmp_path: Path, row: str, column: str
+) -> None:
+    path = write(tmp_path, "tasks.csv", TASKS_HEADER + GOOD_TASK + row + "\n")
+    with pytest.raises(TraceError) as caught:
+        load_tasks(path)
+    assert caught.value.path == str(path)
+    assert caught.value.line == 3
+    assert caught.value.column == column
+    assert f"{path}:3: column '{column}'" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("row", "column"),
+    [("n2,8000,1024,x,T4", "gpu"), ("n2,8000,1024,2,", "model"), ("n0,8000,1024,1,T4", "sn")],
+)
+def test_a_bad_node_row_is_refused_naming_file_line_and_field(
+    tmp_path: Path, row: str, column: str
+) -> None:
+    path = write(tmp_path, "nodes.csv", NODES_CSV + row + "\n")
+    with pytest.raises(TraceError) as caught:
+        load_nodes(path)
+    assert (caught.value.line, caught.value.column) == (4, column)
+
+
+def test_a_missing_column_and_an_unknown_gpu_type_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="missing column"):
+        load_tasks(write(tmp_path, "t.csv", "name,cpu_milli\np,1\n"))
+    nodes = load_nodes(write(tmp_path, "n.csv", NODES_CSV))
+    tasks_path = write(
+        tmp_path, "t2.csv", TASKS_HEADER + GOOD_TASK + "p1,1,1,1,1000,A100,LS,Running,0,1,0\n"
+    )
+    with pytest.raises(TraceError) as caught:
+        check_types(nodes, load_tasks(tasks_path), str(tasks_path))
+    assert (caught.value.line, caught.value.column) == (3, "gpu_spec")
+
+
+def test_replay_frees_what_leaves(tmp_path: Path) -> None:
+    nodes = load_nodes(write(tmp_path, "n.csv", NODES_CSV))
+    rows = [
+        "w0,1000,1024,2,1000,T4,LS,Running,0,10,0",
+        "w1,1000,1024,1,1000,,LS,Running,1,20,1",
+        "w2,1000,1024,2,1000,T4,LS,Running,5,30,5",  # T4s busy: refused
+        "w3,1000,1024,2,1000,T4,LS,Running,10,30,10",  # w0 left at 10: fits
+    ]
+    tasks = load_tasks(write(tmp_path, "t.csv", TASKS_HEADER + "\n".join(rows) + "\n"))
+    result = replay(nodes, tasks, SHARING_PLUGINS["best-fit"](TaskMix(()), 0))
+    assert (result.placed, result.unschedulable) == (3, 1)
+    assert result.failed_by_kind == {"whole": 1}
+    assert result.unallocated_at_first_failure == 0.0
+
+
+def test_a_task_list_without_times_arrives_in_file_order(tmp_path: Path) -> None:
+    tasks = load_tasks(
+        write(tmp_path, "t.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli\np,1,1,1,300\n")
+    )
+    assert tasks[0].created_s is None and tasks[0].task.gpu_milli == 300
+
+
+def test_inflation_stops_at_capacity_and_reads_each_checkpoint() -> None:
+    nodes = [node("a", 2), node("b", 2)]
+    shapes = [task("half", milli=500), task("whole"), task("cpu", 0)]
+    arrivals = draw(shapes, SharedCluster(nodes).gpu_capacity_milli, seed=1)
+    asked = sum(t.shape.gpu_milli_total for t in arrivals)
+    assert asked >= 4_000 > asked - arrivals[-1].shape.gpu_milli_total
+    result = inflate(nodes, arrivals, Fgd(TaskMix.of(shapes)), checkpoints=(0.5, 1.0))
+    assert [p.arrived for p in result.points] == [0.5, 1.0]
+    assert all(0.0 <= p.unallocated <= 1.0 for p in result.points)
+
+
+def test_alnair_sim_replays_a_node_and_task_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    nodes = write(tmp_path, "n.csv", NODES_CSV)
+    tasks = write(tmp_path, "t.csv", TASKS_HEADER + GOOD_TASK)
+    args = ["--nodes", str(nodes), "--tasks", str(tasks), "--json"]
+    assert cli.run(parser.parse_args([*args, "--share-placement", "best-fit"])) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["placed"], report["unschedulable"]) == (1, 0)
+    bad = write(tmp_path, "bad.csv", TASKS_HEADER + "p,1,1,1,2000,,LS,Running,0,1,0\n")
+    assert cli.run(parser.parse_args(["--nodes", str(nodes), "--tasks", str(bad)])) == 2
+    assert f"{bad}:2: column 'gpu_milli'" in capsys.readouterr().err
+    assert cli.run(parser.parse_args(["--nodes", str(nodes)])) == 2
