@@ -295,22 +295,26 @@ class ScoringPlugin:
     def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
         raise NotImplementedError
 
-    def choose(self, task: SharedTask, cluster: SharedCluster) -> SharePlacement | Unschedulable:
+    def scores(self, shape: TaskShape, cluster: SharedCluster) -> list[tuple[int, Scored]]:
+        """(node version, score) of every node for this shape, None where it does not
+        fit; refreshed only for nodes that changed since last asked."""
         if cluster is not self._bound:
             self._bound, self._memo = cluster, {}
-        shape = task.shape
         memo = self._memo.get(shape)
         if memo is None:
             memo = self._memo[shape] = [(-1, None)] * len(cluster.nodes)
         version = cluster.version
-        best: tuple[float, int, tuple[int, ...]] | None = None
         for i in range(len(memo)):
-            seen, scored = memo[i]
-            if seen != version[i]:
+            if memo[i][0] != version[i]:
                 scored = None
                 if cluster.fits(shape, i):
                     scored = self.score(shape, cluster, i, cluster.fitting_gpus(shape, i))
                 memo[i] = (version[i], scored)
+        return memo
+
+    def choose(self, task: SharedTask, cluster: SharedCluster) -> SharePlacement | Unschedulable:
+        best: tuple[float, int, tuple[int, ...]] | None = None
+        for i, (_, scored) in enumerate(self.scores(task.shape, cluster)):
             if scored is not None and (best is None or scored[0] < best[0]):
                 best = (scored[0], i, scored[1])
         if best is None:
@@ -376,25 +380,32 @@ class GpuPacking(ScoringPlugin):
         return 10.0 * tier + _remaining(cluster, shape, i), chosen
 
 
-class RandomFit:
+class RandomFit(ScoringPlugin):
     """A feasible node, uniformly at random (seeded: the same seed, the same choices);
-    a share goes to a random GPU that fits."""
+    a share goes to a random GPU that fits. (It scores only to remember which nodes fit.)"""
 
     name = "random"
 
     def __init__(self, seed: int = 0) -> None:
+        super().__init__()
         self._rng = random.Random(seed)
+
+    def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
+        return 0.0, tuple(gpus)
 
     def choose(self, task: SharedTask, cluster: SharedCluster) -> SharePlacement | Unschedulable:
         shape = task.shape
-        feasible = [i for i in range(len(cluster.nodes)) if cluster.fits(shape, i)]
+        feasible = [
+            (i, scored[1])
+            for i, (_, scored) in enumerate(self.scores(shape, cluster))
+            if scored is not None
+        ]
         if not feasible:
             return no_fit(task)
-        i = self._rng.choice(feasible)
-        gpus = cluster.fitting_gpus(shape, i)
+        i, gpus = self._rng.choice(feasible)
         if shape.fractional:
             return SharePlacement(task, i, (self._rng.choice(gpus),))
-        return SharePlacement(task, i, tuple(gpus[: shape.gpus]))
+        return SharePlacement(task, i, gpus[: shape.gpus])
 
 
 @dataclass(frozen=True, slots=True)
