@@ -135,6 +135,24 @@ def test_an_unschedulable_task_says_what_it_asked() -> None:
     assert "4 whole GPUs" in outcome.reason
 
 
+def test_a_release_of_what_is_not_held_changes_nothing() -> None:
+    cluster, (held,) = place_all([node("a")], [task("half", milli=500)], "fgd")
+    assert isinstance(held, SharePlacement)
+
+    def free() -> tuple[list[int], list[list[int]]]:
+        return list(cluster.cpu_free), [list(g) for g in cluster.gpu_free]
+
+    before = free()
+    with pytest.raises(OverCommitted, match="not held"):  # never applied
+        cluster.release(SharePlacement(task("other", milli=500), held.node, held.gpus))
+    assert free() == before
+    cluster.release(held)
+    released = free()
+    with pytest.raises(OverCommitted, match="not held"):  # released already
+        cluster.release(held)
+    assert free() == released
+
+
 def test_fgd_fills_a_half_used_gpu_before_breaking_an_idle_one() -> None:
     tasks = [task("first", milli=500), task("second", milli=500), task("whole")]
     cluster = SharedCluster([node("a"), node("b")])

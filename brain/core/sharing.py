@@ -162,6 +162,9 @@ class SharedCluster:
         self.version = [0] * len(self.nodes)
         self.gpu_capacity_milli = GPU_MILLI * sum(n.gpus for n in self.nodes)
         self.gpu_allocated_milli = 0
+        # Placements applied and not yet released (a multiset: equal tasks may share a
+        # placement), so that a release of one that is not held changes nothing.
+        self._held: Counter[SharePlacement] = Counter()
 
     def fits(self, shape: TaskShape, i: int) -> bool:
         """Whether node i can take a task of this shape now (on some GPUs)."""
@@ -212,11 +215,18 @@ class SharedCluster:
             # A whole GPU is the task's, memory and all.
             self.gpu_mem_free[i][g] = 0 if whole else self.gpu_mem_free[i][g] - shape.gpu_memory_mib
         self.gpu_allocated_milli += shape.gpu_milli_total
+        self._held[placement] += 1
         self.version[i] += 1
 
     def release(self, placement: SharePlacement) -> None:
         shape, i = placement.task.shape, placement.node
         node = self.nodes[i]
+        if self._held[placement] == 0:
+            del self._held[placement]
+            raise OverCommitted(
+                f"{placement.task.name} is not held on {node.name}: never applied, or released"
+            )
+        self._held[placement] -= 1
         self.cpu_free[i] += shape.cpu_milli
         self.mem_free[i] += shape.memory_mib
         whole = not shape.fractional
@@ -226,10 +236,6 @@ class SharedCluster:
                 node.gpu_memory_mib if whole else self.gpu_mem_free[i][g] + shape.gpu_memory_mib
             )
         self.gpu_allocated_milli -= shape.gpu_milli_total
-        if self.cpu_free[i] > node.cpu_milli or self.mem_free[i] > node.memory_mib:
-            raise OverCommitted(f"{placement.task.name} released twice from {node.name}")
-        if any(f > GPU_MILLI for f in self.gpu_free[i]):
-            raise OverCommitted(f"{placement.task.name} released twice from {node.name}")
         self.version[i] += 1
 
     def place(self, task: SharedTask, plugin: SharingPlugin) -> SharePlacement | Unschedulable:
