@@ -63,7 +63,7 @@ from brain.core.placement import (
     PlacementRequest,
     PlacementResult,
 )
-from brain.core.preemption import PREEMPTIONS, Preemption
+from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
 from brain.core.quota import Standing, quota_of, standings_in_order
 from schemas.errors import AlnairError
 
@@ -274,10 +274,8 @@ def _entries(
     One sort by rank; standings and the selection order are stable partitions of it,
     so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs)."""
     by_rank = _rank_order(ordered.ranked)
-    for item in by_rank:
-        if item.job.gpus < 1:
-            raise InvalidSnapshot(f"job {item.job.job_id} asks for {item.job.gpus} GPUs")
-    holds = [hold(r.job) for r in by_rank]
+    uniform = UNIFORM_HOLDS.get(hold)
+    holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
     standing_of = _standings(by_rank, holds, snapshot)
     guard = policy.starvation_guard_s
     if guard is None and min(holds, default=0) == max(holds, default=0):
@@ -437,7 +435,13 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     for entry in to_place:
         job = entry.ranked.job
         request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, policy))
-        result = _try_place(cycle, request, job)
+        # No placement fits a gang while fewer GPUs than it needs are free: with victims
+        # left to release, release them first (below) rather than ask for a reason
+        # nobody will read.
+        doomed = (
+            elastic is None and ledger.total_free() < request.gpus and next_victim < len(unreleased)
+        )
+        result: PlacementResult | None = None if doomed else _try_place(cycle, request, job)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
             not isinstance(result, Fit)
@@ -457,7 +461,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             stale = ledger.total_free() < request.gpus
             if not stale:
                 result = _try_place(cycle, request, job)
-        if stale:
+        if stale or result is None:
             result = _try_place(cycle, request, job)
         if not isinstance(result, Fit) and elastic is not None and job.elastic:
             # What is left, down to its minimum.
@@ -598,6 +602,14 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
         return _decide(snapshot, now, policy)
 
 
+def _check_sizes(jobs: Sequence[JobView]) -> None:
+    """Every job asks for a GPU or more. In snapshot order, before ranking: a pass in
+    the order the jobs were built reads memory in order, one in rank order does not."""
+    if jobs and min(job.gpus for job in jobs) < 1:
+        bad = next(job for job in jobs if job.gpus < 1)
+        raise InvalidSnapshot(f"job {bad.job_id} asks for {bad.gpus} GPUs")
+
+
 def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
@@ -629,7 +641,9 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
             reprobe_s=policy.elastic_reprobe_s,
         )
         snapshot = running_views(snapshot)
-    ordered = order((*snapshot.running, *snapshot.pending), context)
+    jobs = (*snapshot.running, *snapshot.pending)
+    _check_sizes(jobs)
+    ordered = order(jobs, context)
     ledger = FreeGpus(snapshot.nodes)
     cycle = _Cycle(snapshot, now, policy, place, ledger, elastic=stage)
     cycle.actions.extend(backoff_waits)
