@@ -245,7 +245,7 @@ _RANK: Final = itemgetter(1)  # Ranked.rank
 
 
 def _standings(
-    by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot
+    by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot, jobs: Sequence[JobView]
 ) -> list[Standing] | None:
     """Each job's quota standing (`quota.standings_in_order`), in the order of `by_rank`,
     the queues walked by (hold, rank); None when no queue is configured (every job is
@@ -253,30 +253,36 @@ def _standings(
     queues = quota_of(snapshot.queues)
     if not queues:
         return None
-    jobs = [r.job for r in by_rank]
+    ranked_jobs = [r.job for r in by_rank]
     if min(holds, default=0) == max(holds, default=0):
-        return standings_in_order(jobs, queues)
+        return standings_in_order(ranked_jobs, queues, unordered=jobs)
     # Stable: within one hold, still by rank.
-    walk = sorted(range(len(jobs)), key=holds.__getitem__)
-    walked = standings_in_order([jobs[i] for i in walk], queues)
-    result = [Standing.OVER_QUOTA] * len(jobs)
+    walk = sorted(range(len(ranked_jobs)), key=holds.__getitem__)
+    walked = standings_in_order([ranked_jobs[i] for i in walk], queues, unordered=jobs)
+    result = [Standing.OVER_QUOTA] * len(ranked_jobs)
     for position, standing in zip(walk, walked, strict=True):
         result[position] = standing
     return result
 
 
 def _entries(
-    ordered: Ordered, snapshot: ClusterSnapshot, now: float, policy: Policy, hold: Preemption
+    ordered: Ordered,
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobView],
+    now: float,
+    policy: Policy,
+    hold: Preemption,
 ) -> list[_Entry]:
     """Every job in selection order: by (standing, hold, starving first and longest
     waiting first among them, rank, submission, id).
 
     One sort by rank; standings and the selection order are stable partitions of it,
-    so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs)."""
+    so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs).
+    `jobs` are the jobs ranked, in snapshot order, for walks that need no order."""
     by_rank = _rank_order(ordered.ranked)
     uniform = UNIFORM_HOLDS.get(hold)
     holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
-    standing_of = _standings(by_rank, holds, snapshot)
+    standing_of = _standings(by_rank, holds, snapshot, jobs)
     guard = policy.starvation_guard_s
     if guard is None and min(holds, default=0) == max(holds, default=0):
         return _by_standing(by_rank, holds[0] if holds else 0, standing_of)
@@ -647,7 +653,7 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     ledger = FreeGpus(snapshot.nodes)
     cycle = _Cycle(snapshot, now, policy, place, ledger, elastic=stage)
     cycle.actions.extend(backoff_waits)
-    entries = _entries(ordered, snapshot, now, policy, hold)
+    entries = _entries(ordered, snapshot, jobs, now, policy, hold)
     if stage is not None:
         entries.sort(key=_elastic_key)
         stage.set_ranks(

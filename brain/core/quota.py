@@ -38,10 +38,16 @@ def standings(
 
 
 def standings_in_order(
-    jobs_by_rank: Sequence[JobView], queues: dict[str, QueueQuota]
+    jobs_by_rank: Sequence[JobView],
+    queues: dict[str, QueueQuota],
+    *,
+    unordered: Iterable[JobView] | None = None,
 ) -> list[Standing]:
     """Each job's standing, in the order of `jobs_by_rank` (best-ranked first): one walk,
-    no lookup by job id. A job of a queue nobody configured is over quota."""
+    no lookup by job id. A job of a queue nobody configured is over quota.
+
+    `unordered`: the same jobs in any order, for the walk that needs no order (what
+    pinned jobs use), when the caller has them laid out in memory as they were built."""
     if not queues:
         # The common case in a single-tenant cluster (and in Tiresias' traces).
         return [Standing.OVER_QUOTA] * len(jobs_by_rank)
@@ -49,20 +55,18 @@ def standings_in_order(
     # Running build jobs are pinned whatever their rank, so they use their queue's
     # guarantee before any pending job of that queue is considered.
     builds = {name for name, quota in queues.items() if quota.job_class == "build"}
-    pinned: set[int] = set()
     if builds:
-        for position, job in enumerate(jobs_by_rank):
+        for job in jobs_by_rank if unordered is None else unordered:
             if job.grants and job.queue in builds:
-                pinned.add(position)
                 used[job.queue] = used.get(job.queue, 0) + job.gpus
     result: list[Standing] = []
-    for position, job in enumerate(jobs_by_rank):
+    for job in jobs_by_rank:
         quota = queues.get(job.queue)
-        if position in pinned:
-            result.append(Standing.PINNED)
-        elif quota is None:
+        if quota is None:
             # No guarantee to be within (every job asks for a GPU or more).
             result.append(Standing.OVER_QUOTA)
+        elif job.grants and quota.job_class == "build":
+            result.append(Standing.PINNED)
         elif used.get(job.queue, 0) + job.gpus <= quota.guaranteed_gpus:
             used[job.queue] = used.get(job.queue, 0) + job.gpus
             result.append(Standing.IN_QUOTA)
