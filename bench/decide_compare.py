@@ -31,7 +31,7 @@ def _digests(seeds: int) -> dict[str, str]:
     from brain.core import ClusterSnapshot, Policy, decide
     from brain.core.ordering import ORDERINGS
 
-    shapes = (Size("s", 24, 90, 160), Size("m", 96, 380, 900))
+    shapes = (Size("s", 24, 90, 160), Size("m", 96, 380, 900), Size("l", 224, 880, 2000))
     digests: dict[str, str] = {}
     for seed in range(seeds):
         for shape in shapes:

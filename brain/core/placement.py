@@ -122,6 +122,13 @@ class FreeGpus:
         # nodes changes: only multi-node gangs read them, and only for switches with
         # enough GPUs free, while every take and give changes a node.
         self._switch_nodes: dict[str, _Buckets] = {}
+        # How many switches have each count of free GPUs, and the largest count: a gang
+        # no switch has room for is refused without a look at any switch.
+        most = max(self._switch_free.values(), default=0)
+        self._switches_by_free = [0] * (most + 1)
+        for count in self._switch_free.values():
+            self._switches_by_free[count] += 1
+        self._switch_most = most
 
     def free_on(self, node: str) -> int:
         return len(self._free[node])
@@ -152,8 +159,18 @@ class FreeGpus:
         self._total_free += after - before
         self._all.move(node, before, after)
         switch = self._switch[node]
-        self._switch_free[switch] += after - before
+        was = self._switch_free[switch]
+        now = self._switch_free[switch] = was + after - before
         self._switch_nodes.pop(switch, None)
+        counts = self._switches_by_free
+        counts[was] -= 1
+        while len(counts) <= now:
+            counts.append(0)
+        counts[now] += 1
+        if now > self._switch_most:
+            self._switch_most = now
+        while self._switch_most > 0 and not counts[self._switch_most]:
+            self._switch_most -= 1
 
     def _nodes_of(self, switch: str) -> _Buckets:
         """The switch's nodes by free GPUs (built now if a change dropped them)."""
@@ -219,7 +236,7 @@ class FreeGpus:
         """`gather` within the switch that needs the fewest nodes for `gpus` (ties: the
         first switch by name), or None if no switch has that many free."""
         most = self.most_free()
-        if most == 0:
+        if most == 0 or self._switch_most < gpus:
             return None
         # No switch can do better than the roomiest node allows.
         bound = -(-gpus // most)
