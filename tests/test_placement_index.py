@@ -111,20 +111,31 @@ def cases(draw: st.DrawFn) -> Case:
     return Case(tuple(nodes), tuple(moves))
 
 
-def build(case: Case) -> tuple[FreeGpus, Reference]:
+def start(case: Case) -> tuple[FreeGpus, Reference]:
     ledger = FreeGpus(case.nodes)
     reference = Reference(
         {n.name: sorted(n.free) for n in case.nodes},
         {n.name: n.switch for n in case.nodes},
         {n.name: len(n.gpus) for n in case.nodes},
     )
+    return ledger, reference
+
+
+def move(
+    ledger: FreeGpus, reference: Reference, node: str, gpus: tuple[int, ...], give: bool
+) -> None:
+    if give:
+        ledger.give((Grant(node, gpus),))
+        reference.free[node] = sorted({*reference.free[node], *gpus})
+    else:
+        ledger.take((Grant(node, gpus),))
+        reference.free[node] = [g for g in reference.free[node] if g not in gpus]
+
+
+def build(case: Case) -> tuple[FreeGpus, Reference]:
+    ledger, reference = start(case)
     for node, gpus, give in case.moves:
-        if give:
-            ledger.give((Grant(node, gpus),))
-            reference.free[node] = sorted({*reference.free[node], *gpus})
-        else:
-            ledger.take((Grant(node, gpus),))
-            reference.free[node] = [g for g in reference.free[node] if g not in gpus]
+        move(ledger, reference, node, gpus, give)
     return ledger, reference
 
 
@@ -149,6 +160,21 @@ def test_indexed_placement_agrees_with_a_scan_of_every_node(
     for node, free in reference.free.items():
         assert ledger.free_on(node) == len(free)
         assert ledger.lowest(node, 8) == tuple(free[:8])
+    assert consolidate(request, ledger) == reference.consolidate(request)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cases(), st.data())
+def test_placements_between_changes_agree_with_a_scan(case: Case, data: st.DataObject) -> None:
+    """A switch's node buckets are rebuilt when read after a change, and switches are
+    counted by free GPUs as they change: a placement asked between every two changes
+    sees what a scan sees."""
+    ledger, reference = start(case)
+    for node, gpus, give in case.moves:
+        request = a_request(data, reference)
+        assert consolidate(request, ledger) == reference.consolidate(request)
+        move(ledger, reference, node, gpus, give)
+    request = a_request(data, reference)
     assert consolidate(request, ledger) == reference.consolidate(request)
 
 

@@ -5,7 +5,7 @@ brain and the trace simulator call this very function. The pipeline is fixed; wh
 ordering, placement and preemption run are plugins named in the `Policy`:
 
 1. ordering   — rank every runnable job, pending and running (`ORDERINGS`);
-2. admission  — each job's standing against its queue's quota (`quota.standings`);
+2. admission  — each job's standing against its queue's quota (`quota.standings_in_order`);
 3. selection  — walk jobs by (standing, preemption hold, starvation, rank) and keep
                 those that fit in the cluster's GPUs, as Tiresias' simulator does: a
                 running job that no longer fits is a preemption candidate;
@@ -63,8 +63,8 @@ from brain.core.placement import (
     PlacementRequest,
     PlacementResult,
 )
-from brain.core.preemption import PREEMPTIONS, Preemption
-from brain.core.quota import Standing, quota_of, standings
+from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
+from brain.core.quota import Standing, quota_of, standings_in_order
 from schemas.errors import AlnairError
 
 
@@ -245,47 +245,52 @@ _RANK: Final = itemgetter(1)  # Ranked.rank
 
 
 def _standings(
-    by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot
-) -> dict[str, Standing]:
-    """Quota standings (`quota.standings`) of the jobs of configured queues, walked by
-    (hold, rank); every other job is over quota, whatever its rank."""
+    by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot, jobs: Sequence[JobView]
+) -> list[Standing] | None:
+    """Each job's quota standing (`quota.standings_in_order`), in the order of `by_rank`,
+    the queues walked by (hold, rank); None when no queue is configured (every job is
+    over quota, whatever its rank)."""
     queues = quota_of(snapshot.queues)
     if not queues:
-        return {}
+        return None
+    ranked_jobs = [r.job for r in by_rank]
     if min(holds, default=0) == max(holds, default=0):
-        walk = [r.job for r in by_rank if r.job.queue in queues]
-    else:
-        # Stable: within one hold, still by rank.
-        pairs = [(h, r.job) for h, r in zip(holds, by_rank, strict=True) if r.job.queue in queues]
-        pairs.sort(key=_HOLD)
-        walk = [job for _, job in pairs]
-    return standings(walk, queues)
-
-
-_HOLD: Final = itemgetter(0)
+        return standings_in_order(ranked_jobs, queues, unordered=jobs)
+    # Stable: within one hold, still by rank.
+    walk = sorted(range(len(ranked_jobs)), key=holds.__getitem__)
+    walked = standings_in_order([ranked_jobs[i] for i in walk], queues, unordered=jobs)
+    result = [Standing.OVER_QUOTA] * len(ranked_jobs)
+    for position, standing in zip(walk, walked, strict=True):
+        result[position] = standing
+    return result
 
 
 def _entries(
-    ordered: Ordered, snapshot: ClusterSnapshot, now: float, policy: Policy, hold: Preemption
+    ordered: Ordered,
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobView],
+    now: float,
+    policy: Policy,
+    hold: Preemption,
 ) -> list[_Entry]:
     """Every job in selection order: by (standing, hold, starving first and longest
     waiting first among them, rank, submission, id).
 
     One sort by rank; standings and the selection order are stable partitions of it,
-    so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs)."""
+    so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs).
+    `jobs` are the jobs ranked, in snapshot order, for walks that need no order."""
     by_rank = _rank_order(ordered.ranked)
-    holds = [hold(r.job) for r in by_rank]
-    standing_of = _standings(by_rank, holds, snapshot)
-    over = Standing.OVER_QUOTA
+    uniform = UNIFORM_HOLDS.get(hold)
+    holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
+    standing_of = _standings(by_rank, holds, snapshot, jobs)
     guard = policy.starvation_guard_s
     if guard is None and min(holds, default=0) == max(holds, default=0):
         return _by_standing(by_rank, holds[0] if holds else 0, standing_of)
+    over = Standing.OVER_QUOTA
+    standing_list = standing_of or [over] * len(by_rank)
     groups: dict[tuple[int, int, bool], list[_Entry]] = {}
-    for item, held in zip(by_rank, holds, strict=True):
+    for item, held, standing in zip(by_rank, holds, standing_list, strict=True):
         job = item.job
-        if job.gpus < 1:
-            raise InvalidSnapshot(f"job {job.job_id} asks for {job.gpus} GPUs")
-        standing = standing_of.get(job.job_id, over) if standing_of else over
         starving = guard is not None and not job.grants and now - job.waiting_since() >= guard
         entry = _Entry(item, standing, starving, held)
         group = groups.get((standing, held, not starving))
@@ -304,19 +309,15 @@ def _entries(
 
 
 def _by_standing(
-    by_rank: list[Ranked], hold: int, standing_of: dict[str, Standing]
+    by_rank: list[Ranked], hold: int, standing_of: list[Standing] | None
 ) -> list[_Entry]:
     """`_entries` when every job has the same hold and nobody can starve (no guard):
     the rank order, partitioned by standing alone (with no quotas, one partition)."""
-    for item in by_rank:
-        if item.job.gpus < 1:
-            raise InvalidSnapshot(f"job {item.job.job_id} asks for {item.job.gpus} GPUs")
-    over = Standing.OVER_QUOTA
-    if not standing_of:
+    if standing_of is None:
+        over = Standing.OVER_QUOTA
         return [_Entry(item, over, False, hold) for item in by_rank]
     partitions: list[list[_Entry]] = [[] for _ in Standing]
-    for item in by_rank:
-        standing = standing_of.get(item.job.job_id, over)
+    for item, standing in zip(by_rank, standing_of, strict=True):
         partitions[standing].append(_Entry(item, standing, False, hold))
     return [entry for partition in partitions for entry in partition]
 
@@ -440,7 +441,13 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     for entry in to_place:
         job = entry.ranked.job
         request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, policy))
-        result = _try_place(cycle, request, job)
+        # No placement fits a gang while fewer GPUs than it needs are free: with victims
+        # left to release, release them first (below) rather than ask for a reason
+        # nobody will read.
+        doomed = (
+            elastic is None and ledger.total_free() < request.gpus and next_victim < len(unreleased)
+        )
+        result: PlacementResult | None = None if doomed else _try_place(cycle, request, job)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
             not isinstance(result, Fit)
@@ -460,7 +467,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             stale = ledger.total_free() < request.gpus
             if not stale:
                 result = _try_place(cycle, request, job)
-        if stale:
+        if stale or result is None:
             result = _try_place(cycle, request, job)
         if not isinstance(result, Fit) and elastic is not None and job.elastic:
             # What is left, down to its minimum.
@@ -601,6 +608,14 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
         return _decide(snapshot, now, policy)
 
 
+def _check_sizes(jobs: Sequence[JobView]) -> None:
+    """Every job asks for a GPU or more. In snapshot order, before ranking: a pass in
+    the order the jobs were built reads memory in order, one in rank order does not."""
+    if jobs and min(job.gpus for job in jobs) < 1:
+        bad = next(job for job in jobs if job.gpus < 1)
+        raise InvalidSnapshot(f"job {bad.job_id} asks for {bad.gpus} GPUs")
+
+
 def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
@@ -632,11 +647,13 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
             reprobe_s=policy.elastic_reprobe_s,
         )
         snapshot = running_views(snapshot)
-    ordered = order((*snapshot.running, *snapshot.pending), context)
+    jobs = (*snapshot.running, *snapshot.pending)
+    _check_sizes(jobs)
+    ordered = order(jobs, context)
     ledger = FreeGpus(snapshot.nodes)
     cycle = _Cycle(snapshot, now, policy, place, ledger, elastic=stage)
     cycle.actions.extend(backoff_waits)
-    entries = _entries(ordered, snapshot, now, policy, hold)
+    entries = _entries(ordered, snapshot, jobs, now, policy, hold)
     if stage is not None:
         entries.sort(key=_elastic_key)
         stage.set_ranks(

@@ -164,18 +164,6 @@ def tiresias_band_crossing(
 Crossing = Callable[[JobView, Sequence[Grant], Sequence[float], float], float | None]
 
 
-def _next_crossings(
-    jobs: Sequence[JobView], context: OrderContext, crossing: Crossing = next_band_crossing
-) -> float | None:
-    thresholds, now = context.las_thresholds_gpu_s, context.now
-    return _earliest([crossing(j, j.grants, thresholds, now) for j in jobs if j.grants])
-
-
-def _earliest(times: Sequence[float | None]) -> float | None:
-    present = [t for t in times if t is not None]
-    return min(present) if present else None
-
-
 def _within_band(job: JobView, level: float, since: float, now: float) -> tuple[float, ...]:
     """A job's rank: its LAS band `level`, then where it stands within it (smaller first).
 
@@ -265,17 +253,20 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
     ranked: list[Ranked] = []
     changes: list[SetServiceLevel] = []
     thresholds = context.las_thresholds_gpu_s
+    now = context.now
+    crossing = tiresias_band_crossing if tiresias else next_band_crossing
+    wakes: list[float] = []
     # Many jobs share a service (every new job has none): one index and label each.
     seen: dict[float, tuple[tuple[float, float], str]] = {}
     for job in jobs:
         attained = job.attained_gpu_seconds
-        if job.service_level != bisect.bisect_right(thresholds, attained + SERVICE_EPSILON):
+        level = bisect.bisect_right(thresholds, attained + SERVICE_EPSILON)
+        if job.service_level != level:
             change = _band(job, context).change
             if change is not None:
                 changes.append(change)
         known = seen.get(attained)
         if known is None:
-            level = bisect.bisect_right(thresholds, attained + SERVICE_EPSILON)
             distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
             index = (
                 distribution.gittins_index_tiresias(attained, quantum)
@@ -285,8 +276,12 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
             known = seen[attained] = ((float(level), -index), f"band {level} gittins {index:.3g}")
         rank = (*known[0], -job.submitted_at) if tiresias else known[0]
         ranked.append(Ranked(job, rank, known[1]))
-    crossing = tiresias_band_crossing if tiresias else next_band_crossing
-    wake_at = _next_crossings(jobs, context, crossing)
+        # A job in the last band crosses nothing (`crossing` would say None).
+        if job.grants and level < len(thresholds):
+            wake = crossing(job, job.grants, thresholds, now)
+            if wake is not None:
+                wakes.append(wake)
+    wake_at = min(wakes) if wakes else None
     return Ordered(tuple(ranked), False, tuple(changes), wake_at, crossing=crossing)
 
 

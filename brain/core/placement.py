@@ -92,9 +92,9 @@ class FreeGpus:
     """A staging ledger of free GPUs per node, for one decision cycle.
 
     Indexed so that a placement never scans the cluster: nodes are bucketed by their
-    free-GPU count, cluster-wide and per switch, and the totals are kept as GPUs are
-    taken and given. Building one is O(nodes log nodes); every other operation costs
-    what it touches.
+    free-GPU count, cluster-wide (kept as GPUs are taken and given) and per switch
+    (rebuilt when read after a change: O(nodes of the switch)), and the totals are kept.
+    Building one is O(nodes log nodes); every other operation costs what it touches.
     """
 
     def __init__(self, nodes: Iterable[NodeView]) -> None:
@@ -114,13 +114,21 @@ class FreeGpus:
         self._all = _Buckets()
         self._all.load((name, len(free)) for name, free in self._free.items())
         self._switch_order = sorted(self._by_switch)
-        self._switch_free: dict[str, int] = {}
+        self._switch_free: dict[str, int] = {
+            switch: sum(len(self._free[name]) for name in names)
+            for switch, names in self._by_switch.items()
+        }
+        # A switch's buckets are built when first read and dropped when one of its
+        # nodes changes: only multi-node gangs read them, and only for switches with
+        # enough GPUs free, while every take and give changes a node.
         self._switch_nodes: dict[str, _Buckets] = {}
-        for switch, names in self._by_switch.items():
-            buckets = _Buckets()
-            buckets.load((name, len(self._free[name])) for name in names)
-            self._switch_nodes[switch] = buckets
-            self._switch_free[switch] = sum(len(self._free[name]) for name in names)
+        # How many switches have each count of free GPUs, and the largest count: a gang
+        # no switch has room for is refused without a look at any switch.
+        most = max(self._switch_free.values(), default=0)
+        self._switches_by_free = [0] * (most + 1)
+        for count in self._switch_free.values():
+            self._switches_by_free[count] += 1
+        self._switch_most = most
 
     def free_on(self, node: str) -> int:
         return len(self._free[node])
@@ -151,8 +159,26 @@ class FreeGpus:
         self._total_free += after - before
         self._all.move(node, before, after)
         switch = self._switch[node]
-        self._switch_free[switch] += after - before
-        self._switch_nodes[switch].move(node, before, after)
+        was = self._switch_free[switch]
+        now = self._switch_free[switch] = was + after - before
+        self._switch_nodes.pop(switch, None)
+        counts = self._switches_by_free
+        counts[was] -= 1
+        while len(counts) <= now:
+            counts.append(0)
+        counts[now] += 1
+        if now > self._switch_most:
+            self._switch_most = now
+        while self._switch_most > 0 and not counts[self._switch_most]:
+            self._switch_most -= 1
+
+    def _nodes_of(self, switch: str) -> _Buckets:
+        """The switch's nodes by free GPUs (built now if a change dropped them)."""
+        buckets = self._switch_nodes.get(switch)
+        if buckets is None:
+            buckets = self._switch_nodes[switch] = _Buckets()
+            buckets.load((name, len(self._free[name])) for name in self._by_switch[switch])
+        return buckets
 
     def take(self, grants: Iterable[Grant]) -> None:
         for grant in grants:
@@ -195,7 +221,7 @@ class FreeGpus:
     def gather(self, gpus: int, switch: str | None = None) -> tuple[Grant, ...] | None:
         """`gpus` GPUs on the fewest nodes (of one switch, or anywhere): the roomiest
         nodes first, ties by name, the lowest GPUs of each; None if they are not free."""
-        buckets = self._all if switch is None else self._switch_nodes[switch]
+        buckets = self._all if switch is None else self._nodes_of(switch)
         grants: list[Grant] = []
         needed = gpus
         for node in buckets.roomiest_first():
@@ -210,7 +236,7 @@ class FreeGpus:
         """`gather` within the switch that needs the fewest nodes for `gpus` (ties: the
         first switch by name), or None if no switch has that many free."""
         most = self.most_free()
-        if most == 0:
+        if most == 0 or self._switch_most < gpus:
             return None
         # No switch can do better than the roomiest node allows.
         bound = -(-gpus // most)
@@ -219,7 +245,7 @@ class FreeGpus:
         for switch in self._switch_order:
             if self._switch_free[switch] < gpus:
                 continue
-            nodes = self._switch_nodes[switch].nodes_for(gpus)
+            nodes = self._nodes_of(switch).nodes_for(gpus)
             if best is None or nodes < best_nodes:
                 best, best_nodes = switch, nodes
                 if nodes <= bound:

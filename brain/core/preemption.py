@@ -29,3 +29,7 @@ def quota_only(job: JobView) -> int:
 
 
 PREEMPTIONS: Final[dict[str, Preemption]] = {"by-rank": by_rank, "quota-only": quota_only}
+
+# Plugins that give every job the same hold, and that hold: the pipeline need not ask
+# them job by job (a call per job, in rank order, is a cache miss per job at scale).
+UNIFORM_HOLDS: Final[dict[Preemption, int]] = {by_rank: 0}

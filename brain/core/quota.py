@@ -25,10 +25,6 @@ class Standing(IntEnum):
     HELD = 3
 
 
-# A queue nobody configured: no guarantee, may borrow, preemptible.
-_UNCONFIGURED = QueueQuota(name="", guaranteed_gpus=0, job_class="train")
-
-
 def quota_of(queues: Iterable[QueueQuota]) -> dict[str, QueueQuota]:
     return {q.name: q for q in queues}
 
@@ -37,29 +33,45 @@ def standings(
     jobs_by_rank: Sequence[JobView], queues: dict[str, QueueQuota]
 ) -> dict[str, Standing]:
     """Each job's standing, by job id. `jobs_by_rank` is best-ranked first."""
+    in_order = standings_in_order(jobs_by_rank, queues)
+    return {job.job_id: s for job, s in zip(jobs_by_rank, in_order, strict=True)}
+
+
+def standings_in_order(
+    jobs_by_rank: Sequence[JobView],
+    queues: dict[str, QueueQuota],
+    *,
+    unordered: Iterable[JobView] | None = None,
+) -> list[Standing]:
+    """Each job's standing, in the order of `jobs_by_rank` (best-ranked first): one walk,
+    no lookup by job id. A job of a queue nobody configured is over quota.
+
+    `unordered`: the same jobs in any order, for the walk that needs no order (what
+    pinned jobs use), when the caller has them laid out in memory as they were built."""
     if not queues:
         # The common case in a single-tenant cluster (and in Tiresias' traces).
-        return dict.fromkeys((j.job_id for j in jobs_by_rank), Standing.OVER_QUOTA)
+        return [Standing.OVER_QUOTA] * len(jobs_by_rank)
     used: dict[str, int] = {}
-    result: dict[str, Standing] = {}
     # Running build jobs are pinned whatever their rank, so they use their queue's
     # guarantee before any pending job of that queue is considered.
     builds = {name for name, quota in queues.items() if quota.job_class == "build"}
     if builds:
-        for job in jobs_by_rank:
+        for job in jobs_by_rank if unordered is None else unordered:
             if job.grants and job.queue in builds:
-                result[job.job_id] = Standing.PINNED
                 used[job.queue] = used.get(job.queue, 0) + job.gpus
+    result: list[Standing] = []
     for job in jobs_by_rank:
-        if job.job_id in result:
-            continue
-        quota = queues.get(job.queue, _UNCONFIGURED)
-        in_use = used.get(job.queue, 0)
-        if in_use + job.gpus <= quota.guaranteed_gpus:
-            used[job.queue] = in_use + job.gpus
-            result[job.job_id] = Standing.IN_QUOTA
+        quota = queues.get(job.queue)
+        if quota is None:
+            # No guarantee to be within (every job asks for a GPU or more).
+            result.append(Standing.OVER_QUOTA)
+        elif job.grants and quota.job_class == "build":
+            result.append(Standing.PINNED)
+        elif used.get(job.queue, 0) + job.gpus <= quota.guaranteed_gpus:
+            used[job.queue] = used.get(job.queue, 0) + job.gpus
+            result.append(Standing.IN_QUOTA)
         elif quota.job_class == "build":
-            result[job.job_id] = Standing.HELD
+            result.append(Standing.HELD)
         else:
-            result[job.job_id] = Standing.OVER_QUOTA
+            result.append(Standing.OVER_QUOTA)
     return result
