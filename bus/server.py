@@ -69,6 +69,7 @@ def port_open(host: str, port: int) -> bool:
 # minutes. Ours: every 3 s, 2 missed (as clients ping their server: bus/client.py).
 CLIENT_LIVENESS: Final = ['ping_interval: "3s"', "ping_max: 2"]
 
+
 @dataclass(frozen=True, slots=True)
 class Routes:
     """A server's place in a cluster: the port it takes routes on, and every member's
