@@ -95,6 +95,10 @@ class BrainState:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    # (GPUs on every known node, the most on one), until a node's record changes.
+    _registered: tuple[int, int] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
     # Each pending job's view, with the record and progress it was built from: a pending
     # job's view does not depend on the clock, so a pass rebuilds only those that changed.
     _pending_views: dict[str, tuple[JobRecord, ObservedProgress | None, JobView]] = field(
@@ -107,6 +111,7 @@ class BrainState:
             self._put_job(record.job, new=seq > self.last_seq)
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
+            self._registered = None
         elif isinstance(record, NodeEventRecorded):
             self._saw_event(record.event.event_id)
             if isinstance(record.event, InputError):
@@ -261,9 +266,12 @@ class BrainState:
 
     def registered_gpus(self) -> tuple[int, int]:
         """Every GPU of every known node, whatever its state now, and the most on one
-        node: what a job may ever hope for (a node away for a minute comes back)."""
-        sizes = [len(n.gpus) for n in self.nodes.values()]
-        return sum(sizes), max(sizes, default=0)
+        node: what a job may ever hope for (a node away for a minute comes back).
+        Asked at every submission: counted again only after a node's record changed."""
+        if self._registered is None:
+            sizes = [len(n.gpus) for n in self.nodes.values()]
+            self._registered = (sum(sizes), max(sizes, default=0))
+        return self._registered
 
     def capacity(self) -> int:
         return sum(
