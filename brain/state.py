@@ -96,9 +96,7 @@ class BrainState:
     )
     _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
     # (GPUs on every known node, the most on one), until a node's record changes.
-    _registered: tuple[int, int] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    _registered: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
     # Each pending job's view, with the record and progress it was built from: a pending
     # job's view does not depend on the clock, so a pass rebuilds only those that changed.
     _pending_views: dict[str, tuple[JobRecord, ObservedProgress | None, JobView]] = field(
