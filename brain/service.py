@@ -335,6 +335,12 @@ class Brain:
                         self._taking_over = True
                         try:
                             await self._lead(epoch)
+                        except Exception:
+                            if not self.leading.is_set():
+                                # Not leading after all: let the lease go, or nobody
+                                # would lead while this brain's renewer kept it.
+                                await self._let_lease_go()
+                            raise
                         finally:
                             self._taking_over = False
                 await self.lease.announce(self.info())
@@ -363,8 +369,19 @@ class Brain:
                     await self._stop_leading("could not renew the lease")
                     return
 
+    async def _let_lease_go(self) -> None:
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None and renewer is not asyncio.current_task():
+            renewer.cancel()
+        await self.lease.release()
+
     async def _lead(self, epoch: int) -> None:
         await self.replica.stop_following()
+        if self.journal.tainted:
+            # The last tenure's state ran ahead of the log and could not be read again
+            # then (cut off from NATS, say): it must be before this one begins.
+            await self.replica.reload()
+            self.journal.tainted = False
         caught_up = await self.replica.catch_up()
         self.epoch = epoch
         now = self.monotonic()
@@ -469,11 +486,15 @@ class Brain:
             self.journal.discard()  # staged by a unit cut short: never stored
             if self.journal.tainted:
                 # State ran ahead of the log (a group not stored): read it all again.
-                await self.replica.reload()
-                self.journal.tainted = False
+                try:
+                    await self.replica.reload()
+                    self.journal.tainted = False
+                except Exception as error:  # cut off from NATS, say: before leading again
+                    log.warning("reading state again failed (%r); retried before leading", error)
         finally:
             self._stepping_down = False
-        self.replica.follow()
+        if not self.journal.tainted:  # else its state is read again before it leads
+            self.replica.follow()
 
     async def _maybe_snapshot(self) -> None:
         if self.state.last_seq - self.replica.snapshot_seq < self.config.snapshot_every:

@@ -155,6 +155,36 @@ async def test_a_group_the_log_refuses_acknowledges_nobody(
     assert len({r.job.job_id for r in retried}) == 5
 
 
+async def test_state_that_could_not_be_read_again_is_read_before_leading(
+    brain_factory: Callable[..., Awaitable[Brain]], connect
+) -> None:
+    """A refused group, and reading state again fails at the step-down (as when cut
+    off from NATS): the brain must not lead on state that ran ahead of the log. It
+    reads it again when it next takes over, and the group's job is not there."""
+    brain = await brain_factory()
+    await submit(brain, "before")
+    real_reload = brain.replica.reload
+    failures = []
+
+    async def reload_fails_once() -> None:
+        if not failures:
+            failures.append(True)
+            raise TimeoutError("cut off")
+        await real_reload()
+
+    brain.replica.reload = reload_fails_once  # type: ignore[method-assign]
+    rival = await connect("rival")
+    last = await rival.last_seq(subjects.STREAM_STATE)
+    await rival.append_many(subjects.STREAM_STATE, entries(["intruder"]), after=last)
+    lost = await asyncio.gather(submit(brain, "lost"), return_exceptions=True)
+    assert isinstance(lost[0], ApiError) and lost[0].code == "unavailable"
+
+    await eventually(lambda: failures and brain.leading.is_set(), timeout_s=30)
+    assert not brain.journal.tainted
+    assert "intruder" in brain.state.nodes
+    assert not any(j.spec.name == "lost" for j in brain.state.jobs.values())
+
+
 async def test_a_heartbeat_with_no_news_adds_no_state_entry(
     brain_factory: Callable[..., Awaitable[Brain]], agent_factory
 ) -> None:
