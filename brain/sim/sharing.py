@@ -17,9 +17,8 @@ Two replays:
 
 from __future__ import annotations
 
-import csv
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -34,7 +33,7 @@ from brain.core.sharing import (
     SharingPlugin,
     TaskMix,
 )
-from brain.sim.trace import TraceError
+from brain.sim.trace import TraceError, csv_rows
 
 NODE_COLUMNS: Final = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 TASK_COLUMNS: Final = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
@@ -55,26 +54,6 @@ class TraceTask:
     # None where the file has no times.
     created_s: float | None
     deleted_s: float | None
-
-
-def _rows(path: str | Path, required: Sequence[str]) -> Iterator[tuple[int, dict[str, str]]]:
-    name = str(path)
-    try:
-        handle = open(path, newline="")  # noqa: SIM115 - closed below, errors mapped
-    except OSError as err:
-        raise TraceError(f"cannot open: {err.strerror}", path=name) from None
-    with handle:
-        reader = csv.DictReader(handle)
-        columns = reader.fieldnames or []
-        missing = [c for c in required if c not in columns]
-        if missing:
-            raise TraceError(
-                f"missing column(s) {', '.join(missing)}; found {', '.join(columns) or 'none'}",
-                path=name,
-                line=1,
-            )
-        for row in reader:
-            yield reader.line_num, {k: (v or "").strip() for k, v in row.items() if k}
 
 
 def _whole(row: dict[str, str], column: str, path: str, line: int) -> int:
@@ -109,7 +88,7 @@ def load_nodes(path: str | Path) -> tuple[SharedNode, ...]:
     name = str(path)
     nodes: list[SharedNode] = []
     seen: set[str] = set()
-    for line, row in _rows(path, NODE_COLUMNS):
+    for line, row in csv_rows(path, NODE_COLUMNS):
         sn = row["sn"]
         if not sn:
             raise TraceError("missing value", path=name, line=line, column="sn")
@@ -173,7 +152,7 @@ def load_tasks(path: str | Path) -> tuple[TraceTask, ...]:
     name = str(path)
     tasks: list[TraceTask] = []
     seen: set[str] = set()
-    for line, row in _rows(path, TASK_COLUMNS):
+    for line, row in csv_rows(path, TASK_COLUMNS):
         task = _task(row, name, line)
         if task.task.name in seen:
             raise TraceError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -150,8 +151,9 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
     )
 
 
-def load_trace(path: str | Path) -> tuple[TraceJob, ...]:
-    """Every job of the trace, by submission time (file order among equals)."""
+def csv_rows(path: str | Path, required: Sequence[str]) -> Iterator[tuple[int, dict[str, str]]]:
+    """A CSV trace's rows as (line, {column: stripped value}), after checking that its
+    header has every `required` column; TraceError names the file (and line) otherwise."""
     name = str(path)
     try:
         handle = open(path, newline="")  # noqa: SIM115 - closed below, errors mapped
@@ -160,24 +162,30 @@ def load_trace(path: str | Path) -> tuple[TraceJob, ...]:
     with handle:
         reader = csv.DictReader(handle)
         columns = reader.fieldnames or []
-        missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+        missing = [c for c in required if c not in columns]
         if missing:
             raise TraceError(
                 f"missing column(s) {', '.join(missing)}; found {', '.join(columns) or 'none'}",
                 path=name,
                 line=1,
             )
-        jobs: list[TraceJob] = []
-        seen: set[str] = set()
         for row in reader:
-            line = reader.line_num
-            job = _parse_row(row, name, line)
-            if job.job_id in seen:
-                raise TraceError(
-                    f"duplicate job id {job.job_id!r}", path=name, line=line, column="job_id"
-                )
-            seen.add(job.job_id)
-            jobs.append(job)
+            yield reader.line_num, {k: (v or "").strip() for k, v in row.items() if k}
+
+
+def load_trace(path: str | Path) -> tuple[TraceJob, ...]:
+    """Every job of the trace, by submission time (file order among equals)."""
+    name = str(path)
+    jobs: list[TraceJob] = []
+    seen: set[str] = set()
+    for line, row in csv_rows(path, REQUIRED_COLUMNS):
+        job = _parse_row(dict(row), name, line)
+        if job.job_id in seen:
+            raise TraceError(
+                f"duplicate job id {job.job_id!r}", path=name, line=line, column="job_id"
+            )
+        seen.add(job.job_id)
+        jobs.append(job)
     if not jobs:
         raise TraceError("the trace has no jobs", path=name)
     return tuple(sorted(jobs, key=lambda j: j.submit_time))
