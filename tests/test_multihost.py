@@ -145,6 +145,7 @@ def recorder_spec(log: Path, **fields: object) -> JobSpec:
         name="recorder",
         command=(sys.executable, "-c", RECORDER, str(log)),
         gpus=2,  # a whole node: the job is the only thing on it
+        network_sensitive=True,  # never spread over two nodes' free GPUs
         cwd="/",
         **fields,
     )
