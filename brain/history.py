@@ -105,9 +105,6 @@ class History:
         row = self.db.execute("SELECT MAX(seq) FROM events").fetchone()
         return int(row[0]) if row and row[0] is not None else 0
 
-    def record(self, record: StateRecord, seq: int) -> None:
-        self.record_many(((record, seq),))
-
     def record_many(self, entries: Iterable[tuple[StateRecord, int]]) -> None:
         """Log entries with their sequences, in one transaction.
 

@@ -314,23 +314,15 @@ class Bus:
         msg_id: str,
         retry_for_s: float = 30.0,
         attempt_timeout_s: float = 2.0,
-        fence: tuple[str, int] | None = None,
     ) -> int:
         """Publish to JetStream and return the stream sequence once it is stored.
 
         Retries a timed-out or unanswered publish with the same `Nats-Msg-Id` until
         `retry_for_s` has passed: the server keeps one copy however many arrive.
-
-        `fence=(stream, last_seq)` appends only if the stream's last sequence is still
-        `last_seq` (optimistic concurrency), raising SequenceConflict otherwise. The
-        server checks the fence before de-duplicating, so when a retry meets a moved
-        fence we look at the message after `last_seq`: if it is ours, the first try
-        was stored.
+        (Fenced appends, the brain's log, go through `append_many`.)
         """
         payload = encode(message)
         headers = {"Nats-Msg-Id": msg_id}
-        if fence is not None:
-            headers["Nats-Expected-Last-Sequence"] = str(fence[1])
         deadline = time.monotonic() + retry_for_s
         delay = 0.05
         while True:
@@ -339,13 +331,6 @@ class Bus:
                     subject, payload, timeout=attempt_timeout_s, headers=headers
                 )
                 return int(ack.seq)
-            except nats.js.errors.APIError as error:
-                if fence is None or error.err_code != WRONG_LAST_SEQUENCE:
-                    raise
-                stored = await self._stored_as(fence[0], fence[1] + 1, msg_id)
-                if stored is None:
-                    raise SequenceConflict(fence[0], fence[1]) from error
-                return stored
             except (
                 TimeoutError,  # nats.errors.TimeoutError is one too
                 nats.js.errors.NoStreamResponseError,
