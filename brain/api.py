@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Final
 
 from nats.aio.msg import Msg
@@ -243,7 +244,9 @@ class ApiServer:
         held = self.brain.state.allocated()
         return tuple(self._node_status(name, held) for name in sorted(self.brain.state.nodes))
 
-    def _node_status(self, name: str, held: dict[str, set[int]] | None = None) -> NodeStatus:
+    def _node_status(
+        self, name: str, held: Mapping[str, frozenset[int]] | None = None
+    ) -> NodeStatus:
         brain = self.brain
         record = brain.state.nodes.get(name)
         if record is None:

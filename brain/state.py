@@ -14,8 +14,9 @@ replica, and a brain started from a snapshot, holds the same ones.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Mapping
+import bisect
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -97,6 +98,22 @@ class BrainState:
     _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
     # (GPUs on every known node, the most on one), until a node's record changes.
     _registered: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    # Pending and running job ids in job order, kept as jobs come and go: a pass reads
+    # them without sorting the queue again.
+    _ordered: dict[JobState, _JobOrder] = field(
+        default_factory=lambda: {JobState.PENDING: _JobOrder(), JobState.RUNNING: _JobOrder()},
+        init=False,
+        repr=False,
+        compare=False,
+    )
+    # GPUs held by running jobs, per node, kept as jobs start, resize and end: how many
+    # jobs hold each GPU (a shared GPU has several), and the set of those held.
+    _holders: dict[str, Counter[int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _held: dict[str, frozenset[int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     # Each pending job's view, with the record and progress it was built from: a pending
     # job's view does not depend on the clock, so a pass rebuilds only those that changed.
     _pending_views: dict[str, tuple[JobRecord, ObservedProgress | None, JobView]] = field(
@@ -137,6 +154,10 @@ class BrainState:
         previous = self.jobs.get(job.job_id)
         if previous is not None:
             self.by_state[previous.state].discard(job.job_id)
+            if previous.state is not job.state and previous.state in self._ordered:
+                self._ordered[previous.state].discard(job.job_id)
+            if previous.state is JobState.RUNNING:
+                self._hold(previous, -1)
         if (
             new
             and job.state is JobState.SUCCEEDED
@@ -146,6 +167,10 @@ class BrainState:
             self._learn_service(job.attained_gpu_seconds)
         self.jobs[job.job_id] = job
         self.by_state[job.state].add(job.job_id)
+        if job.state in self._ordered and (previous is None or previous.state is not job.state):
+            self._ordered[job.state].add(job.job_id)
+        if job.state is JobState.RUNNING:
+            self._hold(job, +1)
         if job.job_id.isdigit():
             self.last_job_number = max(self.last_job_number, int(job.job_id))
         if job.idempotency_key is not None:
@@ -157,6 +182,19 @@ class BrainState:
                 self._let_go(next(iter(self.finished)))
         elif previous is not None and previous.state.terminal:
             self.finished.pop(job.job_id, None)
+
+    def _hold(self, job: JobRecord, sign: int) -> None:
+        for grant in job.grants:
+            if not grant.gpus:
+                continue
+            counts = self._holders.setdefault(grant.node, Counter())
+            counts.update({gpu: sign for gpu in grant.gpus})
+            held = frozenset(gpu for gpu, n in counts.items() if n > 0)
+            if held:
+                self._held[grant.node] = held
+            else:
+                self._held.pop(grant.node, None)
+                del self._holders[grant.node]
 
     def _let_go(self, job_id: str) -> None:
         """A finished job leaves memory (the log and the history keep it)."""
@@ -242,19 +280,17 @@ class BrainState:
 
     def jobs_in(self, *states: JobState) -> list[JobRecord]:
         # In job-id order, so the same state always yields the same snapshot.
+        if len(states) == 1 and states[0] in self._ordered:
+            return [self.jobs[job_id] for job_id in self._ordered[states[0]]]
         ids = sorted((i for state in states for i in self.by_state[state]), key=job_sequence)
         return [self.jobs[job_id] for job_id in ids]
 
     def running_on(self, node: str) -> list[JobRecord]:
         return [j for j in self.jobs_in(JobState.RUNNING) if node in j.nodes]
 
-    def allocated(self) -> dict[str, set[int]]:
-        """GPUs held by running jobs, per node."""
-        held: dict[str, set[int]] = {}
-        for job in self.jobs_in(JobState.RUNNING):
-            for grant in job.grants:
-                held.setdefault(grant.node, set()).update(grant.gpus)
-        return held
+    def allocated(self) -> Mapping[str, frozenset[int]]:
+        """GPUs held by running jobs, per node (kept up to date, not computed: read only)."""
+        return self._held
 
     def schedulable_gpus(self, node: NodeRecord) -> tuple[int, ...]:
         drained = {d.index for d in node.drained_gpus}
@@ -350,27 +386,52 @@ class BrainState:
         views a snapshot reuses: cheap when few nodes changed)."""
         return {view.name: view.free for view in self._node_views(self.allocated())}
 
-    def _node_views(self, held: dict[str, set[int]]) -> tuple[NodeView, ...]:
+    def _node_views(self, held: Mapping[str, frozenset[int]]) -> tuple[NodeView, ...]:
         """READY nodes' views in name order, reusing each one whose record and held GPUs
         are the same objects and values as when it was built."""
         if len(self._sorted_names) != len(self.nodes):  # nodes are added, never removed
             self._sorted_names = sorted(self.nodes)
         views = []
-        nothing: frozenset[int] = frozenset()
         for name in self._sorted_names:
             record = self.nodes[name]
             if record.state is not NodeState.READY:
                 continue
-            here = held.get(name, nothing)
+            here = held.get(name, _NOTHING)
             cached = self._views.get(name)
-            if cached is not None and cached[0] is record and cached[1] == here:
+            if cached is not None and cached[0] is record and cached[1] is here:
                 views.append(cached[2])
                 continue
             gpus = self.schedulable_gpus(record)
             view = NodeView(name=name, gpus=gpus, free=frozenset(gpus) - here)
-            self._views[name] = (record, frozenset(here), view)
+            self._views[name] = (record, here, view)
             views.append(view)
         return tuple(views)
+
+
+_NOTHING: Final[frozenset[int]] = frozenset()
+
+
+class _JobOrder:
+    """Job ids in job order (`job_sequence`), kept sorted as they come and go."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+
+    def add(self, job_id: str) -> None:
+        bisect.insort(self._ids, job_id, key=job_sequence)
+
+    def discard(self, job_id: str) -> None:
+        i = bisect.bisect_left(self._ids, job_sequence(job_id), key=job_sequence)
+        if i < len(self._ids) and self._ids[i] == job_id:
+            del self._ids[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def _finish_order(job: JobRecord) -> tuple[float, tuple[int, str]]:
