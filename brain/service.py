@@ -384,6 +384,9 @@ class Brain:
             self.journal.tainted = False
         caught_up = await self.replica.catch_up()
         self.epoch = epoch
+        # Records the replica followed were not observed: the profiler follows the
+        # running jobs afresh.
+        self.profiles.resync()
         now = self.monotonic()
         self.ingest.reset()
         for node in self.state.nodes.values():
