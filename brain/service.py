@@ -35,6 +35,7 @@ from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
     DISTRIBUTION_AWARE,
+    ORDERINGS,
     Decisions,
     Place,
     Policy,
@@ -226,6 +227,13 @@ class Brain:
         # Set while the inbox loop waits for an item with none queued.
         self._inbox_idle = asyncio.Event()
         self._last_decide_s = 0.0
+        # Does the policy read running jobs' service as it grows? If not, a pass reuses
+        # their views (brain/state.py, `snapshot`).
+        policy = self.config.policy
+        order = ORDERINGS.get(policy.order)
+        self._reads_running_service = (
+            order is None or order.reads_running_service or policy.elasticity != "none"
+        )
         # How late the last tick woke up: how far behind the event loop runs.
         self._loop_lag_s = 0.0
         # When the last decide() asked to be called again, even if nothing happens.
@@ -1867,6 +1875,7 @@ class Brain:
                 service_prior=self.config.service_prior
                 if self.config.policy.order in DISTRIBUTION_AWARE
                 else None,
+                running_service=self._reads_running_service,
             )
         started = self.monotonic()
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:

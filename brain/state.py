@@ -119,6 +119,10 @@ class BrainState:
     _pending_views: dict[str, tuple[JobRecord, ObservedProgress | None, JobView]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # The same for running jobs' views without the clock (see `snapshot`).
+    _running_views: dict[
+        str, tuple[JobRecord, UtilizationProfile | None, ObservedProgress | None, JobView]
+    ] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
@@ -330,28 +334,65 @@ class BrainState:
         queues: tuple[QueueQuota, ...] = (),
         service_prior: ServiceDistribution | None = DEFAULT_SERVICE_PRIOR,
         progress: Mapping[str, ObservedProgress] | None = None,
+        running_service: bool = True,
     ) -> ClusterSnapshot:
         """The frozen view `decide` sees; `profiles` (job id -> profile) come from the
         brain's telemetry, which the log does not hold; `now` adds the current run to
         running jobs' attained service; `queues` and `service_prior` are configuration (no
         prior: no learned distribution, for the orders that do not read it);
-        `progress` (job id -> what its reports said) comes from its supervisor."""
+        `progress` (job id -> what its reports said) comes from its supervisor.
+
+        `running_service` False: running jobs' service and run time are as of their
+        records (for a policy that reads neither), so their views are reused from pass
+        to pass until a record, profile or progress report changes."""
         profiles = profiles or {}
         progress = progress or {}
         nodes = self._node_views(self.allocated())
-        return ClusterSnapshot(
-            nodes=nodes,
-            pending=self._pending_job_views(progress),
-            running=tuple(
+        if running_service:
+            running = tuple(
                 job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
                 for j in self.jobs_in(JobState.RUNNING)
                 if not self.on_lost_node(j)
-            ),
+            )
+        else:
+            running = self._running_job_views(profiles, progress)
+        return ClusterSnapshot(
+            nodes=nodes,
+            pending=self._pending_job_views(progress),
+            running=running,
             queues=queues,
             service_distribution=(
                 None if service_prior is None else self.service_distribution(service_prior)
             ),
         )
+
+    def _running_job_views(
+        self,
+        profiles: Mapping[str, UtilizationProfile],
+        progress: Mapping[str, ObservedProgress],
+    ) -> tuple[JobView, ...]:
+        """Running jobs' views without the clock, in job order, reusing each one whose
+        record and profile are the same objects, and progress the same value, as when
+        it was built."""
+        cache = self._running_views
+        views = []
+        for job_id in self._ordered[JobState.RUNNING]:
+            job = self.jobs[job_id]
+            if self.on_lost_node(job):
+                continue
+            profile = profiles.get(job_id)
+            seen = progress.get(job_id)
+            cached = cache.get(job_id)
+            if cached is not None and cached[:2] == (job, profile) and cached[2] == seen:
+                views.append(cached[3])
+                continue
+            view = job_view(job, profile, progress=seen)
+            cache[job_id] = (job, profile, seen, view)
+            views.append(view)
+        if len(cache) > 2 * len(views) + 64:  # forget jobs that stopped running
+            running = self.by_state[JobState.RUNNING]
+            self._running_views = {k: v for k, v in cache.items() if k in running}
+        return tuple(views)
 
     def _pending_job_views(self, progress: Mapping[str, ObservedProgress]) -> tuple[JobView, ...]:
         """Pending jobs' views in job order, reusing each one whose record is the same
