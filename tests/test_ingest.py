@@ -316,7 +316,6 @@ def test_snapshot_views_follow_nodes_and_allocations() -> None:
     assert [v.name for v in state.snapshot().nodes] == ["b", "c", "d"]
 
 
-
 def test_running_views_without_the_clock_are_reused_and_decide_alike() -> None:
     """For a policy that reads no running job's service (fifo, priority), a pass reuses
     running jobs' views, as of their records, until a record changes; its decisions
@@ -365,6 +364,7 @@ def test_running_views_without_the_clock_are_reused_and_decide_alike() -> None:
     assert [v.job_id for v in after.running] == ["10"]
     assert after.running[0] is first.running[1]
     assert state.allocated() == {"a": frozenset({0, 1})}
+
 
 async def test_a_subscription_drops_unread_while_it_does_not_accept(connect) -> None:
     """How the brain sheds telemetry while it is behind: dropped before decoding
