@@ -238,7 +238,7 @@ class ApiServer:
             if (operator or j.tenant == tenant) and (wanted is None or j.state in wanted)
         ]
         jobs.sort(key=lambda j: (j.submitted_at, job_sequence(j.job_id)))
-        return tuple(jobs[-request.limit :])
+        return tuple(map(self.brain.state.shown, jobs[-request.limit :]))
 
     def _nodes(self) -> tuple[NodeStatus, ...]:
         held = self.brain.state.allocated()

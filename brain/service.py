@@ -1955,7 +1955,7 @@ class Brain:
                 for grant in action.grants:
                     free[grant.node] = free[grant.node] - set(grant.gpus)
                 await self._place(job, action)
-            elif isinstance(action, Wait) and action.reason != job.reason:
+            elif isinstance(action, Wait) and action.reason != self.state.reason_of(job):
                 await self._note_wait(job, action.reason)
 
     async def _note_wait(self, job: JobRecord, reason: str) -> None:
@@ -2058,12 +2058,13 @@ class Brain:
         """The job as it stands: from memory, or, for a finished job no longer held
         there, from the history (a projection of the log)."""
         job = self.state.jobs.get(job_id)
-        if job is None:
-            try:
-                job = self.history.last_job(job_id)
-            except Exception:
-                log.exception("reading job %s from the history failed", job_id)
-        return job
+        if job is not None:
+            return self.state.shown(job)
+        try:
+            return self.history.last_job(job_id)
+        except Exception:
+            log.exception("reading job %s from the history failed", job_id)
+            return None
 
     def last_seen_ago(self, node: str) -> float | None:
         return self.ingest.last_seen_ago(node, self.monotonic())

@@ -86,6 +86,9 @@ class BrainState:
     finished: OrderedDict[str, None] = field(default_factory=OrderedDict)
     finished_away: dict[JobState, int] = field(default_factory=dict)
     keys_away: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
+    # Pending jobs' waiting reasons with today's figures (`refresh_reason`), in memory
+    # only: their records keep the reason of the last change of kind, as the log does.
+    wait_details: dict[str, str] = field(default_factory=dict, compare=False)
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -114,9 +117,15 @@ class BrainState:
     _held: dict[str, frozenset[int]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    # Each pending job's view, with the record and progress it was built from: a pending
-    # job's view does not depend on the clock, so a pass rebuilds only those that changed.
-    _pending_views: dict[str, tuple[JobRecord, ObservedProgress | None, JobView]] = field(
+    # Each pending job's view: it does not depend on the clock, so a pass builds again
+    # only those whose record or progress changed (`_pending_job_views`).
+    _pending_views: dict[str, JobView] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    # Pending jobs whose record changed since their view was built, and the progress
+    # each view with progress was built with.
+    _pending_stale: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _pending_progress: dict[str, ObservedProgress] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     # The same for running jobs' views without the clock (see `snapshot`).
@@ -142,12 +151,23 @@ class BrainState:
         self.last_seq = max(self.last_seq, seq)
 
     def refresh_reason(self, job_id: str, reason: str) -> None:
-        """Show a pending job's waiting reason with today's figures. Not journaled:
-        the only state a replica may see differently (it has the reason of the last
-        change of kind); the next leader's first pass writes its own."""
-        job = self.jobs.get(job_id)
-        if job is not None and job.state is JobState.PENDING:
-            self.jobs[job_id] = job.model_copy(update={"reason": reason})
+        """Show a pending job's waiting reason with today's figures. Not journaled, and
+        not in its record (which keeps the reason of the last change of kind, as the
+        log does): the only state a replica may see differently; the next leader's
+        first pass refreshes its own."""
+        if job_id in self.by_state[JobState.PENDING]:
+            self.wait_details[job_id] = reason
+
+    def reason_of(self, job: JobRecord) -> str | None:
+        """Why the job waits, with today's figures (else as its record says)."""
+        return self.wait_details.get(job.job_id, job.reason)
+
+    def shown(self, job: JobRecord) -> JobRecord:
+        """The record as callers see it: with its waiting reason's figures of now."""
+        detail = self.wait_details.get(job.job_id)
+        if detail is None or detail == job.reason:
+            return job
+        return job.model_copy(update={"reason": detail})
 
     def _saw_event(self, event_id: str) -> None:
         self.seen_events[event_id] = None
@@ -156,12 +176,6 @@ class BrainState:
 
     def _put_job(self, job: JobRecord, *, new: bool = True) -> None:
         previous = self.jobs.get(job.job_id)
-        if previous is not None:
-            self.by_state[previous.state].discard(job.job_id)
-            if previous.state is not job.state and previous.state in self._ordered:
-                self._ordered[previous.state].discard(job.job_id)
-            if previous.state is JobState.RUNNING:
-                self._hold(previous, -1)
         if (
             new
             and job.state is JobState.SUCCEEDED
@@ -169,12 +183,8 @@ class BrainState:
         ):
             # Once per job, and only from an entry not applied before.
             self._learn_service(job.attained_gpu_seconds)
+        self._index(previous, job)
         self.jobs[job.job_id] = job
-        self.by_state[job.state].add(job.job_id)
-        if job.state in self._ordered and (previous is None or previous.state is not job.state):
-            self._ordered[job.state].add(job.job_id)
-        if job.state is JobState.RUNNING:
-            self._hold(job, +1)
         if job.job_id.isdigit():
             self.last_job_number = max(self.last_job_number, int(job.job_id))
         if job.idempotency_key is not None:
@@ -186,6 +196,29 @@ class BrainState:
                 self._let_go(next(iter(self.finished)))
         elif previous is not None and previous.state.terminal:
             self.finished.pop(job.job_id, None)
+
+    def _index(self, previous: JobRecord | None, job: JobRecord) -> None:
+        """Keep what passes read without scanning every job: ids by state (pending and
+        running in job order), GPUs held, pending views to build again."""
+        job_id = job.job_id
+        moved = previous is None or previous.state is not job.state
+        self.wait_details.pop(job_id, None)  # the record says why, until refreshed
+        if previous is not None:
+            self.by_state[previous.state].discard(job_id)
+            if moved and previous.state in self._ordered:
+                self._ordered[previous.state].discard(job_id)
+            if previous.state is JobState.RUNNING:
+                self._hold(previous, -1)
+            if moved and previous.state is JobState.PENDING:
+                self._pending_views.pop(job_id, None)
+                self._pending_progress.pop(job_id, None)
+        self.by_state[job.state].add(job_id)
+        if moved and job.state in self._ordered:
+            self._ordered[job.state].add(job_id)
+        if job.state is JobState.RUNNING:
+            self._hold(job, +1)
+        if job.state is JobState.PENDING:
+            self._pending_stale.add(job_id)
 
     def _hold(self, job: JobRecord, sign: int) -> None:
         for grant in job.grants:
@@ -395,23 +428,27 @@ class BrainState:
         return tuple(views)
 
     def _pending_job_views(self, progress: Mapping[str, ObservedProgress]) -> tuple[JobView, ...]:
-        """Pending jobs' views in job order, reusing each one whose record is the same
-        object, and progress the same value, as when it was built."""
-        cache = self._pending_views
-        views = []
-        for job in self.jobs_in(JobState.PENDING):
-            seen = progress.get(job.job_id)
-            cached = cache.get(job.job_id)
-            if cached is not None and cached[0] is job and cached[1] == seen:
-                views.append(cached[2])
+        """Pending jobs' views in job order. A pending job's view does not depend on the
+        clock: only those whose record changed since the last pass, or whose progress
+        did, are built again; the rest of the queue costs a look-up each."""
+        views = self._pending_views
+        built_with = self._pending_progress
+        stale = self._pending_stale
+        pending = self.by_state[JobState.PENDING]
+        for job_id in progress.keys() | built_with.keys():
+            if progress.get(job_id) != built_with.get(job_id) and job_id in pending:
+                stale.add(job_id)
+        for job_id in stale:
+            if job_id not in pending:
                 continue
-            view = job_view(job, progress=seen)
-            cache[job.job_id] = (job, seen, view)
-            views.append(view)
-        if len(cache) > 2 * len(views) + 64:  # forget jobs that left the queue
-            pending = self.by_state[JobState.PENDING]
-            self._pending_views = {k: v for k, v in cache.items() if k in pending}
-        return tuple(views)
+            seen = progress.get(job_id)
+            views[job_id] = job_view(self.jobs[job_id], progress=seen)
+            if seen is None:
+                built_with.pop(job_id, None)
+            else:
+                built_with[job_id] = seen
+        stale.clear()
+        return tuple(map(views.__getitem__, self._ordered[JobState.PENDING]))
 
     def on_lost_node(self, job: JobRecord) -> bool:
         """A job waiting out its lost node's fence margin (docs/operations.md,

@@ -366,6 +366,26 @@ def test_running_views_without_the_clock_are_reused_and_decide_alike() -> None:
     assert state.allocated() == {"a": frozenset({0, 1})}
 
 
+def test_a_waiting_reason_s_new_figures_are_shown_without_a_new_record() -> None:
+    """A pass that only changes a waiting reason's figures (GPUs left) keeps the job's
+    record, so its view is reused; callers see today's figures; the next record of
+    the job says why again."""
+    state = BrainState()
+    state.apply(_node_changed("a", 0), 1)
+    state.apply(_job_on("1", "", (0, 1, 2, 3, 4), JobState.PENDING), 2)
+    record = state.jobs["1"]
+    view = state.snapshot().pending[0]
+    state.refresh_reason("1", "needs 5 GPUs; 4 left after higher-ranked jobs")
+    assert state.jobs["1"] is record
+    assert state.snapshot().pending[0] is view
+    assert state.reason_of(record) == "needs 5 GPUs; 4 left after higher-ranked jobs"
+    assert state.shown(record).reason == "needs 5 GPUs; 4 left after higher-ranked jobs"
+    state.apply(_job_on("1", "a", (0, 1, 2, 3), JobState.RUNNING), 3)
+    assert state.reason_of(state.jobs["1"]) == state.jobs["1"].reason
+    state.refresh_reason("1", "not pending: not shown")
+    assert state.wait_details == {}
+
+
 async def test_a_subscription_drops_unread_while_it_does_not_accept(connect) -> None:
     """How the brain sheds telemetry while it is behind: dropped before decoding
     (garbage is not even dead-lettered), counted; taken again once it accepts."""
