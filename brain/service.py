@@ -227,13 +227,6 @@ class Brain:
         # Set while the inbox loop waits for an item with none queued.
         self._inbox_idle = asyncio.Event()
         self._last_decide_s = 0.0
-        # Does the policy read running jobs' service as it grows? If not, a pass reuses
-        # their views (brain/state.py, `snapshot`).
-        policy = self.config.policy
-        order = ORDERINGS.get(policy.order)
-        self._reads_running_service = (
-            order is None or order.reads_running_service or policy.elasticity != "none"
-        )
         # How late the last tick woke up: how far behind the event loop runs.
         self._loop_lag_s = 0.0
         # When the last decide() asked to be called again, even if nothing happens.
@@ -1875,7 +1868,7 @@ class Brain:
                 service_prior=self.config.service_prior
                 if self.config.policy.order in DISTRIBUTION_AWARE
                 else None,
-                running_service=self._reads_running_service,
+                running_service=self._reads_running_service(),
             )
         started = self.monotonic()
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
@@ -1887,6 +1880,16 @@ class Brain:
         self._notify(self.decision_observers, decisions)
         async with self._unit():
             await self._apply(decisions)
+
+    def _reads_running_service(self) -> bool:
+        """Does this pass's policy read running jobs' service as it grows? If not, the
+        pass reuses their views (brain/state.py, `snapshot`). The order says; an
+        elasticity stage reads it, and runs only while some job is elastic."""
+        policy = self.config.policy
+        order = ORDERINGS.get(policy.order)
+        if order is None or order.reads_running_service:
+            return True
+        return policy.elasticity != "none" and self.state.live_elastic > 0
 
     async def _preempt(self, action: Preempt, job: JobRecord | None) -> bool:
         """Requeue the victim, only as decided: on those GPUs, its beneficiary waiting

@@ -89,6 +89,8 @@ class BrainState:
     # Pending jobs' waiting reasons with today's figures (`refresh_reason`), in memory
     # only: their records keep the reason of the last change of kind, as the log does.
     wait_details: dict[str, str] = field(default_factory=dict, compare=False)
+    # Elastic jobs pending or running: without one, an elasticity stage does not run.
+    live_elastic: int = field(default=0, compare=False)
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -202,6 +204,10 @@ class BrainState:
         running in job order), GPUs held, pending views to build again."""
         job_id = job.job_id
         moved = previous is None or previous.state is not job.state
+        if previous is not None and previous.state in _LIVE and previous.spec.elastic:
+            self.live_elastic -= 1
+        if job.state in _LIVE and job.spec.elastic:
+            self.live_elastic += 1
         self.wait_details.pop(job_id, None)  # the record says why, until refreshed
         if previous is not None:
             self.by_state[previous.state].discard(job_id)
@@ -487,6 +493,7 @@ class BrainState:
 
 
 _NOTHING: Final[frozenset[int]] = frozenset()
+_LIVE: Final = frozenset({JobState.PENDING, JobState.RUNNING})
 
 
 class _JobOrder:
