@@ -101,8 +101,10 @@ class BrainState:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
-    # (GPUs on every known node, the most on one), until a node's record changes.
+    # (GPUs on every known node, the most on one), and the LOST nodes' names, until a
+    # node's record changes.
     _registered: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    _lost_nodes: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     # Pending and running job ids in job order, kept as jobs come and go: a pass reads
     # them without sorting the queue again.
     _ordered: dict[JobState, _JobOrder] = field(
@@ -142,6 +144,7 @@ class BrainState:
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
             self._registered = None
+            self._lost_nodes = None
         elif isinstance(record, NodeEventRecorded):
             self._saw_event(record.event.event_id)
             if isinstance(record.event, InputError):
@@ -460,10 +463,12 @@ class BrainState:
         """A job waiting out its lost node's fence margin (docs/operations.md,
         Partitions) is left out of decisions: its GPUs are not in the capacity, it
         cannot be stopped, and it is neither a victim nor a claim on other GPUs."""
-        return any(
-            (node := self.nodes.get(g.node)) is not None and node.state is NodeState.LOST
-            for g in job.grants
-        )
+        if self._lost_nodes is None:
+            self._lost_nodes = frozenset(
+                name for name, node in self.nodes.items() if node.state is NodeState.LOST
+            )
+        lost = self._lost_nodes
+        return bool(lost) and any(g.node in lost for g in job.grants)
 
     def free_gpus(self) -> dict[str, frozenset[int]]:
         """Each READY node's schedulable GPUs that no running job holds (from the same
