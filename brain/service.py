@@ -1918,7 +1918,11 @@ class Brain:
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
         # node lost or drained, a resize staged by an operator). None: to be computed.
         free: dict[str, frozenset[int]] | None = None
+        waits: list[Wait] = []
         for action in decisions.actions:
+            if type(action) is Wait:  # most actions: noted together, below
+                waits.append(action)
+                continue
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
                 # Preemptions come first: the placements after them use the GPUs freed.
@@ -1958,21 +1962,30 @@ class Brain:
                 for grant in action.grants:
                     free[grant.node] = free[grant.node] - set(grant.gpus)
                 await self._place(job, action)
-            elif isinstance(action, Wait) and action.reason != self.state.reason_of(job):
-                await self._note_wait(job, action.reason)
+        await self._note_waits(waits)
 
-    async def _note_wait(self, job: JobRecord, reason: str) -> None:
-        if _reason_kind(reason) == _reason_kind(job.reason):
-            # Same reason, new figures (GPUs left, a blocker's id): shown, not journaled,
-            # or every change of free capacity would write one entry per pending job.
-            # The log keeps each change of kind.
-            self.state.refresh_reason(job.job_id, reason)
-            return
-        await self._job_changed(
-            job.model_copy(update={"reason": reason}),
-            job.state,
-            Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=reason),
-        )
+    async def _note_waits(self, waits: list[Wait]) -> None:
+        """Why each waiting job waits. A new kind of reason is journaled; the same
+        reason with new figures (GPUs left, a blocker's id) is shown, not journaled, or
+        every change of free capacity would write one entry per pending job. One per
+        pending job per pass: kept to a few look-ups each."""
+        state = self.state
+        jobs, details = state.jobs, state.wait_details
+        for action in waits:
+            job = jobs.get(action.job_id)
+            if job is None or job.state is not JobState.PENDING:
+                continue
+            reason = action.reason
+            if reason == details.get(job.job_id, job.reason):
+                continue
+            if _reason_kind(reason) == _reason_kind(job.reason):
+                state.refresh_reason(job.job_id, reason)
+                continue
+            await self._job_changed(
+                job.model_copy(update={"reason": reason}),
+                job.state,
+                Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=reason),
+            )
 
     async def _place(self, job: JobRecord, action: Place) -> None:
         now = self.clock()
@@ -2078,11 +2091,21 @@ class Brain:
 
 
 def _reason_kind(reason: str | None) -> str:
-    """A waiting reason without its figures: what changes of it are journaled."""
-    return _FIGURES.sub("#", reason or "")
+    """A waiting reason without its figures: what changes of it are journaled.
+    Remembered: a pass asks for thousands, of a few distinct reasons."""
+    if reason is None:
+        return ""
+    kind = _KINDS.get(reason)
+    if kind is None:
+        if len(_KINDS) >= _KINDS_KEPT:
+            _KINDS.clear()
+        kind = _KINDS[reason] = _FIGURES.sub("#", reason)
+    return kind
 
 
 _FIGURES: Final = re.compile(r"\d+(?:\.\d+)?")
+_KINDS: Final[dict[str, str]] = {}
+_KINDS_KEPT: Final = 4096
 
 
 def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:
