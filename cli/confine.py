@@ -95,11 +95,6 @@ def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None
     version = cgroups.detect()
     if version is None:
         log.warning("no usable cgroup filesystem: confined jobs run without limits")
-    elif version == "v2":
-        log.warning(
-            "cgroup v2: memory, CPU and process limits only; GPU device access is "
-            "not restricted (docs/security.md)"
-        )
     device_dir = Path(args.gpu_device_dir) if args.gpu_device_dir else None
     if device_dir is None and args.gpus == "nvml":
         device_dir = Path("/dev")

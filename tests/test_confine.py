@@ -4,13 +4,15 @@ another tenant's log, cannot act as its node on the bus, opens only its granted 
 device files, and dies at its memory limit as a user failure.
 
 Needs root, useradd and cgroup v1 with the devices controller (as on these machines
-and in CI); skipped, saying why, elsewhere. The users, cgroups and directories each
+and in CI), and for the v2 device program a cgroup2 mount and bpf(2); skipped, saying
+why, elsewhere. The users, cgroups and directories each
 test makes are removed when it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import pwd
@@ -27,8 +29,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from agents import cgroups
-from agents.confine import Confinement
+from agents import cgroups, devices_bpf
+from agents.confine import SHIM, Confinement
 from bus.auth import Identity
 from bus.server import EmbeddedNats
 from cli.client import submit
@@ -50,12 +52,16 @@ JOB_ENV = {"PYTHONPATH": sysconfig.get_paths()["purelib"]}
 
 
 def _why_not() -> str | None:
+    if cgroups.detect() != "v1" or not (cgroups.CGROUP_ROOT / "devices").is_dir():
+        return "needs cgroup v1 with the devices controller"
+    return _why_no_users()
+
+
+def _why_no_users() -> str | None:
     if os.geteuid() != 0:
         return "needs root (to switch users and write cgroups)"
     if shutil.which("useradd") is None or shutil.which("userdel") is None:
         return "needs useradd and userdel"
-    if cgroups.detect() != "v1" or not (cgroups.CGROUP_ROOT / "devices").is_dir():
-        return "needs cgroup v1 with the devices controller"
     try:
         version = subprocess.run(
             [JOB_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
@@ -337,6 +343,76 @@ async def test_a_job_opens_only_its_granted_gpus_device_files(
             # Allowed: the kernel reaches the (absent) driver. Denied: the cgroup says no.
             assert lines[f"nvidia{gpu}"] == ("ENXIO" if gpu in granted else "EPERM"), lines
         assert lines["nvidiactl"] == "ENXIO"
+
+
+@pytest.fixture
+def cgroup2(place: Path) -> Iterator[Path]:
+    """A cgroup2 mount (the host's unified hierarchy, mounted again here) with a fresh
+    directory in it: a device program attached there is enforced for its tasks, on a
+    cgroup v1 host as on a v2 one. Skips, saying why, where it cannot be had."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to mount cgroup2 and load eBPF programs)")
+    mount = place / "cgroup2"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "cgroup2", "none", str(mount)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount cgroup2: {mounted.stderr.strip()}")
+    directory = mount / f"alnair-test-{os.getpid()}"
+    try:
+        directory.mkdir()
+        yield directory
+    finally:
+        with contextlib.suppress(devices_bpf.DeviceFilterError):
+            devices_bpf.detach_all(directory)
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+
+
+@pytest.mark.skipif(_why_no_users() is not None, reason=_why_no_users() or "")
+def test_on_cgroup_v2_a_job_opens_only_its_granted_gpus_device_files(users, place, cgroup2) -> None:
+    """The v2 device program, from the rules the v1 controller gets: a job started as
+    the agent starts it (the exec shim joins the cgroup, then drops to the tenant's
+    user) opens its granted GPUs and the control device (ENXIO: no driver behind them)
+    and the harmless devices, and no other GPU (EPERM)."""
+    granted = (1, 3)
+    rules = (*cgroups.BASE_DEVICES, *cgroups.gpu_device_rules(place / "dev", granted))
+    try:
+        devices_bpf.attach(cgroup2, rules)
+    except devices_bpf.DeviceFilterError as error:
+        if error.errno in (errno.EPERM, errno.EINVAL, errno.ENOSYS):
+            pytest.skip(f"cgroup device programs are not permitted here: {error}")
+        raise
+    assert len(devices_bpf.attached(cgroup2)) == 1
+    probe = f"""
+        import errno, os
+        print("uid", os.getuid())
+        names = [*(f"nvidia{{i}}" for i in range({FAKE_GPUS})), "nvidiactl"]
+        for path in [*(os.path.join({str(place / "dev")!r}, n) for n in names), "/dev/null"]:
+            try:
+                os.close(os.open(path, os.O_RDWR))
+                print(os.path.basename(path), "opened")
+            except OSError as error:
+                print(os.path.basename(path), errno.errorcode[error.errno])
+        """
+    user = users["a"]
+    shim = [sys.executable, "-I", "-S", str(SHIM), "--uid", str(user.pw_uid)]
+    shim += ["--gid", str(user.pw_gid), "--join", str(cgroup2 / "cgroup.procs")]
+    done = subprocess.run(
+        [*shim, "--", *_python(probe)], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["uid"] == str(user.pw_uid)
+    for gpu in range(FAKE_GPUS):
+        assert lines[f"nvidia{gpu}"] == ("ENXIO" if gpu in granted else "EPERM"), lines
+    assert lines["nvidiactl"] == "ENXIO"
+    assert lines["null"] == "opened"
+    # The job has ended: its cgroup is empty and goes, taking its program with it.
+    assert devices_bpf.detach_all(cgroup2) == 1
+    assert devices_bpf.attached(cgroup2) == []
 
 
 @needs_root
