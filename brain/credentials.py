@@ -6,11 +6,15 @@ leading brain answers. A job connects with the token of its attempt
 (`ALNAIR_JOB_TOKEN`, `<job>:<attempt>:<mac>` under the cluster key, brain/secrets.py),
 put in its launch's environment by the brain. The callout admits it only while that
 attempt runs, as a user that may use its own job's subjects and nothing else
-(`bus.auth.job_permissions`). Once the attempt has ended the token admits nobody; its
-processes, which held the connections, are gone with the job's cgroup
-(agents/confine.py). The users do not expire by default (`ttl_s` None): nats-py closes a
-connection whose user expired ('User Authentication Expired') rather than reconnecting,
-which would cut a long job off the bus for good.
+(`bus.auth.job_permissions`). Once the attempt has ended the token admits nobody.
+
+The users it admits expire `ttl_s` after admission (an hour by default). nats-py closes a
+connection whose user expired ('User Authentication Expired') rather than reconnecting
+(nats-io/nats.py#1019), so a job's connections renew their user before then: they
+reconnect every `ttl_s / 2` (`ALNAIR_JOB_RENEW_S` in the launch, read by
+workloads/sdk.py), and the server asks this callout again. While the attempt runs it is
+admitted again; once it has ended, a process it left behind with a connection is cut
+off at the latest when the user it holds expires.
 
 The callout's answers are JWTs signed with the account key whose public half is the
 `issuer` of the server's `auth_callout` block (`callout-issuer.nk` from `alnair keys`).
@@ -37,6 +41,7 @@ from bus.natsjwt import JwtError, authorization_response, parse_auth_request
 log = logging.getLogger(__name__)
 
 AUTH_CALLOUT_SUBJECT: Final = "$SYS.REQ.USER.AUTH"
+DEFAULT_TTL_S: Final = 3600.0
 
 
 def load_signer(path: str | Path) -> nkeys.KeyPair:
@@ -52,11 +57,16 @@ class JobCredentials:
     key: Callable[[], Awaitable[bytes]]
     # Whether this attempt of this job runs now.
     running: Callable[[str, int], bool]
-    # The user's lifetime, when it should have one (see above).
-    ttl_s: float | None = None
+    # The users' lifetime (see above); None: they never expire.
+    ttl_s: float | None = DEFAULT_TTL_S
     clock: Callable[[], float] = time.time
     admitted: int = field(default=0)
     refused: int = field(default=0)
+
+    @property
+    def renew_s(self) -> float | None:
+        """How often a job's connection should renew its user."""
+        return None if self.ttl_s is None else self.ttl_s / 2
 
     async def serve(self, bus: Bus) -> Subscription:
         return await bus.nc.subscribe(AUTH_CALLOUT_SUBJECT, cb=self._on_request)

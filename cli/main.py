@@ -522,6 +522,7 @@ async def _serve_until_signalled(
 
 async def cmd_brain(args: argparse.Namespace) -> int:
     from brain.core import Policy
+    from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
     from brain.queues import load_queues
     from brain.service import Brain, BrainConfig
     from brain.tenants import load_tenant_map
@@ -546,6 +547,11 @@ async def cmd_brain(args: argparse.Namespace) -> int:
         failures=failures.policy_of(args),
         tenants=load_tenant_map(args.tenant_users).tenants if args.tenant_users else None,
         callout_seed=Path(args.callout_seed) if args.callout_seed else None,
+        job_credential_ttl_s=(
+            DEFAULT_JOB_CREDENTIAL_TTL_S
+            if args.job_credential_ttl is None
+            else args.job_credential_ttl or None  # 0: never expires
+        ),
     )
     bus = await Bus.connect(
         _with_tls(

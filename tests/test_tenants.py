@@ -19,7 +19,7 @@ import pytest
 from agents import cgroups, devices_bpf
 from agents.confine import SHIM, ConfineError, Confinement
 from brain.core.failures import AttemptEnd, classify
-from brain.credentials import JobCredentials
+from brain.credentials import DEFAULT_TTL_S, JobCredentials
 from brain.secrets import check_job_token, job_token
 from brain.tenants import check_tenant, job_event_refusal, load_tenant_map
 from bus import natsjwt
@@ -278,7 +278,8 @@ async def test_the_callout_admits_a_running_attempt_to_its_own_subjects_only() -
     assert answer["iss"] == signer.public_key.decode()
     granted = natsjwt.decode(answer["nats"]["jwt"])
     assert (granted["sub"], granted["aud"]) == (user, "$G")
-    assert "exp" not in granted  # nats-py would close, not renew, an expired user
+    # It expires; the job's connections renew it (tests/test_job_credentials.py).
+    assert granted["exp"] == int(1e9 + DEFAULT_TTL_S)
     allowed = granted["nats"]["pub"]["allow"]
     assert "alnair.job.7.progress" in allowed and "alnair.job.7.event" in allowed
     assert not any(s.startswith("alnair.node.") or "job.*" in s for s in allowed), allowed

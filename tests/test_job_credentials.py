@@ -1,0 +1,202 @@
+"""A job's NATS user expires, and its connection renews it, against a real nats-server
+with the brain's auth callout: a connection that renews stays up past the user's
+lifetime while its attempt runs; one that does not is closed by the server; once the
+attempt has ended, the renewing one is refused and cut off. And a confined job's own
+TLS client certificate, from the job issuer, is accepted by a server that verifies
+clients."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from brain.credentials import JobCredentials, load_signer
+from brain.secrets import job_token
+from bus.auth import CALLOUT_SEED_FILE, Identity, job_inbox_prefix
+from bus.client import Bus, ConnectOptions
+from bus.server import EmbeddedNats
+from bus.tls import JobIssuer, TlsFiles, issue_job_certificate, write_tls_files
+from cli.confine import add_brain_args
+from schemas import subjects
+from tests.conftest import eventually
+from tests.test_auth import keys, open_as, secure_server
+from workloads.sdk import job_connect_options
+
+__all__ = ["keys", "secure_server"]  # fixtures, used by name
+
+TTL_S = 6.0  # whole seconds: the server's expiry is a Unix time in seconds
+
+
+@pytest.fixture
+async def callout(
+    secure_server: EmbeddedNats, keys: tuple[dict[str, Identity], Path]
+) -> AsyncIterator[tuple[JobCredentials, set[tuple[str, int]], bytes]]:
+    """The brain's auth callout, answering with users that live TTL_S, for the
+    attempts in the returned set."""
+    ids = keys[0]
+    brain = await open_as(secure_server, ids["brain:brain-1"])
+    key = os.urandom(32)
+    running: set[tuple[str, int]] = set()
+
+    async def cluster_key() -> bytes:
+        return key
+
+    seed = ids["brain:brain-1"].seed_path.parent / CALLOUT_SEED_FILE
+    credentials = JobCredentials(
+        load_signer(seed), cluster_key, lambda j, a: (j, a) in running, ttl_s=TTL_S
+    )
+    await credentials.serve(brain)
+    try:
+        yield credentials, running, key
+    finally:
+        await brain.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_job_connection_renews_its_expiring_user_while_its_attempt_runs(
+    secure_server: EmbeddedNats, callout
+) -> None:
+    credentials, running, key = callout
+    running.add(("7", 1))
+    token = job_token(key, "7", 1)
+    assert credentials.renew_s == TTL_S / 2
+    renewing = await Bus.connect(
+        ConnectOptions(
+            servers=(secure_server.url,),
+            name="sdk:7",
+            token=token,
+            inbox_prefix=job_inbox_prefix("7", 1),
+            renew_s=credentials.renew_s,
+        )
+    )
+    said: list[str] = []
+
+    async def on_error(error: Exception) -> None:
+        said.append(str(error))
+
+    # Without renewal, as nats-py does on its own: closed for good at expiry.
+    plain = await nats.connect(
+        secure_server.url,
+        token=token,
+        inbox_prefix=job_inbox_prefix("7", 1),
+        error_cb=on_error,
+        allow_reconnect=False,
+    )
+    try:
+        await eventually(lambda: plain.is_closed, timeout_s=TTL_S * 5)
+        assert "authentication expired" in str(plain.last_error).lower(), (plain.last_error, said)
+        # The renewing one has outlived the user it was first admitted as.
+        await eventually(
+            lambda: renewing.renewals >= 2 and renewing.nc.is_connected, timeout_s=TTL_S * 5
+        )
+        assert not renewing.nc.is_closed
+        await renewing.nc.publish(subjects.job("7", "progress"), b"{}")
+        await renewing.nc.flush(timeout=5)
+        assert credentials.admitted >= 3
+
+        # The attempt ends: its next renewal is refused, and it is off the bus.
+        running.clear()
+        await eventually(lambda: not renewing.nc.is_connected, timeout_s=TTL_S * 5)
+        await eventually(lambda: credentials.refused >= 1, timeout_s=TTL_S * 5)
+    finally:
+        await renewing.close()
+        if not plain.is_closed:
+            await plain.close()
+    gc.collect()  # the refused transports, under this test's filters
+
+
+def test_a_job_reads_its_renewal_interval_from_its_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ALNAIR_JOB_TOKEN", "7:1:mac")
+    monkeypatch.setenv("ALNAIR_JOB_RENEW_S", "1800")
+    assert job_connect_options("nats://x", "sdk:7").renew_s == 1800.0
+    monkeypatch.delenv("ALNAIR_JOB_RENEW_S")
+    assert job_connect_options("nats://x", "sdk:7").renew_s is None
+    monkeypatch.setenv("ALNAIR_JOB_RENEW_S", "soon")
+    with pytest.raises(ValueError, match="ALNAIR_JOB_RENEW_S: a positive number"):
+        job_connect_options("nats://x", "sdk:7")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("600", 600.0), ("0", 0.0), ("-1", None), ("5", None), ("inf", None), ("x", None)],
+)
+def test_the_brains_credential_lifetime_is_checked(given: str, expected: float | None) -> None:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_brain_args(parser)
+    if expected is None:
+        with pytest.raises(argparse.ArgumentError, match="--job-credential-ttl"):
+            parser.parse_args(["--job-credential-ttl", given])
+    else:
+        assert parser.parse_args(["--job-credential-ttl", given]).job_credential_ttl == expected
+
+
+# -- a confined job's own TLS client certificate ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return write_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path, tls_files: TlsFiles) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(data_dir=tmp_path / "nats", tls=tls_files)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _openssl(*args: str) -> str:
+    done = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
+    return done.stdout + done.stderr
+
+
+async def test_a_job_certificate_from_the_issuer_is_short_lived_and_accepted(
+    tls_server: EmbeddedNats, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    issuer = JobIssuer.in_dir(tls_files.ca.parent)
+    issuer.check()
+    cert, key = tmp_path / "tls-cert.pem", tmp_path / "tls-key.pem"
+    now = 1_900_000_000.0  # any time: validity is what is checked here
+    expires = issue_job_certificate(
+        issuer, cert, key, name="job-7-1", valid_s=3600, now=now, owner=None
+    )
+    assert expires == now + 3600
+    text = _openssl(
+        "x509", "-in", str(cert), "-noout", "-subject", "-enddate", "-ext", "extendedKeyUsage"
+    )
+    assert "CN = job-7-1" in text and "TLS Web Client Authentication" in text, text
+    assert "notAfter=Mar 17 18:46:40 2030 GMT" in text, text
+    assert (key.stat().st_mode & 0o777, cert.stat().st_mode & 0o777) == (0o400, 0o440)
+    # The issuer signs client certificates only: not one a client would take for a server.
+    assert "unsuitable certificate purpose" in _openssl(
+        "verify", "-CAfile", str(tls_files.ca), "-purpose", "sslserver", str(issuer.cert)
+    )
+
+    issue_job_certificate(issuer, cert, key, name="job-7-1", valid_s=3600, now=time.time())
+    bus = await Bus.connect(
+        ConnectOptions(
+            servers=(tls_server.url,),
+            name="sdk:7",
+            tls_ca=str(tls_files.ca),
+            tls_cert=str(cert),
+            tls_key=str(key),
+        )
+    )
+    try:
+        await bus.nc.publish(subjects.job("7", "progress"), b"{}")
+        await bus.nc.flush(timeout=5)
+    finally:
+        await bus.close()
