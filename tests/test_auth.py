@@ -20,6 +20,7 @@ from brain.service import Brain, BrainConfig
 from bus.auth import CALLOUT_SEED_FILE, Identity, write_cluster_keys
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
+from bus.tls import TlsFiles
 from cli.client import call, submit
 from schemas import subjects
 from schemas.api import (
@@ -55,13 +56,16 @@ def secure_server(tmp_path: Path, keys) -> AsyncIterator[EmbeddedNats]:
         server.stop()
 
 
-async def open_as(server: EmbeddedNats, identity: Identity) -> Bus:
+async def open_as(server: EmbeddedNats, identity: Identity, tls: TlsFiles | None = None) -> Bus:
     return await Bus.connect(
         ConnectOptions(
             servers=(server.url,),
             name=f"{identity.role}:{identity.name}",
             nkey_seed=str(identity.seed_path),
             inbox_prefix=identity.inbox_prefix,
+            tls_ca=str(tls.ca) if tls else None,
+            tls_cert=str(tls.client_cert) if tls else None,
+            tls_key=str(tls.client_key) if tls else None,
         )
     )
 
@@ -135,17 +139,19 @@ async def secure_cluster(
     tenants: frozenset[str] | None = None,
     confinement: Callable[[str], Confinement] | None = None,
     callout: bool = True,
+    tls: TlsFiles | None = None,
 ) -> AsyncIterator[tuple[Brain, Bus]]:
     """A brain and an agent per node of `gpus`, each with its own identity, and tenant
     a's connection. The brain answers the auth callout, so each job attempt reaches NATS
     with its own token (ALNAIR_JOB_TOKEN); without `callout`, agents give their jobs the
     node's job identity (ALNAIR_NKEY) instead, never their own seed. With `confinement`,
-    each node's jobs run confined by it."""
+    each node's jobs run confined by it. With `tls`, everyone connects over it with
+    the cluster's client certificate."""
     opened: list[Bus] = []
     agents: list[Agent] = []
     brain = None
     try:
-        brain_bus = await open_as(server, ids["brain:brain-1"])
+        brain_bus = await open_as(server, ids["brain:brain-1"], tls)
         opened.append(brain_bus)
         seed = ids["brain:brain-1"].seed_path.parent / CALLOUT_SEED_FILE
         config = BrainConfig(
@@ -159,7 +165,7 @@ async def secure_cluster(
         await brain.start()
         await asyncio.wait_for(brain.leading.wait(), timeout=30)
         for node, count in gpus.items():
-            agent_bus = await open_as(server, ids[f"node:{node}"])
+            agent_bus = await open_as(server, ids[f"node:{node}"], tls)
             opened.append(agent_bus)
             config = AgentConfig(
                 node=node,
@@ -174,7 +180,7 @@ async def secure_cluster(
             agents.append(Agent(agent_bus, config, SimulatedGpus(node, count, "A100")))
             await agents[-1].start()
         await eventually(lambda: len(brain.state.nodes) == len(gpus))
-        tenant = await open_as(server, ids["tenant:a"])
+        tenant = await open_as(server, ids["tenant:a"], tls)
         opened.append(tenant)
         yield brain, tenant
     finally:

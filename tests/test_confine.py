@@ -33,12 +33,13 @@ from agents import cgroups, devices_bpf
 from agents.confine import SHIM, Confinement
 from bus.auth import Identity
 from bus.server import EmbeddedNats
+from bus.tls import JobIssuer, TlsFiles, write_tls_files
 from cli.client import submit
 from schemas.errors import ApiError
 from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState
 from schemas.tenants import TenantMap, TenantUser
 from tests.conftest import elastic_train_spec, eventually
-from tests.test_auth import HOROVODRUN, keys, open_as, secure_cluster, secure_server
+from tests.test_auth import HOROVODRUN, REPO, keys, open_as, secure_cluster, secure_server
 
 __all__ = ["keys", "secure_server"]  # fixtures, used by name
 
@@ -148,7 +149,10 @@ async def confined_cluster(
     users: dict[str, pwd.struct_passwd],
     place: Path,
     parent: str,
+    tls: TlsFiles | None = None,
 ) -> AsyncIterator[tuple[object, object]]:
+    """With `tls`, over mutual TLS: each job attempt gets its own client certificate
+    from the job issuer next to the CA, and the CA in ALNAIR_TLS_CA."""
     tenant_map = TenantMap(tuple(TenantUser(t, u.pw_name) for t, u in users.items()), "test")
 
     def confinement(node: str) -> Confinement:
@@ -158,10 +162,18 @@ async def confined_cluster(
             path=os.pathsep.join([str(Path(sys.executable).parent), os.defpath]),
             cgroups=cgroups.Cgroups("v1", parent=parent, node=node),
             device_dir=place / "dev",
+            job_tls=JobIssuer.in_dir(tls.ca.parent) if tls else None,
+            agent_env={"ALNAIR_TLS_CA": str(tls.ca)} if tls else {},
         )
 
     async with secure_cluster(
-        server, ids, place, {"n1": FAKE_GPUS}, tenants=tenant_map.tenants, confinement=confinement
+        server,
+        ids,
+        place,
+        {"n1": FAKE_GPUS},
+        tenants=tenant_map.tenants,
+        confinement=confinement,
+        tls=tls,
     ) as (brain, tenant):
         yield brain, tenant
 
@@ -314,6 +326,104 @@ async def test_a_job_reaches_only_its_own_subjects_while_its_attempt_runs(
         del refused
         gc.collect()  # the refused transport, under this test's filters
         assert brain.credentials.refused >= 1
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path, keys) -> Iterator[tuple[EmbeddedNats, TlsFiles]]:
+    """The secure server, over TLS that requires a client certificate (`verify`)."""
+    files = write_tls_files(tmp_path / "tls")
+    server = EmbeddedNats(data_dir=tmp_path / "nats-tls", config_file=keys[1], tls=files)
+    server.start()
+    try:
+        yield server, files
+    finally:
+        server.stop()
+
+
+@needs_root
+@pytest.mark.timeout(120)
+async def test_under_mutual_tls_a_confined_job_connects_with_its_own_certificate(
+    tls_server, keys, users, place, cgroup_parent
+) -> None:
+    """A job that reports through the SDK's connection (`job_connect_options`), as its
+    tenant's user, reaches a server that verifies clients with the certificate its agent
+    issued to its attempt, and still only its own subjects; without the certificate the
+    server would not have it."""
+    server, files = tls_server
+    ids = keys[0]
+    probe = """
+        import asyncio, os, ssl, nats
+        from bus.client import Bus, tls_context
+        from workloads.sdk import job_connect_options
+
+        async def main():
+            options = job_connect_options(os.environ["ALNAIR_NATS"], "sdk-probe")
+            print("cert", options.tls_cert)
+            print("renew", options.renew_s)
+            bus = await Bus.connect(options)
+            job = os.environ["ALNAIR_JOB_ID"]
+            await bus.nc.publish(f"alnair.job.{job}.progress", b"{}")
+            await bus.nc.flush(timeout=5)
+            print("sdk connected", bus.nc.is_connected)
+            await bus.close()
+
+            errors = []
+
+            async def on_error(error):
+                errors.append(str(error))
+
+            nc = await nats.connect(
+                options.servers[0],
+                token=options.token,
+                inbox_prefix=options.inbox_prefix,
+                tls=tls_context(options),
+                error_cb=on_error,
+                allow_reconnect=False,
+            )
+            await nc.publish("alnair.node.n1.event", b"{}")
+            await nc.flush()
+            for _ in range(200):
+                if errors:
+                    break
+                await asyncio.sleep(0.05)
+            for error in errors:
+                print("server said:", error)
+            await nc.close()
+
+            bare = ssl.create_default_context(cafile=options.tls_ca)
+            try:
+                await nats.connect(
+                    options.servers[0],
+                    token=options.token,
+                    tls=bare,
+                    allow_reconnect=False,
+                    max_reconnect_attempts=0,
+                    connect_timeout=5,
+                )
+                print("without a certificate: connected")
+            except Exception as error:
+                print("without a certificate: refused", type(error).__name__)
+
+        asyncio.run(main())
+        """
+    env = {**JOB_ENV, "PYTHONPATH": os.pathsep.join([JOB_ENV["PYTHONPATH"], str(REPO)])}
+    async with confined_cluster(server, ids, users, place, cgroup_parent, tls=files) as (
+        brain,
+        a,
+    ):
+        job = await submit(a, "a", JobSpec(command=_python(probe), gpus=1, env=env))
+        done = await _finished(brain, job)
+        out = _log(done)
+        assert done.state is JobState.SUCCEEDED, (done.reason, out)
+        runtime = place / "run" / "n1" / f"{job.job_id}-1"
+        assert f"cert {runtime / 'tls-cert.pem'}" in out, out
+        assert "renew 1800" in out, out  # half of the brain's default hour
+        assert "sdk connected True" in out, out
+        said = [line.lower() for line in out.splitlines() if line.startswith("server said:")]
+        assert any('permissions violation for publish to "alnair.node.n1.event"' in s for s in said)
+        assert "without a certificate: refused" in out, out
+        assert brain.credentials is not None and brain.credentials.admitted >= 2
+        assert not runtime.exists()  # its certificate went with its private directory
 
 
 @needs_root
