@@ -8,6 +8,7 @@ clients."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import subprocess
@@ -24,8 +25,11 @@ from bus.auth import CALLOUT_SEED_FILE, Identity, job_inbox_prefix
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
 from bus.tls import JobIssuer, TlsFiles, issue_job_certificate, write_tls_files
-from cli.confine import add_brain_args
+from cli.config import TlsSettings
+from cli.confine import add_brain_args, job_tls_issuer
+from cli.up import ClusterKeys, _job_tls_args
 from schemas import subjects
+from schemas.errors import AlnairError, BusError
 from tests.conftest import eventually
 from tests.test_auth import keys, open_as, secure_server
 from workloads.sdk import job_connect_options
@@ -200,3 +204,24 @@ async def test_a_job_certificate_from_the_issuer_is_short_lived_and_accepted(
         await bus.nc.flush(timeout=5)
     finally:
         await bus.close()
+
+
+def test_an_agent_takes_the_job_issuer_as_two_files(tls_files: TlsFiles, tmp_path: Path) -> None:
+    issuer = JobIssuer.in_dir(tls_files.ca.parent)
+    assert job_tls_issuer(f"{issuer.cert},{issuer.key}") == issuer
+    with pytest.raises(AlnairError, match="--job-tls-issuer: expected CERT,KEY"):
+        job_tls_issuer(str(issuer.cert))
+    with pytest.raises(BusError, match=r"job TLS issuer files missing: .*nope\.pem"):
+        job_tls_issuer(f"{issuer.cert},{tmp_path / 'nope.pem'}")
+
+
+def test_up_gives_the_job_issuer_to_agents_that_confine_under_tls(
+    tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    keys = ClusterKeys(tmp_path, [], {}, "c", "o", "cl", tenant_users=tmp_path / "t.yaml")
+    tls = TlsSettings(str(tls_files.ca), str(tls_files.client_cert), str(tls_files.client_key))
+    issuer = JobIssuer.in_dir(tls_files.ca.parent)
+    assert _job_tls_args(keys, tls) == ["--job-tls-issuer", f"{issuer.cert},{issuer.key}"]
+    assert _job_tls_args(keys, None) == []  # no TLS
+    unconfined = dataclasses.replace(keys, tenant_users=None)  # not root: jobs unconfined
+    assert _job_tls_args(unconfined, tls) == []
