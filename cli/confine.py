@@ -70,10 +70,10 @@ def _ttl(text: str) -> float:
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"--job-credential-ttl: seconds >= 0, not {text!r}")
+        raise argparse.ArgumentTypeError(f"seconds >= 0, not {text!r}")
     if 0 < value < MIN_CREDENTIAL_TTL_S:
         raise argparse.ArgumentTypeError(
-            f"--job-credential-ttl: at least {MIN_CREDENTIAL_TTL_S:g} s (the server's "
+            f"at least {MIN_CREDENTIAL_TTL_S:g} s (the server's "
             f"expiry has one-second steps and a renewal takes a reconnection), not {text!r}"
         )
     return value

@@ -667,13 +667,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
     print(f"callout  (brains' --callout-seed)  {Path(args.dir) / CALLOUT_SEED_FILE}")
     print(f"server config: {config}  (include it from nats-server.conf)")
     if args.tls:
-        from bus.tls import write_tls_config, write_tls_files
+        from bus.tls import JobIssuer, write_tls_config, write_tls_files
 
         files = write_tls_files(Path(args.dir).resolve() / "tls", hosts=hosts)
         tls_config = write_tls_config(files, Path(args.dir) / "nats-tls.conf")
         print(f"TLS CA:        {files.ca}")
         print(f"server cert:   {files.server_cert} (key {files.server_key})")
         print(f"client cert:   {files.client_cert} (key {files.client_key})")
+        issuer = JobIssuer.in_dir(files.ca.parent)
+        print(f"job issuer:    {issuer.cert} (key {issuer.key}; agents' --job-tls-issuer)")
         print(f"server config: {tls_config}  (include it at the top level and in cluster {{}})")
     return 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from agents.confine import Confined, JobCertificate, JobUser
 from brain.credentials import JobCredentials, load_signer
 from brain.secrets import job_token
 from bus.auth import CALLOUT_SEED_FILE, Identity, job_inbox_prefix
@@ -225,3 +226,30 @@ def test_up_gives_the_job_issuer_to_agents_that_confine_under_tls(
     assert _job_tls_args(keys, None) == []  # no TLS
     unconfined = dataclasses.replace(keys, tenant_users=None)  # not root: jobs unconfined
     assert _job_tls_args(unconfined, tls) == []
+
+
+def test_an_attempts_certificate_is_renewed_past_half_its_life(
+    tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    certificate = JobCertificate(
+        JobIssuer.in_dir(tls_files.ca.parent),
+        tmp_path / "tls-cert.pem",
+        tmp_path / "tls-key.pem",
+        name="job-7-1",
+        owner=(os.getuid(), os.getgid()),
+        ttl_s=3600,
+    )
+    now = time.time()
+    certificate.issue(now)
+    confined = Confined(("x",), {}, _user(), tmp_path, None, certificate)
+    first = certificate.cert.read_bytes()
+    assert not confined.renew_certificate(now + 1799)
+    assert confined.renew_certificate(now + 1800)
+    assert certificate.expires_at == now + 1800 + 3600
+    assert certificate.cert.read_bytes() != first
+    confined.finished = True  # the attempt has ended: nothing more to renew
+    assert not confined.renew_certificate(now + 10_000)
+
+
+def _user() -> JobUser:
+    return JobUser("a", "a", os.getuid(), os.getgid(), "/")
