@@ -128,8 +128,8 @@ class JobCertificate:
             ) from None
 
     def due(self, now: float) -> bool:
-        """Past half its life: renew it, while the job's next renewal still has time
-        to read the new one."""
+        """Past half its life: renew it, so that the file a job's connection reads
+        before each reconnection (bus/client.py) has at least half a life left."""
         return now >= self.expires_at - self.ttl_s / 2
 
 
