@@ -120,6 +120,8 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
 def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None:
     """The agent's Confinement from its flags, or None without `--tenant-users`."""
     if not args.tenant_users:
+        if args.job_tls_issuer:
+            log.warning("--job-tls-issuer ignored: jobs are not confined (no --tenant-users)")
         return None
     from agents import cgroups
     from agents.confine import Confinement
