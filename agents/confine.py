@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Final
 
 from agents.cgroups import CgroupError, Cgroups, JobCgroup, Limits, gpu_device_rules
-from bus.tls import JobIssuer, issue_job_certificate
+from bus.tls import JobIssuer, issue_job_certificate, job_certificate_name
 from schemas.errors import AlnairError, BusError
 from schemas.jobs import (
     BLACKLIST_FILE_ENV,
@@ -252,7 +252,7 @@ class Confinement:
                 self.job_tls,
                 runtime / "tls-cert.pem",
                 runtime / "tls-key.pem",
-                name=f"job-{request.job_id}-{request.attempt}",
+                name=job_certificate_name(request.job_id, request.attempt),
                 owner=(user.uid, user.gid),
                 ttl_s=self.job_cert_ttl_s,
             )

@@ -16,6 +16,11 @@ workloads/sdk.py), and the server asks this callout again. While the attempt run
 admitted again; once it has ended, a process it left behind with a connection is cut
 off at the latest when the user it holds expires.
 
+Under mutual TLS a confined job's connection also presents its attempt's own client
+certificate (`CN=job-<job>-<attempt>`, bus/tls.py): a job certificate that names
+another attempt than the token is refused, so a certificate kept from an ended attempt
+cannot be used with a running one's token.
+
 The callout's answers are JWTs signed with the account key whose public half is the
 `issuer` of the server's `auth_callout` block (`callout-issuer.nk` from `alnair keys`).
 """
@@ -37,6 +42,7 @@ from brain import secrets
 from bus.auth import job_permissions
 from bus.client import Bus
 from bus.natsjwt import JwtError, authorization_response, parse_auth_request
+from bus.tls import JOB_CERT_PREFIX, common_name, job_certificate_name
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +96,8 @@ class JobCredentials:
             refusal = "not a job token of this cluster"
         elif not self.running(*found):
             refusal = f"job {found[0]} attempt {found[1]} is not running"
+        else:
+            refusal = _certificate_refusal(request.client_cert, *found)
         if refusal is not None or found is None:
             self.refused += 1
             log.info("auth callout: refused %r: %s", request.client_name, refusal)
@@ -104,3 +112,17 @@ class JobCredentials:
             permissions=job_permissions(job_id, attempt),
             expires_at=None if self.ttl_s is None else now + self.ttl_s,
         )
+
+
+def _certificate_refusal(pem: str, job_id: str, attempt: int) -> str | None:
+    """Why a job's TLS certificate (agents/confine.py) may not come with this token:
+    it names another attempt. Other certificates (the cluster's shared client one, an
+    unconfined job's) are not the callout's to judge."""
+    if not pem:
+        return None
+    name = common_name(pem)
+    if name is None or not name.startswith(JOB_CERT_PREFIX):
+        return None
+    if name != job_certificate_name(job_id, attempt):
+        return f"TLS certificate {name} is not job {job_id} attempt {attempt}'s"
+    return None

@@ -24,6 +24,7 @@ import ipaddress
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
@@ -302,6 +303,59 @@ def issue_job_certificate(
             staged.chmod(mode)
             os.replace(staged, target)
     return not_after
+
+
+JOB_CERT_PREFIX: Final = "job-"
+COMMON_NAME_OID: Final = bytes.fromhex("550403")  # 2.5.4.3
+
+
+def job_certificate_name(job_id: str, attempt: int) -> str:
+    """The subject common name of an attempt's own certificate."""
+    return f"{JOB_CERT_PREFIX}{job_id}-{attempt}"
+
+
+def common_name(pem: str) -> str | None:
+    """The subject common name of the first certificate in `pem`, or None when it has
+    none or cannot be read. A few lines of DER walking: the `cryptography` package is
+    not a dependency."""
+    footer = "-----END CERTIFICATE-----"
+    try:
+        der = ssl.PEM_cert_to_DER_cert(pem[: pem.index(footer) + len(footer)])
+        _, start, _ = _der(der, 0)  # Certificate
+        _, start, end = _der(der, start)  # TBSCertificate
+        fields = []
+        while start < end:
+            tag, value, start = _der(der, start)
+            fields.append((tag, value, start))
+        if fields and fields[0][0] == 0xA0:  # [0] version
+            fields = fields[1:]
+        # serialNumber, signature, issuer, validity, subject
+        _, start, end = fields[4]
+        name = None
+        while start < end:  # RelativeDistinguishedName: a SET of attributes
+            _, rdn, start = _der(der, start)
+            while rdn < end and rdn < start:
+                _, attribute, rdn = _der(der, rdn)
+                _, oid, after = _der(der, attribute)
+                if der[oid:after] == COMMON_NAME_OID:
+                    _, text, text_end = _der(der, after)
+                    name = der[text:text_end].decode()
+        return name
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _der(der: bytes, at: int) -> tuple[int, int, int]:
+    """(tag, where its value starts, where it ends) of the DER element at `at`."""
+    tag, length = der[at], der[at + 1]
+    start = at + 2
+    if length & 0x80:
+        octets = length & 0x7F
+        length = int.from_bytes(der[start : start + octets], "big")
+        start += octets
+    if start + length > len(der):
+        raise ValueError("truncated DER")
+    return tag, start, start + length
 
 
 def _asn1_time(when: float) -> str:

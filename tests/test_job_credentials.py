@@ -8,6 +8,7 @@ clients."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -23,9 +24,15 @@ from agents.confine import Confined, JobCertificate, JobUser
 from brain.credentials import JobCredentials, load_signer
 from brain.secrets import job_token
 from bus.auth import CALLOUT_SEED_FILE, Identity, job_inbox_prefix
-from bus.client import Bus, ConnectOptions
+from bus.client import Bus, ConnectOptions, tls_context
 from bus.server import EmbeddedNats
-from bus.tls import JobIssuer, TlsFiles, issue_job_certificate, write_tls_files
+from bus.tls import (
+    JobIssuer,
+    TlsFiles,
+    common_name,
+    issue_job_certificate,
+    write_tls_files,
+)
 from cli.config import TlsSettings
 from cli.confine import add_brain_args, job_tls_issuer
 from cli.up import ClusterKeys, _job_tls_args
@@ -40,14 +47,24 @@ __all__ = ["keys", "secure_server"]  # fixtures, used by name
 TTL_S = 6.0  # whole seconds: the server's expiry is a Unix time in seconds
 
 
+Callout = tuple[JobCredentials, set[tuple[str, int]], bytes]
+
+
 @pytest.fixture
 async def callout(
     secure_server: EmbeddedNats, keys: tuple[dict[str, Identity], Path]
-) -> AsyncIterator[tuple[JobCredentials, set[tuple[str, int]], bytes]]:
+) -> AsyncIterator[Callout]:
     """The brain's auth callout, answering with users that live TTL_S, for the
     attempts in the returned set."""
-    ids = keys[0]
-    brain = await open_as(secure_server, ids["brain:brain-1"])
+    async with serve_callout(secure_server, keys[0]) as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def serve_callout(
+    server: EmbeddedNats, ids: dict[str, Identity], tls: TlsFiles | None = None
+) -> AsyncIterator[Callout]:
+    brain = await open_as(server, ids["brain:brain-1"], tls)
     key = os.urandom(32)
     running: set[tuple[str, int]] = set()
 
@@ -253,3 +270,69 @@ def test_an_attempts_certificate_is_renewed_past_half_its_life(
 
 def _user() -> JobUser:
     return JobUser("a", "a", os.getuid(), os.getgid(), "/")
+
+
+@pytest.fixture
+def secure_tls_server(
+    tmp_path: Path, keys: tuple[dict[str, Identity], Path], tls_files: TlsFiles
+) -> Iterator[EmbeddedNats]:
+    """Nkey identities, the auth callout, and TLS that requires client certificates."""
+    server = EmbeddedNats(data_dir=tmp_path / "nats-tls", config_file=keys[1], tls=tls_files)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_a_job_certificate_is_admitted_only_with_its_own_attempts_token(
+    secure_tls_server: EmbeddedNats, keys, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    """The server hands the callout the certificate it verified: a job's certificate
+    with its own attempt's token is admitted; with another running attempt's token it
+    is refused; the cluster's shared client certificate is left to the token."""
+    issuer = JobIssuer.in_dir(tls_files.ca.parent)
+    cert, key = tmp_path / "tls-cert.pem", tmp_path / "tls-key.pem"
+    issue_job_certificate(issuer, cert, key, name="job-7-1", valid_s=600, now=time.time())
+    async with serve_callout(secure_tls_server, keys[0], tls_files) as (credentials, running, k):
+        running.update({("7", 1), ("8", 1)})
+
+        async def connect(job: str, cert_file: Path, key_file: Path) -> nats.NATS:
+            options = ConnectOptions(
+                servers=(secure_tls_server.url,),
+                name=f"sdk:{job}",
+                tls_ca=str(tls_files.ca),
+                tls_cert=str(cert_file),
+                tls_key=str(key_file),
+            )
+            return await nats.connect(
+                secure_tls_server.url,
+                token=job_token(k, job, 1),
+                inbox_prefix=job_inbox_prefix(job, 1),
+                tls=tls_context(options),
+                allow_reconnect=False,
+                max_reconnect_attempts=0,
+                connect_timeout=10,
+            )
+
+        own = await connect("7", cert, key)
+        await own.publish(subjects.job("7", "progress"), b"{}")
+        await own.flush(timeout=5)
+        await own.close()
+        with pytest.raises(Exception) as refused:  # noqa: PT011 - nats-py raises its own kinds
+            await connect("8", cert, key)
+        assert "authorization violation" in str(refused.value).lower()
+        del refused
+        shared = await connect("8", tls_files.client_cert, tls_files.client_key)
+        await shared.close()
+        assert (credentials.admitted, credentials.refused) == (2, 1)
+    gc.collect()  # the refused transport, under this test's filters
+
+
+def test_a_certificates_common_name_is_read_without_a_library(tls_files: TlsFiles) -> None:
+    assert common_name(tls_files.client_cert.read_text()) == "alnair-client"
+    issuer = JobIssuer.in_dir(tls_files.ca.parent)
+    # A chain file: the first certificate's.
+    assert common_name(issuer.cert.read_text() + tls_files.ca.read_text()) == "Alnair job issuer"
+    assert common_name("not a certificate") is None
+    assert common_name("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n") is None
