@@ -59,6 +59,7 @@ from brain.core.failures import (
     fault_action,
 )
 from brain.core.ordering import job_sequence
+from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
 from brain.history import History
@@ -183,6 +184,9 @@ class BrainConfig:
     # The account seed that signs jobs' NATS users (auth callout, brain/credentials.py);
     # None: jobs get no token, and use their node's job identity if it gives them one.
     callout_seed: Path | None = None
+    # How long a job's NATS user lives before its connection must renew it; None:
+    # for ever (brain/credentials.py).
+    job_credential_ttl_s: float | None = DEFAULT_JOB_CREDENTIAL_TTL_S
 
 
 class Brain:
@@ -233,7 +237,12 @@ class Brain:
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self.credentials = (
-            JobCredentials(load_signer(self.config.callout_seed), self._cluster_key, self._running)
+            JobCredentials(
+                load_signer(self.config.callout_seed),
+                self._cluster_key,
+                self._running,
+                ttl_s=self.config.job_credential_ttl_s,
+            )
             if self.config.callout_seed is not None
             else None
         )
@@ -2029,6 +2038,8 @@ class Brain:
         if self.credentials is not None:
             key = await self._cluster_key()
             env[secrets.JOB_TOKEN_ENV] = secrets.job_token(key, job.job_id, job.attempt)
+            if self.credentials.renew_s is not None:
+                env[secrets.JOB_RENEW_ENV] = f"{self.credentials.renew_s:g}"
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue

@@ -151,6 +151,10 @@ class ConnectOptions:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Reconnect this often, so that the server asks the auth callout again and the
+    # user it admits, which expires (a job's, brain/credentials.py), is a fresh one.
+    # nats-py closes a connection whose user expired for good rather than reconnect.
+    renew_s: float | None = None
     connect_timeout_s: float = 5.0
     # Keep trying for ever: a component outlives a restart of its NATS server.
     max_reconnect_attempts: int = -1
@@ -181,6 +185,8 @@ class Bus:
         self._ack_prefix: str | None = None
         self._acks: dict[str, asyncio.Future[int]] = {}
         self._ack_tokens = 0
+        # How many times `renew_s` reconnected this connection.
+        self.renewals = 0
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -218,7 +224,12 @@ class Bus:
         if options.token:
             kwargs["token"] = options.token
         if options.tls_ca or options.tls_cert:
-            kwargs["tls"] = tls_context(options)
+            kwargs["tls"] = context = tls_context(options)
+            if options.tls_cert and options.tls_key:
+                # nats-py handshakes each reconnection with this same context: a
+                # certificate renewed on disk (a job's, agents/confine.py) is read
+                # before it reconnects, rather than the expired one presented.
+                kwargs["disconnected_cb"] = _reload_on_disconnect(options, context)
         try:
             nc = await nats.connect(**kwargs)
         except (TimeoutError, OSError, nats.errors.NoServersError) as error:
@@ -228,7 +239,19 @@ class Bus:
         bus = cls(nc, component=options.name, replicas=replicas)
         bus.options = options
         made.append(bus)
+        if options.renew_s is not None:
+            bus.spawn(bus._renew(options.renew_s), name="renew-credential")
         return bus
+
+    async def _renew(self, every_s: float) -> None:
+        """Reconnect every `every_s`: the server asks the auth callout again and admits
+        this connection as a fresh user before the current one expires. While no
+        brain answers, the reconnection waits for one (as a first connection does)."""
+        while True:
+            await asyncio.sleep(every_s)
+            if self.nc.is_connected:
+                self.renewals += 1
+                await self.nc.force_reconnect()
 
     async def sibling(self, name: str) -> Bus:
         """Another connection made as this one was, under its own `name`, sharing this
@@ -827,6 +850,21 @@ async def _log_error(error: Exception) -> None:
         log.warning("nats: TLS handshake failed: %s", error)
     else:
         log.debug("nats: %r", error)
+
+
+def _reload_on_disconnect(
+    options: ConnectOptions, context: ssl.SSLContext
+) -> Callable[[], Awaitable[None]]:
+    logged = _log_disconnected(options.name)
+
+    async def callback() -> None:
+        await logged()
+        try:
+            context.load_cert_chain(str(options.tls_cert), str(options.tls_key))
+        except (OSError, ssl.SSLError) as error:
+            log.warning("%s: keeping the TLS certificate loaded: %s", options.name, error)
+
+    return callback
 
 
 def _log_disconnected(name: str) -> Callable[[], Awaitable[None]]:
