@@ -87,6 +87,17 @@ class StreamSpec:
     allow_direct: bool = False
 
 
+# What JetStream answers (or fails to) while it cannot serve yet: no meta leader, no
+# quorum, nobody listening on its API.
+_JETSTREAM_NOT_READY: Final = (
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.NoRespondersError,
+    nats.errors.TimeoutError,
+    TimeoutError,
+)
+# JetStream's error code for "stream name already in use" (created meanwhile by another).
+_STREAM_NAME_IN_USE: Final = 10058
+
 STREAMS: Final = (
     StreamSpec(
         subjects.STREAM_EVENTS,
@@ -293,35 +304,64 @@ class Bus:
 
     # -- streams ---------------------------------------------------------------------
 
-    async def ensure_streams(self) -> None:
-        """Create or update Alnair's streams; safe to call from every component."""
+    async def ensure_streams(self, *, ready_within_s: float = 120.0) -> None:
+        """Create or update Alnair's streams; safe to call from every component.
+
+        JetStream that cannot answer yet (a cluster still electing its meta leader,
+        or short of a quorum because its other servers are still starting) is waited
+        for, up to `ready_within_s`: components started together with their servers
+        wait for them rather than fail."""
+        deadline = time.monotonic() + ready_within_s
+        delay = 0.1
         for spec in STREAMS:
-            config = StreamConfig(
-                name=spec.name,
-                description=spec.description,
-                subjects=list(spec.subjects),
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                discard=DiscardPolicy.OLD,
-                max_age=spec.max_age_s,
-                duplicate_window=DEDUP_WINDOW_S,
-                num_replicas=self.replicas,
-                allow_direct=spec.allow_direct,
-            )
-            try:
+            while True:
                 try:
-                    await self.js.stream_info(spec.name)
-                except nats.js.errors.NotFoundError:
+                    await self._ensure_stream(spec)
+                    break
+                except _JETSTREAM_NOT_READY as error:
+                    if time.monotonic() + delay > deadline:
+                        raise BusError(
+                            f"JetStream did not answer in {ready_within_s:.0f} s "
+                            f"({error!r}): is a quorum of its servers up?"
+                        ) from error
+                    log.info("JetStream not ready (%r); creating streams again soon", error)
+                    await asyncio.sleep(delay)
+                    delay = min(2.0, delay * 2)
+
+    async def _ensure_stream(self, spec: StreamSpec) -> None:
+        config = StreamConfig(
+            name=spec.name,
+            description=spec.description,
+            subjects=list(spec.subjects),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=spec.max_age_s,
+            duplicate_window=DEDUP_WINDOW_S,
+            num_replicas=self.replicas,
+            allow_direct=spec.allow_direct,
+        )
+        try:
+            try:
+                await self.js.stream_info(spec.name)
+            except nats.js.errors.NotFoundError:
+                try:
                     await self.js.add_stream(config)
-                else:
-                    await self.js.update_stream(config)
-            except nats.js.errors.APIError as error:
-                raise BusError(
-                    f"cannot create stream {spec.name} with {self.replicas} replica(s) on "
-                    f"{self.nc.connected_url.netloc if self.nc.connected_url else 'NATS'}: "
-                    f"{error.description or error} (more than 1 replica needs a NATS cluster "
-                    "of at least that many JetStream servers)"
-                ) from error
+                except nats.js.errors.BadRequestError as error:
+                    if error.err_code != _STREAM_NAME_IN_USE:
+                        raise
+                    await self.js.update_stream(config)  # another component made it meanwhile
+            else:
+                await self.js.update_stream(config)
+        except _JETSTREAM_NOT_READY:
+            raise
+        except nats.js.errors.APIError as error:
+            raise BusError(
+                f"cannot create stream {spec.name} with {self.replicas} replica(s) on "
+                f"{self.nc.connected_url.netloc if self.nc.connected_url else 'NATS'}: "
+                f"{error.description or error} (more than 1 replica needs a NATS cluster "
+                "of at least that many JetStream servers)"
+            ) from error
 
     # -- publishing ------------------------------------------------------------------
 
