@@ -140,6 +140,11 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
 # where it does not make every wake-up of the loop wait for the GIL.
 DECIDE_IN_THREAD_AFTER_S: Final = 0.05
+# After a pass, the next waits at least as long as this one took (capped): passes
+# take at most about half the loop, however fast changes come, and the rest goes to
+# the API, ingest and the lease. A pass of a few milliseconds delays nothing.
+PASS_REST_RATIO: Final = 1.0
+PASS_REST_MAX_S: Final = 1.0
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
 # group is not kept waiting long for the last.
@@ -658,6 +663,7 @@ class Brain:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inbox_idle.wait(), PASS_WAITS_FOR_INBOX_S)
             self._pass_wanted.clear()
+            began = self.monotonic()
             try:
                 await self._schedule()
             except Exception as error:
@@ -671,6 +677,8 @@ class Brain:
                     log.exception("scheduling cycle failed")
             if self._dirty:
                 self._pass_wanted.set()
+            took = self.monotonic() - began
+            await asyncio.sleep(min(took * PASS_REST_RATIO, PASS_REST_MAX_S))
 
     async def _handle(self, item: Item) -> object:
         match item:
