@@ -73,6 +73,7 @@ from brain.journal import Journal
 from brain.leader import Lease
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
+from brain.reconciler import Reconciler
 from brain.replica import Replica
 from brain.state import BrainState, current_size_s
 from brain.tenants import check_tenant, job_event_refusal
@@ -129,8 +130,6 @@ from schemas.workers import EXEC_SECRET_ENV
 
 log = logging.getLogger(__name__)
 
-# Do not repeat a reconciliation stop for the same process more often than this.
-RESTOP_AFTER_S: Final = 10.0
 # A pass waits for the inbox to empty (one pass for all the changes queued), but no
 # longer than this: a steady stream of requests must not starve scheduling.
 PASS_WAITS_FOR_INBOX_S: Final = 0.05
@@ -213,6 +212,16 @@ class Brain:
         self.hearing = Hearing(monotonic)
         self.ingest_bus: Bus = bus
         self._stops_sent: dict[tuple[str, str, int], float] = {}
+        # The parts of the brain, each behind the narrow protocols of brain/writer.py
+        # that `_Shell` implements over this brain.
+        shell = _Shell(self)
+        self.reconciler = Reconciler(
+            lambda: self.state,
+            self.ingest,
+            shell,
+            stops_sent=self._stops_sent,
+            monotonic=monotonic,
+        )
         # (job, attempt, node) -> when its node's agent came back as a new instance
         # without it: the process went with the old agent (`_check_vanished`).
         self._vanishing: dict[tuple[str, int, str], float] = {}
@@ -678,7 +687,7 @@ class Brain:
 
     async def _tick(self) -> None:
         await self._check_nodes()
-        await self._reconcile_all()
+        await self.reconciler.reconcile_all()
         await self._check_vanished()
         await self._check_launches()
         await self._check_preruns()
@@ -944,7 +953,7 @@ class Brain:
                     message="inventory or agent instance changed",
                 ),
             )
-        await self._reconcile(beat)
+        await self.reconciler.reconcile(beat)
 
     def _agent_restarted(self, beat: Heartbeat, now: float) -> None:
         """A new agent instance does not know the processes of the old one (it stops any
@@ -981,40 +990,6 @@ class Brain:
                     f"the agent of node {node} restarted and attempt {attempt}'s process "
                     "went with the old agent",
                 ),
-            )
-
-    async def _reconcile_all(self) -> None:
-        """Reconcile every node that reports processes: a heartbeat that changes nothing
-        is not handed to the loop, and what the brain holds may have changed since."""
-        for beat in list(self.ingest.reporting(self.monotonic())):
-            await self._reconcile(beat)
-
-    async def _reconcile(self, beat: Heartbeat) -> None:
-        """Stop what a node runs that the brain did not give it (any more)."""
-        now = self.monotonic()
-        for running in beat.running:
-            job = self.state.jobs.get(running.job_id)
-            if (
-                job is not None
-                and job.state is JobState.RUNNING
-                and job.attempt == running.attempt
-                and beat.node in job.nodes
-            ):
-                continue
-            key = (beat.node, running.job_id, running.attempt)
-            if now - self._stops_sent.get(key, -RESTOP_AFTER_S) < RESTOP_AFTER_S:
-                continue
-            log.warning(
-                "node %s runs job %s attempt %d that it does not hold; stopping it",
-                beat.node,
-                running.job_id,
-                running.attempt,
-            )
-            await self._stop(
-                running.job_id,
-                beat.node,
-                "stale: the brain no longer runs this attempt here",
-                running.attempt,
             )
 
     async def _drain(self, operator: str, request: DrainRequest) -> None:
@@ -2108,3 +2083,36 @@ def _preemption(action: Preempt) -> Preemption:
 
 def _launch_id(job_id: str, attempt: int, node: str) -> str:
     return f"launch-{job_id}-{attempt}-{node}"
+
+
+class _Shell:
+    """The writer's protocols (brain/writer.py) over a `Brain`: what its parts may do."""
+
+    def __init__(self, brain: Brain) -> None:
+        self._brain = brain
+
+    @property
+    def epoch(self) -> int:
+        return self._brain.epoch
+
+    async def job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
+        await self._brain._job_changed(job, previous, cause)
+
+    async def node_changed(
+        self, node: NodeRecord, previous: NodeState | None, cause: Cause
+    ) -> None:
+        await self._brain._node_changed(node, previous, cause)
+
+    async def command(self, node: str, command: NodeCommand) -> None:
+        await self._brain._command(node, command)
+
+    async def stop(self, job_id: str, node: str, reason: str, attempt: int | None) -> None:
+        await self._brain._stop(job_id, node, reason, attempt)
+
+    async def stop_parts(
+        self, job: JobRecord, reason: str, *, except_node: str | None = None
+    ) -> None:
+        await self._brain._stop_parts(job, reason, except_node=except_node)
+
+    async def send_launches(self, job: JobRecord) -> None:
+        await self._brain._send_launches(job)
