@@ -31,6 +31,7 @@ from nats.aio.subscription import Subscription
 from brain import elastic, secrets
 from brain import queues as queue_config
 from brain.api import ApiServer
+from brain.blacklist import Blacklist
 from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
@@ -57,7 +58,6 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
-from brain.core.ordering import job_sequence
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
 from brain.history import History
@@ -221,6 +221,9 @@ class Brain:
             shell,
             stops_sent=self._stops_sent,
             monotonic=monotonic,
+        )
+        self.blacklist = Blacklist(
+            lambda: self.state, shell, policy=self.config.failures, clock=clock
         )
         # (job, attempt, node) -> when its node's agent came back as a new instance
         # without it: the process went with the old agent (`_check_vanished`).
@@ -690,7 +693,7 @@ class Brain:
         await self.reconciler.reconcile_all()
         await self._check_vanished()
         await self._check_launches()
-        await self._check_preruns()
+        await self.blacklist.check_preruns()
         await self._check_resizes()
         if self._wake_at is not None and self.clock() >= self._wake_at:
             # decide() asked to be called again by now (a retry back-off ending).
@@ -807,6 +810,17 @@ class Brain:
             cause=cause,
         )
         await self._append(record, subjects.state_node(node.name))
+        self._dirty = True
+
+    async def _blacklist_changed(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
+        record = BlacklistChanged(
+            record_id=self._record_id(),
+            ts=self.clock(),
+            epoch=self.epoch,
+            entries=tuple(entries.values()),
+            cause=cause,
+        )
+        await self._append(record, subjects.STATE_BLACKLIST)
         self._dirty = True
 
     async def _event_recorded(self, event: NodeEvent) -> None:
@@ -1158,7 +1172,7 @@ class Brain:
         elif isinstance(event, GpuFault):
             await self._gpu_fault(event)
         elif isinstance(event, InputError):
-            await self._input_error(event)
+            await self.blacklist.input_error(event)
         elif isinstance(event, ResizeCompleted):
             await self._resize_completed(event)
         await self._event_recorded(event)
@@ -1422,131 +1436,8 @@ class Brain:
             Cause(kind=CauseKind.GPU_DRAINED, node=node.name, message=reason),
         )
 
-    async def _input_error(self, event: InputError) -> None:
-        """Count distinct jobs failing per input; blacklist the input at K of them."""
-        if event.uri in self.state.blacklist:
-            return
-        # The event's own record is journaled after its effects: count its job here.
-        jobs = self.state.input_failures.get(event.uri, set()) | {event.job_id}
-        limit = self.config.failures.blacklist_after_jobs
-        if len(jobs) < limit:
-            return
-        await self._set_blacklist(
-            {
-                **self.state.blacklist,
-                event.uri: BlacklistEntry(
-                    uri=event.uri,
-                    reason=f"{len(jobs)} jobs failed on it (limit {limit}); last: {event.reason}",
-                    jobs=tuple(sorted(jobs, key=job_sequence)),
-                    added_at=self.clock(),
-                    added_by="brain",
-                ),
-            },
-            Cause(
-                kind=CauseKind.BLACKLISTED,
-                message=f"input {event.uri} blacklisted: jobs {', '.join(sorted(jobs))} "
-                f"failed on it",
-            ),
-        )
-
     async def _edit_blacklist(self, operator: str, request: BlacklistRequest) -> None:
-        uri = request.uri
-        if uri is None:
-            raise ApiError("invalid", f"blacklist {request.action} needs an input URI")
-        entries = dict(self.state.blacklist)
-        if request.action == "add":
-            if uri in entries:
-                return
-            entries[uri] = BlacklistEntry(
-                uri=uri, reason=request.reason, added_at=self.clock(), added_by=operator
-            )
-            cause = Cause(
-                kind=CauseKind.BLACKLISTED,
-                message=f"input {uri} blacklisted by {operator}: {request.reason}",
-            )
-        else:
-            if entries.pop(uri, None) is None:
-                raise ApiError("not_found", f"input {uri} is not blacklisted")
-            cause = Cause(
-                kind=CauseKind.UNBLACKLISTED, message=f"input {uri} removed by {operator}"
-            )
-        await self._set_blacklist(entries, cause)
-
-    async def _set_blacklist(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
-        record = BlacklistChanged(
-            record_id=self._record_id(),
-            ts=self.clock(),
-            epoch=self.epoch,
-            entries=tuple(entries.values()),
-            cause=cause,
-        )
-        await self._append(record, subjects.STATE_BLACKLIST)
-        self._dirty = True
-        await self._retry_input_failures()
-
-    async def _retry_input_failures(self) -> None:
-        """A job that ended FAILED on an input now blacklisted runs again without it."""
-        for job in self.state.jobs_in(JobState.FAILED):
-            last = job.failures[-1] if job.failures else None
-            if (
-                last is None
-                or last.failure_class is not FailureClass.INPUT
-                or last.input_uri not in self.state.blacklist
-            ):
-                continue
-            decision = decide_retry(
-                job.failures,
-                job.spec.queue,
-                self.clock(),
-                self.config.failures,
-                blacklisted=frozenset(self.state.blacklist),
-            )
-            if isinstance(decision, GiveUp):
-                continue
-            await self._job_changed(
-                job.model_copy(
-                    update={
-                        "state": JobState.PENDING,
-                        "grants": (),
-                        "started_at": None,
-                        "finished_at": None,
-                        "not_before": decision.not_before,
-                        "reason": decision.cause,
-                    }
-                ),
-                job.state,
-                Cause(kind=CauseKind.RETRY_SCHEDULED, job_id=job.job_id, message=decision.cause),
-            )
-
-    async def _check_preruns(self) -> None:
-        """A pre-run that survived its trial gives its GPU back and waits for the full
-        allocation (Philly's pre-run: fail fast on one GPU)."""
-        now = self.clock()
-        trial = self.config.failures.prerun_s
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if job.prerun != "running" or job.started_at is None or now - job.started_at < trial:
-                continue
-            if not all(g.pid is not None for g in job.grants):
-                continue  # not started yet: its trial has not begun
-            passed = job.model_copy(
-                update={
-                    "state": JobState.PENDING,
-                    "grants": (),
-                    "started_at": None,
-                    "prerun": "passed",
-                    "reason": f"pre-run passed after {trial:g}s",
-                }
-            )
-            await self._job_changed(
-                passed,
-                job.state,
-                Cause(
-                    kind=CauseKind.PRERUN_PASSED,
-                    job_id=job.job_id,
-                    message=f"survived {trial:g}s on one GPU; now waits for {job.spec.gpus} GPUs",
-                ),
-            )
-            await self._stop_parts(job, "pre-run passed")
+        await self.blacklist.edit(operator, request)
 
     # -- elastic resizes (brain/elastic.py says what changes; this journals, commands) --
 
@@ -2102,6 +1993,9 @@ class _Shell:
         self, node: NodeRecord, previous: NodeState | None, cause: Cause
     ) -> None:
         await self._brain._node_changed(node, previous, cause)
+
+    async def blacklist_changed(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
+        await self._brain._blacklist_changed(entries, cause)
 
     async def command(self, node: str, command: NodeCommand) -> None:
         await self._brain._command(node, command)
