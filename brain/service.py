@@ -75,6 +75,7 @@ from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.reconciler import Reconciler
 from brain.replica import Replica
+from brain.resizes import Resizes
 from brain.state import BrainState, current_size_s
 from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
@@ -88,7 +89,7 @@ from schemas.api import (
     ResumeRequest,
     SubmitRequest,
 )
-from schemas.commands import Launch, NodeCommand, Regrant, Stop
+from schemas.commands import Launch, NodeCommand, Stop
 from schemas.errors import ApiError, HandBack
 from schemas.events import (
     NODE_EVENT,
@@ -106,11 +107,8 @@ from schemas.jobs import (
     FailureClass,
     JobRecord,
     JobState,
-    NodeGpus,
     NodeGrant,
-    describe_placement,
     job_limits,
-    placement_size,
 )
 from schemas.nodes import DrainedGpu, NodeRecord, NodeState
 from schemas.progress import Progress
@@ -278,6 +276,15 @@ class Brain:
         self.record_observers.append(self.progress.on_record)
         # Records staged by the writer, stored as one group per unit of work.
         self.journal = Journal(bus, self.history, lambda: self.state, self.record_observers)
+        self.resizes = Resizes(
+            lambda: self.state,
+            shell,
+            self.journal,
+            self.progress,
+            clock=clock,
+            timeout_s=self.config.resize_timeout_s,
+            leading=self.leading.is_set,
+        )
 
     @property
     def state(self) -> BrainState:
@@ -442,7 +449,7 @@ class Brain:
             return
         async with self._unit():
             await self._resend_unconfirmed_launches()
-            await self._resend_staged_resizes()
+            await self.resizes.resend_staged_resizes()
         log.info(
             "brain %s leads with epoch %d (caught up %d entries, seq %d)",
             self.instance,
@@ -694,7 +701,7 @@ class Brain:
         await self._check_vanished()
         await self._check_launches()
         await self.blacklist.check_preruns()
-        await self._check_resizes()
+        await self.resizes.check_resizes()
         if self._wake_at is not None and self.clock() >= self._wake_at:
             # decide() asked to be called again by now (a retry back-off ending).
             self._wake_at = None
@@ -1174,7 +1181,7 @@ class Brain:
         elif isinstance(event, InputError):
             await self.blacklist.input_error(event)
         elif isinstance(event, ResizeCompleted):
-            await self._resize_completed(event)
+            await self.resizes.resize_completed(event)
         await self._event_recorded(event)
         self._dirty = True
 
@@ -1281,7 +1288,7 @@ class Brain:
         if job is None:
             return
         why = f"the job's worker host did not start on {event.node}: {event.reason}"
-        if await self._join_failed(job, event.node, why):
+        if await self.resizes.join_failed(job, event.node, why):
             return
         updated = self._with_grant(job, event.node, exited=True)
         cause = Cause(
@@ -1303,7 +1310,7 @@ class Brain:
         if event.command_id != _launch_id(job.job_id, job.attempt, event.node):
             return
         why = f"node {event.node} refused the job's worker host: {event.reason}"
-        if not await self._join_failed(job, event.node, why):
+        if not await self.resizes.join_failed(job, event.node, why):
             await self._requeue(
                 job,
                 Cause(
@@ -1439,278 +1446,19 @@ class Brain:
     async def _edit_blacklist(self, operator: str, request: BlacklistRequest) -> None:
         await self.blacklist.edit(operator, request)
 
-    # -- elastic resizes (brain/elastic.py says what changes; this journals, commands) --
-
-    def _free_by_node(self) -> dict[str, frozenset[int]]:
-        """Each ready node's schedulable GPUs that no running job holds."""
-        return self.state.free_gpus()
+    # -- elastic resizes (brain/resizes.py) --------------------------------------------
 
     def _free_on(self, node: str) -> frozenset[int]:
-        return self._free_by_node().get(node, frozenset())
+        """The node's schedulable GPUs that no running job holds (if it is ready)."""
+        return self.state.free_gpus().get(node, frozenset())
 
     async def _resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
     ) -> JobRecord:
-        """`alnair resize JOB N`: pin the job at N and stage the resize, or say why
-        not (nothing changes then). Answered once staged; the commit (or roll-back)
-        follows when the supervisor answers. `alnair resize JOB auto` lifts the pin."""
-        job = self.state.jobs.get(request.job_id)
-        if job is None or (job.tenant != tenant and not operator):
-            raise ApiError("not_found", f"no job {request.job_id} for tenant {tenant}")
-        who = "an operator" if operator and job.tenant != tenant else f"tenant {tenant}"
-        if request.gpus == "auto":
-            return await self._unpin(job, who)
-        ready = self.progress.heard_from(job.job_id)
-        refused = elastic.check_resizable(job, request.gpus, supervisor_ready=ready)
-        if refused is not None:
-            raise ApiError(refused.code, refused.reason)
-        if placement_size(elastic.current_placement(job)) == request.gpus:
-            return await self._pin(job, request.gpus, who)  # already that size
-        free = self._free_by_node()
-        target = elastic.choose_target(job, request.gpus, free)
-        if isinstance(target, elastic.ResizeRefused):
-            raise ApiError(target.code, target.reason)
-        refused = elastic.check_target(job, target, free)
-        if refused is not None:
-            raise ApiError(refused.code, refused.reason)
-        pinned = job.model_copy(update={"pinned_gpus": request.gpus})
-        return await self._stage_resize(
-            pinned, target, f"asked by {who}, who pins it at {request.gpus} GPUs"
-        )
-
-    async def _pin(self, job: JobRecord, gpus: int, who: str) -> JobRecord:
-        message = f"pinned at {gpus} GPUs by {who}: the policy leaves its size alone"
-        return await self._set_pin(job, gpus, CauseKind.RESIZE_PINNED, message)
-
-    async def _unpin(self, job: JobRecord, who: str) -> JobRecord:
-        if not job.spec.elastic:
-            raise ApiError("invalid", elastic.not_elastic(job))
-        if job.state.terminal:
-            raise ApiError("conflict", f"job {job.job_id} is {job.state.value}")
-        low, high = job.spec.gpu_range
-        message = (
-            f"pin at {job.pinned_gpus} GPUs lifted by {who}: the policy sizes it again "
-            f"within {low}..{high}"
-        )
-        return await self._set_pin(job, None, CauseKind.RESIZE_UNPINNED, message)
-
-    async def _set_pin(
-        self, job: JobRecord, gpus: int | None, kind: CauseKind, message: str
-    ) -> JobRecord:
-        """Journal the job's new pin (None: none); nothing when it is already so."""
-        if job.pinned_gpus == gpus:
-            return job
-        await self._job_changed(
-            job.model_copy(update={"pinned_gpus": gpus, "reason": message}),
-            job.state,
-            Cause(kind=kind, job_id=job.job_id, message=message),
-        )
-        return self.state.jobs[job.job_id]
+        return await self.resizes.resize_request(tenant, request, operator=operator)
 
     async def _apply_resize(self, job: JobRecord, action: Resize) -> None:
-        """The policy's resize, staged if it still holds against the live state."""
-        target = tuple(NodeGpus(node=g.node, gpus=tuple(sorted(g.gpus))) for g in action.grants)
-        current = elastic.current_placement(job)
-        if job.state is JobState.RUNNING and elastic.same_placement(target, current):
-            return
-        refused = elastic.check_resize(
-            job,
-            target,
-            self._free_by_node(),
-            supervisor_ready=self.progress.heard_from(job.job_id),
-        )
-        if refused is not None:
-            log.debug("policy resize of job %s not staged: %s", job.job_id, refused.reason)
-            return
-        if action.retreat:
-            # The size it leaves did not earn its keep: not grown back on this evidence.
-            size = placement_size(current)
-            job = job.model_copy(update={"gain_ceiling": size, "gain_ceiling_at": self.clock()})
-        await self._stage_resize(job, target, action.cause)
-
-    async def _stage_resize(
-        self, job: JobRecord, target: elastic.Placement, cause: str
-    ) -> JobRecord:
-        command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
-        staged = elastic.stage(job, target, command_id=command_id, now=self.clock(), cause=cause)
-        assert staged.resize is not None
-        await self._job_changed(
-            staged,
-            job.state,
-            Cause(
-                kind=CauseKind.RESIZE_STAGED,
-                node=staged.resize.node,
-                job_id=job.job_id,
-                message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
-            ),
-        )
-        current = self.state.jobs[job.job_id]
-        if staged.resize.grow:
-            # The added GPUs are the job's from now on: their nodes must know, and a
-            # node new to the job starts its worker host (horovodrun's workers there
-            # start through it).
-            await self._regrant(current, command_id, "staged")
-            await self._send_launches(current)
-        await self._send_resize(current)
-        return current
-
-    async def _send_resize(self, job: JobRecord) -> None:
-        command = elastic.resize_command(job, epoch=self.epoch, issued_at=self.clock())
-        self.journal.send_after(subjects.job(job.job_id, "cmd"), command, command.command_id)
-
-    async def _regrant(self, job: JobRecord, resize_id: str, phase: str) -> None:
-        """Tell the job's nodes which of their GPUs the attempt holds now (a node whose
-        part has not started yet learns them from its launch)."""
-        for grant in job.grants:
-            if grant.pid is None:
-                continue
-            await self._command(
-                grant.node,
-                Regrant(
-                    # One id per node: JetStream de-duplicates across the stream.
-                    command_id=f"regrant-{resize_id}-{phase}-{grant.node}",
-                    epoch=self.epoch,
-                    issued_at=self.clock(),
-                    job_id=job.job_id,
-                    attempt=job.attempt,
-                    gpus=grant.gpus,
-                    reason=f"resize {phase}",
-                ),
-            )
-
-    async def _resend_staged_resizes(self) -> None:
-        """A brain may have died between staging a resize and commanding it; the ids
-        are the same, so the supervisor and the agent drop what they had already."""
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if not self.leading.is_set():
-                return  # stepped down meanwhile: the next leader re-sends them
-            if job.resize is None:
-                continue
-            if job.resize.grow:
-                await self._regrant(job, job.resize.command_id, "staged")
-                await self._send_launches(job)
-            await self._send_resize(job)
-
-    async def _resize_completed(self, event: ResizeCompleted) -> None:
-        job = self.state.jobs.get(event.job_id)
-        staged = job.resize if job is not None else None
-        if (
-            job is None
-            or job.state is not JobState.RUNNING
-            or staged is None
-            or staged.command_id != event.command_id
-        ):
-            log.info(
-                "resize outcome %s of job %s matches no staged resize; ignored",
-                event.command_id,
-                event.job_id,
-            )
-            return
-        if not event.ok:
-            # A supervisor that tried (to_size differs) may have moved part of the way.
-            moved = event.to_size != event.from_size
-            await self._roll_back_resize(
-                job, f"its supervisor refused: {event.reason}", revert=moved
-            )
-            return
-        if event.from_size != staged.from_size:
-            log.warning(
-                "job %s: the supervisor resized from %d workers, the brain thought %d",
-                job.job_id,
-                event.from_size,
-                staged.from_size,
-            )
-        now = self.clock()
-        message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
-        kept = elastic.committed_placement(staged, event.placement)
-        if event.placement and not elastic.same_placement(kept, event.placement):
-            log.warning(
-                "job %s: its supervisor says its workers hold GPUs %s, which does not fit "
-                "the resize %s; keeping %s",
-                job.job_id,
-                describe_placement(event.placement),
-                elastic.describe(staged),
-                describe_placement(kept),
-            )
-        if not staged.grow:
-            message += f"; GPUs {describe_placement(elastic.released(staged, kept))} released"
-        committed = elastic.commit(job, message, event.placement).model_copy(
-            update={"last_resize_at": now, "last_resize_s": max(0.0, now - staged.staged_at)}
-        )
-        await self._job_changed(
-            committed,
-            job.state,
-            Cause(kind=CauseKind.RESIZED, node=staged.node, job_id=job.job_id, message=message),
-        )
-        if not staged.grow:
-            # Its workers on the released GPUs have exited: they are free now (a node
-            # the job left keeps its worker host, idle, holding none).
-            await self._regrant(self.state.jobs[job.job_id], staged.command_id, "committed")
-
-    async def _roll_back_resize(
-        self, job: JobRecord, why: str, *, revert: bool, drop: str | None = None
-    ) -> None:
-        """Back to the size before. With `revert` (the supervisor may have moved part of
-        the way: it tried, or never answered) the old size is staged as a resize of its
-        own, the job holding every GPU of both sizes until the supervisor confirms it: a
-        grow's new workers may run on the added GPUs. A revert rolled back in turn ends
-        holding them all, and is not reverted again. `drop`: a node the grow added
-        whose worker host could not start; the job's part there goes."""
-        staged = job.resize
-        assert staged is not None
-        message = f"resize {elastic.describe(staged)} rolled back: {why}"
-        held = describe_placement(job.placement)
-        if revert and not staged.reverting:
-            message += f"; GPUs {held} stay the job's until its supervisor is back at "
-            message += f"{staged.from_size}"
-            changed = elastic.stage_revert(job, message, now=self.clock())
-        else:
-            if staged.reverting:
-                message += f"; the job keeps GPUs {held} (its workers may use them)"
-            changed = elastic.roll_back(job, message)
-        if job.pinned_gpus == staged.to_size and not staged.reverting:
-            # The size an operator pinned it at could not be reached: the job goes back
-            # to the policy rather than being held at a size it does not run at.
-            message += f"; the pin at {staged.to_size} GPUs is lifted"
-            changed = changed.model_copy(update={"pinned_gpus": None, "reason": message})
-        if drop is not None:
-            changed = elastic.drop_node(changed, drop)
-        await self._job_changed(
-            changed,
-            job.state,
-            Cause(
-                kind=CauseKind.RESIZE_ROLLED_BACK,
-                node=staged.node,
-                job_id=job.job_id,
-                message=message,
-            ),
-        )
-        current = self.state.jobs[job.job_id]
-        if current.resize is not None:
-            await self._send_resize(current)
-        elif staged.grow and not staged.reverting:
-            await self._regrant(current, staged.command_id, "rolled-back")
-        if drop is not None:
-            await self._stop(job.job_id, drop, message, job.attempt)
-
-    async def _join_failed(self, job: JobRecord, node: str, why: str) -> bool:
-        """A launch failed on `node`: if it was a staged grow's worker host there, the
-        grow fails, not the job (True)."""
-        if node not in elastic.joining(job):
-            return False
-        await self._roll_back_resize(job, why, revert=False, drop=node)
-        return True
-
-    async def _check_resizes(self) -> None:
-        """Roll back a resize its supervisor has not answered in time (it died, or never
-        heard the command)."""
-        now = self.clock()
-        limit = self.config.resize_timeout_s
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if job.resize is not None and now - job.resize.staged_at > limit:
-                await self._roll_back_resize(
-                    job, f"no answer from its supervisor within {limit:g}s", revert=True
-                )
+        await self.resizes.apply_resize(job, action)
 
     # -- scheduling ------------------------------------------------------------------
 
