@@ -31,6 +31,8 @@ from nats.aio.subscription import Subscription
 from brain import elastic, secrets
 from brain import queues as queue_config
 from brain.api import ApiServer
+from brain.attempts import Attempts, current_attempt
+from brain.attempts import launch_id as _launch_id
 from brain.blacklist import Blacklist
 from brain.core import (
     DEFAULT_POLICY,
@@ -50,13 +52,8 @@ from brain.core import (
 )
 from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
-    AttemptEnd,
     Classification,
     FailurePolicy,
-    GiveUp,
-    classify,
-    decide_retry,
-    fault_action,
 )
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
@@ -103,14 +100,13 @@ from schemas.events import (
     ResizeCompleted,
 )
 from schemas.jobs import (
-    AttemptFailure,
     FailureClass,
     JobRecord,
     JobState,
     NodeGrant,
     job_limits,
 )
-from schemas.nodes import DrainedGpu, NodeRecord, NodeState
+from schemas.nodes import NodeRecord, NodeState
 from schemas.progress import Progress
 from schemas.state import (
     BlacklistChanged,
@@ -284,6 +280,13 @@ class Brain:
             clock=clock,
             timeout_s=self.config.resize_timeout_s,
             leading=self.leading.is_set,
+        )
+        self.attempts = Attempts(
+            lambda: self.state,
+            shell,
+            self.resizes,
+            policy=self.config.failures,
+            clock=clock,
         )
 
     @property
@@ -994,7 +997,7 @@ class Brain:
                 continue
             del self._vanishing[key]
             job_id, attempt, node = key
-            job = self._current(job_id, attempt, node)
+            job = current_attempt(self.state, job_id, attempt, node)
             if (
                 job is None
                 or not self.ingest.known(node)
@@ -1003,7 +1006,7 @@ class Brain:
                 continue
             if any(g.exited for g in job.grants if g.node == node):
                 continue
-            await self._fail_attempt(
+            await self.attempts.fail_attempt(
                 job,
                 node,
                 Classification(
@@ -1018,7 +1021,9 @@ class Brain:
         stays drained through being lost and returning, until it is resumed."""
         node = self._known_node(request.node)
         if request.gpu is not None:
-            await self._drain_gpu(node, request.gpu, f"drained by {operator}: {request.reason}")
+            await self.attempts.drain_gpu(
+                node, request.gpu, f"drained by {operator}: {request.reason}"
+            )
             return
         if node.drain_reason == request.reason:
             return
@@ -1087,7 +1092,7 @@ class Brain:
                 unheard_for = self._fenced_after(job)
                 if silent < unheard_for:
                     continue
-                await self._fail_attempt(
+                await self.attempts.fail_attempt(
                     job,
                     name,
                     Classification(
@@ -1148,19 +1153,10 @@ class Brain:
                 break
 
     async def _requeue(self, job: JobRecord, cause: Cause) -> None:
-        """Back to PENDING, keeping its attempt count; stop whatever still runs."""
-        pending = job.model_copy(
-            update={
-                "state": JobState.PENDING,
-                "grants": (),
-                "started_at": None,
-                "reason": cause.message,
-            }
-        )
-        await self._job_changed(pending, job.state, cause)
-        await self._stop_parts(job, f"requeued: {cause.message}")
+        """Back to PENDING, keeping its attempt count (brain/attempts.py)."""
+        await self.attempts.requeue(job, cause)
 
-    # -- node events -----------------------------------------------------------------
+    # -- node events (brain/attempts.py, brain/blacklist.py, brain/resizes.py) ---------
 
     async def _event(self, event: NodeEvent) -> None:
         if event.event_id in self.state.seen_events:
@@ -1169,279 +1165,21 @@ class Brain:
         # that dies in between leaves it undone, and its successor, handed the event
         # again, applies it (each effect checks the attempt, so twice is harmless).
         if isinstance(event, JobStarted):
-            await self._job_started(event)
+            await self.attempts.job_started(event)
         elif isinstance(event, JobExited):
-            await self._job_exited(event)
+            await self.attempts.job_exited(event)
         elif isinstance(event, LaunchFailed):
-            await self._launch_failed(event)
+            await self.attempts.launch_failed(event)
         elif isinstance(event, CommandRejected):
-            await self._command_rejected(event)
+            await self.attempts.command_rejected(event)
         elif isinstance(event, GpuFault):
-            await self._gpu_fault(event)
+            await self.attempts.gpu_fault(event)
         elif isinstance(event, InputError):
             await self.blacklist.input_error(event)
         elif isinstance(event, ResizeCompleted):
             await self.resizes.resize_completed(event)
         await self._event_recorded(event)
         self._dirty = True
-
-    def _current(self, job_id: str, attempt: int, node: str) -> JobRecord | None:
-        """The job, if `attempt` on `node` is what it runs now; else the event is stale."""
-        job = self.state.jobs.get(job_id)
-        if job is None or job.state is not JobState.RUNNING or job.attempt != attempt:
-            return None
-        return job if node in job.nodes else None
-
-    @staticmethod
-    def _with_grant(job: JobRecord, node: str, **update: object) -> JobRecord:
-        grants = tuple(g.model_copy(update=update) if g.node == node else g for g in job.grants)
-        return job.model_copy(update={"grants": grants})
-
-    async def _job_started(self, event: JobStarted) -> None:
-        job = self._current(event.job_id, event.attempt, event.node)
-        if job is None:
-            return
-        started = self._with_grant(job, event.node, pid=event.pid, log_path=event.log_path)
-        await self._job_changed(
-            started,
-            job.state,
-            Cause(
-                kind=CauseKind.STARTED,
-                node=event.node,
-                job_id=job.job_id,
-                message=f"process {event.pid} started on {event.node}",
-            ),
-        )
-
-    async def _job_exited(self, event: JobExited) -> None:
-        job = self._current(event.job_id, event.attempt, event.node)
-        if job is None:
-            return
-        updated = self._with_grant(
-            job, event.node, exited=True, exit_code=event.exit_code, signal=event.signal
-        )
-        how = f"exit code {event.exit_code}" if event.signal is None else f"signal {event.signal}"
-        if event.stopped:
-            # Stopped by its node, not by this brain (the agent shut down): not the
-            # job's fault, so it runs again.
-            await self._requeue(
-                updated,
-                Cause(
-                    kind=CauseKind.EXITED,
-                    node=event.node,
-                    job_id=job.job_id,
-                    message=f"stopped by node {event.node} ({how})",
-                ),
-            )
-            return
-        if event.exit_code == 0:
-            # An elastic job across nodes ends with its supervisor (the first node's
-            # process): its worker hosts on the others run until they are stopped.
-            supervised = job.spec.elastic and event.node == job.grants[0].node
-            if supervised or all(g.exited for g in updated.grants):
-                done = updated.model_copy(
-                    update={
-                        "state": JobState.SUCCEEDED,
-                        "finished_at": self.clock(),
-                        "exit_code": 0,
-                        "reason": "exited 0",
-                    }
-                )
-                await self._job_changed(
-                    done,
-                    job.state,
-                    Cause(
-                        kind=CauseKind.EXITED,
-                        node=event.node,
-                        job_id=job.job_id,
-                        message=f"exited 0 after {event.runtime_s:.1f}s",
-                    ),
-                )
-                if supervised:
-                    await self._stop_parts(
-                        updated, "the job's supervisor finished", except_node=event.node
-                    )
-            else:
-                await self._job_changed(
-                    updated,
-                    job.state,
-                    Cause(
-                        kind=CauseKind.EXITED,
-                        node=event.node,
-                        job_id=job.job_id,
-                        message=f"part on {event.node} exited 0; waiting for the others",
-                    ),
-                )
-            return
-        end = AttemptEnd(
-            exit_code=event.exit_code,
-            signal=event.signal,
-            log_tail=event.log_tail,
-            runtime_s=event.runtime_s,
-            oom_limit_mb=event.oom_limit_mb,
-        )
-        reported = self.state.input_reports.get((job.job_id, job.attempt))
-        await self._fail_attempt(updated, event.node, classify(end, (), reported), end)
-
-    async def _launch_failed(self, event: LaunchFailed) -> None:
-        job = self._current(event.job_id, event.attempt, event.node)
-        if job is None:
-            return
-        why = f"the job's worker host did not start on {event.node}: {event.reason}"
-        if await self.resizes.join_failed(job, event.node, why):
-            return
-        updated = self._with_grant(job, event.node, exited=True)
-        cause = Cause(
-            kind=CauseKind.LAUNCH_FAILED,
-            node=event.node,
-            job_id=job.job_id,
-            message=f"launch failed on {event.node}: {event.reason}",
-        )
-        failure_class = FailureClass.INFRASTRUCTURE if event.retryable else FailureClass.USER
-        await self._fail_attempt(updated, event.node, Classification(failure_class, cause.message))
-
-    async def _command_rejected(self, event: CommandRejected) -> None:
-        log.warning("node %s rejected %s: %s", event.node, event.command_id, event.reason)
-        if event.job_id is None or not event.command_id.startswith("launch-"):
-            return
-        job = self.state.jobs.get(event.job_id)
-        if job is None or job.state is not JobState.RUNNING:
-            return
-        if event.command_id != _launch_id(job.job_id, job.attempt, event.node):
-            return
-        why = f"node {event.node} refused the job's worker host: {event.reason}"
-        if not await self.resizes.join_failed(job, event.node, why):
-            await self._requeue(
-                job,
-                Cause(
-                    kind=CauseKind.LAUNCH_FAILED,
-                    node=event.node,
-                    job_id=job.job_id,
-                    message=f"node {event.node} refused the launch: {event.reason}",
-                ),
-            )
-
-    # -- failures (brain/core/failures.py decides; this journals and commands) -------
-
-    async def _fail_attempt(
-        self,
-        job: JobRecord,
-        node: str,
-        classification: Classification,
-        end: AttemptEnd | None = None,
-    ) -> None:
-        """Record a failed attempt with its class, then retry it or end it."""
-        now = self.clock()
-        user = classification.failure_class is FailureClass.USER
-        failure = AttemptFailure(
-            attempt=max(1, job.attempt),
-            failure_class=classification.failure_class,
-            reason=classification.reason,
-            nodes=job.nodes or (node,),
-            at=now,
-            exit_code=end.exit_code if end is not None else None,
-            signal=end.signal if end is not None else None,
-            input_uri=classification.input_uri,
-            log_tail=end.log_tail[-5:] if end is not None and user else (),
-        )
-        failures = (*job.failures, failure)
-        decision = decide_retry(
-            failures,
-            job.spec.queue,
-            now,
-            self.config.failures,
-            blacklisted=frozenset(self.state.blacklist),
-        )
-        what = f"{classification.failure_class.value} failure on {node}: {classification.reason}"
-        if isinstance(decision, GiveUp):
-            kind = (
-                CauseKind.RETRIES_EXHAUSTED
-                if decision.state is JobState.UNSUCCESSFUL
-                else CauseKind.FAILURE_CLASSIFIED
-            )
-            ended = job.model_copy(
-                update={
-                    "state": decision.state,
-                    "finished_at": now,
-                    "exit_code": failure.exit_code,
-                    "signal": failure.signal,
-                    "failures": failures,
-                    "reason": decision.cause,
-                }
-            )
-            cause = Cause(
-                kind=kind, node=node, job_id=job.job_id, message=f"{what}; {decision.cause}"
-            )
-            await self._job_changed(ended, job.state, cause)
-            await self._stop_parts(job, f"failed: {classification.reason}", except_node=node)
-            return
-        pending = job.model_copy(
-            update={
-                "state": JobState.PENDING,
-                "grants": (),
-                "started_at": None,
-                "failures": failures,
-                "not_before": decision.not_before,
-                "avoid_nodes": decision.avoid_nodes,
-                # A pre-run that failed for reasons not its own tries its pre-run again.
-                "prerun": "pending" if job.prerun == "running" else job.prerun,
-                "reason": f"{what}; {decision.cause}",
-            }
-        )
-        cause = Cause(
-            kind=CauseKind.RETRY_SCHEDULED,
-            node=node,
-            job_id=job.job_id,
-            message=f"{what}; {decision.cause}",
-        )
-        await self._job_changed(pending, job.state, cause)
-        await self._stop_parts(job, f"retrying elsewhere: {classification.reason}")
-
-    async def _gpu_fault(self, event: GpuFault) -> None:
-        """Critical faults drain the GPU or the node; jobs on it fail as infrastructure."""
-        action = fault_action(event.fault, event.xid, event.gpu)
-        node = self.state.nodes.get(event.node)
-        if node is None or action.drain == "none":
-            log.info("node %s: %s (drains nothing)", event.node, action.reason)
-            return
-        if action.drain == "node":
-            affected = self.state.running_on(node.name)
-            if node.drain_reason is None:
-                await self._node_changed(
-                    node.model_copy(
-                        update={
-                            "state": NodeState.DRAINED
-                            if node.state is NodeState.READY
-                            else node.state,
-                            "drain_reason": action.reason,
-                        }
-                    ),
-                    node.state,
-                    Cause(kind=CauseKind.NODE_DRAINED, node=node.name, message=action.reason),
-                )
-        else:
-            affected = [
-                j
-                for j in self.state.running_on(node.name)
-                if any(g.node == node.name and event.gpu in g.gpus for g in j.grants)
-            ]
-            await self._drain_gpu(node, event.gpu, action.reason)
-        for job in affected:
-            await self._fail_attempt(
-                job, node.name, Classification(FailureClass.INFRASTRUCTURE, action.reason)
-            )
-
-    async def _drain_gpu(self, node: NodeRecord, gpu: int, reason: str) -> None:
-        if gpu not in {g.index for g in node.gpus}:
-            raise ApiError("not_found", f"node {node.name} has no GPU {gpu}")
-        if any(d.index == gpu for d in node.drained_gpus):
-            return
-        drained = (*node.drained_gpus, DrainedGpu(index=gpu, reason=reason, at=self.clock()))
-        await self._node_changed(
-            node.model_copy(update={"drained_gpus": drained}),
-            node.state,
-            Cause(kind=CauseKind.GPU_DRAINED, node=node.name, message=reason),
-        )
 
     async def _edit_blacklist(self, operator: str, request: BlacklistRequest) -> None:
         await self.blacklist.edit(operator, request)
@@ -1718,10 +1456,6 @@ def _preemption(action: Preempt) -> Preemption:
         winner_rank=cause.winner_rank,
         victim_rank=cause.victim_rank,
     )
-
-
-def _launch_id(job_id: str, attempt: int, node: str) -> str:
-    return f"launch-{job_id}-{attempt}-{node}"
 
 
 class _Shell:
