@@ -31,7 +31,7 @@ from nats.aio.subscription import Subscription
 from brain import elastic, secrets
 from brain import queues as queue_config
 from brain.api import ApiServer
-from brain.attempts import Attempts, current_attempt
+from brain.attempts import Attempts
 from brain.attempts import launch_id as _launch_id
 from brain.blacklist import Blacklist
 from brain.core import (
@@ -52,7 +52,6 @@ from brain.core import (
 )
 from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
-    Classification,
     FailurePolicy,
 )
 from brain.credentials import JobCredentials, load_signer
@@ -68,6 +67,7 @@ from brain.ingest import (
 )
 from brain.journal import Journal
 from brain.leader import Lease
+from brain.liveness import Liveness
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.reconciler import Reconciler
@@ -100,7 +100,6 @@ from schemas.events import (
     ResizeCompleted,
 )
 from schemas.jobs import (
-    FailureClass,
     JobRecord,
     JobState,
     NodeGrant,
@@ -219,9 +218,6 @@ class Brain:
         self.blacklist = Blacklist(
             lambda: self.state, shell, policy=self.config.failures, clock=clock
         )
-        # (job, attempt, node) -> when its node's agent came back as a new instance
-        # without it: the process went with the old agent (`_check_vanished`).
-        self._vanishing: dict[tuple[str, int, str], float] = {}
         self._inbox: asyncio.Queue[Item] = asyncio.Queue()
         # State and the log have one writer at a time: an inbox item being handled, or
         # a scheduling pass applying its decisions (decide() itself runs outside it).
@@ -287,6 +283,16 @@ class Brain:
             self.resizes,
             policy=self.config.failures,
             clock=clock,
+        )
+        self.liveness = Liveness(
+            lambda: self.state,
+            shell,
+            self.attempts,
+            self.ingest,
+            self.hearing,
+            settings=self.config,
+            clock=clock,
+            monotonic=monotonic,
         )
 
     @property
@@ -699,10 +705,10 @@ class Brain:
         return None
 
     async def _tick(self) -> None:
-        await self._check_nodes()
+        await self.liveness.check_nodes()
         await self.reconciler.reconcile_all()
-        await self._check_vanished()
-        await self._check_launches()
+        await self.liveness.check_vanished()
+        await self.liveness.check_launches()
         await self.blacklist.check_preruns()
         await self.resizes.check_resizes()
         if self._wake_at is not None and self.clock() >= self._wake_at:
@@ -929,228 +935,18 @@ class Brain:
         await self._stop_parts(job, "cancelled")
         return cancelled
 
-    # -- nodes -----------------------------------------------------------------------
+    # -- nodes (brain/liveness.py) -----------------------------------------------------
 
     async def _heartbeat(self, beat: Heartbeat) -> None:
         """A heartbeat with news (brain/ingest.py): journal what changed, reconcile."""
-        now = self.monotonic()
-        known = self.state.nodes.get(beat.node)
-        if known is not None and known.instance != beat.instance:
-            self._agent_restarted(beat, now)
-        drain_reason = known.drain_reason if known is not None else None
-        fresh = NodeRecord(
-            name=beat.node,
-            state=NodeState.DRAINED if drain_reason else NodeState.READY,
-            hostname=beat.hostname,
-            backend=beat.backend,
-            instance=beat.instance,
-            gpus=beat.gpus,
-            joined_at=known.joined_at if known is not None else self.clock(),
-            drain_reason=drain_reason,
-            drained_gpus=known.drained_gpus if known is not None else (),
-        )
-        if known is None or known.instance != beat.instance:
-            self._check_fence(beat)
-        if known is None:
-            await self._node_changed(
-                fresh,
-                None,
-                Cause(
-                    kind=CauseKind.NODE_JOINED,
-                    node=beat.node,
-                    message=f"joined with {len(beat.gpus)} GPUs ({beat.backend})",
-                ),
-            )
-        elif known.state is NodeState.LOST:
-            await self._node_changed(
-                fresh,
-                known.state,
-                Cause(kind=CauseKind.NODE_RETURNED, node=beat.node, message="heartbeats resumed"),
-            )
-        elif fresh != known:
-            await self._node_changed(
-                fresh,
-                known.state,
-                Cause(
-                    kind=CauseKind.NODE_UPDATED,
-                    node=beat.node,
-                    message="inventory or agent instance changed",
-                ),
-            )
+        await self.liveness.heartbeat(beat)
         await self.reconciler.reconcile(beat)
 
-    def _agent_restarted(self, beat: Heartbeat, now: float) -> None:
-        """A new agent instance does not know the processes of the old one (it stops any
-        it finds left over): attempts it does not report are suspects. They are failed
-        a node timeout later, if no exit from the old instance has arrived by then."""
-        reported = {(r.job_id, r.attempt) for r in beat.running}
-        for job in self.state.running_on(beat.node):
-            grant = next(g for g in job.grants if g.node == beat.node)
-            known = (job.job_id, job.attempt) in reported
-            if grant.pid is not None and not grant.exited and not known:
-                self._vanishing.setdefault((job.job_id, job.attempt, beat.node), now)
-
-    async def _check_vanished(self) -> None:
-        now = self.monotonic()
-        for key, since in list(self._vanishing.items()):
-            if now - since < self.config.node_timeout_s:
-                continue
-            del self._vanishing[key]
-            job_id, attempt, node = key
-            job = current_attempt(self.state, job_id, attempt, node)
-            if (
-                job is None
-                or not self.ingest.known(node)
-                or (job_id, attempt) in self.ingest.running(node)
-            ):
-                continue
-            if any(g.exited for g in job.grants if g.node == node):
-                continue
-            await self.attempts.fail_attempt(
-                job,
-                node,
-                Classification(
-                    FailureClass.INFRASTRUCTURE,
-                    f"the agent of node {node} restarted and attempt {attempt}'s process "
-                    "went with the old agent",
-                ),
-            )
-
     async def _drain(self, operator: str, request: DrainRequest) -> None:
-        """Take a node's GPUs out of scheduling; what runs there goes on. A drained node
-        stays drained through being lost and returning, until it is resumed."""
-        node = self._known_node(request.node)
-        if request.gpu is not None:
-            await self.attempts.drain_gpu(
-                node, request.gpu, f"drained by {operator}: {request.reason}"
-            )
-            return
-        if node.drain_reason == request.reason:
-            return
-        await self._node_changed(
-            node.model_copy(
-                update={
-                    "state": NodeState.DRAINED if node.state is NodeState.READY else node.state,
-                    "drain_reason": request.reason,
-                }
-            ),
-            node.state,
-            Cause(
-                kind=CauseKind.NODE_DRAINED,
-                node=node.name,
-                message=f"drained by {operator}: {request.reason}",
-            ),
-        )
+        await self.liveness.drain(operator, request)
 
     async def _resume(self, operator: str, request: ResumeRequest) -> None:
-        node = self._known_node(request.node)
-        if node.drain_reason is None and not node.drained_gpus:
-            raise ApiError("conflict", f"node {node.name} is not drained")
-        await self._node_changed(
-            node.model_copy(
-                update={
-                    "state": NodeState.READY if node.state is NodeState.DRAINED else node.state,
-                    "drain_reason": None,
-                    "drained_gpus": (),
-                }
-            ),
-            node.state,
-            Cause(
-                kind=CauseKind.NODE_RESUMED,
-                node=node.name,
-                message=f"resumed by {operator}: its GPUs are schedulable again",
-            ),
-        )
-
-    def _known_node(self, name: str) -> NodeRecord:
-        node = self.state.nodes.get(name)
-        if node is None:
-            raise ApiError("not_found", f"no node {name}")
-        return node
-
-    async def _check_nodes(self) -> None:
-        if self.hearing.deaf_within(self.config.node_timeout_s):
-            return  # heartbeats may have been sent and lost on our side: judge none
-        for name, silent in list(self.ingest.silent(self.monotonic())):
-            node = self.state.nodes.get(name)
-            if node is None:
-                continue
-            # A drained node can be lost too: its running jobs must be taken back.
-            if node.state is not NodeState.LOST:
-                await self._node_changed(
-                    node.model_copy(update={"state": NodeState.LOST}),
-                    node.state,
-                    Cause(
-                        kind=CauseKind.NODE_LOST,
-                        node=name,
-                        message=f"no heartbeat for {silent:.1f}s "
-                        f"(limit {self.config.node_timeout_s:g}s)",
-                    ),
-                )
-            for job in self.state.running_on(name):
-                # Not before its agent has fenced it: never two attempts at once.
-                unheard_for = self._fenced_after(job)
-                if silent < unheard_for:
-                    continue
-                await self.attempts.fail_attempt(
-                    job,
-                    name,
-                    Classification(
-                        FailureClass.INFRASTRUCTURE,
-                        f"node {name} was lost (no heartbeat for {silent:.1f}s; its agent "
-                        f"stops the job after {unheard_for - self.config.fence_margin_s:g}s "
-                        f"without NATS, margin {self.config.fence_margin_s:g}s)",
-                    ),
-                )
-
-    def _check_fence(self, beat: Heartbeat) -> None:
-        """Say so when a node's agent may run its jobs on past the moment this brain
-        runs them elsewhere (docs/operations.md, "Partitions")."""
-        limit = self.config.node_timeout_s + self.config.fence_margin_s
-        if beat.fence_s is None:
-            log.warning(
-                "node %s does not fence itself: a partition of it may run its jobs twice",
-                beat.node,
-            )
-        elif beat.fence_s >= limit:
-            log.warning(
-                "node %s stops its jobs %gs after losing NATS, not before this brain runs "
-                "them elsewhere (node timeout + fence margin = %gs): a partition of it may "
-                "run them twice",
-                beat.node,
-                beat.fence_s,
-                limit,
-            )
-
-    def _fenced_after(self, job: JobRecord) -> float:
-        """How long a job's node must be silent before the job may run elsewhere."""
-        if job.spec.on_disconnect == "keep":
-            return self.config.keep_disconnected_s + self.config.fence_margin_s
-        return self.config.node_timeout_s + self.config.fence_margin_s
-
-    async def _check_launches(self) -> None:
-        """Requeue a job whose launch a node never confirmed nor refused."""
-        now = self.clock()
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if job.started_at is None or now - job.started_at < self.config.launch_ttl_s + 5:
-                continue
-            for grant in job.grants:
-                if grant.pid is not None or grant.exited:
-                    continue
-                if grant.node in elastic.joining(job):
-                    continue  # launched by a grow: the resize's own timeout covers it
-                if (job.job_id, job.attempt) in self.ingest.running(grant.node):
-                    continue
-                await self._requeue(
-                    job,
-                    Cause(
-                        kind=CauseKind.LAUNCH_FAILED,
-                        node=grant.node,
-                        job_id=job.job_id,
-                        message=f"node {grant.node} never confirmed the launch",
-                    ),
-                )
-                break
+        await self.liveness.resume(operator, request)
 
     async def _requeue(self, job: JobRecord, cause: Cause) -> None:
         """Back to PENDING, keeping its attempt count (brain/attempts.py)."""
