@@ -67,6 +67,7 @@ from brain.ingest import (
 )
 from brain.journal import Journal
 from brain.leader import Lease
+from brain.leadership import Leadership
 from brain.liveness import Liveness
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
@@ -195,7 +196,15 @@ class Brain:
         self.lease = Lease(bus, ttl_s=self.config.lease_ttl_s)
         # 0 while standing by; the lease revision it was taken at while leading.
         self.epoch = 0
-        self.leading = asyncio.Event()
+        self.leadership = Leadership(
+            self.lease,
+            _BrainTenure(self),
+            spawn=lambda coro, name: self.bus.spawn(coro, name=name),
+            ttl_s=self.config.lease_ttl_s,
+            monotonic=monotonic,
+            closing=lambda: self._closing,
+        )
+        self.leading = self.leadership.leading
         self.instance = uuid.uuid4().hex[:12]
         self.started_at = clock()
         self.host = socket.gethostname()
@@ -243,9 +252,6 @@ class Brain:
         self._leader_subs: list[Subscription] = []
         self._events: Consumer | None = None
         self._election: asyncio.Task[None] | None = None
-        self._renewer: asyncio.Task[None] | None = None
-        self._taking_over = False
-        self._stepping_down = False
         # Loops end on this flag, not on cancellation alone: nats-py turns a
         # cancellation into ConnectionClosedError once the connection is closed.
         self._closing = False
@@ -317,7 +323,7 @@ class Brain:
         await self.lease.open()
         await self.replica.load()
         self.replica.follow()
-        self._election = self.bus.spawn(self._elect_forever(), name="brain-election")
+        self._election = self.bus.spawn(self.leadership.elect_forever(), name="brain-election")
         log.info(
             "brain %s up: %d jobs and %d nodes at seq %d; policy %s; queues %s",
             self.instance,
@@ -351,66 +357,21 @@ class Brain:
             leader=self.leading.is_set(),
         )
 
-    async def _elect_forever(self) -> None:
-        while not self._closing:
-            try:
-                idle = not (self._taking_over or self._stepping_down)
-                if not self.leading.is_set() and idle:
-                    epoch = await self.lease.try_acquire(self.info())
-                    if epoch is not None:
-                        # Renew from now on, however long taking over lasts.
-                        self._renewer = self.bus.spawn(self._renew_forever(), name="lease")
-                        self._taking_over = True
-                        try:
-                            await self._lead(epoch)
-                        except Exception:
-                            if not self.leading.is_set():
-                                # Not leading after all: let the lease go, or nobody
-                                # would lead while this brain's renewer kept it.
-                                await self._let_lease_go()
-                            raise
-                        finally:
-                            self._taking_over = False
-                await self.lease.announce(self.info())
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("election round failed: %r", error)
-            await asyncio.sleep(self.config.lease_ttl_s / 10)
+    # -- leadership (brain/leadership.py orders it; these are the tenure's parts) ---
 
-    async def _renew_forever(self) -> None:
-        renewed_at = self.monotonic()
-        while self.lease.epoch is not None and not self._closing:
-            await asyncio.sleep(self.config.lease_ttl_s / 3)
-            try:
-                if not await self.lease.renew(self.info()):
-                    await self._stop_leading("the lease was lost")
-                    return
-                renewed_at = self.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("lease renewal failed: %r", error)
-                if self.monotonic() - renewed_at > self.config.lease_ttl_s:
-                    # Unrenewed past its TTL the lease is surely gone: stop acting now.
-                    self.lease.epoch = self.lease.revision = None
-                    await self._stop_leading("could not renew the lease")
-                    return
+    async def _stop_leading(self, reason: str) -> None:
+        await self.leadership.stop_leading(reason)
 
-    async def _let_lease_go(self) -> None:
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None and renewer is not asyncio.current_task():
-            renewer.cancel()
-        await self.lease.release()
-
-    async def _lead(self, epoch: int) -> None:
+    async def _catch_up(self) -> int:
         await self.replica.stop_following()
         if self.journal.tainted:
             # The last tenure's state ran ahead of the log and could not be read again
             # then (cut off from NATS, say): it must be before this one begins.
             await self.replica.reload()
             self.journal.tainted = False
-        caught_up = await self.replica.catch_up()
+        return await self.replica.catch_up()
+
+    async def _begin(self, epoch: int) -> None:
         self.epoch = epoch
         now = self.monotonic()
         self.ingest.reset()
@@ -451,11 +412,8 @@ class Brain:
         ]
         self._dirty = True
         self._pass_wanted.set()
-        self.leading.set()
-        if self.lease.epoch != epoch:
-            # The renewer gave the lease up while this takeover waited on the bus.
-            await self._stop_leading("the lease was lost while taking over")
-            return
+
+    async def _take_over(self, epoch: int, caught_up: int) -> None:
         async with self._unit():
             await self._resend_unconfirmed_launches()
             await self.resizes.resend_staged_resizes()
@@ -466,6 +424,39 @@ class Brain:
             caught_up,
             self.state.last_seq,
         )
+
+    async def _end(self, reason: str, renewer: asyncio.Task[None] | None) -> None:
+        self.epoch = 0
+        current = asyncio.current_task()
+        subs, events = self._leader_subs, self._events
+        others = [t for t in (*self._leader_tasks, renewer) if t and t is not current]
+        self._leader_subs, self._leader_tasks, self._events = [], [], None
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if events is not None:
+            await events.stop()
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=3.0)
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if item.done is not None and not item.done.done():
+                error = ApiError("unavailable", f"brain stepped down: {reason}")
+                item.done.set_exception(error)
+        self.journal.discard()  # staged by a unit cut short: never stored
+        if self.journal.tainted:
+            # State ran ahead of the log (a group not stored): read it all again.
+            try:
+                await self.replica.reload()
+                self.journal.tainted = False
+            except Exception as error:  # cut off from NATS, say: before leading again
+                log.warning("reading state again failed (%r); retried before leading", error)
+
+    def _follow(self) -> None:
+        if not self.journal.tainted:  # else its state is read again before it leads
+            self.replica.follow()
 
     async def _resend_unconfirmed_launches(self) -> None:
         """A brain may have died between journaling a placement and commanding it.
@@ -478,51 +469,6 @@ class Brain:
                 return  # stepped down meanwhile: the next leader re-sends them
             if any(g.pid is None and not g.exited for g in job.grants):
                 await self._send_launches(job)
-
-    async def _stop_leading(self, reason: str) -> None:
-        if not self.leading.is_set():
-            if self._renewer is not None and self._renewer is not asyncio.current_task():
-                self._renewer.cancel()
-            self._renewer = None
-            return
-        log.warning("brain %s stops leading: %s", self.instance, reason)
-        self.leading.clear()
-        # Take this tenure's parts before the first await, and hold the election off
-        # until they are let go: otherwise a tenure begun meanwhile (the lease came
-        # back) would have its own parts torn down and keep this one's loop at epoch 0.
-        self._stepping_down = True
-        self.epoch = 0
-        current = asyncio.current_task()
-        subs, events = self._leader_subs, self._events
-        others = [t for t in (*self._leader_tasks, self._renewer) if t and t is not current]
-        self._leader_subs, self._leader_tasks, self._renewer, self._events = [], [], None, None
-        try:
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            if events is not None:
-                await events.stop()
-            for task in others:
-                task.cancel()
-            if others:
-                await asyncio.wait(others, timeout=3.0)
-            while not self._inbox.empty():
-                item = self._inbox.get_nowait()
-                if item.done is not None and not item.done.done():
-                    error = ApiError("unavailable", f"brain stepped down: {reason}")
-                    item.done.set_exception(error)
-            self.journal.discard()  # staged by a unit cut short: never stored
-            if self.journal.tainted:
-                # State ran ahead of the log (a group not stored): read it all again.
-                try:
-                    await self.replica.reload()
-                    self.journal.tainted = False
-                except Exception as error:  # cut off from NATS, say: before leading again
-                    log.warning("reading state again failed (%r); retried before leading", error)
-        finally:
-            self._stepping_down = False
-        if not self.journal.tainted:  # else its state is read again before it leads
-            self.replica.follow()
 
     async def _maybe_snapshot(self) -> None:
         if self.state.last_seq - self.replica.snapshot_seq < self.config.snapshot_every:
@@ -1288,3 +1234,28 @@ class _Shell:
 
     async def send_launches(self, job: JobRecord) -> None:
         await self._brain._send_launches(job)
+
+
+class _BrainTenure:
+    """A `Brain`'s tenure as brain/leadership.py sees it."""
+
+    def __init__(self, brain: Brain) -> None:
+        self._brain = brain
+
+    def info(self) -> BrainInfo:
+        return self._brain.info()
+
+    async def catch_up(self) -> int:
+        return await self._brain._catch_up()
+
+    async def begin(self, epoch: int) -> None:
+        await self._brain._begin(epoch)
+
+    async def take_over(self, epoch: int, caught_up: int) -> None:
+        await self._brain._take_over(epoch, caught_up)
+
+    async def end(self, reason: str, renewer: asyncio.Task[None] | None) -> None:
+        await self._brain._end(reason, renewer)
+
+    def follow(self) -> None:
+        self._brain._follow()
