@@ -1,13 +1,23 @@
-"""The brain's asyncio shell: fold events into state, decide, command, journal.
+"""The brain's asyncio shell and composition root: fold events into state, decide,
+command, journal.
 
 Every input that may change state (a heartbeat with news, a node event, an API call,
 a tick) goes through one inbox and is handled to completion before the next; heartbeats
 and telemetry stop in brain/ingest.py, which passes on only their news. State has one
 writer at a time: the inbox loop, or a scheduling pass applying its decisions (passes
-are coalesced and run decide() off the request path). Each change is appended to the
-STATE stream first and applied to memory once JetStream has stored it (write-ahead), so
+are coalesced and run decide() off the request path). Each change is staged in the
+journal (brain/journal.py: applied to memory at once) and stored on the STATE stream as
+one group with its unit of work, before any command or answer of that unit goes out, so
 what any client was told is in the log. Decisions come from the pure `decide()`; this
 module only turns them into records and commands.
+
+`Brain` owns the inbox loop, the scheduling pass, submissions and placements, the
+journal's records and the commands. The rest is in parts it wires here, each behind the
+narrow protocols of brain/writer.py (`_Shell` implements them over the brain):
+leadership (brain/leadership.py, with `_BrainTenure`), liveness of nodes
+(brain/liveness.py), attempts and failures (brain/attempts.py), the blacklist and
+pre-runs (brain/blacklist.py), resizes (brain/resizes.py) and the reconciler
+(brain/reconciler.py). The parts never import this module.
 """
 
 from __future__ import annotations
@@ -213,20 +223,8 @@ class Brain:
         self.ingest = NodeIngest(node_timeout_s=self.config.node_timeout_s)
         self.hearing = Hearing(monotonic)
         self.ingest_bus: Bus = bus
+        # (node, job, attempt) -> when a stop for it was last sent (the reconciler's).
         self._stops_sent: dict[tuple[str, str, int], float] = {}
-        # The parts of the brain, each behind the narrow protocols of brain/writer.py
-        # that `_Shell` implements over this brain.
-        shell = _Shell(self)
-        self.reconciler = Reconciler(
-            lambda: self.state,
-            self.ingest,
-            shell,
-            stops_sent=self._stops_sent,
-            monotonic=monotonic,
-        )
-        self.blacklist = Blacklist(
-            lambda: self.state, shell, policy=self.config.failures, clock=clock
-        )
         self._inbox: asyncio.Queue[Item] = asyncio.Queue()
         # State and the log have one writer at a time: an inbox item being handled, or
         # a scheduling pass applying its decisions (decide() itself runs outside it).
@@ -274,6 +272,19 @@ class Brain:
         self.record_observers.append(self.progress.on_record)
         # Records staged by the writer, stored as one group per unit of work.
         self.journal = Journal(bus, self.history, lambda: self.state, self.record_observers)
+        # The parts of the brain, each behind the narrow protocols of brain/writer.py
+        # that `_Shell` implements over this brain; each reads state as it stands.
+        shell = _Shell(self)
+        self.reconciler = Reconciler(
+            lambda: self.state,
+            self.ingest,
+            shell,
+            stops_sent=self._stops_sent,
+            monotonic=monotonic,
+        )
+        self.blacklist = Blacklist(
+            lambda: self.state, shell, policy=self.config.failures, clock=clock
+        )
         self.resizes = Resizes(
             lambda: self.state,
             shell,
