@@ -32,13 +32,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# (pattern, replacement, how many times at least it must be found in run_sim.py: the
-# band crossing is in `dlas_sim_jobs`, `multi_dlas_sim_jobs`, `dlas_pack_sim_jobs`)
+# (pattern, replacement, how many times at least it must be found in run_sim.py). The
+# band crossing is in `dlas_sim_jobs` (the one `dlas-gpu` and `dlas-gpu-gittins` run),
+# `multi_dlas_sim_jobs` and `dlas_pack_sim_jobs`: every one found is kept.
 _DIVISIONS: tuple[tuple[str, str, int], ...] = (
     (
         r"math\.ceil\(\((\w+)\.queue_limit\[qid\] - rjob\['executed_time'\]\)/rjob\['num_gpu'\]\)",
         r"math.ceil((\1.queue_limit[qid] - rjob['executed_time'])//rjob['num_gpu'])",
-        3,
+        1,
     ),
     (
         r"e = round\(e_sum / \(job_data\['num'\] - idx\), 5\)",
