@@ -296,7 +296,9 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
 def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """2D-Gittins (Tiresias' dlas-gpu-gittins): LAS bands, and within a band the
     higher Gittins index of the job's attained service first; equal indices (every
-    new job has the same) in submission order.
+    new job has the same, every job past the largest sample 0) as `las` orders a band
+    (`_within_band`: the jobs running there first, by when they started there, then
+    the others by least attained service).
 
     The index comes from the distribution of finished jobs' service the shell has
     seen so far (with a prior), not from a fixed file, so it adapts to the cluster.
