@@ -8,6 +8,13 @@ jobs replayed per CPU second, checks the issue's targets, and writes everything 
 bench/results/ (JSON and CSV).
 
     .venv/bin/python bench/policies.py [--only vc_0e4a51] [--variant las] [--workers N]
+        [--tiresias-dir DIR]
+
+With `--tiresias-dir DIR` (a checkout of SymbioticLab/Tiresias you provide; its code is
+not part of this project) it also runs Tiresias' own simulator in the same run, on the
+same trace and cluster, for every Tiresias policy a variant is compared with, and
+prints its average JCT, CPU seconds and jobs per CPU second beside ours
+(bench/tiresias_ref.py: how it is run and adapted to Python 3).
 
 Not a test: nothing here asserts; it reports.
 """
@@ -19,7 +26,7 @@ import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,10 +34,11 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.recording import record  # noqa: E402
+from bench.tiresias_ref import TiresiasRun, simulator_dir  # noqa: E402
+from bench.tiresias_ref import run as run_tiresias  # noqa: E402
 from brain.core import DEFAULT_SERVICE_PRIOR, Policy, ServiceDistribution  # noqa: E402
 from brain.sim import (  # noqa: E402
     SimConfig,
-    SimResult,
     load_trace,
     parse_cluster,
     simulate,
@@ -93,6 +101,8 @@ class Variant:
     distribution: str = "learned"
     # Reads progress reports (not durations, but not blind to how far a job is).
     reads_progress: bool = False
+    # Learned distribution: also from unfinished jobs' service (Kaplan-Meier).
+    censored: bool = True
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -104,6 +114,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("las-tiresias", Policy(order="las-tiresias"), "dlas-gpu"),
     Variant("las-fine", Policy(order="las", las_thresholds_gpu_s=FINE_BANDS), None),
     Variant("gittins", Policy(order="gittins"), "dlas-gpu-gittins"),
+    Variant("gittins finished-only", Policy(order="gittins"), "dlas-gpu-gittins", censored=False),
     Variant("gittins yarn", Policy(order="gittins"), "dlas-gpu-gittins", distribution="yarn"),
     Variant(
         "gittins-tiresias yarn",
@@ -126,6 +137,8 @@ class Row:
     decide_calls: int
     # Learned Gittins only: finished jobs after which the index stayed near its final.
     converged_after: int | None = None
+    # With --tiresias-dir: Tiresias' own simulator on the counterpart, same run.
+    tiresias: TiresiasRun | None = None
 
     @property
     def jobs_per_cpu_s(self) -> float:
@@ -143,24 +156,18 @@ def _prior(variant: Variant) -> tuple[ServiceDistribution, bool]:
 PROBES = (0.0, 1_000.0, 3_250.0, 7_200.0, 36_000.0)
 
 
-def converged_after(result: SimResult, prior: ServiceDistribution, quantum: float) -> int:
+def converged_after(learned: tuple[tuple[int, tuple[float, ...]], ...]) -> int:
     """How many finished jobs (in finishing order) the learned distribution took until
-    its Gittins index at every probe stayed within 10 % of where the replay left it."""
-    services = [
-        o.gpu_seconds
-        for o in sorted(result.outcomes, key=lambda o: o.finished_at or 0.0)
-        if o.finished_at is not None
-    ]
-    seen = [prior]
-    for service in services:
-        seen.append(seen[-1].with_sample(service))
-    final = [seen[-1].gittins_index(a, quantum) for a in PROBES]
-    last_off = 0
-    for n, distribution in enumerate(seen):
-        indices = (distribution.gittins_index(a, quantum) for a in PROBES)
+    its Gittins index at every probe (`PROBES`) stayed within 10 % of where the replay
+    left it: `learned` is the simulator's record, one entry per change."""
+    if not learned:
+        return 0
+    final = learned[-1][1]
+    settled = 0
+    for n, (finished, indices) in enumerate(learned):
         if any(abs(i - f) > 0.1 * f for i, f in zip(indices, final, strict=True)):
-            last_off = n + 1
-    return last_off
+            settled = learned[n + 1][0] if n + 1 < len(learned) else finished
+    return settled
 
 
 def run_one(scenario: str, variant: Variant) -> Row:
@@ -172,6 +179,8 @@ def run_one(scenario: str, variant: Variant) -> Row:
         progress_error=variant.progress_error,
         service_prior=prior,
         learn_service=learn,
+        learn_censored=variant.censored,
+        index_probes_gpu_s=PROBES if learn else (),
     )
     started = time.process_time()
     result = simulate(trace, config)
@@ -179,8 +188,14 @@ def run_one(scenario: str, variant: Variant) -> Row:
     reference = REFERENCE[scenario].get(variant.counterpart) if variant.counterpart else None
     learned = None
     if learn and variant.policy.order.startswith("gittins"):
-        learned = converged_after(result, prior, variant.policy.gittins_quantum_gpu_s)
+        learned = converged_after(result.learned_index)
     return Row(scenario, variant, reference, summarize(result), cpu, result.decide_calls, learned)
+
+
+def run_reference(checkout: str, scenario: str, schedule: str) -> tuple[str, TiresiasRun]:
+    nodes, gpus = CLUSTERS[scenario].split("x")
+    trace = DATA / "philly" / f"{scenario}.csv"
+    return scenario, run_tiresias(Path(checkout), trace, int(nodes), int(gpus), schedule)
 
 
 def _fmt(value: float | None) -> str:
@@ -199,6 +214,9 @@ def print_table(rows: list[Row]) -> None:
         "CPU s",
         "jobs/s",
     )
+    with_tiresias = any(r.tiresias is not None for r in rows)
+    if with_tiresias:
+        header = (*header, "Tiresias run: avg JCT", "CPU s", "jobs/s", "CPU x ours")
     lines = [header]
     for r in rows:
         m = r.metrics
@@ -216,6 +234,7 @@ def print_table(rows: list[Row]) -> None:
                 str(m.preemptions),
                 f"{r.cpu_s:.1f}",
                 f"{r.jobs_per_cpu_s:,.0f}",
+                *(_tiresias_cells(r) if with_tiresias else ()),
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -227,6 +246,18 @@ def print_table(rows: list[Row]) -> None:
             )
         )
     print("* knows job durations (clairvoyant); every other policy does not")
+
+
+def _tiresias_cells(row: Row) -> tuple[str, ...]:
+    t = row.tiresias
+    if t is None:
+        return ("-", "-", "-", "-")
+    return (
+        _fmt(t.avg_jct),
+        f"{t.cpu_s:.1f}",
+        f"{t.jobs_per_cpu_s:,.0f}",
+        f"{t.cpu_s / row.cpu_s:.1f}" if row.cpu_s > 0 else "-",
+    )
 
 
 def targets(rows: list[Row]) -> list[str]:
@@ -264,6 +295,22 @@ def targets(rows: list[Row]) -> list[str]:
                 f"Tiresias' best ({best_ref:,.0f}); target <= 0.9: "
                 f"{'met' if ratio <= 0.9 else 'MISSED'}"
             )
+        for r in mine.values():
+            if r.tiresias is not None:
+                t = r.tiresias
+                out.append(
+                    f"{scenario}: {r.variant.label}: {r.cpu_s:.2f} CPU-s "
+                    f"({r.jobs_per_cpu_s:,.0f} jobs/s); Tiresias' {t.schedule} in the same run "
+                    f"{t.cpu_s:.2f} CPU-s ({t.jobs_per_cpu_s:,.0f} jobs/s, avg JCT "
+                    f"{t.avg_jct:,.0f}): {'faster' if r.cpu_s < t.cpu_s else 'SLOWER'}"
+                )
+        finished_only = mine.get("gittins finished-only")
+        if finished_only is not None and finished_only.converged_after is not None:
+            out.append(
+                f"{scenario}: gittins learned from finished jobs only: "
+                f"{finished_only.metrics.avg_jct:,.0f} s, its index settled after "
+                f"{finished_only.converged_after:,} finished jobs"
+            )
         learned = mine.get("gittins")
         if learned is not None and learned.converged_after is not None:
             fixed = mine.get("gittins yarn")
@@ -273,7 +320,8 @@ def targets(rows: list[Row]) -> list[str]:
                 else ""
             )
             out.append(
-                f"{scenario}: gittins learned online: {learned.metrics.avg_jct:,.0f} s{beside}; "
+                f"{scenario}: gittins learned online (finished and, censored, unfinished "
+                f"jobs): {learned.metrics.avg_jct:,.0f} s{beside}; "
                 f"its index settled (within 10 % of its end value at "
                 f"{', '.join(f'{a:,.0f}' for a in PROBES)} GPU-s) after "
                 f"{learned.converged_after:,} of {learned.metrics.jobs:,} finished jobs"
@@ -303,6 +351,12 @@ def write_results(rows: list[Row], notes: list[str]) -> tuple[Path, Path]:
             "jobs_per_cpu_s": round(r.jobs_per_cpu_s, 1),
             "decide_calls": r.decide_calls,
             "gittins_converged_after_jobs": r.converged_after,
+            "learn_censored": r.variant.censored,
+            "tiresias_same_run_avg_jct": None if r.tiresias is None else r.tiresias.avg_jct,
+            "tiresias_same_run_cpu_s": None if r.tiresias is None else round(r.tiresias.cpu_s, 2),
+            "tiresias_same_run_jobs_per_cpu_s": (
+                None if r.tiresias is None else round(r.tiresias.jobs_per_cpu_s, 1)
+            ),
             **r.metrics.as_json(),
         }
         for r in rows
@@ -317,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         "--variant", choices=[v.label for v in VARIANTS], action="append", metavar="LABEL"
     )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--tiresias-dir",
+        type=Path,
+        metavar="DIR",
+        help="a checkout of SymbioticLab/Tiresias (or its simulator/ folder): also run "
+        "its simulator on every counterpart in this run, for CPU time side by side",
+    )
     args = parser.parse_args(argv)
     scenarios = args.only or list(CLUSTERS)
     variants = [v for v in VARIANTS if not args.variant or v.label in args.variant]
@@ -327,8 +388,25 @@ def main(argv: list[str] | None = None) -> int:
         if s in scenarios
         for v in variants
     ]
+    references: dict[tuple[str, str], TiresiasRun] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+        pending = None
+        if args.tiresias_dir is not None:
+            # Checked here, so that a wrong folder fails before minutes of replays.
+            checkout = str(simulator_dir(args.tiresias_dir.resolve()))
+            wanted = list(dict.fromkeys((s, v.counterpart) for s, v in jobs if v.counterpart))
+            pending = pool.map(
+                run_reference,
+                [checkout] * len(wanted),
+                [s for s, _ in wanted],
+                [c for _, c in wanted if c is not None],
+            )
         rows = list(pool.map(run_one, [s for s, _ in jobs], [v for _, v in jobs]))
+        for scenario, reference in pending or ():
+            references[(scenario, reference.schedule)] = reference
+    rows = [
+        replace(r, tiresias=references.get((r.scenario, r.variant.counterpart or ""))) for r in rows
+    ]
     rows.sort(key=lambda r: (list(CLUSTERS).index(r.scenario), VARIANTS.index(r.variant)))
     print_table(rows)
     notes = targets(rows)

@@ -137,6 +137,10 @@ BAND_TWO_WAITERS = cluster(
 )
 
 
+# Every finished job used at most 1,000 GPU-s: a job in band 2 is past every sample,
+# and its Gittins index is 0, the same for all of them.
+SHORT_JOBS = ServiceDistribution.from_samples([100.0, 400.0, 1000.0])
+
 ORDER_CASES = [
     OrderCase(
         "fifo: the head blocks the queue (Tiresias' fifo is head-of-line blocking)",
@@ -257,6 +261,23 @@ ORDER_CASES = [
         preempted=set(),
     ),
     OrderCase(
+        "gittins: equal indices (past every sample) in a band, the job that started "
+        "running there last yields first, not the one submitted last",
+        Policy(order="gittins"),
+        replace(BAND_TWO_RUNNERS, service_distribution=SHORT_JOBS),
+        now=1000,
+        placed={"new"},
+        preempted={"old-huge"},
+    ),
+    OrderCase(
+        "gittins: equal indices among a band's waiting jobs, the least attained service first",
+        Policy(order="gittins"),
+        replace(BAND_TWO_WAITERS, service_distribution=SHORT_JOBS),
+        now=1000,
+        placed={"patient"},
+        preempted=set(),
+    ),
+    OrderCase(
         "las-tiresias: Tiresias' lists put the job preempted last first among waiting",
         Policy(order="las-tiresias"),
         BAND_TWO_WAITERS,
@@ -323,6 +344,37 @@ ORDER_CASES = [
         now=100,
         placed={"nearly-done"},
         preempted={"long"},
+    ),
+    OrderCase(
+        "progress: a job that has overrun its believed total is no longer 'nearly done'",
+        Policy(order="progress"),
+        cluster(
+            node("n0", gpus=1, busy=(0,)),
+            # Believes 1,000 s in all (rate 0.001/s), has run 3,000 and says 0.999.
+            pending_jobs=(
+                pending(
+                    "overran",
+                    1,
+                    executed_seconds=3000,
+                    progress_fraction=0.999,
+                    progress_rate_per_s=0.001,
+                ),
+            ),
+            # 500 s left by its reports, and on time.
+            running_jobs=(
+                running(
+                    "on-time",
+                    "n0",
+                    (0,),
+                    executed_seconds=500,
+                    progress_fraction=0.5,
+                    progress_rate_per_s=0.001,
+                ),
+            ),
+        ),
+        now=100,
+        placed=set(),
+        preempted=set(),
     ),
 ]
 
@@ -424,6 +476,33 @@ def test_gittins_prefers_the_job_likelier_to_finish_soon() -> None:
     )
     assert set(placed(decisions)) == {"young"}
     assert preempted(decisions) == {"old"}
+
+
+def test_kaplan_meier_counts_unfinished_jobs_as_longer() -> None:
+    finished = ServiceDistribution.from_samples([1.0, 2.0, 3.0, 4.0])
+    # Two jobs have run 2.5 without finishing. By hand: at 1, 6 at risk, 1 ends (mass
+    # 1/6); at 2, 5 at risk (1/6); at 3, 2 at risk: half of the 4/6 left (2/6); at 4
+    # the rest (2/6). Weights scale to the 6 jobs seen.
+    estimate = finished.with_censored([2.5, 2.5])
+    assert estimate.values == (1.0, 2.0, 3.0, 4.0)
+    assert estimate.cumulative_weight == pytest.approx((1.0, 2.0, 4.0, 6.0))
+    assert estimate.cumulative_weighted_value[-1] == pytest.approx(1 + 2 + 6 + 8)
+    assert finished.with_censored([]) is finished
+    assert finished.with_censored([0.0]) is finished
+    # A job past every sample: the mass left goes to where it has got to.
+    beyond = finished.with_censored([10.0])
+    assert beyond.values == (1.0, 2.0, 3.0, 4.0, 10.0)
+    assert beyond.cumulative_weight == pytest.approx((1.0, 2.0, 3.0, 4.0, 5.0))
+    # Unfinished jobs make long jobs likelier than finished jobs alone say: a new job
+    # is less likely to finish within 2 (1/3, not 1/2) and uses more of the quantum.
+    assert finished.gittins_index(0.0, 2.0) == pytest.approx(0.5 / 1.75)
+    assert estimate.gittins_index(0.0, 2.0) == pytest.approx((1 / 3) / (11 / 6))
+
+
+def test_tiresias_index_is_zero_at_the_largest_sample() -> None:
+    distribution = ServiceDistribution.from_samples([10.0, 20.0, 30.0, 40.0])
+    assert distribution.gittins_index_tiresias(40.0, 10.0) == 0.0
+    assert distribution.gittins_index_tiresias(25.0, 10.0) > 0.0
 
 
 def test_gittins_index_follows_the_distribution() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from brain.core import Policy, QueueQuota
+from brain.core import Policy, QueueQuota, ServiceDistribution
 from brain.sim import (
     ClusterSpec,
     SimConfig,
@@ -359,3 +359,28 @@ def test_cli_plot_without_matplotlib_says_what_to_install(
         == 2
     )
     assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_gittins_learns_from_unfinished_jobs_too() -> None:
+    # A long job runs beside five short ones. Finished jobs alone say every job is
+    # short; the long job's service so far (a censored sample: it will use more)
+    # says some are long, so a new job's index is lower with it.
+    trace = jobs(("long", 1, 0, 5000), *((f"s{i}", 1, 100.0 * i, 50) for i in range(5)))
+    probes = (0.0,)
+    config = {"index_probes_gpu_s": probes, "service_prior": ServiceDistribution.from_samples([])}
+    policy = Policy(order="gittins", gittins_quantum_gpu_s=100.0)
+    finished_only = simulate(
+        trace, SimConfig(policy, parse_cluster("1x2"), learn_censored=False, **config)
+    )
+    censored = simulate(trace, SimConfig(policy, parse_cluster("1x2"), **config))
+    assert [n for n, _ in finished_only.learned_index] == [1, 2, 3, 4, 5, 6]
+    # Every short job used 50 GPU-s: alone, they say a new job finishes within 100.
+    assert finished_only.learned_index[4][1] == (pytest.approx(1 / 50),)
+    by_finished = dict(censored.learned_index)
+    assert by_finished[5][0] < 1 / 50
+    # Once the long job has finished, both know the same.
+    assert by_finished[6] == finished_only.learned_index[-1][1]
+    # Nothing is recorded unless asked for, and nothing for an order that does not read it.
+    assert simulate(trace, SimConfig(policy, parse_cluster("1x2"))).learned_index == ()
+    las = SimConfig(Policy(order="las"), parse_cluster("1x2"), index_probes_gpu_s=probes)
+    assert simulate(trace, las).learned_index == ()

@@ -6,6 +6,12 @@ the service it has attained. The distribution is learned online: the shell (or t
 simulator) adds every finished job's service with `with_sample`, on top of a prior of
 weighted pseudo-samples, so the index is useful before many jobs have finished.
 
+Finished jobs alone are a biased sample while a cluster runs: the long jobs are the
+last to finish, so early on the distribution sees mostly short ones. A job that has
+run X GPU-seconds without finishing says that its total exceeds X (a right-censored
+sample); `with_censored` folds those in with the Kaplan-Meier estimate, which is the
+unbiased estimate of the distribution from events and censored observations together.
+
 Immutable: `with_sample` returns a new distribution, so a snapshot can hold one.
 """
 
@@ -87,6 +93,54 @@ class ServiceDistribution:
             observed=self.observed + len(added),
         )
 
+    def with_censored(self, censored: Iterable[float]) -> ServiceDistribution:
+        """The Kaplan-Meier estimate from this distribution's samples (finished jobs,
+        and the prior's pseudo-samples, as events) and `censored`: the attained
+        service of jobs that have not finished (each says only that its total is
+        larger). Each sample keeps its value and gets the estimate's probability mass
+        there: S(t-) x d / n, with n the weight still at risk at t (samples and
+        censored jobs at or above it). Mass the samples leave (censored jobs beyond
+        the largest sample) goes to the largest censored value, the least it can be.
+        The weights are scaled to sum to the samples' weight plus the censored jobs,
+        so the index (a ratio) is unchanged by the scale.
+
+        O(samples + censored log censored); the result is for ranking, not for
+        `with_sample` (add finished jobs to the uncensored distribution)."""
+        cut = sorted(c for c in censored if c > 0.0)
+        values = self.values
+        if not cut or not values:
+            return self
+        cumulative = self.cumulative_weight
+        total = cumulative[-1]
+        n_censored = len(cut)
+        survival = 1.0
+        masses: list[float] = []
+        append = masses.append
+        before = 0.0
+        at = 0
+        left = bisect.bisect_left
+        for value, upto in zip(values, cumulative, strict=True):
+            at = left(cut, value, at)
+            at_risk = total - before + (n_censored - at)
+            mass = survival * (upto - before) / at_risk
+            append(mass)
+            survival -= mass
+            before = upto
+        out_values: tuple[float, ...] = values
+        if survival > 1e-12 and cut[-1] > values[-1]:
+            out_values = (*values, cut[-1])
+            append(survival)
+        scale = total + n_censored
+        weights = [m * scale for m in masses]
+        return ServiceDistribution(
+            values=out_values,
+            cumulative_weight=tuple(accumulate(weights)),
+            cumulative_weighted_value=tuple(
+                accumulate(w * v for w, v in zip(weights, out_values, strict=True))
+            ),
+            observed=self.observed,
+        )
+
     def _weight_above(self, service: float) -> tuple[float, float]:
         """(weight, weight x value) of the samples strictly above `service`."""
         at = bisect.bisect_right(self.values, service)
@@ -121,7 +175,9 @@ class ServiceDistribution:
         service sums the finishing jobs' *whole* service rather than what is left of it
         (so a job with more service ranks lower than the exact index says)."""
         values = self.values
-        if not values or attained > values[-1]:
+        # At or past the largest sample no sample lies above: 0, as Tiresias' look-up
+        # gives (its table ends with 0 at `sys.maxint`).
+        if not values or attained >= values[-1]:
             return 0.0
         point = values[bisect.bisect_right(values, attained)] - 1.0
         if point > values[-1] - 1.0:

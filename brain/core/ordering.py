@@ -262,9 +262,12 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
         attained = job.attained_gpu_seconds
         level = bisect.bisect_right(thresholds, attained + SERVICE_EPSILON)
         if job.service_level != level:
-            change = _band(job, context).change
-            if change is not None:
-                changes.append(change)
+            band = _band(job, context)
+            if band.change is not None:
+                changes.append(band.change)
+            since = band.since
+        else:
+            since = job.submitted_at if job.service_level_since is None else job.service_level_since
         known = seen.get(attained)
         if known is None:
             distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
@@ -274,7 +277,12 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
                 else distribution.gittins_index(attained, quantum)
             )
             known = seen[attained] = ((float(level), -index), f"band {level} gittins {index:.3g}")
-        rank = (*known[0], -job.submitted_at) if tiresias else known[0]
+        if tiresias:
+            rank: tuple[float, ...] = (*known[0], -job.submitted_at)
+        else:
+            # Equal indices (every job past the largest sample has 0): as `las` within
+            # a band, so an old huge job does not hold its GPUs for good.
+            rank = (*known[0], *_within_band(job, level, since, now)[1:])
         ranked.append(Ranked(job, rank, known[1]))
         # A job in the last band crosses nothing (`crossing` would say None).
         if job.grants and level < len(thresholds):
@@ -288,7 +296,9 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
 def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """2D-Gittins (Tiresias' dlas-gpu-gittins): LAS bands, and within a band the
     higher Gittins index of the job's attained service first; equal indices (every
-    new job has the same) in submission order.
+    new job has the same, every job past the largest sample 0) as `las` orders a band
+    (`_within_band`: the jobs running there first, by when they started there, then
+    the others by least attained service).
 
     The index comes from the distribution of finished jobs' service the shell has
     seen so far (with a prior), not from a fixed file, so it adapts to the cluster.
@@ -334,7 +344,12 @@ def estimated_remaining_gpu_seconds(job: JobView) -> float | None:
         return 0.0
     rate = job.progress_rate_per_s
     if rate is not None and rate > 0.0:
-        return job.gpus * (1.0 - done) / rate
+        # A job that has run longer than its reports say its whole run takes (1 /
+        # rate) misjudged its total: what it says is left no longer tells anything.
+        # Expect it to need as long again as it has overrun (with job durations'
+        # falling hazard, the longer past a prediction, the longer still to go).
+        overrun_s = job.executed_seconds - 1.0 / rate
+        return job.gpus * max((1.0 - done) / rate, overrun_s)
     if done <= 0.0 or job.executed_seconds <= 0.0:
         return None
     return job.gpus * job.executed_seconds * (1.0 - done) / done

@@ -162,6 +162,14 @@ class SimConfig:
     # False: the prior is the whole distribution (Tiresias reads a fixed file);
     # True: every finished job's service is added to it, as the live brain does.
     learn_service: bool = True
+    # With `learn_service`: also learn from the jobs that have not finished (each has
+    # run X GPU-s without finishing: its total exceeds X), by the Kaplan-Meier
+    # estimate (`ServiceDistribution.with_censored`). False: finished jobs only.
+    learn_censored: bool = True
+    # Attained services (GPU-s) at which to record the learned Gittins index each
+    # time the learned distribution changes (`SimResult.learned_index`); () records
+    # nothing. For judging how fast the distribution converges.
+    index_probes_gpu_s: tuple[float, ...] = ()
     queues: tuple[QueueQuota, ...] = ()
     # A running job's first progress report arrives after it has run this long (a few
     # steps to measure); only progress-aware orderings are told.
@@ -276,6 +284,9 @@ class SimResult:
     busy_timeline: tuple[tuple[float, int], ...]
     preemptions: tuple[PreemptionRecord, ...]
     decide_calls: int
+    # With `SimConfig.index_probes_gpu_s`: (finished jobs so far, the Gittins index
+    # at each probe) every time the learned distribution changed.
+    learned_index: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     @property
     def unfinished(self) -> tuple[str, ...]:
@@ -300,6 +311,13 @@ class _Replay:
     distribution: ServiceDistribution = DEFAULT_SERVICE_PRIOR
     # Learn finished jobs' service only for an order that reads the distribution.
     learn_service: bool = False
+    # The finished jobs' distribution (on the prior) that `distribution` derives from
+    # when unfinished jobs are learned from too (censored samples), and how many jobs
+    # had finished when `distribution` was last derived.
+    learned: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+    learn_censored: bool = False
+    learned_at: int = 0
+    learned_index: list[tuple[int, tuple[float, ...]]] = field(default_factory=list)
     # The scaling model's speed may change as work goes on (`CurvedScaling`): asked
     # once, as a runtime Protocol check is slow and a start asks it every time.
     curved: bool = False
@@ -371,7 +389,39 @@ class _Replay:
             self.finished += 1
             if self.learn_service:
                 # Learn the service distribution online, as the live brain does.
-                self.distribution = self.distribution.with_sample(job.attained_gpu_seconds)
+                self.learned = self.learned.with_sample(job.attained_gpu_seconds)
+                if not self.learn_censored:
+                    self.distribution = self.learned
+                    self._record_index()
+
+    def learn_unfinished(self) -> None:
+        """Derive the distribution the policy sees from the finished jobs and, as
+        censored samples, the service of every job not finished yet (running, or
+        preempted with service). Re-derived once another 1/64 of the jobs finished so
+        far (at least one) have finished: each derivation is linear in the jobs seen,
+        so deriving at every finish would make a replay quadratic in its trace."""
+        if not self.learn_censored:
+            return
+        since = self.finished - self.learned_at
+        if since <= 0 or since < self.finished // 64:
+            return
+        self.learned_at = self.finished
+        unfinished = [job.attained_gpu_seconds for job in self.running.values()]
+        unfinished.extend(
+            job.attained_gpu_seconds
+            for job in self.pending.values()
+            if job.attained_gpu_seconds > 0.0
+        )
+        self.distribution = self.learned.with_censored(unfinished)
+        self._record_index()
+
+    def _record_index(self) -> None:
+        probes = self.config.index_probes_gpu_s
+        if probes:
+            quantum = self.config.policy.gittins_quantum_gpu_s
+            self.learned_index.append(
+                (self.finished, tuple(self.distribution.gittins_index(a, quantum) for a in probes))
+            )
 
     def measure(self) -> None:
         """Throughput reports that arrived by now become what the policy sees."""
@@ -680,6 +730,10 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
         report_throughput=config.policy.elasticity != "none",
         distribution=config.service_prior,
         learn_service=config.learn_service and reads(config.policy.order, "distribution"),
+        learned=config.service_prior,
+        learn_censored=config.learn_service
+        and config.learn_censored
+        and reads(config.policy.order, "distribution"),
         curved=isinstance(config.scaling, CurvedScaling),
         head_of_line_prefix=(
             config.policy.order == "fifo"
@@ -718,6 +772,7 @@ def simulate(
         replay.complete()
         replay.measure()
         replay.arrive()
+        replay.learn_unfinished()
         replay.decide_calls += 1
         replay.apply(decide(replay.snapshot(), replay.now, policy))
         if on_progress is not None and replay.finished != before:
@@ -744,4 +799,5 @@ def simulate(
         busy_timeline=tuple(replay.timeline),
         preemptions=tuple(replay.preemption_log),
         decide_calls=replay.decide_calls,
+        learned_index=tuple(replay.learned_index),
     )
