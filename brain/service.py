@@ -58,6 +58,7 @@ from brain.core.failures import (
     fault_action,
 )
 from brain.core.ordering import job_sequence
+from brain.core.shares import never_fits
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
 from brain.history import History
@@ -74,7 +75,7 @@ from brain.leader import Lease
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.replica import Replica
-from brain.state import BrainState, current_size_s
+from brain.state import BrainState, current_size_s, job_demand
 from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
 from schemas import subjects
@@ -124,7 +125,7 @@ from schemas.state import (
     Preemption,
     StateRecord,
 )
-from schemas.telemetry import Heartbeat, TelemetryBatch
+from schemas.telemetry import GpuShares, Heartbeat, TelemetryBatch
 from schemas.workers import EXEC_SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -856,6 +857,11 @@ class Brain:
                 f"job asks for {spec.gpus} GPUs but the cluster has {total} "
                 f"({len(self.state.nodes)} nodes, at most {largest} on one node)",
             )
+        demand = job_demand(spec)
+        if demand is not None:
+            never = never_fits(demand, spec.gpus, self.state.registered_views())
+            if never is not None:
+                raise ApiError("invalid", f"no node could ever run this job: {never}")
         job = JobRecord(
             job_id=self.state.next_job_id(),
             tenant=tenant,
@@ -915,6 +921,8 @@ class Brain:
             joined_at=known.joined_at if known is not None else self.clock(),
             drain_reason=drain_reason,
             drained_gpus=known.drained_gpus if known is not None else (),
+            cpu_milli=beat.cpu_milli,
+            memory_mib=beat.memory_mib,
         )
         if known is None or known.instance != beat.instance:
             self._check_fence(beat)
@@ -1283,6 +1291,11 @@ class Brain:
             log_tail=event.log_tail,
             runtime_s=event.runtime_s,
             oom_limit_mb=event.oom_limit_mb,
+            gpu_memory_over=(
+                (event.gpu_memory_used_mib or 0.0, event.gpu_memory_limit_mib)
+                if event.gpu_memory_limit_mib is not None
+                else None
+            ),
         )
         reported = self.state.input_reports.get((job.job_id, job.attempt))
         await self._fail_attempt(updated, event.node, classify(end, (), reported), end)
@@ -2029,6 +2042,8 @@ class Brain:
                     fence_after_s=self.config.keep_disconnected_s
                     if job.spec.on_disconnect == "keep"
                     else None,
+                    gpu_milli=job.spec.gpu_milli,
+                    gpu_memory_mib=job.spec.gpu_memory_mib if job.spec.shared else None,
                 ),
             )
 
@@ -2055,6 +2070,10 @@ class Brain:
 
     def last_seen_ago(self, node: str) -> float | None:
         return self.ingest.last_seen_ago(node, self.monotonic())
+
+    def shares(self, node: str) -> tuple[GpuShares, ...]:
+        beat = self.ingest.latest_beat(node)
+        return beat.shares if beat is not None else ()
 
     @property
     def pid(self) -> int:

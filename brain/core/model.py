@@ -30,6 +30,31 @@ class NodeView:
     free: frozenset[int]
     # Locality group: nodes under one switch (or rack) talk faster to each other.
     switch: str = "default"
+    # What jobs with a `Demand` are placed by (brain/core/shares.py): the GPUs' model
+    # and memory (MiB per GPU, 0: unknown), and CPUs (thousandths) and memory (MiB)
+    # jobs may reserve here (None: the agent did not say; only jobs asking none fit).
+    model: str = ""
+    gpu_memory_mib: int = 0
+    cpu_milli: int | None = None
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What a job asks beyond whole GPUs: a share of one GPU (`gpu_milli` < 1000), GPU
+    memory per GPU, allowed GPU models, CPUs and memory on its node. A job with a
+    demand is placed on one node through the sharing ledger (brain/core/shares.py);
+    one without (None) keeps the whole-GPU placement."""
+
+    gpu_milli: int = 1000
+    gpu_memory_mib: int = 0
+    gpu_types: tuple[str, ...] = ()
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+    @property
+    def fractional(self) -> bool:
+        return self.gpu_milli < 1000
 
 
 # `build` queues hold interactive work: a fixed quota, never preempted. `train` queues
@@ -154,6 +179,13 @@ class JobView:
     # (`Policy.elastic_reprobe_s` later).
     gain_ceiling: int | None = None
     gain_ceiling_at: float | None = None
+    # A share, a GPU type, CPUs or memory (see `Demand`); None: whole GPUs only.
+    demand: Demand | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Holds (or asks) a share of one GPU."""
+        return self.demand is not None and self.demand.fractional
 
     @property
     def running(self) -> bool:
