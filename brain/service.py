@@ -2102,8 +2102,12 @@ def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord])
 
 
 def _fits(action: Place, free: dict[str, frozenset[int]]) -> bool:
-    """Every GPU the placement names is free on a ready node."""
-    return all(set(g.gpus) <= free.get(g.node, frozenset()) for g in action.grants)
+    """Every GPU the placement takes is free on a ready node (a share on a GPU already
+    shared takes none: `Place.takes`), and every node it names is ready."""
+    takes = action.grants if action.takes is None else action.takes
+    return all(g.node in free for g in action.grants) and all(
+        set(g.gpus) <= free.get(g.node, frozenset()) for g in takes
+    )
 
 
 def _preemption(action: Preempt) -> Preemption:

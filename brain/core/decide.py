@@ -503,7 +503,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             cycle.placed.append((entry, grants))
             extra = () if job.demand is None else (describe_demand(job, policy.share_placement),)
             why = Placed(grants, _place_notes(entry, policy), extra)
-            cycle.actions.append(Place(job.job_id, grants, why.describe(), why))
+            cycle.actions.append(Place(job.job_id, grants, why.describe(), why, result.takes))
             continue
         cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:

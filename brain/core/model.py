@@ -245,6 +245,9 @@ class Place:
     cause: str
     # Not compared: two placements are the same decision when they say the same.
     why: Placed | None = field(default=None, compare=False)
+    # The GPUs it takes from those free, when not all of `grants`: a share on a GPU
+    # already shared takes none (brain/core/shares.py). None: all of them.
+    takes: tuple[Grant, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
