@@ -43,7 +43,7 @@ from schemas.api import (
 )
 from schemas.base import check_name
 from schemas.errors import AlnairError
-from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.jobs import JobRecord, JobSpec, JobState, share_request
 from schemas.state import STATE_RECORD, StateRecord, record_job_id, record_kind, record_node
 
 log = logging.getLogger("alnair")
@@ -240,6 +240,10 @@ def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
 
 
 def _validated(fields: dict[str, Any], where: str) -> JobSpec:
+    try:
+        fields = share_request(fields)
+    except ValueError as error:
+        raise UsageError(f"invalid job in {where}: {error}") from None
     try:
         return JobSpec.model_validate(fields)
     except ValidationError as error:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -117,8 +117,8 @@ class JobSpec(BaseModel):
     # be done) or "keep" (it runs on through the partition; the brain runs it elsewhere
     # only when its node returns without it or a much longer timeout passes).
     on_disconnect: OnDisconnect = "stop"
-    # A share of one GPU, in thousandths (`gpus` is then 1): submitted as `gpus: 0.25`
-    # (or `gpu_milli: 250`). Jobs sharing a GPU run under CUDA MPS (docs/sharing.md).
+    # A share of one GPU, in thousandths (`gpus` is then 1): `alnair submit --gpus 0.25`
+    # asks 250 (`share_request`). Jobs sharing a GPU run under CUDA MPS (docs/sharing.md).
     gpu_milli: int | None = Field(default=None, ge=1, lt=GPU_MILLI)
     # GPU memory the job needs on each of its GPUs (MiB): a share's limit under MPS;
     # for whole GPUs, only GPUs with at least this much.
@@ -129,33 +129,6 @@ class JobSpec(BaseModel):
     # they are its cgroup's limits (instead of the per-GPU ones).
     cpus: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False)
     memory_mib: int | None = Field(default=None, ge=16, le=MAX_MEMORY_MB_PER_GPU)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _gpu_share(cls, data: object) -> object:
-        """`gpus: 0.25` asks a quarter of one GPU: it is stored as `gpus: 1,
-        gpu_milli: 250`."""
-        if not isinstance(data, dict):
-            return data
-        gpus = data.get("gpus")
-        if isinstance(gpus, str):
-            try:
-                gpus = float(gpus)
-            except ValueError:
-                return data  # the field's own validation names it
-        if isinstance(gpus, bool) or not isinstance(gpus, float) or gpus.is_integer():
-            return data
-        if not 0 < gpus < 1:
-            raise ValueError(
-                f"gpus {gpus:g}: a share of a GPU is between 0 and 1; "
-                "more than one GPU is a whole number"
-            )
-        milli = round(gpus * GPU_MILLI)
-        if not 1 <= milli < GPU_MILLI or abs(milli - gpus * GPU_MILLI) > 1e-6:
-            raise ValueError(f"gpus {gpus:g}: a share is in thousandths of a GPU (0.001..0.999)")
-        if data.get("gpu_milli") not in (None, milli):
-            raise ValueError(f"gpus {gpus:g} and gpu_milli {data['gpu_milli']} disagree")
-        return {**data, "gpus": 1, "gpu_milli": milli}
 
     @field_validator("gpu_types")
     @classmethod
@@ -284,6 +257,31 @@ class NodeGpus(BaseModel):
         if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
             raise ValueError(f"GPUs {list(gpus)}: each a distinct index >= 0")
         return gpus
+
+
+def share_request(fields: dict[str, Any]) -> dict[str, Any]:
+    """Job fields as a person writes them (`gpus: 0.25`, a share of one GPU) as the
+    spec keeps them (`gpus: 1, gpu_milli: 250`). Whole numbers are left alone; a
+    fraction that is not a share is refused naming `gpus`."""
+    gpus = fields.get("gpus")
+    if isinstance(gpus, str):
+        try:
+            gpus = float(gpus)
+        except ValueError:
+            return fields  # the field's own validation names it
+    if isinstance(gpus, bool) or not isinstance(gpus, float) or gpus.is_integer():
+        return fields
+    if not 0 < gpus < 1:
+        raise ValueError(
+            f"gpus {gpus:g}: a share of a GPU is between 0 and 1; "
+            "more than one GPU is a whole number"
+        )
+    milli = round(gpus * GPU_MILLI)
+    if not 1 <= milli < GPU_MILLI or abs(milli - gpus * GPU_MILLI) > 1e-6:
+        raise ValueError(f"gpus {gpus:g}: a share is in thousandths of a GPU (0.001..0.999)")
+    if fields.get("gpu_milli") not in (None, milli):
+        raise ValueError(f"gpus {gpus:g} and gpu_milli {fields['gpu_milli']} disagree")
+    return {**fields, "gpus": 1, "gpu_milli": milli}
 
 
 def job_limits(spec: JobSpec, gpus_here: int) -> tuple[int, float]:

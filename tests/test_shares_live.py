@@ -27,12 +27,11 @@ SHOW_ENV = (
 
 
 def half_gpu_job(out: Path, stop: Path) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "command": (sys.executable, "-c", SHOW_ENV, str(out), str(stop)),
-            "gpus": 0.5,
-            "gpu_memory_mib": 20480,
-        }
+    return JobSpec(
+        command=(sys.executable, "-c", SHOW_ENV, str(out), str(stop)),
+        gpus=1,
+        gpu_milli=500,
+        gpu_memory_mib=20480,
     )
 
 
@@ -110,8 +109,8 @@ async def test_a_share_over_its_gpu_memory_is_stopped_and_classified(
         "open(path, 'w').write('30000')\n"
         "time.sleep(60)\n"
     )
-    spec = JobSpec.model_validate(
-        {"command": (sys.executable, "-c", greedy), "gpus": 0.25, "gpu_memory_mib": 20000}
+    spec = JobSpec(
+        command=(sys.executable, "-c", greedy), gpus=1, gpu_milli=250, gpu_memory_mib=20000
     )
     job_id = await submit(brain.api, spec)
     job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
