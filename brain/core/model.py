@@ -246,8 +246,9 @@ class Place:
     # Not compared: two placements are the same decision when they say the same.
     why: Placed | None = field(default=None, compare=False)
     # The GPUs it takes from those free, when not all of `grants`: a share on a GPU
-    # already shared takes none (brain/core/shares.py). None: all of them.
-    takes: tuple[Grant, ...] | None = None
+    # already shared takes none (brain/core/shares.py). None: all of them. Not in the
+    # repr: a whole-GPU placement reads as it always did.
+    takes: tuple[Grant, ...] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
