@@ -582,6 +582,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
     config = BrainConfig(
         policy=Policy(
             order=args.policy,
+            share_placement=args.share_placement,
             elasticity=args.elasticity,
             elastic_resize_interval_s=args.elastic_resize_interval,
             elastic_payback=args.elastic_payback,
@@ -671,6 +672,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         confinement=confine.agent_confinement(args, args.node),
         fence_after_s=args.fence_after or None,
         fence_grace_s=args.fence_grace,
+        cpu_milli=round(args.cpus * 1000) if args.cpus is not None else None,
+        memory_mib=parse_mib(args.memory, "--memory") if args.memory is not None else None,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -954,6 +957,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", required=True, help="'nvml', or simulated: sim:<count>x<model>")
     p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
+    p.add_argument(
+        "--cpus", type=float, help="CPUs jobs may reserve here (default: those this machine has)"
+    )
+    p.add_argument(
+        "--memory", metavar="SIZE", help="memory jobs may reserve here (default: all of it)"
+    )
     confine.add_agent_args(p)
     p.add_argument(
         "--fence-after",
