@@ -149,28 +149,36 @@ class MpsDaemons:
         self._daemons: dict[int, _Daemon] = {}
 
     async def _control(
-        self, daemon: _Daemon, *args: str, stdin: bytes | None = None
+        self, daemon: _Daemon, *args: str, stdin: bytes | None = None, output: Path | None = None
     ) -> tuple[int, str]:
-        """Run the control binary for this GPU's daemon: (exit status, output)."""
+        """Run the control binary for this GPU's daemon: (exit status, output). A start
+        (`-d`) writes to `output`, a file: the daemon it leaves behind may keep what it
+        inherited open, and a pipe would then never end."""
         env = {**self._base_env, **daemon.env(), "CUDA_VISIBLE_DEVICES": daemon.uuid}
+        sink = output.open("ab") if output is not None else None
         try:
             process = await asyncio.create_subprocess_exec(
                 self._binary,
                 *args,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
+                stdout=sink if sink is not None else asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
             )
         except OSError as error:
             raise MpsError(daemon.index, f"cannot run {self._binary}: {error}") from None
+        finally:
+            if sink is not None:
+                sink.close()
         try:
             out, _ = await asyncio.wait_for(process.communicate(stdin), MPS_COMMAND_S)
         except TimeoutError:
             process.kill()
             await process.wait()
             raise MpsError(daemon.index, f"{self._binary} did not answer") from None
-        return process.returncode or 0, out.decode(errors="replace").strip()
+        if output is not None:
+            out = output.read_bytes()[-2000:]  # noqa: ASYNC240 - a small log file
+        return process.returncode or 0, (out or b"").decode(errors="replace").strip()
 
     async def _alive(self, daemon: _Daemon) -> bool:
         """The daemon answers on its pipe (`get_server_list` succeeds)."""
@@ -185,7 +193,7 @@ class MpsDaemons:
     async def _start(self, daemon: _Daemon) -> None:
         daemon.pipe_dir.mkdir(parents=True, exist_ok=True)
         daemon.log_dir.mkdir(parents=True, exist_ok=True)
-        status, out = await self._control(daemon, "-d")
+        status, out = await self._control(daemon, "-d", output=daemon.log_dir / "start.log")
         if status != 0 or not await self._alive(daemon):
             tail = out.splitlines()[-1] if out else f"exit status {status}"
             raise MpsError(daemon.index, f"control daemon did not start: {tail}")
