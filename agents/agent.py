@@ -581,6 +581,7 @@ class Agent:
             gpu_milli=command.gpu_milli,
             gpu_memory_mib=command.gpu_memory_mib,
             visible_devices=visible,
+            shareable=command.shareable,
         )
         try:
             job = await self.launcher.launch(request)

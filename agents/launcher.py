@@ -58,6 +58,8 @@ class LaunchRequest:
     gpu_memory_mib: int | None = None
     # How the job names its GPUs when not by index (under MPS: the GPU's UUID).
     visible_devices: str | None = None
+    # A whole-GPU job that lets shares run beside it.
+    shareable: bool = False
 
 
 @dataclass
@@ -74,6 +76,7 @@ class JobProcess:
     confined: Confined | None = None
     gpu_milli: int | None = None
     gpu_memory_mib: int | None = None
+    shareable: bool = False
     # GPU memory its processes used at the last watch (MiB; shares only).
     gpu_memory_used_mib: float | None = None
     # Stopped for using more GPU memory than its limit: (used MiB, limit MiB).
@@ -206,6 +209,7 @@ class Launcher:
             confined=confined,
             gpu_milli=request.gpu_milli,
             gpu_memory_mib=request.gpu_memory_mib,
+            shareable=request.shareable,
         )
         self._procs[(request.job_id, request.attempt)] = job
         watcher = asyncio.ensure_future(self._watch(job))
@@ -260,10 +264,13 @@ class Launcher:
             )
 
     def _holders(self, request: LaunchRequest) -> list[JobProcess]:
-        """Running processes in the way of this launch: any on its GPUs, unless it and
-        they are shares that fit in one GPU together."""
+        """Running processes in the way of this launch: any on its GPUs, unless it is a
+        share and they are shares that fit in one GPU with it, or a shareable job the
+        brain put it beside."""
         holders = [p for p in self.running() if set(p.gpus) & set(request.gpus)]
-        if request.gpu_milli is None or any(p.gpu_milli is None for p in holders):
+        if request.gpu_milli is None or any(
+            p.gpu_milli is None and not p.shareable for p in holders
+        ):
             return holders
         if sum(p.gpu_milli or 0 for p in holders) + request.gpu_milli <= 1000:
             return []

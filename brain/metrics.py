@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from brain.core.model import Decisions, Preempt, QuotaReclaim
+from brain.core.model import Decisions, MemoryPressure, Preempt, QuotaReclaim
 from schemas import subjects
 from schemas.events import GpuFault
 from schemas.jobs import JobRecord, JobState
@@ -376,7 +376,13 @@ class BrainMetrics:
         for action in decisions.actions:
             self.decisions.labels(action=_action_name(action)).inc()
             if isinstance(action, Preempt):
-                cause = "quota_reclaim" if isinstance(action.cause, QuotaReclaim) else "outranked"
+                cause = (
+                    "quota_reclaim"
+                    if isinstance(action.cause, QuotaReclaim)
+                    else "memory_pressure"
+                    if isinstance(action.cause, MemoryPressure)
+                    else "outranked"
+                )
                 self.preemptions.labels(cause=cause).inc()
 
     def on_record(self, record: StateRecord, seq: int) -> None:

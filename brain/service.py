@@ -36,6 +36,7 @@ from brain.core import (
     DEFAULT_SERVICE_PRIOR,
     DISTRIBUTION_AWARE,
     Decisions,
+    MemoryPressure,
     Place,
     Policy,
     Preempt,
@@ -2044,6 +2045,7 @@ class Brain:
                     else None,
                     gpu_milli=job.spec.gpu_milli,
                     gpu_memory_mib=job.spec.gpu_memory_mib if job.spec.shared else None,
+                    shareable=job.spec.shareable,
                 ),
             )
 
@@ -2097,6 +2099,10 @@ def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord])
     if held != tuple((g.node, tuple(g.gpus)) for g in action.grants):
         return False
     cause = action.cause
+    if isinstance(cause, MemoryPressure):
+        # Moved off its host's GPU: while the host runs there.
+        host = jobs.get(cause.host_job)
+        return host is not None and host.state is JobState.RUNNING
     beneficiary = jobs.get(cause.for_job if isinstance(cause, QuotaReclaim) else cause.by_job)
     return beneficiary is not None and beneficiary.state is JobState.PENDING
 
@@ -2113,6 +2119,15 @@ def _fits(action: Place, free: dict[str, frozenset[int]]) -> bool:
 def _preemption(action: Preempt) -> Preemption:
     """The core's typed cause, as the journal keeps it."""
     cause = action.cause
+    if isinstance(cause, MemoryPressure):
+        return Preemption(
+            reason="memory_pressure",
+            for_job=cause.host_job,
+            node=cause.node,
+            gpu=cause.gpu,
+            forecast_mem_mib=cause.forecast_mem_mib,
+            gpu_memory_mib=cause.gpu_memory_mib,
+        )
     if isinstance(cause, QuotaReclaim):
         return Preemption(
             reason="quota_reclaim",

@@ -474,4 +474,5 @@ def job_view(
         progress_fraction=progress.progress_fraction,
         progress_rate_per_s=progress.progress_rate_per_s,
         demand=job_demand(job.spec),
+        shareable=job.spec.shareable,
     )

@@ -190,6 +190,8 @@ def _share_fields(args: argparse.Namespace) -> dict[str, Any]:
         fields["cpus"] = args.cpus
     if args.memory is not None:
         fields["memory_mib"] = parse_mib(args.memory, "--memory")
+    if args.shareable:
+        fields["shareable"] = True
     return fields
 
 
@@ -303,6 +305,7 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "gpu_types": list(job.spec.gpu_types),
         "cpus": job.spec.cpus,
         "memory_mib": job.spec.memory_mib,
+        "shareable": job.spec.shareable,
         "nodes": [{"node": g.node, "gpus": list(g.gpus)} for g in job.grants],
         "attempts": job.attempt,
         "exit_code": job.exit_code,
@@ -762,6 +765,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cpus", type=float, help="CPUs the job needs on its node")
     p.add_argument("--memory", metavar="SIZE", help="memory the job needs on its node (32GiB)")
+    p.add_argument(
+        "--shareable",
+        action="store_true",
+        help="whole GPUs: let shares run beside it while its profile shows low utilisation "
+        "and memory headroom (moved off before its GPU runs out of memory)",
+    )
     p.add_argument("--name", help="job name (default: the program's name)")
     p.add_argument("--queue", default="default", help="queue (default: default)")
     p.add_argument("--priority", type=int, default=0, help="priority, -1000..1000")

@@ -54,6 +54,8 @@ class Launch(_Command):
     # runs it under that GPU's MPS daemon with these limits (docs/sharing.md).
     gpu_milli: int | None = Field(default=None, ge=1, lt=1000)
     gpu_memory_mib: int | None = Field(default=None, ge=1)
+    # A whole-GPU job that lets shares run beside it (the brain decides when).
+    shareable: bool = False
 
 
 class Stop(_Command):

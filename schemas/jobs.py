@@ -129,6 +129,10 @@ class JobSpec(BaseModel):
     # they are its cgroup's limits (instead of the per-GPU ones).
     cpus: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False)
     memory_mib: int | None = Field(default=None, ge=16, le=MAX_MEMORY_MB_PER_GPU)
+    # A whole-GPU job that lets shares run beside it on its GPUs while its utilisation
+    # profile shows it leaves room (low utilisation, memory headroom); they are moved
+    # off again before its GPU runs out of memory (docs/sharing.md, "Co-location").
+    shareable: bool = False
 
     @field_validator("gpu_types")
     @classmethod
@@ -149,7 +153,13 @@ class JobSpec(BaseModel):
             raise ValueError("cpus: give cpus (per job) or cpus_per_gpu, not both")
         if self.memory_mib is not None and self.memory_mb_per_gpu is not None:
             raise ValueError("memory_mib: give memory_mib (per job) or memory_mb_per_gpu, not both")
+        if self.shareable and self.gpu_milli is not None:
+            raise ValueError(
+                "shareable: a share already shares its GPU; shareable is for whole GPUs"
+            )
         if self.elastic:
+            if self.shareable:
+                raise ValueError("shareable: not for elastic jobs")
             for name in ("gpu_milli", "gpu_memory_mib", "cpus", "memory_mib"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name}: not for elastic jobs")

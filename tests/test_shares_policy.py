@@ -14,7 +14,17 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from brain.core.decide import DEFAULT_POLICY, Policy, decide
-from brain.core.model import ClusterSnapshot, Demand, Grant, JobView, NodeView, Place, Wait
+from brain.core.model import (
+    ClusterSnapshot,
+    Demand,
+    Grant,
+    JobView,
+    MemoryPressure,
+    NodeView,
+    Place,
+    UtilizationProfile,
+    Wait,
+)
 from brain.core.shares import model_matches, never_fits
 from schemas.jobs import JobSpec, share_request
 
@@ -301,3 +311,56 @@ def test_no_gpu_over_committed_whatever_the_sequence(ops: list[tuple[str, object
                 demand=job.demand,
             )
         _check(running)
+
+
+# -- co-location of shareable jobs, and moving shares off before memory runs out -------
+
+
+def _host(profile_util: float, mem: float, *, shareable: bool = True) -> JobView:
+    return JobView(
+        "host",
+        1,
+        0.0,
+        grants=(Grant("n", (0,)),),
+        started_at=0.0,
+        shareable=shareable,
+        profile=UtilizationProfile(
+            mean_util_pct=profile_util,
+            p95_util_pct=profile_util,
+            mem_peak_mib=mem,
+            period_s=None,
+            forecast_util_pct=profile_util,
+            forecast_mem_mib=mem,
+        ),
+    )
+
+
+def test_a_share_is_colocated_with_a_shareable_job_that_leaves_room() -> None:
+    nodes = (node("n", 1, held=frozenset({0})),)
+    guest = share("guest", 500, 20_000)
+    decisions = decide(ClusterSnapshot(nodes, (guest,), (_host(20.0, 16_000),)), 100.0)
+    (place,) = decisions.placements
+    assert place.grants == (Grant("n", (0,)),) and place.takes == ()
+    assert "co-located with job host, whose profile leaves room" in place.cause
+    # Not beside a busy job, one that did not opt in, or without a memory limit.
+    for running, pending in (
+        (_host(80.0, 16_000), guest),
+        (_host(20.0, 16_000, shareable=False), guest),
+        (_host(20.0, 16_000), share("unlimited", 500)),
+        (_host(20.0, 60_000), share("big", 300, 20_000)),
+    ):
+        assert not decide(ClusterSnapshot(nodes, (pending,), (running,)), 100.0).placements
+
+
+def test_a_colocated_share_moves_off_before_the_gpu_runs_out_of_memory() -> None:
+    nodes = (node("n", 1, held=frozenset({0})), node("m", 1))
+    older = share("older", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
+    newer = share("newer", 250, 10_000, grants=(Grant("n", (0,)),), started_at=2.0)
+    calm = ClusterSnapshot(nodes, (), (_host(20.0, 50_000), older, newer))
+    assert not decide(calm, 100.0).preemptions
+    # The host's GPU (its profile counts every process on it) nears its 81920 MiB.
+    pressed = ClusterSnapshot(nodes, (), (_host(20.0, 76_000), older, newer))
+    (move,) = decide(pressed, 100.0).preemptions
+    assert move.job_id == "newer"
+    assert isinstance(move.cause, MemoryPressure)
+    assert move.reason.startswith("memory pressure: GPU 0 of n, shared with job host")

@@ -68,7 +68,7 @@ from brain.core.placement import (
 )
 from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
 from brain.core.quota import Standing, quota_of, standings_in_order
-from brain.core.shares import SharePlacer, describe_demand, shared_gpus_held
+from brain.core.shares import SharePlacer, describe_demand, memory_pressure, shared_gpus_held
 from brain.core.sharing import SHARING_PLUGINS
 from schemas.errors import AlnairError
 
@@ -501,7 +501,11 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             if job.demand is not None:
                 cycle.sharer().placed(job, grants)
             cycle.placed.append((entry, grants))
-            extra = () if job.demand is None else (describe_demand(job, policy.share_placement),)
+            extra: tuple[str, ...] = ()
+            if job.demand is not None:
+                colocated = cycle.sharer().colocated_with(grants)
+                extra = (describe_demand(job, policy.share_placement),)
+                extra += (colocated,) if colocated is not None else ()
             why = Placed(grants, _place_notes(entry, policy), extra)
             cycle.actions.append(Place(job.job_id, grants, why.describe(), why, result.takes))
             continue
@@ -695,6 +699,8 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
         stage.plan(ledger.total_capacity())
     released = _place_all(cycle, to_place, victims)
     _settle_victims(cycle, released)
+    # Shares on a shareable job's GPU that is running out of memory move off it.
+    cycle.preemptions.extend(memory_pressure(snapshot))
     shrinks: list[Resize] = []
     grows: list[Resize] = []
     if stage is not None:

@@ -181,6 +181,8 @@ class JobView:
     gain_ceiling_at: float | None = None
     # A share, a GPU type, CPUs or memory (see `Demand`); None: whole GPUs only.
     demand: Demand | None = None
+    # A whole-GPU job that lets shares run beside it while its profile leaves room.
+    shareable: bool = False
 
     @property
     def shared(self) -> bool:
@@ -290,7 +292,27 @@ class Outranked:
         )
 
 
-PreemptCause = QuotaReclaim | Outranked
+@dataclass(frozen=True, slots=True)
+class MemoryPressure:
+    """A share co-located on a shareable job's GPU is moved off before the GPU runs out
+    of memory: the GPU's forecast memory (the host job's profile, which counts every
+    process on its GPU) neared what the GPU has."""
+
+    host_job: str
+    node: str
+    gpu: int
+    forecast_mem_mib: float
+    gpu_memory_mib: int
+
+    def describe(self) -> str:
+        return (
+            f"memory pressure: GPU {self.gpu} of {self.node}, shared with job "
+            f"{self.host_job}, is forecast to use {self.forecast_mem_mib:.0f} of "
+            f"{self.gpu_memory_mib} MiB; moved off before it runs out of memory"
+        )
+
+
+PreemptCause = QuotaReclaim | Outranked | MemoryPressure
 
 
 @dataclass(frozen=True, slots=True)

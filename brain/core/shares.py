@@ -15,11 +15,20 @@ satisfy (`never_fits`). Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
-from brain.core.model import ClusterSnapshot, Demand, Grant, JobView, NodeView
+from brain.core.model import (
+    ClusterSnapshot,
+    Demand,
+    Grant,
+    JobView,
+    MemoryPressure,
+    NodeView,
+    Preempt,
+)
 from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
 from brain.core.sharing import (
     GPU_MILLI,
@@ -33,6 +42,14 @@ from brain.core.sharing import (
 )
 
 _MODEL_WORDS: Final = re.compile(r"[\s\-_/]+")
+# Co-location (`JobSpec.shareable`): a running whole-GPU job whose profile's p95 and
+# forecast utilisation are at most this lets shares with a memory limit use the rest of
+# its GPUs. It is reckoned to need its utilisation's share of the GPU and this margin
+# over its peak (or forecast) memory.
+COLOCATE_MAX_UTIL_PCT: Final = 50.0
+HOST_MEMORY_MARGIN: Final = 1.25
+# A co-located GPU forecast to use this share of its memory moves a share off it.
+MEMORY_PRESSURE: Final = 0.9
 
 
 def model_matches(model: str, wanted: str) -> bool:
@@ -106,9 +123,59 @@ def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | No
     return None
 
 
-def shared_gpus_held(jobs: Iterable[JobView]) -> int:
-    """Distinct GPUs that running jobs hold shares of."""
-    return len({(g.node, gpu) for job in jobs if job.shared for g in job.grants for gpu in g.gpus})
+def shared_gpus_held(jobs: Sequence[JobView]) -> int:
+    """Distinct GPUs that running jobs hold shares of and no whole-GPU job holds (a
+    co-located GPU counts once, for its host)."""
+    shared = {(g.node, gpu) for job in jobs if job.shared for g in job.grants for gpu in g.gpus}
+    if not shared:
+        return 0
+    whole = {(g.node, gpu) for job in jobs if not job.shared for g in job.grants for gpu in g.gpus}
+    return len(shared - whole)
+
+
+def host_room(job: JobView) -> tuple[int, float] | None:
+    """What a running shareable job is reckoned to need of each of its GPUs (thousandths,
+    MiB) when its profile leaves room for shares beside it; None when it does not."""
+    profile = job.profile
+    if not job.shareable or job.shared or not job.grants or profile is None:
+        return None
+    util = max(profile.p95_util_pct, profile.forecast_util_pct)
+    if util > COLOCATE_MAX_UTIL_PCT:
+        return None
+    memory = max(profile.mem_peak_mib, profile.forecast_mem_mib) * HOST_MEMORY_MARGIN
+    return min(GPU_MILLI, math.ceil(util * GPU_MILLI / 100)), memory
+
+
+def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
+    """Shares to move off co-located GPUs before they run out of memory: per GPU of a
+    running shareable job whose forecast memory (its profile counts every process on
+    its GPUs) reaches `MEMORY_PRESSURE` of the GPU's, the share that came last."""
+    hosts = [j for j in snapshot.running if j.shareable and not j.shared and j.profile]
+    if not hosts:
+        return []
+    memory = {n.name: n.gpu_memory_mib for n in snapshot.nodes}
+    guests: dict[tuple[str, int], list[JobView]] = {}
+    for job in snapshot.running:
+        if job.shared:
+            for grant in job.grants:
+                for gpu in grant.gpus:
+                    guests.setdefault((grant.node, gpu), []).append(job)
+    moves: list[Preempt] = []
+    moved: set[str] = set()
+    for host in hosts:
+        assert host.profile is not None
+        forecast = max(host.profile.forecast_mem_mib, host.profile.mem_peak_mib)
+        for grant in host.grants:
+            total = memory.get(grant.node, 0)
+            for gpu in grant.gpus:
+                here = [g for g in guests.get((grant.node, gpu), ()) if g.job_id not in moved]
+                if not here or not total or forecast < MEMORY_PRESSURE * total:
+                    continue
+                last = max(here, key=lambda g: (g.started_at or 0.0, g.job_id))
+                moved.add(last.job_id)
+                cause = MemoryPressure(host.job_id, grant.node, gpu, forecast, total)
+                moves.append(Preempt(last.job_id, last.grants, cause))
+    return moves
 
 
 class SharePlacer:
@@ -122,6 +189,15 @@ class SharePlacer:
         self._held: list[tuple[Demand, tuple[Grant, ...]]] = [
             (j.demand, j.grants) for j in snapshot.running if j.demand is not None and j.grants
         ]
+        # GPUs of running shareable jobs with room beside them: (node, gpu) -> (job,
+        # thousandths and MiB it is reckoned to need).
+        self._hosts: dict[tuple[str, int], tuple[str, int, float]] = {}
+        for job in snapshot.running:
+            room = host_room(job)
+            if room is not None:
+                for grant in job.grants:
+                    for gpu in grant.gpus:
+                        self._hosts[(grant.node, gpu)] = (job.job_id, *room)
         demanding = [j for j in (*snapshot.running, *snapshot.pending) if j.demand is not None]
         mix = TaskMix.of(self._task(j) for j in demanding)
         self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](mix, seed)
@@ -143,8 +219,21 @@ class SharePlacer:
         if job.demand is not None:
             self._held.append((job.demand, grants))
 
+    def colocated_with(self, grants: tuple[Grant, ...]) -> str | None:
+        """`co-located with job 3 (reckoned to use 0.2 of the GPU and 9000 MiB)` when
+        these grants are a share on a shareable job's GPU."""
+        for grant in grants:
+            for gpu in grant.gpus:
+                host = self._hosts.get((grant.node, gpu))
+                if host is not None:
+                    return (
+                        f"co-located with job {host[0]}, whose profile leaves room "
+                        f"(reckoned at {host[1] / GPU_MILLI:g} of the GPU and {host[2]:.0f} MiB)"
+                    )
+        return None
+
     def _cluster(
-        self, ledger: FreeGpus, avoid: frozenset[str]
+        self, job: JobView, ledger: FreeGpus, avoid: frozenset[str]
     ) -> tuple[SharedCluster, list[NodeView]]:
         views = [n for n in self._nodes if n.name not in avoid]
         index = {view.name: i for i, view in enumerate(views)}
@@ -181,12 +270,19 @@ class SharePlacer:
                             milli + demand.gpu_milli,
                             memory + demand.gpu_memory_mib,
                         )
+        # Only a share with a memory limit may join a shareable job's GPU.
+        guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
         for i, view in enumerate(views):
             free = set(ledger.lowest(view.name, ledger.free_on(view.name)))
             gpu_free, gpu_mem = [], []
             for gpu in view.gpus:
                 held = shares.get((view.name, gpu))
-                if gpu in free:
+                host = self._hosts.get((view.name, gpu))
+                if host is not None and guest:
+                    guests = held or (0, 0)
+                    gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]))
+                    gpu_mem.append(max(0, int(view.gpu_memory_mib - host[2]) - guests[1]))
+                elif gpu in free:
                     gpu_free.append(GPU_MILLI)
                     gpu_mem.append(view.gpu_memory_mib)
                 elif held is not None:
@@ -204,7 +300,7 @@ class SharePlacer:
         demand = job.demand or Demand()
         if demand.gpu_types and not allowed_models(demand.gpu_types, self._models):
             return NoFit(f"no schedulable GPU of type {'|'.join(demand.gpu_types)} now")
-        cluster, views = self._cluster(ledger, avoid)
+        cluster, views = self._cluster(job, ledger, avoid)
         outcome = self._plugin.choose(self._task(job), cluster)
         if isinstance(outcome, Unschedulable):
             asked = _gpus_asked(demand, job.gpus)
