@@ -438,7 +438,6 @@ class Agent:
         gpu = command.gpus[0]
         uuid_ = next((g.uuid for g in self.backend.inventory() if g.index == gpu), str(gpu))
         env = share_env(command.gpu_milli, command.gpu_memory_mib)
-        env.update(self.backend.job_env(command.gpus))
         env.update(await self.shares.prepare(gpu, uuid_))
         self._shared_gpus.add(gpu)
         return env, env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -545,6 +544,7 @@ class Agent:
         env[BLACKLIST_FILE_ENV] = str(self._blacklist_file(command))
         if command.prerun:
             env["ALNAIR_PRERUN"] = "1"
+        env.update(self.backend.job_env(command.gpus))
         visible = None
         if command.gpu_milli is not None:
             try:

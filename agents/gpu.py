@@ -126,21 +126,30 @@ class SimulatedGpus:
         where.mkdir(exist_ok=True)
         return {SIM_GPU_MEMORY_ENV: str(where)}
 
-    def process_memory(self, index: int) -> dict[int, float]:
-        """What processes wrote to `$ALNAIR_SIM_GPU_MEMORY_DIR/<pid>` (MiB)."""
+    def declared(self, index: int) -> dict[int, tuple[float, float | None]]:
+        """What processes wrote to `$ALNAIR_SIM_GPU_MEMORY_DIR/<pid>`: the GPU memory
+        they use (MiB) and, optionally after it, their utilisation (percent)."""
         if self._memory_dir is None:
             return {}
-        used: dict[int, float] = {}
+        said: dict[int, tuple[float, float | None]] = {}
         try:
             entries = list((self._memory_dir / f"gpu{index}").iterdir())
         except OSError:
             return {}
         for entry in entries:
-            try:
-                used[int(entry.name)] = max(0.0, float(entry.read_text().strip() or 0))
-            except (OSError, ValueError):
+            if not entry.name.isdigit() or not Path(f"/proc/{entry.name}").exists():
+                entry.unlink(missing_ok=True)  # its process has gone: so has its memory
                 continue
-        return used
+            try:
+                words = entry.read_text().split()
+                util = min(100.0, max(0.0, float(words[1]))) if len(words) > 1 else None
+                said[int(entry.name)] = (max(0.0, float(words[0])), util)
+            except (OSError, ValueError, IndexError):
+                continue
+        return said
+
+    def process_memory(self, index: int) -> dict[int, float]:
+        return {pid: memory for pid, (memory, _) in self.declared(index).items()}
 
     def suffer(self, gpu: int, fault: str) -> None:
         """Make GPU `gpu` show an injected fault where NVML would show it."""
@@ -160,7 +169,12 @@ class SimulatedGpus:
 
     def _sample_one(self, index: int) -> GpuSample:
         m = self.model
-        if index in self._busy:
+        said = self.declared(index) if index in self._busy else {}
+        if said:
+            # What its jobs declared (a simulated share, or a job playing a profile).
+            util = min(100.0, sum(u for _, u in said.values() if u is not None))
+            mem_frac = min(1.0, sum(mem for mem, _ in said.values()) / m.memory_mib)
+        elif index in self._busy:
             # A training job: high utilisation with a periodic dip (data loading,
             # checkpoints), as real jobs show.
             wave = 0.5 + 0.5 * math.sin(self._ticks / 5.0 + index)

@@ -13,6 +13,7 @@ from pathlib import Path
 from agents.mps import NOT_ENFORCED
 from schemas.api import ErrorReply, SubmitRequest
 from schemas.jobs import FailureClass, JobSpec, JobState
+from schemas.state import JobChanged, StateRecord
 from tests.conftest import eventually
 from tests.test_cluster_e2e import submit
 
@@ -118,3 +119,63 @@ async def test_a_share_over_its_gpu_memory_is_stopped_and_classified(
     (failure,) = job.failures
     assert failure.failure_class is FailureClass.USER
     assert "out of GPU memory: used 30000 MiB, over its limit of 20000 MiB" in failure.reason
+
+
+PLAY = (
+    "import os, sys, time\n"
+    "path = os.path.join(os.environ['ALNAIR_SIM_GPU_MEMORY_DIR'], str(os.getpid()))\n"
+    "open(path, 'w').write(sys.argv[1] + ' 20')\n"
+    "while not os.path.exists(sys.argv[2]): time.sleep(0.05)\n"
+    "open(path, 'w').write(sys.argv[3] + ' 20')\n"
+    "time.sleep(120)\n"
+)
+
+
+async def test_colocation_moves_a_share_before_its_neighbour_runs_out_of_memory(
+    brain_factory, agent_factory, tmp_path
+) -> None:
+    brain = await brain_factory()
+    records: list[StateRecord] = []
+    brain.record_observers.append(lambda record, seq: records.append(record))
+    await agent_factory("n1", gpus=1, model="H100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    grow = tmp_path / "grow"
+    # A shareable job that uses 20 % of its GPU and 16,000 MiB, until told to grow to
+    # 76,000 MiB of the H100's 81,559.
+    host = await submit(
+        brain.api,
+        JobSpec(
+            command=(sys.executable, "-c", PLAY, "16000", str(grow), "76000"),
+            gpus=1,
+            shareable=True,
+        ),
+    )
+    await eventually(lambda: host in brain.profiles.current(), timeout_s=30)
+    guest = await submit(
+        brain.api,
+        JobSpec(command=("sleep", "120"), gpus=1, gpu_milli=250, gpu_memory_mib=20000),
+    )
+    placed = await eventually(
+        lambda: (j := brain.state.jobs[guest]).state is JobState.RUNNING and j
+    )
+    assert [(g.node, g.gpus) for g in placed.grants] == [("n1", (0,))]
+    assert placed.reason is not None and f"co-located with job {host}" in placed.reason
+    # Another node joins; the host's memory grows toward its GPU's.
+    await agent_factory("n2", gpus=1, model="H100")
+    await eventually(lambda: "n2" in brain.state.nodes)
+    grow.touch()
+    moved = await eventually(
+        lambda: (j := brain.state.jobs[guest]).attempt == 2 and j.state is JobState.RUNNING and j,
+        timeout_s=40,
+    )
+    assert [g.node for g in moved.grants] == ["n2"]
+    assert brain.state.jobs[host].state is JobState.RUNNING
+    (pressure,) = [
+        r.cause
+        for r in records
+        if isinstance(r, JobChanged) and r.job.job_id == guest and r.cause.preemption is not None
+    ]
+    assert pressure.preemption is not None
+    assert pressure.preemption.reason == "memory_pressure"
+    assert pressure.preemption.for_job == host
+    assert pressure.message.startswith(f"memory pressure: GPU 0 of n1, shared with job {host}")
