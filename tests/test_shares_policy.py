@@ -7,6 +7,7 @@ request's validation (schemas/jobs.py) and the refusal at submission (`never_fit
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -25,7 +26,7 @@ from brain.core.model import (
     UtilizationProfile,
     Wait,
 )
-from brain.core.shares import model_matches, never_fits
+from brain.core.shares import host_room, model_matches, never_fits
 from schemas.jobs import JobSpec, share_request
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -227,10 +228,19 @@ demands = st.one_of(
         memory_mib=st.sampled_from([0, 8_000, 20_000]),
     ),
 )
+# A whole-GPU job may be shareable, with the profile it shows once it runs.
+profiles = st.one_of(
+    st.none(),
+    st.builds(
+        lambda util, mem: UtilizationProfile(util, util, mem, None, util, mem),
+        st.sampled_from([10.0, 30.0, 50.0, 90.0]),
+        st.sampled_from([5_000.0, 20_000.0, 40_000.0, 70_000.0]),
+    ),
+)
 steps = st.lists(
     st.one_of(
-        st.tuples(st.just("submit"), demands, st.integers(1, 3)),
-        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("submit"), demands, st.integers(1, 3), profiles),
+        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none()),
     ),
     min_size=1,
     max_size=25,
@@ -240,6 +250,7 @@ steps = st.lists(
 def _check(running: dict[str, JobView]) -> None:
     shares: dict[tuple[str, int], list[Demand]] = defaultdict(list)
     whole: dict[tuple[str, int], int] = defaultdict(int)
+    hosts: dict[tuple[str, int], tuple[int, float]] = {}
     cpu: dict[str, int] = defaultdict(int)
     ram: dict[str, int] = defaultdict(int)
     for job in running.values():
@@ -253,31 +264,83 @@ def _check(running: dict[str, JobView]) -> None:
                 if demand.gpu_types:
                     assert any(model_matches(view.model, t) for t in demand.gpu_types)
                 assert demand.gpu_memory_mib <= view.gpu_memory_mib
+            room = host_room(job)
             for gpu in grant.gpus:
                 if job.shared:
                     shares[(grant.node, gpu)].append(demand or Demand())
                 else:
                     whole[(grant.node, gpu)] += 1
+                    if room is not None:
+                        hosts[(grant.node, gpu)] = room
     for key, count in whole.items():
-        assert count == 1 and key not in shares, f"GPU {key} given twice"
-    for (name, _), held in shares.items():
-        assert sum(d.gpu_milli for d in held) <= 1000
-        assert sum(d.gpu_memory_mib for d in held) <= CAPACITY[name].gpu_memory_mib
+        assert count == 1, f"GPU {key} given twice"
+        assert key not in shares or key in hosts, f"GPU {key} shared beside a job that is no host"
+    for key, held in shares.items():
+        host_milli, host_mib = hosts.get(key, (0, 0.0))
+        assert host_milli + sum(d.gpu_milli for d in held) <= 1000
+        assert host_mib + sum(d.gpu_memory_mib for d in held) <= CAPACITY[key[0]].gpu_memory_mib
+        if key in hosts:
+            assert all(d.gpu_memory_mib > 0 for d in held), "a share with no limit on a host"
     for name, used in cpu.items():
         assert used <= (CAPACITY[name].cpu_milli or 0)
         assert ram[name] <= (CAPACITY[name].memory_mib or 0)
 
 
+Step = tuple[str, object, int, UtilizationProfile | None]
+# Shareable jobs that leave room, and shares with a memory limit: co-location is common.
+colocating = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("submit"),
+            st.none(),
+            st.integers(1, 2),
+            st.builds(
+                lambda util, mem: UtilizationProfile(util, util, mem, None, util, mem),
+                st.sampled_from([10.0, 30.0, 50.0]),
+                st.sampled_from([5_000.0, 20_000.0, 40_000.0, 62_000.0]),
+            ),
+        ),
+        st.tuples(
+            st.just("submit"),
+            st.builds(
+                Demand,
+                gpu_milli=st.sampled_from([100, 250, 500]),
+                gpu_memory_mib=st.sampled_from([5_000, 10_000, 20_000]),
+            ),
+            st.just(1),
+            st.none(),
+        ),
+        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none()),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
 @settings(max_examples=150, deadline=None)
 @given(steps)
-def test_no_gpu_over_committed_whatever_the_sequence(ops: list[tuple[str, object, int]]) -> None:
+def test_no_gpu_over_committed_whatever_the_sequence(ops: list[Step]) -> None:
+    _replay(ops, NODES)
+
+
+@settings(max_examples=150, deadline=None)
+@given(colocating)
+def test_no_gpu_over_committed_on_a_full_small_node(ops: list[Step]) -> None:
+    """One node of two GPUs: shares land beside shareable jobs far more often."""
+    _replay(ops, NODES[:1])
+
+
+def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
     pending: dict[str, JobView] = {}
     running: dict[str, JobView] = {}
-    for n, (op, arg, gpus) in enumerate(ops):
+    for n, (op, arg, gpus, profile) in enumerate(ops):
         if op == "submit":
             demand = arg if isinstance(arg, Demand) else None
             size = 1 if demand is not None and demand.fractional else gpus
-            pending[f"j{n}"] = JobView(f"j{n}", size, float(n), demand=demand)
+            host = profile is not None and (demand is None or not demand.fractional)
+            pending[f"j{n}"] = JobView(
+                f"j{n}", size, float(n), demand=demand, shareable=host, profile=profile
+            )
         elif running:
             assert isinstance(arg, int)
             del running[sorted(running)[arg % len(running)]]
@@ -295,11 +358,15 @@ def test_no_gpu_over_committed_whatever_the_sequence(ops: list[tuple[str, object
                 cpu_milli=v.cpu_milli,
                 memory_mib=v.memory_mib,
             )
-            for v in NODES
+            for v in cluster
         )
         snapshot = ClusterSnapshot(nodes, tuple(pending.values()), tuple(running.values()))
         decisions = decide(snapshot, float(n + 1))
-        assert not decisions.preemptions
+        for move in decisions.preemptions:
+            # Only shares move, and only off a host's GPU short of memory.
+            assert isinstance(move.cause, MemoryPressure) and running[move.job_id].shared
+            moved = running.pop(move.job_id)
+            pending[moved.job_id] = replace(moved, grants=(), started_at=None)
         for place in decisions.placements:
             job = pending.pop(place.job_id)
             running[job.job_id] = JobView(
@@ -309,6 +376,8 @@ def test_no_gpu_over_committed_whatever_the_sequence(ops: list[tuple[str, object
                 grants=place.grants,
                 started_at=float(n),
                 demand=job.demand,
+                shareable=job.shareable,
+                profile=job.profile,
             )
         _check(running)
 
