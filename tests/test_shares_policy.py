@@ -433,3 +433,15 @@ def test_a_colocated_share_moves_off_before_the_gpu_runs_out_of_memory() -> None
     assert move.job_id == "newer"
     assert isinstance(move.cause, MemoryPressure)
     assert move.reason.startswith("memory pressure: GPU 0 of n, shared with job host")
+
+
+def test_a_host_with_shares_beside_it_is_no_victim() -> None:
+    nodes = (node("n", 1, held=frozenset({0})),)
+    guest = share("guest", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
+    urgent = JobView("urgent", 1, 50.0, priority=10)
+    policy = Policy(order="priority").validate()
+    alone = decide(ClusterSnapshot(nodes, (urgent,), (_host(20.0, 16_000),)), 100.0, policy)
+    assert [p.job_id for p in alone.preemptions] == ["host"]
+    hosting = ClusterSnapshot(nodes, (urgent,), (_host(20.0, 16_000), guest))
+    decisions = decide(hosting, 100.0, policy)
+    assert not decisions.preemptions and not decisions.placements

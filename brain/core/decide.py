@@ -68,7 +68,13 @@ from brain.core.placement import (
 )
 from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
 from brain.core.quota import Standing, quota_of, standings_in_order
-from brain.core.shares import SharePlacer, describe_demand, memory_pressure, shared_gpus_held
+from brain.core.shares import (
+    SharePlacer,
+    describe_demand,
+    hosting,
+    memory_pressure,
+    shared_gpus_held,
+)
 from brain.core.sharing import SHARING_PLUGINS
 from schemas.errors import AlnairError
 
@@ -370,7 +376,9 @@ def _select(
     its `Wait` and nothing more (reasons that repeat are built once)."""
     # GPUs that jobs share are not for whole-GPU jobs; a share needs no whole GPU of
     # the budget (its placement says whether it fits), and is never a victim.
-    budget = capacity - shared_gpus_held(cycle.snapshot.running)
+    running = cycle.snapshot.running
+    budget = capacity - shared_gpus_held(running)
+    hosts = hosting(running)
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
@@ -381,7 +389,12 @@ def _select(
         job = entry.ranked.job
         need = 0 if job.shared else job.gpus if elastic is None else elastic.need(job)
         if job.grants:
-            if need <= budget or entry.standing is Standing.PINNED:
+            if job.shared or job.job_id in hosts:
+                # Never victims (shares, and whole-GPU jobs with shares beside them).
+                budget = max(0, budget - need)
+                if elastic is not None:
+                    elastic.select(job, need)
+            elif need <= budget or entry.standing is Standing.PINNED:
                 budget -= need
                 if elastic is not None:
                     elastic.select(job, need)

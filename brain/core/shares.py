@@ -133,6 +133,21 @@ def shared_gpus_held(jobs: Sequence[JobView]) -> int:
     return len(shared - whole)
 
 
+def hosting(jobs: Sequence[JobView]) -> frozenset[str]:
+    """Running whole-GPU jobs with shares beside them on their GPUs: never preemption
+    victims (giving their GPUs back would give away GPUs the shares still use)."""
+    shared = {(g.node, gpu) for job in jobs if job.shared for g in job.grants for gpu in g.gpus}
+    if not shared:
+        return frozenset()
+    return frozenset(
+        job.job_id
+        for job in jobs
+        if job.shareable and not job.shared
+        for g in job.grants
+        if shared.intersection((g.node, gpu) for gpu in g.gpus)
+    )
+
+
 def host_room(job: JobView) -> tuple[int, float] | None:
     """What a running shareable job is reckoned to need of each of its GPUs (thousandths,
     MiB) when its profile leaves room for shares beside it; None when it does not."""
@@ -189,6 +204,14 @@ class SharePlacer:
         self._held: list[tuple[Demand, tuple[Grant, ...]]] = [
             (j.demand, j.grants) for j in snapshot.running if j.demand is not None and j.grants
         ]
+        # GPUs running whole-GPU jobs hold (shares beside them only on a host's).
+        self._whole = {
+            (g.node, gpu)
+            for j in snapshot.running
+            if not j.shared
+            for g in j.grants
+            for gpu in g.gpus
+        }
         # GPUs of running shareable jobs with room beside them: (node, gpu) -> (job,
         # thousandths and MiB it is reckoned to need).
         self._hosts: dict[tuple[str, int], tuple[str, int, float]] = {}
@@ -278,14 +301,17 @@ class SharePlacer:
             for gpu in view.gpus:
                 held = shares.get((view.name, gpu))
                 host = self._hosts.get((view.name, gpu))
-                if host is not None and guest:
+                if host is not None:
+                    # A shareable job's GPU: room only for a share with a memory limit.
                     guests = held or (0, 0)
-                    gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]))
-                    gpu_mem.append(max(0, int(view.gpu_memory_mib - host[2]) - guests[1]))
+                    gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]) if guest else 0)
+                    gpu_mem.append(
+                        max(0, int(view.gpu_memory_mib - host[2]) - guests[1]) if guest else 0
+                    )
                 elif gpu in free:
                     gpu_free.append(GPU_MILLI)
                     gpu_mem.append(view.gpu_memory_mib)
-                elif held is not None:
+                elif held is not None and (view.name, gpu) not in self._whole:
                     gpu_free.append(max(0, GPU_MILLI - held[0]))
                     gpu_mem.append(max(0, view.gpu_memory_mib - held[1]))
                 else:
