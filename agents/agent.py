@@ -24,7 +24,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from agents.confine import Confinement
+from agents.confine import ConfineError, Confinement
 from agents.fence import CHECK_EVERY_S, ContactClock
 from agents.gpu import GpuBackend, SimulatedGpus
 from agents.health import (
@@ -71,6 +71,8 @@ def host_memory_mib() -> int:
 
 
 PROBES_IN_FLIGHT: Final = 4
+# How often confined jobs' TLS certificates are checked for renewal (agents/confine.py).
+CERT_CHECK_S: Final = 60.0
 
 AgentEvent = JobStarted | JobExited | LaunchFailed | CommandRejected | GpuFault
 
@@ -181,6 +183,11 @@ class Agent:
                 self._every(self.config.telemetry_s, self.publish_telemetry), name="telemetry"
             )
         )
+        if self.config.confinement is not None and self.config.confinement.job_tls is not None:
+            every_s = min(CERT_CHECK_S, self.config.confinement.job_cert_ttl_s / 4)
+            self._loops.append(
+                self.bus.spawn(self._every(every_s, self._renew_certificates), name="certificates")
+            )
         if self._commands is None:
             self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
         self._loops.append(self.bus.spawn(self._fence_forever(), name="fence"))
@@ -303,6 +310,19 @@ class Agent:
                     await result
             except Exception:
                 log.exception("%s: periodic task failed", self.node)
+
+    async def _renew_certificates(self) -> None:
+        """Renew the TLS client certificates of confined attempts past half their life
+        (agents/confine.py)."""
+        now = time.time()
+        for job in self.launcher.running():
+            if job.confined is None:
+                continue
+            try:
+                if await asyncio.to_thread(job.confined.renew_certificate, now):
+                    log.info("%s: renewed the TLS certificate of job %s", self.node, job.job_id)
+            except ConfineError as error:
+                log.warning("%s: job %s: %s", self.node, job.job_id, error.reason)
 
     async def heartbeat(self) -> None:
         if self._commands is None:

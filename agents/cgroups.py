@@ -7,9 +7,8 @@ Both hierarchies are supported:
   every device, then allows the harmless ones (null, zero, full, random, urandom, tty,
   ptmx, pts) and the GPU device files the job was granted plus NVIDIA's control devices.
 - cgroup v2 (the unified tree, `/sys/fs/cgroup/cgroup.controllers` present): memory,
-  cpu and pids only. v2 controls device access with an eBPF program attached to the
-  cgroup, which this module does not install: **on v2 a job can open every GPU device
-  file its user's permissions allow** (see docs/security.md).
+  cpu and pids controllers; device access, which v2 leaves to eBPF, by a device program
+  attached to the job's cgroup (agents/devices_bpf.py) that allows the same rules as v1.
 
 A job's cgroup lives at `<root>/<controller>/<parent>/<node>/<job>-<attempt>` (v1) or
 `<root>/<parent>/<node>/<job>-<attempt>` (v2). The agent moves the job's first
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
+from agents import devices_bpf
 from schemas.errors import AlnairError
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class Limits:
     memory_bytes: int
     cpus: float
     pids: int
-    # Device rules ("c MAJOR:MINOR rwm") allowed on top of BASE_DEVICES; None: the
-    # devices controller is left alone.
+    # Device rules ("c MAJOR:MINOR rwm") allowed on top of BASE_DEVICES; None: device
+    # access is left alone (no v1 devices controller, no v2 device program).
     devices: tuple[str, ...] | None
 
 
@@ -237,6 +237,13 @@ class Cgroups:
         quota = max(1000, int(limits.cpus * CFS_PERIOD_US))
         _write(directory / "cpu.max", f"{quota} {CFS_PERIOD_US}")
         _write(directory / "pids.max", str(limits.pids))
+        if limits.devices is not None:
+            try:
+                devices_bpf.attach(directory, (*BASE_DEVICES, *limits.devices))
+            except devices_bpf.DeviceFilterError as error:
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+                raise CgroupError(f"device access of cgroup {directory}: {error}") from None
         return JobCgroup("v2", (directory,), directory, limits)
 
 

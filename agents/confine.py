@@ -11,8 +11,13 @@ The agent runs as root; a job never does. For each attempt this module:
   the agent's own environment passes, so neither the node's NATS seed nor its TLS key
   does;
 - makes a private runtime directory owned by the user (`<runtime root>/<job>-<attempt>`,
-  mode 0700) holding the files the job must read: its input blacklist and, under
-  `--secure`, a copy of the node's *job* identity (bus/auth.py), never the node's own;
+  mode 0700) holding the files the job must read: its input blacklist, the TLS CA and,
+  without an auth callout, a copy of the node's *job* identity (bus/auth.py), never
+  the node's own;
+- under mutual TLS, gives the attempt its own short-lived client certificate, signed
+  by the cluster's job issuer (bus/tls.py), in that directory; the agent renews it
+  there before it expires (`Confined.renew_certificate`), and the job's connections
+  read it again when they reconnect (bus/client.py);
 - makes the job's log readable by root and the job's group only (0640, in a 0750
   directory);
 - creates its cgroup (agents/cgroups.py) with memory and CPU limits from its launch and
@@ -32,13 +37,15 @@ import os
 import pwd
 import shutil
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 from agents.cgroups import CgroupError, Cgroups, JobCgroup, Limits, gpu_device_rules
-from schemas.errors import AlnairError
+from bus.tls import JobIssuer, issue_job_certificate, job_certificate_name
+from schemas.errors import AlnairError, BusError
 from schemas.jobs import (
     BLACKLIST_FILE_ENV,
     DEFAULT_CPUS_PER_GPU,
@@ -54,6 +61,11 @@ NKEY_ENV: Final = "ALNAIR_NKEY"
 # Passed from the agent's environment to a job: harmless, and programs expect them.
 PASSED_FROM_AGENT: Final = ("LANG", "LC_ALL", "TZ", "ALNAIR_TLS_CA")
 MIB: Final = 1024 * 1024
+TLS_CA_ENV: Final = "ALNAIR_TLS_CA"
+TLS_CERT_ENV: Final = "ALNAIR_TLS_CERT"
+TLS_KEY_ENV: Final = "ALNAIR_TLS_KEY"
+# A job's TLS client certificate lives this long, and is renewed at half of it.
+JOB_CERT_TTL_S: Final = 3600.0
 
 
 class ConfineError(AlnairError):
@@ -88,6 +100,40 @@ class JobRequest:
 
 
 @dataclass
+class JobCertificate:
+    """An attempt's own TLS client certificate and key, in its private directory."""
+
+    issuer: JobIssuer
+    cert: Path
+    key: Path
+    name: str
+    owner: tuple[int, int]
+    ttl_s: float
+    expires_at: float = 0.0
+
+    def issue(self, now: float) -> None:
+        try:
+            self.expires_at = issue_job_certificate(
+                self.issuer,
+                self.cert,
+                self.key,
+                name=self.name,
+                valid_s=self.ttl_s,
+                now=now,
+                owner=self.owner,
+            )
+        except (BusError, OSError) as error:
+            raise ConfineError(
+                f"TLS certificate for {self.name}: {error}", retryable=True
+            ) from None
+
+    def due(self, now: float) -> bool:
+        """Past half its life: renew it, so that the file a job's connection reads
+        before each reconnection (bus/client.py) has at least half a life left."""
+        return now >= self.expires_at - self.ttl_s / 2
+
+
+@dataclass
 class Confined:
     """One confined attempt: how to start it, and what to undo when it ends."""
 
@@ -96,7 +142,16 @@ class Confined:
     user: JobUser
     runtime_dir: Path
     cgroup: JobCgroup | None
+    certificate: JobCertificate | None = None
     finished: bool = field(default=False)
+
+    def renew_certificate(self, now: float) -> bool:
+        """Issue the attempt a fresh certificate if its current one is due; whether
+        it did. Blocking (openssl): the agent calls it from a thread."""
+        if self.finished or self.certificate is None or not self.certificate.due(now):
+            return False
+        self.certificate.issue(now)
+        return True
 
     async def finish(self) -> int | None:
         """Clean up; the memory limit in MiB if the cgroup's OOM killer fired."""
@@ -126,6 +181,10 @@ class Confinement:
     device_dir: Path | None = Path("/dev")
     # The seed file of this node's job identity (bus/auth.py role "job"), if any.
     job_nkey_seed: Path | None = None
+    # Signs each attempt's own TLS client certificate, for servers that require one
+    # (bus/tls.py); None: a job gets the CA alone.
+    job_tls: JobIssuer | None = None
+    job_cert_ttl_s: float = JOB_CERT_TTL_S
     agent_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
     def check(self) -> None:
@@ -187,6 +246,22 @@ class Confinement:
         runtime.mkdir(mode=0o700)
         os.chown(runtime, user.uid, user.gid)
         env = self._environment(request, user, runtime)
+        certificate = None
+        if self.job_tls is not None:
+            certificate = JobCertificate(
+                self.job_tls,
+                runtime / "tls-cert.pem",
+                runtime / "tls-key.pem",
+                name=job_certificate_name(request.job_id, request.attempt),
+                owner=(user.uid, user.gid),
+                ttl_s=self.job_cert_ttl_s,
+            )
+            try:
+                certificate.issue(time.time())
+            except ConfineError:
+                shutil.rmtree(runtime, ignore_errors=True)
+                raise
+            env[TLS_CERT_ENV], env[TLS_KEY_ENV] = str(certificate.cert), str(certificate.key)
         _private_log(log_path, user)
         cgroup = None
         if self.cgroups is not None:
@@ -210,7 +285,7 @@ class Confinement:
         argv += ["--gid", str(user.gid), "--cwd", request.cwd or str(runtime)]
         for procs in cgroup.procs_files if cgroup is not None else ():
             argv += ["--join", str(procs)]
-        return Confined((*argv, "--", *request.command), env, user, runtime, cgroup)
+        return Confined((*argv, "--", *request.command), env, user, runtime, cgroup, certificate)
 
     def _environment(self, request: JobRequest, user: JobUser, runtime: Path) -> dict[str, str]:
         env = {k: self.agent_env[k] for k in PASSED_FROM_AGENT if self.agent_env.get(k)}
@@ -221,6 +296,11 @@ class Confinement:
         blacklist = env.get(BLACKLIST_FILE_ENV)
         if blacklist:
             env[BLACKLIST_FILE_ENV] = str(_copy_for(Path(blacklist), runtime, user))
+        ca = env.get(TLS_CA_ENV)
+        if ca and Path(ca).is_file():
+            # The agent's CA file sits with its keys, in a directory the job's user may
+            # not enter (`alnair keys --tls` makes it 0700): a copy of its own.
+            env[TLS_CA_ENV] = str(_copy_for(Path(ca), runtime, user))
         if self.job_nkey_seed is not None:
             # The same file name: its reply-inbox prefix is read from it (bus/auth.py).
             env[NKEY_ENV] = str(_copy_for(self.job_nkey_seed, runtime, user, mode=0o400))

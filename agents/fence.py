@@ -1,7 +1,7 @@
 """Self-fencing: an agent cut off from NATS stops its jobs before the brain reruns them.
 
 The brain declares a node lost `node_timeout_s` after the last heartbeat it heard, and
-runs the node's jobs elsewhere only `fence_margin_s` later (brain/service.py). This
+runs the node's jobs elsewhere only `fence_margin_s` later (brain/liveness.py). This
 module is the agent's half of that bargain: every heartbeat is followed by a PING, and
 when its PONG comes back the heartbeat is known to have reached the server, so the brain
 heard from this node no earlier than that heartbeat was sent. Counting from there, an

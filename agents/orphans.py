@@ -8,7 +8,7 @@ recycled pid is never mistaken for it) and struck out once the attempt's exit ha
 stored in JetStream. A new agent stops whatever is still written down: its processes
 cannot be followed (they are not its children, their exit status is lost), and the
 brain has already been told, by the new agent instance in the heartbeat, that they are
-gone (brain/service.py `_agent_restarted`).
+gone (brain/liveness.py `agent_restarted`).
 """
 
 from __future__ import annotations

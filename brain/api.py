@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import Final
 
 from nats.aio.msg import Msg
@@ -237,13 +238,15 @@ class ApiServer:
             if (operator or j.tenant == tenant) and (wanted is None or j.state in wanted)
         ]
         jobs.sort(key=lambda j: (j.submitted_at, job_sequence(j.job_id)))
-        return tuple(jobs[-request.limit :])
+        return tuple(map(self.brain.state.shown, jobs[-request.limit :]))
 
     def _nodes(self) -> tuple[NodeStatus, ...]:
         held = self.brain.state.allocated()
         return tuple(self._node_status(name, held) for name in sorted(self.brain.state.nodes))
 
-    def _node_status(self, name: str, held: dict[str, set[int]] | None = None) -> NodeStatus:
+    def _node_status(
+        self, name: str, held: Mapping[str, frozenset[int]] | None = None
+    ) -> NodeStatus:
         brain = self.brain
         record = brain.state.nodes.get(name)
         if record is None:

@@ -4,7 +4,7 @@ Heartbeats are core NATS: while the connection they arrive on is broken (its ser
 off, say) they are lost, and every node falls silent at once through no fault of its
 own. The leader PINGs that connection every tick; until it has answered for a whole node
 timeout since it last did not, silence proves nothing and no node is judged lost
-(brain/service.py, `_check_nodes`). Without this, a deaf brain would run elsewhere the
+(brain/liveness.py, `check_nodes`). Without this, a deaf brain would run elsewhere the
 jobs of nodes whose agents, hearing NATS fine, never fenced them.
 """
 

@@ -31,7 +31,7 @@ from typing import Final
 import sqlite_utils
 
 from brain.core.model import UtilizationProfile
-from schemas.jobs import JobRecord
+from schemas.jobs import JobRecord, JobState
 from schemas.profiles import JobProfile
 from schemas.state import JobChanged, StateRecord
 from schemas.telemetry import GpuSample, TelemetryBatch
@@ -324,6 +324,8 @@ class _Track:
     shown: JobProfile | None = None
     computed_at: float = -math.inf
     fresh_samples: bool = False
+    # The (node, GPU) pairs the attempt holds, as last followed.
+    held: tuple[tuple[str, int], ...] = ()
 
     def add(self, node: str, ts: float, samples: Sequence[GpuSample], window_s: float) -> None:
         for sample in samples:
@@ -404,9 +406,14 @@ class Profiler:
         for job_id, samples in by_track.items():
             self._tracks[job_id].add(batch.node, batch.ts, samples, self.settings.window_s)
 
+    def resync(self) -> None:
+        """Follow the running jobs afresh at the next look (state was loaded or followed
+        without this profiler seeing its records)."""
+        self._stale_index = True
+
     def on_record(self, record: StateRecord, seq: int) -> None:
-        if isinstance(record, JobChanged):
-            self._stale_index = True
+        if isinstance(record, JobChanged) and not self._stale_index:
+            self._follow(record.job)
 
     # -- views -----------------------------------------------------------------------
 
@@ -453,36 +460,62 @@ class Profiler:
     # -- internals -------------------------------------------------------------------
 
     def _reindex(self) -> None:
-        """Follow the running jobs: new attempts get a track, ended ones are saved."""
+        """Follow every running job at once (at start): new attempts get a track,
+        ended ones are saved. After that, each job record is followed as it comes."""
         self._stale_index = False
         running = {job.job_id: job for job in self._running_jobs()}
-        ended = [
-            track
-            for job_id, track in self._tracks.items()
-            if job_id not in running or running[job_id].attempt != track.attempt
-        ]
-        self._save([self._compute(t) for t in ended if t.fresh_samples])
-        for track in ended:
-            del self._tracks[track.job_id]
-        self._holders = {}
+        for job_id, track in list(self._tracks.items()):
+            if job_id not in running:
+                self._end(track)
         for job in running.values():
-            if not job.grants:
-                continue
-            track = self._tracks.get(job.job_id) or _Track(
+            self._follow(job)
+
+    def _follow(self, job: JobRecord) -> None:
+        """A job's record changed: its attempt's track starts, moves with its GPUs (an
+        elastic job's change within an attempt), or ends and is saved."""
+        track = self._tracks.get(job.job_id)
+        if track is not None and (
+            job.state is not JobState.RUNNING or job.attempt != track.attempt
+        ):
+            self._end(track)
+            track = None
+        if job.state is not JobState.RUNNING or not job.grants:
+            return
+        if track is None:
+            track = _Track(
                 job_id=job.job_id,
                 attempt=job.attempt,
                 gpus=job.gpu_count,
                 lead_node=job.grants[0].node,
             )
-            track.gpus = job.gpu_count  # an elastic job's GPUs change within an attempt
             self._tracks[job.job_id] = track
-            for grant in job.grants:
-                node = self._holders.setdefault(grant.node, {})
-                for gpu in grant.gpus:
-                    # A GPU's telemetry is its whole-GPU job's (shares beside a shareable
-                    # job are in it); of shares alone, the first's.
-                    if job.spec.gpu_milli is None or gpu not in node:
-                        node[gpu] = track
+        track.gpus = job.gpu_count
+        held = tuple((grant.node, gpu) for grant in job.grants for gpu in grant.gpus)
+        if held != track.held:
+            self._let_go(track)
+            track.held = held
+            for node, gpu in held:
+                on_node = self._holders.setdefault(node, {})
+                # A GPU's telemetry is its whole-GPU job's (shares beside a shareable
+                # job are in it); of shares alone, the first's.
+                if job.spec.gpu_milli is None or gpu not in on_node:
+                    on_node[gpu] = track
+
+    def _end(self, track: _Track) -> None:
+        if track.fresh_samples:
+            self._save([self._compute(track)])
+        self._let_go(track)
+        del self._tracks[track.job_id]
+
+    def _let_go(self, track: _Track) -> None:
+        """Its GPUs are no longer filed under it (unless another track holds them now)."""
+        for node, gpu in track.held:
+            on_node = self._holders.get(node)
+            if on_node is not None and on_node.get(gpu) is track:
+                del on_node[gpu]
+                if not on_node:
+                    del self._holders[node]
+        track.held = ()
 
     def _refresh(self, job_ids: Iterable[str] | None = None) -> None:
         """Recompute the profiles that are due (of `job_ids`, or all), stalest first."""

@@ -50,6 +50,9 @@ def exec_secret(key: bytes, job_id: str, attempt: int) -> str:
 
 
 JOB_TOKEN_ENV: Final = "ALNAIR_JOB_TOKEN"
+# How often a job's connections reconnect to renew the NATS user its token is admitted
+# as (brain/credentials.py: the user expires).
+JOB_RENEW_ENV: Final = "ALNAIR_JOB_RENEW_S"
 
 
 def job_token(key: bytes, job_id: str, attempt: int) -> str:

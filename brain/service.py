@@ -1,13 +1,23 @@
-"""The brain's asyncio shell: fold events into state, decide, command, journal.
+"""The brain's asyncio shell and composition root: fold events into state, decide,
+command, journal.
 
 Every input that may change state (a heartbeat with news, a node event, an API call,
 a tick) goes through one inbox and is handled to completion before the next; heartbeats
 and telemetry stop in brain/ingest.py, which passes on only their news. State has one
 writer at a time: the inbox loop, or a scheduling pass applying its decisions (passes
-are coalesced and run decide() off the request path). Each change is appended to the
-STATE stream first and applied to memory once JetStream has stored it (write-ahead), so
+are coalesced and run decide() off the request path). Each change is staged in the
+journal (brain/journal.py: applied to memory at once) and stored on the STATE stream as
+one group with its unit of work, before any command or answer of that unit goes out, so
 what any client was told is in the log. Decisions come from the pure `decide()`; this
 module only turns them into records and commands.
+
+`Brain` owns the inbox loop, the scheduling pass, submissions and placements, the
+journal's records and the commands. The rest is in parts it wires here, each behind the
+narrow protocols of brain/writer.py (`_Shell` implements them over the brain):
+leadership (brain/leadership.py, with `_BrainTenure`), liveness of nodes
+(brain/liveness.py), attempts and failures (brain/attempts.py), the blacklist and
+pre-runs (brain/blacklist.py), resizes (brain/resizes.py) and the reconciler
+(brain/reconciler.py). The parts never import this module.
 """
 
 from __future__ import annotations
@@ -31,10 +41,14 @@ from nats.aio.subscription import Subscription
 from brain import elastic, secrets
 from brain import queues as queue_config
 from brain.api import ApiServer
+from brain.attempts import Attempts
+from brain.attempts import launch_id as _launch_id
+from brain.blacklist import Blacklist
 from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
     DISTRIBUTION_AWARE,
+    ORDERINGS,
     Decisions,
     MemoryPressure,
     Place,
@@ -50,16 +64,10 @@ from brain.core import (
 )
 from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
-    AttemptEnd,
-    Classification,
     FailurePolicy,
-    GiveUp,
-    classify,
-    decide_retry,
-    fault_action,
 )
-from brain.core.ordering import job_sequence
 from brain.core.shares import never_fits
+from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
 from brain.history import History
@@ -73,9 +81,13 @@ from brain.ingest import (
 )
 from brain.journal import Journal
 from brain.leader import Lease
+from brain.leadership import Leadership
+from brain.liveness import Liveness
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
+from brain.reconciler import Reconciler
 from brain.replica import Replica
+from brain.resizes import Resizes
 from brain.state import BrainState, current_size_s, job_demand
 from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
@@ -89,7 +101,7 @@ from schemas.api import (
     ResumeRequest,
     SubmitRequest,
 )
-from schemas.commands import Launch, NodeCommand, Regrant, Stop
+from schemas.commands import Launch, NodeCommand, Stop
 from schemas.errors import ApiError, HandBack
 from schemas.events import (
     NODE_EVENT,
@@ -103,17 +115,12 @@ from schemas.events import (
     ResizeCompleted,
 )
 from schemas.jobs import (
-    AttemptFailure,
-    FailureClass,
     JobRecord,
     JobState,
-    NodeGpus,
     NodeGrant,
-    describe_placement,
     job_limits,
-    placement_size,
 )
-from schemas.nodes import DrainedGpu, NodeRecord, NodeState
+from schemas.nodes import NodeRecord, NodeState
 from schemas.progress import Progress
 from schemas.state import (
     BlacklistChanged,
@@ -131,8 +138,6 @@ from schemas.workers import EXEC_SECRET_ENV
 
 log = logging.getLogger(__name__)
 
-# Do not repeat a reconciliation stop for the same process more often than this.
-RESTOP_AFTER_S: Final = 10.0
 # A pass waits for the inbox to empty (one pass for all the changes queued), but no
 # longer than this: a steady stream of requests must not starve scheduling.
 PASS_WAITS_FOR_INBOX_S: Final = 0.05
@@ -140,6 +145,11 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
 # where it does not make every wake-up of the loop wait for the GIL.
 DECIDE_IN_THREAD_AFTER_S: Final = 0.05
+# After a pass, the next waits at least as long as this one took (capped): passes
+# take at most about half the loop, however fast changes come, and the rest goes to
+# the API, ingest and the lease. A pass of a few milliseconds delays nothing.
+PASS_REST_RATIO: Final = 1.0
+PASS_REST_MAX_S: Final = 1.0
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
 # group is not kept waiting long for the last.
@@ -184,6 +194,9 @@ class BrainConfig:
     # The account seed that signs jobs' NATS users (auth callout, brain/credentials.py);
     # None: jobs get no token, and use their node's job identity if it gives them one.
     callout_seed: Path | None = None
+    # How long a job's NATS user lives before its connection must renew it; None:
+    # for ever (brain/credentials.py).
+    job_credential_ttl_s: float | None = DEFAULT_JOB_CREDENTIAL_TTL_S
 
 
 class Brain:
@@ -205,7 +218,15 @@ class Brain:
         self.lease = Lease(bus, ttl_s=self.config.lease_ttl_s)
         # 0 while standing by; the lease revision it was taken at while leading.
         self.epoch = 0
-        self.leading = asyncio.Event()
+        self.leadership = Leadership(
+            self.lease,
+            _BrainTenure(self),
+            spawn=lambda coro, name: self.bus.spawn(coro, name=name),
+            ttl_s=self.config.lease_ttl_s,
+            monotonic=monotonic,
+            closing=lambda: self._closing,
+        )
+        self.leading = self.leadership.leading
         self.instance = uuid.uuid4().hex[:12]
         self.started_at = clock()
         self.host = socket.gethostname()
@@ -214,10 +235,8 @@ class Brain:
         self.ingest = NodeIngest(node_timeout_s=self.config.node_timeout_s)
         self.hearing = Hearing(monotonic)
         self.ingest_bus: Bus = bus
+        # (node, job, attempt) -> when a stop for it was last sent (the reconciler's).
         self._stops_sent: dict[tuple[str, str, int], float] = {}
-        # (job, attempt, node) -> when its node's agent came back as a new instance
-        # without it: the process went with the old agent (`_check_vanished`).
-        self._vanishing: dict[tuple[str, int, str], float] = {}
         self._inbox: asyncio.Queue[Item] = asyncio.Queue()
         # State and the log have one writer at a time: an inbox item being handled, or
         # a scheduling pass applying its decisions (decide() itself runs outside it).
@@ -234,7 +253,12 @@ class Brain:
         self._wake_at: float | None = None
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self.credentials = (
-            JobCredentials(load_signer(self.config.callout_seed), self._cluster_key, self._running)
+            JobCredentials(
+                load_signer(self.config.callout_seed),
+                self._cluster_key,
+                self._running,
+                ttl_s=self.config.job_credential_ttl_s,
+            )
             if self.config.callout_seed is not None
             else None
         )
@@ -243,9 +267,6 @@ class Brain:
         self._leader_subs: list[Subscription] = []
         self._events: Consumer | None = None
         self._election: asyncio.Task[None] | None = None
-        self._renewer: asyncio.Task[None] | None = None
-        self._taking_over = False
-        self._stepping_down = False
         # Loops end on this flag, not on cancellation alone: nats-py turns a
         # cancellation into ConnectionClosedError once the connection is closed.
         self._closing = False
@@ -268,6 +289,45 @@ class Brain:
         self.record_observers.append(self.progress.on_record)
         # Records staged by the writer, stored as one group per unit of work.
         self.journal = Journal(bus, self.history, lambda: self.state, self.record_observers)
+        # The parts of the brain, each behind the narrow protocols of brain/writer.py
+        # that `_Shell` implements over this brain; each reads state as it stands.
+        shell = _Shell(self)
+        self.reconciler = Reconciler(
+            lambda: self.state,
+            self.ingest,
+            shell,
+            stops_sent=self._stops_sent,
+            monotonic=monotonic,
+        )
+        self.blacklist = Blacklist(
+            lambda: self.state, shell, policy=self.config.failures, clock=clock
+        )
+        self.resizes = Resizes(
+            lambda: self.state,
+            shell,
+            self.journal,
+            self.progress,
+            clock=clock,
+            timeout_s=self.config.resize_timeout_s,
+            leading=self.leading.is_set,
+        )
+        self.attempts = Attempts(
+            lambda: self.state,
+            shell,
+            self.resizes,
+            policy=self.config.failures,
+            clock=clock,
+        )
+        self.liveness = Liveness(
+            lambda: self.state,
+            shell,
+            self.attempts,
+            self.ingest,
+            self.hearing,
+            settings=self.config,
+            clock=clock,
+            monotonic=monotonic,
+        )
 
     @property
     def state(self) -> BrainState:
@@ -291,7 +351,7 @@ class Brain:
         await self.lease.open()
         await self.replica.load()
         self.replica.follow()
-        self._election = self.bus.spawn(self._elect_forever(), name="brain-election")
+        self._election = self.bus.spawn(self.leadership.elect_forever(), name="brain-election")
         log.info(
             "brain %s up: %d jobs and %d nodes at seq %d; policy %s; queues %s",
             self.instance,
@@ -325,67 +385,25 @@ class Brain:
             leader=self.leading.is_set(),
         )
 
-    async def _elect_forever(self) -> None:
-        while not self._closing:
-            try:
-                idle = not (self._taking_over or self._stepping_down)
-                if not self.leading.is_set() and idle:
-                    epoch = await self.lease.try_acquire(self.info())
-                    if epoch is not None:
-                        # Renew from now on, however long taking over lasts.
-                        self._renewer = self.bus.spawn(self._renew_forever(), name="lease")
-                        self._taking_over = True
-                        try:
-                            await self._lead(epoch)
-                        except Exception:
-                            if not self.leading.is_set():
-                                # Not leading after all: let the lease go, or nobody
-                                # would lead while this brain's renewer kept it.
-                                await self._let_lease_go()
-                            raise
-                        finally:
-                            self._taking_over = False
-                await self.lease.announce(self.info())
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("election round failed: %r", error)
-            await asyncio.sleep(self.config.lease_ttl_s / 10)
+    # -- leadership (brain/leadership.py orders it; these are the tenure's parts) ---
 
-    async def _renew_forever(self) -> None:
-        renewed_at = self.monotonic()
-        while self.lease.epoch is not None and not self._closing:
-            await asyncio.sleep(self.config.lease_ttl_s / 3)
-            try:
-                if not await self.lease.renew(self.info()):
-                    await self._stop_leading("the lease was lost")
-                    return
-                renewed_at = self.monotonic()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("lease renewal failed: %r", error)
-                if self.monotonic() - renewed_at > self.config.lease_ttl_s:
-                    # Unrenewed past its TTL the lease is surely gone: stop acting now.
-                    self.lease.epoch = self.lease.revision = None
-                    await self._stop_leading("could not renew the lease")
-                    return
+    async def _stop_leading(self, reason: str) -> None:
+        await self.leadership.stop_leading(reason)
 
-    async def _let_lease_go(self) -> None:
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None and renewer is not asyncio.current_task():
-            renewer.cancel()
-        await self.lease.release()
-
-    async def _lead(self, epoch: int) -> None:
+    async def _catch_up(self) -> int:
         await self.replica.stop_following()
         if self.journal.tainted:
             # The last tenure's state ran ahead of the log and could not be read again
             # then (cut off from NATS, say): it must be before this one begins.
             await self.replica.reload()
             self.journal.tainted = False
-        caught_up = await self.replica.catch_up()
+        return await self.replica.catch_up()
+
+    async def _begin(self, epoch: int) -> None:
         self.epoch = epoch
+        # Records the replica followed were not observed: the profiler follows the
+        # running jobs afresh.
+        self.profiles.resync()
         now = self.monotonic()
         self.ingest.reset()
         for node in self.state.nodes.values():
@@ -425,14 +443,11 @@ class Brain:
         ]
         self._dirty = True
         self._pass_wanted.set()
-        self.leading.set()
-        if self.lease.epoch != epoch:
-            # The renewer gave the lease up while this takeover waited on the bus.
-            await self._stop_leading("the lease was lost while taking over")
-            return
+
+    async def _take_over(self, epoch: int, caught_up: int) -> None:
         async with self._unit():
             await self._resend_unconfirmed_launches()
-            await self._resend_staged_resizes()
+            await self.resizes.resend_staged_resizes()
         log.info(
             "brain %s leads with epoch %d (caught up %d entries, seq %d)",
             self.instance,
@@ -440,6 +455,39 @@ class Brain:
             caught_up,
             self.state.last_seq,
         )
+
+    async def _end(self, reason: str, renewer: asyncio.Task[None] | None) -> None:
+        self.epoch = 0
+        current = asyncio.current_task()
+        subs, events = self._leader_subs, self._events
+        others = [t for t in (*self._leader_tasks, renewer) if t and t is not current]
+        self._leader_subs, self._leader_tasks, self._events = [], [], None
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if events is not None:
+            await events.stop()
+        for task in others:
+            task.cancel()
+        if others:
+            await asyncio.wait(others, timeout=3.0)
+        while not self._inbox.empty():
+            item = self._inbox.get_nowait()
+            if item.done is not None and not item.done.done():
+                error = ApiError("unavailable", f"brain stepped down: {reason}")
+                item.done.set_exception(error)
+        self.journal.discard()  # staged by a unit cut short: never stored
+        if self.journal.tainted:
+            # State ran ahead of the log (a group not stored): read it all again.
+            try:
+                await self.replica.reload()
+                self.journal.tainted = False
+            except Exception as error:  # cut off from NATS, say: before leading again
+                log.warning("reading state again failed (%r); retried before leading", error)
+
+    def _follow(self) -> None:
+        if not self.journal.tainted:  # else its state is read again before it leads
+            self.replica.follow()
 
     async def _resend_unconfirmed_launches(self) -> None:
         """A brain may have died between journaling a placement and commanding it.
@@ -452,51 +500,6 @@ class Brain:
                 return  # stepped down meanwhile: the next leader re-sends them
             if any(g.pid is None and not g.exited for g in job.grants):
                 await self._send_launches(job)
-
-    async def _stop_leading(self, reason: str) -> None:
-        if not self.leading.is_set():
-            if self._renewer is not None and self._renewer is not asyncio.current_task():
-                self._renewer.cancel()
-            self._renewer = None
-            return
-        log.warning("brain %s stops leading: %s", self.instance, reason)
-        self.leading.clear()
-        # Take this tenure's parts before the first await, and hold the election off
-        # until they are let go: otherwise a tenure begun meanwhile (the lease came
-        # back) would have its own parts torn down and keep this one's loop at epoch 0.
-        self._stepping_down = True
-        self.epoch = 0
-        current = asyncio.current_task()
-        subs, events = self._leader_subs, self._events
-        others = [t for t in (*self._leader_tasks, self._renewer) if t and t is not current]
-        self._leader_subs, self._leader_tasks, self._renewer, self._events = [], [], None, None
-        try:
-            for sub in subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            if events is not None:
-                await events.stop()
-            for task in others:
-                task.cancel()
-            if others:
-                await asyncio.wait(others, timeout=3.0)
-            while not self._inbox.empty():
-                item = self._inbox.get_nowait()
-                if item.done is not None and not item.done.done():
-                    error = ApiError("unavailable", f"brain stepped down: {reason}")
-                    item.done.set_exception(error)
-            self.journal.discard()  # staged by a unit cut short: never stored
-            if self.journal.tainted:
-                # State ran ahead of the log (a group not stored): read it all again.
-                try:
-                    await self.replica.reload()
-                    self.journal.tainted = False
-                except Exception as error:  # cut off from NATS, say: before leading again
-                    log.warning("reading state again failed (%r); retried before leading", error)
-        finally:
-            self._stepping_down = False
-        if not self.journal.tainted:  # else its state is read again before it leads
-            self.replica.follow()
 
     async def _maybe_snapshot(self) -> None:
         if self.state.last_seq - self.replica.snapshot_seq < self.config.snapshot_every:
@@ -647,6 +650,7 @@ class Brain:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inbox_idle.wait(), PASS_WAITS_FOR_INBOX_S)
             self._pass_wanted.clear()
+            began = self.monotonic()
             try:
                 await self._schedule()
             except Exception as error:
@@ -660,6 +664,8 @@ class Brain:
                     log.exception("scheduling cycle failed")
             if self._dirty:
                 self._pass_wanted.set()
+            took = self.monotonic() - began
+            await asyncio.sleep(min(took * PASS_REST_RATIO, PASS_REST_MAX_S))
 
     async def _handle(self, item: Item) -> object:
         match item:
@@ -679,12 +685,12 @@ class Brain:
         return None
 
     async def _tick(self) -> None:
-        await self._check_nodes()
-        await self._reconcile_all()
-        await self._check_vanished()
-        await self._check_launches()
-        await self._check_preruns()
-        await self._check_resizes()
+        await self.liveness.check_nodes()
+        await self.reconciler.reconcile_all()
+        await self.liveness.check_vanished()
+        await self.liveness.check_launches()
+        await self.blacklist.check_preruns()
+        await self.resizes.check_resizes()
         if self._wake_at is not None and self.clock() >= self._wake_at:
             # decide() asked to be called again by now (a retry back-off ending).
             self._wake_at = None
@@ -802,6 +808,17 @@ class Brain:
         await self._append(record, subjects.state_node(node.name))
         self._dirty = True
 
+    async def _blacklist_changed(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
+        record = BlacklistChanged(
+            record_id=self._record_id(),
+            ts=self.clock(),
+            epoch=self.epoch,
+            entries=tuple(entries.values()),
+            cause=cause,
+        )
+        await self._append(record, subjects.STATE_BLACKLIST)
+        self._dirty = True
+
     async def _event_recorded(self, event: NodeEvent) -> None:
         record = NodeEventRecorded(
             record_id=self._record_id(), ts=self.clock(), epoch=self.epoch, event=event
@@ -903,277 +920,24 @@ class Brain:
         await self._stop_parts(job, "cancelled")
         return cancelled
 
-    # -- nodes -----------------------------------------------------------------------
+    # -- nodes (brain/liveness.py) -----------------------------------------------------
 
     async def _heartbeat(self, beat: Heartbeat) -> None:
         """A heartbeat with news (brain/ingest.py): journal what changed, reconcile."""
-        now = self.monotonic()
-        known = self.state.nodes.get(beat.node)
-        if known is not None and known.instance != beat.instance:
-            self._agent_restarted(beat, now)
-        drain_reason = known.drain_reason if known is not None else None
-        fresh = NodeRecord(
-            name=beat.node,
-            state=NodeState.DRAINED if drain_reason else NodeState.READY,
-            hostname=beat.hostname,
-            backend=beat.backend,
-            instance=beat.instance,
-            gpus=beat.gpus,
-            joined_at=known.joined_at if known is not None else self.clock(),
-            drain_reason=drain_reason,
-            drained_gpus=known.drained_gpus if known is not None else (),
-            cpu_milli=beat.cpu_milli,
-            memory_mib=beat.memory_mib,
-        )
-        if known is None or known.instance != beat.instance:
-            self._check_fence(beat)
-        if known is None:
-            await self._node_changed(
-                fresh,
-                None,
-                Cause(
-                    kind=CauseKind.NODE_JOINED,
-                    node=beat.node,
-                    message=f"joined with {len(beat.gpus)} GPUs ({beat.backend})",
-                ),
-            )
-        elif known.state is NodeState.LOST:
-            await self._node_changed(
-                fresh,
-                known.state,
-                Cause(kind=CauseKind.NODE_RETURNED, node=beat.node, message="heartbeats resumed"),
-            )
-        elif fresh != known:
-            await self._node_changed(
-                fresh,
-                known.state,
-                Cause(
-                    kind=CauseKind.NODE_UPDATED,
-                    node=beat.node,
-                    message="inventory or agent instance changed",
-                ),
-            )
-        await self._reconcile(beat)
-
-    def _agent_restarted(self, beat: Heartbeat, now: float) -> None:
-        """A new agent instance does not know the processes of the old one (it stops any
-        it finds left over): attempts it does not report are suspects. They are failed
-        a node timeout later, if no exit from the old instance has arrived by then."""
-        reported = {(r.job_id, r.attempt) for r in beat.running}
-        for job in self.state.running_on(beat.node):
-            grant = next(g for g in job.grants if g.node == beat.node)
-            known = (job.job_id, job.attempt) in reported
-            if grant.pid is not None and not grant.exited and not known:
-                self._vanishing.setdefault((job.job_id, job.attempt, beat.node), now)
-
-    async def _check_vanished(self) -> None:
-        now = self.monotonic()
-        for key, since in list(self._vanishing.items()):
-            if now - since < self.config.node_timeout_s:
-                continue
-            del self._vanishing[key]
-            job_id, attempt, node = key
-            job = self._current(job_id, attempt, node)
-            if (
-                job is None
-                or not self.ingest.known(node)
-                or (job_id, attempt) in self.ingest.running(node)
-            ):
-                continue
-            if any(g.exited for g in job.grants if g.node == node):
-                continue
-            await self._fail_attempt(
-                job,
-                node,
-                Classification(
-                    FailureClass.INFRASTRUCTURE,
-                    f"the agent of node {node} restarted and attempt {attempt}'s process "
-                    "went with the old agent",
-                ),
-            )
-
-    async def _reconcile_all(self) -> None:
-        """Reconcile every node that reports processes: a heartbeat that changes nothing
-        is not handed to the loop, and what the brain holds may have changed since."""
-        for beat in list(self.ingest.reporting(self.monotonic())):
-            await self._reconcile(beat)
-
-    async def _reconcile(self, beat: Heartbeat) -> None:
-        """Stop what a node runs that the brain did not give it (any more)."""
-        now = self.monotonic()
-        for running in beat.running:
-            job = self.state.jobs.get(running.job_id)
-            if (
-                job is not None
-                and job.state is JobState.RUNNING
-                and job.attempt == running.attempt
-                and beat.node in job.nodes
-            ):
-                continue
-            key = (beat.node, running.job_id, running.attempt)
-            if now - self._stops_sent.get(key, -RESTOP_AFTER_S) < RESTOP_AFTER_S:
-                continue
-            log.warning(
-                "node %s runs job %s attempt %d that it does not hold; stopping it",
-                beat.node,
-                running.job_id,
-                running.attempt,
-            )
-            await self._stop(
-                running.job_id,
-                beat.node,
-                "stale: the brain no longer runs this attempt here",
-                running.attempt,
-            )
+        await self.liveness.heartbeat(beat)
+        await self.reconciler.reconcile(beat)
 
     async def _drain(self, operator: str, request: DrainRequest) -> None:
-        """Take a node's GPUs out of scheduling; what runs there goes on. A drained node
-        stays drained through being lost and returning, until it is resumed."""
-        node = self._known_node(request.node)
-        if request.gpu is not None:
-            await self._drain_gpu(node, request.gpu, f"drained by {operator}: {request.reason}")
-            return
-        if node.drain_reason == request.reason:
-            return
-        await self._node_changed(
-            node.model_copy(
-                update={
-                    "state": NodeState.DRAINED if node.state is NodeState.READY else node.state,
-                    "drain_reason": request.reason,
-                }
-            ),
-            node.state,
-            Cause(
-                kind=CauseKind.NODE_DRAINED,
-                node=node.name,
-                message=f"drained by {operator}: {request.reason}",
-            ),
-        )
+        await self.liveness.drain(operator, request)
 
     async def _resume(self, operator: str, request: ResumeRequest) -> None:
-        node = self._known_node(request.node)
-        if node.drain_reason is None and not node.drained_gpus:
-            raise ApiError("conflict", f"node {node.name} is not drained")
-        await self._node_changed(
-            node.model_copy(
-                update={
-                    "state": NodeState.READY if node.state is NodeState.DRAINED else node.state,
-                    "drain_reason": None,
-                    "drained_gpus": (),
-                }
-            ),
-            node.state,
-            Cause(
-                kind=CauseKind.NODE_RESUMED,
-                node=node.name,
-                message=f"resumed by {operator}: its GPUs are schedulable again",
-            ),
-        )
-
-    def _known_node(self, name: str) -> NodeRecord:
-        node = self.state.nodes.get(name)
-        if node is None:
-            raise ApiError("not_found", f"no node {name}")
-        return node
-
-    async def _check_nodes(self) -> None:
-        if self.hearing.deaf_within(self.config.node_timeout_s):
-            return  # heartbeats may have been sent and lost on our side: judge none
-        for name, silent in list(self.ingest.silent(self.monotonic())):
-            node = self.state.nodes.get(name)
-            if node is None:
-                continue
-            # A drained node can be lost too: its running jobs must be taken back.
-            if node.state is not NodeState.LOST:
-                await self._node_changed(
-                    node.model_copy(update={"state": NodeState.LOST}),
-                    node.state,
-                    Cause(
-                        kind=CauseKind.NODE_LOST,
-                        node=name,
-                        message=f"no heartbeat for {silent:.1f}s "
-                        f"(limit {self.config.node_timeout_s:g}s)",
-                    ),
-                )
-            for job in self.state.running_on(name):
-                # Not before its agent has fenced it: never two attempts at once.
-                unheard_for = self._fenced_after(job)
-                if silent < unheard_for:
-                    continue
-                await self._fail_attempt(
-                    job,
-                    name,
-                    Classification(
-                        FailureClass.INFRASTRUCTURE,
-                        f"node {name} was lost (no heartbeat for {silent:.1f}s; its agent "
-                        f"stops the job after {unheard_for - self.config.fence_margin_s:g}s "
-                        f"without NATS, margin {self.config.fence_margin_s:g}s)",
-                    ),
-                )
-
-    def _check_fence(self, beat: Heartbeat) -> None:
-        """Say so when a node's agent may run its jobs on past the moment this brain
-        runs them elsewhere (docs/operations.md, "Partitions")."""
-        limit = self.config.node_timeout_s + self.config.fence_margin_s
-        if beat.fence_s is None:
-            log.warning(
-                "node %s does not fence itself: a partition of it may run its jobs twice",
-                beat.node,
-            )
-        elif beat.fence_s >= limit:
-            log.warning(
-                "node %s stops its jobs %gs after losing NATS, not before this brain runs "
-                "them elsewhere (node timeout + fence margin = %gs): a partition of it may "
-                "run them twice",
-                beat.node,
-                beat.fence_s,
-                limit,
-            )
-
-    def _fenced_after(self, job: JobRecord) -> float:
-        """How long a job's node must be silent before the job may run elsewhere."""
-        if job.spec.on_disconnect == "keep":
-            return self.config.keep_disconnected_s + self.config.fence_margin_s
-        return self.config.node_timeout_s + self.config.fence_margin_s
-
-    async def _check_launches(self) -> None:
-        """Requeue a job whose launch a node never confirmed nor refused."""
-        now = self.clock()
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if job.started_at is None or now - job.started_at < self.config.launch_ttl_s + 5:
-                continue
-            for grant in job.grants:
-                if grant.pid is not None or grant.exited:
-                    continue
-                if grant.node in elastic.joining(job):
-                    continue  # launched by a grow: the resize's own timeout covers it
-                if (job.job_id, job.attempt) in self.ingest.running(grant.node):
-                    continue
-                await self._requeue(
-                    job,
-                    Cause(
-                        kind=CauseKind.LAUNCH_FAILED,
-                        node=grant.node,
-                        job_id=job.job_id,
-                        message=f"node {grant.node} never confirmed the launch",
-                    ),
-                )
-                break
+        await self.liveness.resume(operator, request)
 
     async def _requeue(self, job: JobRecord, cause: Cause) -> None:
-        """Back to PENDING, keeping its attempt count; stop whatever still runs."""
-        pending = job.model_copy(
-            update={
-                "state": JobState.PENDING,
-                "grants": (),
-                "started_at": None,
-                "reason": cause.message,
-            }
-        )
-        await self._job_changed(pending, job.state, cause)
-        await self._stop_parts(job, f"requeued: {cause.message}")
+        """Back to PENDING, keeping its attempt count (brain/attempts.py)."""
+        await self.attempts.requeue(job, cause)
 
-    # -- node events -----------------------------------------------------------------
+    # -- node events (brain/attempts.py, brain/blacklist.py, brain/resizes.py) ---------
 
     async def _event(self, event: NodeEvent) -> None:
         if event.event_id in self.state.seen_events:
@@ -1182,683 +946,38 @@ class Brain:
         # that dies in between leaves it undone, and its successor, handed the event
         # again, applies it (each effect checks the attempt, so twice is harmless).
         if isinstance(event, JobStarted):
-            await self._job_started(event)
+            await self.attempts.job_started(event)
         elif isinstance(event, JobExited):
-            await self._job_exited(event)
+            await self.attempts.job_exited(event)
         elif isinstance(event, LaunchFailed):
-            await self._launch_failed(event)
+            await self.attempts.launch_failed(event)
         elif isinstance(event, CommandRejected):
-            await self._command_rejected(event)
+            await self.attempts.command_rejected(event)
         elif isinstance(event, GpuFault):
-            await self._gpu_fault(event)
+            await self.attempts.gpu_fault(event)
         elif isinstance(event, InputError):
-            await self._input_error(event)
+            await self.blacklist.input_error(event)
         elif isinstance(event, ResizeCompleted):
-            await self._resize_completed(event)
+            await self.resizes.resize_completed(event)
         await self._event_recorded(event)
         self._dirty = True
 
-    def _current(self, job_id: str, attempt: int, node: str) -> JobRecord | None:
-        """The job, if `attempt` on `node` is what it runs now; else the event is stale."""
-        job = self.state.jobs.get(job_id)
-        if job is None or job.state is not JobState.RUNNING or job.attempt != attempt:
-            return None
-        return job if node in job.nodes else None
-
-    @staticmethod
-    def _with_grant(job: JobRecord, node: str, **update: object) -> JobRecord:
-        grants = tuple(g.model_copy(update=update) if g.node == node else g for g in job.grants)
-        return job.model_copy(update={"grants": grants})
-
-    async def _job_started(self, event: JobStarted) -> None:
-        job = self._current(event.job_id, event.attempt, event.node)
-        if job is None:
-            return
-        started = self._with_grant(job, event.node, pid=event.pid, log_path=event.log_path)
-        await self._job_changed(
-            started,
-            job.state,
-            Cause(
-                kind=CauseKind.STARTED,
-                node=event.node,
-                job_id=job.job_id,
-                message=f"process {event.pid} started on {event.node}",
-            ),
-        )
-
-    async def _job_exited(self, event: JobExited) -> None:
-        job = self._current(event.job_id, event.attempt, event.node)
-        if job is None:
-            return
-        updated = self._with_grant(
-            job, event.node, exited=True, exit_code=event.exit_code, signal=event.signal
-        )
-        how = f"exit code {event.exit_code}" if event.signal is None else f"signal {event.signal}"
-        if event.stopped:
-            # Stopped by its node, not by this brain (the agent shut down): not the
-            # job's fault, so it runs again.
-            await self._requeue(
-                updated,
-                Cause(
-                    kind=CauseKind.EXITED,
-                    node=event.node,
-                    job_id=job.job_id,
-                    message=f"stopped by node {event.node} ({how})",
-                ),
-            )
-            return
-        if event.exit_code == 0:
-            # An elastic job across nodes ends with its supervisor (the first node's
-            # process): its worker hosts on the others run until they are stopped.
-            supervised = job.spec.elastic and event.node == job.grants[0].node
-            if supervised or all(g.exited for g in updated.grants):
-                done = updated.model_copy(
-                    update={
-                        "state": JobState.SUCCEEDED,
-                        "finished_at": self.clock(),
-                        "exit_code": 0,
-                        "reason": "exited 0",
-                    }
-                )
-                await self._job_changed(
-                    done,
-                    job.state,
-                    Cause(
-                        kind=CauseKind.EXITED,
-                        node=event.node,
-                        job_id=job.job_id,
-                        message=f"exited 0 after {event.runtime_s:.1f}s",
-                    ),
-                )
-                if supervised:
-                    await self._stop_parts(
-                        updated, "the job's supervisor finished", except_node=event.node
-                    )
-            else:
-                await self._job_changed(
-                    updated,
-                    job.state,
-                    Cause(
-                        kind=CauseKind.EXITED,
-                        node=event.node,
-                        job_id=job.job_id,
-                        message=f"part on {event.node} exited 0; waiting for the others",
-                    ),
-                )
-            return
-        end = AttemptEnd(
-            exit_code=event.exit_code,
-            signal=event.signal,
-            log_tail=event.log_tail,
-            runtime_s=event.runtime_s,
-            oom_limit_mb=event.oom_limit_mb,
-            gpu_memory_over=(
-                (event.gpu_memory_used_mib or 0.0, event.gpu_memory_limit_mib)
-                if event.gpu_memory_limit_mib is not None
-                else None
-            ),
-        )
-        reported = self.state.input_reports.get((job.job_id, job.attempt))
-        await self._fail_attempt(updated, event.node, classify(end, (), reported), end)
-
-    async def _launch_failed(self, event: LaunchFailed) -> None:
-        job = self._current(event.job_id, event.attempt, event.node)
-        if job is None:
-            return
-        why = f"the job's worker host did not start on {event.node}: {event.reason}"
-        if await self._join_failed(job, event.node, why):
-            return
-        updated = self._with_grant(job, event.node, exited=True)
-        cause = Cause(
-            kind=CauseKind.LAUNCH_FAILED,
-            node=event.node,
-            job_id=job.job_id,
-            message=f"launch failed on {event.node}: {event.reason}",
-        )
-        failure_class = FailureClass.INFRASTRUCTURE if event.retryable else FailureClass.USER
-        await self._fail_attempt(updated, event.node, Classification(failure_class, cause.message))
-
-    async def _command_rejected(self, event: CommandRejected) -> None:
-        log.warning("node %s rejected %s: %s", event.node, event.command_id, event.reason)
-        if event.job_id is None or not event.command_id.startswith("launch-"):
-            return
-        job = self.state.jobs.get(event.job_id)
-        if job is None or job.state is not JobState.RUNNING:
-            return
-        if event.command_id != _launch_id(job.job_id, job.attempt, event.node):
-            return
-        why = f"node {event.node} refused the job's worker host: {event.reason}"
-        if not await self._join_failed(job, event.node, why):
-            await self._requeue(
-                job,
-                Cause(
-                    kind=CauseKind.LAUNCH_FAILED,
-                    node=event.node,
-                    job_id=job.job_id,
-                    message=f"node {event.node} refused the launch: {event.reason}",
-                ),
-            )
-
-    # -- failures (brain/core/failures.py decides; this journals and commands) -------
-
-    async def _fail_attempt(
-        self,
-        job: JobRecord,
-        node: str,
-        classification: Classification,
-        end: AttemptEnd | None = None,
-    ) -> None:
-        """Record a failed attempt with its class, then retry it or end it."""
-        now = self.clock()
-        user = classification.failure_class is FailureClass.USER
-        failure = AttemptFailure(
-            attempt=max(1, job.attempt),
-            failure_class=classification.failure_class,
-            reason=classification.reason,
-            nodes=job.nodes or (node,),
-            at=now,
-            exit_code=end.exit_code if end is not None else None,
-            signal=end.signal if end is not None else None,
-            input_uri=classification.input_uri,
-            log_tail=end.log_tail[-5:] if end is not None and user else (),
-        )
-        failures = (*job.failures, failure)
-        decision = decide_retry(
-            failures,
-            job.spec.queue,
-            now,
-            self.config.failures,
-            blacklisted=frozenset(self.state.blacklist),
-        )
-        what = f"{classification.failure_class.value} failure on {node}: {classification.reason}"
-        if isinstance(decision, GiveUp):
-            kind = (
-                CauseKind.RETRIES_EXHAUSTED
-                if decision.state is JobState.UNSUCCESSFUL
-                else CauseKind.FAILURE_CLASSIFIED
-            )
-            ended = job.model_copy(
-                update={
-                    "state": decision.state,
-                    "finished_at": now,
-                    "exit_code": failure.exit_code,
-                    "signal": failure.signal,
-                    "failures": failures,
-                    "reason": decision.cause,
-                }
-            )
-            cause = Cause(
-                kind=kind, node=node, job_id=job.job_id, message=f"{what}; {decision.cause}"
-            )
-            await self._job_changed(ended, job.state, cause)
-            await self._stop_parts(job, f"failed: {classification.reason}", except_node=node)
-            return
-        pending = job.model_copy(
-            update={
-                "state": JobState.PENDING,
-                "grants": (),
-                "started_at": None,
-                "failures": failures,
-                "not_before": decision.not_before,
-                "avoid_nodes": decision.avoid_nodes,
-                # A pre-run that failed for reasons not its own tries its pre-run again.
-                "prerun": "pending" if job.prerun == "running" else job.prerun,
-                "reason": f"{what}; {decision.cause}",
-            }
-        )
-        cause = Cause(
-            kind=CauseKind.RETRY_SCHEDULED,
-            node=node,
-            job_id=job.job_id,
-            message=f"{what}; {decision.cause}",
-        )
-        await self._job_changed(pending, job.state, cause)
-        await self._stop_parts(job, f"retrying elsewhere: {classification.reason}")
-
-    async def _gpu_fault(self, event: GpuFault) -> None:
-        """Critical faults drain the GPU or the node; jobs on it fail as infrastructure."""
-        action = fault_action(event.fault, event.xid, event.gpu)
-        node = self.state.nodes.get(event.node)
-        if node is None or action.drain == "none":
-            log.info("node %s: %s (drains nothing)", event.node, action.reason)
-            return
-        if action.drain == "node":
-            affected = self.state.running_on(node.name)
-            if node.drain_reason is None:
-                await self._node_changed(
-                    node.model_copy(
-                        update={
-                            "state": NodeState.DRAINED
-                            if node.state is NodeState.READY
-                            else node.state,
-                            "drain_reason": action.reason,
-                        }
-                    ),
-                    node.state,
-                    Cause(kind=CauseKind.NODE_DRAINED, node=node.name, message=action.reason),
-                )
-        else:
-            affected = [
-                j
-                for j in self.state.running_on(node.name)
-                if any(g.node == node.name and event.gpu in g.gpus for g in j.grants)
-            ]
-            await self._drain_gpu(node, event.gpu, action.reason)
-        for job in affected:
-            await self._fail_attempt(
-                job, node.name, Classification(FailureClass.INFRASTRUCTURE, action.reason)
-            )
-
-    async def _drain_gpu(self, node: NodeRecord, gpu: int, reason: str) -> None:
-        if gpu not in {g.index for g in node.gpus}:
-            raise ApiError("not_found", f"node {node.name} has no GPU {gpu}")
-        if any(d.index == gpu for d in node.drained_gpus):
-            return
-        drained = (*node.drained_gpus, DrainedGpu(index=gpu, reason=reason, at=self.clock()))
-        await self._node_changed(
-            node.model_copy(update={"drained_gpus": drained}),
-            node.state,
-            Cause(kind=CauseKind.GPU_DRAINED, node=node.name, message=reason),
-        )
-
-    async def _input_error(self, event: InputError) -> None:
-        """Count distinct jobs failing per input; blacklist the input at K of them."""
-        if event.uri in self.state.blacklist:
-            return
-        # The event's own record is journaled after its effects: count its job here.
-        jobs = self.state.input_failures.get(event.uri, set()) | {event.job_id}
-        limit = self.config.failures.blacklist_after_jobs
-        if len(jobs) < limit:
-            return
-        await self._set_blacklist(
-            {
-                **self.state.blacklist,
-                event.uri: BlacklistEntry(
-                    uri=event.uri,
-                    reason=f"{len(jobs)} jobs failed on it (limit {limit}); last: {event.reason}",
-                    jobs=tuple(sorted(jobs, key=job_sequence)),
-                    added_at=self.clock(),
-                    added_by="brain",
-                ),
-            },
-            Cause(
-                kind=CauseKind.BLACKLISTED,
-                message=f"input {event.uri} blacklisted: jobs {', '.join(sorted(jobs))} "
-                f"failed on it",
-            ),
-        )
-
     async def _edit_blacklist(self, operator: str, request: BlacklistRequest) -> None:
-        uri = request.uri
-        if uri is None:
-            raise ApiError("invalid", f"blacklist {request.action} needs an input URI")
-        entries = dict(self.state.blacklist)
-        if request.action == "add":
-            if uri in entries:
-                return
-            entries[uri] = BlacklistEntry(
-                uri=uri, reason=request.reason, added_at=self.clock(), added_by=operator
-            )
-            cause = Cause(
-                kind=CauseKind.BLACKLISTED,
-                message=f"input {uri} blacklisted by {operator}: {request.reason}",
-            )
-        else:
-            if entries.pop(uri, None) is None:
-                raise ApiError("not_found", f"input {uri} is not blacklisted")
-            cause = Cause(
-                kind=CauseKind.UNBLACKLISTED, message=f"input {uri} removed by {operator}"
-            )
-        await self._set_blacklist(entries, cause)
+        await self.blacklist.edit(operator, request)
 
-    async def _set_blacklist(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
-        record = BlacklistChanged(
-            record_id=self._record_id(),
-            ts=self.clock(),
-            epoch=self.epoch,
-            entries=tuple(entries.values()),
-            cause=cause,
-        )
-        await self._append(record, subjects.STATE_BLACKLIST)
-        self._dirty = True
-        await self._retry_input_failures()
-
-    async def _retry_input_failures(self) -> None:
-        """A job that ended FAILED on an input now blacklisted runs again without it."""
-        for job in self.state.jobs_in(JobState.FAILED):
-            last = job.failures[-1] if job.failures else None
-            if (
-                last is None
-                or last.failure_class is not FailureClass.INPUT
-                or last.input_uri not in self.state.blacklist
-            ):
-                continue
-            decision = decide_retry(
-                job.failures,
-                job.spec.queue,
-                self.clock(),
-                self.config.failures,
-                blacklisted=frozenset(self.state.blacklist),
-            )
-            if isinstance(decision, GiveUp):
-                continue
-            await self._job_changed(
-                job.model_copy(
-                    update={
-                        "state": JobState.PENDING,
-                        "grants": (),
-                        "started_at": None,
-                        "finished_at": None,
-                        "not_before": decision.not_before,
-                        "reason": decision.cause,
-                    }
-                ),
-                job.state,
-                Cause(kind=CauseKind.RETRY_SCHEDULED, job_id=job.job_id, message=decision.cause),
-            )
-
-    async def _check_preruns(self) -> None:
-        """A pre-run that survived its trial gives its GPU back and waits for the full
-        allocation (Philly's pre-run: fail fast on one GPU)."""
-        now = self.clock()
-        trial = self.config.failures.prerun_s
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if job.prerun != "running" or job.started_at is None or now - job.started_at < trial:
-                continue
-            if not all(g.pid is not None for g in job.grants):
-                continue  # not started yet: its trial has not begun
-            passed = job.model_copy(
-                update={
-                    "state": JobState.PENDING,
-                    "grants": (),
-                    "started_at": None,
-                    "prerun": "passed",
-                    "reason": f"pre-run passed after {trial:g}s",
-                }
-            )
-            await self._job_changed(
-                passed,
-                job.state,
-                Cause(
-                    kind=CauseKind.PRERUN_PASSED,
-                    job_id=job.job_id,
-                    message=f"survived {trial:g}s on one GPU; now waits for {job.spec.gpus} GPUs",
-                ),
-            )
-            await self._stop_parts(job, "pre-run passed")
-
-    # -- elastic resizes (brain/elastic.py says what changes; this journals, commands) --
-
-    def _free_by_node(self) -> dict[str, frozenset[int]]:
-        """Each ready node's schedulable GPUs that no running job holds."""
-        return self.state.free_gpus()
+    # -- elastic resizes (brain/resizes.py) --------------------------------------------
 
     def _free_on(self, node: str) -> frozenset[int]:
-        return self._free_by_node().get(node, frozenset())
+        """The node's schedulable GPUs that no running job holds (if it is ready)."""
+        return self.state.free_gpus().get(node, frozenset())
 
     async def _resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
     ) -> JobRecord:
-        """`alnair resize JOB N`: pin the job at N and stage the resize, or say why
-        not (nothing changes then). Answered once staged; the commit (or roll-back)
-        follows when the supervisor answers. `alnair resize JOB auto` lifts the pin."""
-        job = self.state.jobs.get(request.job_id)
-        if job is None or (job.tenant != tenant and not operator):
-            raise ApiError("not_found", f"no job {request.job_id} for tenant {tenant}")
-        who = "an operator" if operator and job.tenant != tenant else f"tenant {tenant}"
-        if request.gpus == "auto":
-            return await self._unpin(job, who)
-        ready = self.progress.heard_from(job.job_id)
-        refused = elastic.check_resizable(job, request.gpus, supervisor_ready=ready)
-        if refused is not None:
-            raise ApiError(refused.code, refused.reason)
-        if placement_size(elastic.current_placement(job)) == request.gpus:
-            return await self._pin(job, request.gpus, who)  # already that size
-        free = self._free_by_node()
-        target = elastic.choose_target(job, request.gpus, free)
-        if isinstance(target, elastic.ResizeRefused):
-            raise ApiError(target.code, target.reason)
-        refused = elastic.check_target(job, target, free)
-        if refused is not None:
-            raise ApiError(refused.code, refused.reason)
-        pinned = job.model_copy(update={"pinned_gpus": request.gpus})
-        return await self._stage_resize(
-            pinned, target, f"asked by {who}, who pins it at {request.gpus} GPUs"
-        )
-
-    async def _pin(self, job: JobRecord, gpus: int, who: str) -> JobRecord:
-        message = f"pinned at {gpus} GPUs by {who}: the policy leaves its size alone"
-        return await self._set_pin(job, gpus, CauseKind.RESIZE_PINNED, message)
-
-    async def _unpin(self, job: JobRecord, who: str) -> JobRecord:
-        if not job.spec.elastic:
-            raise ApiError("invalid", elastic.not_elastic(job))
-        if job.state.terminal:
-            raise ApiError("conflict", f"job {job.job_id} is {job.state.value}")
-        low, high = job.spec.gpu_range
-        message = (
-            f"pin at {job.pinned_gpus} GPUs lifted by {who}: the policy sizes it again "
-            f"within {low}..{high}"
-        )
-        return await self._set_pin(job, None, CauseKind.RESIZE_UNPINNED, message)
-
-    async def _set_pin(
-        self, job: JobRecord, gpus: int | None, kind: CauseKind, message: str
-    ) -> JobRecord:
-        """Journal the job's new pin (None: none); nothing when it is already so."""
-        if job.pinned_gpus == gpus:
-            return job
-        await self._job_changed(
-            job.model_copy(update={"pinned_gpus": gpus, "reason": message}),
-            job.state,
-            Cause(kind=kind, job_id=job.job_id, message=message),
-        )
-        return self.state.jobs[job.job_id]
+        return await self.resizes.resize_request(tenant, request, operator=operator)
 
     async def _apply_resize(self, job: JobRecord, action: Resize) -> None:
-        """The policy's resize, staged if it still holds against the live state."""
-        target = tuple(NodeGpus(node=g.node, gpus=tuple(sorted(g.gpus))) for g in action.grants)
-        current = elastic.current_placement(job)
-        if job.state is JobState.RUNNING and elastic.same_placement(target, current):
-            return
-        refused = elastic.check_resize(
-            job,
-            target,
-            self._free_by_node(),
-            supervisor_ready=self.progress.heard_from(job.job_id),
-        )
-        if refused is not None:
-            log.debug("policy resize of job %s not staged: %s", job.job_id, refused.reason)
-            return
-        if action.retreat:
-            # The size it leaves did not earn its keep: not grown back on this evidence.
-            size = placement_size(current)
-            job = job.model_copy(update={"gain_ceiling": size, "gain_ceiling_at": self.clock()})
-        await self._stage_resize(job, target, action.cause)
-
-    async def _stage_resize(
-        self, job: JobRecord, target: elastic.Placement, cause: str
-    ) -> JobRecord:
-        command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
-        staged = elastic.stage(job, target, command_id=command_id, now=self.clock(), cause=cause)
-        assert staged.resize is not None
-        await self._job_changed(
-            staged,
-            job.state,
-            Cause(
-                kind=CauseKind.RESIZE_STAGED,
-                node=staged.resize.node,
-                job_id=job.job_id,
-                message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
-            ),
-        )
-        current = self.state.jobs[job.job_id]
-        if staged.resize.grow:
-            # The added GPUs are the job's from now on: their nodes must know, and a
-            # node new to the job starts its worker host (horovodrun's workers there
-            # start through it).
-            await self._regrant(current, command_id, "staged")
-            await self._send_launches(current)
-        await self._send_resize(current)
-        return current
-
-    async def _send_resize(self, job: JobRecord) -> None:
-        command = elastic.resize_command(job, epoch=self.epoch, issued_at=self.clock())
-        self.journal.send_after(subjects.job(job.job_id, "cmd"), command, command.command_id)
-
-    async def _regrant(self, job: JobRecord, resize_id: str, phase: str) -> None:
-        """Tell the job's nodes which of their GPUs the attempt holds now (a node whose
-        part has not started yet learns them from its launch)."""
-        for grant in job.grants:
-            if grant.pid is None:
-                continue
-            await self._command(
-                grant.node,
-                Regrant(
-                    # One id per node: JetStream de-duplicates across the stream.
-                    command_id=f"regrant-{resize_id}-{phase}-{grant.node}",
-                    epoch=self.epoch,
-                    issued_at=self.clock(),
-                    job_id=job.job_id,
-                    attempt=job.attempt,
-                    gpus=grant.gpus,
-                    reason=f"resize {phase}",
-                ),
-            )
-
-    async def _resend_staged_resizes(self) -> None:
-        """A brain may have died between staging a resize and commanding it; the ids
-        are the same, so the supervisor and the agent drop what they had already."""
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if not self.leading.is_set():
-                return  # stepped down meanwhile: the next leader re-sends them
-            if job.resize is None:
-                continue
-            if job.resize.grow:
-                await self._regrant(job, job.resize.command_id, "staged")
-                await self._send_launches(job)
-            await self._send_resize(job)
-
-    async def _resize_completed(self, event: ResizeCompleted) -> None:
-        job = self.state.jobs.get(event.job_id)
-        staged = job.resize if job is not None else None
-        if (
-            job is None
-            or job.state is not JobState.RUNNING
-            or staged is None
-            or staged.command_id != event.command_id
-        ):
-            log.info(
-                "resize outcome %s of job %s matches no staged resize; ignored",
-                event.command_id,
-                event.job_id,
-            )
-            return
-        if not event.ok:
-            # A supervisor that tried (to_size differs) may have moved part of the way.
-            moved = event.to_size != event.from_size
-            await self._roll_back_resize(
-                job, f"its supervisor refused: {event.reason}", revert=moved
-            )
-            return
-        if event.from_size != staged.from_size:
-            log.warning(
-                "job %s: the supervisor resized from %d workers, the brain thought %d",
-                job.job_id,
-                event.from_size,
-                staged.from_size,
-            )
-        now = self.clock()
-        message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
-        kept = elastic.committed_placement(staged, event.placement)
-        if event.placement and not elastic.same_placement(kept, event.placement):
-            log.warning(
-                "job %s: its supervisor says its workers hold GPUs %s, which does not fit "
-                "the resize %s; keeping %s",
-                job.job_id,
-                describe_placement(event.placement),
-                elastic.describe(staged),
-                describe_placement(kept),
-            )
-        if not staged.grow:
-            message += f"; GPUs {describe_placement(elastic.released(staged, kept))} released"
-        committed = elastic.commit(job, message, event.placement).model_copy(
-            update={"last_resize_at": now, "last_resize_s": max(0.0, now - staged.staged_at)}
-        )
-        await self._job_changed(
-            committed,
-            job.state,
-            Cause(kind=CauseKind.RESIZED, node=staged.node, job_id=job.job_id, message=message),
-        )
-        if not staged.grow:
-            # Its workers on the released GPUs have exited: they are free now (a node
-            # the job left keeps its worker host, idle, holding none).
-            await self._regrant(self.state.jobs[job.job_id], staged.command_id, "committed")
-
-    async def _roll_back_resize(
-        self, job: JobRecord, why: str, *, revert: bool, drop: str | None = None
-    ) -> None:
-        """Back to the size before. With `revert` (the supervisor may have moved part of
-        the way: it tried, or never answered) the old size is staged as a resize of its
-        own, the job holding every GPU of both sizes until the supervisor confirms it: a
-        grow's new workers may run on the added GPUs. A revert rolled back in turn ends
-        holding them all, and is not reverted again. `drop`: a node the grow added
-        whose worker host could not start; the job's part there goes."""
-        staged = job.resize
-        assert staged is not None
-        message = f"resize {elastic.describe(staged)} rolled back: {why}"
-        held = describe_placement(job.placement)
-        if revert and not staged.reverting:
-            message += f"; GPUs {held} stay the job's until its supervisor is back at "
-            message += f"{staged.from_size}"
-            changed = elastic.stage_revert(job, message, now=self.clock())
-        else:
-            if staged.reverting:
-                message += f"; the job keeps GPUs {held} (its workers may use them)"
-            changed = elastic.roll_back(job, message)
-        if job.pinned_gpus == staged.to_size and not staged.reverting:
-            # The size an operator pinned it at could not be reached: the job goes back
-            # to the policy rather than being held at a size it does not run at.
-            message += f"; the pin at {staged.to_size} GPUs is lifted"
-            changed = changed.model_copy(update={"pinned_gpus": None, "reason": message})
-        if drop is not None:
-            changed = elastic.drop_node(changed, drop)
-        await self._job_changed(
-            changed,
-            job.state,
-            Cause(
-                kind=CauseKind.RESIZE_ROLLED_BACK,
-                node=staged.node,
-                job_id=job.job_id,
-                message=message,
-            ),
-        )
-        current = self.state.jobs[job.job_id]
-        if current.resize is not None:
-            await self._send_resize(current)
-        elif staged.grow and not staged.reverting:
-            await self._regrant(current, staged.command_id, "rolled-back")
-        if drop is not None:
-            await self._stop(job.job_id, drop, message, job.attempt)
-
-    async def _join_failed(self, job: JobRecord, node: str, why: str) -> bool:
-        """A launch failed on `node`: if it was a staged grow's worker host there, the
-        grow fails, not the job (True)."""
-        if node not in elastic.joining(job):
-            return False
-        await self._roll_back_resize(job, why, revert=False, drop=node)
-        return True
-
-    async def _check_resizes(self) -> None:
-        """Roll back a resize its supervisor has not answered in time (it died, or never
-        heard the command)."""
-        now = self.clock()
-        limit = self.config.resize_timeout_s
-        for job in self.state.jobs_in(JobState.RUNNING):
-            if job.resize is not None and now - job.resize.staged_at > limit:
-                await self._roll_back_resize(
-                    job, f"no answer from its supervisor within {limit:g}s", revert=True
-                )
+        await self.resizes.apply_resize(job, action)
 
     # -- scheduling ------------------------------------------------------------------
 
@@ -1878,6 +997,7 @@ class Brain:
                 service_prior=self.config.service_prior
                 if self.config.policy.order in DISTRIBUTION_AWARE
                 else None,
+                running_service=self._reads_running_service(),
             )
         started = self.monotonic()
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
@@ -1889,6 +1009,16 @@ class Brain:
         self._notify(self.decision_observers, decisions)
         async with self._unit():
             await self._apply(decisions)
+
+    def _reads_running_service(self) -> bool:
+        """Does this pass's policy read running jobs' service as it grows? If not, the
+        pass reuses their views (brain/state.py, `snapshot`). The order says; an
+        elasticity stage reads it, and runs only while some job is elastic."""
+        policy = self.config.policy
+        order = ORDERINGS.get(policy.order)
+        if order is None or order.reads_running_service:
+            return True
+        return policy.elasticity != "none" and self.state.live_elastic > 0
 
     async def _preempt(self, action: Preempt, job: JobRecord | None) -> bool:
         """Requeue the victim, only as decided: on those GPUs, its beneficiary waiting
@@ -1917,7 +1047,11 @@ class Brain:
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
         # node lost or drained, a resize staged by an operator). None: to be computed.
         free: dict[str, frozenset[int]] | None = None
+        waits: list[Wait] = []
         for action in decisions.actions:
+            if type(action) is Wait:  # most actions: noted together, below
+                waits.append(action)
+                continue
             job = self.state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
                 # Preemptions come first: the placements after them use the GPUs freed.
@@ -1957,21 +1091,30 @@ class Brain:
                 for grant in action.grants:
                     free[grant.node] = free[grant.node] - set(grant.gpus)
                 await self._place(job, action)
-            elif isinstance(action, Wait) and action.reason != job.reason:
-                await self._note_wait(job, action.reason)
+        await self._note_waits(waits)
 
-    async def _note_wait(self, job: JobRecord, reason: str) -> None:
-        if _reason_kind(reason) == _reason_kind(job.reason):
-            # Same reason, new figures (GPUs left, a blocker's id): shown, not journaled,
-            # or every change of free capacity would write one entry per pending job.
-            # The log keeps each change of kind.
-            self.state.refresh_reason(job.job_id, reason)
-            return
-        await self._job_changed(
-            job.model_copy(update={"reason": reason}),
-            job.state,
-            Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=reason),
-        )
+    async def _note_waits(self, waits: list[Wait]) -> None:
+        """Why each waiting job waits. A new kind of reason is journaled; the same
+        reason with new figures (GPUs left, a blocker's id) is shown, not journaled, or
+        every change of free capacity would write one entry per pending job. One per
+        pending job per pass: kept to a few look-ups each."""
+        state = self.state
+        jobs, details = state.jobs, state.wait_details
+        for action in waits:
+            job = jobs.get(action.job_id)
+            if job is None or job.state is not JobState.PENDING:
+                continue
+            reason = action.reason
+            if reason == details.get(job.job_id, job.reason):
+                continue
+            if _reason_kind(reason) == _reason_kind(job.reason):
+                state.refresh_reason(job.job_id, reason)
+                continue
+            await self._job_changed(
+                job.model_copy(update={"reason": reason}),
+                job.state,
+                Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=reason),
+            )
 
     async def _place(self, job: JobRecord, action: Place) -> None:
         now = self.clock()
@@ -2015,6 +1158,8 @@ class Brain:
         if self.credentials is not None:
             key = await self._cluster_key()
             env[secrets.JOB_TOKEN_ENV] = secrets.job_token(key, job.job_id, job.attempt)
+            if self.credentials.renew_s is not None:
+                env[secrets.JOB_RENEW_ENV] = f"{self.credentials.renew_s:g}"
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue
@@ -2063,12 +1208,13 @@ class Brain:
         """The job as it stands: from memory, or, for a finished job no longer held
         there, from the history (a projection of the log)."""
         job = self.state.jobs.get(job_id)
-        if job is None:
-            try:
-                job = self.history.last_job(job_id)
-            except Exception:
-                log.exception("reading job %s from the history failed", job_id)
-        return job
+        if job is not None:
+            return self.state.shown(job)
+        try:
+            return self.history.last_job(job_id)
+        except Exception:
+            log.exception("reading job %s from the history failed", job_id)
+            return None
 
     def last_seen_ago(self, node: str) -> float | None:
         return self.ingest.last_seen_ago(node, self.monotonic())
@@ -2083,11 +1229,21 @@ class Brain:
 
 
 def _reason_kind(reason: str | None) -> str:
-    """A waiting reason without its figures: what changes of it are journaled."""
-    return _FIGURES.sub("#", reason or "")
+    """A waiting reason without its figures: what changes of it are journaled.
+    Remembered: a pass asks for thousands, of a few distinct reasons."""
+    if reason is None:
+        return ""
+    kind = _KINDS.get(reason)
+    if kind is None:
+        if len(_KINDS) >= _KINDS_KEPT:
+            _KINDS.clear()
+        kind = _KINDS[reason] = _FIGURES.sub("#", reason)
+    return kind
 
 
 _FIGURES: Final = re.compile(r"\d+(?:\.\d+)?")
+_KINDS: Final[dict[str, str]] = {}
+_KINDS_KEPT: Final = 4096
 
 
 def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:
@@ -2144,5 +1300,62 @@ def _preemption(action: Preempt) -> Preemption:
     )
 
 
-def _launch_id(job_id: str, attempt: int, node: str) -> str:
-    return f"launch-{job_id}-{attempt}-{node}"
+class _Shell:
+    """The writer's protocols (brain/writer.py) over a `Brain`: what its parts may do."""
+
+    def __init__(self, brain: Brain) -> None:
+        self._brain = brain
+
+    @property
+    def epoch(self) -> int:
+        return self._brain.epoch
+
+    async def job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
+        await self._brain._job_changed(job, previous, cause)
+
+    async def node_changed(
+        self, node: NodeRecord, previous: NodeState | None, cause: Cause
+    ) -> None:
+        await self._brain._node_changed(node, previous, cause)
+
+    async def blacklist_changed(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
+        await self._brain._blacklist_changed(entries, cause)
+
+    async def command(self, node: str, command: NodeCommand) -> None:
+        await self._brain._command(node, command)
+
+    async def stop(self, job_id: str, node: str, reason: str, attempt: int | None) -> None:
+        await self._brain._stop(job_id, node, reason, attempt)
+
+    async def stop_parts(
+        self, job: JobRecord, reason: str, *, except_node: str | None = None
+    ) -> None:
+        await self._brain._stop_parts(job, reason, except_node=except_node)
+
+    async def send_launches(self, job: JobRecord) -> None:
+        await self._brain._send_launches(job)
+
+
+class _BrainTenure:
+    """A `Brain`'s tenure as brain/leadership.py sees it."""
+
+    def __init__(self, brain: Brain) -> None:
+        self._brain = brain
+
+    def info(self) -> BrainInfo:
+        return self._brain.info()
+
+    async def catch_up(self) -> int:
+        return await self._brain._catch_up()
+
+    async def begin(self, epoch: int) -> None:
+        await self._brain._begin(epoch)
+
+    async def take_over(self, epoch: int, caught_up: int) -> None:
+        await self._brain._take_over(epoch, caught_up)
+
+    async def end(self, reason: str, renewer: asyncio.Task[None] | None) -> None:
+        await self._brain._end(reason, renewer)
+
+    def follow(self) -> None:
+        self._brain._follow()

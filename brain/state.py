@@ -14,8 +14,9 @@ replica, and a brain started from a snapshot, holds the same ones.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Mapping
+import bisect
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -86,6 +87,11 @@ class BrainState:
     finished: OrderedDict[str, None] = field(default_factory=OrderedDict)
     finished_away: dict[JobState, int] = field(default_factory=dict)
     keys_away: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
+    # Pending jobs' waiting reasons with today's figures (`refresh_reason`), in memory
+    # only: their records keep the reason of the last change of kind, as the log does.
+    wait_details: dict[str, str] = field(default_factory=dict, compare=False)
+    # Elastic jobs pending or running: without one, an elasticity stage does not run.
+    live_elastic: int = field(default=0, compare=False)
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -96,13 +102,41 @@ class BrainState:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
-    # (GPUs on every known node, the most on one), until a node's record changes.
+    # (GPUs on every known node, the most on one), and the LOST nodes' names, until a
+    # node's record changes.
     _registered: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
-    # Each pending job's view, with the record and progress it was built from: a pending
-    # job's view does not depend on the clock, so a pass rebuilds only those that changed.
-    _pending_views: dict[str, tuple[JobRecord, ObservedProgress | None, JobView]] = field(
+    _lost_nodes: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    # Pending and running job ids in job order, kept as jobs come and go: a pass reads
+    # them without sorting the queue again.
+    _ordered: dict[JobState, _JobOrder] = field(
+        default_factory=lambda: {JobState.PENDING: _JobOrder(), JobState.RUNNING: _JobOrder()},
+        init=False,
+        repr=False,
+        compare=False,
+    )
+    # GPUs held by running jobs, per node, kept as jobs start, resize and end: how many
+    # jobs hold each GPU (a shared GPU has several), and the set of those held.
+    _holders: dict[str, Counter[int]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _held: dict[str, frozenset[int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    # Each pending job's view: it does not depend on the clock, so a pass builds again
+    # only those whose record or progress changed (`_pending_job_views`).
+    _pending_views: dict[str, JobView] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    # Pending jobs whose record changed since their view was built, and the progress
+    # each view with progress was built with.
+    _pending_stale: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _pending_progress: dict[str, ObservedProgress] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    # The same for running jobs' views without the clock (see `snapshot`).
+    _running_views: dict[
+        str, tuple[JobRecord, UtilizationProfile | None, ObservedProgress | None, JobView]
+    ] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
@@ -111,6 +145,7 @@ class BrainState:
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
             self._registered = None
+            self._lost_nodes = None
         elif isinstance(record, NodeEventRecorded):
             self._saw_event(record.event.event_id)
             if isinstance(record.event, InputError):
@@ -122,12 +157,23 @@ class BrainState:
         self.last_seq = max(self.last_seq, seq)
 
     def refresh_reason(self, job_id: str, reason: str) -> None:
-        """Show a pending job's waiting reason with today's figures. Not journaled:
-        the only state a replica may see differently (it has the reason of the last
-        change of kind); the next leader's first pass writes its own."""
-        job = self.jobs.get(job_id)
-        if job is not None and job.state is JobState.PENDING:
-            self.jobs[job_id] = job.model_copy(update={"reason": reason})
+        """Show a pending job's waiting reason with today's figures. Not journaled, and
+        not in its record (which keeps the reason of the last change of kind, as the
+        log does): the only state a replica may see differently; the next leader's
+        first pass refreshes its own."""
+        if job_id in self.by_state[JobState.PENDING]:
+            self.wait_details[job_id] = reason
+
+    def reason_of(self, job: JobRecord) -> str | None:
+        """Why the job waits, with today's figures (else as its record says)."""
+        return self.wait_details.get(job.job_id, job.reason)
+
+    def shown(self, job: JobRecord) -> JobRecord:
+        """The record as callers see it: with its waiting reason's figures of now."""
+        detail = self.wait_details.get(job.job_id)
+        if detail is None or detail == job.reason:
+            return job
+        return job.model_copy(update={"reason": detail})
 
     def _saw_event(self, event_id: str) -> None:
         self.seen_events[event_id] = None
@@ -136,8 +182,6 @@ class BrainState:
 
     def _put_job(self, job: JobRecord, *, new: bool = True) -> None:
         previous = self.jobs.get(job.job_id)
-        if previous is not None:
-            self.by_state[previous.state].discard(job.job_id)
         if (
             new
             and job.state is JobState.SUCCEEDED
@@ -145,8 +189,8 @@ class BrainState:
         ):
             # Once per job, and only from an entry not applied before.
             self._learn_service(job.attained_gpu_seconds)
+        self._index(previous, job)
         self.jobs[job.job_id] = job
-        self.by_state[job.state].add(job.job_id)
         if job.job_id.isdigit():
             self.last_job_number = max(self.last_job_number, int(job.job_id))
         if job.idempotency_key is not None:
@@ -158,6 +202,46 @@ class BrainState:
                 self._let_go(next(iter(self.finished)))
         elif previous is not None and previous.state.terminal:
             self.finished.pop(job.job_id, None)
+
+    def _index(self, previous: JobRecord | None, job: JobRecord) -> None:
+        """Keep what passes read without scanning every job: ids by state (pending and
+        running in job order), GPUs held, pending views to build again."""
+        job_id = job.job_id
+        moved = previous is None or previous.state is not job.state
+        if previous is not None and previous.state in _LIVE and previous.spec.elastic:
+            self.live_elastic -= 1
+        if job.state in _LIVE and job.spec.elastic:
+            self.live_elastic += 1
+        self.wait_details.pop(job_id, None)  # the record says why, until refreshed
+        if previous is not None:
+            self.by_state[previous.state].discard(job_id)
+            if moved and previous.state in self._ordered:
+                self._ordered[previous.state].discard(job_id)
+            if previous.state is JobState.RUNNING:
+                self._hold(previous, -1)
+            if moved and previous.state is JobState.PENDING:
+                self._pending_views.pop(job_id, None)
+                self._pending_progress.pop(job_id, None)
+        self.by_state[job.state].add(job_id)
+        if moved and job.state in self._ordered:
+            self._ordered[job.state].add(job_id)
+        if job.state is JobState.RUNNING:
+            self._hold(job, +1)
+        if job.state is JobState.PENDING:
+            self._pending_stale.add(job_id)
+
+    def _hold(self, job: JobRecord, sign: int) -> None:
+        for grant in job.grants:
+            if not grant.gpus:
+                continue
+            counts = self._holders.setdefault(grant.node, Counter())
+            counts.update({gpu: sign for gpu in grant.gpus})
+            held = frozenset(gpu for gpu, n in counts.items() if n > 0)
+            if held:
+                self._held[grant.node] = held
+            else:
+                self._held.pop(grant.node, None)
+                del self._holders[grant.node]
 
     def _let_go(self, job_id: str) -> None:
         """A finished job leaves memory (the log and the history keep it)."""
@@ -243,19 +327,17 @@ class BrainState:
 
     def jobs_in(self, *states: JobState) -> list[JobRecord]:
         # In job-id order, so the same state always yields the same snapshot.
+        if len(states) == 1 and states[0] in self._ordered:
+            return [self.jobs[job_id] for job_id in self._ordered[states[0]]]
         ids = sorted((i for state in states for i in self.by_state[state]), key=job_sequence)
         return [self.jobs[job_id] for job_id in ids]
 
     def running_on(self, node: str) -> list[JobRecord]:
         return [j for j in self.jobs_in(JobState.RUNNING) if node in j.nodes]
 
-    def allocated(self) -> dict[str, set[int]]:
-        """GPUs held by running jobs, per node."""
-        held: dict[str, set[int]] = {}
-        for job in self.jobs_in(JobState.RUNNING):
-            for grant in job.grants:
-                held.setdefault(grant.node, set()).update(grant.gpus)
-        return held
+    def allocated(self) -> Mapping[str, frozenset[int]]:
+        """GPUs held by running jobs, per node (kept up to date, not computed: read only)."""
+        return self._held
 
     def schedulable_gpus(self, node: NodeRecord) -> tuple[int, ...]:
         drained = {d.index for d in node.drained_gpus}
@@ -303,83 +385,152 @@ class BrainState:
         queues: tuple[QueueQuota, ...] = (),
         service_prior: ServiceDistribution | None = DEFAULT_SERVICE_PRIOR,
         progress: Mapping[str, ObservedProgress] | None = None,
+        running_service: bool = True,
     ) -> ClusterSnapshot:
         """The frozen view `decide` sees; `profiles` (job id -> profile) come from the
         brain's telemetry, which the log does not hold; `now` adds the current run to
         running jobs' attained service; `queues` and `service_prior` are configuration (no
         prior: no learned distribution, for the orders that do not read it);
-        `progress` (job id -> what its reports said) comes from its supervisor."""
+        `progress` (job id -> what its reports said) comes from its supervisor.
+
+        `running_service` False: running jobs' service and run time are as of their
+        records (for a policy that reads neither), so their views are reused from pass
+        to pass until a record, profile or progress report changes."""
         profiles = profiles or {}
         progress = progress or {}
         nodes = self._node_views(self.allocated())
-        return ClusterSnapshot(
-            nodes=nodes,
-            pending=self._pending_job_views(progress),
-            running=tuple(
+        if running_service:
+            running = tuple(
                 job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
                 for j in self.jobs_in(JobState.RUNNING)
                 if not self.on_lost_node(j)
-            ),
+            )
+        else:
+            running = self._running_job_views(profiles, progress)
+        return ClusterSnapshot(
+            nodes=nodes,
+            pending=self._pending_job_views(progress),
+            running=running,
             queues=queues,
             service_distribution=(
                 None if service_prior is None else self.service_distribution(service_prior)
             ),
         )
 
-    def _pending_job_views(self, progress: Mapping[str, ObservedProgress]) -> tuple[JobView, ...]:
-        """Pending jobs' views in job order, reusing each one whose record is the same
-        object, and progress the same value, as when it was built."""
-        cache = self._pending_views
+    def _running_job_views(
+        self,
+        profiles: Mapping[str, UtilizationProfile],
+        progress: Mapping[str, ObservedProgress],
+    ) -> tuple[JobView, ...]:
+        """Running jobs' views without the clock, in job order, reusing each one whose
+        record and profile are the same objects, and progress the same value, as when
+        it was built."""
+        cache = self._running_views
         views = []
-        for job in self.jobs_in(JobState.PENDING):
-            seen = progress.get(job.job_id)
-            cached = cache.get(job.job_id)
-            if cached is not None and cached[0] is job and cached[1] == seen:
-                views.append(cached[2])
+        for job_id in self._ordered[JobState.RUNNING]:
+            job = self.jobs[job_id]
+            if self.on_lost_node(job):
                 continue
-            view = job_view(job, progress=seen)
-            cache[job.job_id] = (job, seen, view)
+            profile = profiles.get(job_id)
+            seen = progress.get(job_id)
+            cached = cache.get(job_id)
+            if cached is not None and cached[:2] == (job, profile) and cached[2] == seen:
+                views.append(cached[3])
+                continue
+            view = job_view(job, profile, progress=seen)
+            cache[job_id] = (job, profile, seen, view)
             views.append(view)
-        if len(cache) > 2 * len(views) + 64:  # forget jobs that left the queue
-            pending = self.by_state[JobState.PENDING]
-            self._pending_views = {k: v for k, v in cache.items() if k in pending}
+        if len(cache) > 2 * len(views) + 64:  # forget jobs that stopped running
+            running = self.by_state[JobState.RUNNING]
+            self._running_views = {k: v for k, v in cache.items() if k in running}
         return tuple(views)
+
+    def _pending_job_views(self, progress: Mapping[str, ObservedProgress]) -> tuple[JobView, ...]:
+        """Pending jobs' views in job order. A pending job's view does not depend on the
+        clock: only those whose record changed since the last pass, or whose progress
+        did, are built again; the rest of the queue costs a look-up each."""
+        views = self._pending_views
+        built_with = self._pending_progress
+        stale = self._pending_stale
+        pending = self.by_state[JobState.PENDING]
+        for job_id in progress.keys() | built_with.keys():
+            if progress.get(job_id) != built_with.get(job_id) and job_id in pending:
+                stale.add(job_id)
+        for job_id in stale:
+            if job_id not in pending:
+                continue
+            seen = progress.get(job_id)
+            views[job_id] = job_view(self.jobs[job_id], progress=seen)
+            if seen is None:
+                built_with.pop(job_id, None)
+            else:
+                built_with[job_id] = seen
+        stale.clear()
+        return tuple(map(views.__getitem__, self._ordered[JobState.PENDING]))
 
     def on_lost_node(self, job: JobRecord) -> bool:
         """A job waiting out its lost node's fence margin (docs/operations.md,
         Partitions) is left out of decisions: its GPUs are not in the capacity, it
         cannot be stopped, and it is neither a victim nor a claim on other GPUs."""
-        return any(
-            (node := self.nodes.get(g.node)) is not None and node.state is NodeState.LOST
-            for g in job.grants
-        )
+        if self._lost_nodes is None:
+            self._lost_nodes = frozenset(
+                name for name, node in self.nodes.items() if node.state is NodeState.LOST
+            )
+        lost = self._lost_nodes
+        return bool(lost) and any(g.node in lost for g in job.grants)
 
     def free_gpus(self) -> dict[str, frozenset[int]]:
         """Each READY node's schedulable GPUs that no running job holds (from the same
         views a snapshot reuses: cheap when few nodes changed)."""
         return {view.name: view.free for view in self._node_views(self.allocated())}
 
-    def _node_views(self, held: dict[str, set[int]]) -> tuple[NodeView, ...]:
+    def _node_views(self, held: Mapping[str, frozenset[int]]) -> tuple[NodeView, ...]:
         """READY nodes' views in name order, reusing each one whose record and held GPUs
         are the same objects and values as when it was built."""
         if len(self._sorted_names) != len(self.nodes):  # nodes are added, never removed
             self._sorted_names = sorted(self.nodes)
         views = []
-        nothing: frozenset[int] = frozenset()
         for name in self._sorted_names:
             record = self.nodes[name]
             if record.state is not NodeState.READY:
                 continue
-            here = held.get(name, nothing)
+            here = held.get(name, _NOTHING)
             cached = self._views.get(name)
-            if cached is not None and cached[0] is record and cached[1] == here:
+            if cached is not None and cached[0] is record and cached[1] is here:
                 views.append(cached[2])
                 continue
             gpus = self.schedulable_gpus(record)
             view = node_view(record, gpus, frozenset(gpus) - here)
-            self._views[name] = (record, frozenset(here), view)
+            self._views[name] = (record, here, view)
             views.append(view)
         return tuple(views)
+
+
+_NOTHING: Final[frozenset[int]] = frozenset()
+_LIVE: Final = frozenset({JobState.PENDING, JobState.RUNNING})
+
+
+class _JobOrder:
+    """Job ids in job order (`job_sequence`), kept sorted as they come and go."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: list[str] = []
+
+    def add(self, job_id: str) -> None:
+        bisect.insort(self._ids, job_id, key=job_sequence)
+
+    def discard(self, job_id: str) -> None:
+        i = bisect.bisect_left(self._ids, job_sequence(job_id), key=job_sequence)
+        if i < len(self._ids) and self._ids[i] == job_id:
+            del self._ids[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def node_view(record: NodeRecord, gpus: tuple[int, ...], free: frozenset[int]) -> NodeView:

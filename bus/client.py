@@ -87,6 +87,17 @@ class StreamSpec:
     allow_direct: bool = False
 
 
+# What JetStream answers (or fails to) while it cannot serve yet: no meta leader, no
+# quorum, nobody listening on its API.
+_JETSTREAM_NOT_READY: Final = (
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.NoRespondersError,
+    nats.errors.TimeoutError,
+    TimeoutError,
+)
+# JetStream's error code for "stream name already in use" (created meanwhile by another).
+_STREAM_NAME_IN_USE: Final = 10058
+
 STREAMS: Final = (
     StreamSpec(
         subjects.STREAM_EVENTS,
@@ -151,6 +162,10 @@ class ConnectOptions:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Reconnect this often, so that the server asks the auth callout again and the
+    # user it admits, which expires (a job's, brain/credentials.py), is a fresh one.
+    # nats-py closes a connection whose user expired for good rather than reconnect.
+    renew_s: float | None = None
     connect_timeout_s: float = 5.0
     # Keep trying for ever: a component outlives a restart of its NATS server.
     max_reconnect_attempts: int = -1
@@ -181,6 +196,8 @@ class Bus:
         self._ack_prefix: str | None = None
         self._acks: dict[str, asyncio.Future[int]] = {}
         self._ack_tokens = 0
+        # How many times `renew_s` reconnected this connection.
+        self.renewals = 0
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -218,7 +235,12 @@ class Bus:
         if options.token:
             kwargs["token"] = options.token
         if options.tls_ca or options.tls_cert:
-            kwargs["tls"] = tls_context(options)
+            kwargs["tls"] = context = tls_context(options)
+            if options.tls_cert and options.tls_key:
+                # nats-py handshakes each reconnection with this same context: a
+                # certificate renewed on disk (a job's, agents/confine.py) is read
+                # before it reconnects, rather than the expired one presented.
+                kwargs["disconnected_cb"] = _reload_on_disconnect(options, context)
         try:
             nc = await nats.connect(**kwargs)
         except (TimeoutError, OSError, nats.errors.NoServersError) as error:
@@ -228,7 +250,19 @@ class Bus:
         bus = cls(nc, component=options.name, replicas=replicas)
         bus.options = options
         made.append(bus)
+        if options.renew_s is not None:
+            bus.spawn(bus._renew(options.renew_s), name="renew-credential")
         return bus
+
+    async def _renew(self, every_s: float) -> None:
+        """Reconnect every `every_s`: the server asks the auth callout again and admits
+        this connection as a fresh user before the current one expires. While no
+        brain answers, the reconnection waits for one (as a first connection does)."""
+        while True:
+            await asyncio.sleep(every_s)
+            if self.nc.is_connected:
+                self.renewals += 1
+                await self.nc.force_reconnect()
 
     async def sibling(self, name: str) -> Bus:
         """Another connection made as this one was, under its own `name`, sharing this
@@ -270,35 +304,64 @@ class Bus:
 
     # -- streams ---------------------------------------------------------------------
 
-    async def ensure_streams(self) -> None:
-        """Create or update Alnair's streams; safe to call from every component."""
+    async def ensure_streams(self, *, ready_within_s: float = 120.0) -> None:
+        """Create or update Alnair's streams; safe to call from every component.
+
+        JetStream that cannot answer yet (a cluster still electing its meta leader,
+        or short of a quorum because its other servers are still starting) is waited
+        for, up to `ready_within_s`: components started together with their servers
+        wait for them rather than fail."""
+        deadline = time.monotonic() + ready_within_s
+        delay = 0.1
         for spec in STREAMS:
-            config = StreamConfig(
-                name=spec.name,
-                description=spec.description,
-                subjects=list(spec.subjects),
-                retention=RetentionPolicy.LIMITS,
-                storage=StorageType.FILE,
-                discard=DiscardPolicy.OLD,
-                max_age=spec.max_age_s,
-                duplicate_window=DEDUP_WINDOW_S,
-                num_replicas=self.replicas,
-                allow_direct=spec.allow_direct,
-            )
-            try:
+            while True:
                 try:
-                    await self.js.stream_info(spec.name)
-                except nats.js.errors.NotFoundError:
+                    await self._ensure_stream(spec)
+                    break
+                except _JETSTREAM_NOT_READY as error:
+                    if time.monotonic() + delay > deadline:
+                        raise BusError(
+                            f"JetStream did not answer in {ready_within_s:.0f} s "
+                            f"({error!r}): is a quorum of its servers up?"
+                        ) from error
+                    log.info("JetStream not ready (%r); creating streams again soon", error)
+                    await asyncio.sleep(delay)
+                    delay = min(2.0, delay * 2)
+
+    async def _ensure_stream(self, spec: StreamSpec) -> None:
+        config = StreamConfig(
+            name=spec.name,
+            description=spec.description,
+            subjects=list(spec.subjects),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=spec.max_age_s,
+            duplicate_window=DEDUP_WINDOW_S,
+            num_replicas=self.replicas,
+            allow_direct=spec.allow_direct,
+        )
+        try:
+            try:
+                await self.js.stream_info(spec.name)
+            except nats.js.errors.NotFoundError:
+                try:
                     await self.js.add_stream(config)
-                else:
-                    await self.js.update_stream(config)
-            except nats.js.errors.APIError as error:
-                raise BusError(
-                    f"cannot create stream {spec.name} with {self.replicas} replica(s) on "
-                    f"{self.nc.connected_url.netloc if self.nc.connected_url else 'NATS'}: "
-                    f"{error.description or error} (more than 1 replica needs a NATS cluster "
-                    "of at least that many JetStream servers)"
-                ) from error
+                except nats.js.errors.BadRequestError as error:
+                    if error.err_code != _STREAM_NAME_IN_USE:
+                        raise
+                    await self.js.update_stream(config)  # another component made it meanwhile
+            else:
+                await self.js.update_stream(config)
+        except _JETSTREAM_NOT_READY:
+            raise
+        except nats.js.errors.APIError as error:
+            raise BusError(
+                f"cannot create stream {spec.name} with {self.replicas} replica(s) on "
+                f"{self.nc.connected_url.netloc if self.nc.connected_url else 'NATS'}: "
+                f"{error.description or error} (more than 1 replica needs a NATS cluster "
+                "of at least that many JetStream servers)"
+            ) from error
 
     # -- publishing ------------------------------------------------------------------
 
@@ -827,6 +890,21 @@ async def _log_error(error: Exception) -> None:
         log.warning("nats: TLS handshake failed: %s", error)
     else:
         log.debug("nats: %r", error)
+
+
+def _reload_on_disconnect(
+    options: ConnectOptions, context: ssl.SSLContext
+) -> Callable[[], Awaitable[None]]:
+    logged = _log_disconnected(options.name)
+
+    async def callback() -> None:
+        await logged()
+        try:
+            context.load_cert_chain(str(options.tls_cert), str(options.tls_key))
+        except (OSError, ssl.SSLError) as error:
+            log.warning("%s: keeping the TLS certificate loaded: %s", options.name, error)
+
+    return callback
 
 
 def _log_disconnected(name: str) -> Callable[[], Awaitable[None]]:

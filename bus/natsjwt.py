@@ -76,6 +76,8 @@ class AuthRequest:
     user_nkey: str
     token: str
     client_name: str
+    # The client's TLS certificate (PEM) as the server verified it; "" without TLS.
+    client_cert: str = ""
 
 
 def parse_auth_request(data: bytes) -> AuthRequest:
@@ -84,11 +86,16 @@ def parse_auth_request(data: bytes) -> AuthRequest:
     if nats.get("type") != "authorization_request":
         raise JwtError(f"not an authorization request: {nats.get('type')!r}")
     options = nats.get("connect_opts", {})
+    tls = nats.get("client_tls") or {}
+    # The leaf of the chain the server verified (else of what the client sent).
+    chains = tls.get("verified_chains") or [tls.get("certs") or []]
+    leaf = chains[0][0] if chains and chains[0] else ""
     return AuthRequest(
         server_id=str(nats.get("server_id", {}).get("id", "")),
         user_nkey=str(nats.get("user_nkey", "")),
         token=str(options.get("auth_token", "")),
         client_name=str(options.get("name", "")),
+        client_cert=str(leaf),
     )
 
 

@@ -1,4 +1,5 @@
-"""TLS for NATS: a private CA, a server certificate and a client certificate.
+"""TLS for NATS: a private CA, a server certificate, a client certificate, and the
+job issuer that signs each confined job attempt's own short-lived client certificate.
 
 `write_tls_files` makes them with the `openssl` command (the `cryptography` package is
 not a dependency of Alnair); `server_tls_block` is the nats-server `tls {}` block that
@@ -6,6 +7,13 @@ uses them. The servers verify clients (mutual TLS): a client must present a
 certificate signed by the same CA, on top of its nkey identity (bus/auth.py). The
 server certificate is also a client certificate, so servers use it for their cluster
 routes.
+
+The job issuer (`jobs-ca.pem`) is an intermediate CA signed by the cluster CA that may
+sign client certificates only (`extendedKeyUsage=clientAuth`, `pathlen:0`): an agent
+holding its key can admit a job's connection to the TLS layer, and cannot make a server
+certificate that clients would trust (TLS stacks refuse a serverAuth leaf under it).
+A job's certificate carries no authority of its own: what it may do on the bus is its
+token's (brain/credentials.py).
 
 What this module must not do: decide who may publish what (that is bus/auth.py).
 """
@@ -16,7 +24,10 @@ import ipaddress
 import json
 import os
 import shutil
+import ssl
 import subprocess
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -60,6 +71,26 @@ class TlsFiles:
 
     def all(self) -> tuple[Path, ...]:
         return (self.ca, self.server_cert, self.server_key, self.client_cert, self.client_key)
+
+
+@dataclass(frozen=True, slots=True)
+class JobIssuer:
+    """The intermediate CA that signs jobs' client certificates (see above)."""
+
+    cert: Path
+    key: Path
+
+    @classmethod
+    def in_dir(cls, directory: Path) -> JobIssuer:
+        return cls(cert=directory / "jobs-ca.pem", key=directory / "jobs-ca-key.pem")
+
+    def check(self) -> None:
+        missing = [str(p) for p in (self.cert, self.key) if not p.is_file()]
+        if missing:
+            raise BusError(
+                f"job TLS issuer files missing: {', '.join(missing)} "
+                "(`alnair keys --tls` writes them)"
+            )
 
 
 def openssl_binary() -> str:
@@ -176,10 +207,159 @@ def write_tls_files(directory: Path, *, hosts: tuple[str, ...] = ()) -> TlsFiles
         subject="/CN=alnair-client",
         extensions=leaf + "extendedKeyUsage=clientAuth\n",
     )
-    for private in (directory / "ca-key.pem", files.server_key, files.client_key):
+    issuer = JobIssuer.in_dir(directory)
+    _leaf(
+        openssl,
+        directory,
+        cert=issuer.cert,
+        key=issuer.key,
+        subject="/CN=Alnair job issuer",
+        extensions="basicConstraints=critical,CA:TRUE,pathlen:0\n"
+        "keyUsage=critical,keyCertSign\nextendedKeyUsage=clientAuth\n",
+    )
+    for private in (directory / "ca-key.pem", files.server_key, files.client_key, issuer.key):
         os.chmod(private, 0o600)
     (directory / "ca.srl").unlink(missing_ok=True)
     return files
+
+
+# `openssl ca` rather than `openssl x509 -req`: it takes a start and end time to the
+# second (x509 counts whole days), which a short-lived certificate needs.
+_CA_CONFIG: Final = """\
+[ ca ]
+default_ca = job
+[ job ]
+database = index.txt
+serial = serial.txt
+new_certs_dir = .
+default_md = sha256
+policy = any_name
+unique_subject = no
+x509_extensions = leaf
+[ any_name ]
+commonName = supplied
+[ leaf ]
+basicConstraints = critical,CA:FALSE
+keyUsage = critical,digitalSignature
+extendedKeyUsage = clientAuth
+"""
+# A little slack for clocks that disagree between the agent's node and the servers'.
+CLOCK_SKEW_S: Final = 300
+
+
+def issue_job_certificate(
+    issuer: JobIssuer,
+    cert: Path,
+    key: Path,
+    *,
+    name: str,
+    valid_s: float,
+    now: float,
+    owner: tuple[int, int] | None = None,
+) -> float:
+    """A fresh key and a client certificate for `name`, valid from a little before
+    `now` for `valid_s`, signed by `issuer`; `cert` holds it followed by the issuer's
+    certificate (the chain a server needs to reach the cluster CA). Both files are
+    replaced at once (a job reloading them never reads half of one), owned by `owner`
+    (uid, gid), the key readable by it alone. Returns when the certificate expires."""
+    openssl = openssl_binary()
+    not_after = now + valid_s
+    with tempfile.TemporaryDirectory(prefix="alnair-cert-") as scratch:
+        work = Path(scratch)
+        (work / "index.txt").write_text("")
+        # A random serial (positive, 127 bits), as `-rand_serial` would pick.
+        (work / "serial.txt").write_text(f"{int.from_bytes(os.urandom(16)) >> 1:032X}\n")
+        (work / "ca.cnf").write_text(_CA_CONFIG)
+        _run(
+            [
+                *[openssl, "req", "-new", "-nodes", "-newkey", "ec"],
+                *["-pkeyopt", f"ec_paramgen_curve:{CURVE}", "-keyout", "key.pem"],
+                *["-out", "req.csr", "-subj", f"/CN={name}"],
+            ],
+            work,
+        )
+        _run(
+            [
+                *[openssl, "ca", "-batch", "-notext", "-config", "ca.cnf"],
+                *["-cert", str(issuer.cert.resolve()), "-keyfile", str(issuer.key.resolve())],
+                *["-in", "req.csr", "-out", "leaf.pem"],
+                *["-startdate", _asn1_time(now - CLOCK_SKEW_S)],
+                *["-enddate", _asn1_time(not_after)],
+            ],
+            work,
+        )
+        chain = (work / "leaf.pem").read_bytes() + issuer.cert.read_bytes()
+        for data, target, mode in (
+            ((work / "key.pem").read_bytes(), key, 0o400),
+            (chain, cert, 0o440),
+        ):
+            staged = target.with_name(f".{target.name}.new")
+            staged.unlink(missing_ok=True)
+            descriptor = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "wb") as out:
+                out.write(data)
+            if owner is not None:
+                os.chown(staged, *owner)
+            staged.chmod(mode)
+            os.replace(staged, target)
+    return not_after
+
+
+JOB_CERT_PREFIX: Final = "job-"
+COMMON_NAME_OID: Final = bytes.fromhex("550403")  # 2.5.4.3
+
+
+def job_certificate_name(job_id: str, attempt: int) -> str:
+    """The subject common name of an attempt's own certificate."""
+    return f"{JOB_CERT_PREFIX}{job_id}-{attempt}"
+
+
+def common_name(pem: str) -> str | None:
+    """The subject common name of the first certificate in `pem`, or None when it has
+    none or cannot be read. A few lines of DER walking: the `cryptography` package is
+    not a dependency."""
+    footer = "-----END CERTIFICATE-----"
+    try:
+        der = ssl.PEM_cert_to_DER_cert(pem[: pem.index(footer) + len(footer)])
+        _, start, _ = _der(der, 0)  # Certificate
+        _, start, end = _der(der, start)  # TBSCertificate
+        fields = []
+        while start < end:
+            tag, value, start = _der(der, start)
+            fields.append((tag, value, start))
+        if fields and fields[0][0] == 0xA0:  # [0] version
+            fields = fields[1:]
+        # serialNumber, signature, issuer, validity, subject
+        _, start, end = fields[4]
+        name = None
+        while start < end:  # RelativeDistinguishedName: a SET of attributes
+            _, rdn, start = _der(der, start)
+            while rdn < end and rdn < start:
+                _, attribute, rdn = _der(der, rdn)
+                _, oid, after = _der(der, attribute)
+                if der[oid:after] == COMMON_NAME_OID:
+                    _, text, text_end = _der(der, after)
+                    name = der[text:text_end].decode()
+        return name
+    except (ValueError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _der(der: bytes, at: int) -> tuple[int, int, int]:
+    """(tag, where its value starts, where it ends) of the DER element at `at`."""
+    tag, length = der[at], der[at + 1]
+    start = at + 2
+    if length & 0x80:
+        octets = length & 0x7F
+        length = int.from_bytes(der[start : start + octets], "big")
+        start += octets
+    if start + length > len(der):
+        raise ValueError("truncated DER")
+    return tag, start, start + length
+
+
+def _asn1_time(when: float) -> str:
+    return time.strftime("%Y%m%d%H%M%SZ", time.gmtime(when))
 
 
 def server_tls_block(files: TlsFiles, *, indent: str = "", timeout_s: float = 5.0) -> str:

@@ -21,11 +21,13 @@ from schemas.tenants import TenantUser, render_tenant_map
 
 if TYPE_CHECKING:
     from agents.confine import Confinement
+    from bus.tls import JobIssuer
 
 log = logging.getLogger(__name__)
 
 USER_PREFIX: Final = "alnair-"
 NOLOGIN: Final = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false")
+MIN_CREDENTIAL_TTL_S: Final = 10.0
 
 
 def add_tenant_users_arg(p: argparse.ArgumentParser, *, agent: bool) -> None:
@@ -51,6 +53,30 @@ def add_brain_args(p: argparse.ArgumentParser) -> None:
         "job attempt then gets a token (ALNAIR_JOB_TOKEN) good for its own subjects while "
         "it runs (default: $ALNAIR_CALLOUT_SEED)",
     )
+    p.add_argument(
+        "--job-credential-ttl",
+        metavar="SECONDS",
+        type=_ttl,
+        default=None,
+        help="how long a job's NATS user lives; its connections reconnect every half of "
+        "it to renew it, so a process left behind by an ended attempt is cut off within "
+        "it; 0: never expires (default: 3600)",
+    )
+
+
+def _ttl(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds >= 0, not {text!r}")
+    if 0 < value < MIN_CREDENTIAL_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"at least {MIN_CREDENTIAL_TTL_S:g} s (the server's "
+            f"expiry has one-second steps and a renewal takes a reconnection), not {text!r}"
+        )
+    return value
 
 
 def add_agent_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +98,14 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
         "job may open no GPU device file)",
     )
     p.add_argument(
+        "--job-tls-issuer",
+        metavar="CERT,KEY",
+        default=os.environ.get("ALNAIR_JOB_TLS_ISSUER") or None,
+        help="the job issuer's certificate and key (keys/tls/jobs-ca.pem,jobs-ca-key.pem "
+        "from `alnair keys --tls`): under mutual TLS, each confined job attempt gets its "
+        "own short-lived client certificate signed by it (default: $ALNAIR_JOB_TLS_ISSUER)",
+    )
+    p.add_argument(
         "--cgroup-parent",
         default="alnair",
         help="confined jobs' cgroups go under <cgroup root>/.../PARENT/NODE/ (default alnair)",
@@ -86,6 +120,8 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
 def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None:
     """The agent's Confinement from its flags, or None without `--tenant-users`."""
     if not args.tenant_users:
+        if args.job_tls_issuer:
+            log.warning("--job-tls-issuer ignored: jobs are not confined (no --tenant-users)")
         return None
     from agents import cgroups
     from agents.confine import Confinement
@@ -95,15 +131,11 @@ def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None
     version = cgroups.detect()
     if version is None:
         log.warning("no usable cgroup filesystem: confined jobs run without limits")
-    elif version == "v2":
-        log.warning(
-            "cgroup v2: memory, CPU and process limits only; GPU device access is "
-            "not restricted (docs/security.md)"
-        )
     device_dir = Path(args.gpu_device_dir) if args.gpu_device_dir else None
     if device_dir is None and args.gpus == "nvml":
         device_dir = Path("/dev")
     runtime = args.job_runtime_dir or Path(tempfile.gettempdir()) / "alnair" / node
+    job_tls = job_tls_issuer(args.job_tls_issuer) if args.job_tls_issuer else None
     return Confinement(
         tenants=tenants,
         runtime_root=Path(runtime),
@@ -111,7 +143,20 @@ def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None
         cgroups=cgroups.Cgroups(version, parent=args.cgroup_parent, node=node) if version else None,
         device_dir=device_dir,
         job_nkey_seed=Path(args.job_nkey).resolve() if args.job_nkey else None,
+        job_tls=job_tls,
     )
+
+
+def job_tls_issuer(text: str) -> JobIssuer:
+    """`--job-tls-issuer CERT,KEY`, both files there."""
+    from bus.tls import JobIssuer
+
+    cert, comma, key = text.partition(",")
+    if not comma or not cert or not key or "," in key:
+        raise AlnairError(f"--job-tls-issuer: expected CERT,KEY (two files), not {text!r}")
+    issuer = JobIssuer(Path(cert).resolve(), Path(key).resolve())
+    issuer.check()
+    return issuer
 
 
 def ensure_tenant_users(tenants: list[str], path: Path) -> Path | None:

@@ -577,6 +577,7 @@ async def _serve_until_signalled(
 
 async def cmd_brain(args: argparse.Namespace) -> int:
     from brain.core import Policy
+    from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
     from brain.queues import load_queues
     from brain.service import Brain, BrainConfig
     from brain.tenants import load_tenant_map
@@ -602,6 +603,11 @@ async def cmd_brain(args: argparse.Namespace) -> int:
         failures=failures.policy_of(args),
         tenants=load_tenant_map(args.tenant_users).tenants if args.tenant_users else None,
         callout_seed=Path(args.callout_seed) if args.callout_seed else None,
+        job_credential_ttl_s=(
+            DEFAULT_JOB_CREDENTIAL_TTL_S
+            if args.job_credential_ttl is None
+            else args.job_credential_ttl or None  # 0: never expires
+        ),
     )
     bus = await Bus.connect(
         _with_tls(
@@ -719,13 +725,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
     print(f"callout  (brains' --callout-seed)  {Path(args.dir) / CALLOUT_SEED_FILE}")
     print(f"server config: {config}  (include it from nats-server.conf)")
     if args.tls:
-        from bus.tls import write_tls_config, write_tls_files
+        from bus.tls import JobIssuer, write_tls_config, write_tls_files
 
         files = write_tls_files(Path(args.dir).resolve() / "tls", hosts=hosts)
         tls_config = write_tls_config(files, Path(args.dir) / "nats-tls.conf")
         print(f"TLS CA:        {files.ca}")
         print(f"server cert:   {files.server_cert} (key {files.server_key})")
         print(f"client cert:   {files.client_cert} (key {files.client_key})")
+        issuer = JobIssuer.in_dir(files.ca.parent)
+        print(f"job issuer:    {issuer.cert} (key {issuer.key}; agents' --job-tls-issuer)")
         print(f"server config: {tls_config}  (include it at the top level and in cluster {{}})")
     return 0
 

@@ -393,6 +393,17 @@ def _tls_env(tls: TlsSettings | None) -> dict[str, str]:
     }
 
 
+def _job_tls_args(keys: ClusterKeys | None, tls: TlsSettings | None) -> list[str]:
+    """Confined jobs under mutual TLS: each attempt's own certificate, signed by the
+    job issuer next to the CA (bus/tls.py)."""
+    if keys is None or keys.tenant_users is None or tls is None or tls.cert is None:
+        return []
+    from bus.tls import JobIssuer
+
+    issuer = JobIssuer.in_dir(Path(tls.ca).parent)
+    return ["--job-tls-issuer", f"{issuer.cert},{issuer.key}"]
+
+
 def _queues_args(path: str | None) -> list[str]:
     """The brains' `--queues`, checked now rather than by brains that would restart."""
     if not path:
@@ -478,6 +489,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
                 *[*me, "agent", "--node", name, "--gpus", spec, "--nats", nats_urls],
                 *(["--nkey", keys.nodes[name]] if keys else []),
                 *(["--tenant-users", str(keys.tenant_users)] if keys and keys.tenant_users else []),
+                *_job_tls_args(keys, tls),
             ],
         )
         for name in node_names

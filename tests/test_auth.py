@@ -16,10 +16,12 @@ import pytest
 from agents.agent import Agent, AgentConfig
 from agents.confine import Confinement
 from agents.gpu import SimulatedGpus
+from brain.credentials import DEFAULT_TTL_S
 from brain.service import Brain, BrainConfig
 from bus.auth import CALLOUT_SEED_FILE, Identity, write_cluster_keys
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
+from bus.tls import TlsFiles
 from cli.client import call, submit
 from schemas import subjects
 from schemas.api import (
@@ -55,13 +57,16 @@ def secure_server(tmp_path: Path, keys) -> AsyncIterator[EmbeddedNats]:
         server.stop()
 
 
-async def open_as(server: EmbeddedNats, identity: Identity) -> Bus:
+async def open_as(server: EmbeddedNats, identity: Identity, tls: TlsFiles | None = None) -> Bus:
     return await Bus.connect(
         ConnectOptions(
             servers=(server.url,),
             name=f"{identity.role}:{identity.name}",
             nkey_seed=str(identity.seed_path),
             inbox_prefix=identity.inbox_prefix,
+            tls_ca=str(tls.ca) if tls else None,
+            tls_cert=str(tls.client_cert) if tls else None,
+            tls_key=str(tls.client_key) if tls else None,
         )
     )
 
@@ -135,17 +140,20 @@ async def secure_cluster(
     tenants: frozenset[str] | None = None,
     confinement: Callable[[str], Confinement] | None = None,
     callout: bool = True,
+    tls: TlsFiles | None = None,
+    credential_ttl_s: float | None = DEFAULT_TTL_S,
 ) -> AsyncIterator[tuple[Brain, Bus]]:
     """A brain and an agent per node of `gpus`, each with its own identity, and tenant
     a's connection. The brain answers the auth callout, so each job attempt reaches NATS
     with its own token (ALNAIR_JOB_TOKEN); without `callout`, agents give their jobs the
     node's job identity (ALNAIR_NKEY) instead, never their own seed. With `confinement`,
-    each node's jobs run confined by it."""
+    each node's jobs run confined by it. With `tls`, everyone connects over it with
+    the cluster's client certificate."""
     opened: list[Bus] = []
     agents: list[Agent] = []
     brain = None
     try:
-        brain_bus = await open_as(server, ids["brain:brain-1"])
+        brain_bus = await open_as(server, ids["brain:brain-1"], tls)
         opened.append(brain_bus)
         seed = ids["brain:brain-1"].seed_path.parent / CALLOUT_SEED_FILE
         config = BrainConfig(
@@ -154,12 +162,13 @@ async def secure_cluster(
             history_path=data / "h.db",
             tenants=tenants,
             callout_seed=seed if callout else None,
+            job_credential_ttl_s=credential_ttl_s,
         )
         brain = Brain(brain_bus, config)
         await brain.start()
         await asyncio.wait_for(brain.leading.wait(), timeout=30)
         for node, count in gpus.items():
-            agent_bus = await open_as(server, ids[f"node:{node}"])
+            agent_bus = await open_as(server, ids[f"node:{node}"], tls)
             opened.append(agent_bus)
             config = AgentConfig(
                 node=node,
@@ -174,7 +183,7 @@ async def secure_cluster(
             agents.append(Agent(agent_bus, config, SimulatedGpus(node, count, "A100")))
             await agents[-1].start()
         await eventually(lambda: len(brain.state.nodes) == len(gpus))
-        tenant = await open_as(server, ids["tenant:a"])
+        tenant = await open_as(server, ids["tenant:a"], tls)
         opened.append(tenant)
         yield brain, tenant
     finally:
@@ -209,6 +218,40 @@ async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
             )
             assert grown.gpu_count == 2, grown.reason
             assert (grown.reason or "").startswith("resized 1 -> 2")
+            await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
+            stop_file.touch()
+            done = await eventually(
+                lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=60
+            )
+            assert done.state is JobState.SUCCEEDED, done.reason
+    finally:
+        stop_file.touch()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(180)
+async def test_an_elastic_job_resizes_while_its_nats_users_expire_and_are_renewed(
+    secure_server, keys, tmp_path
+) -> None:
+    """Users that live 10 s: the supervisor's connection renews its user every 5 s
+    (a reconnection each time) through start, a resize and the end of the job."""
+    stop_file = tmp_path / "stop"
+    try:
+        async with secure_cluster(
+            secure_server, keys[0], tmp_path, {"n1": 4}, credential_ttl_s=10.0
+        ) as (brain, tenant):
+            job = await submit(tenant, "a", elastic_train_spec(1, stop_file, max_gpus=2))
+            await eventually(lambda: brain.progress.world_size(job.job_id) == 1, timeout_s=90)
+            assert brain.credentials is not None
+            admitted = brain.credentials.admitted
+            # Past a whole lifetime of the first users: renewed, and still reporting.
+            await eventually(lambda: brain.credentials.admitted >= admitted + 2, timeout_s=60)
+            await call(tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT)
+            grown = await eventually(
+                lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
+            )
+            assert grown.gpu_count == 2, grown.reason
             await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
             stop_file.touch()
             done = await eventually(

@@ -4,13 +4,15 @@ another tenant's log, cannot act as its node on the bus, opens only its granted 
 device files, and dies at its memory limit as a user failure.
 
 Needs root, useradd and cgroup v1 with the devices controller (as on these machines
-and in CI); skipped, saying why, elsewhere. The users, cgroups and directories each
+and in CI), and for the v2 device program a cgroup2 mount and bpf(2); skipped, saying
+why, elsewhere. The users, cgroups and directories each
 test makes are removed when it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import pwd
@@ -27,16 +29,17 @@ from pathlib import Path
 import nats
 import pytest
 
-from agents import cgroups
-from agents.confine import Confinement
+from agents import cgroups, devices_bpf
+from agents.confine import SHIM, Confinement
 from bus.auth import Identity
 from bus.server import EmbeddedNats
+from bus.tls import JobIssuer, TlsFiles, write_tls_files
 from cli.client import submit
 from schemas.errors import ApiError
 from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState
 from schemas.tenants import TenantMap, TenantUser
 from tests.conftest import elastic_train_spec, eventually
-from tests.test_auth import HOROVODRUN, keys, open_as, secure_cluster, secure_server
+from tests.test_auth import HOROVODRUN, REPO, keys, open_as, secure_cluster, secure_server
 
 __all__ = ["keys", "secure_server"]  # fixtures, used by name
 
@@ -50,12 +53,16 @@ JOB_ENV = {"PYTHONPATH": sysconfig.get_paths()["purelib"]}
 
 
 def _why_not() -> str | None:
+    if cgroups.detect() != "v1" or not (cgroups.CGROUP_ROOT / "devices").is_dir():
+        return "needs cgroup v1 with the devices controller"
+    return _why_no_users()
+
+
+def _why_no_users() -> str | None:
     if os.geteuid() != 0:
         return "needs root (to switch users and write cgroups)"
     if shutil.which("useradd") is None or shutil.which("userdel") is None:
         return "needs useradd and userdel"
-    if cgroups.detect() != "v1" or not (cgroups.CGROUP_ROOT / "devices").is_dir():
-        return "needs cgroup v1 with the devices controller"
     try:
         version = subprocess.run(
             [JOB_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
@@ -142,7 +149,10 @@ async def confined_cluster(
     users: dict[str, pwd.struct_passwd],
     place: Path,
     parent: str,
+    tls: TlsFiles | None = None,
 ) -> AsyncIterator[tuple[object, object]]:
+    """With `tls`, over mutual TLS: each job attempt gets its own client certificate
+    from the job issuer next to the CA, and the CA in ALNAIR_TLS_CA."""
     tenant_map = TenantMap(tuple(TenantUser(t, u.pw_name) for t, u in users.items()), "test")
 
     def confinement(node: str) -> Confinement:
@@ -152,10 +162,18 @@ async def confined_cluster(
             path=os.pathsep.join([str(Path(sys.executable).parent), os.defpath]),
             cgroups=cgroups.Cgroups("v1", parent=parent, node=node),
             device_dir=place / "dev",
+            job_tls=JobIssuer.in_dir(tls.ca.parent) if tls else None,
+            agent_env={"ALNAIR_TLS_CA": str(tls.ca)} if tls else {},
         )
 
     async with secure_cluster(
-        server, ids, place, {"n1": FAKE_GPUS}, tenants=tenant_map.tenants, confinement=confinement
+        server,
+        ids,
+        place,
+        {"n1": FAKE_GPUS},
+        tenants=tenant_map.tenants,
+        confinement=confinement,
+        tls=tls,
     ) as (brain, tenant):
         yield brain, tenant
 
@@ -310,6 +328,104 @@ async def test_a_job_reaches_only_its_own_subjects_while_its_attempt_runs(
         assert brain.credentials.refused >= 1
 
 
+@pytest.fixture
+def tls_server(tmp_path: Path, keys) -> Iterator[tuple[EmbeddedNats, TlsFiles]]:
+    """The secure server, over TLS that requires a client certificate (`verify`)."""
+    files = write_tls_files(tmp_path / "tls")
+    server = EmbeddedNats(data_dir=tmp_path / "nats-tls", config_file=keys[1], tls=files)
+    server.start()
+    try:
+        yield server, files
+    finally:
+        server.stop()
+
+
+@needs_root
+@pytest.mark.timeout(120)
+async def test_under_mutual_tls_a_confined_job_connects_with_its_own_certificate(
+    tls_server, keys, users, place, cgroup_parent
+) -> None:
+    """A job that reports through the SDK's connection (`job_connect_options`), as its
+    tenant's user, reaches a server that verifies clients with the certificate its agent
+    issued to its attempt, and still only its own subjects; without the certificate the
+    server would not have it."""
+    server, files = tls_server
+    ids = keys[0]
+    probe = """
+        import asyncio, os, ssl, nats
+        from bus.client import Bus, tls_context
+        from workloads.sdk import job_connect_options
+
+        async def main():
+            options = job_connect_options(os.environ["ALNAIR_NATS"], "sdk-probe")
+            print("cert", options.tls_cert)
+            print("renew", options.renew_s)
+            bus = await Bus.connect(options)
+            job = os.environ["ALNAIR_JOB_ID"]
+            await bus.nc.publish(f"alnair.job.{job}.progress", b"{}")
+            await bus.nc.flush(timeout=5)
+            print("sdk connected", bus.nc.is_connected)
+            await bus.close()
+
+            errors = []
+
+            async def on_error(error):
+                errors.append(str(error))
+
+            nc = await nats.connect(
+                options.servers[0],
+                token=options.token,
+                inbox_prefix=options.inbox_prefix,
+                tls=tls_context(options),
+                error_cb=on_error,
+                allow_reconnect=False,
+            )
+            await nc.publish("alnair.node.n1.event", b"{}")
+            await nc.flush()
+            for _ in range(200):
+                if errors:
+                    break
+                await asyncio.sleep(0.05)
+            for error in errors:
+                print("server said:", error)
+            await nc.close()
+
+            bare = ssl.create_default_context(cafile=options.tls_ca)
+            try:
+                await nats.connect(
+                    options.servers[0],
+                    token=options.token,
+                    tls=bare,
+                    allow_reconnect=False,
+                    max_reconnect_attempts=0,
+                    connect_timeout=5,
+                )
+                print("without a certificate: connected")
+            except Exception as error:
+                print("without a certificate: refused", type(error).__name__)
+
+        asyncio.run(main())
+        """
+    env = {**JOB_ENV, "PYTHONPATH": os.pathsep.join([JOB_ENV["PYTHONPATH"], str(REPO)])}
+    async with confined_cluster(server, ids, users, place, cgroup_parent, tls=files) as (
+        brain,
+        a,
+    ):
+        job = await submit(a, "a", JobSpec(command=_python(probe), gpus=1, env=env))
+        done = await _finished(brain, job)
+        out = _log(done)
+        assert done.state is JobState.SUCCEEDED, (done.reason, out)
+        runtime = place / "run" / "n1" / f"{job.job_id}-1"
+        assert f"cert {runtime / 'tls-cert.pem'}" in out, out
+        assert "renew 1800" in out, out  # half of the brain's default hour
+        assert "sdk connected True" in out, out
+        said = [line.lower() for line in out.splitlines() if line.startswith("server said:")]
+        assert any('permissions violation for publish to "alnair.node.n1.event"' in s for s in said)
+        assert "without a certificate: refused" in out, out
+        assert brain.credentials is not None and brain.credentials.admitted >= 2
+        assert not runtime.exists()  # its certificate went with its private directory
+
+
 @needs_root
 @pytest.mark.timeout(120)
 async def test_a_job_opens_only_its_granted_gpus_device_files(
@@ -337,6 +453,76 @@ async def test_a_job_opens_only_its_granted_gpus_device_files(
             # Allowed: the kernel reaches the (absent) driver. Denied: the cgroup says no.
             assert lines[f"nvidia{gpu}"] == ("ENXIO" if gpu in granted else "EPERM"), lines
         assert lines["nvidiactl"] == "ENXIO"
+
+
+@pytest.fixture
+def cgroup2(place: Path) -> Iterator[Path]:
+    """A cgroup2 mount (the host's unified hierarchy, mounted again here) with a fresh
+    directory in it: a device program attached there is enforced for its tasks, on a
+    cgroup v1 host as on a v2 one. Skips, saying why, where it cannot be had."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to mount cgroup2 and load eBPF programs)")
+    mount = place / "cgroup2"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "cgroup2", "none", str(mount)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount cgroup2: {mounted.stderr.strip()}")
+    directory = mount / f"alnair-test-{os.getpid()}"
+    try:
+        directory.mkdir()
+        yield directory
+    finally:
+        with contextlib.suppress(devices_bpf.DeviceFilterError):
+            devices_bpf.detach_all(directory)
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+
+
+@pytest.mark.skipif(_why_no_users() is not None, reason=_why_no_users() or "")
+def test_on_cgroup_v2_a_job_opens_only_its_granted_gpus_device_files(users, place, cgroup2) -> None:
+    """The v2 device program, from the rules the v1 controller gets: a job started as
+    the agent starts it (the exec shim joins the cgroup, then drops to the tenant's
+    user) opens its granted GPUs and the control device (ENXIO: no driver behind them)
+    and the harmless devices, and no other GPU (EPERM)."""
+    granted = (1, 3)
+    rules = (*cgroups.BASE_DEVICES, *cgroups.gpu_device_rules(place / "dev", granted))
+    try:
+        devices_bpf.attach(cgroup2, rules)
+    except devices_bpf.DeviceFilterError as error:
+        if error.errno in (errno.EPERM, errno.EINVAL, errno.ENOSYS):
+            pytest.skip(f"cgroup device programs are not permitted here: {error}")
+        raise
+    assert len(devices_bpf.attached(cgroup2)) == 1
+    probe = f"""
+        import errno, os
+        print("uid", os.getuid())
+        names = [*(f"nvidia{{i}}" for i in range({FAKE_GPUS})), "nvidiactl"]
+        for path in [*(os.path.join({str(place / "dev")!r}, n) for n in names), "/dev/null"]:
+            try:
+                os.close(os.open(path, os.O_RDWR))
+                print(os.path.basename(path), "opened")
+            except OSError as error:
+                print(os.path.basename(path), errno.errorcode[error.errno])
+        """
+    user = users["a"]
+    shim = [sys.executable, "-I", "-S", str(SHIM), "--uid", str(user.pw_uid)]
+    shim += ["--gid", str(user.pw_gid), "--join", str(cgroup2 / "cgroup.procs")]
+    done = subprocess.run(
+        [*shim, "--", *_python(probe)], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert lines["uid"] == str(user.pw_uid)
+    for gpu in range(FAKE_GPUS):
+        assert lines[f"nvidia{gpu}"] == ("ENXIO" if gpu in granted else "EPERM"), lines
+    assert lines["nvidiactl"] == "ENXIO"
+    assert lines["null"] == "opened"
+    # The job has ended: its cgroup is empty and goes, taking its program with it.
+    assert devices_bpf.detach_all(cgroup2) == 1
+    assert devices_bpf.attached(cgroup2) == []
 
 
 @needs_root

@@ -445,6 +445,22 @@ def test_none_decides_exactly_as_if_the_jobs_were_rigid() -> None:
     )
 
 
+@pytest.mark.parametrize("order", ["fifo", "priority", "las"])
+def test_an_elasticity_stage_without_elastic_jobs_is_the_identity(order: str) -> None:
+    """Rigid jobs only: an elasticity stage decides exactly as "none" does. (It would
+    otherwise order them by service within a rank class, and the live brain could
+    not reuse running jobs' views for an order that reads no service.)"""
+    running = (
+        replace(pending("1", 2, 0.0), grants=on("n0", 0, 1), attained_gpu_seconds=9e5),
+        replace(pending("2", 2, 1.0), grants=on("n0", 2, 3), attained_gpu_seconds=10.0),
+    )
+    waiting = (pending("3", 4, 2.0, attained_gpu_seconds=5e5), pending("4", 4, 3.0))
+    world = snapshot(node("n0"), node("n1"), pending_jobs=waiting, running=running)
+    assert decide(world, 9.0, replace(ELASTIC, order=order)) == decide(
+        world, 9.0, Policy(order=order)
+    )
+
+
 # -- the resize interval (rounds) ---------------------------------------------------
 
 ROUNDS = replace(ELASTIC, elastic_resize_interval_s=60.0)

@@ -141,6 +141,30 @@ async def test_replicas_beyond_the_cluster_are_refused_by_name(nats_cluster) -> 
         await Bus.connect(ConnectOptions(servers=nats_cluster.urls, name="r7"), replicas=7)
 
 
+async def test_streams_wait_for_a_cluster_still_forming(tmp_path: Path) -> None:
+    """A component started with its servers, before JetStream has a quorum, waits for
+    it and then creates its streams (it used to fail and be restarted)."""
+    cluster = EmbeddedCluster(data_dir=tmp_path)
+    cluster._plan()
+    first, *others = cluster.nodes
+    try:
+        await first.astart()
+        bus = await Bus.connect(ConnectOptions(servers=(first.url,), name="early"), replicas=3)
+        try:
+            ensured = asyncio.create_task(bus.ensure_streams())
+            await asyncio.sleep(1.0)
+            assert not ensured.done()  # one server of three: no quorum, nothing to answer
+            for node in others:
+                await node.astart()
+            await asyncio.wait_for(ensured, 120)
+            info = await bus.js.stream_info(subjects.STREAM_STATE)
+            assert info.config.num_replicas == 3
+        finally:
+            await bus.close()
+    finally:
+        await cluster.astop()
+
+
 def test_a_cluster_of_two_is_refused(tmp_path: Path) -> None:
     with pytest.raises(BusError, match="at least 3 servers, not 2"):
         EmbeddedCluster(data_dir=tmp_path, size=2)

@@ -29,7 +29,7 @@ from brain.profiles import (
 )
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.state import Cause, CauseKind, JobChanged
-from schemas.telemetry import TelemetryBatch
+from schemas.telemetry import GpuSample, TelemetryBatch
 from tests.data.telemetry.record import load
 
 # -- the numbers ------------------------------------------------------------------------
@@ -235,3 +235,55 @@ def test_profiles_are_kept_in_sqlite_after_the_job_ends(tmp_path: Path) -> None:
         assert reopened.load("7") == live
     finally:
         reopened.close()
+
+
+def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
+    """The profiler follows each job record as it comes: an elastic job's GPUs move
+    within an attempt, a new attempt starts a new track, an ended one is let go; what
+    the job no longer holds is not filed under it (nor under anyone)."""
+    job = _job((0, 1))
+    running = [job]
+    profiler = Profiler(lambda: running, store=ProfileStore(None), clock=lambda: 0.0)
+
+    def change(update: dict[str, object], seq: int) -> JobRecord:
+        changed = job.model_copy(update=update)
+        running[:] = [changed] if changed.state is JobState.RUNNING else []
+        cause = Cause(kind=CauseKind.RESIZED, message="test", job_id="7")
+        record = JobChanged(
+            record_id=f"r{seq}", ts=1.0, epoch=1, job=changed, previous=job.state, cause=cause
+        )
+        profiler.on_record(record, seq)
+        return changed
+
+    def beat(node: str, ts: float) -> None:
+        samples = tuple(
+            GpuSample(
+                index=i,
+                util_gpu_pct=50.0,
+                util_mem_pct=10.0,
+                mem_used_mib=100.0,
+                mem_total_mib=1000.0,
+                power_w=100.0,
+                temp_c=40.0,
+                sm_clock_mhz=1500.0,
+                mem_clock_mhz=1500.0,
+            )
+            for i in (0, 1)
+        )
+        profiler.observe(TelemetryBatch(node=node, ts=ts, samples=samples))
+
+    beat("rec", 1.0)
+    assert profiler._tracks["7"].samples == 2
+    # Shrunk to GPU 0 and grown onto GPU 1 of another node, in the same attempt.
+    change({"grants": (NodeGrant(node="rec", gpus=(0,)), NodeGrant(node="b", gpus=(1,)))}, 2)
+    beat("rec", 2.0)
+    beat("b", 2.0)
+    assert profiler._tracks["7"].samples == 4  # rec:0 and b:1, not rec:1 nor b:0
+    # A new attempt starts afresh; an ended job holds nothing.
+    change({"attempt": 2, "grants": (NodeGrant(node="b", gpus=(0,)),)}, 3)
+    assert profiler._tracks["7"].samples == 0
+    beat("rec", 3.0)
+    assert profiler._tracks["7"].samples == 0
+    change({"state": JobState.SUCCEEDED, "finished_at": 4.0}, 4)
+    assert "7" not in profiler._tracks
+    assert profiler._holders == {}

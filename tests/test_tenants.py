@@ -1,12 +1,13 @@
 """The pieces of job confinement that need no root: the tenant map, job limits, the
 OOM classification, the brain's check of a job's own events, and the cgroup code paths
-against a fake cgroup tree (v2 is not mounted here; the kernel's v1 is tested as root in
-tests/test_confine.py)."""
+against a fake cgroup tree, and the v2 device program's instructions (the kernel's v1,
+and the v2 device program on a cgroup2 mount, are tested as root in tests/test_confine.py)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -15,10 +16,10 @@ from pathlib import Path
 import nkeys
 import pytest
 
-from agents import cgroups
+from agents import cgroups, devices_bpf
 from agents.confine import SHIM, ConfineError, Confinement
 from brain.core.failures import AttemptEnd, classify
-from brain.credentials import JobCredentials
+from brain.credentials import DEFAULT_TTL_S, JobCredentials
 from brain.secrets import check_job_token, job_token
 from brain.tenants import check_tenant, job_event_refusal, load_tenant_map
 from bus import natsjwt
@@ -117,7 +118,7 @@ def test_cgroup_v2_limits_are_written_down_a_fake_tree(tmp_path: Path) -> None:
     (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
     assert cgroups.detect(tmp_path) == "v2"
     tree = cgroups.Cgroups("v2", parent="alnair", node="n1", root=tmp_path)
-    limits = cgroups.Limits(memory_bytes=64 << 20, cpus=1.5, pids=100, devices=())
+    limits = cgroups.Limits(memory_bytes=64 << 20, cpus=1.5, pids=100, devices=None)
     group = tree.create("3-1", limits)
     where = tmp_path / "alnair" / "n1" / "3-1"
     assert group.directories == (where,)
@@ -129,6 +130,62 @@ def test_cgroup_v2_limits_are_written_down_a_fake_tree(tmp_path: Path) -> None:
     assert not group.oom_killed()
     (where / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
     assert group.oom_killed()
+
+
+def test_a_v2_device_program_that_cannot_be_attached_fails_the_cgroup(tmp_path: Path) -> None:
+    # A fake tree is no cgroup: the program cannot attach (or, not root, load) there.
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    tree = cgroups.Cgroups("v2", parent="alnair", node="n1", root=tmp_path)
+    limits = cgroups.Limits(memory_bytes=64 << 20, cpus=1.0, pids=100, devices=("c 195:0 rwm",))
+    with pytest.raises(cgroups.CgroupError, match=r"device access of cgroup .*/alnair/n1/3-1: "):
+        tree.create("3-1", limits)
+
+
+def _decoded(program: bytes) -> list[tuple[int, int, int, int]]:
+    """(opcode, dst|src<<4, offset, immediate) of each eBPF instruction."""
+    return [struct.unpack_from("<BBhi", program, i) for i in range(0, len(program), 8)]
+
+
+def test_the_v2_device_program_allows_what_each_rule_names_and_denies_the_rest() -> None:
+    program = _decoded(devices_bpf.device_program(["c 195:1 rwm", "c 136:* rw", "a"]))
+    jne, mov, exit_ = devices_bpf.JMP_JNE_K, devices_bpf.ALU64_MOV_K, devices_bpf.JMP_EXIT
+    # Six loads of the context, then one block per rule, then "deny".
+    body = program[6:]
+    assert body[-2:] == [(mov, 0, 0, 0), (exit_, 0, 0, 0)]
+    # c 195:1 rwm: type, major, minor; each mismatch skips to the next rule's block.
+    assert body[:5] == [
+        (jne, 2, 4, devices_bpf.DEV_CHAR),
+        (jne, 4, 3, 195),
+        (jne, 5, 2, 1),
+        (mov, 0, 0, 1),
+        (exit_, 0, 0, 0),
+    ]
+    # c 136:* rw: no minor test, and an access test (no mknod: bit 1 must be clear).
+    assert body[5:12] == [
+        (jne, 2, 6, devices_bpf.DEV_CHAR),
+        (devices_bpf.ALU64_MOV_X, 1 | 3 << 4, 0, 0),
+        (devices_bpf.ALU64_AND_K, 1, 0, 1),
+        (jne, 1, 3, 0),
+        (jne, 4, 2, 136),
+        (mov, 0, 0, 1),
+        (exit_, 0, 0, 0),
+    ]
+    assert body[12:14] == [(mov, 0, 0, 1), (exit_, 0, 0, 0)]  # "a": everything
+
+
+@pytest.mark.parametrize(
+    ("rule", "says"),
+    [
+        ("c 195 rwm", "expected 'TYPE MAJOR:MINOR ACCESS'"),
+        ("c 195:x rwm", "expected 'TYPE MAJOR:MINOR ACCESS'"),
+        ("c 195:0 rwx", "expected 'TYPE MAJOR:MINOR ACCESS'"),
+        ("p 195:0 rwm", "type a, b or c"),
+        ("c -1:0 rwm", "out of range"),
+    ],
+)
+def test_a_bad_device_rule_is_named(rule: str, says: str) -> None:
+    with pytest.raises(devices_bpf.DeviceFilterError, match=f"device rule '{rule}'.*{says}"):
+        devices_bpf.device_program([rule])
 
 
 def test_cgroup_v1_limits_are_written_per_controller_on_a_fake_tree(tmp_path: Path) -> None:
@@ -221,7 +278,8 @@ async def test_the_callout_admits_a_running_attempt_to_its_own_subjects_only() -
     assert answer["iss"] == signer.public_key.decode()
     granted = natsjwt.decode(answer["nats"]["jwt"])
     assert (granted["sub"], granted["aud"]) == (user, "$G")
-    assert "exp" not in granted  # nats-py would close, not renew, an expired user
+    # It expires; the job's connections renew it (tests/test_job_credentials.py).
+    assert granted["exp"] == int(1e9 + DEFAULT_TTL_S)
     allowed = granted["nats"]["pub"]["allow"]
     assert "alnair.job.7.progress" in allowed and "alnair.job.7.event" in allowed
     assert not any(s.startswith("alnair.node.") or "job.*" in s for s in allowed), allowed

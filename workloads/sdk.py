@@ -102,8 +102,9 @@ def job_connect_options(servers: str, name: str) -> ConnectOptions:
     """How a job's own processes (its supervisor, this SDK) reach NATS: every server the
     agent named, and under --secure / --tls the credential and TLS files it was given:
     its attempt's token (ALNAIR_JOB_TOKEN, admitted by the brain's auth callout as a
-    user of its own job's subjects), else its node's job identity (ALNAIR_NKEY), and
-    ALNAIR_TLS_CA/_CERT/_KEY."""
+    user of its own job's subjects, renewed every ALNAIR_JOB_RENEW_S), else its node's
+    job identity (ALNAIR_NKEY), and ALNAIR_TLS_CA/_CERT/_KEY (a confined job's own
+    certificate, renewed on disk by its agent and read again at each reconnection)."""
     from bus.auth import inbox_prefix_for_seed, job_inbox_prefix
     from bus.client import ConnectOptions
 
@@ -111,9 +112,11 @@ def job_connect_options(servers: str, name: str) -> ConnectOptions:
     token = env.get("ALNAIR_JOB_TOKEN") or None
     nkey = None if token else env.get("ALNAIR_NKEY") or None
     inbox = inbox_prefix_for_seed(nkey) if nkey else None
+    renew_s = None
     if token:
         job_id, _, rest = token.partition(":")
         inbox = job_inbox_prefix(job_id, int(rest.partition(":")[0] or 0))
+        renew_s = _renew_interval(env.get("ALNAIR_JOB_RENEW_S", ""))
     return ConnectOptions(
         servers=tuple(url for url in servers.split(",") if url),
         name=name,
@@ -123,7 +126,21 @@ def job_connect_options(servers: str, name: str) -> ConnectOptions:
         tls_ca=env.get("ALNAIR_TLS_CA") or None,
         tls_cert=env.get("ALNAIR_TLS_CERT") or None,
         tls_key=env.get("ALNAIR_TLS_KEY") or None,
+        renew_s=renew_s,
     )
+
+
+def _renew_interval(text: str) -> float | None:
+    """ALNAIR_JOB_RENEW_S, as the brain wrote it; None (no renewal) when absent."""
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"ALNAIR_JOB_RENEW_S: a positive number of seconds, not {text!r}")
+    return value
 
 
 def fail_on_bad_input(uri: str, reason: str = "") -> NoReturn:

@@ -406,6 +406,10 @@ class Supervisor:
                 # has a worker host the brain has just launched.
                 answer = await self._ask_devices(node, parts[node], deadline)
                 if isinstance(answer, str):
+                    if before and gpus:
+                        # Refused without moving: this node's workers keep the GPUs they
+                        # had, and none claims one the brain is about to give back.
+                        devices.write_devices(self.gpu_dir, before)
                     return self._record(ResizeOutcome.refused(from_size, answer))
             self.write_hosts(local, remote)
             try:

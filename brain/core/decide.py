@@ -661,6 +661,12 @@ def _check_sizes(jobs: Sequence[JobView]) -> None:
         raise InvalidSnapshot(f"job {bad.job_id} asks for {bad.gpus} GPUs")
 
 
+def any_elastic(snapshot: ClusterSnapshot) -> bool:
+    """Does any job of the snapshot run or wait elastically? Without one, the
+    elasticity stage changes nothing, and does not run."""
+    return any(j.elastic for j in snapshot.running) or any(j.elastic for j in snapshot.pending)
+
+
 def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
@@ -680,7 +686,8 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     if policy.elasticity not in ELASTICITIES:
         policy.validate()
     stage: ElasticStage | None = None
-    if estimate is not None:
+    # Elasticity is the identity for a cluster without elastic jobs.
+    if estimate is not None and any_elastic(snapshot):
         stage = ElasticStage.start(
             estimate,
             snapshot,

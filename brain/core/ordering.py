@@ -383,14 +383,18 @@ class QueueOrder:
     name: str
     rank: Ordering
     reads: frozenset[Input] = frozenset()
+    # Whether the ranking reads running jobs' attained service or run time, which grow
+    # with the clock. An order that does not lets the live brain reuse running jobs'
+    # views from pass to pass (brain/state.py); when in doubt, leave it True.
+    reads_running_service: bool = True
 
     def __call__(self, jobs: Sequence[JobView], context: OrderContext) -> Ordered:
         return self.rank(jobs, context)
 
 
 QUEUE_ORDERS: Final[tuple[QueueOrder, ...]] = (
-    QueueOrder("fifo", fifo),
-    QueueOrder("priority", priority, frozenset({"priority"})),
+    QueueOrder("fifo", fifo, reads_running_service=False),
+    QueueOrder("priority", priority, frozenset({"priority"}), reads_running_service=False),
     QueueOrder("las", las),
     QueueOrder("las-tiresias", las_tiresias),
     QueueOrder("gittins", gittins, frozenset({"distribution"})),

@@ -1,0 +1,346 @@
+"""Attempts and their failures: the brain's part that turns node events about a job's
+attempt into state, and retries or ends a failed one.
+
+An event counts only for the attempt the job runs now, on a node it runs on
+(`current_attempt`); a stale one changes nothing. A failed attempt is classified (user,
+infrastructure, input) and brain/core/failures.py decides whether it runs again
+(elsewhere, after a back-off) or ends; a critical GPU fault drains the GPU or its node and
+fails what runs there as infrastructure. This journals (brain/writer.py) and stops; it
+reads state and never writes it but through the writer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from brain.core.failures import (
+    AttemptEnd,
+    Classification,
+    FailurePolicy,
+    GiveUp,
+    classify,
+    decide_retry,
+    fault_action,
+)
+from brain.state import BrainState
+from brain.writer import Clock, JobRecords, NodeRecords, Stops
+from schemas.errors import ApiError
+from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
+from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobState
+from schemas.nodes import DrainedGpu, NodeRecord, NodeState
+from schemas.state import Cause, CauseKind
+
+log = logging.getLogger(__name__)
+
+
+def launch_id(job_id: str, attempt: int, node: str) -> str:
+    """The id of an attempt's launch on a node (one per node: JetStream de-duplicates
+    across the stream)."""
+    return f"launch-{job_id}-{attempt}-{node}"
+
+
+def current_attempt(state: BrainState, job_id: str, attempt: int, node: str) -> JobRecord | None:
+    """The job, if `attempt` on `node` is what it runs now; else the event is stale."""
+    job = state.jobs.get(job_id)
+    if job is None or job.state is not JobState.RUNNING or job.attempt != attempt:
+        return None
+    return job if node in job.nodes else None
+
+
+def with_grant(job: JobRecord, node: str, **update: object) -> JobRecord:
+    grants = tuple(g.model_copy(update=update) if g.node == node else g for g in job.grants)
+    return job.model_copy(update={"grants": grants})
+
+
+class Writes(JobRecords, NodeRecords, Stops, Protocol):
+    pass
+
+
+class Joins(Protocol):
+    """Whether a failed launch was a staged grow's worker host (brain.resizes.Resizes):
+    then the grow fails, not the job (True)."""
+
+    async def join_failed(self, job: JobRecord, node: str, why: str) -> bool: ...
+
+
+class Attempts:
+    def __init__(
+        self,
+        state: Callable[[], BrainState],
+        writes: Writes,
+        joins: Joins,
+        *,
+        policy: FailurePolicy,
+        clock: Clock,
+    ) -> None:
+        self._state = state
+        self._writes = writes
+        self._joins = joins
+        self._policy = policy
+        self._clock = clock
+
+    async def requeue(self, job: JobRecord, cause: Cause) -> None:
+        """Back to PENDING, keeping its attempt count; stop whatever still runs."""
+        pending = job.model_copy(
+            update={
+                "state": JobState.PENDING,
+                "grants": (),
+                "started_at": None,
+                "reason": cause.message,
+            }
+        )
+        await self._writes.job_changed(pending, job.state, cause)
+        await self._writes.stop_parts(job, f"requeued: {cause.message}")
+
+    async def job_started(self, event: JobStarted) -> None:
+        job = current_attempt(self._state(), event.job_id, event.attempt, event.node)
+        if job is None:
+            return
+        started = with_grant(job, event.node, pid=event.pid, log_path=event.log_path)
+        await self._writes.job_changed(
+            started,
+            job.state,
+            Cause(
+                kind=CauseKind.STARTED,
+                node=event.node,
+                job_id=job.job_id,
+                message=f"process {event.pid} started on {event.node}",
+            ),
+        )
+
+    async def job_exited(self, event: JobExited) -> None:
+        job = current_attempt(self._state(), event.job_id, event.attempt, event.node)
+        if job is None:
+            return
+        updated = with_grant(
+            job, event.node, exited=True, exit_code=event.exit_code, signal=event.signal
+        )
+        how = f"exit code {event.exit_code}" if event.signal is None else f"signal {event.signal}"
+        if event.stopped:
+            # Stopped by its node, not by this brain (the agent shut down): not the
+            # job's fault, so it runs again.
+            await self.requeue(
+                updated,
+                Cause(
+                    kind=CauseKind.EXITED,
+                    node=event.node,
+                    job_id=job.job_id,
+                    message=f"stopped by node {event.node} ({how})",
+                ),
+            )
+            return
+        if event.exit_code == 0:
+            # An elastic job across nodes ends with its supervisor (the first node's
+            # process): its worker hosts on the others run until they are stopped.
+            supervised = job.spec.elastic and event.node == job.grants[0].node
+            if supervised or all(g.exited for g in updated.grants):
+                done = updated.model_copy(
+                    update={
+                        "state": JobState.SUCCEEDED,
+                        "finished_at": self._clock(),
+                        "exit_code": 0,
+                        "reason": "exited 0",
+                    }
+                )
+                await self._writes.job_changed(
+                    done,
+                    job.state,
+                    Cause(
+                        kind=CauseKind.EXITED,
+                        node=event.node,
+                        job_id=job.job_id,
+                        message=f"exited 0 after {event.runtime_s:.1f}s",
+                    ),
+                )
+                if supervised:
+                    await self._writes.stop_parts(
+                        updated, "the job's supervisor finished", except_node=event.node
+                    )
+            else:
+                await self._writes.job_changed(
+                    updated,
+                    job.state,
+                    Cause(
+                        kind=CauseKind.EXITED,
+                        node=event.node,
+                        job_id=job.job_id,
+                        message=f"part on {event.node} exited 0; waiting for the others",
+                    ),
+                )
+            return
+        end = AttemptEnd(
+            exit_code=event.exit_code,
+            signal=event.signal,
+            log_tail=event.log_tail,
+            runtime_s=event.runtime_s,
+            oom_limit_mb=event.oom_limit_mb,
+            gpu_memory_over=(
+                (event.gpu_memory_used_mib or 0.0, event.gpu_memory_limit_mib)
+                if event.gpu_memory_limit_mib is not None
+                else None
+            ),
+        )
+        reported = self._state().input_reports.get((job.job_id, job.attempt))
+        await self.fail_attempt(updated, event.node, classify(end, (), reported), end)
+
+    async def launch_failed(self, event: LaunchFailed) -> None:
+        job = current_attempt(self._state(), event.job_id, event.attempt, event.node)
+        if job is None:
+            return
+        why = f"the job's worker host did not start on {event.node}: {event.reason}"
+        if await self._joins.join_failed(job, event.node, why):
+            return
+        updated = with_grant(job, event.node, exited=True)
+        cause = Cause(
+            kind=CauseKind.LAUNCH_FAILED,
+            node=event.node,
+            job_id=job.job_id,
+            message=f"launch failed on {event.node}: {event.reason}",
+        )
+        failure_class = FailureClass.INFRASTRUCTURE if event.retryable else FailureClass.USER
+        await self.fail_attempt(updated, event.node, Classification(failure_class, cause.message))
+
+    async def command_rejected(self, event: CommandRejected) -> None:
+        log.warning("node %s rejected %s: %s", event.node, event.command_id, event.reason)
+        if event.job_id is None or not event.command_id.startswith("launch-"):
+            return
+        job = self._state().jobs.get(event.job_id)
+        if job is None or job.state is not JobState.RUNNING:
+            return
+        if event.command_id != launch_id(job.job_id, job.attempt, event.node):
+            return
+        why = f"node {event.node} refused the job's worker host: {event.reason}"
+        if not await self._joins.join_failed(job, event.node, why):
+            await self.requeue(
+                job,
+                Cause(
+                    kind=CauseKind.LAUNCH_FAILED,
+                    node=event.node,
+                    job_id=job.job_id,
+                    message=f"node {event.node} refused the launch: {event.reason}",
+                ),
+            )
+
+    # -- failures (brain/core/failures.py decides; this journals and stops) ---------
+
+    async def fail_attempt(
+        self,
+        job: JobRecord,
+        node: str,
+        classification: Classification,
+        end: AttemptEnd | None = None,
+    ) -> None:
+        """Record a failed attempt with its class, then retry it or end it."""
+        now = self._clock()
+        user = classification.failure_class is FailureClass.USER
+        failure = AttemptFailure(
+            attempt=max(1, job.attempt),
+            failure_class=classification.failure_class,
+            reason=classification.reason,
+            nodes=job.nodes or (node,),
+            at=now,
+            exit_code=end.exit_code if end is not None else None,
+            signal=end.signal if end is not None else None,
+            input_uri=classification.input_uri,
+            log_tail=end.log_tail[-5:] if end is not None and user else (),
+        )
+        failures = (*job.failures, failure)
+        decision = decide_retry(
+            failures,
+            job.spec.queue,
+            now,
+            self._policy,
+            blacklisted=frozenset(self._state().blacklist),
+        )
+        what = f"{classification.failure_class.value} failure on {node}: {classification.reason}"
+        if isinstance(decision, GiveUp):
+            kind = (
+                CauseKind.RETRIES_EXHAUSTED
+                if decision.state is JobState.UNSUCCESSFUL
+                else CauseKind.FAILURE_CLASSIFIED
+            )
+            ended = job.model_copy(
+                update={
+                    "state": decision.state,
+                    "finished_at": now,
+                    "exit_code": failure.exit_code,
+                    "signal": failure.signal,
+                    "failures": failures,
+                    "reason": decision.cause,
+                }
+            )
+            cause = Cause(
+                kind=kind, node=node, job_id=job.job_id, message=f"{what}; {decision.cause}"
+            )
+            await self._writes.job_changed(ended, job.state, cause)
+            await self._writes.stop_parts(job, f"failed: {classification.reason}", except_node=node)
+            return
+        pending = job.model_copy(
+            update={
+                "state": JobState.PENDING,
+                "grants": (),
+                "started_at": None,
+                "failures": failures,
+                "not_before": decision.not_before,
+                "avoid_nodes": decision.avoid_nodes,
+                # A pre-run that failed for reasons not its own tries its pre-run again.
+                "prerun": "pending" if job.prerun == "running" else job.prerun,
+                "reason": f"{what}; {decision.cause}",
+            }
+        )
+        cause = Cause(
+            kind=CauseKind.RETRY_SCHEDULED,
+            node=node,
+            job_id=job.job_id,
+            message=f"{what}; {decision.cause}",
+        )
+        await self._writes.job_changed(pending, job.state, cause)
+        await self._writes.stop_parts(job, f"retrying elsewhere: {classification.reason}")
+
+    async def gpu_fault(self, event: GpuFault) -> None:
+        """Critical faults drain the GPU or the node; jobs on it fail as infrastructure."""
+        action = fault_action(event.fault, event.xid, event.gpu)
+        node = self._state().nodes.get(event.node)
+        if node is None or action.drain == "none":
+            log.info("node %s: %s (drains nothing)", event.node, action.reason)
+            return
+        if action.drain == "node":
+            affected = self._state().running_on(node.name)
+            if node.drain_reason is None:
+                await self._writes.node_changed(
+                    node.model_copy(
+                        update={
+                            "state": NodeState.DRAINED
+                            if node.state is NodeState.READY
+                            else node.state,
+                            "drain_reason": action.reason,
+                        }
+                    ),
+                    node.state,
+                    Cause(kind=CauseKind.NODE_DRAINED, node=node.name, message=action.reason),
+                )
+        else:
+            affected = [
+                j
+                for j in self._state().running_on(node.name)
+                if any(g.node == node.name and event.gpu in g.gpus for g in j.grants)
+            ]
+            await self.drain_gpu(node, event.gpu, action.reason)
+        for job in affected:
+            await self.fail_attempt(
+                job, node.name, Classification(FailureClass.INFRASTRUCTURE, action.reason)
+            )
+
+    async def drain_gpu(self, node: NodeRecord, gpu: int, reason: str) -> None:
+        if gpu not in {g.index for g in node.gpus}:
+            raise ApiError("not_found", f"node {node.name} has no GPU {gpu}")
+        if any(d.index == gpu for d in node.drained_gpus):
+            return
+        drained = (*node.drained_gpus, DrainedGpu(index=gpu, reason=reason, at=self._clock()))
+        await self._writes.node_changed(
+            node.model_copy(update={"drained_gpus": drained}),
+            node.state,
+            Cause(kind=CauseKind.GPU_DRAINED, node=node.name, message=reason),
+        )

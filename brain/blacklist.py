@@ -1,0 +1,162 @@
+"""Input blacklisting and pre-runs (Philly): the brain's part that owns them.
+
+An input that breaks `blacklist_after_jobs` distinct jobs is blacklisted cluster-wide, and
+a job that ended FAILED on it runs again without it; operators add and remove entries. A
+pre-run that survived its trial on one GPU gives it back and waits for its full
+allocation. brain/core/failures.py decides retries; this journals (brain/writer.py) and
+stops. It reads state and never writes it but through the writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from brain.core.failures import FailurePolicy, GiveUp, decide_retry
+from brain.core.ordering import job_sequence
+from brain.state import BrainState
+from brain.writer import BlacklistRecords, Clock, JobRecords, Stops
+from schemas.api import BlacklistRequest
+from schemas.errors import ApiError
+from schemas.events import InputError
+from schemas.jobs import FailureClass, JobState
+from schemas.state import BlacklistEntry, Cause, CauseKind
+
+
+class Writes(JobRecords, BlacklistRecords, Stops, Protocol):
+    pass
+
+
+class Blacklist:
+    def __init__(
+        self,
+        state: Callable[[], BrainState],
+        writes: Writes,
+        *,
+        policy: FailurePolicy,
+        clock: Clock,
+    ) -> None:
+        self._state = state
+        self._writes = writes
+        self._policy = policy
+        self._clock = clock
+
+    async def input_error(self, event: InputError) -> None:
+        """Count distinct jobs failing per input; blacklist the input at K of them."""
+        state = self._state()
+        if event.uri in state.blacklist:
+            return
+        # The event's own record is journaled after its effects: count its job here.
+        jobs = state.input_failures.get(event.uri, set()) | {event.job_id}
+        limit = self._policy.blacklist_after_jobs
+        if len(jobs) < limit:
+            return
+        await self.set_blacklist(
+            {
+                **state.blacklist,
+                event.uri: BlacklistEntry(
+                    uri=event.uri,
+                    reason=f"{len(jobs)} jobs failed on it (limit {limit}); last: {event.reason}",
+                    jobs=tuple(sorted(jobs, key=job_sequence)),
+                    added_at=self._clock(),
+                    added_by="brain",
+                ),
+            },
+            Cause(
+                kind=CauseKind.BLACKLISTED,
+                message=f"input {event.uri} blacklisted: jobs {', '.join(sorted(jobs))} "
+                f"failed on it",
+            ),
+        )
+
+    async def edit(self, operator: str, request: BlacklistRequest) -> None:
+        uri = request.uri
+        if uri is None:
+            raise ApiError("invalid", f"blacklist {request.action} needs an input URI")
+        entries = dict(self._state().blacklist)
+        if request.action == "add":
+            if uri in entries:
+                return
+            entries[uri] = BlacklistEntry(
+                uri=uri, reason=request.reason, added_at=self._clock(), added_by=operator
+            )
+            cause = Cause(
+                kind=CauseKind.BLACKLISTED,
+                message=f"input {uri} blacklisted by {operator}: {request.reason}",
+            )
+        else:
+            if entries.pop(uri, None) is None:
+                raise ApiError("not_found", f"input {uri} is not blacklisted")
+            cause = Cause(
+                kind=CauseKind.UNBLACKLISTED, message=f"input {uri} removed by {operator}"
+            )
+        await self.set_blacklist(entries, cause)
+
+    async def set_blacklist(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
+        await self._writes.blacklist_changed(entries, cause)
+        await self.retry_input_failures()
+
+    async def retry_input_failures(self) -> None:
+        """A job that ended FAILED on an input now blacklisted runs again without it."""
+        state = self._state()
+        for job in state.jobs_in(JobState.FAILED):
+            last = job.failures[-1] if job.failures else None
+            if (
+                last is None
+                or last.failure_class is not FailureClass.INPUT
+                or last.input_uri not in state.blacklist
+            ):
+                continue
+            decision = decide_retry(
+                job.failures,
+                job.spec.queue,
+                self._clock(),
+                self._policy,
+                blacklisted=frozenset(state.blacklist),
+            )
+            if isinstance(decision, GiveUp):
+                continue
+            await self._writes.job_changed(
+                job.model_copy(
+                    update={
+                        "state": JobState.PENDING,
+                        "grants": (),
+                        "started_at": None,
+                        "finished_at": None,
+                        "not_before": decision.not_before,
+                        "reason": decision.cause,
+                    }
+                ),
+                job.state,
+                Cause(kind=CauseKind.RETRY_SCHEDULED, job_id=job.job_id, message=decision.cause),
+            )
+
+    async def check_preruns(self) -> None:
+        """A pre-run that survived its trial gives its GPU back and waits for the full
+        allocation (Philly's pre-run: fail fast on one GPU)."""
+        now = self._clock()
+        trial = self._policy.prerun_s
+        for job in self._state().jobs_in(JobState.RUNNING):
+            if job.prerun != "running" or job.started_at is None or now - job.started_at < trial:
+                continue
+            if not all(g.pid is not None for g in job.grants):
+                continue  # not started yet: its trial has not begun
+            passed = job.model_copy(
+                update={
+                    "state": JobState.PENDING,
+                    "grants": (),
+                    "started_at": None,
+                    "prerun": "passed",
+                    "reason": f"pre-run passed after {trial:g}s",
+                }
+            )
+            await self._writes.job_changed(
+                passed,
+                job.state,
+                Cause(
+                    kind=CauseKind.PRERUN_PASSED,
+                    job_id=job.job_id,
+                    message=f"survived {trial:g}s on one GPU; now waits for {job.spec.gpus} GPUs",
+                ),
+            )
+            await self._writes.stop_parts(job, "pre-run passed")

@@ -1,0 +1,335 @@
+"""Elastic resizes: the brain's part that stages, commands, commits and rolls them back.
+
+brain/elastic.py says what a resize changes; this journals it (brain/writer.py), sends
+the supervisor its resize command once the records are stored (the journal's outbox), and
+tells the job's nodes which GPUs the attempt holds (`Regrant`). A resize is asked by an
+operator (`alnair resize`, which pins the job's size) or by the policy (`Resize`), and
+ends when the supervisor answers (`ResizeCompleted`), or is rolled back when it refuses,
+never answers within `resize_timeout_s`, or a grow's worker host cannot start. It reads
+state and never writes it but through the writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Protocol
+
+from pydantic import BaseModel
+
+from brain import elastic
+from brain.core import Resize
+from brain.state import BrainState
+from brain.writer import Clock, Commands, JobRecords
+from schemas import subjects
+from schemas.api import ResizeRequest
+from schemas.commands import Regrant
+from schemas.errors import ApiError
+from schemas.events import ResizeCompleted
+from schemas.jobs import JobRecord, JobState, NodeGpus, describe_placement, placement_size
+from schemas.state import Cause, CauseKind
+
+log = logging.getLogger(__name__)
+
+
+class Writes(JobRecords, Commands, Protocol):
+    pass
+
+
+class Outbox(Protocol):
+    """Publish after the unit's records are stored (brain.journal.Journal is one)."""
+
+    def send_after(self, subject: str, message: BaseModel, msg_id: str) -> None: ...
+
+
+class Supervisors(Protocol):
+    """Which elastic jobs' supervisors have reported (brain.progress.ProgressTracker)."""
+
+    def heard_from(self, job_id: str) -> bool: ...
+
+
+class Resizes:
+    def __init__(
+        self,
+        state: Callable[[], BrainState],
+        writes: Writes,
+        outbox: Outbox,
+        supervisors: Supervisors,
+        *,
+        clock: Clock,
+        timeout_s: float,
+        leading: Callable[[], bool],
+    ) -> None:
+        self._state = state
+        self._writes = writes
+        self._outbox = outbox
+        self._progress = supervisors
+        self._clock = clock
+        # A resize its supervisor has not answered within this long is rolled back.
+        self._timeout_s = timeout_s
+        self._leading = leading
+
+    async def resize_request(
+        self, tenant: str, request: ResizeRequest, *, operator: bool
+    ) -> JobRecord:
+        """`alnair resize JOB N`: pin the job at N and stage the resize, or say why
+        not (nothing changes then). Answered once staged; the commit (or roll-back)
+        follows when the supervisor answers. `alnair resize JOB auto` lifts the pin."""
+        job = self._state().jobs.get(request.job_id)
+        if job is None or (job.tenant != tenant and not operator):
+            raise ApiError("not_found", f"no job {request.job_id} for tenant {tenant}")
+        who = "an operator" if operator and job.tenant != tenant else f"tenant {tenant}"
+        if request.gpus == "auto":
+            return await self.unpin(job, who)
+        ready = self._progress.heard_from(job.job_id)
+        refused = elastic.check_resizable(job, request.gpus, supervisor_ready=ready)
+        if refused is not None:
+            raise ApiError(refused.code, refused.reason)
+        if placement_size(elastic.current_placement(job)) == request.gpus:
+            return await self.pin(job, request.gpus, who)  # already that size
+        free = self._state().free_gpus()
+        target = elastic.choose_target(job, request.gpus, free)
+        if isinstance(target, elastic.ResizeRefused):
+            raise ApiError(target.code, target.reason)
+        refused = elastic.check_target(job, target, free)
+        if refused is not None:
+            raise ApiError(refused.code, refused.reason)
+        pinned = job.model_copy(update={"pinned_gpus": request.gpus})
+        return await self.stage_resize(
+            pinned, target, f"asked by {who}, who pins it at {request.gpus} GPUs"
+        )
+
+    async def pin(self, job: JobRecord, gpus: int, who: str) -> JobRecord:
+        message = f"pinned at {gpus} GPUs by {who}: the policy leaves its size alone"
+        return await self.set_pin(job, gpus, CauseKind.RESIZE_PINNED, message)
+
+    async def unpin(self, job: JobRecord, who: str) -> JobRecord:
+        if not job.spec.elastic:
+            raise ApiError("invalid", elastic.not_elastic(job))
+        if job.state.terminal:
+            raise ApiError("conflict", f"job {job.job_id} is {job.state.value}")
+        low, high = job.spec.gpu_range
+        message = (
+            f"pin at {job.pinned_gpus} GPUs lifted by {who}: the policy sizes it again "
+            f"within {low}..{high}"
+        )
+        return await self.set_pin(job, None, CauseKind.RESIZE_UNPINNED, message)
+
+    async def set_pin(
+        self, job: JobRecord, gpus: int | None, kind: CauseKind, message: str
+    ) -> JobRecord:
+        """Journal the job's new pin (None: none); nothing when it is already so."""
+        if job.pinned_gpus == gpus:
+            return job
+        await self._writes.job_changed(
+            job.model_copy(update={"pinned_gpus": gpus, "reason": message}),
+            job.state,
+            Cause(kind=kind, job_id=job.job_id, message=message),
+        )
+        return self._state().jobs[job.job_id]
+
+    async def apply_resize(self, job: JobRecord, action: Resize) -> None:
+        """The policy's resize, staged if it still holds against the live state."""
+        target = tuple(NodeGpus(node=g.node, gpus=tuple(sorted(g.gpus))) for g in action.grants)
+        current = elastic.current_placement(job)
+        if job.state is JobState.RUNNING and elastic.same_placement(target, current):
+            return
+        refused = elastic.check_resize(
+            job,
+            target,
+            self._state().free_gpus(),
+            supervisor_ready=self._progress.heard_from(job.job_id),
+        )
+        if refused is not None:
+            log.debug("policy resize of job %s not staged: %s", job.job_id, refused.reason)
+            return
+        if action.retreat:
+            # The size it leaves did not earn its keep: not grown back on this evidence.
+            size = placement_size(current)
+            job = job.model_copy(update={"gain_ceiling": size, "gain_ceiling_at": self._clock()})
+        await self.stage_resize(job, target, action.cause)
+
+    async def stage_resize(
+        self, job: JobRecord, target: elastic.Placement, cause: str
+    ) -> JobRecord:
+        command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
+        staged = elastic.stage(job, target, command_id=command_id, now=self._clock(), cause=cause)
+        assert staged.resize is not None
+        await self._writes.job_changed(
+            staged,
+            job.state,
+            Cause(
+                kind=CauseKind.RESIZE_STAGED,
+                node=staged.resize.node,
+                job_id=job.job_id,
+                message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
+            ),
+        )
+        current = self._state().jobs[job.job_id]
+        if staged.resize.grow:
+            # The added GPUs are the job's from now on: their nodes must know, and a
+            # node new to the job starts its worker host (horovodrun's workers there
+            # start through it).
+            await self.regrant(current, command_id, "staged")
+            await self._writes.send_launches(current)
+        await self.send_resize(current)
+        return current
+
+    async def send_resize(self, job: JobRecord) -> None:
+        command = elastic.resize_command(job, epoch=self._writes.epoch, issued_at=self._clock())
+        self._outbox.send_after(subjects.job(job.job_id, "cmd"), command, command.command_id)
+
+    async def regrant(self, job: JobRecord, resize_id: str, phase: str) -> None:
+        """Tell the job's nodes which of their GPUs the attempt holds now (a node whose
+        part has not started yet learns them from its launch)."""
+        for grant in job.grants:
+            if grant.pid is None:
+                continue
+            await self._writes.command(
+                grant.node,
+                Regrant(
+                    # One id per node: JetStream de-duplicates across the stream.
+                    command_id=f"regrant-{resize_id}-{phase}-{grant.node}",
+                    epoch=self._writes.epoch,
+                    issued_at=self._clock(),
+                    job_id=job.job_id,
+                    attempt=job.attempt,
+                    gpus=grant.gpus,
+                    reason=f"resize {phase}",
+                ),
+            )
+
+    async def resend_staged_resizes(self) -> None:
+        """A brain may have died between staging a resize and commanding it; the ids
+        are the same, so the supervisor and the agent drop what they had already."""
+        for job in self._state().jobs_in(JobState.RUNNING):
+            if not self._leading():
+                return  # stepped down meanwhile: the next leader re-sends them
+            if job.resize is None:
+                continue
+            if job.resize.grow:
+                await self.regrant(job, job.resize.command_id, "staged")
+                await self._writes.send_launches(job)
+            await self.send_resize(job)
+
+    async def resize_completed(self, event: ResizeCompleted) -> None:
+        job = self._state().jobs.get(event.job_id)
+        staged = job.resize if job is not None else None
+        if (
+            job is None
+            or job.state is not JobState.RUNNING
+            or staged is None
+            or staged.command_id != event.command_id
+        ):
+            log.info(
+                "resize outcome %s of job %s matches no staged resize; ignored",
+                event.command_id,
+                event.job_id,
+            )
+            return
+        if not event.ok:
+            # A supervisor that tried (to_size differs) may have moved part of the way.
+            moved = event.to_size != event.from_size
+            await self.roll_back_resize(
+                job, f"its supervisor refused: {event.reason}", revert=moved
+            )
+            return
+        if event.from_size != staged.from_size:
+            log.warning(
+                "job %s: the supervisor resized from %d workers, the brain thought %d",
+                job.job_id,
+                event.from_size,
+                staged.from_size,
+            )
+        now = self._clock()
+        message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
+        kept = elastic.committed_placement(staged, event.placement)
+        if event.placement and not elastic.same_placement(kept, event.placement):
+            log.warning(
+                "job %s: its supervisor says its workers hold GPUs %s, which does not fit "
+                "the resize %s; keeping %s",
+                job.job_id,
+                describe_placement(event.placement),
+                elastic.describe(staged),
+                describe_placement(kept),
+            )
+        if not staged.grow:
+            message += f"; GPUs {describe_placement(elastic.released(staged, kept))} released"
+        committed = elastic.commit(job, message, event.placement).model_copy(
+            update={"last_resize_at": now, "last_resize_s": max(0.0, now - staged.staged_at)}
+        )
+        await self._writes.job_changed(
+            committed,
+            job.state,
+            Cause(kind=CauseKind.RESIZED, node=staged.node, job_id=job.job_id, message=message),
+        )
+        if not staged.grow:
+            # Its workers on the released GPUs have exited: they are free now (a node
+            # the job left keeps its worker host, idle, holding none).
+            await self.regrant(self._state().jobs[job.job_id], staged.command_id, "committed")
+
+    async def roll_back_resize(
+        self, job: JobRecord, why: str, *, revert: bool, drop: str | None = None
+    ) -> None:
+        """Back to the size before. With `revert` (the supervisor may have moved part of
+        the way: it tried, or never answered) the old size is staged as a resize of its
+        own, the job holding every GPU of both sizes until the supervisor confirms it: a
+        grow's new workers may run on the added GPUs. A revert rolled back in turn ends
+        holding them all, and is not reverted again. `drop`: a node the grow added
+        whose worker host could not start; the job's part there goes."""
+        staged = job.resize
+        assert staged is not None
+        message = f"resize {elastic.describe(staged)} rolled back: {why}"
+        held = describe_placement(job.placement)
+        if revert and not staged.reverting:
+            message += f"; GPUs {held} stay the job's until its supervisor is back at "
+            message += f"{staged.from_size}"
+            changed = elastic.stage_revert(job, message, now=self._clock())
+        else:
+            if staged.reverting:
+                message += f"; the job keeps GPUs {held} (its workers may use them)"
+            changed = elastic.roll_back(job, message)
+        if job.pinned_gpus == staged.to_size and not staged.reverting:
+            # The size an operator pinned it at could not be reached: the job goes back
+            # to the policy rather than being held at a size it does not run at.
+            message += f"; the pin at {staged.to_size} GPUs is lifted"
+            changed = changed.model_copy(update={"pinned_gpus": None, "reason": message})
+        if drop is not None:
+            changed = elastic.drop_node(changed, drop)
+        await self._writes.job_changed(
+            changed,
+            job.state,
+            Cause(
+                kind=CauseKind.RESIZE_ROLLED_BACK,
+                node=staged.node,
+                job_id=job.job_id,
+                message=message,
+            ),
+        )
+        current = self._state().jobs[job.job_id]
+        if current.resize is not None:
+            await self.send_resize(current)
+        elif staged.grow and not staged.reverting:
+            await self.regrant(current, staged.command_id, "rolled-back")
+        if drop is not None:
+            await self._writes.stop(job.job_id, drop, message, job.attempt)
+
+    async def join_failed(self, job: JobRecord, node: str, why: str) -> bool:
+        """A launch failed on `node`: if it was a staged grow's worker host there, the
+        grow fails, not the job (True)."""
+        if node not in elastic.joining(job):
+            return False
+        await self.roll_back_resize(job, why, revert=False, drop=node)
+        return True
+
+    async def check_resizes(self) -> None:
+        """Roll back a resize its supervisor has not answered in time (it died, or never
+        heard the command)."""
+        now = self._clock()
+        limit = self._timeout_s
+        for job in self._state().jobs_in(JobState.RUNNING):
+            if job.resize is not None and now - job.resize.staged_at > limit:
+                await self.roll_back_resize(
+                    job, f"no answer from its supervisor within {limit:g}s", revert=True
+                )

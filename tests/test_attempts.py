@@ -1,0 +1,311 @@
+"""Attempts and their failures without a server (brain/attempts.py): node events count
+for the attempt that runs now only; failures are classified, retried or ended; critical
+GPU faults drain and fail what runs there."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import pytest
+
+from brain.attempts import Attempts, launch_id
+from brain.core.failures import DEFAULT_FAILURE_POLICY, Classification
+from schemas.errors import ApiError
+from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
+from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobSpec, JobState, NodeGrant
+from schemas.nodes import NodeState
+from schemas.state import Cause, CauseKind
+from tests.parts import Clock, Shell
+from tests.statelog import START_TS
+
+POLICY = dataclasses.replace(DEFAULT_FAILURE_POLICY, infrastructure_retries=2)
+
+
+@dataclass
+class Joins:
+    joining: set[tuple[str, str]] = field(default_factory=set)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+    async def join_failed(self, job: JobRecord, node: str, why: str) -> bool:
+        if (job.job_id, node) not in self.joining:
+            return False
+        self.failed.append((job.job_id, node))
+        return True
+
+
+def attempts(shell: Shell, joins: Joins | None = None) -> Attempts:
+    return Attempts(
+        lambda: shell.state, shell, joins or Joins(), policy=POLICY, clock=Clock(START_TS + 100)
+    )
+
+
+def two_node_job(shell: Shell, *, elastic: bool = False) -> JobRecord:
+    """Job 1 running attempt 1 on GPUs 0,1 of n1 and n2, both started."""
+    spec = JobSpec(name="wide", command=("train",), gpus=4, elastic=elastic)
+    return shell.put_job(
+        JobRecord(
+            job_id="1",
+            tenant="default",
+            spec=spec,
+            state=JobState.RUNNING,
+            submitted_at=START_TS,
+            started_at=START_TS + 1,
+            attempt=1,
+            grants=(
+                NodeGrant(node="n1", gpus=(0, 1), pid=101),
+                NodeGrant(node="n2", gpus=(0, 1), pid=102),
+            ),
+        )
+    )
+
+
+def cluster() -> Shell:
+    shell = Shell()
+    shell.add_node("n1")
+    shell.add_node("n2")
+    return shell
+
+
+def exited(node: str = "n1", *, attempt: int = 1, **fields: object) -> JobExited:
+    values: dict[str, object] = {"exit_code": 0, "runtime_s": 10.0, **fields}
+    return JobExited(event_id="e", node=node, ts=0.0, job_id="1", attempt=attempt, **values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("job_id", "attempt", "node", "counts"),
+    [
+        pytest.param("1", 1, "n1", True, id="the attempt it runs, on its node"),
+        pytest.param("1", 2, "n1", False, id="another attempt"),
+        pytest.param("1", 1, "n3", False, id="a node it does not run on"),
+        pytest.param("9", 1, "n1", False, id="an unknown job"),
+    ],
+)
+async def test_an_event_counts_only_for_the_attempt_that_runs_now(
+    job_id: str, attempt: int, node: str, counts: bool
+) -> None:
+    shell = cluster()
+    shell.add_job(1, node="n1")
+    before = shell.state.last_seq
+    started = JobStarted(
+        event_id="e",
+        node=node,
+        ts=0.0,
+        job_id=job_id,
+        attempt=attempt,
+        pid=4242,
+        gpus=(0,),
+        log_path="/logs/1",
+    )
+
+    await attempts(shell).job_started(started)
+
+    if counts:
+        assert shell.state.jobs["1"].grants[0].pid == 4242
+        assert shell.causes[-1].kind is CauseKind.STARTED
+    else:
+        assert shell.state.last_seq == before
+
+
+@pytest.mark.parametrize(
+    ("event", "state", "kind"),
+    [
+        pytest.param(exited(exit_code=0), JobState.SUCCEEDED, CauseKind.EXITED, id="exit 0"),
+        pytest.param(
+            exited(exit_code=None, signal=15, stopped=True),
+            JobState.PENDING,
+            CauseKind.EXITED,
+            id="stopped by its node: runs again",
+        ),
+        pytest.param(
+            exited(exit_code=1, log_tail=("Traceback (most recent call last):", "ValueError: x")),
+            JobState.FAILED,
+            CauseKind.FAILURE_CLASSIFIED,
+            id="user error: not retried",
+        ),
+        pytest.param(
+            exited(exit_code=None, signal=9),
+            JobState.PENDING,
+            CauseKind.RETRY_SCHEDULED,
+            id="killed by the kernel: retried",
+        ),
+    ],
+)
+async def test_an_exit_ends_retries_or_requeues_the_job(
+    event: JobExited, state: JobState, kind: CauseKind
+) -> None:
+    shell = cluster()
+    shell.add_job(1, node="n1")
+
+    await attempts(shell).job_exited(event)
+
+    job = shell.state.jobs["1"]
+    assert (job.state, shell.causes[-1].kind) == (state, kind)
+    assert job.attempt == 1  # a requeue keeps the count; the next placement adds one
+    if state is JobState.PENDING:
+        assert job.grants == ()
+
+
+async def test_a_part_that_exits_0_waits_for_the_others() -> None:
+    shell = cluster()
+    two_node_job(shell)
+
+    await attempts(shell).job_exited(exited("n2"))
+
+    job = shell.state.jobs["1"]
+    assert job.state is JobState.RUNNING and [g.exited for g in job.grants] == [False, True]
+    await attempts(shell).job_exited(exited("n1"))
+    assert shell.state.jobs["1"].state is JobState.SUCCEEDED and shell.stops == []
+
+
+async def test_an_elastic_jobs_supervisor_exiting_0_ends_it_and_stops_its_worker_hosts() -> None:
+    shell = cluster()
+    two_node_job(shell, elastic=True)
+
+    await attempts(shell).job_exited(exited("n1"))
+
+    assert shell.state.jobs["1"].state is JobState.SUCCEEDED
+    assert [(s.node, s.reason) for s in shell.stops] == [("n2", "the job's supervisor finished")]
+
+
+async def test_a_failure_retries_elsewhere_until_the_limit_then_gives_up() -> None:
+    shell = cluster()
+    made = attempts(shell)
+    infra = Classification(FailureClass.INFRASTRUCTURE, "node lost")
+    outcomes = []
+    for attempt in (1, 2, 3):
+        so_far = shell.state.jobs["1"].failures if "1" in shell.state.jobs else ()
+        job = two_node_job(shell).model_copy(update={"attempt": attempt, "failures": so_far})
+        job = shell.put_job(job)
+        shell.stops.clear()
+        await made.fail_attempt(job, "n1", infra)
+        after = shell.state.jobs["1"]
+        outcomes.append((after.state, shell.causes[-1].kind, len(after.failures)))
+        # What still ran is stopped (all of it on a retry; the rest when it ends).
+        assert {s.node for s in shell.stops} == (
+            {"n1", "n2"} if after.state is JobState.PENDING else {"n2"}
+        )
+    assert outcomes == [
+        (JobState.PENDING, CauseKind.RETRY_SCHEDULED, 1),
+        (JobState.PENDING, CauseKind.RETRY_SCHEDULED, 2),
+        (JobState.UNSUCCESSFUL, CauseKind.RETRIES_EXHAUSTED, 3),
+    ]
+    assert all(
+        f.failure_class is FailureClass.INFRASTRUCTURE for f in shell.state.jobs["1"].failures
+    )
+
+
+@pytest.mark.parametrize(
+    ("retryable", "joining", "outcome"),
+    [
+        pytest.param(True, False, JobState.PENDING, id="not the job's fault: retried"),
+        pytest.param(False, False, JobState.FAILED, id="the job's fault: failed"),
+        pytest.param(False, True, JobState.RUNNING, id="a grow's worker host: the grow fails"),
+    ],
+)
+async def test_a_failed_launch(retryable: bool, joining: bool, outcome: JobState) -> None:
+    shell = cluster()
+    shell.add_job(1, node="n1")
+    joins = Joins({("1", "n1")} if joining else set())
+    event = LaunchFailed(
+        event_id="e",
+        node="n1",
+        ts=0.0,
+        job_id="1",
+        attempt=1,
+        reason="no such program",
+        retryable=retryable,
+    )
+
+    await attempts(shell, joins).launch_failed(event)
+
+    assert shell.state.jobs["1"].state is outcome
+    assert joins.failed == ([("1", "n1")] if joining else [])
+
+
+@pytest.mark.parametrize(
+    ("command_id", "requeued"),
+    [
+        (launch_id("1", 1, "n1"), True),
+        (launch_id("1", 0, "n1"), False),  # an earlier attempt's launch
+        ("stop-abc", False),
+    ],
+)
+async def test_a_refused_launch_requeues_the_job(command_id: str, requeued: bool) -> None:
+    shell = cluster()
+    shell.add_job(1, node="n1")
+    event = CommandRejected(
+        event_id="e", node="n1", ts=0.0, command_id=command_id, job_id="1", reason="stale epoch"
+    )
+
+    await attempts(shell).command_rejected(event)
+
+    job = shell.state.jobs["1"]
+    assert (job.state is JobState.PENDING) is requeued
+    if requeued:
+        assert job.attempt == 1 and shell.causes[-1].kind is CauseKind.LAUNCH_FAILED
+
+
+def fault(gpu: int, fault_kind: str = "xid", xid: int | None = None) -> GpuFault:
+    return GpuFault(event_id="e", node="n1", ts=0.0, gpu=gpu, fault=fault_kind, xid=xid)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("event", "node_state", "drained_gpus", "failed"),
+    [
+        pytest.param(fault(1, xid=13), NodeState.READY, (), set(), id="application XID: nothing"),
+        pytest.param(fault(1, xid=48), NodeState.READY, (1,), {"1"}, id="ECC on GPU 1: that GPU"),
+        pytest.param(fault(5, "ecc_dbe"), NodeState.READY, (5,), set(), id="a GPU nobody holds"),
+        pytest.param(fault(1, xid=79), NodeState.DRAINED, (), {"1", "2"}, id="off the bus: node"),
+    ],
+)
+async def test_a_gpu_fault_drains_and_fails_what_runs_there(
+    event: GpuFault, node_state: NodeState, drained_gpus: tuple[int, ...], failed: set[str]
+) -> None:
+    shell = cluster()
+    shell.add_job(1, gpus=2, node="n1")  # GPUs 0, 1
+    job = shell.add_job(2, gpus=1, node="n1")
+    shell.put_job(job.model_copy(update={"grants": (NodeGrant(node="n1", gpus=(3,), pid=7),)}))
+
+    await attempts(shell).gpu_fault(event)
+
+    node = shell.state.nodes["n1"]
+    assert node.state is node_state and tuple(d.index for d in node.drained_gpus) == drained_gpus
+    retried = {j for j in ("1", "2") if shell.state.jobs[j].state is JobState.PENDING}
+    assert retried == failed
+    for job_id in failed:
+        [failure] = shell.state.jobs[job_id].failures
+        assert failure.failure_class is FailureClass.INFRASTRUCTURE
+
+
+async def test_draining_a_gpu_twice_changes_nothing_and_an_unknown_gpu_is_refused() -> None:
+    shell = cluster()
+    made = attempts(shell)
+    await made.drain_gpu(shell.state.nodes["n1"], 2, "operator")
+    before = shell.state.last_seq
+
+    await made.drain_gpu(shell.state.nodes["n1"], 2, "again")
+    assert shell.state.last_seq == before
+
+    with pytest.raises(ApiError) as refused:
+        await made.drain_gpu(shell.state.nodes["n1"], 8, "no such GPU")
+    assert refused.value.code == "not_found" and "GPU 8" in refused.value.message
+
+
+async def test_requeue_keeps_the_attempt_count_and_stops_every_part() -> None:
+    shell = cluster()
+    job = two_node_job(shell)
+    previous = AttemptFailure(
+        attempt=1, failure_class=FailureClass.USER, reason="x", nodes=("n1",), at=0.0
+    )
+    job = shell.put_job(job.model_copy(update={"failures": (previous,)}))
+    await attempts(shell).requeue(job, Cause(kind=CauseKind.PREEMPTED, job_id="1", message="room"))
+
+    after = shell.state.jobs["1"]
+    assert (after.state, after.attempt, after.grants, after.failures) == (
+        JobState.PENDING,
+        1,
+        (),
+        (previous,),
+    )
+    assert sorted(s.node for s in shell.stops) == ["n1", "n2"]

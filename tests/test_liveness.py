@@ -1,0 +1,236 @@
+"""Liveness of nodes without a server (brain/liveness.py): joins, returns and changes
+journaled; lost nodes' jobs run elsewhere only once fenced; vanished attempts and
+unconfirmed launches taken back; drains and resumes. Failures go to the real
+brain/attempts.py over the same fakes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pytest
+
+from brain.attempts import Attempts
+from brain.core.failures import DEFAULT_FAILURE_POLICY
+from brain.liveness import Liveness
+from schemas.api import DrainRequest, ResumeRequest
+from schemas.errors import ApiError
+from schemas.jobs import FailureClass, JobSpec, JobState, NodeGrant
+from schemas.nodes import NodeState
+from schemas.state import CauseKind
+from tests.parts import Clock, Shell, heartbeat
+from tests.statelog import START_TS
+
+
+@dataclass(frozen=True)
+class Settings:
+    node_timeout_s: float = 5.0
+    fence_margin_s: float = 5.0
+    keep_disconnected_s: float = 300.0
+    launch_ttl_s: float = 60.0
+
+
+@dataclass
+class Heard:
+    last_seen: dict[str, float] = field(default_factory=dict)
+    reported: dict[str, frozenset[tuple[str, int]]] = field(default_factory=dict)
+
+    def known(self, node: str) -> bool:
+        return node in self.last_seen
+
+    def running(self, node: str) -> frozenset[tuple[str, int]]:
+        return self.reported.get(node, frozenset())
+
+    def silent(self, now: float) -> Iterable[tuple[str, float]]:
+        return [
+            (n, now - t) for n, t in self.last_seen.items() if now - t > Settings.node_timeout_s
+        ]
+
+
+@dataclass
+class Hearing:
+    deaf: bool = False
+
+    def deaf_within(self, window_s: float) -> bool:
+        return self.deaf
+
+
+@dataclass
+class Setup:
+    shell: Shell
+    heard: Heard
+    hearing: Hearing
+    monotonic: Clock
+    clock: Clock
+    liveness: Liveness
+
+
+def setup(*nodes: str) -> Setup:
+    shell, heard, hearing = Shell(), Heard(), Hearing()
+    monotonic, clock = Clock(1_000.0), Clock(START_TS + 1_000)
+    for node in nodes:
+        shell.add_node(node)
+        heard.last_seen[node] = monotonic.now
+    attempts = Attempts(
+        lambda: shell.state, shell, NoJoins(), policy=DEFAULT_FAILURE_POLICY, clock=clock
+    )
+    made = Liveness(
+        lambda: shell.state,
+        shell,
+        attempts,
+        heard,
+        hearing,
+        settings=Settings(),
+        clock=clock,
+        monotonic=monotonic,
+    )
+    return Setup(shell, heard, hearing, monotonic, clock, made)
+
+
+class NoJoins:
+    async def join_failed(self, job: object, node: str, why: str) -> bool:
+        return False
+
+
+async def test_a_new_node_joins_and_one_that_returns_keeps_its_drain() -> None:
+    s = setup()
+    await s.liveness.heartbeat(heartbeat("n1"))
+    assert s.shell.state.nodes["n1"].state is NodeState.READY
+    assert s.shell.causes[-1].kind is CauseKind.NODE_JOINED
+
+    await s.liveness.heartbeat(heartbeat("n1"))  # nothing new
+    assert len(s.shell.causes) == 1
+
+    await s.liveness.drain("ops", DrainRequest(node="n1", reason="maintenance"))
+    lost = s.shell.state.nodes["n1"].model_copy(update={"state": NodeState.LOST})
+    await s.shell.node_changed(lost, NodeState.DRAINED, s.shell.causes[-1])
+    await s.liveness.heartbeat(heartbeat("n1"))
+    node = s.shell.state.nodes["n1"]
+    assert (node.state, node.drain_reason) == (NodeState.DRAINED, "maintenance")
+    assert s.shell.causes[-1].kind is CauseKind.NODE_RETURNED
+
+    await s.liveness.heartbeat(heartbeat("n1", instance="restarted"))
+    assert s.shell.causes[-1].kind is CauseKind.NODE_UPDATED
+    assert s.shell.state.nodes["n1"].instance == "restarted"
+
+
+@pytest.mark.parametrize(
+    ("fence_s", "warned"),
+    [(None, "does not fence itself"), (10.0, "a partition of it may run them twice"), (9.9, None)],
+)
+async def test_an_agent_that_fences_too_late_is_warned_of(
+    fence_s: float | None, warned: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = setup()
+    with caplog.at_level(logging.WARNING, logger="brain.liveness"):
+        await s.liveness.heartbeat(heartbeat("n1").model_copy(update={"fence_s": fence_s}))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(warned in m for m in messages) if warned else messages == []
+
+
+@pytest.mark.parametrize(
+    ("on_disconnect", "silent_s", "deaf", "lost", "failed"),
+    [
+        pytest.param("stop", 5.0, False, False, False, id="within the node timeout"),
+        pytest.param("stop", 6.0, False, True, False, id="lost, its agent not fenced yet"),
+        pytest.param("stop", 10.5, False, True, True, id="lost and fenced: runs elsewhere"),
+        pytest.param("keep", 10.5, False, True, False, id="a keep job runs on unheard"),
+        pytest.param("keep", 305.5, False, True, True, id="until keep_disconnected_s + margin"),
+        pytest.param("stop", 60.0, True, False, False, id="a deaf brain judges nobody"),
+    ],
+)
+async def test_a_silent_nodes_jobs_run_elsewhere_only_once_fenced(
+    on_disconnect: str, silent_s: float, deaf: bool, lost: bool, failed: bool
+) -> None:
+    s = setup("n1")
+    job = s.shell.add_job(1, node="n1")
+    spec = JobSpec(name="j", command=("x",), gpus=1, on_disconnect=on_disconnect)  # type: ignore[arg-type]
+    s.shell.put_job(job.model_copy(update={"spec": spec}))
+    s.hearing.deaf = deaf
+    s.monotonic.now += silent_s
+
+    await s.liveness.check_nodes()
+
+    assert (s.shell.state.nodes["n1"].state is NodeState.LOST) is lost
+    after = s.shell.state.jobs["1"]
+    assert (after.state is JobState.PENDING) is failed
+    if failed:
+        assert after.failures[-1].failure_class is FailureClass.INFRASTRUCTURE
+        assert "node n1 was lost" in after.failures[-1].reason
+
+
+@pytest.mark.parametrize(
+    ("reported_again", "exited_meanwhile", "waited_s", "failed"),
+    [
+        (False, False, 5.0, True),
+        (False, False, 4.9, False),
+        (True, False, 5.0, False),  # the new agent found it after all
+        (False, True, 5.0, False),  # its exit arrived: handled as an exit
+    ],
+)
+async def test_an_attempt_gone_with_a_restarted_agent_fails_a_node_timeout_later(
+    reported_again: bool, exited_meanwhile: bool, waited_s: float, failed: bool
+) -> None:
+    s = setup("n1")
+    s.shell.add_job(1, node="n1")
+
+    await s.liveness.heartbeat(heartbeat("n1", instance="second"))  # reports nothing
+    assert set(s.liveness.vanishing) == {("1", 1, "n1")}
+    if reported_again:
+        s.heard.reported["n1"] = frozenset({("1", 1)})
+    if exited_meanwhile:
+        job = s.shell.state.jobs["1"]
+        grant = job.grants[0].model_copy(update={"exited": True, "exit_code": 1})
+        s.shell.put_job(job.model_copy(update={"grants": (grant,)}))
+    s.monotonic.now += waited_s
+
+    await s.liveness.check_vanished()
+
+    assert (s.shell.state.jobs["1"].state is JobState.PENDING) is failed
+    assert bool(s.liveness.vanishing) is (waited_s < 5.0)
+
+
+@pytest.mark.parametrize(
+    ("age_s", "running_reported", "requeued"),
+    [(64.9, False, False), (65.1, False, True), (100.0, True, False)],
+)
+async def test_a_launch_no_node_confirmed_is_requeued(
+    age_s: float, running_reported: bool, requeued: bool
+) -> None:
+    s = setup("n1")
+    job = s.shell.add_job(1, node="n1")
+    unconfirmed = NodeGrant(node="n1", gpus=(0,))
+    s.shell.put_job(
+        job.model_copy(update={"grants": (unconfirmed,), "started_at": s.clock.now - age_s})
+    )
+    if running_reported:
+        s.heard.reported["n1"] = frozenset({("1", 1)})
+
+    await s.liveness.check_launches()
+
+    after = s.shell.state.jobs["1"]
+    assert (after.state is JobState.PENDING) is requeued
+    if requeued:
+        assert after.attempt == 1 and s.shell.causes[-1].kind is CauseKind.LAUNCH_FAILED
+
+
+async def test_operators_drain_and_resume_nodes_and_gpus() -> None:
+    s = setup("n1")
+    await s.liveness.drain("ops", DrainRequest(node="n1", reason="fan"))
+    await s.liveness.drain("ops", DrainRequest(node="n1", reason="fan"))  # no change
+    await s.liveness.drain("ops", DrainRequest(node="n1", gpu=3, reason="hot"))
+    node = s.shell.state.nodes["n1"]
+    assert (node.state, node.drain_reason) == (NodeState.DRAINED, "fan")
+    assert [d.index for d in node.drained_gpus] == [3]
+    assert [c.kind for c in s.shell.causes] == [CauseKind.NODE_DRAINED, CauseKind.GPU_DRAINED]
+
+    await s.liveness.resume("ops", ResumeRequest(node="n1"))
+    node = s.shell.state.nodes["n1"]
+    assert (node.state, node.drain_reason, node.drained_gpus) == (NodeState.READY, None, ())
+
+    with pytest.raises(ApiError) as not_drained:
+        await s.liveness.resume("ops", ResumeRequest(node="n1"))
+    with pytest.raises(ApiError) as unknown:
+        await s.liveness.drain("ops", DrainRequest(node="n9"))
+    assert (not_drained.value.code, unknown.value.code) == ("conflict", "not_found")

@@ -1,0 +1,84 @@
+"""The reconciler without a server: what a node runs that the brain does not hold is
+stopped, once per RESTOP_AFTER_S."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import pytest
+
+from brain.reconciler import RESTOP_AFTER_S, Reconciler
+from schemas.telemetry import Heartbeat
+from tests.parts import Clock, Shell, heartbeat
+
+
+@dataclass
+class Nodes:
+    beats: list[Heartbeat] = field(default_factory=list)
+
+    def reporting(self, now: float) -> Iterable[Heartbeat]:
+        return self.beats
+
+
+def reconciler(
+    shell: Shell, clock: Clock, stops_sent: dict[tuple[str, str, int], float]
+) -> tuple[Reconciler, Nodes]:
+    nodes = Nodes()
+    made = Reconciler(lambda: shell.state, nodes, shell, stops_sent=stops_sent, monotonic=clock)
+    return made, nodes
+
+
+@pytest.mark.parametrize(
+    ("reported", "stopped"),
+    [
+        pytest.param(("1", 1), False, id="the attempt it holds runs on"),
+        pytest.param(("1", 2), True, id="another attempt of the job"),
+        pytest.param(("9", 1), True, id="a job the brain does not know"),
+        pytest.param(("2", 1), True, id="a job the brain runs on another node"),
+        pytest.param(("3", 1), True, id="a job that waits"),
+    ],
+)
+async def test_a_process_the_brain_does_not_hold_there_is_stopped(
+    reported: tuple[str, int], stopped: bool
+) -> None:
+    shell, clock = Shell(), Clock(100.0)
+    shell.add_node("n1"), shell.add_node("n2")
+    shell.add_job(1, node="n1"), shell.add_job(2, node="n2"), shell.add_job(3)
+    made, _ = reconciler(shell, clock, {})
+
+    await made.reconcile(heartbeat("n1", reported))
+
+    expected = [("n1", reported[0], reported[1])] if stopped else []
+    assert [(s.node, s.job_id, s.attempt) for s in shell.stops] == expected
+    assert all("stale" in s.reason for s in shell.stops)
+
+
+@pytest.mark.parametrize(
+    ("stopped_ago", "stopped_again"),
+    [(None, True), (0.0, False), (RESTOP_AFTER_S - 0.1, False), (RESTOP_AFTER_S, True)],
+)
+async def test_a_stop_is_not_repeated_within_restop_after_s(
+    stopped_ago: float | None, stopped_again: bool
+) -> None:
+    shell, clock = Shell(), Clock(100.0)
+    shell.add_node("n1")
+    sent = {} if stopped_ago is None else {("n1", "7", 1): clock.now - stopped_ago}
+    made, _ = reconciler(shell, clock, sent)
+
+    await made.reconcile(heartbeat("n1", ("7", 1)))
+
+    assert len(shell.stops) == (1 if stopped_again else 0)
+
+
+async def test_reconcile_all_covers_every_reporting_node() -> None:
+    shell, clock = Shell(), Clock(100.0)
+    for name in ("n1", "n2", "n3"):
+        shell.add_node(name)
+    shell.add_job(1, node="n1")
+    made, nodes = reconciler(shell, clock, {})
+    nodes.beats = [heartbeat("n1", ("1", 1)), heartbeat("n2", ("5", 1)), heartbeat("n3", ("6", 2))]
+
+    await made.reconcile_all()
+
+    assert [(s.node, s.job_id, s.attempt) for s in shell.stops] == [("n2", "5", 1), ("n3", "6", 2)]

@@ -1,0 +1,251 @@
+"""Elastic resizes without a server (brain/resizes.py): staged with their commands,
+committed or rolled back on the supervisor's answer or its silence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from pydantic import BaseModel
+
+from brain.resizes import Resizes
+from schemas import subjects
+from schemas.api import ResizeRequest
+from schemas.commands import Regrant
+from schemas.commands import Resize as ResizeCommand
+from schemas.errors import ApiError
+from schemas.events import ResizeCompleted
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.state import CauseKind
+from tests.parts import Clock, Shell
+from tests.statelog import START_TS
+
+TIMEOUT_S = 300.0
+
+
+@dataclass
+class Outbox:
+    sent: list[tuple[str, BaseModel, str]] = field(default_factory=list)
+
+    def send_after(self, subject: str, message: BaseModel, msg_id: str) -> None:
+        self.sent.append((subject, message, msg_id))
+
+
+@dataclass
+class Supervisors:
+    heard: set[str] = field(default_factory=lambda: {"1"})
+
+    def heard_from(self, job_id: str) -> bool:
+        return job_id in self.heard
+
+
+@dataclass
+class Setup:
+    shell: Shell
+    outbox: Outbox
+    supervisors: Supervisors
+    clock: Clock
+    resizes: Resizes
+    leading: list[bool]
+
+    @property
+    def job(self) -> JobRecord:
+        return self.shell.state.jobs["1"]
+
+
+def setup(gpus: int = 2, n1_gpus: int = 8) -> Setup:
+    """Elastic job 1 (1..4 GPUs) running on GPUs 0..gpus-1 of n1, its supervisor heard."""
+    shell, outbox, supervisors, clock = Shell(), Outbox(), Supervisors(), Clock(START_TS + 100)
+    shell.add_node("n1", gpus=n1_gpus)
+    shell.add_node("n2", gpus=8)
+    spec = JobSpec(
+        name="elastic", command=("train",), gpus=gpus, elastic=True, min_gpus=1, max_gpus=4
+    )
+    shell.put_job(
+        JobRecord(
+            job_id="1",
+            tenant="alice",
+            spec=spec,
+            state=JobState.RUNNING,
+            submitted_at=START_TS,
+            started_at=START_TS + 1,
+            attempt=1,
+            grants=(NodeGrant(node="n1", gpus=tuple(range(gpus)), pid=100),),
+        )
+    )
+    leading = [True]
+    made = Resizes(
+        lambda: shell.state,
+        shell,
+        outbox,
+        supervisors,
+        clock=clock,
+        timeout_s=TIMEOUT_S,
+        leading=lambda: leading[0],
+    )
+    return Setup(shell, outbox, supervisors, clock, made, leading)
+
+
+def held(job: JobRecord) -> dict[str, tuple[int, ...]]:
+    return {g.node: g.gpus for g in job.grants if g.gpus}
+
+
+async def test_an_operators_grow_is_pinned_staged_and_commanded() -> None:
+    s = setup()
+
+    staged = await s.resizes.resize_request(
+        "alice", ResizeRequest(job_id="1", gpus=4), operator=False
+    )
+
+    assert staged.pinned_gpus == 4 and staged.resize is not None and staged.resize.grow
+    # A grow holds the added GPUs from the start, and the job's node is told so.
+    assert held(staged) == {"n1": (0, 1, 2, 3)}
+    [(node, regrant)] = s.shell.commands
+    assert node == "n1" and isinstance(regrant, Regrant) and regrant.gpus == (0, 1, 2, 3)
+    [(subject, command, msg_id)] = s.outbox.sent
+    assert subject == subjects.job("1", "cmd") and isinstance(command, ResizeCommand)
+    assert msg_id == staged.resize.command_id
+    assert s.shell.causes[-1].kind is CauseKind.RESIZE_STAGED
+
+
+@pytest.mark.parametrize(
+    ("tenant", "operator", "gpus", "heard", "code"),
+    [
+        pytest.param("bob", False, 3, True, "not_found", id="another tenant's job"),
+        pytest.param("alice", False, 5, True, "invalid", id="above its range"),
+        pytest.param("alice", False, 3, False, "conflict", id="supervisor not heard yet"),
+    ],
+)
+async def test_a_resize_that_cannot_be_is_refused_and_changes_nothing(
+    tenant: str, operator: bool, gpus: int, heard: bool, code: str
+) -> None:
+    s = setup()
+    if not heard:
+        s.supervisors.heard.clear()
+    before = s.shell.state.last_seq
+
+    with pytest.raises(ApiError) as refused:
+        await s.resizes.resize_request(
+            tenant, ResizeRequest(job_id="1", gpus=gpus), operator=operator
+        )
+
+    assert refused.value.code == code
+    assert s.shell.state.last_seq == before and s.outbox.sent == [] and s.shell.commands == []
+
+
+async def test_a_resize_to_the_size_it_runs_at_only_pins_it_and_auto_unpins() -> None:
+    s = setup()
+    other = await s.resizes.resize_request("ops", ResizeRequest(job_id="1", gpus=2), operator=True)
+    assert other.pinned_gpus == 2 and other.resize is None and s.outbox.sent == []
+    assert "by an operator" in (other.reason or "")
+
+    unpinned = await s.resizes.resize_request(
+        "alice", ResizeRequest(job_id="1", gpus="auto"), operator=False
+    )
+    assert unpinned.pinned_gpus is None
+    assert [c.kind for c in s.shell.causes[-2:]] == [
+        CauseKind.RESIZE_PINNED,
+        CauseKind.RESIZE_UNPINNED,
+    ]
+
+
+def completed(s: Setup, *, ok: bool, to_size: int, reason: str = "") -> ResizeCompleted:
+    staged = s.job.resize
+    assert staged is not None
+    return ResizeCompleted(
+        event_id="e-1",
+        node="n1",
+        ts=0.0,
+        job_id="1",
+        command_id=staged.command_id,
+        from_size=staged.from_size,
+        to_size=to_size,
+        ok=ok,
+        duration_s=2.5,
+        reason=reason,
+    )
+
+
+async def test_a_shrink_commits_on_its_supervisors_answer_and_frees_the_gpus() -> None:
+    s = setup(gpus=4)
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=2), operator=False)
+    assert held(s.job) == {"n1": (0, 1, 2, 3)}  # held until the workers on them exit
+    s.clock.now += 3.0
+
+    await s.resizes.resize_completed(completed(s, ok=True, to_size=2))
+
+    assert s.job.resize is None and held(s.job) == {"n1": (0, 1)} and s.job.gpu_count == 2
+    assert s.job.last_resize_s == pytest.approx(3.0)
+    assert s.shell.causes[-1].kind is CauseKind.RESIZED
+    assert isinstance(s.shell.commands[-1][1], Regrant) and s.shell.commands[-1][1].gpus == (0, 1)
+
+
+async def test_an_answer_for_another_resize_is_ignored() -> None:
+    s = setup()
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+    before = s.shell.state.last_seq
+    stale = completed(s, ok=True, to_size=3).model_copy(update={"command_id": "resize-old"})
+
+    await s.resizes.resize_completed(stale)
+
+    assert s.shell.state.last_seq == before and s.job.resize is not None
+
+
+async def test_a_refused_grow_goes_back_and_lifts_the_pin() -> None:
+    s = setup()
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+
+    await s.resizes.resize_completed(completed(s, ok=False, to_size=2, reason="no"))
+
+    assert s.job.resize is None and held(s.job) == {"n1": (0, 1)} and s.job.pinned_gpus is None
+    assert s.shell.causes[-1].kind is CauseKind.RESIZE_ROLLED_BACK
+
+
+async def test_an_unanswered_grow_is_reverted_then_given_up_holding_every_gpu() -> None:
+    s = setup()
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+
+    s.clock.now += TIMEOUT_S  # not yet past the limit
+    await s.resizes.check_resizes()
+    assert s.job.resize is not None and not s.job.resize.reverting
+
+    s.clock.now += 1.0
+    await s.resizes.check_resizes()
+    # Its supervisor may have moved part of the way: the old size is staged as a
+    # resize of its own, the job holding both sizes' GPUs meanwhile.
+    revert = s.job.resize
+    assert revert is not None and revert.reverting and revert.to_size == 2
+    assert held(s.job) == {"n1": (0, 1, 2)} and s.outbox.sent[-1][2] == revert.command_id
+
+    s.clock.now += TIMEOUT_S + 1.0
+    await s.resizes.check_resizes()
+    assert s.job.resize is None and held(s.job) == {"n1": (0, 1, 2)}
+
+
+async def test_a_grow_onto_a_node_whose_worker_host_fails_drops_that_node() -> None:
+    s = setup(gpus=2, n1_gpus=2)  # n1 is full: a grow goes onto n2
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+    assert held(s.job) == {"n1": (0, 1), "n2": (0,)} and s.shell.launches == ["n2"]
+    # A launch that fails elsewhere is the job's own business, not the grow's.
+    assert await s.resizes.join_failed(s.job, "n1", "no") is False
+
+    assert await s.resizes.join_failed(s.job, "n2", "its worker host did not start") is True
+
+    assert s.job.resize is None and held(s.job) == {"n1": (0, 1)}
+    assert s.job.failed_nodes == ("n2",) and s.job.pinned_gpus is None
+    assert [(stop.node, stop.job_id) for stop in s.shell.stops] == [("n2", "1")]
+
+
+async def test_resizes_are_sent_again_by_a_new_leader_only_while_it_leads() -> None:
+    s = setup()
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+    s.outbox.sent.clear()
+
+    s.leading[0] = False
+    await s.resizes.resend_staged_resizes()
+    assert s.outbox.sent == []
+
+    s.leading[0] = True
+    await s.resizes.resend_staged_resizes()
+    [(_, _, msg_id)] = s.outbox.sent
+    assert s.job.resize is not None and msg_id == s.job.resize.command_id
