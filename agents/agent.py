@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import time
 import uuid
@@ -35,6 +36,7 @@ from agents.health import (
 )
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
 from agents.logserve import LogServer
+from agents.mps import MpsError, ShareEnforcer, enforcer_for, share_env
 from agents.orphans import Leftover, ProcessLedger, stop_leftovers
 from bus.client import Bus, Consumer
 from bus.ping import round_trip
@@ -52,11 +54,22 @@ from schemas.commands import (
 from schemas.errors import BusError, InvalidMessage
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
 from schemas.jobs import BLACKLIST_FILE_ENV
-from schemas.telemetry import Heartbeat, RunningJob, TelemetryBatch
+from schemas.telemetry import GpuShares, Heartbeat, RunningJob, ShareUse, TelemetryBatch
 
 log = logging.getLogger(__name__)
 
 SEEN_COMMANDS: Final = 10_000
+
+
+def host_cpu_milli() -> int:
+    """The CPUs this process may run on, in thousandths."""
+    return 1000 * len(os.sched_getaffinity(0))
+
+
+def host_memory_mib() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1024 * 1024)
+
+
 PROBES_IN_FLIGHT: Final = 4
 # How often confined jobs' TLS certificates are checked for renewal (agents/confine.py).
 CERT_CHECK_S: Final = 60.0
@@ -88,6 +101,10 @@ class AgentConfig:
     # fence margin must exceed both together (docs/operations.md, "Partitions").
     fence_after_s: float | None = 5.0
     fence_grace_s: float = 3.0
+    # What jobs may reserve here (the brain places by it): CPUs (thousandths of a
+    # core) and memory (MiB). None: what this machine has.
+    cpu_milli: int | None = None
+    memory_mib: int | None = None
 
 
 class Agent:
@@ -128,6 +145,15 @@ class Agent:
         # PINGs in flight after heartbeats (a few at most: one sent on a connection that
         # then broke is never answered, and must not hold the others back).
         self._probes: set[asyncio.Task[None]] = set()
+        self._cpu_milli = host_cpu_milli() if config.cpu_milli is None else config.cpu_milli
+        self._memory_mib = host_memory_mib() if config.memory_mib is None else config.memory_mib
+        # GPUs the share enforcer was asked to prepare and has not released.
+        self._shared_gpus: set[int] = set()
+        # What runs shared GPUs' jobs: MPS daemons on real GPUs, accounting alone on
+        # simulated ones (agents/mps.py).
+        self.shares: ShareEnforcer = enforcer_for(
+            backend.kind, config.node, config.data_dir / "mps"
+        )
         self.logs = LogServer(
             config.node,
             config.data_dir / "logs",
@@ -165,6 +191,9 @@ class Agent:
         if self._commands is None:
             self._loops.append(self.bus.spawn(self._consume_commands(), name="commands"))
         self._loops.append(self.bus.spawn(self._fence_forever(), name="fence"))
+        self._loops.append(
+            self.bus.spawn(self._every(self.config.telemetry_s, self.watch_shares), name="shares")
+        )
         self._sender = self.bus.spawn(self._send_events(), name="events")
         self._inject_sub = await self.bus.nc.subscribe(
             subjects.node(self.node, "inject"), cb=self._on_inject
@@ -197,6 +226,7 @@ class Agent:
                 reason="agent shutting down", grace_s=self.config.stop_grace_s
             )
             await self.launcher.wait_idle()
+            await self.shares.close()
             if self.config.confinement is not None:
                 self.config.confinement.close()
         if self._sender is not None:
@@ -318,6 +348,9 @@ class Agent:
                 if self.config.fence_after_s is not None
                 else None
             ),
+            cpu_milli=self._cpu_milli,
+            memory_mib=self._memory_mib,
+            shares=self.share_report(),
         )
         sent_at = time.monotonic()
         await self.bus.publish(subjects.node(self.node, "heartbeat"), message)
@@ -352,6 +385,82 @@ class Agent:
 
     async def _stop_fenced(self, job_id: str, attempt: int, reason: str) -> None:
         await self.launcher.stop(job_id, attempt, reason=reason, grace_s=self.config.fence_grace_s)
+
+    # -- shared GPUs -------------------------------------------------------------------
+
+    def share_report(self) -> tuple[GpuShares, ...]:
+        """Each shared GPU's jobs: their shares, memory limits and use."""
+        by_gpu: dict[int, list[ShareUse]] = {}
+        for p in self.launcher.shares():
+            for gpu in p.gpus:
+                by_gpu.setdefault(gpu, []).append(
+                    ShareUse(
+                        job_id=p.job_id,
+                        attempt=p.attempt,
+                        gpu_milli=p.gpu_milli or 1000,
+                        memory_limit_mib=p.gpu_memory_mib,
+                        memory_used_mib=p.gpu_memory_used_mib,
+                    )
+                )
+        return tuple(
+            GpuShares(
+                index=gpu,
+                jobs=tuple(jobs),
+                enforcement=self.shares.enforcement,
+                mps_problem=self.shares.problem(gpu),
+            )
+            for gpu, jobs in sorted(by_gpu.items())
+        )
+
+    def _gpu_memory_of(self, process: JobProcess) -> float:
+        """GPU memory (MiB) the job's processes (its process group) use on its GPUs."""
+        used = 0.0
+        for gpu in process.gpus:
+            for pid, mib in self.backend.process_memory(gpu).items():
+                try:
+                    group = os.getpgid(pid)
+                except (ProcessLookupError, PermissionError):
+                    continue
+                if pid == process.pid or group == process.pid:
+                    used += mib
+        return used
+
+    async def watch_shares(self) -> None:
+        """Restart MPS daemons that died; stop a share over its GPU memory limit; let
+        daemons of GPUs no share runs on any more go."""
+        await self.shares.check()
+        for process in self.launcher.shares():
+            used = self._gpu_memory_of(process)
+            process.gpu_memory_used_mib = used
+            limit = process.gpu_memory_mib
+            if limit is None or used <= limit or process.stop_reason is not None:
+                continue
+            reason = f"GPU memory {used:.0f} MiB is over its limit of {limit} MiB"
+            log.warning("%s: job %s: %s; stopping it", self.node, process.job_id, reason)
+            process.gpu_over = (used, limit)
+            process.stop_reason = reason
+            self.bus.spawn(self._stop_over(process, reason), name=f"gpu-memory:{process.job_id}")
+        async with self._command_lock:
+            shared = {gpu for p in self.launcher.shares() for gpu in p.gpus}
+            for gpu in self._shared_gpus - shared:
+                await self.shares.release(gpu)
+            self._shared_gpus &= shared
+
+    async def _stop_over(self, process: JobProcess, reason: str) -> None:
+        await self.launcher.stop(
+            process.job_id, process.attempt, reason=reason, grace_s=self.config.stop_grace_s
+        )
+
+    async def _share_env(self, command: Launch) -> tuple[dict[str, str], str | None]:
+        """A share's environment (MPS limits; the daemon's pipe), and how it names its
+        GPU. Raises MpsError when the GPU's daemon cannot run."""
+        assert command.gpu_milli is not None
+        gpu = command.gpus[0]
+        uuid_ = next((g.uuid for g in self.backend.inventory() if g.index == gpu), str(gpu))
+        env = share_env(command.gpu_milli, command.gpu_memory_mib)
+        env.update(await self.shares.prepare(gpu, uuid_))
+        self._shared_gpus.add(gpu)
+        return env, env.pop("CUDA_VISIBLE_DEVICES", None)
 
     async def publish_telemetry(self) -> None:
         self.backend.set_busy(self.launcher.busy_gpus())
@@ -455,6 +564,25 @@ class Agent:
         env[BLACKLIST_FILE_ENV] = str(self._blacklist_file(command))
         if command.prerun:
             env["ALNAIR_PRERUN"] = "1"
+        env.update(self.backend.job_env(command.gpus))
+        visible = None
+        if command.gpu_milli is not None:
+            try:
+                share, visible = await self._share_env(command)
+            except MpsError as error:
+                await self._event(
+                    LaunchFailed(
+                        event_id=uuid.uuid4().hex,
+                        node=self.node,
+                        ts=self.clock(),
+                        job_id=command.job_id,
+                        attempt=command.attempt,
+                        reason=str(error),
+                        retryable=True,
+                    )
+                )
+                return
+            env.update(share)
         self._fence_after[(command.job_id, command.attempt)] = (
             command.fence_after_s
             if command.fence_after_s is not None
@@ -470,6 +598,10 @@ class Agent:
             tenant=command.tenant,
             memory_mb=command.memory_mb,
             cpus=command.cpus,
+            gpu_milli=command.gpu_milli,
+            gpu_memory_mib=command.gpu_memory_mib,
+            visible_devices=visible,
+            shareable=command.shareable,
         )
         try:
             job = await self.launcher.launch(request)
@@ -529,10 +661,13 @@ class Agent:
                 attempt=job.attempt,
                 exit_code=status.exit_code,
                 signal=status.signal,
-                stopped=job.stop_reason is not None,
+                # Stopped for its own GPU memory: its fault, not the node's.
+                stopped=job.stop_reason is not None and job.gpu_over is None,
                 runtime_s=status.runtime_s,
                 log_tail=status.log_tail,
                 oom_limit_mb=status.oom_limit_mb,
+                gpu_memory_limit_mib=job.gpu_over[1] if job.gpu_over is not None else None,
+                gpu_memory_used_mib=job.gpu_over[0] if job.gpu_over is not None else None,
             )
         )
         self._fence_after.pop((job.job_id, job.attempt), None)

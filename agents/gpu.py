@@ -11,10 +11,13 @@ from __future__ import annotations
 import math
 import random
 import re
+import shutil
+import tempfile
 import uuid
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, Literal, Protocol
 
 from schemas.errors import AlnairError
@@ -35,6 +38,16 @@ class GpuBackend(Protocol):
 
     def set_busy(self, gpus: Iterable[int]) -> None:
         """Which GPUs run jobs; only the simulated backend uses it, to look busy."""
+
+    def process_memory(self, index: int) -> dict[int, float]:
+        """GPU memory (MiB) each process uses on GPU `index`, by pid; a process whose
+        use is not known is left out."""
+        ...
+
+    def job_env(self, gpus: tuple[int, ...]) -> dict[str, str]:
+        """What a job on these GPUs needs in its environment from the backend (the
+        simulated one: where the job says what GPU memory it uses)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -61,6 +74,9 @@ SIM_MODELS: Final[dict[str, SimModel]] = {
     )
 }
 
+# A job on a simulated GPU writes the GPU memory it "uses" (MiB) to a file named by its
+# pid in this directory (agents/mps.py: the accounting of shares on simulated GPUs).
+SIM_GPU_MEMORY_ENV: Final = "ALNAIR_SIM_GPU_MEMORY_DIR"
 _SIM_SPEC: Final = re.compile(r"^sim:(?P<count>\d+)x(?P<model>[A-Za-z0-9]+)$")
 
 
@@ -91,12 +107,49 @@ class SimulatedGpus:
         self._ecc_dbe: dict[int, int] = {}
         self._rng = random.Random(seed if seed is not None else zlib.crc32(node.encode()))
         self._ticks = 0
+        # Where simulated jobs write the GPU memory they use (a file per pid, in MiB):
+        # a process on a simulated GPU allocates nothing there, so it says.
+        self._memory_dir: Path | None = None
 
     def inventory(self) -> tuple[GpuInfo, ...]:
         return self._gpus
 
     def set_busy(self, gpus: Iterable[int]) -> None:
         self._busy = frozenset(gpus)
+
+    def job_env(self, gpus: tuple[int, ...]) -> dict[str, str]:
+        if not gpus:
+            return {}
+        if self._memory_dir is None:
+            self._memory_dir = Path(tempfile.mkdtemp(prefix="alnair-sim-gpu-memory-"))
+        where = self._memory_dir / f"gpu{gpus[0]}"
+        where.mkdir(exist_ok=True)
+        return {SIM_GPU_MEMORY_ENV: str(where)}
+
+    def declared(self, index: int) -> dict[int, tuple[float, float | None]]:
+        """What processes wrote to `$ALNAIR_SIM_GPU_MEMORY_DIR/<pid>`: the GPU memory
+        they use (MiB) and, optionally after it, their utilisation (percent)."""
+        if self._memory_dir is None:
+            return {}
+        said: dict[int, tuple[float, float | None]] = {}
+        try:
+            entries = list((self._memory_dir / f"gpu{index}").iterdir())
+        except OSError:
+            return {}
+        for entry in entries:
+            if not entry.name.isdigit() or not Path(f"/proc/{entry.name}").exists():
+                entry.unlink(missing_ok=True)  # its process has gone: so has its memory
+                continue
+            try:
+                words = entry.read_text().split()
+                util = min(100.0, max(0.0, float(words[1]))) if len(words) > 1 else None
+                said[int(entry.name)] = (max(0.0, float(words[0])), util)
+            except (OSError, ValueError, IndexError):
+                continue
+        return said
+
+    def process_memory(self, index: int) -> dict[int, float]:
+        return {pid: memory for pid, (memory, _) in self.declared(index).items()}
 
     def suffer(self, gpu: int, fault: str) -> None:
         """Make GPU `gpu` show an injected fault where NVML would show it."""
@@ -116,7 +169,12 @@ class SimulatedGpus:
 
     def _sample_one(self, index: int) -> GpuSample:
         m = self.model
-        if index in self._busy:
+        said = self.declared(index) if index in self._busy else {}
+        if said:
+            # What its jobs declared (a simulated share, or a job playing a profile).
+            util = min(100.0, sum(u for _, u in said.values() if u is not None))
+            mem_frac = min(1.0, sum(mem for mem, _ in said.values()) / m.memory_mib)
+        elif index in self._busy:
             # A training job: high utilisation with a periodic dip (data loading,
             # checkpoints), as real jobs show.
             wave = 0.5 + 0.5 * math.sin(self._ticks / 5.0 + index)
@@ -140,7 +198,9 @@ class SimulatedGpus:
         )
 
     def close(self) -> None:
-        pass
+        if self._memory_dir is not None:
+            shutil.rmtree(self._memory_dir, ignore_errors=True)
+            self._memory_dir = None
 
 
 class NvmlGpus:
@@ -186,6 +246,28 @@ class NvmlGpus:
 
     def set_busy(self, gpus: Iterable[int]) -> None:
         pass
+
+    def job_env(self, gpus: tuple[int, ...]) -> dict[str, str]:
+        return {}
+
+    def process_memory(self, index: int) -> dict[int, float]:
+        """NVML's compute processes on the GPU, and its MPS clients (which drivers list
+        apart), with the memory each uses; NVML says None where it cannot tell."""
+        nvml = self._nvml
+        handle = self._handles[index]
+        used: dict[int, float] = {}
+        for query in (
+            "nvmlDeviceGetComputeRunningProcesses",
+            "nvmlDeviceGetMPSComputeRunningProcesses",
+        ):
+            fn = getattr(nvml, query, None)
+            processes = self._call(fn, handle) if fn is not None else None
+            for process in processes or ():
+                memory = getattr(process, "usedGpuMemory", None)
+                if isinstance(memory, int) and memory >= 0:
+                    pid = int(process.pid)
+                    used[pid] = used.get(pid, 0.0) + memory / (1024 * 1024)
+        return used
 
     def sample(self) -> tuple[GpuSample, ...]:
         return tuple(self._sample_one(i, h) for i, h in enumerate(self._handles))

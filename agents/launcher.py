@@ -52,6 +52,14 @@ class LaunchRequest:
     tenant: str | None = None
     memory_mb: int | None = None
     cpus: float | None = None
+    # A share of its one GPU (thousandths) and its GPU memory limit (MiB): it may run
+    # beside other shares of that GPU while their sum stays within the whole.
+    gpu_milli: int | None = None
+    gpu_memory_mib: int | None = None
+    # How the job names its GPUs when not by index (under MPS: the GPU's UUID).
+    visible_devices: str | None = None
+    # A whole-GPU job that lets shares run beside it.
+    shareable: bool = False
 
 
 @dataclass
@@ -66,6 +74,13 @@ class JobProcess:
     stop_reason: str | None = None
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     confined: Confined | None = None
+    gpu_milli: int | None = None
+    gpu_memory_mib: int | None = None
+    shareable: bool = False
+    # GPU memory its processes used at the last watch (MiB; shares only).
+    gpu_memory_used_mib: float | None = None
+    # Stopped for using more GPU memory than its limit: (used MiB, limit MiB).
+    gpu_over: tuple[float, int] | None = None
 
     @property
     def pid(self) -> int:
@@ -154,7 +169,8 @@ class Launcher:
         log_path = self.log_dir / request.job_id / f"attempt-{request.attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**self._base_env, **request.env}
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, request.gpus))
+        visible = request.visible_devices or ",".join(map(str, request.gpus))
+        env["CUDA_VISIBLE_DEVICES"] = visible
         cwd = request.cwd
         if cwd is not None and not os.path.isdir(cwd):  # noqa: ASYNC240 - one stat
             raise LaunchError(request.job_id, f"working directory {cwd} does not exist")
@@ -163,7 +179,7 @@ class Launcher:
             confined = self._confine(self._confinement, request, log_path)
             # The shim enters the working directory as the job's user.
             argv, env, cwd = confined.argv, confined.env, None
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, request.gpus))
+            env["CUDA_VISIBLE_DEVICES"] = visible
         with log_path.open("ab") as log_file:
             try:
                 process = await asyncio.create_subprocess_exec(
@@ -191,6 +207,9 @@ class Launcher:
             started_at=self._clock(),
             started_monotonic=time.monotonic(),
             confined=confined,
+            gpu_milli=request.gpu_milli,
+            gpu_memory_mib=request.gpu_memory_mib,
+            shareable=request.shareable,
         )
         self._procs[(request.job_id, request.attempt)] = job
         watcher = asyncio.ensure_future(self._watch(job))
@@ -229,7 +248,7 @@ class Launcher:
         """
         deadline = time.monotonic() + wait_s
         while True:
-            holders = [p for p in self.running() if set(p.gpus) & set(request.gpus)]
+            holders = self._holders(request)
             if not holders:
                 return
             live = [p for p in holders if p.stop_reason is None]
@@ -243,6 +262,23 @@ class Launcher:
                 timeout=max(0.0, deadline - time.monotonic()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
+
+    def _holders(self, request: LaunchRequest) -> list[JobProcess]:
+        """Running processes in the way of this launch: any on its GPUs, unless it is a
+        share and they are shares that fit in one GPU with it, or a shareable job the
+        brain put it beside."""
+        holders = [p for p in self.running() if set(p.gpus) & set(request.gpus)]
+        if request.gpu_milli is None or any(
+            p.gpu_milli is None and not p.shareable for p in holders
+        ):
+            return holders
+        if sum(p.gpu_milli or 0 for p in holders) + request.gpu_milli <= 1000:
+            return []
+        return holders
+
+    def shares(self) -> list[JobProcess]:
+        """Running jobs that hold a share of a GPU."""
+        return [p for p in self.running() if p.gpu_milli is not None]
 
     async def _watch(self, job: JobProcess) -> None:
         returncode = await job.process.wait()

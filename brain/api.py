@@ -259,6 +259,7 @@ class ApiServer:
             jobs=tuple(j.job_id for j in brain.state.running_on(name)),
             last_seen_s_ago=brain.last_seen_ago(name),
             latest=batch.samples if batch is not None else (),
+            shares=brain.shares(name),
         )
 
     async def _status(self) -> StatusReply:

@@ -176,6 +176,11 @@ class Attempts:
             log_tail=event.log_tail,
             runtime_s=event.runtime_s,
             oom_limit_mb=event.oom_limit_mb,
+            gpu_memory_over=(
+                (event.gpu_memory_used_mib or 0.0, event.gpu_memory_limit_mib)
+                if event.gpu_memory_limit_mib is not None
+                else None
+            ),
         )
         reported = self._state().input_reports.get((job.job_id, job.attempt))
         await self.fail_attempt(updated, event.node, classify(end, (), reported), end)

@@ -52,6 +52,8 @@ class _Reported:
     backend: str
     gpus: tuple[GpuInfo, ...]
     running: frozenset[tuple[str, int]]
+    cpu_milli: int | None = None
+    memory_mib: int | None = None
 
     @classmethod
     def of(cls, beat: Heartbeat) -> _Reported:
@@ -61,6 +63,8 @@ class _Reported:
             backend=beat.backend,
             gpus=beat.gpus,
             running=frozenset((r.job_id, r.attempt) for r in beat.running),
+            cpu_milli=beat.cpu_milli,
+            memory_mib=beat.memory_mib,
         )
 
 
@@ -204,6 +208,10 @@ class NodeIngest:
         if known is None or known.reported is None:
             return frozenset()
         return known.reported.running
+
+    def latest_beat(self, node: str) -> Heartbeat | None:
+        known = self._nodes.get(node)
+        return None if known is None else known.beat
 
     def instance(self, node: str) -> str | None:
         known = self._nodes.get(node)

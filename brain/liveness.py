@@ -119,6 +119,8 @@ class Liveness:
             joined_at=known.joined_at if known is not None else self._clock(),
             drain_reason=drain_reason,
             drained_gpus=known.drained_gpus if known is not None else (),
+            cpu_milli=beat.cpu_milli,
+            memory_mib=beat.memory_mib,
         )
         if known is None or known.instance != beat.instance:
             self.check_fence(beat)

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from brain.core.model import Decisions, Preempt, QuotaReclaim
+from brain.core.model import Decisions, MemoryPressure, Preempt, QuotaReclaim
 from schemas import subjects
 from schemas.events import GpuFault
 from schemas.jobs import JobRecord, JobState
@@ -167,6 +167,36 @@ class _ClusterCollector(Collector):
         )
         yield from self._ingest()
         yield from self._profiles()
+        yield from self._shares()
+
+    def _shares(self) -> Iterator[Metric]:
+        """Each shared GPU's jobs: their share, GPU memory limit and use (from the
+        agents' heartbeats)."""
+        brain = self.metrics.brain
+        labels = ["node", "gpu", "job", "enforcement"]
+        share = GaugeMetricFamily(
+            "alnair_gpu_share", "A job's share of a shared GPU (0..1).", labels=labels
+        )
+        limit = GaugeMetricFamily(
+            "alnair_gpu_share_memory_limit_mib",
+            "A shared GPU job's GPU memory limit (MiB; MPS pinned memory).",
+            labels=labels,
+        )
+        used = GaugeMetricFamily(
+            "alnair_gpu_share_memory_used_mib",
+            "GPU memory a shared GPU job's processes use (MiB).",
+            labels=labels,
+        )
+        for node in sorted(brain.state.nodes):
+            for gpu in brain.shares(node):
+                for use in gpu.jobs:
+                    names = [node, str(gpu.index), use.job_id, gpu.enforcement]
+                    share.add_metric(names, use.gpu_milli / 1000)
+                    if use.memory_limit_mib is not None:
+                        limit.add_metric(names, use.memory_limit_mib)
+                    if use.memory_used_mib is not None:
+                        used.add_metric(names, use.memory_used_mib)
+        yield from (share, limit, used)
 
     def _ingest(self) -> Iterator[Metric]:
         """Heartbeats and telemetry (brain/ingest.py): what arrived, what was news, and
@@ -346,7 +376,13 @@ class BrainMetrics:
         for action in decisions.actions:
             self.decisions.labels(action=_action_name(action)).inc()
             if isinstance(action, Preempt):
-                cause = "quota_reclaim" if isinstance(action.cause, QuotaReclaim) else "outranked"
+                cause = (
+                    "quota_reclaim"
+                    if isinstance(action.cause, QuotaReclaim)
+                    else "memory_pressure"
+                    if isinstance(action.cause, MemoryPressure)
+                    else "outranked"
+                )
                 self.preemptions.labels(cause=cause).inc()
 
     def on_record(self, record: StateRecord, seq: int) -> None:

@@ -14,7 +14,7 @@ from brain.state import BrainState
 from bus.client import Bus
 from schemas.api import BrainInfo
 from schemas.jobs import JobRecord
-from schemas.telemetry import TelemetryBatch
+from schemas.telemetry import GpuShares, TelemetryBatch
 
 
 class BrainConfigView(Protocol):
@@ -52,6 +52,10 @@ class BrainPort(Protocol):
     def job_record(self, job_id: str) -> JobRecord | None: ...
 
     def last_seen_ago(self, node: str) -> float | None: ...
+
+    def shares(self, node: str) -> tuple[GpuShares, ...]:
+        """The node's shared GPUs, as its latest heartbeat said."""
+        ...
 
     async def call(
         self, tenant: str, request: WriteRequest, *, operator: bool = False

@@ -495,7 +495,11 @@ class Profiler:
             self._let_go(track)
             track.held = held
             for node, gpu in held:
-                self._holders.setdefault(node, {})[gpu] = track
+                on_node = self._holders.setdefault(node, {})
+                # A GPU's telemetry is its whole-GPU job's (shares beside a shareable
+                # job are in it); of shares alone, the first's.
+                if job.spec.gpu_milli is None or gpu not in on_node:
+                    on_node[gpu] = track
 
     def _end(self, track: _Track) -> None:
         if track.fresh_samples:
@@ -581,14 +585,23 @@ class Profiler:
             log.exception("could not store %d job profiles", len(kept))
 
 
+# Co-location reads a job's peak and forecast memory (brain/core/shares.py): a move of
+# more than this share of them is news, so a GPU nearing its memory is acted on at once.
+MEMORY_NEWS_SHARE: Final = 0.1
+
+
 def _matters_to_policy(before: UtilizationProfile | None, after: UtilizationProfile) -> bool:
     if before is None:
         return True
-    return (before.underused, before.idle_gpus, before.period_s is None) != (
+    if (before.underused, before.idle_gpus, before.period_s is None) != (
         after.underused,
         after.idle_gpus,
         after.period_s is None,
-    )
+    ):
+        return True
+    was = max(before.mem_peak_mib, before.forecast_mem_mib)
+    now = max(after.mem_peak_mib, after.forecast_mem_mib)
+    return abs(now - was) > MEMORY_NEWS_SHARE * max(was, 1.0)
 
 
 # -- storage ----------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from brain.core import (
     DISTRIBUTION_AWARE,
     ORDERINGS,
     Decisions,
+    MemoryPressure,
     Place,
     Policy,
     Preempt,
@@ -65,6 +66,7 @@ from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
     FailurePolicy,
 )
+from brain.core.shares import never_fits
 from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
@@ -86,7 +88,7 @@ from brain.progress import ProgressTracker
 from brain.reconciler import Reconciler
 from brain.replica import Replica
 from brain.resizes import Resizes
-from brain.state import BrainState, current_size_s
+from brain.state import BrainState, current_size_s, job_demand
 from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
 from schemas import subjects
@@ -131,7 +133,7 @@ from schemas.state import (
     Preemption,
     StateRecord,
 )
-from schemas.telemetry import Heartbeat, TelemetryBatch
+from schemas.telemetry import GpuShares, Heartbeat, TelemetryBatch
 from schemas.workers import EXEC_SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -873,6 +875,11 @@ class Brain:
                 f"job asks for {spec.gpus} GPUs but the cluster has {total} "
                 f"({len(self.state.nodes)} nodes, at most {largest} on one node)",
             )
+        demand = job_demand(spec)
+        if demand is not None:
+            never = never_fits(demand, spec.gpus, self.state.registered_views())
+            if never is not None:
+                raise ApiError("invalid", f"no node could ever run this job: {never}")
         job = JobRecord(
             job_id=self.state.next_job_id(),
             tenant=tenant,
@@ -1181,6 +1188,9 @@ class Brain:
                     fence_after_s=self.config.keep_disconnected_s
                     if job.spec.on_disconnect == "keep"
                     else None,
+                    gpu_milli=job.spec.gpu_milli,
+                    gpu_memory_mib=job.spec.gpu_memory_mib if job.spec.shared else None,
+                    shareable=job.spec.shareable,
                 ),
             )
 
@@ -1208,6 +1218,10 @@ class Brain:
 
     def last_seen_ago(self, node: str) -> float | None:
         return self.ingest.last_seen_ago(node, self.monotonic())
+
+    def shares(self, node: str) -> tuple[GpuShares, ...]:
+        beat = self.ingest.latest_beat(node)
+        return beat.shares if beat is not None else ()
 
     @property
     def pid(self) -> int:
@@ -1241,18 +1255,35 @@ def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord])
     if held != tuple((g.node, tuple(g.gpus)) for g in action.grants):
         return False
     cause = action.cause
+    if isinstance(cause, MemoryPressure):
+        # Moved off its host's GPU: while the host runs there.
+        host = jobs.get(cause.host_job)
+        return host is not None and host.state is JobState.RUNNING
     beneficiary = jobs.get(cause.for_job if isinstance(cause, QuotaReclaim) else cause.by_job)
     return beneficiary is not None and beneficiary.state is JobState.PENDING
 
 
 def _fits(action: Place, free: dict[str, frozenset[int]]) -> bool:
-    """Every GPU the placement names is free on a ready node."""
-    return all(set(g.gpus) <= free.get(g.node, frozenset()) for g in action.grants)
+    """Every GPU the placement takes is free on a ready node (a share on a GPU already
+    shared takes none: `Place.takes`), and every node it names is ready."""
+    takes = action.grants if action.takes is None else action.takes
+    return all(g.node in free for g in action.grants) and all(
+        set(g.gpus) <= free.get(g.node, frozenset()) for g in takes
+    )
 
 
 def _preemption(action: Preempt) -> Preemption:
     """The core's typed cause, as the journal keeps it."""
     cause = action.cause
+    if isinstance(cause, MemoryPressure):
+        return Preemption(
+            reason="memory_pressure",
+            for_job=cause.host_job,
+            node=cause.node,
+            gpu=cause.gpu,
+            forecast_mem_mib=cause.forecast_mem_mib,
+            gpu_memory_mib=cause.gpu_memory_mib,
+        )
     if isinstance(cause, QuotaReclaim):
         return Preemption(
             reason="quota_reclaim",

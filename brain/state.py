@@ -23,6 +23,7 @@ from typing import Final
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR, ServiceDistribution
 from brain.core.model import (
     ClusterSnapshot,
+    Demand,
     Grant,
     JobView,
     NodeView,
@@ -32,7 +33,7 @@ from brain.core.model import (
 from brain.core.ordering import job_sequence
 from brain.progress import ObservedProgress
 from schemas.events import InputError
-from schemas.jobs import JobRecord, JobState
+from schemas.jobs import JobRecord, JobSpec, JobState
 from schemas.nodes import NodeRecord, NodeState
 from schemas.state import (
     BlacklistChanged,
@@ -353,6 +354,14 @@ class BrainState:
             self._registered = (sum(sizes), max(sizes, default=0))
         return self._registered
 
+    def registered_views(self) -> tuple[NodeView, ...]:
+        """Every known node with all its GPUs, whatever their state: what a job asking a
+        share, a type, CPUs or memory may ever hope for."""
+        return tuple(
+            node_view(n, tuple(g.index for g in n.gpus), frozenset())
+            for _, n in sorted(self.nodes.items())
+        )
+
     def capacity(self) -> int:
         return sum(
             len(self.schedulable_gpus(n)) for n in self.nodes.values() if n.state is NodeState.READY
@@ -491,7 +500,7 @@ class BrainState:
                 views.append(cached[2])
                 continue
             gpus = self.schedulable_gpus(record)
-            view = NodeView(name=name, gpus=gpus, free=frozenset(gpus) - here)
+            view = node_view(record, gpus, frozenset(gpus) - here)
             self._views[name] = (record, here, view)
             views.append(view)
         return tuple(views)
@@ -522,6 +531,33 @@ class _JobOrder:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+
+def node_view(record: NodeRecord, gpus: tuple[int, ...], free: frozenset[int]) -> NodeView:
+    """A node as `decide` sees it: the GPUs it may use, and what jobs with a demand are
+    placed by (the GPUs' model and least memory, the node's CPUs and memory)."""
+    return NodeView(
+        name=record.name,
+        gpus=gpus,
+        free=free,
+        model=record.gpus[0].model if record.gpus else "",
+        gpu_memory_mib=min((g.memory_mib for g in record.gpus), default=0),
+        cpu_milli=record.cpu_milli,
+        memory_mib=record.memory_mib,
+    )
+
+
+def job_demand(spec: JobSpec) -> Demand | None:
+    """What placement reads of a job beyond its GPU count; None for whole GPUs only."""
+    if not spec.constrained:
+        return None
+    return Demand(
+        gpu_milli=spec.gpu_milli if spec.gpu_milli is not None else 1000,
+        gpu_memory_mib=spec.gpu_memory_mib or 0,
+        gpu_types=spec.gpu_types,
+        cpu_milli=round(spec.cpus * 1000) if spec.cpus is not None else 0,
+        memory_mib=spec.memory_mib or 0,
+    )
 
 
 def _finish_order(job: JobRecord) -> tuple[float, tuple[int, str]]:
@@ -588,4 +624,6 @@ def job_view(
         gain_ceiling_at=job.gain_ceiling_at,
         progress_fraction=progress.progress_fraction,
         progress_rate_per_s=progress.progress_rate_per_s,
+        demand=job_demand(job.spec),
+        shareable=job.spec.shareable,
     )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
+from schemas.telemetry import GpuShares
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -49,6 +50,9 @@ def grants_text(job: JobRecord) -> str:
 def gpus_text(job: JobRecord) -> str:
     """GPUs asked for; an elastic job's size now and range (`3[1..4]`), `3>2[1..4]`
     while a resize from 3 to 2 is in flight, and `pin=2` while an operator pins it."""
+    if job.spec.shared:
+        memory = job.spec.gpu_memory_mib
+        return f"{(job.spec.gpu_milli or 0) / 1000:g}" + (f"({memory}MiB)" if memory else "")
     if not job.spec.elastic:
         return str(job.spec.gpus)
     low, high = job.spec.gpu_range
@@ -102,13 +106,40 @@ def nodes_table(nodes: Sequence[NodeStatus]) -> str:
                 r.backend,
                 "-" if n.last_seen_s_ago is None else f"{n.last_seen_s_ago:.1f}s",
                 ",".join(n.jobs) or "-",
+                shares_text(n.shares),
                 _drained(r),
             ]
         )
     return table(
-        ["NODE", "STATE", "GPUS(A/T)", "MODEL", "BACKEND", "SEEN", "JOBS", "DRAINED (REASON)"],
+        [
+            "NODE",
+            "STATE",
+            "GPUS(A/T)",
+            "MODEL",
+            "BACKEND",
+            "SEEN",
+            "JOBS",
+            "SHARED (JOB=SHARE/LIMIT)",
+            "DRAINED (REASON)",
+        ],
         rows,
     )
+
+
+def shares_text(shares: Sequence[GpuShares]) -> str:
+    """`gpu0[mps]: job-1=0.5/20480MiB used 812, job-2=0.5/-`: each shared GPU, its
+    jobs' shares, GPU memory limits and use, and whether MPS enforces them."""
+    parts = []
+    for gpu in shares:
+        jobs = ", ".join(
+            f"{u.job_id}={u.gpu_milli / 1000:g}/"
+            + ("-" if u.memory_limit_mib is None else f"{u.memory_limit_mib}MiB")
+            + ("" if u.memory_used_mib is None else f" used {u.memory_used_mib:.0f}")
+            for u in gpu.jobs
+        )
+        problem = f" ({gpu.mps_problem})" if gpu.mps_problem else ""
+        parts.append(f"gpu{gpu.index}[{gpu.enforcement}{problem}]: {jobs}")
+    return "; ".join(parts) or "-"
 
 
 def _drained(node: NodeRecord) -> str:

@@ -9,13 +9,14 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import yaml
 from pydantic import ValidationError
@@ -42,7 +43,7 @@ from schemas.api import (
 )
 from schemas.base import check_name
 from schemas.errors import AlnairError
-from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.jobs import JobRecord, JobSpec, JobState, share_request
 from schemas.state import STATE_RECORD, StateRecord, record_job_id, record_kind, record_node
 
 log = logging.getLogger("alnair")
@@ -148,8 +149,50 @@ def load_spec(args: argparse.Namespace) -> JobSpec:
         "cwd": args.cwd or os.getcwd(),
         **_policy_hints(args),
         **_elastic_fields(args),
+        **_share_fields(args),
     }
     return _validated(fields, "the command line")
+
+
+_SIZE: Final = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]i?B?|B)?\s*$", re.I)
+_MIB_PER: Final = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+
+
+def parse_mib(text: str, option: str) -> int:
+    """`20GiB`, `512M`, `80g`, `2048` (MiB) as MiB; binary units whatever the spelling."""
+    match = _SIZE.match(text)
+    if match is None or (match["unit"] and match["unit"].upper() == "B"):
+        raise UsageError(f"{option} takes a size such as 20GiB or 512MiB, not {text!r}")
+    unit = (match["unit"] or "M")[0].upper()
+    mib = float(match["n"]) * _MIB_PER[unit]
+    if mib < 1 or (not mib.is_integer() and mib < 1024):
+        raise UsageError(f"{option} {text!r} is less than a MiB or not a whole number of MiB")
+    return round(mib)
+
+
+def gpus_arg(text: str) -> int | float:
+    """`--gpus 2` (whole GPUs) or `--gpus 0.25` (a share of one GPU)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of GPUs: {text!r}") from None
+    return int(value) if value.is_integer() else value
+
+
+def _share_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """`--gpu-memory 20GiB --gpu-type H100,A100 --cpus 4 --memory 32GiB`."""
+    fields: dict[str, Any] = {}
+    if args.gpu_memory is not None:
+        fields["gpu_memory_mib"] = parse_mib(args.gpu_memory, "--gpu-memory")
+    if args.gpu_type:
+        fields["gpu_types"] = [t for value in args.gpu_type for t in value.split(",") if t]
+    if args.cpus is not None:
+        fields["cpus"] = args.cpus
+    if args.memory is not None:
+        fields["memory_mib"] = parse_mib(args.memory, "--memory")
+    if args.shareable:
+        fields["shareable"] = True
+    return fields
 
 
 def _policy_hints(args: argparse.Namespace) -> dict[str, Any]:
@@ -194,10 +237,15 @@ def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
         data["name"] = args.name
     data.update(_policy_hints(args))
     data.update(_elastic_fields(args))
+    data.update(_share_fields(args))
     return _validated(data, str(path))
 
 
 def _validated(fields: dict[str, Any], where: str) -> JobSpec:
+    try:
+        fields = share_request(fields)
+    except ValueError as error:
+        raise UsageError(f"invalid job in {where}: {error}") from None
     try:
         return JobSpec.model_validate(fields)
     except ValidationError as error:
@@ -230,7 +278,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         if args.json:
             print(job.model_dump_json())
         else:
-            size = f"{spec.gpus} GPUs"
+            size = spec.gpu_request
             if spec.elastic:
                 low, high = spec.gpu_range
                 size += f", elastic {low}..{high}"
@@ -251,6 +299,13 @@ def job_json(job: JobRecord) -> dict[str, Any]:
         "queue": job.spec.queue,
         "state": job.state.value,
         "gpus": job.spec.gpus,
+        "gpu_request": job.spec.gpu_request,
+        "gpu_share": None if job.spec.gpu_milli is None else job.spec.gpu_milli / 1000,
+        "gpu_memory_mib": job.spec.gpu_memory_mib,
+        "gpu_types": list(job.spec.gpu_types),
+        "cpus": job.spec.cpus,
+        "memory_mib": job.spec.memory_mib,
+        "shareable": job.spec.shareable,
         "nodes": [{"node": g.node, "gpus": list(g.gpus)} for g in job.grants],
         "attempts": job.attempt,
         "exit_code": job.exit_code,
@@ -531,6 +586,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
     config = BrainConfig(
         policy=Policy(
             order=args.policy,
+            share_placement=args.share_placement,
             elasticity=args.elasticity,
             elastic_resize_interval_s=args.elastic_resize_interval,
             elastic_payback=args.elastic_payback,
@@ -625,6 +681,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         confinement=confine.agent_confinement(args, args.node),
         fence_after_s=args.fence_after or None,
         fence_grace_s=args.fence_grace,
+        cpu_milli=round(args.cpus * 1000) if args.cpus is not None else None,
+        memory_mib=parse_mib(args.memory, "--memory") if args.memory is not None else None,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -696,7 +754,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("submit", help="submit a job: --gpus N -- CMD..., or a job.yaml")
     _client_args(p)
-    p.add_argument("--gpus", type=int, help="whole GPUs to allocate (a gang: all or none)")
+    p.add_argument(
+        "--gpus",
+        type=gpus_arg,
+        help="whole GPUs to allocate (a gang: all or none), or a share of one GPU (0.25)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="GPU memory per GPU (20GiB): a share's limit under MPS; whole GPUs: at least this",
+    )
+    p.add_argument(
+        "--gpu-type",
+        action="append",
+        default=[],
+        metavar="TYPES",
+        help="GPU models it may run on, comma-separated (H100,A100)",
+    )
+    p.add_argument("--cpus", type=float, help="CPUs the job needs on its node")
+    p.add_argument("--memory", metavar="SIZE", help="memory the job needs on its node (32GiB)")
+    p.add_argument(
+        "--shareable",
+        action="store_true",
+        help="whole GPUs: let shares run beside it while its profile shows low utilisation "
+        "and memory headroom (moved off before its GPU runs out of memory)",
+    )
     p.add_argument("--name", help="job name (default: the program's name)")
     p.add_argument("--queue", default="default", help="queue (default: default)")
     p.add_argument("--priority", type=int, default=0, help="priority, -1000..1000")
@@ -892,6 +974,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", required=True, help="'nvml', or simulated: sim:<count>x<model>")
     p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
+    p.add_argument(
+        "--cpus", type=float, help="CPUs jobs may reserve here (default: those this machine has)"
+    )
+    p.add_argument(
+        "--memory", metavar="SIZE", help="memory jobs may reserve here (default: all of it)"
+    )
     confine.add_agent_args(p)
     p.add_argument(
         "--fence-after",

@@ -38,6 +38,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     """How a brain decides: `alnair brain`'s flags, which `alnair up` passes to its brains."""
     p.add_argument("--policy", default="fifo", help="queue order policy (default: fifo)")
     p.add_argument(
+        "--share-placement",
+        default="fgd",
+        help="how jobs asking a share of a GPU, a GPU type, CPUs or memory are placed: fgd, "
+        "best-fit, dot-product, gpu-packing or random (default fgd; docs/sharing.md)",
+    )
+    p.add_argument(
         "--elasticity",
         default="marginal-gain",
         help="how elastic jobs are sized: marginal-gain (grow into idle GPUs by observed "
@@ -461,6 +467,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
             [
                 *[*me, "brain", "--nats", nats_urls, "--policy", args.policy, *queues],
                 *["--elasticity", args.elasticity],
+                *["--share-placement", args.share_placement],
                 *["--elastic-resize-interval", str(args.elastic_resize_interval)],
                 *["--elastic-payback", str(args.elastic_payback)],
                 *["--elastic-reprobe", str(args.elastic_reprobe)],

@@ -50,6 +50,12 @@ class Launch(_Command):
     # submitted with on_disconnect "keep", and runs the job elsewhere only after it
     # plus the fence margin (docs/operations.md, "Partitions").
     fence_after_s: float | None = Field(default=None, gt=0, le=7 * 86400, allow_inf_nan=False)
+    # A share of its one GPU (thousandths) and its GPU memory limit (MiB): the agent
+    # runs it under that GPU's MPS daemon with these limits (docs/sharing.md).
+    gpu_milli: int | None = Field(default=None, ge=1, lt=1000)
+    gpu_memory_mib: int | None = Field(default=None, ge=1)
+    # A whole-GPU job that lets shares run beside it (the brain decides when).
+    shareable: bool = False
 
 
 class Stop(_Command):

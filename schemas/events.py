@@ -40,6 +40,10 @@ class JobExited(_NodeEvent):
     log_tail: tuple[str, ...] = Field(default=(), max_length=LOG_TAIL_LINES)
     # Set when the job's cgroup killed it for exceeding its memory limit (MiB).
     oom_limit_mb: int | None = Field(default=None, ge=0)
+    # Set when its agent stopped it for using more GPU memory (MiB) than its share's
+    # limit: the limit, and what it used.
+    gpu_memory_limit_mib: int | None = Field(default=None, ge=0)
+    gpu_memory_used_mib: float | None = Field(default=None, ge=0)
 
 
 class LaunchFailed(_NodeEvent):

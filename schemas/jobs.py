@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,7 +16,7 @@ _ENV_NAME_CHARS: Final = frozenset(
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_"
 )
 # Set by the agent for every job; a spec may not override them.
-RESERVED_ENV_PREFIXES: Final = ("ALNAIR_", "CUDA_VISIBLE_DEVICES")
+RESERVED_ENV_PREFIXES: Final = ("ALNAIR_", "CUDA_VISIBLE_DEVICES", "CUDA_MPS_")
 # How a job that cannot use the in-job SDK over NATS says it failed on an input: it
 # prints `ALNAIR_BAD_INPUT <uri> [reason]` as one of its last log lines and exits with
 # this code (sysexits' EX_NOINPUT). `workloads.sdk.fail_on_bad_input` does both.
@@ -30,6 +30,10 @@ DEFAULT_MEMORY_MB_PER_GPU: Final = 16 * 1024
 DEFAULT_CPUS_PER_GPU: Final = 4.0
 JOB_PIDS_MAX: Final = 4096
 MAX_MEMORY_MB_PER_GPU: Final = 16 * 1024 * 1024
+# A share of one GPU is asked in thousandths of it (`--gpus 0.25` is 250).
+GPU_MILLI: Final = 1000
+MAX_GPU_MEMORY_MIB: Final = 16 * 1024 * 1024
+MAX_GPU_TYPES: Final = 16
 
 OnDisconnect = Literal["stop", "keep"]
 
@@ -113,6 +117,87 @@ class JobSpec(BaseModel):
     # be done) or "keep" (it runs on through the partition; the brain runs it elsewhere
     # only when its node returns without it or a much longer timeout passes).
     on_disconnect: OnDisconnect = "stop"
+    # A share of one GPU, in thousandths (`gpus` is then 1): `alnair submit --gpus 0.25`
+    # asks 250 (`share_request`). Jobs sharing a GPU run under CUDA MPS (docs/sharing.md).
+    gpu_milli: int | None = Field(default=None, ge=1, lt=GPU_MILLI)
+    # GPU memory the job needs on each of its GPUs (MiB): a share's limit under MPS;
+    # for whole GPUs, only GPUs with at least this much.
+    gpu_memory_mib: int | None = Field(default=None, ge=1, le=MAX_GPU_MEMORY_MIB)
+    # GPU models the job may run on (`H100` matches `NVIDIA H100 80GB HBM3`); empty: any.
+    gpu_types: tuple[str, ...] = Field(default=(), max_length=MAX_GPU_TYPES)
+    # CPUs and memory (MiB) the job needs on its node: placement reserves them, and
+    # they are its cgroup's limits (instead of the per-GPU ones).
+    cpus: float | None = Field(default=None, gt=0, le=1024, allow_inf_nan=False)
+    memory_mib: int | None = Field(default=None, ge=16, le=MAX_MEMORY_MB_PER_GPU)
+    # A whole-GPU job that lets shares run beside it on its GPUs while its utilisation
+    # profile shows it leaves room (low utilisation, memory headroom); they are moved
+    # off again before its GPU runs out of memory (docs/sharing.md, "Co-location").
+    shareable: bool = False
+
+    @field_validator("gpu_types")
+    @classmethod
+    def _gpu_type_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        names = []
+        for name in value:
+            name = name.strip()
+            if not name or len(name) > 128 or any(c in name for c in ",|"):
+                raise ValueError(f"invalid GPU type {name!r}")
+            names.append(name)
+        return tuple(sorted(set(names)))
+
+    @model_validator(mode="after")
+    def _share_rules(self) -> JobSpec:
+        if self.gpu_milli is not None and self.gpus != 1:
+            raise ValueError(f"gpu_milli: a share is of one GPU, and gpus is {self.gpus}")
+        if self.cpus is not None and self.cpus_per_gpu is not None:
+            raise ValueError("cpus: give cpus (per job) or cpus_per_gpu, not both")
+        if self.memory_mib is not None and self.memory_mb_per_gpu is not None:
+            raise ValueError("memory_mib: give memory_mib (per job) or memory_mb_per_gpu, not both")
+        if self.shareable and self.gpu_milli is not None:
+            raise ValueError(
+                "shareable: a share already shares its GPU; shareable is for whole GPUs"
+            )
+        if self.elastic:
+            if self.shareable:
+                raise ValueError("shareable: not for elastic jobs")
+            for name in ("gpu_milli", "gpu_memory_mib", "cpus", "memory_mib"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: not for elastic jobs")
+            if self.gpu_types:
+                raise ValueError("gpu_types: not for elastic jobs")
+        return self
+
+    @property
+    def shared(self) -> bool:
+        """Asks a share of one GPU (runs beside other jobs on it)."""
+        return self.gpu_milli is not None
+
+    @property
+    def constrained(self) -> bool:
+        """Asks something beyond whole GPUs: a share, a GPU type or memory, CPUs or
+        memory on the node. Such a job is placed on one node, through the sharing
+        ledger (docs/sharing.md)."""
+        return (
+            self.gpu_milli is not None
+            or self.gpu_memory_mib is not None
+            or bool(self.gpu_types)
+            or self.cpus is not None
+            or self.memory_mib is not None
+        )
+
+    @property
+    def gpu_request(self) -> str:
+        """What it asks, as an operator reads it: `0.25 GPU (20480 MiB)`, `2 GPUs`."""
+        text = (
+            f"{self.gpu_milli / GPU_MILLI:g} GPU"
+            if self.gpu_milli is not None
+            else f"{self.gpus} GPU{'s' if self.gpus != 1 else ''}"
+        )
+        if self.gpu_memory_mib is not None:
+            text += f" ({self.gpu_memory_mib} MiB)"
+        if self.gpu_types:
+            text += f" of type {'|'.join(self.gpu_types)}"
+        return text
 
     @model_validator(mode="after")
     def _elastic_bounds(self) -> JobSpec:
@@ -184,6 +269,31 @@ class NodeGpus(BaseModel):
         return gpus
 
 
+def share_request(fields: dict[str, Any]) -> dict[str, Any]:
+    """Job fields as a person writes them (`gpus: 0.25`, a share of one GPU) as the
+    spec keeps them (`gpus: 1, gpu_milli: 250`). Whole numbers are left alone; a
+    fraction that is not a share is refused naming `gpus`."""
+    gpus = fields.get("gpus")
+    if isinstance(gpus, str):
+        try:
+            gpus = float(gpus)
+        except ValueError:
+            return fields  # the field's own validation names it
+    if isinstance(gpus, bool) or not isinstance(gpus, float) or gpus.is_integer():
+        return fields
+    if not 0 < gpus < 1:
+        raise ValueError(
+            f"gpus {gpus:g}: a share of a GPU is between 0 and 1; "
+            "more than one GPU is a whole number"
+        )
+    milli = round(gpus * GPU_MILLI)
+    if not 1 <= milli < GPU_MILLI or abs(milli - gpus * GPU_MILLI) > 1e-6:
+        raise ValueError(f"gpus {gpus:g}: a share is in thousandths of a GPU (0.001..0.999)")
+    if fields.get("gpu_milli") not in (None, milli):
+        raise ValueError(f"gpus {gpus:g} and gpu_milli {fields['gpu_milli']} disagree")
+    return {**fields, "gpus": 1, "gpu_milli": milli}
+
+
 def job_limits(spec: JobSpec, gpus_here: int) -> tuple[int, float]:
     """(memory MiB, CPUs) of a job's cgroup on a node where it holds `gpus_here` GPUs.
     An elastic job is sized for the most it may grow to, since its supervisor's workers
@@ -192,7 +302,10 @@ def job_limits(spec: JobSpec, gpus_here: int) -> tuple[int, float]:
     sized_for = max(1, sized_for)
     memory = spec.memory_mb_per_gpu or DEFAULT_MEMORY_MB_PER_GPU
     cpus = spec.cpus_per_gpu or DEFAULT_CPUS_PER_GPU
-    return memory * sized_for, cpus * sized_for
+    return (
+        spec.memory_mib if spec.memory_mib is not None else memory * sized_for,
+        spec.cpus if spec.cpus is not None else cpus * sized_for,
+    )
 
 
 def placement_size(placement: tuple[NodeGpus, ...]) -> int:

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.base import NodeName
-from schemas.telemetry import GpuInfo, GpuSample
+from schemas.telemetry import GpuInfo, GpuSample, GpuShares
 
 
 class NodeState(StrEnum):
@@ -51,6 +51,10 @@ class NodeRecord(BaseModel):
     # GPUs drained one by one (a critical XID, an operator's `drain --gpu`); they stay
     # drained until the node is resumed.
     drained_gpus: tuple[DrainedGpu, ...] = ()
+    # CPUs (thousandths of a core) and memory (MiB) jobs may reserve here; None: the
+    # agent did not say.
+    cpu_milli: int | None = Field(default=None, ge=0)
+    memory_mib: int | None = Field(default=None, ge=0)
 
     @property
     def gpu_count(self) -> int:
@@ -67,3 +71,5 @@ class NodeStatus(BaseModel):
     jobs: tuple[str, ...]
     last_seen_s_ago: float | None
     latest: tuple[GpuSample, ...] = ()
+    # Shared GPUs as the agent last reported them (shares, memory limits and use).
+    shares: tuple[GpuShares, ...] = ()

@@ -65,7 +65,9 @@ class Preemption(BaseModel):
 
     # quota_reclaim: a queue took back GPUs within its guarantee that this job had
     # borrowed over its own queue's quota. outranked: a better-ranked job needed them.
-    reason: Literal["quota_reclaim", "outranked"]
+    # memory_pressure: a share was moved off a shareable job's GPU (`for_job`, the
+    # host) forecast to run out of memory.
+    reason: Literal["quota_reclaim", "outranked", "memory_pressure"]
     # The job the GPUs were taken for.
     for_job: str
     # quota_reclaim: the queue whose guarantee it was, and the borrower's queue.
@@ -75,6 +77,11 @@ class Preemption(BaseModel):
     order: str | None = None
     winner_rank: str | None = None
     victim_rank: str | None = None
+    # memory_pressure: the GPU, its forecast memory and what it has (MiB).
+    node: str | None = None
+    gpu: int | None = Field(default=None, ge=0)
+    forecast_mem_mib: float | None = Field(default=None, ge=0)
+    gpu_memory_mib: int | None = Field(default=None, ge=0)
 
 
 class Cause(BaseModel):

@@ -61,6 +61,35 @@ class RunningJob(BaseModel):
     gpus: tuple[int, ...]
 
 
+class ShareUse(BaseModel):
+    """One job's share of one GPU on a node, and what it uses of it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str = Field(min_length=1, max_length=64)
+    attempt: int = Field(ge=1)
+    gpu_milli: int = Field(ge=1, le=1000)
+    # MPS' pinned device memory limit for the job (MiB); None: none set.
+    memory_limit_mib: int | None = Field(default=None, ge=0)
+    # GPU memory its processes use now (NVML per process; simulated: what the job
+    # reports through the simulator); None: not known.
+    memory_used_mib: float | None = Field(default=None, ge=0)
+
+
+class GpuShares(BaseModel):
+    """A GPU that jobs share: who holds which share, and whether it is enforced."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, le=255)
+    jobs: tuple[ShareUse, ...] = Field(max_length=1000)
+    # "mps": an MPS control daemon runs for this GPU and limits each job; "accounted":
+    # simulated GPUs, where nothing is enforced.
+    enforcement: Literal["mps", "accounted"]
+    # The MPS daemon is not running (it died and is being restarted): why.
+    mps_problem: str | None = None
+
+
 class Heartbeat(Message):
     node: NodeName
     ts: float
@@ -78,3 +107,11 @@ class Heartbeat(Message):
     # The longest an attempt runs on here after the agent's last confirmed heartbeat:
     # its fence period plus grace (agents/fence.py). None: this agent does not fence.
     fence_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    # What jobs may reserve here besides GPUs: CPUs (thousandths of a core) and memory
+    # (MiB). None: an agent that does not say (placement then offers this node only to
+    # jobs that ask neither).
+    cpu_milli: int | None = Field(default=None, ge=0)
+    memory_mib: int | None = Field(default=None, ge=0)
+    # GPUs whose jobs share them (index -> the shares), per-process GPU memory and
+    # whether the shares are enforced (CUDA MPS) or only accounted (simulated GPUs).
+    shares: tuple[GpuShares, ...] = Field(default=(), max_length=256)

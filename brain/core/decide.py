@@ -11,7 +11,10 @@ ordering, placement and preemption run are plugins named in the `Policy`:
                 running job that no longer fits is a preemption candidate;
 4. placement  — place the selected pending jobs (`PLACEMENTS`), releasing candidate
                 victims worst-ranked first, only as far as a placement needs; a victim
-                whose GPUs nobody took keeps running;
+                whose GPUs nobody took keeps running. A job asking a share of a GPU, a
+                GPU type, CPUs or memory is placed on one node by the policy's sharing
+                plugin instead (brain/core/shares.py); a share needs none of the
+                whole-GPU budget in 3 and is never a victim;
 5. elasticity — with an `ELASTICITIES` plugin other than "none" (brain/core/elastic.py):
                 elastic jobs count at their minimum in 3, get targets toward what
                 they asked for in rank order (less attained service first within a
@@ -65,6 +68,14 @@ from brain.core.placement import (
 )
 from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
 from brain.core.quota import Standing, quota_of, standings_in_order
+from brain.core.shares import (
+    SharePlacer,
+    describe_demand,
+    hosting,
+    memory_pressure,
+    shared_gpus_held,
+)
+from brain.core.sharing import SHARING_PLUGINS
 from schemas.errors import AlnairError
 
 
@@ -96,6 +107,9 @@ class InvalidPolicy(AlnairError, ValueError):
 class Policy:
     order: str = "fifo"
     placement: str = "consolidate"
+    # How jobs that ask a share of a GPU, a GPU type, CPUs or memory are placed
+    # (`SHARING_PLUGINS`, brain/core/shares.py); whole-GPU jobs never use it.
+    share_placement: str = "fgd"
     preemption: str = "by-rank"
     # LAS band thresholds in GPU-seconds: K-1 of them make K bands. Tiresias' defaults
     # (its third limit, 18000, is never reached with three queues).
@@ -131,12 +145,15 @@ class Policy:
     elastic_reprobe_s: float = 1800.0
 
     def validate(self) -> Policy:
-        if self.order not in ORDERINGS:
-            raise UnknownPlugin("order", self.order, list(ORDERINGS))
-        if self.placement not in PLACEMENTS:
-            raise UnknownPlugin("placement", self.placement, list(PLACEMENTS))
-        if self.preemption not in PREEMPTIONS:
-            raise UnknownPlugin("preemption", self.preemption, list(PREEMPTIONS))
+        plugins: tuple[tuple[str, str, Sequence[str]], ...] = (
+            ("order", self.order, list(ORDERINGS)),
+            ("placement", self.placement, list(PLACEMENTS)),
+            ("share_placement", self.share_placement, list(SHARING_PLUGINS)),
+            ("preemption", self.preemption, list(PREEMPTIONS)),
+        )
+        for stage, name, known in plugins:
+            if name not in known:
+                raise UnknownPlugin(stage, name, list(known))
         thresholds = self.las_thresholds_gpu_s
         if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(set(thresholds)):
             raise InvalidPolicy(f"las thresholds must be positive and rising: {thresholds}")
@@ -215,6 +232,13 @@ class _Cycle:
     wakes: list[float] = field(default_factory=list)
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
     elastic: ElasticStage | None = None
+    shares: SharePlacer | None = None
+
+    def sharer(self) -> SharePlacer:
+        """The placer of jobs with a demand, built when the cycle meets the first."""
+        if self.shares is None:
+            self.shares = SharePlacer(self.snapshot, self.policy.share_placement)
+        return self.shares
 
     def size(self, job: JobView) -> int:
         """GPUs to place a selected job on."""
@@ -350,7 +374,11 @@ def _select(
 
     One pass, and most of it over jobs that wait: once the GPUs run out, a job costs
     its `Wait` and nothing more (reasons that repeat are built once)."""
-    budget = capacity
+    # GPUs that jobs share are not for whole-GPU jobs; a share needs no whole GPU of
+    # the budget (its placement says whether it fits), and is never a victim.
+    running = cycle.snapshot.running
+    budget = capacity - shared_gpus_held(running)
+    hosts = hosting(running)
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
@@ -359,9 +387,14 @@ def _select(
     reasons: dict[tuple[int, int, int, str, str | None], str] = {}
     for entry in entries:
         job = entry.ranked.job
-        need = job.gpus if elastic is None else elastic.need(job)
+        need = 0 if job.shared else job.gpus if elastic is None else elastic.need(job)
         if job.grants:
-            if need <= budget or entry.standing is Standing.PINNED:
+            if job.shared or job.job_id in hosts:
+                # Never victims (shares, and whole-GPU jobs with shares beside them).
+                budget = max(0, budget - need)
+                if elastic is not None:
+                    elastic.select(job, need)
+            elif need <= budget or entry.standing is Standing.PINNED:
                 budget -= need
                 if elastic is not None:
                     elastic.select(job, need)
@@ -445,7 +478,10 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         # left to release, release them first (below) rather than ask for a reason
         # nobody will read.
         doomed = (
-            elastic is None and ledger.total_free() < request.gpus and next_victim < len(unreleased)
+            elastic is None
+            and not job.shared
+            and ledger.total_free() < request.gpus
+            and next_victim < len(unreleased)
         )
         result: PlacementResult | None = None if doomed else _try_place(cycle, request, job)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
@@ -474,10 +510,17 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             result = elastic.place(job, ledger, partial=True)
         if isinstance(result, Fit):
             grants = result.grants
-            ledger.take(grants)
+            ledger.take(grants if result.takes is None else result.takes)
+            if job.demand is not None:
+                cycle.sharer().placed(job, grants)
             cycle.placed.append((entry, grants))
-            why = Placed(grants, _place_notes(entry, policy))
-            cycle.actions.append(Place(job.job_id, grants, why.describe(), why))
+            extra: tuple[str, ...] = ()
+            if job.demand is not None:
+                colocated = cycle.sharer().colocated_with(grants)
+                extra = (describe_demand(job, policy.share_placement),)
+                extra += (colocated,) if colocated is not None else ()
+            why = Placed(grants, _place_notes(entry, policy), extra)
+            cycle.actions.append(Place(job.job_id, grants, why.describe(), why, result.takes))
             continue
         cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
@@ -487,6 +530,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
 
 def _try_place(cycle: _Cycle, request: PlacementRequest, job: JobView) -> PlacementResult:
     """Place on the cycle's ledger, minus the nodes a retried job must avoid."""
+    if job.demand is not None:
+        return cycle.sharer().place(job, cycle.ledger, job.avoid_nodes)
     if cycle.elastic is not None and job.elastic:
         return cycle.elastic.place(job, cycle.ledger, partial=False)
     if not job.avoid_nodes:
@@ -674,6 +719,8 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
         stage.plan(ledger.total_capacity())
     released = _place_all(cycle, to_place, victims)
     _settle_victims(cycle, released)
+    # Shares on a shareable job's GPU that is running out of memory move off it.
+    cycle.preemptions.extend(memory_pressure(snapshot))
     shrinks: list[Resize] = []
     grows: list[Resize] = []
     if stage is not None:

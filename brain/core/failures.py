@@ -114,6 +114,9 @@ class AttemptEnd:
     # The job's own cgroup killed it at this memory limit (MiB): it asked for too little,
     # or uses too much; another node would kill it the same way.
     oom_limit_mb: int | None = None
+    # Its agent stopped it for using more GPU memory than its share's limit (MiB):
+    # (used, limit). Its own doing, like a cgroup's OOM kill.
+    gpu_memory_over: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +183,12 @@ def classify(
         return Classification(FailureClass.INFRASTRUCTURE, "; ".join(infra_events))
     if end.oom_limit_mb is not None:
         return Classification(FailureClass.USER, f"out of memory (limit {end.oom_limit_mb} MiB)")
+    if end.gpu_memory_over is not None:
+        used, limit = end.gpu_memory_over
+        return Classification(
+            FailureClass.USER,
+            f"out of GPU memory: used {used:.0f} MiB, over its limit of {limit} MiB",
+        )
     marked = bad_input_in(end.log_tail)
     if reported_input is not None or (marked is not None and end.exit_code == BAD_INPUT_EXIT_CODE):
         uri = reported_input if reported_input is not None else marked[0] if marked else ""

@@ -30,6 +30,31 @@ class NodeView:
     free: frozenset[int]
     # Locality group: nodes under one switch (or rack) talk faster to each other.
     switch: str = "default"
+    # What jobs with a `Demand` are placed by (brain/core/shares.py): the GPUs' model
+    # and memory (MiB per GPU, 0: unknown), and CPUs (thousandths) and memory (MiB)
+    # jobs may reserve here (None: the agent did not say; only jobs asking none fit).
+    model: str = ""
+    gpu_memory_mib: int = 0
+    cpu_milli: int | None = None
+    memory_mib: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What a job asks beyond whole GPUs: a share of one GPU (`gpu_milli` < 1000), GPU
+    memory per GPU, allowed GPU models, CPUs and memory on its node. A job with a
+    demand is placed on one node through the sharing ledger (brain/core/shares.py);
+    one without (None) keeps the whole-GPU placement."""
+
+    gpu_milli: int = 1000
+    gpu_memory_mib: int = 0
+    gpu_types: tuple[str, ...] = ()
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+    @property
+    def fractional(self) -> bool:
+        return self.gpu_milli < 1000
 
 
 # `build` queues hold interactive work: a fixed quota, never preempted. `train` queues
@@ -154,6 +179,15 @@ class JobView:
     # (`Policy.elastic_reprobe_s` later).
     gain_ceiling: int | None = None
     gain_ceiling_at: float | None = None
+    # A share, a GPU type, CPUs or memory (see `Demand`); None: whole GPUs only.
+    demand: Demand | None = None
+    # A whole-GPU job that lets shares run beside it while its profile leaves room.
+    shareable: bool = False
+
+    @property
+    def shared(self) -> bool:
+        """Holds (or asks) a share of one GPU."""
+        return self.demand is not None and self.demand.fractional
 
     @property
     def running(self) -> bool:
@@ -213,6 +247,10 @@ class Place:
     cause: str
     # Not compared: two placements are the same decision when they say the same.
     why: Placed | None = field(default=None, compare=False)
+    # The GPUs it takes from those free, when not all of `grants`: a share on a GPU
+    # already shared takes none (brain/core/shares.py). None: all of them. Not in the
+    # repr: a whole-GPU placement reads as it always did.
+    takes: tuple[Grant, ...] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +292,27 @@ class Outranked:
         )
 
 
-PreemptCause = QuotaReclaim | Outranked
+@dataclass(frozen=True, slots=True)
+class MemoryPressure:
+    """A share co-located on a shareable job's GPU is moved off before the GPU runs out
+    of memory: the GPU's forecast memory (the host job's profile, which counts every
+    process on its GPU) neared what the GPU has."""
+
+    host_job: str
+    node: str
+    gpu: int
+    forecast_mem_mib: float
+    gpu_memory_mib: int
+
+    def describe(self) -> str:
+        return (
+            f"memory pressure: GPU {self.gpu} of {self.node}, shared with job "
+            f"{self.host_job}, is forecast to use {self.forecast_mem_mib:.0f} of "
+            f"{self.gpu_memory_mib} MiB; moved off before it runs out of memory"
+        )
+
+
+PreemptCause = QuotaReclaim | Outranked | MemoryPressure
 
 
 @dataclass(frozen=True, slots=True)

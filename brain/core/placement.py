@@ -271,6 +271,9 @@ class FreeGpus:
 @dataclass(frozen=True, slots=True)
 class Fit:
     grants: tuple[Grant, ...]
+    # What to take from the free ledger, when not every GPU of `grants`: a share on a
+    # GPU already shared takes nothing (brain/core/shares.py). None: all of them.
+    takes: tuple[Grant, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

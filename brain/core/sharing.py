@@ -21,8 +21,9 @@ Plugins (objects behind `SharingPlugin.choose`) decide where a task goes:
   then to an idle node (best-fit within each tier).
 - `random`: a feasible node uniformly at random, from a seeded generator.
 
-Pure: no I/O, no clock; the random plugin owns a seeded generator. The live brain does
-not use this module yet (docs/sharing.md).
+Pure: no I/O, no clock; the random plugin owns a seeded generator. The live brain
+places jobs that ask a share, a GPU type, CPUs or memory through it
+(brain/core/shares.py, docs/sharing.md).
 """
 
 from __future__ import annotations
@@ -165,6 +166,23 @@ class SharedCluster:
         # Placements applied and not yet released (a multiset: equal tasks may share a
         # placement), so that a release of one that is not held changes nothing.
         self._held: Counter[SharePlacement] = Counter()
+
+    def set_free(
+        self, i: int, cpu_milli: int, memory_mib: int, gpu_free: list[int], gpu_mem: list[int]
+    ) -> None:
+        """Start node i from what is free there now (the live brain's cycle, where jobs
+        hold parts of it already); only before any placement on this ledger."""
+        node = self.nodes[i]
+        if len(gpu_free) != node.gpus or len(gpu_mem) != node.gpus:
+            raise OverCommitted(f"{node.name}: {node.gpus} GPUs, given {len(gpu_free)}")
+        if not all(0 <= f <= GPU_MILLI for f in gpu_free):
+            raise OverCommitted(f"{node.name}: a GPU's free share is outside 0..{GPU_MILLI}")
+        self.gpu_allocated_milli += sum(self.gpu_free[i]) - sum(gpu_free)
+        self.cpu_free[i] = cpu_milli
+        self.mem_free[i] = memory_mib
+        self.gpu_free[i] = list(gpu_free)
+        self.gpu_mem_free[i] = list(gpu_mem)
+        self.version[i] += 1
 
     def fits(self, shape: TaskShape, i: int) -> bool:
         """Whether node i can take a task of this shape now (on some GPUs)."""

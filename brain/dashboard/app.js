@@ -100,10 +100,14 @@ function drawNodes(nodes, holders) {
       const latest = new Map(status.latest.map((sample) => [sample.index, sample]));
       const held = new Set(status.allocated_gpus);
       const drained = new Set((record.drained_gpus || []).map((d) => d.index));
+      const shared = new Map((status.shares || []).map((s) => [s.index, s]));
       const cells = record.gpus.map((gpu) => {
         const sample = latest.get(gpu.index);
         const util = sample ? sample.util_gpu_pct : 0;
-        const job = holders.get(`${record.name}/${gpu.index}`);
+        const share = shared.get(gpu.index);
+        const job = share
+          ? share.jobs.map((u) => `${u.job_id} ${u.gpu_milli / 1000}`).join(", ")
+          : holders.get(`${record.name}/${gpu.index}`);
         const sick = gpu.health !== "healthy" || drained.has(gpu.index);
         const title =
           `${record.name} GPU ${gpu.index} ${gpu.model}\n` +
@@ -112,6 +116,7 @@ function drawNodes(nodes, holders) {
               `  ${sample.power_w} W  ${sample.temp_c} °C`
             : "no telemetry") +
           (job ? `\njob ${job}` : "") +
+          (share ? `\n${shareText(share)}` : "") +
           (sick ? `\n${gpu.health_reason || "drained"}` : "");
         return el(
           "div",
@@ -143,12 +148,25 @@ function drawNodes(nodes, holders) {
   );
 }
 
+// A shared GPU: each job's share, GPU memory limit and use, and who enforces them.
+function shareText(share) {
+  const jobs = share.jobs.map(
+    (u) =>
+      `${u.job_id}: ${u.gpu_milli / 1000} of the GPU, limit ` +
+      (u.memory_limit_mib == null ? "none" : mib(u.memory_limit_mib)) +
+      (u.memory_used_mib == null ? "" : `, uses ${mib(u.memory_used_mib)}`),
+  );
+  const how = share.enforcement === "mps" ? "enforced by MPS" : "accounted, not enforced";
+  return `shared (${how}${share.mps_problem ? `: ${share.mps_problem}` : ""})\n${jobs.join("\n")}`;
+}
+
 function grantsText(job) {
   return job.grants.map((g) => `${g.node}[${g.gpus.join(",")}]`).join(" ") || "-";
 }
 
 // GPUs held; an elastic job's range, and the size an operator pinned it at.
 function sizeText(job) {
+  if (job.spec.gpu_milli != null) return `${job.spec.gpu_milli / 1000} of a GPU`;
   const held = job.grants.reduce((n, g) => n + g.gpus.length, 0);
   if (!job.spec.elastic) return `${held}`;
   const pin = job.pinned_gpus == null ? "" : ` pinned ${job.pinned_gpus}`;
@@ -165,7 +183,7 @@ function drawQueue(pending, now) {
       el("td", {}, job.spec.name),
       el("td", {}, job.tenant),
       el("td", {}, job.spec.queue),
-      el("td", {}, job.spec.gpus),
+      el("td", {}, job.spec.gpu_milli != null ? job.spec.gpu_milli / 1000 : job.spec.gpus),
       el("td", {}, ago(now - job.submitted_at)),
       el("td", { class: "reason" }, job.reason || ""),
     ),

@@ -364,7 +364,7 @@ def _paths() -> dict[str, Any]:
 
 # What JobSpec's validators check beyond the types (schemas/jobs.py, schemas/base.py),
 # stated in JSON Schema so that clients and fuzzers know it.
-ENV_NAME_PATTERN: Final = r"^(?!ALNAIR_|CUDA_VISIBLE_DEVICES)[A-Za-z_][A-Za-z0-9_]*$"
+ENV_NAME_PATTERN: Final = r"^(?!ALNAIR_|CUDA_VISIBLE_DEVICES|CUDA_MPS_)[A-Za-z_][A-Za-z0-9_]*$"
 
 
 def _state_validators(schemas: dict[str, Any]) -> None:
@@ -375,6 +375,7 @@ def _state_validators(schemas: dict[str, Any]) -> None:
         fields["queue"]["pattern"] = NAME_PATTERN
         fields["command"]["prefixItems"] = [{"type": "string", "pattern": r"\S"}]
         fields["env"]["propertyNames"] = {"pattern": ENV_NAME_PATTERN}
+        fields["gpu_types"]["items"]["pattern"] = r"^[^,|]*\S[^,|]*$"
 
 
 def document(*, version: str = "1") -> dict[str, Any]:

@@ -1,0 +1,251 @@
+"""Shared GPUs on a node: CUDA MPS for real GPUs, accounting alone for simulated ones.
+
+A job given a share of a GPU (`Launch.gpu_milli`) runs beside the GPU's other shares.
+On NVML GPUs the agent runs one MPS control daemon per shared GPU
+(`nvidia-cuda-mps-control -d` with that GPU's own `CUDA_MPS_PIPE_DIRECTORY` and
+`CUDA_MPS_LOG_DIRECTORY`, and `CUDA_VISIBLE_DEVICES` set to the GPU's UUID), checks it
+answers on its pipe at every watch, starts it again when it does not, and asks it to
+quit once no share runs on the GPU. Each job gets its share as
+`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` and its GPU memory as
+`CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, and sees its GPU by UUID (MPS numbers a client's
+devices among the server's).
+
+Simulated GPUs get the same environment and the same accounting (shares, memory
+limits, per-process memory, a job over its limit stopped), but no daemon: nothing
+limits a process there, and the agent says so (`ALNAIR_GPU_SHARE_ENFORCED=0` in the
+job's environment, `enforcement: accounted` in the heartbeat, and its log).
+
+This module owns the MPS daemons and the share environment; it does not decide who
+shares what (the brain does) and does not start or stop jobs (the launcher does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Literal, Protocol
+
+log = logging.getLogger(__name__)
+
+MPS_CONTROL: Final = "nvidia-cuda-mps-control"
+# How long one exchange with the control daemon (start, probe, quit) may take.
+MPS_COMMAND_S: Final = 10.0
+SHARE_ENFORCED_ENV: Final = "ALNAIR_GPU_SHARE_ENFORCED"
+GPU_SHARE_ENV: Final = "ALNAIR_GPU_SHARE"
+NOT_ENFORCED: Final = (
+    "simulated GPU: shares and GPU memory limits are accounted, not enforced "
+    "(no MPS daemon; nothing limits a process's threads or memory)"
+)
+
+
+def share_env(gpu_milli: int, gpu_memory_mib: int | None) -> dict[str, str]:
+    """The MPS client limits of a job with this share of its one GPU: its share of the
+    GPU's threads (percent, rounded up: MPS takes whole percents), and its memory on
+    device 0 (the only device it sees)."""
+    env = {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, math.ceil(gpu_milli / 10))),
+        GPU_SHARE_ENV: f"{gpu_milli / 1000:g}",
+    }
+    if gpu_memory_mib is not None:
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={gpu_memory_mib}M"
+    return env
+
+
+class ShareEnforcer(Protocol):
+    """What runs a GPU's shares: MPS daemons, or nothing (accounting alone)."""
+
+    @property
+    def enforcement(self) -> Literal["mps", "accounted"]: ...
+
+    async def prepare(self, index: int, uuid: str) -> dict[str, str]:
+        """Ready GPU `index` for a share; the environment a job on it needs (beyond
+        `share_env`). Raises `MpsError` when it cannot."""
+        ...
+
+    async def release(self, index: int) -> None:
+        """No share runs on the GPU any more."""
+        ...
+
+    async def check(self) -> None:
+        """Restart what died (called at every watch)."""
+        ...
+
+    def problem(self, index: int) -> str | None:
+        """Why the GPU's shares are not enforced right now, if something is wrong."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class MpsError(Exception):
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"GPU {index}: MPS: {reason}")
+        self.index = index
+        self.reason = reason
+
+
+class Accounted:
+    """Simulated GPUs: no daemon; says, once per GPU, that nothing is enforced."""
+
+    enforcement: Literal["accounted"] = "accounted"
+
+    def __init__(self, node: str) -> None:
+        self._node = node
+        self._said: set[int] = set()
+
+    async def prepare(self, index: int, uuid: str) -> dict[str, str]:
+        if index not in self._said:
+            self._said.add(index)
+            log.warning("%s: GPU %d is shared: %s", self._node, index, NOT_ENFORCED)
+        return {SHARE_ENFORCED_ENV: "0"}
+
+    async def release(self, index: int) -> None:
+        self._said.discard(index)
+
+    async def check(self) -> None:
+        return None
+
+    def problem(self, index: int) -> str | None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class _Daemon:
+    index: int
+    uuid: str
+    pipe_dir: Path
+    log_dir: Path
+    restarts: int = 0
+    problem: str | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def env(self) -> dict[str, str]:
+        return {
+            "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+            "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+        }
+
+
+class MpsDaemons:
+    """One MPS control daemon per shared GPU, under `root/gpu<index>/{pipe,log}`."""
+
+    enforcement: Literal["mps"] = "mps"
+
+    def __init__(
+        self, root: Path, *, binary: str = MPS_CONTROL, base_env: Mapping[str, str] | None = None
+    ) -> None:
+        self._root = root
+        self._binary = binary
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self._daemons: dict[int, _Daemon] = {}
+
+    async def _control(
+        self, daemon: _Daemon, *args: str, stdin: bytes | None = None, output: Path | None = None
+    ) -> tuple[int, str]:
+        """Run the control binary for this GPU's daemon: (exit status, output). A start
+        (`-d`) writes to `output`, a file: the daemon it leaves behind may keep what it
+        inherited open, and a pipe would then never end."""
+        env = {**self._base_env, **daemon.env(), "CUDA_VISIBLE_DEVICES": daemon.uuid}
+        sink = output.open("ab") if output is not None else None
+        try:
+            process = await asyncio.create_subprocess_exec(
+                self._binary,
+                *args,
+                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=sink if sink is not None else asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+            )
+        except OSError as error:
+            raise MpsError(daemon.index, f"cannot run {self._binary}: {error}") from None
+        finally:
+            if sink is not None:
+                sink.close()
+        try:
+            out, _ = await asyncio.wait_for(process.communicate(stdin), MPS_COMMAND_S)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            raise MpsError(daemon.index, f"{self._binary} did not answer") from None
+        if output is not None:
+            out = output.read_bytes()[-2000:]  # noqa: ASYNC240 - a small log file
+        return process.returncode or 0, (out or b"").decode(errors="replace").strip()
+
+    async def _alive(self, daemon: _Daemon) -> bool:
+        """The daemon answers on its pipe (`get_server_list` succeeds)."""
+        if not (daemon.pipe_dir / "control").exists():
+            return False
+        try:
+            status, _ = await self._control(daemon, stdin=b"get_server_list\n")
+        except MpsError:
+            return False
+        return status == 0
+
+    async def _start(self, daemon: _Daemon) -> None:
+        daemon.pipe_dir.mkdir(parents=True, exist_ok=True)
+        daemon.log_dir.mkdir(parents=True, exist_ok=True)
+        status, out = await self._control(daemon, "-d", output=daemon.log_dir / "start.log")
+        if status != 0 or not await self._alive(daemon):
+            tail = out.splitlines()[-1] if out else f"exit status {status}"
+            raise MpsError(daemon.index, f"control daemon did not start: {tail}")
+        log.info("GPU %d: MPS control daemon started (pipe %s)", daemon.index, daemon.pipe_dir)
+
+    async def prepare(self, index: int, uuid: str) -> dict[str, str]:
+        if shutil.which(self._binary) is None:
+            raise MpsError(index, f"{self._binary} is not installed")
+        daemon = self._daemons.get(index)
+        if daemon is None:
+            gpu_dir = self._root / f"gpu{index}"
+            daemon = self._daemons[index] = _Daemon(index, uuid, gpu_dir / "pipe", gpu_dir / "log")
+        async with daemon.lock:
+            if not await self._alive(daemon):
+                await self._start(daemon)
+                daemon.problem = None
+        return {**daemon.env(), "CUDA_VISIBLE_DEVICES": uuid, SHARE_ENFORCED_ENV: "1"}
+
+    async def release(self, index: int) -> None:
+        daemon = self._daemons.pop(index, None)
+        if daemon is None:
+            return
+        async with daemon.lock:
+            try:
+                await self._control(daemon, stdin=b"quit\n")
+            except MpsError as error:
+                log.warning("%s", error)
+
+    async def check(self) -> None:
+        for daemon in list(self._daemons.values()):
+            async with daemon.lock:
+                if await self._alive(daemon):
+                    continue
+                daemon.restarts += 1
+                log.warning("GPU %d: MPS control daemon is gone; starting it again", daemon.index)
+                try:
+                    await self._start(daemon)
+                    daemon.problem = None
+                except MpsError as error:
+                    daemon.problem = f"{error.reason} (restart {daemon.restarts})"
+
+    def problem(self, index: int) -> str | None:
+        daemon = self._daemons.get(index)
+        return None if daemon is None else daemon.problem
+
+    async def close(self) -> None:
+        for index in list(self._daemons):
+            await self.release(index)
+
+
+def enforcer_for(kind: Literal["nvml", "sim"], node: str, root: Path) -> ShareEnforcer:
+    """MPS daemons for real GPUs; accounting alone for simulated ones."""
+    if kind == "nvml":
+        return MpsDaemons(root)
+    return Accounted(node)

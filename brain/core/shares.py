@@ -1,0 +1,342 @@
+"""Live placement of jobs with a `Demand` (a share of one GPU, GPU types or memory,
+CPUs, memory) through the sharing ledger and its plugins (brain/core/sharing.py).
+
+The decision cycle keeps whole GPUs in `FreeGpus` (brain/core/placement.py). A GPU
+that jobs share is held there, not free, while any share of it is held; its free
+share and memory are reckoned here from the jobs holding it. For each job with a
+demand, `SharePlacer` builds a `SharedCluster` from the cycle's free ledger, the
+shares held and the CPUs and memory reserved (by running jobs and by those placed
+earlier in the cycle), and asks the policy's sharing plugin. A job with a demand runs
+on one node. Jobs without one never come here: whole-GPU placement is unchanged.
+
+Also what the brain refuses at submission: a demand no registered node could ever
+satisfy (`never_fits`). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
+
+from brain.core.model import (
+    ClusterSnapshot,
+    Demand,
+    Grant,
+    JobView,
+    MemoryPressure,
+    NodeView,
+    Preempt,
+)
+from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
+from brain.core.sharing import (
+    GPU_MILLI,
+    SHARING_PLUGINS,
+    SharedCluster,
+    SharedNode,
+    SharedTask,
+    SharingPlugin,
+    TaskMix,
+    Unschedulable,
+)
+
+_MODEL_WORDS: Final = re.compile(r"[\s\-_/]+")
+# Co-location (`JobSpec.shareable`): a running whole-GPU job whose profile's p95 and
+# forecast utilisation are at most this lets shares with a memory limit use the rest of
+# its GPUs. It is reckoned to need its utilisation's share of the GPU and this margin
+# over its peak (or forecast) memory.
+COLOCATE_MAX_UTIL_PCT: Final = 50.0
+HOST_MEMORY_MARGIN: Final = 1.25
+# A co-located GPU forecast to use this share of its memory moves a share off it.
+MEMORY_PRESSURE: Final = 0.9
+
+
+def model_matches(model: str, wanted: str) -> bool:
+    """Whether a GPU model (as NVML names it) is of a type a job asked for: the whole
+    name or one of its words, ignoring case (`H100` is `NVIDIA H100 80GB HBM3`)."""
+    name, want = model.lower(), wanted.lower().strip()
+    return name == want or want in _MODEL_WORDS.split(name)
+
+
+def allowed_models(types: Sequence[str], models: Iterable[str]) -> frozenset[str]:
+    """The models among `models` that any of `types` names."""
+    return frozenset(m for m in models if any(model_matches(m, t) for t in types))
+
+
+def _gpus_asked(demand: Demand, gpus: int) -> str:
+    if demand.fractional:
+        return f"{demand.gpu_milli / GPU_MILLI:g} of a GPU"
+    return f"{gpus} GPU{'s' if gpus != 1 else ''}"
+
+
+def describe_demand(job: JobView, plugin: str) -> str:
+    """`a 0.5 share of its GPU with 20480 MiB, placed by fgd`: what a placement of a job
+    with a demand gave it, for its cause."""
+    demand = job.demand or Demand()
+    parts = [
+        f"a {demand.gpu_milli / GPU_MILLI:g} share of its GPU"
+        if demand.fractional
+        else f"{job.gpus} whole GPU{'s' if job.gpus != 1 else ''}"
+    ]
+    if demand.gpu_memory_mib:
+        parts.append(f"{demand.gpu_memory_mib} MiB of GPU memory")
+    if demand.gpu_types:
+        parts.append(f"type {'|'.join(demand.gpu_types)}")
+    if demand.cpu_milli:
+        parts.append(f"{demand.cpu_milli / 1000:g} CPUs")
+    if demand.memory_mib:
+        parts.append(f"{demand.memory_mib} MiB of memory")
+    return f"{', '.join(parts)}, placed by {plugin}"
+
+
+def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | None:
+    """Why no node of `nodes` (every GPU each has, whatever its state) could ever run a
+    job asking this, naming the field; None when one could. Each constraint narrows
+    the nodes that satisfy those before it, so the field named is the first that no
+    node satisfies together with the others."""
+    if not nodes:
+        return None  # nothing registered yet: a cluster still starting
+    candidates = list(nodes)
+    if demand.gpu_types:
+        models = sorted({n.model for n in nodes})
+        candidates = [n for n in candidates if allowed_models(demand.gpu_types, (n.model,))]
+        if not candidates:
+            return (
+                f"gpu_types: no node has GPUs of type {'|'.join(demand.gpu_types)} "
+                f"(models here: {', '.join(models) or 'none'})"
+            )
+    need = 1 if demand.fractional else gpus
+    checks: tuple[tuple[str, int, Callable[[NodeView], int], str], ...] = (
+        ("gpus", need, lambda n: len(n.gpus), "GPUs (a job with a demand runs on one node)"),
+        ("gpu_memory_mib", demand.gpu_memory_mib, lambda n: n.gpu_memory_mib, "MiB per GPU"),
+        ("cpus", demand.cpu_milli, lambda n: n.cpu_milli or 0, "thousandths of a CPU"),
+        ("memory_mib", demand.memory_mib, lambda n: n.memory_mib or 0, "MiB of memory"),
+    )
+    for name, asked, has, unit in checks:
+        if not asked:
+            continue
+        most = max(has(n) for n in candidates)
+        candidates = [n for n in candidates if has(n) >= asked]
+        if not candidates:
+            return f"{name}: asks {asked} {unit}; the most a node that fits the rest has is {most}"
+    return None
+
+
+def shared_gpus_held(jobs: Sequence[JobView]) -> int:
+    """Distinct GPUs that running jobs hold shares of and no whole-GPU job holds (a
+    co-located GPU counts once, for its host)."""
+    shared = {(g.node, gpu) for job in jobs if job.shared for g in job.grants for gpu in g.gpus}
+    if not shared:
+        return 0
+    whole = {(g.node, gpu) for job in jobs if not job.shared for g in job.grants for gpu in g.gpus}
+    return len(shared - whole)
+
+
+def hosting(jobs: Sequence[JobView]) -> frozenset[str]:
+    """Running whole-GPU jobs with shares beside them on their GPUs: never preemption
+    victims (giving their GPUs back would give away GPUs the shares still use)."""
+    shared = {(g.node, gpu) for job in jobs if job.shared for g in job.grants for gpu in g.gpus}
+    if not shared:
+        return frozenset()
+    return frozenset(
+        job.job_id
+        for job in jobs
+        if job.shareable and not job.shared
+        for g in job.grants
+        if shared.intersection((g.node, gpu) for gpu in g.gpus)
+    )
+
+
+def host_room(job: JobView) -> tuple[int, float] | None:
+    """What a running shareable job is reckoned to need of each of its GPUs (thousandths,
+    MiB) when its profile leaves room for shares beside it; None when it does not."""
+    profile = job.profile
+    if not job.shareable or job.shared or not job.grants or profile is None:
+        return None
+    util = max(profile.p95_util_pct, profile.forecast_util_pct)
+    if util > COLOCATE_MAX_UTIL_PCT:
+        return None
+    memory = max(profile.mem_peak_mib, profile.forecast_mem_mib) * HOST_MEMORY_MARGIN
+    return min(GPU_MILLI, math.ceil(util * GPU_MILLI / 100)), memory
+
+
+def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
+    """Shares to move off co-located GPUs before they run out of memory: per GPU of a
+    running shareable job whose forecast memory (its profile counts every process on
+    its GPUs) reaches `MEMORY_PRESSURE` of the GPU's, the share that came last."""
+    hosts = [j for j in snapshot.running if j.shareable and not j.shared and j.profile]
+    if not hosts:
+        return []
+    memory = {n.name: n.gpu_memory_mib for n in snapshot.nodes}
+    guests: dict[tuple[str, int], list[JobView]] = {}
+    for job in snapshot.running:
+        if job.shared:
+            for grant in job.grants:
+                for gpu in grant.gpus:
+                    guests.setdefault((grant.node, gpu), []).append(job)
+    moves: list[Preempt] = []
+    moved: set[str] = set()
+    for host in hosts:
+        assert host.profile is not None
+        forecast = max(host.profile.forecast_mem_mib, host.profile.mem_peak_mib)
+        for grant in host.grants:
+            total = memory.get(grant.node, 0)
+            for gpu in grant.gpus:
+                here = [g for g in guests.get((grant.node, gpu), ()) if g.job_id not in moved]
+                if not here or not total or forecast < MEMORY_PRESSURE * total:
+                    continue
+                last = max(here, key=lambda g: (g.started_at or 0.0, g.job_id))
+                moved.add(last.job_id)
+                cause = MemoryPressure(host.job_id, grant.node, gpu, forecast, total)
+                moves.append(Preempt(last.job_id, last.grants, cause))
+    return moves
+
+
+class SharePlacer:
+    """Places one cycle's jobs with a demand; built when the cycle meets the first."""
+
+    def __init__(self, snapshot: ClusterSnapshot, plugin: str, *, seed: int = 0) -> None:
+        self._nodes = snapshot.nodes
+        self._models = frozenset(n.model for n in snapshot.nodes)
+        # (demand, grants) of every job with a demand that holds GPUs: running ones,
+        # then those placed in this cycle.
+        self._held: list[tuple[Demand, tuple[Grant, ...]]] = [
+            (j.demand, j.grants) for j in snapshot.running if j.demand is not None and j.grants
+        ]
+        # GPUs running whole-GPU jobs hold (shares beside them only on a host's).
+        self._whole = {
+            (g.node, gpu)
+            for j in snapshot.running
+            if not j.shared
+            for g in j.grants
+            for gpu in g.gpus
+        }
+        # GPUs of running shareable jobs with room beside them: (node, gpu) -> (job,
+        # thousandths and MiB it is reckoned to need).
+        self._hosts: dict[tuple[str, int], tuple[str, int, float]] = {}
+        for job in snapshot.running:
+            room = host_room(job)
+            if room is not None:
+                for grant in job.grants:
+                    for gpu in grant.gpus:
+                        self._hosts[(grant.node, gpu)] = (job.job_id, *room)
+        demanding = [j for j in (*snapshot.running, *snapshot.pending) if j.demand is not None]
+        mix = TaskMix.of(self._task(j) for j in demanding)
+        self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](mix, seed)
+
+    def _task(self, job: JobView) -> SharedTask:
+        demand = job.demand or Demand()
+        types = allowed_models(demand.gpu_types, self._models) if demand.gpu_types else frozenset()
+        return SharedTask(
+            name=job.job_id,
+            cpu_milli=demand.cpu_milli,
+            memory_mib=demand.memory_mib,
+            gpus=1 if demand.fractional else job.gpus,
+            gpu_milli=demand.gpu_milli,
+            gpu_memory_mib=demand.gpu_memory_mib,
+            gpu_types=types,
+        )
+
+    def placed(self, job: JobView, grants: tuple[Grant, ...]) -> None:
+        if job.demand is not None:
+            self._held.append((job.demand, grants))
+
+    def colocated_with(self, grants: tuple[Grant, ...]) -> str | None:
+        """`co-located with job 3 (reckoned to use 0.2 of the GPU and 9000 MiB)` when
+        these grants are a share on a shareable job's GPU."""
+        for grant in grants:
+            for gpu in grant.gpus:
+                host = self._hosts.get((grant.node, gpu))
+                if host is not None:
+                    return (
+                        f"co-located with job {host[0]}, whose profile leaves room "
+                        f"(reckoned at {host[1] / GPU_MILLI:g} of the GPU and {host[2]:.0f} MiB)"
+                    )
+        return None
+
+    def _cluster(
+        self, job: JobView, ledger: FreeGpus, avoid: frozenset[str]
+    ) -> tuple[SharedCluster, list[NodeView]]:
+        views = [n for n in self._nodes if n.name not in avoid]
+        index = {view.name: i for i, view in enumerate(views)}
+        cluster = SharedCluster(
+            [
+                SharedNode(
+                    name=v.name,
+                    cpu_milli=v.cpu_milli or 0,
+                    memory_mib=v.memory_mib or 0,
+                    gpus=len(v.gpus),
+                    model=v.model,
+                    gpu_memory_mib=v.gpu_memory_mib,
+                )
+                for v in views
+            ]
+        )
+        cpu = [v.cpu_milli or 0 for v in views]
+        mem = [v.memory_mib or 0 for v in views]
+        shares: dict[tuple[str, int], tuple[int, int]] = {}
+        for demand, grants in self._held:
+            whole_released = not demand.fractional and ledger.all_free(grants)
+            if whole_released:
+                continue  # a victim released in this cycle: it reserves nothing now
+            for grant in grants:
+                i = index.get(grant.node)
+                if i is None:
+                    continue
+                cpu[i] -= demand.cpu_milli
+                mem[i] -= demand.memory_mib
+                if demand.fractional:
+                    for gpu in grant.gpus:
+                        milli, memory = shares.get((grant.node, gpu), (0, 0))
+                        shares[(grant.node, gpu)] = (
+                            milli + demand.gpu_milli,
+                            memory + demand.gpu_memory_mib,
+                        )
+        # Only a share with a memory limit may join a shareable job's GPU.
+        guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
+        for i, view in enumerate(views):
+            free = set(ledger.lowest(view.name, ledger.free_on(view.name)))
+            gpu_free, gpu_mem = [], []
+            for gpu in view.gpus:
+                held = shares.get((view.name, gpu))
+                host = self._hosts.get((view.name, gpu))
+                if host is not None:
+                    # A shareable job's GPU: room only for a share with a memory limit.
+                    guests = held or (0, 0)
+                    gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]) if guest else 0)
+                    gpu_mem.append(
+                        max(0, int(view.gpu_memory_mib - host[2]) - guests[1]) if guest else 0
+                    )
+                elif gpu in free:
+                    gpu_free.append(GPU_MILLI)
+                    gpu_mem.append(view.gpu_memory_mib)
+                elif held is not None and (view.name, gpu) not in self._whole:
+                    gpu_free.append(max(0, GPU_MILLI - held[0]))
+                    gpu_mem.append(max(0, view.gpu_memory_mib - held[1]))
+                else:
+                    gpu_free.append(0)
+                    gpu_mem.append(0)
+            cluster.set_free(i, max(0, cpu[i]), max(0, mem[i]), gpu_free, gpu_mem)
+        return cluster, views
+
+    def place(self, job: JobView, ledger: FreeGpus, avoid: frozenset[str]) -> PlacementResult:
+        """Where the job fits now, on one node. A share on a GPU already shared takes
+        nothing from the free ledger (`Fit.takes`); any other takes its GPUs."""
+        demand = job.demand or Demand()
+        if demand.gpu_types and not allowed_models(demand.gpu_types, self._models):
+            return NoFit(f"no schedulable GPU of type {'|'.join(demand.gpu_types)} now")
+        cluster, views = self._cluster(job, ledger, avoid)
+        outcome = self._plugin.choose(self._task(job), cluster)
+        if isinstance(outcome, Unschedulable):
+            asked = _gpus_asked(demand, job.gpus)
+            reason = f"{outcome.reason} (asks {asked} on one node)"
+            if avoid:
+                reason += f" (avoiding {', '.join(sorted(avoid))}, where it failed)"
+            return NoFit(reason)
+        view = views[outcome.node]
+        gpus = tuple(sorted(view.gpus[p] for p in outcome.gpus))
+        grants = (Grant(view.name, gpus),)
+        free = set(ledger.lowest(view.name, ledger.free_on(view.name)))
+        taken = tuple(g for g in gpus if g in free)
+        return Fit(grants, takes=(Grant(view.name, taken),) if taken else ())

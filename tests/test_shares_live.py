@@ -1,0 +1,181 @@
+"""Shared GPUs end to end with simulated GPUs: a real nats-server, a brain, simulated
+agents and real processes. Two half-GPU jobs share one GPU and get their MPS limits;
+a GPU type no node has is refused at submission; a share over its GPU memory limit is
+stopped by its agent and classified as its own failure. (No MPS daemon runs here:
+simulated GPUs account for shares and say nothing is enforced.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from agents.mps import NOT_ENFORCED
+from schemas.api import ErrorReply, SubmitRequest
+from schemas.jobs import FailureClass, JobSpec, JobState
+from schemas.state import JobChanged, StateRecord
+from tests.conftest import eventually
+from tests.test_cluster_e2e import submit
+
+SHOW_ENV = (
+    "import json, os, sys, time\n"
+    "names = ('CUDA_VISIBLE_DEVICES', 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE',\n"
+    "         'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT', 'ALNAIR_GPU_SHARE',\n"
+    "         'ALNAIR_GPU_SHARE_ENFORCED')\n"
+    "open(sys.argv[1], 'w').write(json.dumps({n: os.environ.get(n) for n in names}))\n"
+    "while not os.path.exists(sys.argv[2]): time.sleep(0.05)\n"
+)
+
+
+def half_gpu_job(out: Path, stop: Path) -> JobSpec:
+    return JobSpec(
+        command=(sys.executable, "-c", SHOW_ENV, str(out), str(stop)),
+        gpus=1,
+        gpu_milli=500,
+        gpu_memory_mib=20480,
+    )
+
+
+async def test_two_half_gpu_jobs_share_one_gpu_with_mps_limits(
+    brain_factory, agent_factory, tmp_path, caplog
+) -> None:
+    brain = await brain_factory()
+    agent = await agent_factory("n1", gpus=1, model="H100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    stop = tmp_path / "stop"
+    first = await submit(brain.api, half_gpu_job(tmp_path / "a.json", stop))
+    second = await submit(brain.api, half_gpu_job(tmp_path / "b.json", stop))
+    await eventually(lambda: (tmp_path / "a.json").exists() and (tmp_path / "b.json").exists())
+    for job_id in (first, second):
+        job = brain.state.jobs[job_id]
+        assert job.state is JobState.RUNNING
+        assert [(g.node, g.gpus) for g in job.grants] == [("n1", (0,))]
+        assert job.reason is not None and "a 0.5 share of its GPU" in job.reason
+    for name in ("a.json", "b.json"):
+        env = json.loads((tmp_path / name).read_text())
+        assert env == {
+            "CUDA_VISIBLE_DEVICES": "0",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20480M",
+            "ALNAIR_GPU_SHARE": "0.5",
+            "ALNAIR_GPU_SHARE_ENFORCED": "0",
+        }
+    assert NOT_ENFORCED in caplog.text
+    (shared,) = agent.share_report()
+    assert shared.index == 0 and shared.enforcement == "accounted"
+    assert sorted(u.job_id for u in shared.jobs) == sorted((first, second))
+    assert sum(u.gpu_milli for u in shared.jobs) == 1000
+    # The brain hears it in the heartbeat, as `alnair nodes` and /metrics show it.
+    await eventually(lambda: len(brain.shares("n1")) == 1 and len(brain.shares("n1")[0].jobs) == 2)
+    # A whole-GPU job waits: the GPU is shared.
+    whole = await submit(brain.api, JobSpec(command=(sys.executable, "-c", "pass"), gpus=1))
+    await eventually(lambda: brain.state.jobs[whole].reason not in (None, "submitted"))
+    assert brain.state.jobs[whole].state is JobState.PENDING
+    stop.touch()
+    await eventually(lambda: brain.state.jobs[whole].state is JobState.SUCCEEDED)
+    assert brain.state.jobs[first].state is JobState.SUCCEEDED
+    assert brain.state.jobs[second].state is JobState.SUCCEEDED
+
+
+async def test_a_type_no_node_has_is_refused_at_submit(brain_factory, agent_factory) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2, model="A100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    spec = JobSpec(command=("true",), gpus=1, gpu_types=("H100",))
+    reply = await brain.api.handle("default", SubmitRequest(spec=spec))
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == "invalid"
+    assert "gpu_types: no node has GPUs of type H100" in reply.error
+    too_much = JobSpec(command=("true",), gpus=1, gpu_memory_mib=200_000)
+    reply = await brain.api.handle("default", SubmitRequest(spec=too_much))
+    assert isinstance(reply, ErrorReply) and "gpu_memory_mib" in reply.error
+    # The type it has is accepted, and placed on it.
+    job_id = await submit(
+        brain.api, JobSpec(command=("true",), gpus=1, gpu_types=("A100",), cpus=1.0)
+    )
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.SUCCEEDED
+
+
+async def test_a_share_over_its_gpu_memory_is_stopped_and_classified(
+    brain_factory, agent_factory
+) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=1, model="A100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    # A simulated GPU allocates nothing: the job says what it would use.
+    greedy = (
+        "import os, time\n"
+        "path = os.path.join(os.environ['ALNAIR_SIM_GPU_MEMORY_DIR'], str(os.getpid()))\n"
+        "open(path, 'w').write('30000')\n"
+        "time.sleep(60)\n"
+    )
+    spec = JobSpec(
+        command=(sys.executable, "-c", greedy), gpus=1, gpu_milli=250, gpu_memory_mib=20000
+    )
+    job_id = await submit(brain.api, spec)
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.FAILED
+    (failure,) = job.failures
+    assert failure.failure_class is FailureClass.USER
+    assert "out of GPU memory: used 30000 MiB, over its limit of 20000 MiB" in failure.reason
+
+
+PLAY = (
+    "import os, sys, time\n"
+    "path = os.path.join(os.environ['ALNAIR_SIM_GPU_MEMORY_DIR'], str(os.getpid()))\n"
+    "open(path, 'w').write(sys.argv[1] + ' 20')\n"
+    "while not os.path.exists(sys.argv[2]): time.sleep(0.05)\n"
+    "open(path, 'w').write(sys.argv[3] + ' 20')\n"
+    "time.sleep(120)\n"
+)
+
+
+async def test_colocation_moves_a_share_before_its_neighbour_runs_out_of_memory(
+    brain_factory, agent_factory, tmp_path
+) -> None:
+    brain = await brain_factory()
+    records: list[StateRecord] = []
+    brain.record_observers.append(lambda record, seq: records.append(record))
+    await agent_factory("n1", gpus=1, model="H100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    grow = tmp_path / "grow"
+    # A shareable job that uses 20 % of its GPU and 16,000 MiB, until told to grow to
+    # 76,000 MiB of the H100's 81,559.
+    host = await submit(
+        brain.api,
+        JobSpec(
+            command=(sys.executable, "-c", PLAY, "16000", str(grow), "76000"),
+            gpus=1,
+            shareable=True,
+        ),
+    )
+    await eventually(lambda: host in brain.profiles.current(), timeout_s=30)
+    guest = await submit(
+        brain.api,
+        JobSpec(command=("sleep", "120"), gpus=1, gpu_milli=250, gpu_memory_mib=20000),
+    )
+    placed = await eventually(
+        lambda: (j := brain.state.jobs[guest]).state is JobState.RUNNING and j
+    )
+    assert [(g.node, g.gpus) for g in placed.grants] == [("n1", (0,))]
+    assert placed.reason is not None and f"co-located with job {host}" in placed.reason
+    # Another node joins; the host's memory grows toward its GPU's.
+    await agent_factory("n2", gpus=1, model="H100")
+    await eventually(lambda: "n2" in brain.state.nodes)
+    grow.touch()
+    moved = await eventually(
+        lambda: (j := brain.state.jobs[guest]).attempt == 2 and j.state is JobState.RUNNING and j,
+        timeout_s=40,
+    )
+    assert [g.node for g in moved.grants] == ["n2"]
+    assert brain.state.jobs[host].state is JobState.RUNNING
+    (pressure,) = [
+        r.cause
+        for r in records
+        if isinstance(r, JobChanged) and r.job.job_id == guest and r.cause.preemption is not None
+    ]
+    assert pressure.preemption is not None
+    assert pressure.preemption.reason == "memory_pressure"
+    assert pressure.preemption.for_job == host
+    assert pressure.message.startswith(f"memory pressure: GPU 0 of n1, shared with job {host}")

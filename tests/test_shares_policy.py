@@ -1,0 +1,447 @@
+"""Shares, GPU types, CPUs and memory in `decide` (brain/core/shares.py), as tables and
+as a property: whatever the sequence of placements and exits, no GPU is given more than
+the whole of it or more memory than it has, a whole GPU is nobody else's, every job is
+on a model it allows, and no node's CPUs or memory are over-committed. Also the
+request's validation (schemas/jobs.py) and the refusal at submission (`never_fits`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from brain.core.decide import DEFAULT_POLICY, Policy, decide
+from brain.core.model import (
+    ClusterSnapshot,
+    Demand,
+    Grant,
+    JobView,
+    MemoryPressure,
+    NodeView,
+    Place,
+    UtilizationProfile,
+    Wait,
+)
+from brain.core.shares import host_room, model_matches, never_fits
+from schemas.jobs import JobSpec, share_request
+
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def node(
+    name: str,
+    gpus: int = 2,
+    *,
+    model: str = H100,
+    memory: int = 81_920,
+    cpu: int | None = 16_000,
+    ram: int | None = 65_536,
+    held: frozenset[int] = frozenset(),
+) -> NodeView:
+    indices = tuple(range(gpus))
+    return NodeView(
+        name,
+        indices,
+        frozenset(indices) - held,
+        model=model,
+        gpu_memory_mib=memory,
+        cpu_milli=cpu,
+        memory_mib=ram,
+    )
+
+
+def share(job_id: str, milli: int, memory: int = 0, **fields: object) -> JobView:
+    return JobView(
+        job_id,
+        1,
+        float(len(job_id)),
+        demand=Demand(gpu_milli=milli, gpu_memory_mib=memory),
+        **fields,
+    )  # type: ignore[arg-type]
+
+
+def places(
+    snapshot: ClusterSnapshot, policy: Policy = DEFAULT_POLICY
+) -> dict[str, tuple[Grant, ...]]:
+    return {a.job_id: a.grants for a in decide(snapshot, 100.0, policy).placements}
+
+
+# -- the request ---------------------------------------------------------------------
+
+
+def spec_of(fields: dict[str, object]) -> JobSpec:
+    return JobSpec.model_validate(share_request({"command": ["x"], **fields}))
+
+
+def test_a_share_is_asked_as_a_fraction_of_one_gpu() -> None:
+    spec = spec_of({"gpus": 0.25, "gpu_memory_mib": 20480})
+    assert (spec.gpus, spec.gpu_milli, spec.shared) == (1, 250, True)
+    assert spec.gpu_request == "0.25 GPU (20480 MiB)"
+    assert spec_of({"gpus": "0.5"}).gpu_milli == 500
+    assert share_request({"gpus": 2}) == {"gpus": 2}
+    # Over the wire (strict, as the API decodes): the stored form.
+    assert JobSpec.model_validate_json(spec.model_dump_json(), strict=True) == spec
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"gpus": 1.5}, "gpus 1.5"),
+        ({"gpus": 0.0001}, "gpus 0.0001"),
+        ({"gpus": 2, "gpu_milli": 500}, "gpu_milli"),
+        ({"gpus": 0.5, "elastic": True}, "gpu_milli: not for elastic jobs"),
+        ({"gpus": 1, "gpu_types": ["H100"], "elastic": True}, "gpu_types"),
+        ({"gpus": 1, "cpus": 2, "cpus_per_gpu": 2}, "cpus"),
+        ({"gpus": 1, "memory_mib": 1024, "memory_mb_per_gpu": 1024}, "memory_mib"),
+        ({"gpus": 1, "gpu_types": ["A|B"]}, "GPU type"),
+        ({"gpus": 1, "env": {"CUDA_MPS_PIPE_DIRECTORY": "/x"}}, "set by Alnair"),
+    ],
+)
+def test_bad_requests_name_the_field(fields: dict[str, object], named: str) -> None:
+    with pytest.raises((ValidationError, ValueError)) as error:
+        spec_of(fields)
+    assert named in str(error.value)
+
+
+def test_gpu_types_match_words_of_the_model() -> None:
+    assert model_matches(H100, "H100")
+    assert model_matches(A100, "a100")
+    assert model_matches("NVIDIA H100 (simulated)", "H100")
+    assert not model_matches(H100, "H10")
+    assert not model_matches(A100, "H100")
+
+
+@pytest.mark.parametrize(
+    ("demand", "gpus", "named"),
+    [
+        (Demand(gpu_types=("V100",)), 1, "gpu_types: no node has GPUs of type V100"),
+        (Demand(gpu_types=("A100",), cpu_milli=1000), 4, "gpus:"),
+        (Demand(gpu_milli=500, gpu_memory_mib=100_000), 1, "gpu_memory_mib:"),
+        (Demand(cpu_milli=64_000), 1, "cpus:"),
+        (Demand(gpu_types=("A100",), memory_mib=100_000), 1, "memory_mib:"),
+        (Demand(gpu_types=("H100",), memory_mib=100_000), 1, None),
+        (Demand(gpu_milli=250, gpu_memory_mib=20_480), 1, None),
+    ],
+)
+def test_what_no_node_could_ever_run_is_refused(
+    demand: Demand, gpus: int, named: str | None
+) -> None:
+    nodes = (node("a", 2, model=A100), node("h", 8, ram=200_000))
+    reason = never_fits(demand, gpus, nodes)
+    if named is None:
+        assert reason is None
+    else:
+        assert reason is not None and reason.startswith(named)
+
+
+# -- placement tables ----------------------------------------------------------------
+
+
+def test_two_halves_share_one_gpu() -> None:
+    placed = places(ClusterSnapshot((node("n", 2),), (share("j1", 500), share("j2", 500))))
+    assert placed == {"j1": (Grant("n", (0,)),), "j2": (Grant("n", (0,)),)}
+
+
+def test_shares_that_do_not_add_up_take_two_gpus() -> None:
+    placed = places(ClusterSnapshot((node("n", 2),), (share("j1", 600), share("j2", 600))))
+    assert {g for grants in placed.values() for g in grants} == {
+        Grant("n", (0,)),
+        Grant("n", (1,)),
+    }
+
+
+def test_memory_limits_keep_shares_apart() -> None:
+    jobs = (share("j1", 300, 50_000), share("j2", 300, 50_000))
+    placed = places(ClusterSnapshot((node("n", 2),), jobs))
+    assert placed["j1"] != placed["j2"]
+
+
+def test_a_share_joins_a_running_share_and_a_whole_job_does_not() -> None:
+    running = share("r", 500, grants=(Grant("n", (0,)),), started_at=0.0)
+    snapshot = ClusterSnapshot(
+        (node("n", 1, held=frozenset({0})),),
+        (share("s", 500), JobView("whole", 1, 50.0)),
+        (running,),
+    )
+    decisions = decide(snapshot, 100.0)
+    assert places(snapshot) == {"s": (Grant("n", (0,)),)}
+    (place,) = decisions.placements
+    assert isinstance(place, Place) and place.takes == ()
+    assert "a 0.5 share of its GPU, placed by fgd" in place.cause
+    assert any(isinstance(a, Wait) and a.job_id == "whole" for a in decisions.actions)
+
+
+def test_types_cpus_and_memory_choose_the_node() -> None:
+    nodes = (node("a", 4, model=A100, cpu=4_000), node("h", 4, cpu=32_000))
+    typed = JobView("typed", 2, 0.0, demand=Demand(gpu_types=("A100",)))
+    cpu_heavy = JobView("cpu", 1, 1.0, demand=Demand(cpu_milli=8_000))
+    placed = places(ClusterSnapshot(nodes, (typed, cpu_heavy)))
+    assert placed["typed"][0].node == "a"
+    assert placed["cpu"][0].node == "h"
+    nowhere = JobView("x", 1, 2.0, demand=Demand(gpu_types=("V100",)))
+    (wait,) = decide(ClusterSnapshot(nodes, (nowhere,)), 100.0).waits
+    assert "no schedulable GPU of type V100" in wait.reason
+
+
+def test_a_node_that_does_not_say_its_cpus_takes_no_cpu_request() -> None:
+    nodes = (node("quiet", 2, cpu=None, ram=None),)
+    asks = JobView("j", 1, 0.0, demand=Demand(cpu_milli=1_000))
+    (wait,) = decide(ClusterSnapshot(nodes, (asks,)), 100.0).waits
+    assert "1000 CPU milli" in wait.reason
+    plain = JobView("p", 1, 0.0, demand=Demand(gpu_milli=500))
+    assert places(ClusterSnapshot(nodes, (plain,))) == {"p": (Grant("quiet", (0,)),)}
+
+
+@pytest.mark.parametrize("plugin", ["fgd", "best-fit", "dot-product", "gpu-packing", "random"])
+def test_every_sharing_plugin_places_live_jobs(plugin: str) -> None:
+    policy = Policy(share_placement=plugin).validate()
+    jobs = tuple(share(f"j{i}", 250) for i in range(8))
+    placed = places(ClusterSnapshot((node("n", 2),), jobs), policy)
+    per_gpu: dict[int, int] = defaultdict(int)
+    for grants in placed.values():
+        per_gpu[grants[0].gpus[0]] += 250
+    assert len(placed) == 8 and all(v <= 1000 for v in per_gpu.values())
+
+
+# -- the property --------------------------------------------------------------------
+
+NODES = (
+    node("h0", 2, cpu=8_000, ram=32_000),
+    node("h1", 4, cpu=16_000, ram=64_000),
+    node("a0", 2, model=A100, memory=40_960, cpu=8_000, ram=32_000),
+)
+CAPACITY = {n.name: n for n in NODES}
+
+demands = st.one_of(
+    st.none(),
+    st.builds(
+        Demand,
+        gpu_milli=st.sampled_from([100, 250, 300, 500, 700, 1000]),
+        gpu_memory_mib=st.sampled_from([0, 10_000, 30_000, 50_000]),
+        gpu_types=st.sampled_from([(), ("H100",), ("A100",), ("A100", "H100")]),
+        cpu_milli=st.sampled_from([0, 1_000, 4_000]),
+        memory_mib=st.sampled_from([0, 8_000, 20_000]),
+    ),
+)
+# A whole-GPU job may be shareable, with the profile it shows once it runs.
+profiles = st.one_of(
+    st.none(),
+    st.builds(
+        lambda util, mem: UtilizationProfile(util, util, mem, None, util, mem),
+        st.sampled_from([10.0, 30.0, 50.0, 90.0]),
+        st.sampled_from([5_000.0, 20_000.0, 40_000.0, 70_000.0]),
+    ),
+)
+steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), demands, st.integers(1, 3), profiles),
+        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none()),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+def _check(running: dict[str, JobView]) -> None:
+    shares: dict[tuple[str, int], list[Demand]] = defaultdict(list)
+    whole: dict[tuple[str, int], int] = defaultdict(int)
+    hosts: dict[tuple[str, int], tuple[int, float]] = {}
+    cpu: dict[str, int] = defaultdict(int)
+    ram: dict[str, int] = defaultdict(int)
+    for job in running.values():
+        demand = job.demand
+        assert len(job.grants) == 1 or demand is None
+        for grant in job.grants:
+            view = CAPACITY[grant.node]
+            if demand is not None:
+                cpu[grant.node] += demand.cpu_milli
+                ram[grant.node] += demand.memory_mib
+                if demand.gpu_types:
+                    assert any(model_matches(view.model, t) for t in demand.gpu_types)
+                assert demand.gpu_memory_mib <= view.gpu_memory_mib
+            room = host_room(job)
+            for gpu in grant.gpus:
+                if job.shared:
+                    shares[(grant.node, gpu)].append(demand or Demand())
+                else:
+                    whole[(grant.node, gpu)] += 1
+                    if room is not None:
+                        hosts[(grant.node, gpu)] = room
+    for key, count in whole.items():
+        assert count == 1, f"GPU {key} given twice"
+        assert key not in shares or key in hosts, f"GPU {key} shared beside a job that is no host"
+    for key, held in shares.items():
+        host_milli, host_mib = hosts.get(key, (0, 0.0))
+        assert host_milli + sum(d.gpu_milli for d in held) <= 1000
+        assert host_mib + sum(d.gpu_memory_mib for d in held) <= CAPACITY[key[0]].gpu_memory_mib
+        if key in hosts:
+            assert all(d.gpu_memory_mib > 0 for d in held), "a share with no limit on a host"
+    for name, used in cpu.items():
+        assert used <= (CAPACITY[name].cpu_milli or 0)
+        assert ram[name] <= (CAPACITY[name].memory_mib or 0)
+
+
+Step = tuple[str, object, int, UtilizationProfile | None]
+# Shareable jobs that leave room, and shares with a memory limit: co-location is common.
+colocating = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("submit"),
+            st.none(),
+            st.integers(1, 2),
+            st.builds(
+                lambda util, mem: UtilizationProfile(util, util, mem, None, util, mem),
+                st.sampled_from([10.0, 30.0, 50.0]),
+                st.sampled_from([5_000.0, 20_000.0, 40_000.0, 62_000.0]),
+            ),
+        ),
+        st.tuples(
+            st.just("submit"),
+            st.builds(
+                Demand,
+                gpu_milli=st.sampled_from([100, 250, 500]),
+                gpu_memory_mib=st.sampled_from([5_000, 10_000, 20_000]),
+            ),
+            st.just(1),
+            st.none(),
+        ),
+        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none()),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps)
+def test_no_gpu_over_committed_whatever_the_sequence(ops: list[Step]) -> None:
+    _replay(ops, NODES)
+
+
+@settings(max_examples=150, deadline=None)
+@given(colocating)
+def test_no_gpu_over_committed_on_a_full_small_node(ops: list[Step]) -> None:
+    """One node of two GPUs: shares land beside shareable jobs far more often."""
+    _replay(ops, NODES[:1])
+
+
+def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
+    pending: dict[str, JobView] = {}
+    running: dict[str, JobView] = {}
+    for n, (op, arg, gpus, profile) in enumerate(ops):
+        if op == "submit":
+            demand = arg if isinstance(arg, Demand) else None
+            size = 1 if demand is not None and demand.fractional else gpus
+            host = profile is not None and (demand is None or not demand.fractional)
+            pending[f"j{n}"] = JobView(
+                f"j{n}", size, float(n), demand=demand, shareable=host, profile=profile
+            )
+        elif running:
+            assert isinstance(arg, int)
+            del running[sorted(running)[arg % len(running)]]
+        held: dict[str, set[int]] = defaultdict(set)
+        for job in running.values():
+            for grant in job.grants:
+                held[grant.node].update(grant.gpus)
+        nodes = tuple(
+            NodeView(
+                v.name,
+                v.gpus,
+                frozenset(v.gpus) - held[v.name],
+                model=v.model,
+                gpu_memory_mib=v.gpu_memory_mib,
+                cpu_milli=v.cpu_milli,
+                memory_mib=v.memory_mib,
+            )
+            for v in cluster
+        )
+        snapshot = ClusterSnapshot(nodes, tuple(pending.values()), tuple(running.values()))
+        decisions = decide(snapshot, float(n + 1))
+        for move in decisions.preemptions:
+            # Only shares move, and only off a host's GPU short of memory.
+            assert isinstance(move.cause, MemoryPressure) and running[move.job_id].shared
+            moved = running.pop(move.job_id)
+            pending[moved.job_id] = replace(moved, grants=(), started_at=None)
+        for place in decisions.placements:
+            job = pending.pop(place.job_id)
+            running[job.job_id] = JobView(
+                job.job_id,
+                job.gpus,
+                job.submitted_at,
+                grants=place.grants,
+                started_at=float(n),
+                demand=job.demand,
+                shareable=job.shareable,
+                profile=job.profile,
+            )
+        _check(running)
+
+
+# -- co-location of shareable jobs, and moving shares off before memory runs out -------
+
+
+def _host(profile_util: float, mem: float, *, shareable: bool = True) -> JobView:
+    return JobView(
+        "host",
+        1,
+        0.0,
+        grants=(Grant("n", (0,)),),
+        started_at=0.0,
+        shareable=shareable,
+        profile=UtilizationProfile(
+            mean_util_pct=profile_util,
+            p95_util_pct=profile_util,
+            mem_peak_mib=mem,
+            period_s=None,
+            forecast_util_pct=profile_util,
+            forecast_mem_mib=mem,
+        ),
+    )
+
+
+def test_a_share_is_colocated_with_a_shareable_job_that_leaves_room() -> None:
+    nodes = (node("n", 1, held=frozenset({0})),)
+    guest = share("guest", 500, 20_000)
+    decisions = decide(ClusterSnapshot(nodes, (guest,), (_host(20.0, 16_000),)), 100.0)
+    (place,) = decisions.placements
+    assert place.grants == (Grant("n", (0,)),) and place.takes == ()
+    assert "co-located with job host, whose profile leaves room" in place.cause
+    # Not beside a busy job, one that did not opt in, or without a memory limit.
+    for running, pending in (
+        (_host(80.0, 16_000), guest),
+        (_host(20.0, 16_000, shareable=False), guest),
+        (_host(20.0, 16_000), share("unlimited", 500)),
+        (_host(20.0, 60_000), share("big", 300, 20_000)),
+    ):
+        assert not decide(ClusterSnapshot(nodes, (pending,), (running,)), 100.0).placements
+
+
+def test_a_colocated_share_moves_off_before_the_gpu_runs_out_of_memory() -> None:
+    nodes = (node("n", 1, held=frozenset({0})), node("m", 1))
+    older = share("older", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
+    newer = share("newer", 250, 10_000, grants=(Grant("n", (0,)),), started_at=2.0)
+    calm = ClusterSnapshot(nodes, (), (_host(20.0, 50_000), older, newer))
+    assert not decide(calm, 100.0).preemptions
+    # The host's GPU (its profile counts every process on it) nears its 81920 MiB.
+    pressed = ClusterSnapshot(nodes, (), (_host(20.0, 76_000), older, newer))
+    (move,) = decide(pressed, 100.0).preemptions
+    assert move.job_id == "newer"
+    assert isinstance(move.cause, MemoryPressure)
+    assert move.reason.startswith("memory pressure: GPU 0 of n, shared with job host")
+
+
+def test_a_host_with_shares_beside_it_is_no_victim() -> None:
+    nodes = (node("n", 1, held=frozenset({0})),)
+    guest = share("guest", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
+    urgent = JobView("urgent", 1, 50.0, priority=10)
+    policy = Policy(order="priority").validate()
+    alone = decide(ClusterSnapshot(nodes, (urgent,), (_host(20.0, 16_000),)), 100.0, policy)
+    assert [p.job_id for p in alone.preemptions] == ["host"]
+    hosting = ClusterSnapshot(nodes, (urgent,), (_host(20.0, 16_000), guest))
+    decisions = decide(hosting, 100.0, policy)
+    assert not decisions.preemptions and not decisions.placements
