@@ -570,17 +570,7 @@ class Agent:
             try:
                 share, visible = await self._share_env(command)
             except MpsError as error:
-                await self._event(
-                    LaunchFailed(
-                        event_id=uuid.uuid4().hex,
-                        node=self.node,
-                        ts=self.clock(),
-                        job_id=command.job_id,
-                        attempt=command.attempt,
-                        reason=str(error),
-                        retryable=True,
-                    )
-                )
+                await self._launch_failed(command, str(error), retryable=True)
                 return
             env.update(share)
         self._fence_after[(command.job_id, command.attempt)] = (
@@ -607,17 +597,7 @@ class Agent:
             job = await self.launcher.launch(request)
         except LaunchError as error:
             self._fence_after.pop((command.job_id, command.attempt), None)
-            await self._event(
-                LaunchFailed(
-                    event_id=uuid.uuid4().hex,
-                    node=self.node,
-                    ts=self.clock(),
-                    job_id=command.job_id,
-                    attempt=command.attempt,
-                    reason=error.reason,
-                    retryable=error.retryable,
-                )
-            )
+            await self._launch_failed(command, error.reason, retryable=error.retryable)
             return
         self.ledger.record(job.job_id, job.attempt, job.pid)
         log.info(
@@ -673,6 +653,19 @@ class Agent:
         self._fence_after.pop((job.job_id, job.attempt), None)
         self.contact.forget(job.job_id, job.attempt)
         self.backend.set_busy(self.launcher.busy_gpus())
+
+    async def _launch_failed(self, command: Launch, reason: str, *, retryable: bool) -> None:
+        await self._event(
+            LaunchFailed(
+                event_id=uuid.uuid4().hex,
+                node=self.node,
+                ts=self.clock(),
+                job_id=command.job_id,
+                attempt=command.attempt,
+                reason=reason,
+                retryable=retryable,
+            )
+        )
 
     async def _event(self, event: AgentEvent) -> None:
         await self._outbox.put(event)
