@@ -708,6 +708,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from bus.auth import CALLOUT_SEED_FILE, write_cluster_keys
+    from bus.server import route_url, write_route_authorization
 
     names = [n for n in args.nodes.split(",") if n]
     tenants = [t for t in args.tenants.split(",") if t]
@@ -724,6 +725,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
         print(f"{identity.role:<8} {identity.name:<16} {identity.public_key}  {identity.seed_path}")
     print(f"callout  (brains' --callout-seed)  {Path(args.dir) / CALLOUT_SEED_FILE}")
     print(f"server config: {config}  (include it from nats-server.conf)")
+    routes, secret = write_route_authorization(Path(args.dir))
+    print(f"route password: {routes}  (include it in cluster {{}}; routes as")
+    print(f"               {route_url('HOST', 6222, secret)})")
     if args.tls:
         from bus.tls import JobIssuer, write_tls_config, write_tls_files
 

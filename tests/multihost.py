@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
 
-from bus.server import EmbeddedNats, Routes
+from bus.server import EmbeddedNats, Routes, new_route_secret, route_url
 
 REPO: Final = Path(__file__).resolve().parent.parent
 CLIENT_PORT: Final = 14222  # never 4222: not the default a stray client would find
@@ -108,6 +108,8 @@ class MultiHost:
         self.bridge = f"alb{self.tag}"
         self.subnet = f"{SUBNET_PREFIX}.{self._free_octet()}"
         self.hosts: dict[str, Host] = {}
+        # The NATS servers' route password (bus/server.py, ROUTE_USER).
+        self.route_secret = new_route_secret()
         # Added to each agent's environment (and so its jobs'): e.g. the interface
         # elastic jobs' workers reach each other on, eth0 on every host here.
         self.agent_env = {"ALNAIR_NETWORK_INTERFACE": "eth0", **(agent_env or {})}
@@ -310,14 +312,14 @@ class MultiHost:
     def _nats_server(self, name: str) -> EmbeddedNats:
         host = self.hosts[name]
         routes = tuple(
-            f"nats-route://{self.hosts[n].address}:{ROUTE_PORT}" for n in self.nats_hosts
+            route_url(self.hosts[n].address, ROUTE_PORT, self.route_secret) for n in self.nats_hosts
         )
         return EmbeddedNats(
             data_dir=host.home / "nats",
             host=host.address,
             port=CLIENT_PORT,
             name=name,
-            cluster=Routes("alnair", ROUTE_PORT, routes),
+            cluster=Routes("alnair", ROUTE_PORT, routes, self.route_secret),
             sync_always=True,
             monitor_port=MONITOR_PORT,
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bus.auth import write_cluster_keys
-from bus.server import nats_server_binary
+from bus.server import nats_server_binary, route_url, write_route_authorization
 from bus.tls import write_tls_config, write_tls_files
 
 INFRA = Path(__file__).resolve().parent.parent / "infra"
@@ -44,10 +44,12 @@ def test_cluster_template_is_valid_with_keys_and_tls(tmp_path: Path) -> None:
     write_cluster_keys(keys, nodes=["gpu-01"], tenants=["team-a"], brains=2)
     tls = write_tls_files(keys / "tls", hosts=("nats-1.example", "10.0.0.5"))
     write_tls_config(tls, keys / "nats-tls.conf")
+    _, secret = write_route_authorization(keys)
+    routes = (route_url(f"nats-{i}.example", 6222, secret) for i in (1, 2))
     env = {
         "NATS_SERVER_NAME": "nats-1",
         "NATS_STORE_DIR": str(tmp_path / "store"),
-        "NATS_ROUTES": "[nats-route://nats-1.example:6222, nats-route://nats-2.example:6222]",
+        "NATS_ROUTES": f"[{', '.join(routes)}]",
     }
     check_config(etc / "nats.conf", env)
 

@@ -165,6 +165,24 @@ async def test_streams_wait_for_a_cluster_still_forming(tmp_path: Path) -> None:
         await cluster.astop()
 
 
+async def test_the_route_port_admits_only_servers_with_the_route_password(nats_cluster) -> None:
+    """Someone who reaches a route port (a job on a NATS host) and speaks the route
+    protocol without the cluster's route password is refused, not made a server."""
+    node = nats_cluster.nodes[0]
+    assert node.cluster is not None and node.cluster.secret
+    reader, writer = await asyncio.open_connection(node.host, node.cluster.port)
+    try:
+        info = await asyncio.wait_for(reader.readline(), 10)
+        assert info.startswith(b"INFO ")
+        connect = {"verbose": False, "pedantic": False, "name": "intruder", "cluster": "alnair"}
+        writer.write(f"CONNECT {json.dumps(connect)}\r\nPING\r\n".encode())
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.readline(), 10)
+        assert b"Authorization Violation" in answer, answer
+    finally:
+        writer.close()
+
+
 def test_a_cluster_of_two_is_refused(tmp_path: Path) -> None:
     with pytest.raises(BusError, match="at least 3 servers, not 2"):
         EmbeddedCluster(data_dir=tmp_path, size=2)
