@@ -80,6 +80,22 @@ def _why_no_users() -> str | None:
 needs_root = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 
 
+def _why_code_out_of_reach() -> str | None:
+    """Jobs that import Alnair or its packages run as the tenants' users, from this
+    checkout and its virtual environment: every directory above them must let others
+    through (a clean clone under a 0700 `mktemp -d` does not)."""
+    for path in (Path(JOB_ENV["PYTHONPATH"]), REPO):
+        for directory in (path, *path.parents):
+            if not os.stat(directory).st_mode & stat.S_IXOTH:
+                return f"needs {path} reachable by the jobs' users ({directory} is not)"
+    return None
+
+
+needs_code_in_reach = pytest.mark.skipif(
+    _why_code_out_of_reach() is not None, reason=_why_code_out_of_reach() or ""
+)
+
+
 @pytest.fixture(scope="module")
 def users() -> Iterator[dict[str, pwd.struct_passwd]]:
     """Two throwaway unprivileged users, one per tenant (a, b)."""
@@ -252,6 +268,7 @@ async def test_a_job_runs_as_its_tenant_and_cannot_read_another_tenants_log(
         await eventually(lambda: not _job_cgroups(cgroup_parent, "n1"))
 
 
+@needs_code_in_reach
 @needs_root
 @pytest.mark.timeout(120)
 async def test_a_job_reaches_only_its_own_subjects_while_its_attempt_runs(
@@ -340,6 +357,7 @@ def tls_server(tmp_path: Path, keys) -> Iterator[tuple[EmbeddedNats, TlsFiles]]:
         server.stop()
 
 
+@needs_code_in_reach
 @needs_root
 @pytest.mark.timeout(120)
 async def test_under_mutual_tls_a_confined_job_connects_with_its_own_certificate(
@@ -567,6 +585,7 @@ async def test_a_tenant_with_no_user_is_refused_by_name(
     assert "tenant b has no Unix user" in refused.value.message
 
 
+@needs_code_in_reach
 @needs_root
 @pytest.mark.slow
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
