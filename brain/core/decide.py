@@ -177,6 +177,7 @@ class Policy:
 
     def describe(self) -> str:
         text = f"order={self.order} placement={self.placement} preemption={self.preemption}"
+        text += f" share-placement={self.share_placement}"
         if self.elasticity != "none":
             text += f" elasticity={self.elasticity}"
             if not self.elastic_may_spread:
@@ -563,7 +564,9 @@ def _retry_stage(
 
 
 def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
-    notes = [policy.order, entry.ranked.label]
+    label = entry.ranked.label
+    # An order whose rank says nothing more than its name (fifo) is named once.
+    notes = [policy.order] if label == policy.order else [policy.order, label]
     if entry.starving:
         notes.append("starvation guard")
     if entry.standing is Standing.IN_QUOTA:
