@@ -218,7 +218,10 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
             output.append(line.decode())
 
     async def run_job(word: str) -> None:
-        code, out, err = await alnair("submit", "--gpus", "1", "--", "echo", word, env=env)
+        # The job runs as the tenant's user: in a directory it may enter (the default, the
+        # submitter's, is a checkout that may be closed to others, as under `mktemp -d`).
+        submit = ("submit", "--gpus", "1", "--cwd", "/", "--", "echo", word)
+        code, out, err = await alnair(*submit, env=env)
         assert code == 0, err
         job_id = out.split()[2]
 
