@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -1228,22 +1229,14 @@ class Brain:
         return os.getpid()
 
 
+@functools.lru_cache(maxsize=4096)
 def _reason_kind(reason: str | None) -> str:
     """A waiting reason without its figures: what changes of it are journaled.
     Remembered: a pass asks for thousands, of a few distinct reasons."""
-    if reason is None:
-        return ""
-    kind = _KINDS.get(reason)
-    if kind is None:
-        if len(_KINDS) >= _KINDS_KEPT:
-            _KINDS.clear()
-        kind = _KINDS[reason] = _FIGURES.sub("#", reason)
-    return kind
+    return _FIGURES.sub("#", reason or "")
 
 
 _FIGURES: Final = re.compile(r"\d+(?:\.\d+)?")
-_KINDS: Final[dict[str, str]] = {}
-_KINDS_KEPT: Final = 4096
 
 
 def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:

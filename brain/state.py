@@ -222,6 +222,8 @@ class BrainState:
             if moved and previous.state is JobState.PENDING:
                 self._pending_views.pop(job_id, None)
                 self._pending_progress.pop(job_id, None)
+                # A standby takes no snapshot: what it marks must leave with the job.
+                self._pending_stale.discard(job_id)
         self.by_state[job.state].add(job_id)
         if moved and job.state in self._ordered:
             self._ordered[job.state].add(job_id)
@@ -456,9 +458,7 @@ class BrainState:
         for job_id in progress.keys() | built_with.keys():
             if progress.get(job_id) != built_with.get(job_id) and job_id in pending:
                 stale.add(job_id)
-        for job_id in stale:
-            if job_id not in pending:
-                continue
+        for job_id in stale:  # pending, all: a job leaving the queue leaves `stale`
             seen = progress.get(job_id)
             views[job_id] = job_view(self.jobs[job_id], progress=seen)
             if seen is None:

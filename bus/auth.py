@@ -54,6 +54,15 @@ class Identity:
         return None if self.role == "brain" else f"_INBOX_{self.role}_{self.name}"
 
 
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write `path` readable and writable by its owner only (seeds, passwords, tokens):
+    created so, never readable by others even for a moment."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data.encode() if isinstance(data, str) else data)
+    path.chmod(0o600)  # an existing file keeps its mode through os.open
+
+
 def create_identity(role: Role, name: str, directory: Path) -> Identity:
     """A new user nkey; the seed is written readable by its owner only."""
     check_name(role, name)
@@ -61,9 +70,7 @@ def create_identity(role: Role, name: str, directory: Path) -> Identity:
     public = nkeys.from_seed(seed).public_key.decode()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{role}-{name}.nk"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(seed)
+    write_private(path, seed)
     return Identity(role, name, public, path)
 
 
@@ -169,9 +176,7 @@ def create_callout_key(directory: Path) -> tuple[str, Path]:
     public = nkeys.from_seed(seed).public_key.decode()
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CALLOUT_SEED_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(seed)
+    write_private(path, seed)
     return public, path
 
 

@@ -92,8 +92,7 @@ class StreamSpec:
 _JETSTREAM_NOT_READY: Final = (
     nats.js.errors.ServiceUnavailableError,
     nats.errors.NoRespondersError,
-    nats.errors.TimeoutError,
-    TimeoutError,
+    TimeoutError,  # nats.errors.TimeoutError is one
 )
 # JetStream's error code for "stream name already in use" (created meanwhile by another).
 _STREAM_NAME_IN_USE: Final = 10058

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
 
+from bus.auth import write_private
 from bus.tls import TlsFiles, server_tls_block
 from schemas.errors import BusError
 
@@ -126,16 +127,8 @@ def write_route_authorization(directory: Path) -> tuple[Path, str]:
         "# routes connect as nats-route://alnair-route:<this password>@host:6222.\n"
         + route_authorization_block(secret)
     )
-    _write_private(path, text)
+    write_private(path, text)
     return path, secret
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write `text` to `path`, readable by its owner only (it holds a secret)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    path.chmod(0o600)
 
 
 @dataclass
@@ -231,7 +224,7 @@ class EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         generated = self.generated_config
         if generated is not None:
-            _write_private(generated, self.render_config())  # a route password, maybe
+            write_private(generated, self.render_config())  # a route password, maybe
         log_path = self.log_file or self.data_dir / "nats-server.log"
         self._log = log_path.open("ab")
         self.process = subprocess.Popen(

@@ -23,6 +23,7 @@ from agents.gpu import SimulatedGpus
 from brain.service import Brain, BrainConfig
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedNats
+from bus.tls import TlsFiles
 from schemas.jobs import JobSpec
 
 
@@ -31,6 +32,17 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
     server = EmbeddedNats(data_dir=tmp_path / "nats")
     server.start()
     assert server.port != 4222
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path, tls_files: TlsFiles) -> Iterator[EmbeddedNats]:
+    """A server requiring mutual TLS with the requesting module's `tls_files`."""
+    server = EmbeddedNats(data_dir=tmp_path / "nats", tls=tls_files)
+    server.start()
     try:
         yield server
     finally:

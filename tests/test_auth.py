@@ -32,7 +32,7 @@ from schemas.api import (
     ResizeRequest,
     StatusRequest,
 )
-from schemas.jobs import JobSpec, JobState
+from schemas.jobs import JobRecord, JobSpec, JobState
 from tests.conftest import elastic_train_spec, eventually
 
 REPO = Path(__file__).resolve().parent.parent
@@ -196,6 +196,24 @@ async def secure_cluster(
                 await bus.close()
 
 
+async def grows_to_two_and_ends(brain: Brain, tenant: Bus, job: JobRecord, stop: Path) -> JobRecord:
+    """Resize a 1-worker elastic job to 2 through the API, wait for the commit and for
+    its workers to step at 2, then stop it and see it succeed; the grown record."""
+    reply = await call(tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT)
+    assert reply.job.resize is not None
+    grown = await eventually(
+        lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
+    )
+    assert grown.gpu_count == 2, grown.reason
+    await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
+    stop.touch()
+    done = await eventually(
+        lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=60
+    )
+    assert done.state is JobState.SUCCEEDED, done.reason
+    return grown
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
 @pytest.mark.timeout(180)
@@ -209,21 +227,8 @@ async def test_an_elastic_job_runs_and_resizes_under_least_privilege(
         async with secure_cluster(secure_server, keys[0], tmp_path, {"n1": 4}) as (brain, tenant):
             job = await submit(tenant, "a", elastic_train_spec(1, stop_file, max_gpus=2))
             await eventually(lambda: brain.progress.world_size(job.job_id) == 1, timeout_s=90)
-            reply = await call(
-                tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT
-            )
-            assert reply.job.resize is not None
-            grown = await eventually(
-                lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
-            )
-            assert grown.gpu_count == 2, grown.reason
+            grown = await grows_to_two_and_ends(brain, tenant, job, stop_file)
             assert (grown.reason or "").startswith("resized 1 -> 2")
-            await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
-            stop_file.touch()
-            done = await eventually(
-                lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=60
-            )
-            assert done.state is JobState.SUCCEEDED, done.reason
     finally:
         stop_file.touch()
 
@@ -247,17 +252,7 @@ async def test_an_elastic_job_resizes_while_its_nats_users_expire_and_are_renewe
             admitted = brain.credentials.admitted
             # Past a whole lifetime of the first users: renewed, and still reporting.
             await eventually(lambda: brain.credentials.admitted >= admitted + 2, timeout_s=60)
-            await call(tenant, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT)
-            grown = await eventually(
-                lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
-            )
-            assert grown.gpu_count == 2, grown.reason
-            await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
-            stop_file.touch()
-            done = await eventually(
-                lambda: (j := brain.state.jobs[job.job_id]).state.terminal and j, timeout_s=60
-            )
-            assert done.state is JobState.SUCCEEDED, done.reason
+            await grows_to_two_and_ends(brain, tenant, job, stop_file)
     finally:
         stop_file.touch()
 

@@ -39,7 +39,15 @@ from schemas.errors import ApiError
 from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState
 from schemas.tenants import TenantMap, TenantUser
 from tests.conftest import elastic_train_spec, eventually
-from tests.test_auth import HOROVODRUN, REPO, keys, open_as, secure_cluster, secure_server
+from tests.test_auth import (
+    HOROVODRUN,
+    REPO,
+    grows_to_two_and_ends,
+    keys,
+    open_as,
+    secure_cluster,
+    secure_server,
+)
 
 __all__ = ["keys", "secure_server"]  # fixtures, used by name
 
@@ -599,8 +607,6 @@ async def test_a_confined_elastic_job_resizes_with_its_job_identity(
     # The brain starts the supervisor with its own interpreter, which a's user cannot
     # reach here (see JOB_PYTHON); the job's own command is built from it too.
     monkeypatch.setattr(sys, "executable", JOB_PYTHON)
-    from cli.client import call
-    from schemas.api import JOB_RESULT, ResizeRequest
 
     ids = keys[0]
     scratch = place / "scratch"
@@ -619,14 +625,6 @@ async def test_a_confined_elastic_job_resizes_with_its_job_identity(
             pid = brain.state.jobs[job.job_id].grants[0].pid
             assert os.stat(f"/proc/{pid}").st_uid == users["a"].pw_uid
             assert f"/{cgroup_parent}/n1/" in Path(f"/proc/{pid}/cgroup").read_text()
-            await call(a, "a", "resize", ResizeRequest(job_id=job.job_id, gpus=2), JOB_RESULT)
-            grown = await eventually(
-                lambda: (j := brain.state.jobs[job.job_id]).resize is None and j, timeout_s=90
-            )
-            assert grown.gpu_count == 2, grown.reason
-            await eventually(lambda: brain.progress.world_size(job.job_id) == 2, timeout_s=30)
-            stop_file.touch()
-            done = await _finished(brain, job, timeout_s=60)
-            assert done.state is JobState.SUCCEEDED, done.reason
+            await grows_to_two_and_ends(brain, a, job, stop_file)
     finally:
         stop_file.touch()

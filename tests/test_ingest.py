@@ -380,7 +380,10 @@ def test_a_waiting_reason_s_new_figures_are_shown_without_a_new_record() -> None
     assert state.snapshot().pending[0] is view
     assert state.reason_of(record) == "needs 5 GPUs; 4 left after higher-ranked jobs"
     assert state.shown(record).reason == "needs 5 GPUs; 4 left after higher-ranked jobs"
-    state.apply(_job_on("1", "a", (0, 1, 2, 3), JobState.RUNNING), 3)
+    state.apply(_job_on("2", "", (0,), JobState.PENDING), 3)
+    state.apply(_job_on("2", "a", (0,), JobState.RUNNING), 4)
+    assert "2" not in state._pending_stale  # a standby, taking no snapshot, keeps nothing
+    state.apply(_job_on("1", "a", (0, 1, 2, 3), JobState.RUNNING), 5)
     assert state.reason_of(state.jobs["1"]) == state.jobs["1"].reason
     state.refresh_reason("1", "not pending: not shown")
     assert state.wait_details == {}

@@ -170,16 +170,6 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     return write_tls_files(tmp_path_factory.mktemp("tls"))
 
 
-@pytest.fixture
-def tls_server(tmp_path: Path, tls_files: TlsFiles) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(data_dir=tmp_path / "nats", tls=tls_files)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _openssl(*args: str) -> str:
     done = subprocess.run(["openssl", *args], capture_output=True, text=True, check=False)
     return done.stdout + done.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
@@ -23,16 +22,6 @@ from schemas.errors import BusError
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     return write_tls_files(tmp_path_factory.mktemp("tls"), hosts=("nats.example",))
-
-
-@pytest.fixture
-def tls_server(tmp_path: Path, tls_files: TlsFiles) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(data_dir=tmp_path / "nats", tls=tls_files)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def tls_options(server: EmbeddedNats, files: TlsFiles, **overrides: object) -> ConnectOptions:

@@ -14,7 +14,6 @@ the token, never from the request.
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Final
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from bus.auth import write_private
 from schemas.api import OPERATOR_TENANT
 from schemas.base import TenantName
 from schemas.errors import AlnairError
@@ -115,8 +115,6 @@ def ensure_tokens_file(path: Path) -> TokenTable:
             )
         )
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(content.model_dump_json(indent=2) + "\n")
+        write_private(tmp, content.model_dump_json(indent=2) + "\n")
         tmp.replace(path)
     return TokenTable.load(path)
