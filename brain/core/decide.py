@@ -234,6 +234,9 @@ class _Cycle:
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
     elastic: ElasticStage | None = None
     shares: SharePlacer | None = None
+    # Does any job of the cycle ask a share, a GPU type, CPUs or memory? Without one,
+    # the sharing machinery has nothing to say and is skipped.
+    sharing: bool = True
 
     def sharer(self) -> SharePlacer:
         """The placer of jobs with a demand, built when the cycle meets the first."""
@@ -378,31 +381,37 @@ def _select(
     # GPUs that jobs share are not for whole-GPU jobs; a share needs no whole GPU of
     # the budget (its placement says whether it fits), and is never a victim.
     running = cycle.snapshot.running
-    budget = capacity - shared_gpus_held(running)
-    hosts = hosting(running)
+    sharing = cycle.sharing
+    budget = capacity - shared_gpus_held(running) if sharing else capacity
+    hosts = hosting(running) if sharing else frozenset()
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
     elastic = cycle.elastic
     actions = cycle.actions
+    policy = cycle.policy
+    pinned, held_standing = Standing.PINNED, Standing.HELD
     reasons: dict[tuple[int, int, int, str, str | None], str] = {}
     for entry in entries:
         job = entry.ranked.job
-        need = 0 if job.shared else job.gpus if elastic is None else elastic.need(job)
+        if sharing and job.shared:
+            need = 0
+        else:
+            need = job.gpus if elastic is None else elastic.need(job)
         if job.grants:
-            if job.shared or job.job_id in hosts:
+            if sharing and (job.shared or job.job_id in hosts):
                 # Never victims (shares, and whole-GPU jobs with shares beside them).
                 budget = max(0, budget - need)
                 if elastic is not None:
                     elastic.select(job, need)
-            elif need <= budget or entry.standing is Standing.PINNED:
+            elif need <= budget or entry.standing is pinned:
                 budget -= need
                 if elastic is not None:
                     elastic.select(job, need)
             else:
                 victims.append(entry)
             continue
-        held = entry.standing is Standing.HELD
+        held = entry.standing is held_standing
         if need <= budget and blocked_by is None and need <= capacity and not held:
             budget -= need
             if elastic is not None:
@@ -410,24 +419,23 @@ def _select(
             to_place.append(entry)
             continue
         # Everything the reason says, bar a held job's queue (which has its own).
-        key = (need, job.gpus, max(budget, 0), entry.ranked.label, blocked_by)
+        key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by)
         wait = None if held else reasons.get(key)
         if wait is None:
-            wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, cycle.policy)
+            wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, policy)
             assert wait is not None  # it does not fit: there is a reason
             if not held:
                 reasons[key] = wait
         actions.append(Wait(job.job_id, wait))
         # A starving job that cannot start yet reserves the GPUs that free up: no
         # job behind it may backfill them, or it could wait forever.
-        blocks = head_of_line_blocking or entry.starving
         if (
-            blocks
+            (head_of_line_blocking or entry.starving)
             and blocked_by is None
             and need <= capacity
-            and entry.standing is not Standing.HELD
+            and not held
         ):
-            why = "starvation guard" if entry.starving else cycle.policy.order
+            why = "starvation guard" if entry.starving else policy.order
             # Deliberately not naming the blocker: the head changes at every
             # placement, and a reason that changes is journaled again for every
             # waiting job (quadratic churn in the log).
@@ -472,6 +480,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     ledger = cycle.ledger
     policy = cycle.policy
     victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
+    sharing = cycle.sharing
     for entry in to_place:
         job = entry.ranked.job
         request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, policy))
@@ -480,7 +489,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         # nobody will read.
         doomed = (
             elastic is None
-            and not job.shared
+            and not (sharing and job.shared)
             and ledger.total_free() < request.gpus
             and next_victim < len(unreleased)
         )
@@ -664,6 +673,13 @@ def _check_sizes(jobs: Sequence[JobView]) -> None:
         raise InvalidSnapshot(f"job {bad.job_id} asks for {bad.gpus} GPUs")
 
 
+def _any_demand(jobs: Sequence[JobView]) -> bool:
+    for job in jobs:
+        if job.demand is not None:
+            return True
+    return False
+
+
 def any_elastic(snapshot: ClusterSnapshot) -> bool:
     """Does any job of the snapshot run or wait elastically? Without one, the
     elasticity stage changes nothing, and does not run."""
@@ -706,7 +722,9 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     _check_sizes(jobs)
     ordered = order(jobs, context)
     ledger = FreeGpus(snapshot.nodes)
-    cycle = _Cycle(snapshot, now, policy, place, ledger, elastic=stage)
+    cycle = _Cycle(
+        snapshot, now, policy, place, ledger, elastic=stage, sharing=_any_demand(jobs)
+    )
     cycle.actions.extend(backoff_waits)
     entries = _entries(ordered, snapshot, jobs, now, policy, hold)
     if stage is not None:
@@ -722,8 +740,9 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
         stage.plan(ledger.total_capacity())
     released = _place_all(cycle, to_place, victims)
     _settle_victims(cycle, released)
-    # Shares on a shareable job's GPU that is running out of memory move off it.
-    cycle.preemptions.extend(memory_pressure(snapshot))
+    if cycle.sharing:
+        # Shares on a shareable job's GPU that is running out of memory move off it.
+        cycle.preemptions.extend(memory_pressure(snapshot))
     shrinks: list[Resize] = []
     grows: list[Resize] = []
     if stage is not None:
