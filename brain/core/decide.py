@@ -237,6 +237,8 @@ class _Cycle:
     # Does any job of the cycle ask a share, a GPU type, CPUs or memory? Without one,
     # the sharing machinery has nothing to say and is skipped.
     sharing: bool = True
+    # Whether the caller reads `Wait`s (`decide(..., waits=False)`: the simulator).
+    waits: bool = True
 
     def sharer(self) -> SharePlacer:
         """The placer of jobs with a demand, built when the cycle meets the first."""
@@ -391,13 +393,11 @@ def _select(
     actions = cycle.actions
     policy = cycle.policy
     pinned, held_standing = Standing.PINNED, Standing.HELD
+    explain = cycle.waits
     reasons: dict[tuple[int, int, int, str, str | None], str] = {}
     for entry in entries:
         job = entry.ranked.job
-        if sharing and job.shared:
-            need = 0
-        else:
-            need = job.gpus if elastic is None else elastic.need(job)
+        need = 0 if sharing and job.shared else job.gpus if elastic is None else elastic.need(job)
         if job.grants:
             if sharing and (job.shared or job.job_id in hosts):
                 # Never victims (shares, and whole-GPU jobs with shares beside them).
@@ -418,15 +418,8 @@ def _select(
                 elastic.select(job, need)
             to_place.append(entry)
             continue
-        # Everything the reason says, bar a held job's queue (which has its own).
-        key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by)
-        wait = None if held else reasons.get(key)
-        if wait is None:
-            wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, policy)
-            assert wait is not None  # it does not fit: there is a reason
-            if not held:
-                reasons[key] = wait
-        actions.append(Wait(job.job_id, wait))
+        if explain:
+            actions.append(_wait(entry, need, capacity, budget, blocked_by, policy, reasons))
         # A starving job that cannot start yet reserves the GPUs that free up: no
         # job behind it may backfill them, or it could wait forever.
         if (
@@ -441,6 +434,29 @@ def _select(
             # waiting job (quadratic churn in the log).
             blocked_by = f"an earlier job that does not fit yet ({why})"
     return to_place, victims
+
+
+def _wait(
+    entry: _Entry,
+    need: int,
+    capacity: int,
+    budget: int,
+    blocked_by: str | None,
+    policy: Policy,
+    reasons: dict[tuple[int, int, int, str, str | None], str],
+) -> Wait:
+    """A selected-out job's `Wait`; `reasons` keeps those built this cycle, by what
+    they say (bar a held job's queue, which has its own)."""
+    job = entry.ranked.job
+    held = entry.standing is Standing.HELD
+    key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by)
+    reason = None if held else reasons.get(key)
+    if reason is None:
+        reason = _pending_wait_reason(entry, need, capacity, budget, blocked_by, policy)
+        assert reason is not None  # it does not fit: there is a reason
+        if not held:
+            reasons[key] = reason
+    return Wait(job.job_id, reason)
 
 
 def _pending_wait_reason(
@@ -532,7 +548,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             why = Placed(grants, _place_notes(entry, policy), extra)
             cycle.actions.append(Place(job.job_id, grants, why.describe(), why, result.takes))
             continue
-        cycle.actions.append(Wait(job.job_id, result.reason))
+        if cycle.waits:
+            cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + policy.relax_locality_after_s)
     return released
@@ -653,8 +670,14 @@ def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
     return [t for t in (*times, *asked.values()) if t is not None]
 
 
-def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
+def decide(
+    snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY, *, waits: bool = True
+) -> Decisions:
     """The cycle's decisions for `snapshot` at `now` under `policy`.
+
+    `waits=False` leaves out the `Wait` of every job that stays pending, and nothing
+    else: for a caller that acts on none (the simulator), whose cycles would otherwise
+    spend much of their time explaining why queued jobs still queue.
 
     The cyclic garbage collector is paused while it runs (and left as it was found):
     a cycle allocates a few objects per job, nearly all freed by reference counting
@@ -662,7 +685,7 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
     (generation 2 walks the whole snapshot) were a third to a half of its time. It
     creates no reference cycles, so nothing is left for the collector to find."""
     with collector_paused():
-        return _decide(snapshot, now, policy)
+        return _decide(snapshot, now, policy, waits)
 
 
 def _check_sizes(jobs: Sequence[JobView]) -> None:
@@ -674,10 +697,7 @@ def _check_sizes(jobs: Sequence[JobView]) -> None:
 
 
 def _any_demand(jobs: Sequence[JobView]) -> bool:
-    for job in jobs:
-        if job.demand is not None:
-            return True
-    return False
+    return any(job.demand is not None for job in jobs)
 
 
 def any_elastic(snapshot: ClusterSnapshot) -> bool:
@@ -686,7 +706,7 @@ def any_elastic(snapshot: ClusterSnapshot) -> bool:
     return any(j.elastic for j in snapshot.running) or any(j.elastic for j in snapshot.pending)
 
 
-def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
+def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
     hold = PREEMPTIONS.get(policy.preemption)
@@ -723,9 +743,10 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     ordered = order(jobs, context)
     ledger = FreeGpus(snapshot.nodes)
     cycle = _Cycle(
-        snapshot, now, policy, place, ledger, elastic=stage, sharing=_any_demand(jobs)
+        snapshot, now, policy, place, ledger, elastic=stage, sharing=_any_demand(jobs), waits=waits
     )
-    cycle.actions.extend(backoff_waits)
+    if waits:
+        cycle.actions.extend(backoff_waits)
     entries = _entries(ordered, snapshot, jobs, now, policy, hold)
     if stage is not None:
         entries.sort(key=_elastic_key)

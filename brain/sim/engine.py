@@ -776,7 +776,7 @@ def simulate(
         replay.arrive()
         replay.learn_unfinished()
         replay.decide_calls += 1
-        replay.apply(decide(replay.snapshot(), replay.now, policy))
+        replay.apply(decide(replay.snapshot(), replay.now, policy, waits=False))
         if on_progress is not None and replay.finished != before:
             on_progress(replay.finished, total)
     outcomes = tuple(
