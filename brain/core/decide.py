@@ -497,9 +497,15 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     policy = cycle.policy
     victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
     sharing = cycle.sharing
+    # Requests and notes repeat: most jobs of a cycle ask alike and rank alike.
+    requests: dict[tuple[int, bool], PlacementRequest] = {}
+    notes: dict[tuple[str, bool, Standing, str], tuple[str, ...]] = {}
     for entry in to_place:
         job = entry.ranked.job
-        request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, policy))
+        asked = (cycle.size(job), _may_spread(job, cycle.now, policy))
+        request = requests.get(asked)
+        if request is None:
+            request = requests[asked] = PlacementRequest(*asked)
         # No placement fits a gang while fewer GPUs than it needs are free: with victims
         # left to release, release them first (below) rather than ask for a reason
         # nobody will read.
@@ -535,24 +541,40 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             # What is left, down to its minimum.
             result = elastic.place(job, ledger, partial=True)
         if isinstance(result, Fit):
-            grants = result.grants
-            ledger.take(grants if result.takes is None else result.takes)
-            if job.demand is not None:
-                cycle.sharer().placed(job, grants)
-            cycle.placed.append((entry, grants))
-            extra: tuple[str, ...] = ()
-            if job.demand is not None:
-                colocated = cycle.sharer().colocated_with(grants)
-                extra = (describe_demand(job, policy.share_placement),)
-                extra += (colocated,) if colocated is not None else ()
-            why = Placed(grants, _place_notes(entry, policy), extra)
-            cycle.actions.append(Place(job.job_id, grants, why.describe(), why, result.takes))
+            _placed(cycle, entry, result, notes)
             continue
         if cycle.waits:
             cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + policy.relax_locality_after_s)
     return released
+
+
+def _placed(
+    cycle: _Cycle,
+    entry: _Entry,
+    fit: Fit,
+    notes: dict[tuple[str, bool, Standing, str], tuple[str, ...]],
+) -> None:
+    """Take a placement's GPUs and say why; `notes` keeps the cycle's note tuples by
+    what they say (most placements of a cycle are noted alike)."""
+    job = entry.ranked.job
+    grants = fit.grants
+    cycle.ledger.take(grants if fit.takes is None else fit.takes)
+    cycle.placed.append((entry, grants))
+    extra: tuple[str, ...] = ()
+    if job.demand is not None:
+        sharer = cycle.sharer()
+        sharer.placed(job, grants)
+        colocated = sharer.colocated_with(grants)
+        extra = (describe_demand(job, cycle.policy.share_placement),)
+        extra += (colocated,) if colocated is not None else ()
+    said = (entry.ranked.label, entry.starving, entry.standing, job.queue)
+    noted = notes.get(said)
+    if noted is None:
+        noted = notes[said] = _place_notes(entry, cycle.policy)
+    why = Placed(grants, noted, extra)
+    cycle.actions.append(Place(job.job_id, grants, why.describe(), why, fit.takes))
 
 
 def _try_place(cycle: _Cycle, request: PlacementRequest, job: JobView) -> PlacementResult:
@@ -600,27 +622,33 @@ def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _winners_by_gpu(cycle: _Cycle) -> dict[tuple[str, int], int]:
-    """Each GPU placed in this cycle, and the index in `cycle.placed` of the first
-    placement that took it: one pass over the placements, for every victim's cause."""
-    taken: dict[tuple[str, int], int] = {}
+def _winners_by_gpu(cycle: _Cycle) -> dict[str, dict[int, int]]:
+    """Each GPU placed in this cycle, by node, and the index in `cycle.placed` of the
+    first placement that took it: one pass over the placements, for every victim's
+    cause."""
+    taken: dict[str, dict[int, int]] = {}
     for index, (_, grants) in enumerate(cycle.placed):
         for grant in grants:
+            on_node = taken.get(grant.node)
+            if on_node is None:
+                on_node = taken[grant.node] = {}
             for gpu in grant.gpus:
-                taken.setdefault((grant.node, gpu), index)
+                on_node.setdefault(gpu, index)
     return taken
 
 
 def _preempt_cause(
-    victim: _Entry, cycle: _Cycle, winners: dict[tuple[str, int], int]
+    victim: _Entry, cycle: _Cycle, winners: dict[str, dict[int, int]]
 ) -> PreemptCause:
     # The first placement that took one of the victim's GPUs; else the cycle's first.
     placed = cycle.placed
     first = len(placed)
     for grant in victim.ranked.job.grants:
-        node = grant.node
+        on_node = winners.get(grant.node)
+        if on_node is None:
+            continue
         for gpu in grant.gpus:
-            index = winners.get((node, gpu), first)
+            index = on_node.get(gpu, first)
             if index < first:
                 first = index
     winner = placed[first if first < len(placed) else 0][0] if placed else victim
@@ -634,13 +662,14 @@ def _preempt_cause(
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
     # Best-ranked victims first: if their GPUs are still free, they simply keep them.
     winners = _winners_by_gpu(cycle) if released else {}
+    ledger = cycle.ledger
+    preemptions = cycle.preemptions
     for victim in reversed(released):
-        if cycle.ledger.all_free(victim.job.grants):
-            cycle.ledger.take(victim.job.grants)
+        job = victim.ranked.job
+        if ledger.all_free(job.grants):
+            ledger.take(job.grants)
             continue
-        cycle.preemptions.append(
-            Preempt(victim.job.job_id, victim.job.grants, _preempt_cause(victim, cycle, winners))
-        )
+        preemptions.append(Preempt(job.job_id, job.grants, _preempt_cause(victim, cycle, winners)))
 
 
 def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
