@@ -450,3 +450,48 @@ def test_a_preemption_decided_on_a_moved_state_is_not_carried_out() -> None:
     assert not _still_holds(preempt, moved, {"1": moved, "2": waiting})
     ended = victim.model_copy(update={"state": JobState.SUCCEEDED})
     assert not _still_holds(preempt, ended, {"1": ended, "2": waiting})
+
+
+def test_a_repeated_heartbeat_is_taken_in_without_decoding() -> None:
+    """The bytes of a node's last heartbeat but for its time and sequence: noted (the
+    node's last-seen time moves) with no decoding; anything else is decoded as before."""
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    assert not ingest.repeat("n1", encode(beat(seq=1)), 0.0)  # never heard of
+    first = beat(seq=1)
+    assert ingest.heartbeat(first, 0.0, encode(first)) is not None
+    for seq in range(2, 6):
+        assert ingest.repeat("n1", encode(beat(seq=seq)), float(seq))
+    assert ingest.last_seen_ago("n1", 5.0) == 0.0
+    assert ingest.counts.heartbeats == 5
+    # Another node's subject, another content, a silence: decoded.
+    assert not ingest.repeat("n2", encode(beat(seq=6)), 6.0)
+    assert not ingest.repeat("n1", encode(beat(seq=6, running=(job("3"),))), 6.0)
+    assert not ingest.repeat("n1", encode(beat(seq=6)), 5.0 + TIMEOUT_S + 1.0)
+
+
+@pytest.mark.parametrize(
+    "clock",
+    [
+        b'"ts":"soon","seq":7',
+        b'"ts":1007.0,"seq":-7',
+        b'"ts":1007.0,"seq":07',
+        b'"ts":1007.0,"seq":7.5',
+        b'"ts":NaN,"seq":7',
+        b'"ts":1007.0,"seq":7,"x":1',
+    ],
+)
+def test_a_repeat_with_a_malformed_clock_is_decoded_and_refused(clock: bytes) -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = beat(seq=1)
+    ingest.heartbeat(first, 0.0, encode(first))
+    raw = encode(beat(seq=7)).replace(b'"ts":1007.0,"seq":7', clock)
+    assert raw != encode(beat(seq=7))
+    assert not ingest.repeat("n1", raw, 1.0)
+
+
+def test_after_news_the_loop_could_not_act_on_no_heartbeat_is_a_repeat() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = beat(seq=1)
+    ingest.heartbeat(first, 0.0, encode(first))
+    ingest.unsettle("n1")
+    assert not ingest.repeat("n1", encode(beat(seq=2)), 1.0)
