@@ -552,7 +552,8 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
         server.start()
         client = await connect(server.url, "bench")
         await client.ensure_streams()
-        brain = BrainProc(server.url, work, "brain")
+        profiled = work / "brain.prof" if args.profile_nodes else None
+        brain = BrainProc(server.url, work, "brain", profile=profiled)
         await brain.start(work / "history.db")
         world = World(work, server, brain, client)
         try:
@@ -657,6 +658,11 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
             )
         finally:
             await world.close()
+        if profiled is not None:
+            import pstats
+
+            print(f"\nwhere the brain's time went at {count} nodes (internal, top 30):")
+            pstats.Stats(str(profiled)).sort_stats("tottime").print_stats(30)
     return rows
 
 
@@ -821,6 +827,9 @@ def main() -> None:
         "--profile-submit",
         action="store_true",
         help="run the submit/latency brains under cProfile (busy-*/brain.prof, with --keep)",
+    )
+    parser.add_argument(
+        "--profile-nodes", action="store_true", help="run the nodes mode's brain under cProfile"
     )
     parser.add_argument("--keep", metavar="DIR", help="keep servers' data and brains' logs here")
     args = parser.parse_args()

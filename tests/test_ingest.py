@@ -291,6 +291,7 @@ def test_snapshot_views_follow_nodes_and_allocations() -> None:
 
     for name in ("b", "a", "c"):
         apply(_node_changed(name, seq))
+    assert (state.capacity(), state.largest_node()) == (12, 4)
     first = state.snapshot().nodes
     assert [v.name for v in first] == ["a", "b", "c"]
     assert all(v.free == frozenset(range(4)) for v in first)
@@ -302,6 +303,8 @@ def test_snapshot_views_follow_nodes_and_allocations() -> None:
     apply(_node_changed("a", seq, state=NodeState.LOST))
     views = {v.name: v for v in state.snapshot().nodes}
     assert set(views) == {"b", "c"}
+    # Counted again after nodes changed: a drained GPU and a LOST node leave it.
+    assert (state.capacity(), state.largest_node()) == (7, 4)
     assert views["b"].free == frozenset({2, 3}) and views["b"].gpus == (0, 1, 2, 3)
     assert views["c"].gpus == (0, 1, 2) and views["c"].free == frozenset({0, 1, 2})
     assert state.free_gpus() == {"b": frozenset({2, 3}), "c": frozenset({0, 1, 2})}
