@@ -50,6 +50,10 @@ SEEN_EVENTS: Final = 100_000
 # Finished jobs' service the Gittins distribution learns from: the latest this many, so
 # memory stays bounded and the distribution follows the cluster's recent workload.
 SERVICE_SAMPLES: Final = 10_000
+# The learned Gittins distribution also counts the service of jobs not finished yet,
+# as censored samples (Kaplan-Meier): re-derived when a job finishes, and otherwise at
+# most this often, since running jobs' service grows with the clock.
+CENSORED_REFRESH_S: Final = 60.0
 # Finished jobs kept in memory, newest: `alnair jobs` lists them (and the live ones);
 # older ones are read from the history. About 7 KB each.
 FINISHED_KEPT: Final = 2_000
@@ -93,6 +97,10 @@ class BrainState:
     # Elastic jobs pending or running: without one, an elasticity stage does not run.
     live_elastic: int = field(default=0, compare=False)
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    # (what it was derived from, when, the distribution with unfinished jobs censored).
+    _censored: tuple[ServiceDistribution, float, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
     # Each READY node's snapshot view, with the record and the GPUs held there that it
@@ -278,12 +286,33 @@ class BrainState:
         self._distribution = None
 
     def service_distribution(
-        self, prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+        self, prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR, *, now: float | None = None
     ) -> ServiceDistribution:
-        """`prior` and the finished jobs' service; rebuilt only after a job finished."""
+        """`prior` and the finished jobs' service; rebuilt only after a job finished.
+
+        Given `now`, also the service of every job not finished yet (running, to `now`;
+        pending after a preemption) as a censored sample, by the Kaplan-Meier estimate
+        (`ServiceDistribution.with_censored`): finished jobs alone are biased to short ones
+        while long ones still run. Re-derived after a job finished, else at most every
+        `CENSORED_REFRESH_S`."""
         if self._distribution is None or self._distribution[0] is not prior:
             self._distribution = (prior, prior.with_samples(self.service_samples))
-        return self._distribution[1]
+        learned = self._distribution[1]
+        if now is None:
+            return learned
+        kept = self._censored
+        if kept is None or kept[0] is not learned or not 0 <= now - kept[1] < CENSORED_REFRESH_S:
+            unfinished = [
+                job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count
+                for job in self.jobs_in(JobState.RUNNING)
+            ]
+            unfinished += [
+                job.attained_gpu_seconds
+                for job in self.jobs_in(JobState.PENDING)
+                if job.attained_gpu_seconds > 0.0
+            ]
+            kept = self._censored = (learned, now, learned.with_censored(unfinished))
+        return kept[2]
 
     @classmethod
     def from_snapshot(cls, snapshot: BrainSnapshot) -> BrainState:
@@ -424,7 +453,7 @@ class BrainState:
             running=running,
             queues=queues,
             service_distribution=(
-                None if service_prior is None else self.service_distribution(service_prior)
+                None if service_prior is None else self.service_distribution(service_prior, now=now)
             ),
         )
 

@@ -498,3 +498,39 @@ def test_after_news_the_loop_could_not_act_on_no_heartbeat_is_a_repeat() -> None
     ingest.heartbeat(first, 0.0, encode(first))
     ingest.unsettle("n1")
     assert not ingest.repeat("n1", encode(beat(seq=2)), 1.0)
+
+
+def test_the_learned_distribution_counts_unfinished_jobs_as_censored() -> None:
+    """Gittins learns from finished jobs and, as censored samples, from the service of
+    jobs still running (to now) or preempted: long jobs tell it something before they end."""
+    from brain.core.distribution import DEFAULT_SERVICE_PRIOR
+    from brain.state import CENSORED_REFRESH_S
+
+    state = BrainState()
+    seq = 0
+
+    def apply(record: JobChanged | NodeChanged) -> None:
+        nonlocal seq
+        seq += 1
+        state.apply(record, seq)
+
+    def with_job(record: JobChanged, **update: object) -> JobChanged:
+        return record.model_copy(update={"job": record.job.model_copy(update=update)})
+
+    apply(_node_changed("a", 0))
+    for job_id, service in (("1", 600.0), ("2", 1200.0)):
+        apply(with_job(_job_on(job_id, "a", (0,), JobState.SUCCEEDED), attained_gpu_seconds=service))
+    running = _job_on("3", "a", (0, 1), JobState.RUNNING)
+    apply(with_job(running, started_at=1000.0, attained_gpu_seconds=5000.0))
+    preempted = _job_on("4", "a", (0,), JobState.PENDING)
+    apply(with_job(preempted, attained_gpu_seconds=9000.0))
+    finished_only = DEFAULT_SERVICE_PRIOR.with_samples([600.0, 1200.0])
+    assert state.service_distribution() == finished_only
+    # Job 3 has run 100 s more on 2 GPUs by now.
+    learned = state.service_distribution(now=1100.0)
+    assert learned == finished_only.with_censored([5200.0, 9000.0])
+    assert learned != finished_only
+    # Kept until a job finishes or the refresh interval passes.
+    assert state.service_distribution(now=1100.0 + CENSORED_REFRESH_S / 2) is learned
+    later = state.service_distribution(now=1100.0 + CENSORED_REFRESH_S)
+    assert later == finished_only.with_censored([5200.0 + 2 * CENSORED_REFRESH_S, 9000.0])
