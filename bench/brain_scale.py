@@ -11,7 +11,10 @@ this process and speak to it over the bus only:
 - nodes: one connection publishes, per node and per second, an 8-GPU telemetry batch and
   a heartbeat (encoded once, re-encoded when the node's processes change), spread over
   the second; one core subscription on every node's command subject answers each
-  Launch with JobStarted (and, for probe jobs, JobExited 50 ms later) on EVENTS.
+  Launch with JobStarted (and, for probe jobs, JobExited 50 ms later) on EVENTS. The
+  `nodes` mode's nodes, which run no jobs, are a separate process writing raw protocol
+  (bench/raw_nodes.py: agents' bytes, clock and sequence advanced at every beat), so
+  that tens of thousands of them cost the machine a few per cent of a core.
 - `submit`, `latency`: N nodes, all but 4 running an 8-GPU job of priority 10, and P
   pending 64-GPU jobs of priority 0 (which cannot fit, and wait without blocking
   others), appended to the log before the brain starts (tests/statelog.py).
@@ -186,6 +189,33 @@ async def wait_leading(bus: Bus, brain: BrainProc, timeout_s: float = 600.0) -> 
 # -- synthetic nodes -----------------------------------------------------------------
 
 
+def heartbeat_bytes(node: str, running: tuple[RunningJob, ...] = ()) -> bytes:
+    """A synthetic node's heartbeat, as its agent encodes it."""
+    beat = Heartbeat(
+        node=node,
+        ts=time.time(),
+        seq=0,
+        instance=fake_instance(node),
+        hostname=node,
+        backend="sim",
+        interval_s=1.0,
+        gpus=fake_gpus(node, GPUS_PER_NODE),
+        running=running,
+    )
+    return encode(beat)
+
+
+def telemetry_bytes(node: str) -> bytes:
+    """A synthetic node's 8-GPU telemetry batch, as its agent encodes it."""
+    sample = dict(util_gpu_pct=50.0, util_mem_pct=40.0, mem_used_mib=40_000.0)
+    sample |= dict(mem_total_mib=81_559.0, power_w=400.0, temp_c=60.0)
+    samples = tuple(
+        GpuSample(index=i, sm_clock_mhz=1_980.0, mem_clock_mhz=2_619.0, **sample)
+        for i in range(GPUS_PER_NODE)
+    )
+    return encode(TelemetryBatch(node=node, ts=time.time(), samples=samples))
+
+
 @dataclass
 class FakeNodes:
     """Nodes that beat at 1 Hz and answer launches, all over one connection."""
@@ -215,31 +245,12 @@ class FakeNodes:
 
     def _beat(self, node: str) -> bytes:
         if node not in self._beats:
-            self._beats[node] = encode(
-                Heartbeat(
-                    node=node,
-                    ts=time.time(),
-                    seq=0,
-                    instance=fake_instance(node),
-                    hostname=node,
-                    backend="sim",
-                    interval_s=1.0,
-                    gpus=fake_gpus(node, GPUS_PER_NODE),
-                    running=tuple(self.running.get(node, {}).values()),
-                )
-            )
+            self._beats[node] = heartbeat_bytes(node, tuple(self.running.get(node, {}).values()))
         return self._beats[node]
 
     def _samples(self, node: str) -> bytes:
         if node not in self._telemetry:
-            sample = dict(util_gpu_pct=50.0, util_mem_pct=40.0, mem_used_mib=40_000.0)
-            sample |= dict(mem_total_mib=81_559.0, power_w=400.0, temp_c=60.0)
-            samples = tuple(
-                GpuSample(index=i, sm_clock_mhz=1_980.0, mem_clock_mhz=2_619.0, **sample)
-                for i in range(GPUS_PER_NODE)
-            )
-            batch = TelemetryBatch(node=node, ts=time.time(), samples=samples)
-            self._telemetry[node] = encode(batch)
+            self._telemetry[node] = telemetry_bytes(node)
         return self._telemetry[node]
 
     async def _beat_forever(self) -> None:
@@ -541,7 +552,8 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
         server.start()
         client = await connect(server.url, "bench")
         await client.ensure_streams()
-        brain = BrainProc(server.url, work, "brain")
+        profiled = work / "brain.prof" if args.profile_nodes else None
+        brain = BrainProc(server.url, work, "brain", profile=profiled)
         await brain.start(work / "history.db")
         world = World(work, server, brain, client)
         try:
@@ -564,11 +576,17 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                 str(args.flood_s + 1),
                 stdout=asyncio.subprocess.PIPE,
             )
-            names = [f"f{i:05d}" for i in range(count)]
-            world.nodes = FakeNodes(await connect(server.url, "nodes"), names)
-            world.buses.append(world.nodes.bus)
             cpu0 = brain.cpu_s()
-            await world.nodes.start()
+            # The nodes: a process writing raw protocol (bench/raw_nodes.py), so that
+            # the load generator leaves the cores to the brain.
+            publisher = await asyncio.create_subprocess_exec(
+                sys.executable,
+                str(ROOT / "bench" / "raw_nodes.py"),
+                server.url,
+                str(count),
+                str(args.flood_s),
+                stdout=asyncio.subprocess.PIPE,
+            )
             api: list[float] = []
             api_failed = 0
             rss = 0.0
@@ -585,8 +603,11 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                 rss = max(rss, brain.rss_mib())
                 await asyncio.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
             brain_cpu = brain.cpu_s() - cpu0
-            sent = world.nodes.sent
-            await world.nodes.stop()
+            published, _ = await publisher.communicate()
+            if publisher.returncode:
+                raise RuntimeError(f"the synthetic nodes failed (exit {publisher.returncode})")
+            sent_text, publisher_cpu = published.split()
+            sent = int(sent_text)
             out, _ = await bare.communicate()
             bare_count, bare_cpu = (float(x) for x in out.split())
             elapsed = time.monotonic() - began
@@ -629,11 +650,19 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                     round(100 * brain_cpu / elapsed, 1),
                     "bare subscriber CPU (%)",
                     round(100 * bare_cpu / (args.flood_s + 1), 1),
-                    note=f"brain RSS max {rss:.0f} MiB",
+                    note=(
+                        f"brain RSS max {rss:.0f} MiB; synthetic nodes' CPU "
+                        f"{100 * float(publisher_cpu) / args.flood_s:.0f} %"
+                    ),
                 )
             )
         finally:
             await world.close()
+        if profiled is not None:
+            import pstats
+
+            print(f"\nwhere the brain's time went at {count} nodes (internal, top 30):")
+            pstats.Stats(str(profiled)).sort_stats("tottime").print_stats(30)
     return rows
 
 
@@ -798,6 +827,9 @@ def main() -> None:
         "--profile-submit",
         action="store_true",
         help="run the submit/latency brains under cProfile (busy-*/brain.prof, with --keep)",
+    )
+    parser.add_argument(
+        "--profile-nodes", action="store_true", help="run the nodes mode's brain under cProfile"
     )
     parser.add_argument("--keep", metavar="DIR", help="keep servers' data and brains' logs here")
     args = parser.parse_args()

@@ -15,6 +15,7 @@ anything reaches it. It never touches the brain's state or the log.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
@@ -87,6 +88,13 @@ class IngestCounts:
     # Heartbeats handed to the decision loop (the rest only moved a last-seen time).
     heartbeats_forwarded: int = 0
     telemetry: int = 0
+
+
+# What `_without_clock` cuts out, as JSON writes it: two numbers, the second an integer
+# of zero or more; anything else (which pydantic may or may not accept) is not a repeat.
+_CLOCK: Final = re.compile(
+    rb',"ts":-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?,"seq":(?:0|[1-9][0-9]*)'
+)
 
 
 def _without_clock(raw: bytes) -> bytes | None:
@@ -163,6 +171,29 @@ class NodeIngest:
         if reported != previous:
             return self._forward(NodeNews("changed", beat))
         return None
+
+    def repeat(self, node: str, raw: bytes, now: float) -> bool:
+        """Whether `raw`, arrived at `now` on `node`'s heartbeat subject, is that node's
+        last heartbeat again but for a well-formed time and sequence; if so it is noted
+        (the node's last-seen time moves) and needs no decoding: the bytes it repeats
+        were validated when they first came, on the same subject. At thousands of nodes
+        this is nearly every heartbeat, and decoding one costs ten times the comparison.
+        A heartbeat after silence, or after news the loop could not act on, is never a
+        repeat."""
+        known = self._nodes.get(node)
+        if known is None or known.raw is None or known.reported is None:
+            return False
+        if now - known.last_seen > self.node_timeout_s:
+            return False
+        start = raw.find(b',"ts":')
+        end = raw.find(b',"instance":', start + 1)
+        if start < 0 or end < 0 or raw[:start] != known.raw[:start]:
+            return False
+        if raw[end:] != known.raw[start:] or not _CLOCK.fullmatch(raw, start, end):
+            return False
+        self.counts.heartbeats += 1
+        known.last_seen = max(known.last_seen, now)
+        return True
 
     def unsettle(self, node: str) -> None:
         """The loop could not act on the node's news (a failed append): its next

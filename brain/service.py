@@ -412,7 +412,12 @@ class Brain:
             self.ingest.expect(node.name, node.instance, now)
         ingest = self.ingest_bus
         self._leader_subs = [
-            await ingest.subscribe(subjects.ALL_HEARTBEATS, Heartbeat, self._on_heartbeat),
+            await ingest.subscribe(
+                subjects.ALL_HEARTBEATS,
+                Heartbeat,
+                self._on_heartbeat,
+                known=self._repeated_heartbeat,
+            ),
             await ingest.subscribe(
                 subjects.ALL_TELEMETRY,
                 TelemetryBatch,
@@ -518,6 +523,11 @@ class Brain:
             # Only news reaches the inbox: a heartbeat that changes nothing moved the
             # node's last-seen time and is done.
             await self._inbox.put(HeartbeatNews(news))
+
+    def _repeated_heartbeat(self, msg: Msg) -> bool:
+        """A node's last heartbeat again, but for its clock: noted without decoding."""
+        parts = msg.subject.split(".")
+        return len(parts) == 4 and self.ingest.repeat(parts[2], msg.data, self.monotonic())
 
     async def _on_telemetry(self, batch: TelemetryBatch, msg: Msg) -> None:
         if await self._from_own_node(batch.node, msg):

@@ -50,6 +50,10 @@ SEEN_EVENTS: Final = 100_000
 # Finished jobs' service the Gittins distribution learns from: the latest this many, so
 # memory stays bounded and the distribution follows the cluster's recent workload.
 SERVICE_SAMPLES: Final = 10_000
+# The learned Gittins distribution also counts the service of jobs not finished yet,
+# as censored samples (Kaplan-Meier): re-derived when a job finishes, and otherwise at
+# most this often, since running jobs' service grows with the clock.
+CENSORED_REFRESH_S: Final = 60.0
 # Finished jobs kept in memory, newest: `alnair jobs` lists them (and the live ones);
 # older ones are read from the history. About 7 KB each.
 FINISHED_KEPT: Final = 2_000
@@ -95,6 +99,10 @@ class BrainState:
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    # (what it was derived from, when, the distribution with unfinished jobs censored).
+    _censored: tuple[ServiceDistribution, float, ServiceDistribution] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
     # Each READY node's snapshot view, with the record and the GPUs held there that it
     # was built from: a snapshot rebuilds only the views of nodes that changed, so a
     # pass after one node joined does not redo thousands. And the node names, sorted.
@@ -105,6 +113,11 @@ class BrainState:
     # (GPUs on every known node, the most on one), and the LOST nodes' names, until a
     # node's record changes.
     _registered: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    # (schedulable GPUs of READY nodes, the most on one), likewise: `status` and
+    # /metrics ask for it, and at thousands of nodes counting took tens of milliseconds.
+    _schedulable: tuple[int, int] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
     _lost_nodes: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     # Pending and running job ids in job order, kept as jobs come and go: a pass reads
     # them without sorting the queue again.
@@ -145,6 +158,7 @@ class BrainState:
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
             self._registered = None
+            self._schedulable = None
             self._lost_nodes = None
         elif isinstance(record, NodeEventRecorded):
             self._saw_event(record.event.event_id)
@@ -272,12 +286,33 @@ class BrainState:
         self._distribution = None
 
     def service_distribution(
-        self, prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+        self, prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR, *, now: float | None = None
     ) -> ServiceDistribution:
-        """`prior` and the finished jobs' service; rebuilt only after a job finished."""
+        """`prior` and the finished jobs' service; rebuilt only after a job finished.
+
+        Given `now`, also the service of every job not finished yet (running, to `now`;
+        pending after a preemption) as a censored sample, by the Kaplan-Meier estimate
+        (`ServiceDistribution.with_censored`): finished jobs alone are biased to short ones
+        while long ones still run. Re-derived after a job finished, else at most every
+        `CENSORED_REFRESH_S`."""
         if self._distribution is None or self._distribution[0] is not prior:
             self._distribution = (prior, prior.with_samples(self.service_samples))
-        return self._distribution[1]
+        learned = self._distribution[1]
+        if now is None:
+            return learned
+        kept = self._censored
+        if kept is None or kept[0] is not learned or not 0 <= now - kept[1] < CENSORED_REFRESH_S:
+            unfinished = [
+                job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count
+                for job in self.jobs_in(JobState.RUNNING)
+            ]
+            unfinished += [
+                job.attained_gpu_seconds
+                for job in self.jobs_in(JobState.PENDING)
+                if job.attained_gpu_seconds > 0.0
+            ]
+            kept = self._censored = (learned, now, learned.with_censored(unfinished))
+        return kept[2]
 
     @classmethod
     def from_snapshot(cls, snapshot: BrainSnapshot) -> BrainState:
@@ -365,19 +400,22 @@ class BrainState:
         )
 
     def capacity(self) -> int:
-        return sum(
-            len(self.schedulable_gpus(n)) for n in self.nodes.values() if n.state is NodeState.READY
-        )
+        """Schedulable GPUs of READY nodes (counted again only after a node changed)."""
+        return self._schedulable_counts()[0]
 
     def largest_node(self) -> int:
-        return max(
-            (
+        """The most schedulable GPUs on one READY node."""
+        return self._schedulable_counts()[1]
+
+    def _schedulable_counts(self) -> tuple[int, int]:
+        if self._schedulable is None:
+            sizes = [
                 len(self.schedulable_gpus(n))
                 for n in self.nodes.values()
                 if n.state is NodeState.READY
-            ),
-            default=0,
-        )
+            ]
+            self._schedulable = (sum(sizes), max(sizes, default=0))
+        return self._schedulable
 
     def snapshot(
         self,
@@ -415,7 +453,7 @@ class BrainState:
             running=running,
             queues=queues,
             service_distribution=(
-                None if service_prior is None else self.service_distribution(service_prior)
+                None if service_prior is None else self.service_distribution(service_prior, now=now)
             ),
         )
 

@@ -614,17 +614,22 @@ class Bus:
         pending_msgs_limit: int = DEFAULT_SUB_PENDING_MSGS_LIMIT,
         pending_bytes_limit: int = DEFAULT_SUB_PENDING_BYTES_LIMIT,
         accept: Callable[[], bool] | None = None,
+        known: Callable[[Msg], bool] | None = None,
     ) -> Subscription:
         """Core subscription; invalid messages go to the DLQ, handler errors are logged.
 
         Past `pending_msgs_limit` messages or `pending_bytes_limit` bytes waiting for the
         handler, this client drops what arrives (counted in `dropped`) instead of letting
         the server fall behind on the whole connection and cut it. While `accept()` is
-        false, messages are dropped unread, before decoding (counted in `dropped` too)."""
+        false, messages are dropped unread, before decoding (counted in `dropped` too).
+        A message `known(msg)` says it has already taken in (a repeat of one it decoded
+        before) is neither decoded nor handled."""
 
         async def on_message(msg: Msg) -> None:
             if accept is not None and not accept():
                 self.dropped[subject] += 1
+                return
+            if known is not None and known(msg):
                 return
             try:
                 message = decode(msg.data, decoder)

@@ -291,6 +291,7 @@ def test_snapshot_views_follow_nodes_and_allocations() -> None:
 
     for name in ("b", "a", "c"):
         apply(_node_changed(name, seq))
+    assert (state.capacity(), state.largest_node()) == (12, 4)
     first = state.snapshot().nodes
     assert [v.name for v in first] == ["a", "b", "c"]
     assert all(v.free == frozenset(range(4)) for v in first)
@@ -302,6 +303,8 @@ def test_snapshot_views_follow_nodes_and_allocations() -> None:
     apply(_node_changed("a", seq, state=NodeState.LOST))
     views = {v.name: v for v in state.snapshot().nodes}
     assert set(views) == {"b", "c"}
+    # Counted again after nodes changed: a drained GPU and a LOST node leave it.
+    assert (state.capacity(), state.largest_node()) == (7, 4)
     assert views["b"].free == frozenset({2, 3}) and views["b"].gpus == (0, 1, 2, 3)
     assert views["c"].gpus == (0, 1, 2) and views["c"].free == frozenset({0, 1, 2})
     assert state.free_gpus() == {"b": frozenset({2, 3}), "c": frozenset({0, 1, 2})}
@@ -450,3 +453,84 @@ def test_a_preemption_decided_on_a_moved_state_is_not_carried_out() -> None:
     assert not _still_holds(preempt, moved, {"1": moved, "2": waiting})
     ended = victim.model_copy(update={"state": JobState.SUCCEEDED})
     assert not _still_holds(preempt, ended, {"1": ended, "2": waiting})
+
+
+def test_a_repeated_heartbeat_is_taken_in_without_decoding() -> None:
+    """The bytes of a node's last heartbeat but for its time and sequence: noted (the
+    node's last-seen time moves) with no decoding; anything else is decoded as before."""
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    assert not ingest.repeat("n1", encode(beat(seq=1)), 0.0)  # never heard of
+    first = beat(seq=1)
+    assert ingest.heartbeat(first, 0.0, encode(first)) is not None
+    for seq in range(2, 6):
+        assert ingest.repeat("n1", encode(beat(seq=seq)), float(seq))
+    assert ingest.last_seen_ago("n1", 5.0) == 0.0
+    assert ingest.counts.heartbeats == 5
+    # Another node's subject, another content, a silence: decoded.
+    assert not ingest.repeat("n2", encode(beat(seq=6)), 6.0)
+    assert not ingest.repeat("n1", encode(beat(seq=6, running=(job("3"),))), 6.0)
+    assert not ingest.repeat("n1", encode(beat(seq=6)), 5.0 + TIMEOUT_S + 1.0)
+
+
+@pytest.mark.parametrize(
+    "clock",
+    [
+        b'"ts":"soon","seq":7',
+        b'"ts":1007.0,"seq":-7',
+        b'"ts":1007.0,"seq":07',
+        b'"ts":1007.0,"seq":7.5',
+        b'"ts":NaN,"seq":7',
+        b'"ts":1007.0,"seq":7,"x":1',
+    ],
+)
+def test_a_repeat_with_a_malformed_clock_is_decoded_and_refused(clock: bytes) -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = beat(seq=1)
+    ingest.heartbeat(first, 0.0, encode(first))
+    raw = encode(beat(seq=7)).replace(b'"ts":1007.0,"seq":7', clock)
+    assert raw != encode(beat(seq=7))
+    assert not ingest.repeat("n1", raw, 1.0)
+
+
+def test_after_news_the_loop_could_not_act_on_no_heartbeat_is_a_repeat() -> None:
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = beat(seq=1)
+    ingest.heartbeat(first, 0.0, encode(first))
+    ingest.unsettle("n1")
+    assert not ingest.repeat("n1", encode(beat(seq=2)), 1.0)
+
+
+def test_the_learned_distribution_counts_unfinished_jobs_as_censored() -> None:
+    """Gittins learns from finished jobs and, as censored samples, from the service of
+    jobs still running (to now) or preempted: long jobs tell it something before they end."""
+    from brain.core.distribution import DEFAULT_SERVICE_PRIOR
+    from brain.state import CENSORED_REFRESH_S
+
+    state = BrainState()
+    seq = 0
+
+    def apply(record: JobChanged | NodeChanged) -> None:
+        nonlocal seq
+        seq += 1
+        state.apply(record, seq)
+
+    def with_job(record: JobChanged, **update: object) -> JobChanged:
+        return record.model_copy(update={"job": record.job.model_copy(update=update)})
+
+    apply(_node_changed("a", 0))
+    for job_id, service in (("1", 600.0), ("2", 1200.0)):
+        apply(with_job(_job_on(job_id, "a", (0,), JobState.SUCCEEDED), attained_gpu_seconds=service))
+    running = _job_on("3", "a", (0, 1), JobState.RUNNING)
+    apply(with_job(running, started_at=1000.0, attained_gpu_seconds=5000.0))
+    preempted = _job_on("4", "a", (0,), JobState.PENDING)
+    apply(with_job(preempted, attained_gpu_seconds=9000.0))
+    finished_only = DEFAULT_SERVICE_PRIOR.with_samples([600.0, 1200.0])
+    assert state.service_distribution() == finished_only
+    # Job 3 has run 100 s more on 2 GPUs by now.
+    learned = state.service_distribution(now=1100.0)
+    assert learned == finished_only.with_censored([5200.0, 9000.0])
+    assert learned != finished_only
+    # Kept until a job finishes or the refresh interval passes.
+    assert state.service_distribution(now=1100.0 + CENSORED_REFRESH_S / 2) is learned
+    later = state.service_distribution(now=1100.0 + CENSORED_REFRESH_S)
+    assert later == finished_only.with_censored([5200.0 + 2 * CENSORED_REFRESH_S, 9000.0])

@@ -734,3 +734,26 @@ def test_every_place_and_wait_says_why() -> None:
             assert action.cause.startswith("placed on n0[3]")
         elif isinstance(action, Wait):
             assert "needs 2 GPUs" in action.reason
+
+
+# -- decide(..., waits=False) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["fifo", "priority", "las", "gittins", "srtf", "progress"])
+@pytest.mark.parametrize("guard", [None, 600.0])
+def test_leaving_out_waits_changes_nothing_else(order: str, guard: float | None) -> None:
+    """The simulator's cycles leave out `Wait`s; every other action, in order, and the
+    wake time are what a caller reading waits gets."""
+    from bench.decide_scale import NOW, Size, build_snapshot
+
+    policy = Policy(order=order, starvation_guard_s=guard, relax_locality_after_s=120.0)
+    for seed in range(3):
+        snapshot = build_snapshot(Size("s", 40, 150, 300), seed=seed)
+        # A job backing off after a failure waits too (the retry stage's `Wait`).
+        late = replace(snapshot.pending[0], not_before=NOW + 30.0)
+        snapshot = replace(snapshot, pending=(late, *snapshot.pending[1:]))
+        full = decide(snapshot, NOW, policy)
+        quiet = decide(snapshot, NOW, policy, waits=False)
+        assert any(isinstance(a, Wait) for a in full.actions)
+        assert quiet.actions == tuple(a for a in full.actions if not isinstance(a, Wait))
+        assert quiet.wake_at == full.wake_at

@@ -176,9 +176,11 @@ def test_a_shrink_may_cost_less_than_a_grow() -> None:
 def test_a_resize_outside_the_range_is_a_simulation_error(monkeypatch: pytest.MonkeyPatch) -> None:
     job = TraceJob("1", 2, 0.0, 100.0, min_gpus=2, max_gpus=3)
 
-    def broken(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
+    def broken(
+        snapshot: ClusterSnapshot, now: float, policy: Policy, *, waits: bool = True
+    ) -> Decisions:
         if not snapshot.running:
-            return decide(snapshot, now, policy)
+            return decide(snapshot, now, policy, waits=waits)
         (running,) = snapshot.running
         shrunk = (Grant(running.grants[0].node, running.grants[0].gpus[:1]),)
         return Decisions((Resize("1", shrunk, "below its minimum"),))

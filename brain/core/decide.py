@@ -234,6 +234,11 @@ class _Cycle:
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
     elastic: ElasticStage | None = None
     shares: SharePlacer | None = None
+    # Does any job of the cycle ask a share, a GPU type, CPUs or memory? Without one,
+    # the sharing machinery has nothing to say and is skipped.
+    sharing: bool = True
+    # Whether the caller reads `Wait`s (`decide(..., waits=False)`: the simulator).
+    waits: bool = True
 
     def sharer(self) -> SharePlacer:
         """The placer of jobs with a demand, built when the cycle meets the first."""
@@ -378,61 +383,80 @@ def _select(
     # GPUs that jobs share are not for whole-GPU jobs; a share needs no whole GPU of
     # the budget (its placement says whether it fits), and is never a victim.
     running = cycle.snapshot.running
-    budget = capacity - shared_gpus_held(running)
-    hosts = hosting(running)
+    sharing = cycle.sharing
+    budget = capacity - shared_gpus_held(running) if sharing else capacity
+    hosts = hosting(running) if sharing else frozenset()
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
     elastic = cycle.elastic
     actions = cycle.actions
+    policy = cycle.policy
+    pinned, held_standing = Standing.PINNED, Standing.HELD
+    explain = cycle.waits
     reasons: dict[tuple[int, int, int, str, str | None], str] = {}
     for entry in entries:
         job = entry.ranked.job
-        need = 0 if job.shared else job.gpus if elastic is None else elastic.need(job)
+        need = 0 if sharing and job.shared else job.gpus if elastic is None else elastic.need(job)
         if job.grants:
-            if job.shared or job.job_id in hosts:
+            if sharing and (job.shared or job.job_id in hosts):
                 # Never victims (shares, and whole-GPU jobs with shares beside them).
                 budget = max(0, budget - need)
                 if elastic is not None:
                     elastic.select(job, need)
-            elif need <= budget or entry.standing is Standing.PINNED:
+            elif need <= budget or entry.standing is pinned:
                 budget -= need
                 if elastic is not None:
                     elastic.select(job, need)
             else:
                 victims.append(entry)
             continue
-        held = entry.standing is Standing.HELD
+        held = entry.standing is held_standing
         if need <= budget and blocked_by is None and need <= capacity and not held:
             budget -= need
             if elastic is not None:
                 elastic.select(job, need)
             to_place.append(entry)
             continue
-        # Everything the reason says, bar a held job's queue (which has its own).
-        key = (need, job.gpus, max(budget, 0), entry.ranked.label, blocked_by)
-        wait = None if held else reasons.get(key)
-        if wait is None:
-            wait = _pending_wait_reason(entry, need, capacity, budget, blocked_by, cycle.policy)
-            assert wait is not None  # it does not fit: there is a reason
-            if not held:
-                reasons[key] = wait
-        actions.append(Wait(job.job_id, wait))
+        if explain:
+            actions.append(_wait(entry, need, capacity, budget, blocked_by, policy, reasons))
         # A starving job that cannot start yet reserves the GPUs that free up: no
         # job behind it may backfill them, or it could wait forever.
-        blocks = head_of_line_blocking or entry.starving
         if (
-            blocks
+            (head_of_line_blocking or entry.starving)
             and blocked_by is None
             and need <= capacity
-            and entry.standing is not Standing.HELD
+            and not held
         ):
-            why = "starvation guard" if entry.starving else cycle.policy.order
+            why = "starvation guard" if entry.starving else policy.order
             # Deliberately not naming the blocker: the head changes at every
             # placement, and a reason that changes is journaled again for every
             # waiting job (quadratic churn in the log).
             blocked_by = f"an earlier job that does not fit yet ({why})"
     return to_place, victims
+
+
+def _wait(
+    entry: _Entry,
+    need: int,
+    capacity: int,
+    budget: int,
+    blocked_by: str | None,
+    policy: Policy,
+    reasons: dict[tuple[int, int, int, str, str | None], str],
+) -> Wait:
+    """A selected-out job's `Wait`; `reasons` keeps those built this cycle, by what
+    they say (bar a held job's queue, which has its own)."""
+    job = entry.ranked.job
+    held = entry.standing is Standing.HELD
+    key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by)
+    reason = None if held else reasons.get(key)
+    if reason is None:
+        reason = _pending_wait_reason(entry, need, capacity, budget, blocked_by, policy)
+        assert reason is not None  # it does not fit: there is a reason
+        if not held:
+            reasons[key] = reason
+    return Wait(job.job_id, reason)
 
 
 def _pending_wait_reason(
@@ -472,15 +496,22 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     ledger = cycle.ledger
     policy = cycle.policy
     victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
+    sharing = cycle.sharing
+    # Requests and notes repeat: most jobs of a cycle ask alike and rank alike.
+    requests: dict[tuple[int, bool], PlacementRequest] = {}
+    notes: dict[tuple[str, bool, Standing, str], tuple[str, ...]] = {}
     for entry in to_place:
         job = entry.ranked.job
-        request = PlacementRequest(cycle.size(job), _may_spread(job, cycle.now, policy))
+        asked = (cycle.size(job), _may_spread(job, cycle.now, policy))
+        request = requests.get(asked)
+        if request is None:
+            request = requests[asked] = PlacementRequest(*asked)
         # No placement fits a gang while fewer GPUs than it needs are free: with victims
         # left to release, release them first (below) rather than ask for a reason
         # nobody will read.
         doomed = (
             elastic is None
-            and not job.shared
+            and not (sharing and job.shared)
             and ledger.total_free() < request.gpus
             and next_victim < len(unreleased)
         )
@@ -510,23 +541,40 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             # What is left, down to its minimum.
             result = elastic.place(job, ledger, partial=True)
         if isinstance(result, Fit):
-            grants = result.grants
-            ledger.take(grants if result.takes is None else result.takes)
-            if job.demand is not None:
-                cycle.sharer().placed(job, grants)
-            cycle.placed.append((entry, grants))
-            extra: tuple[str, ...] = ()
-            if job.demand is not None:
-                colocated = cycle.sharer().colocated_with(grants)
-                extra = (describe_demand(job, policy.share_placement),)
-                extra += (colocated,) if colocated is not None else ()
-            why = Placed(grants, _place_notes(entry, policy), extra)
-            cycle.actions.append(Place(job.job_id, grants, why.describe(), why, result.takes))
+            _placed(cycle, entry, result, notes)
             continue
-        cycle.actions.append(Wait(job.job_id, result.reason))
+        if cycle.waits:
+            cycle.actions.append(Wait(job.job_id, result.reason))
         if not request.may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + policy.relax_locality_after_s)
     return released
+
+
+def _placed(
+    cycle: _Cycle,
+    entry: _Entry,
+    fit: Fit,
+    notes: dict[tuple[str, bool, Standing, str], tuple[str, ...]],
+) -> None:
+    """Take a placement's GPUs and say why; `notes` keeps the cycle's note tuples by
+    what they say (most placements of a cycle are noted alike)."""
+    job = entry.ranked.job
+    grants = fit.grants
+    cycle.ledger.take(grants if fit.takes is None else fit.takes)
+    cycle.placed.append((entry, grants))
+    extra: tuple[str, ...] = ()
+    if job.demand is not None:
+        sharer = cycle.sharer()
+        sharer.placed(job, grants)
+        colocated = sharer.colocated_with(grants)
+        extra = (describe_demand(job, cycle.policy.share_placement),)
+        extra += (colocated,) if colocated is not None else ()
+    said = (entry.ranked.label, entry.starving, entry.standing, job.queue)
+    noted = notes.get(said)
+    if noted is None:
+        noted = notes[said] = _place_notes(entry, cycle.policy)
+    why = Placed(grants, noted, extra)
+    cycle.actions.append(Place(job.job_id, grants, why.describe(), why, fit.takes))
 
 
 def _try_place(cycle: _Cycle, request: PlacementRequest, job: JobView) -> PlacementResult:
@@ -574,27 +622,33 @@ def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _winners_by_gpu(cycle: _Cycle) -> dict[tuple[str, int], int]:
-    """Each GPU placed in this cycle, and the index in `cycle.placed` of the first
-    placement that took it: one pass over the placements, for every victim's cause."""
-    taken: dict[tuple[str, int], int] = {}
+def _winners_by_gpu(cycle: _Cycle) -> dict[str, dict[int, int]]:
+    """Each GPU placed in this cycle, by node, and the index in `cycle.placed` of the
+    first placement that took it: one pass over the placements, for every victim's
+    cause."""
+    taken: dict[str, dict[int, int]] = {}
     for index, (_, grants) in enumerate(cycle.placed):
         for grant in grants:
+            on_node = taken.get(grant.node)
+            if on_node is None:
+                on_node = taken[grant.node] = {}
             for gpu in grant.gpus:
-                taken.setdefault((grant.node, gpu), index)
+                on_node.setdefault(gpu, index)
     return taken
 
 
 def _preempt_cause(
-    victim: _Entry, cycle: _Cycle, winners: dict[tuple[str, int], int]
+    victim: _Entry, cycle: _Cycle, winners: dict[str, dict[int, int]]
 ) -> PreemptCause:
     # The first placement that took one of the victim's GPUs; else the cycle's first.
     placed = cycle.placed
     first = len(placed)
     for grant in victim.ranked.job.grants:
-        node = grant.node
+        on_node = winners.get(grant.node)
+        if on_node is None:
+            continue
         for gpu in grant.gpus:
-            index = winners.get((node, gpu), first)
+            index = on_node.get(gpu, first)
             if index < first:
                 first = index
     winner = placed[first if first < len(placed) else 0][0] if placed else victim
@@ -608,13 +662,14 @@ def _preempt_cause(
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
     # Best-ranked victims first: if their GPUs are still free, they simply keep them.
     winners = _winners_by_gpu(cycle) if released else {}
+    ledger = cycle.ledger
+    preemptions = cycle.preemptions
     for victim in reversed(released):
-        if cycle.ledger.all_free(victim.job.grants):
-            cycle.ledger.take(victim.job.grants)
+        job = victim.ranked.job
+        if ledger.all_free(job.grants):
+            ledger.take(job.grants)
             continue
-        cycle.preemptions.append(
-            Preempt(victim.job.job_id, victim.job.grants, _preempt_cause(victim, cycle, winners))
-        )
+        preemptions.append(Preempt(job.job_id, job.grants, _preempt_cause(victim, cycle, winners)))
 
 
 def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
@@ -644,8 +699,14 @@ def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
     return [t for t in (*times, *asked.values()) if t is not None]
 
 
-def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY) -> Decisions:
+def decide(
+    snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY, *, waits: bool = True
+) -> Decisions:
     """The cycle's decisions for `snapshot` at `now` under `policy`.
+
+    `waits=False` leaves out the `Wait` of every job that stays pending, and nothing
+    else: for a caller that acts on none (the simulator), whose cycles would otherwise
+    spend much of their time explaining why queued jobs still queue.
 
     The cyclic garbage collector is paused while it runs (and left as it was found):
     a cycle allocates a few objects per job, nearly all freed by reference counting
@@ -653,7 +714,7 @@ def decide(snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLIC
     (generation 2 walks the whole snapshot) were a third to a half of its time. It
     creates no reference cycles, so nothing is left for the collector to find."""
     with collector_paused():
-        return _decide(snapshot, now, policy)
+        return _decide(snapshot, now, policy, waits)
 
 
 def _check_sizes(jobs: Sequence[JobView]) -> None:
@@ -664,13 +725,17 @@ def _check_sizes(jobs: Sequence[JobView]) -> None:
         raise InvalidSnapshot(f"job {bad.job_id} asks for {bad.gpus} GPUs")
 
 
+def _any_demand(jobs: Sequence[JobView]) -> bool:
+    return any(job.demand is not None for job in jobs)
+
+
 def any_elastic(snapshot: ClusterSnapshot) -> bool:
     """Does any job of the snapshot run or wait elastically? Without one, the
     elasticity stage changes nothing, and does not run."""
     return any(j.elastic for j in snapshot.running) or any(j.elastic for j in snapshot.pending)
 
 
-def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
+def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
     hold = PREEMPTIONS.get(policy.preemption)
@@ -706,8 +771,11 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
     _check_sizes(jobs)
     ordered = order(jobs, context)
     ledger = FreeGpus(snapshot.nodes)
-    cycle = _Cycle(snapshot, now, policy, place, ledger, elastic=stage)
-    cycle.actions.extend(backoff_waits)
+    cycle = _Cycle(
+        snapshot, now, policy, place, ledger, elastic=stage, sharing=_any_demand(jobs), waits=waits
+    )
+    if waits:
+        cycle.actions.extend(backoff_waits)
     entries = _entries(ordered, snapshot, jobs, now, policy, hold)
     if stage is not None:
         entries.sort(key=_elastic_key)
@@ -722,8 +790,9 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> Decisions:
         stage.plan(ledger.total_capacity())
     released = _place_all(cycle, to_place, victims)
     _settle_victims(cycle, released)
-    # Shares on a shareable job's GPU that is running out of memory move off it.
-    cycle.preemptions.extend(memory_pressure(snapshot))
+    if cycle.sharing:
+        # Shares on a shareable job's GPU that is running out of memory move off it.
+        cycle.preemptions.extend(memory_pressure(snapshot))
     shrinks: list[Resize] = []
     grows: list[Resize] = []
     if stage is not None:

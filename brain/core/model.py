@@ -7,14 +7,16 @@ other. Everything here is immutable.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Literal
 
 from brain.core.distribution import ServiceDistribution
+from brain.core.record import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Grant:
     """GPUs of one node given to a job."""
 
@@ -22,7 +24,7 @@ class Grant:
     gpus: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NodeView:
     name: str
     # GPUs the scheduler may use (healthy, not drained), and those of them not allocated.
@@ -39,7 +41,7 @@ class NodeView:
     memory_mib: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Demand:
     """What a job asks beyond whole GPUs: a share of one GPU (`gpu_milli` < 1000), GPU
     memory per GPU, allowed GPU models, CPUs and memory on its node. A job with a
@@ -62,7 +64,7 @@ class Demand:
 JobClass = Literal["build", "train"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class QueueQuota:
     """A queue's share of the cluster (Run:ai): GPUs it is guaranteed, and its class.
 
@@ -75,7 +77,7 @@ class QueueQuota:
     job_class: JobClass = "train"
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class UtilizationProfile:
     """What a running job does with the GPUs it holds, from its telemetry (brain/profiles.py).
 
@@ -96,7 +98,7 @@ class UtilizationProfile:
     idle_gpus: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Measured:
     """A job's throughput at one world size, from its progress reports."""
 
@@ -114,7 +116,7 @@ class Measured:
         return math.isfinite(self.rel_error)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class JobView:
     job_id: str
     gpus: int
@@ -205,7 +207,7 @@ class JobView:
         return self.submitted_at if self.pending_since is None else self.pending_since
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class ClusterSnapshot:
     nodes: tuple[NodeView, ...]
     pending: tuple[JobView, ...]
@@ -219,10 +221,20 @@ class ClusterSnapshot:
 
 def describe_grants(grants: tuple[Grant, ...]) -> str:
     """`node0[0,1], node1[3]`: where a job's GPUs are, for an operator."""
-    return ", ".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in grants)
+    if len(grants) == 1:
+        grant = grants[0]
+        return f"{grant.node}[{_gpu_list(grant.gpus)}]"
+    return ", ".join(f"{g.node}[{_gpu_list(g.gpus)}]" for g in grants)
 
 
-@dataclass(frozen=True, slots=True)
+@functools.lru_cache(maxsize=1 << 12)
+def _gpu_list(gpus: tuple[int, ...]) -> str:
+    """`0,1`: a grant's GPU indexes. Cached: a cycle describes thousands of grants, and
+    a node's GPUs come in few combinations."""
+    return ",".join(map(str, gpus))
+
+
+@record
 class Placed:
     """Why a job was placed where it was: the GPUs, and the notes of each stage that
     had a say (the order and its rank, a guard, a quota, the elasticity stage)."""
@@ -237,7 +249,7 @@ class Placed:
         return "; ".join((text, *self.extra))
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Place:
     """Start a pending job on these GPUs (a gang: every grant or none). `cause` is what
     the shell records; `why`, when the core built it, the typed value it describes."""
@@ -253,7 +265,7 @@ class Place:
     takes: tuple[Grant, ...] | None = field(default=None, repr=False)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Wait:
     """The job stays pending; `reason` tells its owner why."""
 
@@ -261,7 +273,7 @@ class Wait:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class QuotaReclaim:
     """A queue needed GPUs within its guarantee that an over-quota job had borrowed."""
 
@@ -276,7 +288,7 @@ class QuotaReclaim:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Outranked:
     """A job ranked ahead by the queue order needed the GPUs."""
 
@@ -292,7 +304,7 @@ class Outranked:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class MemoryPressure:
     """A share co-located on a shareable job's GPU is moved off before the GPU runs out
     of memory: the GPU's forecast memory (the host job's profile, which counts every
@@ -315,7 +327,7 @@ class MemoryPressure:
 PreemptCause = QuotaReclaim | Outranked | MemoryPressure
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Preempt:
     """Stop a running job and requeue it pending; it keeps its attained service and
     resumes later (from its checkpoint) when it is placed again."""
@@ -329,7 +341,7 @@ class Preempt:
         return self.cause.describe()
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class SetServiceLevel:
     """The job moved to another LAS band; the shell stores `level` and `since` on the
     job and reports them back in its `JobView`."""
@@ -340,7 +352,7 @@ class SetServiceLevel:
     cause: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Resize:
     """Change a running elastic job's size (staged: the shell commits it when the job's
     supervisor acknowledges). `grants` are the job's whole grants after the resize: a
@@ -361,7 +373,7 @@ class Resize:
 Action = Place | Wait | Preempt | SetServiceLevel | Resize
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Decisions:
     actions: tuple[Action, ...] = field(default=())
     # Call `decide` again no later than this (a LAS threshold crossing, a locality

@@ -209,12 +209,14 @@ def _las(
     changes: list[SetServiceLevel] = []
     thresholds = context.las_thresholds_gpu_s
     now = context.now
-    labels = [f"las band {level}" for level in range(len(thresholds) + 1)]
-    levels = [float(level) for level in range(len(thresholds) + 1)]
+    last = len(thresholds)
+    labels = [f"las band {level}" for level in range(last + 1)]
+    levels = [float(level) for level in range(last + 1)]
     wakes: list[float] = []
+    # This loop runs once per job per cycle: `_band` is inlined, and look-ups hoisted.
+    band_of, add, new = bisect.bisect_right, ranked.append, tuple.__new__
     for job in jobs:
-        # `_band`, inlined: this loop runs once per job per cycle.
-        level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
+        level = band_of(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
         if level == job.service_level:
             since = job.submitted_at if job.service_level_since is None else job.service_level_since
         else:
@@ -222,8 +224,9 @@ def _las(
             if band.change is not None:
                 changes.append(band.change)
             since = band.since
-        ranked.append(Ranked(job, within(job, levels[level], since, now), labels[level]))
-        if job.grants and level < len(thresholds):
+        # `Ranked(...)`, without the named tuple's Python-level constructor.
+        add(new(Ranked, (job, within(job, levels[level], since, now), labels[level])))
+        if level < last and job.grants:
             wake = crossing(job, job.grants, thresholds, now)
             if wake is not None:
                 wakes.append(wake)

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Final
 
 from brain.core.model import Grant, NodeView
+from brain.core.record import record
 
 
 class _Buckets:
@@ -268,7 +268,7 @@ class FreeGpus:
         return view
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Fit:
     grants: tuple[Grant, ...]
     # What to take from the free ledger, when not every GPU of `grants`: a share on a
@@ -276,7 +276,7 @@ class Fit:
     takes: tuple[Grant, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class NoFit:
     reason: str
 
@@ -284,7 +284,7 @@ class NoFit:
 PlacementResult = Fit | NoFit
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class PlacementRequest:
     gpus: int
     # False: only the preferred locality (fewest nodes under one switch) will do.

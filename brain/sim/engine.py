@@ -498,7 +498,7 @@ class _Replay:
         if job.view is not None and job.phase is _Phase.PENDING:
             return job.view
         spec = job.spec
-        progress = self._progress(job)
+        progress = self._progress(job) if self.report_progress else None
         view = JobView(
             job_id=spec.job_id,
             gpus=spec.gpus,
@@ -517,7 +517,9 @@ class _Replay:
             progress_rate_per_s=None if progress is None else self._progress_rate(job),
             min_gpus=spec.min_gpus,
             max_gpus=spec.max_gpus,
-            throughput=tuple(job.observed[size] for size in sorted(job.observed)),
+            throughput=(
+                tuple(job.observed[size] for size in sorted(job.observed)) if job.observed else ()
+            ),
             last_resize_at=job.last_resize_at,
             last_resize_s=job.last_resize_s,
             gain_ceiling=job.gain_ceiling,
@@ -774,7 +776,7 @@ def simulate(
         replay.arrive()
         replay.learn_unfinished()
         replay.decide_calls += 1
-        replay.apply(decide(replay.snapshot(), replay.now, policy))
+        replay.apply(decide(replay.snapshot(), replay.now, policy, waits=False))
         if on_progress is not None and replay.finished != before:
             on_progress(replay.finished, total)
     outcomes = tuple(
