@@ -9,6 +9,11 @@ shares held and the CPUs and memory reserved (by running jobs and by those place
 earlier in the cycle), and asks the policy's sharing plugin. A job with a demand runs
 on one node. Jobs without one never come here: whole-GPU placement is unchanged.
 
+A shared GPU serves one tenant (MPS serves one Unix user at a time, and confined jobs
+run as their tenant's user): each GPU that shares or a shareable job with room hold is
+bound, in the ledger, to their `JobView.tenant`, and a share goes only onto a GPU of its
+own tenant or one that no share holds.
+
 Also what the brain refuses at submission: a demand no registered node could ever
 satisfy (`never_fits`). Pure: no I/O, no clock.
 """
