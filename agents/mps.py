@@ -291,6 +291,22 @@ class MpsDaemons:
                 os.chown(directory, os.geteuid(), gid)
                 directory.chmod(mode)
 
+    def _check_reach(self, daemon: _Daemon) -> None:
+        """Refuse, naming the directory, when the daemon's user could not reach its pipe
+        or log directory (its clients could never reach the server)."""
+        user = daemon.user
+        if user is None:
+            return
+        for directory in (daemon.pipe_dir, daemon.log_dir):
+            blocked = out_of_reach(directory, user)
+            if blocked is not None:
+                raise MpsError(
+                    daemon.index,
+                    f"{directory} is out of reach of user {user.name} "
+                    f"(uid {user.uid}, gid {user.gid}): it cannot "
+                    f"{'use' if blocked == directory else 'pass through'} {blocked}",
+                )
+
     async def _start(self, daemon: _Daemon) -> None:
         try:
             self._lay_out(daemon)
@@ -298,6 +314,7 @@ class MpsDaemons:
             raise MpsError(
                 daemon.index, f"cannot lay out {daemon.pipe_dir.parent}: {error}"
             ) from None
+        self._check_reach(daemon)  # before a daemon its user's clients could not reach
         # Not in `log`, where the share's user may write: the agent appends to this.
         start_log = daemon.pipe_dir.parent / "start.log"
         status, out = await self._control(daemon, "-d", output=start_log)
@@ -318,24 +335,21 @@ class MpsDaemons:
             # Its last share has ended: the daemon starts again for the new user.
             await self.release(index)
             daemon = None
+        created = daemon is None
         if daemon is None:
             gpu_dir = self._root / f"gpu{index}"
             daemon = _Daemon(index, uuid, gpu_dir / "pipe", gpu_dir / "log", user)
             self._daemons[index] = daemon
         async with daemon.lock:
-            if not await self._alive(daemon):
-                await self._start(daemon)
-                daemon.problem = None
-        if user is not None:
-            for directory in (daemon.pipe_dir, daemon.log_dir):
-                blocked = out_of_reach(directory, user)
-                if blocked is not None:
-                    raise MpsError(
-                        index,
-                        f"{directory} is out of reach of user {user.name} "
-                        f"(uid {user.uid}, gid {user.gid}): it cannot "
-                        f"{'use' if blocked == directory else 'pass through'} {blocked}",
-                    )
+            try:
+                if not await self._alive(daemon):
+                    await self._start(daemon)
+                    daemon.problem = None
+                self._check_reach(daemon)
+            except MpsError:
+                if created:  # no share runs there: nothing for `check` to restart
+                    self._daemons.pop(index, None)
+                raise
         return {**daemon.env(), "CUDA_VISIBLE_DEVICES": uuid, SHARE_ENFORCED_ENV: "1"}
 
     async def release(self, index: int) -> None:

@@ -30,7 +30,8 @@ import pytest
 from agents.agent import Agent
 from agents.mps import Accounted, MpsDaemons, MpsError, ShareUser, out_of_reach, share_env
 from cli.client import submit
-from schemas.jobs import JobSpec, JobState
+from schemas.jobs import FailureClass, JobSpec, JobState
+from tests.conftest import eventually
 from tests.test_confine import (
     JOB_PYTHON,
     _finished,
@@ -255,6 +256,9 @@ async def test_a_share_whose_user_cannot_reach_the_pipe_is_refused_naming_it(
             f"GPU 0: MPS: {root / 'gpu0' / 'pipe'} is out of reach of user a "
             f"(uid 60001, gid 60001): it cannot pass through {private}"
         )
+        assert not (root / "gpu0" / "pipe" / "daemon.pid").exists()  # refused before it
+        await daemons.check()  # and not started behind the refusal's back
+        assert not (root / "gpu0" / "pipe" / "daemon.pid").exists()
     finally:
         with contextlib.suppress(OSError, ValueError):
             _kill(_daemon_pid(root, 0))
@@ -349,3 +353,34 @@ async def test_a_confined_share_runs_as_its_tenant_and_reaches_its_gpus_pipe(
             "threads": "50",
             "enforced": "1",
         }
+
+
+@pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+@pytest.mark.timeout(120)
+async def test_a_confined_share_whose_user_cannot_reach_the_pipe_is_refused_naming_it(
+    secure_server, keys, users, place, cgroup_parent
+) -> None:
+    """The agent refuses the launch, naming the directory, instead of starting a share
+    whose MPS client could never reach its server."""
+    binary = _stand_in(place)
+    private = place / "private"
+    private.mkdir(mode=0o700)
+
+    def with_mps(agent: Agent) -> None:
+        agent.shares = MpsDaemons(private / "mps", binary=str(binary))
+
+    ids = keys[0]
+    async with confined_cluster(
+        secure_server, ids, users, place, cgroup_parent, on_agent=with_mps
+    ) as (brain, a):
+        job = await submit(a, "a", JobSpec(command=_python("print('ran')"), gpus=1, gpu_milli=500))
+        (failure, *_) = await eventually(lambda: brain.state.jobs[job.job_id].failures)
+        assert failure.reason == (
+            f"launch failed on n1: GPU 0: MPS: {private / 'mps' / 'gpu0' / 'pipe'} is out of "
+            f"reach of user {users['a'].pw_name} (uid {users['a'].pw_uid}, gid "
+            f"{users['a'].pw_gid}): it cannot pass through {private}"
+        )
+        assert failure.failure_class is FailureClass.INFRASTRUCTURE  # another node may do
+        assert brain.state.jobs[job.job_id].started_at is None
+    # Refused before any daemon started.
+    assert not list(private.glob("mps/gpu*/pipe/daemon.pid"))
