@@ -36,7 +36,7 @@ from agents.health import (
 )
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
 from agents.logserve import LogServer
-from agents.mps import MpsError, ShareEnforcer, enforcer_for, share_env
+from agents.mps import MpsError, ShareEnforcer, ShareUser, enforcer_for, share_env
 from agents.orphans import Leftover, ProcessLedger, stop_leftovers
 from bus.client import Bus, Consumer
 from bus.ping import round_trip
@@ -150,10 +150,14 @@ class Agent:
         # GPUs the share enforcer was asked to prepare and has not released.
         self._shared_gpus: set[int] = set()
         # What runs shared GPUs' jobs: MPS daemons on real GPUs, accounting alone on
-        # simulated ones (agents/mps.py).
-        self.shares: ShareEnforcer = enforcer_for(
-            backend.kind, config.node, config.data_dir / "mps"
+        # simulated ones (agents/mps.py). Confined, their pipes live beside the jobs'
+        # private directories, which every job's user may pass through to.
+        mps_root = (
+            config.data_dir / "mps"
+            if config.confinement is None
+            else config.confinement.runtime_root / "mps"
         )
+        self.shares: ShareEnforcer = enforcer_for(backend.kind, config.node, mps_root)
         self.logs = LogServer(
             config.node,
             config.data_dir / "logs",
@@ -453,12 +457,19 @@ class Agent:
 
     async def _share_env(self, command: Launch) -> tuple[dict[str, str], str | None]:
         """A share's environment (MPS limits; the daemon's pipe), and how it names its
-        GPU. Raises MpsError when the GPU's daemon cannot run."""
+        GPU. Raises MpsError when the GPU's daemon cannot run, serves another user's
+        shares or is out of the share's user's reach; ConfineError when the tenant has
+        no user here."""
         assert command.gpu_milli is not None
         gpu = command.gpus[0]
         uuid_ = next((g.uuid for g in self.backend.inventory() if g.index == gpu), str(gpu))
         env = share_env(command.gpu_milli, command.gpu_memory_mib)
-        env.update(await self.shares.prepare(gpu, uuid_))
+        user = None
+        if self.config.confinement is not None:
+            job_user = self.config.confinement.user_for(command.tenant)
+            user = ShareUser(job_user.name, job_user.uid, job_user.gid)
+        alone = not any(gpu in p.gpus for p in self.launcher.shares())
+        env.update(await self.shares.prepare(gpu, uuid_, user, alone=alone))
         self._shared_gpus.add(gpu)
         return env, env.pop("CUDA_VISIBLE_DEVICES", None)
 
@@ -571,6 +582,9 @@ class Agent:
                 share, visible = await self._share_env(command)
             except MpsError as error:
                 await self._launch_failed(command, str(error), retryable=True)
+                return
+            except ConfineError as error:
+                await self._launch_failed(command, error.reason, retryable=error.retryable)
                 return
             env.update(share)
         self._fence_after[(command.job_id, command.attempt)] = (

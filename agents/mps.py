@@ -10,10 +10,24 @@ quit once no share runs on the GPU. Each job gets its share as
 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, and sees its GPU by UUID (MPS numbers a client's
 devices among the server's).
 
+An MPS control daemon serves one Unix user at a time: a client of another user waits
+until the first user's MPS server exits. Under confinement each tenant's jobs run as
+the tenant's own user (agents/confine.py), so a shared GPU serves one user: the brain
+places only one tenant's shares on a GPU (brain/core/sharing.py), and here a share of
+another user is refused while the GPU's shares run (`MpsError`, naming both), instead
+of hanging; once none runs, the daemon is restarted for the new user. The GPU's pipe
+and log directories (the MPS server, which runs as the client's user, writes there
+too) belong to that user's group alone (root-owned, group `rwx`, no access for
+others), and are emptied when the user changes; unconfined, they are the agent's
+alone (0700). Before a share starts, the agent checks that its user can reach both,
+every directory on the way included, and refuses it naming the directory that stops
+it (`out_of_reach`).
+
 Simulated GPUs get the same environment and the same accounting (shares, memory
-limits, per-process memory, a job over its limit stopped), but no daemon: nothing
-limits a process there, and the agent says so (`ALNAIR_GPU_SHARE_ENFORCED=0` in the
-job's environment, `enforcement: accounted` in the heartbeat, and its log).
+limits, per-process memory, a job over its limit stopped, one user per GPU), but no
+daemon: nothing limits a process there, and the agent says so
+(`ALNAIR_GPU_SHARE_ENFORCED=0` in the job's environment, `enforcement: accounted` in
+the heartbeat, and its log).
 
 This module owns the MPS daemons and the share environment; it does not decide who
 shares what (the brain does) and does not start or stop jobs (the launcher does).
@@ -22,6 +36,7 @@ shares what (the brain does) and does not start or stop jobs (the launcher does)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -44,6 +59,43 @@ NOT_ENFORCED: Final = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class ShareUser:
+    """The Unix user (and the one group: confined jobs drop every other) a share runs
+    as. None in its place: unconfined, the agent's own user."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+def _who(user: ShareUser | None) -> str:
+    return "the agent's own user" if user is None else f"user {user.name}"
+
+
+def out_of_reach(path: Path, user: ShareUser) -> Path | None:
+    """The first directory on the way to `path` that this user (with its one group)
+    cannot pass through, or `path` itself if it cannot read, write and enter it; None
+    when it can. From the permission bits (access control lists are not read)."""
+    if user.uid == 0:
+        return None
+    for directory in (*reversed(path.parents), path):
+        need = 0o7 if directory == path else 0o1
+        try:
+            info = directory.stat()
+        except OSError:
+            return directory
+        if info.st_uid == user.uid:
+            bits = info.st_mode >> 6
+        elif info.st_gid == user.gid:
+            bits = info.st_mode >> 3
+        else:
+            bits = info.st_mode
+        if bits & need != need:
+            return directory
+    return None
+
+
 def share_env(gpu_milli: int, gpu_memory_mib: int | None) -> dict[str, str]:
     """The MPS client limits of a job with this share of its one GPU: its share of the
     GPU's threads (percent, rounded up: MPS takes whole percents), and its memory on
@@ -63,9 +115,13 @@ class ShareEnforcer(Protocol):
     @property
     def enforcement(self) -> Literal["mps", "accounted"]: ...
 
-    async def prepare(self, index: int, uuid: str) -> dict[str, str]:
-        """Ready GPU `index` for a share; the environment a job on it needs (beyond
-        `share_env`). Raises `MpsError` when it cannot."""
+    async def prepare(
+        self, index: int, uuid: str, user: ShareUser | None = None, *, alone: bool = True
+    ) -> dict[str, str]:
+        """Ready GPU `index` for a share run as `user`; the environment a job on it
+        needs (beyond `share_env`). `alone`: no other share runs on the GPU now. Raises
+        `MpsError` when it cannot: the GPU serves another user's shares, its daemon
+        cannot run, or `user` cannot reach its pipe."""
         ...
 
     async def release(self, index: int) -> None:
@@ -90,6 +146,13 @@ class MpsError(Exception):
         self.reason = reason
 
 
+def one_user_only(serving: ShareUser | None, asking: ShareUser | None) -> str:
+    return (
+        f"serves {_who(serving)}'s shares; an MPS daemon serves one Unix user at a time, "
+        f"so a share of {_who(asking)} would wait until they end"
+    )
+
+
 class Accounted:
     """Simulated GPUs: no daemon; says, once per GPU, that nothing is enforced."""
 
@@ -98,8 +161,15 @@ class Accounted:
     def __init__(self, node: str) -> None:
         self._node = node
         self._said: set[int] = set()
+        # The user each shared GPU serves, as MPS would.
+        self._users: dict[int, ShareUser | None] = {}
 
-    async def prepare(self, index: int, uuid: str) -> dict[str, str]:
+    async def prepare(
+        self, index: int, uuid: str, user: ShareUser | None = None, *, alone: bool = True
+    ) -> dict[str, str]:
+        if index in self._users and self._users[index] != user and not alone:
+            raise MpsError(index, one_user_only(self._users[index], user))
+        self._users[index] = user
         if index not in self._said:
             self._said.add(index)
             log.warning("%s: GPU %d is shared: %s", self._node, index, NOT_ENFORCED)
@@ -107,6 +177,7 @@ class Accounted:
 
     async def release(self, index: int) -> None:
         self._said.discard(index)
+        self._users.pop(index, None)
 
     async def check(self) -> None:
         return None
@@ -124,6 +195,8 @@ class _Daemon:
     uuid: str
     pipe_dir: Path
     log_dir: Path
+    # Whose shares it serves (None: the agent's own user's).
+    user: ShareUser | None = None
     restarts: int = 0
     problem: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -190,26 +263,93 @@ class MpsDaemons:
             return False
         return status == 0
 
+    def _lay_out(self, daemon: _Daemon) -> None:
+        """The GPU's directories, for its user alone: `gpu<i>` enterable, and `pipe`
+        and `log` writable, by that user's group (the agent is root when it confines)
+        or by the agent's user only (unconfined). What another user's server left
+        there is removed first."""
+        gpu_dir = daemon.pipe_dir.parent
+        self._root.mkdir(parents=True, exist_ok=True)
+        user = daemon.user
+        gid = os.getegid() if user is None else user.gid
+        with contextlib.suppress(FileNotFoundError):
+            if gpu_dir.stat().st_gid != gid:
+                shutil.rmtree(gpu_dir)
+        if user is not None:
+            self._root.chmod(0o711)  # every GPU's users pass through to their own
+        # In `pipe` and `log` the user's group writes (its MPS server runs as the user),
+        # and what it creates stays the group's.
+        for directory, mode in (
+            (gpu_dir, 0o710),
+            (daemon.pipe_dir, 0o2770),
+            (daemon.log_dir, 0o2770),
+        ):
+            directory.mkdir(exist_ok=True)
+            if user is None:
+                directory.chmod(0o700)
+            else:
+                os.chown(directory, os.geteuid(), gid)
+                directory.chmod(mode)
+
+    def _check_reach(self, daemon: _Daemon) -> None:
+        """Refuse, naming the directory, when the daemon's user could not reach its pipe
+        or log directory (its clients could never reach the server)."""
+        user = daemon.user
+        if user is None:
+            return
+        for directory in (daemon.pipe_dir, daemon.log_dir):
+            blocked = out_of_reach(directory, user)
+            if blocked is not None:
+                raise MpsError(
+                    daemon.index,
+                    f"{directory} is out of reach of user {user.name} "
+                    f"(uid {user.uid}, gid {user.gid}): it cannot "
+                    f"{'use' if blocked == directory else 'pass through'} {blocked}",
+                )
+
     async def _start(self, daemon: _Daemon) -> None:
-        daemon.pipe_dir.mkdir(parents=True, exist_ok=True)
-        daemon.log_dir.mkdir(parents=True, exist_ok=True)
-        status, out = await self._control(daemon, "-d", output=daemon.log_dir / "start.log")
+        try:
+            self._lay_out(daemon)
+        except OSError as error:
+            raise MpsError(
+                daemon.index, f"cannot lay out {daemon.pipe_dir.parent}: {error}"
+            ) from None
+        self._check_reach(daemon)  # before a daemon its user's clients could not reach
+        # Not in `log`, where the share's user may write: the agent appends to this.
+        start_log = daemon.pipe_dir.parent / "start.log"
+        status, out = await self._control(daemon, "-d", output=start_log)
         if status != 0 or not await self._alive(daemon):
             tail = out.splitlines()[-1] if out else f"exit status {status}"
             raise MpsError(daemon.index, f"control daemon did not start: {tail}")
         log.info("GPU %d: MPS control daemon started (pipe %s)", daemon.index, daemon.pipe_dir)
 
-    async def prepare(self, index: int, uuid: str) -> dict[str, str]:
+    async def prepare(
+        self, index: int, uuid: str, user: ShareUser | None = None, *, alone: bool = True
+    ) -> dict[str, str]:
         if shutil.which(self._binary) is None:
             raise MpsError(index, f"{self._binary} is not installed")
         daemon = self._daemons.get(index)
+        if daemon is not None and daemon.user != user:
+            if not alone:
+                raise MpsError(index, one_user_only(daemon.user, user))
+            # Its last share has ended: the daemon starts again for the new user.
+            await self.release(index)
+            daemon = None
+        created = daemon is None
         if daemon is None:
             gpu_dir = self._root / f"gpu{index}"
-            daemon = self._daemons[index] = _Daemon(index, uuid, gpu_dir / "pipe", gpu_dir / "log")
+            daemon = _Daemon(index, uuid, gpu_dir / "pipe", gpu_dir / "log", user)
+            self._daemons[index] = daemon
         async with daemon.lock:
-            if not await self._alive(daemon):
-                await self._start(daemon)
-                daemon.problem = None
+            try:
+                if not await self._alive(daemon):
+                    await self._start(daemon)
+                    daemon.problem = None
+                self._check_reach(daemon)
+            except MpsError:
+                if created:  # no share runs there: nothing for `check` to restart
+                    self._daemons.pop(index, None)
+                raise
         return {**daemon.env(), "CUDA_VISIBLE_DEVICES": uuid, SHARE_ENFORCED_ENV: "1"}
 
     async def release(self, index: int) -> None:

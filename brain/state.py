@@ -635,6 +635,7 @@ def job_view(
         gpus=1 if job.prerun in ("pending", "running") else job.spec.gpus,
         submitted_at=job.submitted_at,
         queue=job.spec.queue,
+        tenant=job.tenant,
         priority=job.spec.priority,
         # Not a node where an elastic job's worker host idles with no GPU.
         grants=tuple(Grant(g.node, g.gpus) for g in job.grants if g.gpus),

@@ -142,13 +142,14 @@ async def secure_cluster(
     callout: bool = True,
     tls: TlsFiles | None = None,
     credential_ttl_s: float | None = DEFAULT_TTL_S,
+    on_agent: Callable[[Agent], None] | None = None,
 ) -> AsyncIterator[tuple[Brain, Bus]]:
     """A brain and an agent per node of `gpus`, each with its own identity, and tenant
     a's connection. The brain answers the auth callout, so each job attempt reaches NATS
     with its own token (ALNAIR_JOB_TOKEN); without `callout`, agents give their jobs the
     node's job identity (ALNAIR_NKEY) instead, never their own seed. With `confinement`,
     each node's jobs run confined by it. With `tls`, everyone connects over it with
-    the cluster's client certificate."""
+    the cluster's client certificate. `on_agent` sees each agent before it starts."""
     opened: list[Bus] = []
     agents: list[Agent] = []
     brain = None
@@ -181,6 +182,8 @@ async def secure_cluster(
                 confinement=confinement(node) if confinement is not None else None,
             )
             agents.append(Agent(agent_bus, config, SimulatedGpus(node, count, "A100")))
+            if on_agent is not None:
+                on_agent(agents[-1])
             await agents[-1].start()
         await eventually(lambda: len(brain.state.nodes) == len(gpus))
         tenant = await open_as(server, ids["tenant:a"], tls)

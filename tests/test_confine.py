@@ -23,13 +23,14 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import nats
 import pytest
 
 from agents import cgroups, devices_bpf
+from agents.agent import Agent
 from agents.confine import SHIM, Confinement
 from bus.auth import Identity
 from bus.server import EmbeddedNats
@@ -174,9 +175,11 @@ async def confined_cluster(
     place: Path,
     parent: str,
     tls: TlsFiles | None = None,
+    on_agent: Callable[[Agent], None] | None = None,
 ) -> AsyncIterator[tuple[object, object]]:
     """With `tls`, over mutual TLS: each job attempt gets its own client certificate
-    from the job issuer next to the CA, and the CA in ALNAIR_TLS_CA."""
+    from the job issuer next to the CA, and the CA in ALNAIR_TLS_CA. `on_agent` sees
+    each agent before it starts."""
     tenant_map = TenantMap(tuple(TenantUser(t, u.pw_name) for t, u in users.items()), "test")
 
     def confinement(node: str) -> Confinement:
@@ -198,6 +201,7 @@ async def confined_cluster(
         tenants=tenant_map.tenants,
         confinement=confinement,
         tls=tls,
+        on_agent=on_agent,
     ) as (brain, tenant):
         yield brain, tenant
 

@@ -4,19 +4,52 @@ No GPU here, so no real `nvidia-cuda-mps-control`: the daemon's start, liveness 
 restart and quit are exercised against a stand-in executable that speaks the same
 command line (`-d`; `get_server_list` and `quit` on stdin) and keeps a `control` file
 in the pipe directory as the real daemon keeps its pipe. What MPS itself enforces is
-not tested here (it needs the lent GPU machine)."""
+not tested here (it needs the lent GPU machine).
+
+As root (as here and in CI; skipped, saying why, elsewhere): a GPU's pipe and log
+directories are its share user's group's alone, a share of another user is refused
+while the GPU's shares run, and a real unprivileged user reaches its own GPU's pipe and
+not another's."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
+import shutil
 import signal
+import stat
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from agents.mps import Accounted, MpsDaemons, MpsError, share_env
+from agents.agent import Agent
+from agents.mps import Accounted, MpsDaemons, MpsError, ShareUser, out_of_reach, share_env
+from cli.client import submit
+from schemas.jobs import FailureClass, JobSpec, JobState
+from tests.conftest import eventually
+from tests.test_confine import (
+    JOB_PYTHON,
+    _finished,
+    _log,
+    _python,
+    _why_no_users,
+    _why_not,
+    cgroup_parent,
+    confined_cluster,
+    keys,
+    place,
+    secure_server,
+    users,
+)
+
+__all__ = ["cgroup_parent", "keys", "place", "secure_server", "users"]  # fixtures, by name
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to chown and switch users)")
 
 STAND_IN = """#!PYTHON
 import os, subprocess, sys
@@ -74,12 +107,16 @@ def test_a_share_gets_its_thread_percentage_and_memory_limit() -> None:
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in share_env(250, None)
 
 
-async def test_the_daemon_starts_per_gpu_is_restarted_and_quits(tmp_path: Path) -> None:
-    binary = tmp_path / "nvidia-cuda-mps-control"
+def _stand_in(directory: Path) -> Path:
+    binary = directory / "nvidia-cuda-mps-control"
     binary.write_text(STAND_IN.replace("PYTHON", sys.executable, 1))
     binary.chmod(0o755)
+    return binary
+
+
+async def test_the_daemon_starts_per_gpu_is_restarted_and_quits(tmp_path: Path) -> None:
     root = tmp_path / "mps"
-    daemons = MpsDaemons(root, binary=str(binary))
+    daemons = MpsDaemons(root, binary=str(_stand_in(tmp_path)))
     started: list[int] = []
     try:
         env = await daemons.prepare(0, "GPU-aaaa")
@@ -97,6 +134,9 @@ async def test_the_daemon_starts_per_gpu_is_restarted_and_quits(tmp_path: Path) 
         await daemons.prepare(1, "GPU-bbbb")
         started.append(_daemon_pid(root, 1))
         assert (root / "gpu1" / "log" / "control.log").read_text() == "started for GPU-bbbb\n"
+        # Unconfined, shares run as the agent's user: its directories are its alone.
+        for directory in ("gpu1", "gpu1/pipe", "gpu1/log"):
+            assert stat.S_IMODE((root / directory).stat().st_mode) == 0o700
         # The daemon of GPU 0 dies: the next check starts it again.
         _kill(started[0])
         await daemons.check()
@@ -126,3 +166,221 @@ async def test_simulated_gpus_are_accounted_not_enforced(caplog: pytest.LogCaptu
     await accounted.prepare(0, "GPU-x")
     assert caplog.text.count("accounted, not enforced") == 1
     assert accounted.enforcement == "accounted" and accounted.problem(0) is None
+    # One user per GPU, as under MPS.
+    other = ShareUser("b", 60_002, 60_002)
+    with pytest.raises(MpsError, match="one Unix user at a time"):
+        await accounted.prepare(0, "GPU-x", other, alone=False)
+    await accounted.prepare(0, "GPU-x", other, alone=True)
+
+
+USER_A = ShareUser("a", 60_001, 60_001)
+USER_B = ShareUser("b", 60_002, 60_002)
+
+
+@pytest.fixture
+def open_place() -> Iterator[Path]:
+    """A directory every user may pass through (pytest's own are root's alone)."""
+    base = Path(tempfile.mkdtemp(prefix="alnair-mps-"))
+    try:
+        base.chmod(0o711)
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_root
+def test_out_of_reach_names_the_directory_that_stops_a_user(open_place: Path) -> None:
+    closed = open_place / "closed"
+    (closed / "pipe").mkdir(parents=True)
+    closed.chmod(0o700)
+    assert out_of_reach(closed / "pipe", USER_A) == closed
+    # Its group may pass; the directory itself must be usable (read, write, enter).
+    os.chown(closed, 0, USER_A.gid)
+    closed.chmod(0o710)
+    assert out_of_reach(closed / "pipe", USER_A) == closed / "pipe"
+    os.chown(closed / "pipe", 0, USER_A.gid)
+    (closed / "pipe").chmod(0o770)
+    assert out_of_reach(closed / "pipe", USER_A) is None
+    assert out_of_reach(closed / "pipe", USER_B) == closed
+    assert out_of_reach(open_place / "missing", USER_A) == open_place / "missing"
+
+
+@needs_root
+async def test_a_gpu_serves_one_user_whose_group_alone_reaches_its_pipe(open_place: Path) -> None:
+    root = open_place / "mps"
+    daemons = MpsDaemons(root, binary=str(_stand_in(open_place)))
+    started: list[int] = []
+    try:
+        env = await daemons.prepare(0, "GPU-aaaa", USER_A)
+        started.append(_daemon_pid(root, 0))
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root / "gpu0" / "pipe")
+        modes = {
+            name: (stat.S_IMODE((root / name).stat().st_mode), (root / name).stat().st_gid)
+            for name in ("", "gpu0", "gpu0/pipe", "gpu0/log")
+        }
+        assert modes == {
+            "": (0o711, 0),
+            "gpu0": (0o710, USER_A.gid),
+            "gpu0/pipe": (0o2770, USER_A.gid),
+            "gpu0/log": (0o2770, USER_A.gid),
+        }
+        # A's shares still run: B's share is refused, not left to wait behind them.
+        with pytest.raises(MpsError, match="serves user a's shares; an MPS daemon serves one"):
+            await daemons.prepare(0, "GPU-aaaa", USER_B, alone=False)
+        # A's last share has ended: the daemon starts again for B, whose directories
+        # hold nothing A's server left.
+        (root / "gpu0" / "pipe" / "left-by-a").touch()
+        await daemons.prepare(0, "GPU-aaaa", USER_B, alone=True)
+        started.append(_daemon_pid(root, 0))
+        assert started[1] != started[0]
+        assert (root / "gpu0" / "pipe").stat().st_gid == USER_B.gid
+        assert not (root / "gpu0" / "pipe" / "left-by-a").exists()
+        await daemons.close()
+    finally:
+        for pid in started:
+            _kill(pid)
+
+
+@needs_root
+async def test_a_share_whose_user_cannot_reach_the_pipe_is_refused_naming_it(
+    open_place: Path,
+) -> None:
+    private = open_place / "private"
+    private.mkdir(mode=0o700)
+    root = private / "mps"
+    daemons = MpsDaemons(root, binary=str(_stand_in(open_place)))
+    try:
+        with pytest.raises(MpsError) as refused:
+            await daemons.prepare(0, "GPU-aaaa", USER_A)
+        assert str(refused.value) == (
+            f"GPU 0: MPS: {root / 'gpu0' / 'pipe'} is out of reach of user a "
+            f"(uid 60001, gid 60001): it cannot pass through {private}"
+        )
+        assert not (root / "gpu0" / "pipe" / "daemon.pid").exists()  # refused before it
+        await daemons.check()  # and not started behind the refusal's back
+        assert not (root / "gpu0" / "pipe" / "daemon.pid").exists()
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            _kill(_daemon_pid(root, 0))
+
+
+@pytest.mark.skipif(_why_no_users() is not None, reason=_why_no_users() or "")
+async def test_a_real_tenant_user_reaches_its_gpus_pipe_and_not_another(
+    users: dict[str, pwd.struct_passwd], open_place: Path
+) -> None:
+    """What the share's MPS client and server do there, as the tenant's user with its
+    one group (as confined jobs run): enter the pipe directory, open the control
+    pipe, create files in the pipe and log directories."""
+    a, b = (ShareUser(u.pw_name, u.pw_uid, u.pw_gid) for u in (users["a"], users["b"]))
+    root = open_place / "mps"
+    daemons = MpsDaemons(root, binary=str(_stand_in(open_place)))
+    probe = (
+        "import os, sys\n"
+        "pipe, log = sys.argv[1:]\n"
+        "open(os.path.join(pipe, 'control')).close()\n"
+        "for d in (pipe, log):\n"
+        "    open(os.path.join(d, f'by-{os.getuid()}'), 'w').close()\n"
+        "print(os.getuid(), sorted(os.listdir(pipe)))\n"
+    )
+    started: list[int] = []
+    try:
+        env = await daemons.prepare(0, "GPU-aaaa", a)
+        started.append(_daemon_pid(root, 0))
+        dirs = [env["CUDA_MPS_PIPE_DIRECTORY"], env["CUDA_MPS_LOG_DIRECTORY"]]
+
+        def run_as(user: ShareUser) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [JOB_PYTHON, "-c", probe, *dirs],
+                user=user.uid,
+                group=user.gid,
+                extra_groups=[],
+                capture_output=True,
+                text=True,
+                cwd="/",
+                check=False,
+            )
+
+        done = run_as(a)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"{a.uid} [") and "control" in done.stdout
+        assert (Path(dirs[1]) / f"by-{a.uid}").exists()
+        refused = run_as(b)
+        assert refused.returncode != 0 and "PermissionError" in refused.stderr
+        await daemons.close()
+    finally:
+        for pid in started:
+            _kill(pid)
+
+
+@pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+@pytest.mark.timeout(120)
+async def test_a_confined_share_runs_as_its_tenant_and_reaches_its_gpus_pipe(
+    secure_server, keys, users, place, cgroup_parent
+) -> None:
+    """The agent's launch path: a share of tenant a, confined (its own user, private
+    directory, cgroup), on a GPU whose MPS daemon is the stand-in; the job uses the
+    pipe and log directories as an MPS client and server would."""
+    binary = _stand_in(place)
+
+    def with_mps(agent: Agent) -> None:
+        confinement = agent.config.confinement
+        assert confinement is not None
+        agent.shares = MpsDaemons(confinement.runtime_root / "mps", binary=str(binary))
+
+    probe = """
+        import os
+        pipe, log = os.environ["CUDA_MPS_PIPE_DIRECTORY"], os.environ["CUDA_MPS_LOG_DIRECTORY"]
+        open(os.path.join(pipe, "control")).close()
+        open(os.path.join(log, "server.log"), "w").close()
+        print("uid", os.getuid())
+        print("pipe", pipe)
+        print("threads", os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"])
+        print("enforced", os.environ["ALNAIR_GPU_SHARE_ENFORCED"])
+        """
+    ids = keys[0]
+    async with confined_cluster(
+        secure_server, ids, users, place, cgroup_parent, on_agent=with_mps
+    ) as (brain, a):
+        job = await submit(a, "a", JobSpec(command=_python(probe), gpus=1, gpu_milli=500))
+        done = await _finished(brain, job)
+        out = _log(done)
+        assert done.state is JobState.SUCCEEDED, (done.reason, out)
+        lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+        gpu = done.grants[0].gpus[0]
+        assert lines == {
+            "uid": str(users["a"].pw_uid),
+            "pipe": str(place / "run" / "n1" / "mps" / f"gpu{gpu}" / "pipe"),
+            "threads": "50",
+            "enforced": "1",
+        }
+
+
+@pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+@pytest.mark.timeout(120)
+async def test_a_confined_share_whose_user_cannot_reach_the_pipe_is_refused_naming_it(
+    secure_server, keys, users, place, cgroup_parent
+) -> None:
+    """The agent refuses the launch, naming the directory, instead of starting a share
+    whose MPS client could never reach its server."""
+    binary = _stand_in(place)
+    private = place / "private"
+    private.mkdir(mode=0o700)
+
+    def with_mps(agent: Agent) -> None:
+        agent.shares = MpsDaemons(private / "mps", binary=str(binary))
+
+    ids = keys[0]
+    async with confined_cluster(
+        secure_server, ids, users, place, cgroup_parent, on_agent=with_mps
+    ) as (brain, a):
+        job = await submit(a, "a", JobSpec(command=_python("print('ran')"), gpus=1, gpu_milli=500))
+        (failure, *_) = await eventually(lambda: brain.state.jobs[job.job_id].failures)
+        assert failure.reason == (
+            f"launch failed on n1: GPU 0: MPS: {private / 'mps' / 'gpu0' / 'pipe'} is out of "
+            f"reach of user {users['a'].pw_name} (uid {users['a'].pw_uid}, gid "
+            f"{users['a'].pw_gid}): it cannot pass through {private}"
+        )
+        assert failure.failure_class is FailureClass.INFRASTRUCTURE  # another node may do
+        assert brain.state.jobs[job.job_id].started_at is None
+    # Refused before any daemon started.
+    assert not list(private.glob("mps/gpu*/pipe/daemon.pid"))

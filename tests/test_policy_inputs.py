@@ -132,6 +132,17 @@ def test_traces_carry_a_queue(tmp_path: Path) -> None:
         load_trace(path)
 
 
+def test_traces_may_name_tenants(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("job_id,num_gpu,submit_time,duration,tenant\na,1,0,10,ml\nb,1,0,10,\n")
+    assert [j.tenant for j in load_trace(path)] == ["ml", None]
+    path.write_text("job_id,num_gpu,submit_time,duration\na,1,0,10\n")
+    assert [j.tenant for j in load_trace(path)] == [None]  # no users: one tenant
+    path.write_text("job_id,num_gpu,submit_time,duration,tenant\na,1,0,10,a b\n")
+    with pytest.raises(TraceError, match="column 'tenant'"):
+        load_trace(path)
+
+
 def sim_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
@@ -168,6 +179,7 @@ def test_policy_hints_in_the_spec_reach_the_job_view() -> None:
         JobRecord(job_id="1", tenant="t", spec=spec, state=JobState.PENDING, submitted_at=0)
     )
     assert view.declared_duration_s == 90.0 and view.network_sensitive
+    assert view.tenant == "t"  # a shared GPU serves one tenant (brain/core/sharing.py)
     plain = job_view(
         JobRecord(
             job_id="2",

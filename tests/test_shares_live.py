@@ -179,3 +179,26 @@ async def test_colocation_moves_a_share_before_its_neighbour_runs_out_of_memory(
     assert pressure.preemption.reason == "memory_pressure"
     assert pressure.preemption.for_job == host
     assert pressure.message.startswith(f"memory pressure: GPU 0 of n1, shared with job {host}")
+
+
+async def test_shares_of_two_tenants_take_turns_on_one_gpu(
+    brain_factory, agent_factory, tmp_path
+) -> None:
+    """A shared GPU serves one tenant (an MPS daemon serves one Unix user, and confined
+    tenants are users of their own): b's share waits, saying why, until a's has ended."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=1, model="H100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    stop = tmp_path / "stop"
+    first = await submit(brain.api, half_gpu_job(tmp_path / "a.json", stop), tenant="a")
+    await eventually(lambda: (tmp_path / "a.json").exists())
+    second = await submit(brain.api, half_gpu_job(tmp_path / "b.json", stop), tenant="b")
+    reason = await eventually(
+        lambda: (r := brain.state.jobs[second].reason) and "open to tenant b" in r and r
+    )
+    assert "the GPUs with room serve other tenants' shares" in reason
+    assert brain.state.jobs[second].state is JobState.PENDING
+    assert brain.state.jobs[first].state is JobState.RUNNING
+    stop.touch()
+    await eventually(lambda: brain.state.jobs[second].state is JobState.SUCCEEDED)
+    assert brain.state.jobs[first].state is JobState.SUCCEEDED

@@ -1,7 +1,8 @@
 """Shares, GPU types, CPUs and memory in `decide` (brain/core/shares.py), as tables and
 as a property: whatever the sequence of placements and exits, no GPU is given more than
 the whole of it or more memory than it has, a whole GPU is nobody else's, every job is
-on a model it allows, and no node's CPUs or memory are over-committed. Also the
+on a model it allows, no node's CPUs or memory are over-committed, and no GPU holds
+shares (or a shareable host) of two tenants. Also the
 request's validation (schemas/jobs.py) and the refusal at submission (`never_fits`)."""
 
 from __future__ import annotations
@@ -176,6 +177,41 @@ def test_a_share_joins_a_running_share_and_a_whole_job_does_not() -> None:
     assert any(isinstance(a, Wait) and a.job_id == "whole" for a in decisions.actions)
 
 
+def test_a_shared_gpu_serves_one_tenant() -> None:
+    jobs = tuple(share(f"{t}{n}", 250, tenant=t) for n, t in ((1, "a"), (1, "b"), (2, "a")))
+    placed = places(ClusterSnapshot((node("n", 2),), jobs))
+    assert placed["a1"] == placed["a2"] != placed["b1"]
+
+
+def test_a_share_waits_when_only_other_tenants_gpus_have_room() -> None:
+    running = share("r", 500, tenant="a", grants=(Grant("n", (0,)),), started_at=0.0)
+    nodes = (node("n", 1, held=frozenset({0})),)
+    decisions = decide(ClusterSnapshot(nodes, (share("s", 500, tenant="b"),), (running,)), 100.0)
+    (wait,) = decisions.waits
+    assert not decisions.placements
+    assert "on a GPU open to tenant b: the GPUs with room serve other tenants' shares" in (
+        wait.reason
+    )
+    # The same tenant joins it; with no room anywhere, the reason is the plain one.
+    assert places(ClusterSnapshot(nodes, (share("s", 500, tenant="a"),), (running,))) == {
+        "s": (Grant("n", (0,)),)
+    }
+    (full,) = decide(ClusterSnapshot(nodes, (share("s", 600, tenant="b"),), (running,)), 1.0).waits
+    assert "other tenants" not in full.reason
+
+
+def test_a_share_joins_only_its_own_tenants_shareable_job() -> None:
+    nodes = (node("n", 1, held=frozenset({0})),)
+    host = replace(_host(20.0, 16_000), tenant="a")
+    for tenant, joins in (("a", True), ("b", False)):
+        guest = share("guest", 500, 20_000, tenant=tenant)
+        decisions = decide(ClusterSnapshot(nodes, (guest,), (host,)), 100.0)
+        assert bool(decisions.placements) is joins, decisions.actions
+    other = share("g", 500, 20_000, tenant="b")
+    (wait,) = decide(ClusterSnapshot(nodes, (other,), (host,)), 1.0).waits
+    assert "serve other tenants' shares" in wait.reason
+
+
 def test_types_cpus_and_memory_choose_the_node() -> None:
     nodes = (node("a", 4, model=A100, cpu=4_000), node("h", 4, cpu=32_000))
     typed = JobView("typed", 2, 0.0, demand=Demand(gpu_types=("A100",)))
@@ -237,10 +273,12 @@ profiles = st.one_of(
         st.sampled_from([5_000.0, 20_000.0, 40_000.0, 70_000.0]),
     ),
 )
+# None: a job of no known tenant (all such are one tenant).
+tenants = st.sampled_from([None, "a", "b"])
 steps = st.lists(
     st.one_of(
-        st.tuples(st.just("submit"), demands, st.integers(1, 3), profiles),
-        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none()),
+        st.tuples(st.just("submit"), demands, st.integers(1, 3), profiles, tenants),
+        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none(), st.none()),
     ),
     min_size=1,
     max_size=25,
@@ -251,6 +289,8 @@ def _check(running: dict[str, JobView]) -> None:
     shares: dict[tuple[str, int], list[Demand]] = defaultdict(list)
     whole: dict[tuple[str, int], int] = defaultdict(int)
     hosts: dict[tuple[str, int], tuple[int, float]] = {}
+    # The tenants of each GPU's shares and of its shareable host, if it has one.
+    tenants_on: dict[tuple[str, int], set[str | None]] = defaultdict(set)
     cpu: dict[str, int] = defaultdict(int)
     ram: dict[str, int] = defaultdict(int)
     for job in running.values():
@@ -268,10 +308,13 @@ def _check(running: dict[str, JobView]) -> None:
             for gpu in grant.gpus:
                 if job.shared:
                     shares[(grant.node, gpu)].append(demand or Demand())
+                    tenants_on[(grant.node, gpu)].add(job.tenant)
                 else:
                     whole[(grant.node, gpu)] += 1
                     if room is not None:
                         hosts[(grant.node, gpu)] = room
+                    if job.shareable:
+                        tenants_on[(grant.node, gpu)].add(job.tenant)
     for key, count in whole.items():
         assert count == 1, f"GPU {key} given twice"
         assert key not in shares or key in hosts, f"GPU {key} shared beside a job that is no host"
@@ -281,12 +324,13 @@ def _check(running: dict[str, JobView]) -> None:
         assert host_mib + sum(d.gpu_memory_mib for d in held) <= CAPACITY[key[0]].gpu_memory_mib
         if key in hosts:
             assert all(d.gpu_memory_mib > 0 for d in held), "a share with no limit on a host"
+        assert len(tenants_on[key]) == 1, f"GPU {key} serves tenants {tenants_on[key]}"
     for name, used in cpu.items():
         assert used <= (CAPACITY[name].cpu_milli or 0)
         assert ram[name] <= (CAPACITY[name].memory_mib or 0)
 
 
-Step = tuple[str, object, int, UtilizationProfile | None]
+Step = tuple[str, object, int, UtilizationProfile | None, str | None]
 # Shareable jobs that leave room, and shares with a memory limit: co-location is common.
 colocating = st.lists(
     st.one_of(
@@ -299,6 +343,7 @@ colocating = st.lists(
                 st.sampled_from([10.0, 30.0, 50.0]),
                 st.sampled_from([5_000.0, 20_000.0, 40_000.0, 62_000.0]),
             ),
+            tenants,
         ),
         st.tuples(
             st.just("submit"),
@@ -309,8 +354,9 @@ colocating = st.lists(
             ),
             st.just(1),
             st.none(),
+            tenants,
         ),
-        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none()),
+        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none(), st.none()),
     ),
     min_size=1,
     max_size=25,
@@ -333,13 +379,19 @@ def test_no_gpu_over_committed_on_a_full_small_node(ops: list[Step]) -> None:
 def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
     pending: dict[str, JobView] = {}
     running: dict[str, JobView] = {}
-    for n, (op, arg, gpus, profile) in enumerate(ops):
+    for n, (op, arg, gpus, profile, tenant) in enumerate(ops):
         if op == "submit":
             demand = arg if isinstance(arg, Demand) else None
             size = 1 if demand is not None and demand.fractional else gpus
             host = profile is not None and (demand is None or not demand.fractional)
             pending[f"j{n}"] = JobView(
-                f"j{n}", size, float(n), demand=demand, shareable=host, profile=profile
+                f"j{n}",
+                size,
+                float(n),
+                tenant=tenant,
+                demand=demand,
+                shareable=host,
+                profile=profile,
             )
         elif running:
             assert isinstance(arg, int)
@@ -373,6 +425,7 @@ def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
                 job.job_id,
                 job.gpus,
                 job.submitted_at,
+                tenant=job.tenant,
                 grants=place.grants,
                 started_at=float(n),
                 demand=job.demand,

@@ -55,8 +55,9 @@ def task(
     mem: int = 1_024,
     gpu_mem: int = 0,
     types: tuple[str, ...] = (),
+    tenant: str | None = None,
 ) -> SharedTask:
-    return SharedTask(name, cpu, mem, gpus, milli, gpu_mem, frozenset(types))
+    return SharedTask(name, cpu, mem, gpus, milli, gpu_mem, frozenset(types), tenant)
 
 
 def plugin_for(name: str, tasks: list[SharedTask]) -> SharingPlugin:
@@ -206,8 +207,65 @@ def test_a_task_that_cannot_be_described_names_its_field() -> None:
         task("x", cpu=-1)
 
 
+@pytest.mark.parametrize("plugin_name", PLUGINS)
+def test_a_shared_gpu_serves_one_tenant(plugin_name: str) -> None:
+    tasks = [task("a1", milli=300, tenant="a"), task("b1", milli=300, tenant="b")]
+    tasks += [task("a2", milli=300, tenant="a"), task("b2", milli=300, tenant="b")]
+    cluster, outcomes = place_all([node("n", 2)], tasks, plugin_name)
+    gpu = {o.task.name: o.gpus for o in outcomes if isinstance(o, SharePlacement)}
+    assert len(gpu) == 4
+    assert gpu["a1"] == gpu["a2"] != gpu["b1"] == gpu["b2"]
+    assert sorted(t for row in cluster.gpu_tenant for t in row) == ["a", "b"]
+    # Room is left on both GPUs, but each serves another tenant: c waits, and says so.
+    refused = cluster.place(task("c", milli=300, tenant="c"), plugin_for(plugin_name, tasks))
+    assert isinstance(refused, Unschedulable)
+    assert "on a GPU open to tenant c: the GPUs with room serve other tenants' shares" in (
+        refused.reason
+    )
+    # Whole GPUs and tasks of no GPU are not bound by tenant.
+    assert cluster.fits(task("cpu", 0, tenant="c").shape, 0)
+
+
+def test_a_gpu_opens_to_any_tenant_once_its_last_share_leaves() -> None:
+    cluster = SharedCluster([node("n")])
+    first = SharePlacement(task("a1", milli=500, tenant="a"), 0, (0,))
+    second = SharePlacement(task("a2", milli=200, tenant="a"), 0, (0,))
+    cluster.apply(first)
+    cluster.apply(second)
+    other = SharePlacement(task("b", milli=200, tenant="b"), 0, (0,))
+    with pytest.raises(OverCommitted, match="serves tenant a's shares, not b's"):
+        cluster.apply(other)
+    cluster.release(first)
+    with pytest.raises(OverCommitted, match="serves tenant a's"):
+        cluster.apply(other)
+    cluster.release(second)
+    cluster.apply(other)
+    assert cluster.gpu_tenant == [["b"]]
+
+
+def test_tasks_of_no_known_tenant_are_one_tenant() -> None:
+    cluster, outcomes = place_all(
+        [node("n", 2)], [task("x", milli=400), task("y", milli=400)], "best-fit"
+    )
+    assert [o.gpus for o in outcomes if isinstance(o, SharePlacement)] == [(0,), (0,)]
+    assert not cluster.closed_to_some(None)
+    # A named tenant's share does not join them.
+    named = placed(cluster.place(task("t", milli=100, tenant="t"), plugin_for("best-fit", [])))
+    assert named.gpus == (1,)
+
+
+def test_a_node_started_from_what_is_held_keeps_its_gpus_tenants() -> None:
+    cluster = SharedCluster([node("n", 3)])
+    cluster.set_free(0, 32_000, 65_536, [500, 800, 1000], [16_384] * 3, {0: "a", 1: None})
+    for tenant, gpus in (("a", [0, 2]), (None, [1, 2]), ("b", [2])):
+        assert cluster.fitting_gpus(task("s", milli=100, tenant=tenant).shape, 0) == gpus
+    with pytest.raises(OverCommitted, match="bound GPU"):
+        cluster.set_free(0, 1, 1, [1000] * 3, [1] * 3, {3: "a"})
+
+
 def assert_consistent(cluster: SharedCluster, held: list[SharePlacement]) -> None:
-    """The ledger equals what the held placements add up to, and nothing exceeds."""
+    """The ledger equals what the held placements add up to, nothing exceeds, and each
+    shared GPU's shares are one tenant's."""
     for i, n in enumerate(cluster.nodes):
         mine = [p for p in held if p.node == i]
         assert cluster.cpu_free[i] == n.cpu_milli - sum(p.task.cpu_milli for p in mine) >= 0
@@ -224,11 +282,15 @@ def assert_consistent(cluster: SharedCluster, held: list[SharePlacement]) -> Non
             assert cluster.gpu_mem_free[i][g] == n.gpu_memory_mib - memory
             for t in on_gpu:
                 assert not t.gpu_types or n.model in t.gpu_types
+            shared = [t for t in on_gpu if t.gpu_milli < GPU_MILLI]
+            assert len({t.tenant for t in shared}) <= 1, f"GPU {g} of {n.name}: two tenants"
+            assert cluster.gpu_binds[i][g] == len(shared)
+            assert cluster.gpu_tenant[i][g] == (shared[0].tenant if shared else None)
 
 
 task_strategy = st.builds(
-    lambda gpus, milli, cpu, mem, gpu_mem, types: SharedTask(
-        "t", cpu, mem, gpus, milli if gpus == 1 else GPU_MILLI, gpu_mem, frozenset(types)
+    lambda gpus, milli, cpu, mem, gpu_mem, types, tenant: SharedTask(
+        "t", cpu, mem, gpus, milli if gpus == 1 else GPU_MILLI, gpu_mem, frozenset(types), tenant
     ),
     gpus=st.sampled_from([0, 1, 1, 1, 2, 4]),
     milli=st.sampled_from([100, 250, 300, 470, 500, 810, 1000]),
@@ -236,6 +298,7 @@ task_strategy = st.builds(
     mem=st.integers(0, 40_000),
     gpu_mem=st.sampled_from([0, 0, 4_000, 9_000]),
     types=st.sampled_from([(), (), ("T4",), ("V100M16",), ("T4", "V100M16")]),
+    tenant=st.sampled_from([None, "a", "b"]),
 )
 # A step: place a task, or release the held placement at some index.
 steps = st.lists(st.one_of(task_strategy, st.integers(0, 50)), min_size=1, max_size=60)

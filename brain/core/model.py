@@ -122,6 +122,9 @@ class JobView:
     gpus: int
     submitted_at: float
     queue: str = "default"
+    # Whose job it is; None where not known (a trace without users: one tenant). A
+    # shared GPU serves one tenant's shares (brain/core/sharing.py).
+    tenant: str | None = None
     priority: int = 0
     # Set for running jobs: the GPUs held, and when the current run began.
     grants: tuple[Grant, ...] = ()

@@ -9,6 +9,11 @@ shares held and the CPUs and memory reserved (by running jobs and by those place
 earlier in the cycle), and asks the policy's sharing plugin. A job with a demand runs
 on one node. Jobs without one never come here: whole-GPU placement is unchanged.
 
+A shared GPU serves one tenant (MPS serves one Unix user at a time, and confined jobs
+run as their tenant's user): each GPU that shares or a shareable job with room hold is
+bound, in the ledger, to their `JobView.tenant`, and a share goes only onto a GPU of its
+own tenant or one that no share holds.
+
 Also what the brain refuses at submission: a demand no registered node could ever
 satisfy (`never_fits`). Pure: no I/O, no clock.
 """
@@ -199,10 +204,12 @@ class SharePlacer:
     def __init__(self, snapshot: ClusterSnapshot, plugin: str, *, seed: int = 0) -> None:
         self._nodes = snapshot.nodes
         self._models = frozenset(n.model for n in snapshot.nodes)
-        # (demand, grants) of every job with a demand that holds GPUs: running ones,
-        # then those placed in this cycle.
-        self._held: list[tuple[Demand, tuple[Grant, ...]]] = [
-            (j.demand, j.grants) for j in snapshot.running if j.demand is not None and j.grants
+        # (demand, grants, tenant) of every job with a demand that holds GPUs: running
+        # ones, then those placed in this cycle.
+        self._held: list[tuple[Demand, tuple[Grant, ...], str | None]] = [
+            (j.demand, j.grants, j.tenant)
+            for j in snapshot.running
+            if j.demand is not None and j.grants
         ]
         # GPUs running whole-GPU jobs hold (shares beside them only on a host's).
         self._whole = {
@@ -213,14 +220,14 @@ class SharePlacer:
             for gpu in g.gpus
         }
         # GPUs of running shareable jobs with room beside them: (node, gpu) -> (job,
-        # thousandths and MiB it is reckoned to need).
-        self._hosts: dict[tuple[str, int], tuple[str, int, float]] = {}
+        # thousandths and MiB it is reckoned to need, its tenant: its guests' too).
+        self._hosts: dict[tuple[str, int], tuple[str, int, float, str | None]] = {}
         for job in snapshot.running:
             room = host_room(job)
             if room is not None:
                 for grant in job.grants:
                     for gpu in grant.gpus:
-                        self._hosts[(grant.node, gpu)] = (job.job_id, *room)
+                        self._hosts[(grant.node, gpu)] = (job.job_id, *room, job.tenant)
         demanding = [j for j in (*snapshot.running, *snapshot.pending) if j.demand is not None]
         mix = TaskMix.of(self._task(j) for j in demanding)
         self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](mix, seed)
@@ -236,11 +243,12 @@ class SharePlacer:
             gpu_milli=demand.gpu_milli,
             gpu_memory_mib=demand.gpu_memory_mib,
             gpu_types=types,
+            tenant=job.tenant,
         )
 
     def placed(self, job: JobView, grants: tuple[Grant, ...]) -> None:
         if job.demand is not None:
-            self._held.append((job.demand, grants))
+            self._held.append((job.demand, grants, job.tenant))
 
     def colocated_with(self, grants: tuple[Grant, ...]) -> str | None:
         """`co-located with job 3 (reckoned to use 0.2 of the GPU and 9000 MiB)` when
@@ -254,6 +262,34 @@ class SharePlacer:
                         f"(reckoned at {host[1] / GPU_MILLI:g} of the GPU and {host[2]:.0f} MiB)"
                     )
         return None
+
+    def _reserve(
+        self, ledger: FreeGpus, index: dict[str, int], cpu: list[int], mem: list[int]
+    ) -> tuple[dict[tuple[str, int], tuple[int, int]], dict[tuple[str, int], str | None]]:
+        """Take what held jobs reserve from `cpu` and `mem` (per node of `index`);
+        the thousandths and MiB of each shared GPU, and the tenant it serves (one per
+        GPU: the ledger kept it so)."""
+        shares: dict[tuple[str, int], tuple[int, int]] = {}
+        serves: dict[tuple[str, int], str | None] = {}
+        for demand, grants, tenant in self._held:
+            whole_released = not demand.fractional and ledger.all_free(grants)
+            if whole_released:
+                continue  # a victim released in this cycle: it reserves nothing now
+            for grant in grants:
+                i = index.get(grant.node)
+                if i is None:
+                    continue
+                cpu[i] -= demand.cpu_milli
+                mem[i] -= demand.memory_mib
+                if demand.fractional:
+                    for gpu in grant.gpus:
+                        serves[(grant.node, gpu)] = tenant
+                        milli, memory = shares.get((grant.node, gpu), (0, 0))
+                        shares[(grant.node, gpu)] = (
+                            milli + demand.gpu_milli,
+                            memory + demand.gpu_memory_mib,
+                        )
+        return shares, serves
 
     def _cluster(
         self, job: JobView, ledger: FreeGpus, avoid: frozenset[str]
@@ -275,33 +311,21 @@ class SharePlacer:
         )
         cpu = [v.cpu_milli or 0 for v in views]
         mem = [v.memory_mib or 0 for v in views]
-        shares: dict[tuple[str, int], tuple[int, int]] = {}
-        for demand, grants in self._held:
-            whole_released = not demand.fractional and ledger.all_free(grants)
-            if whole_released:
-                continue  # a victim released in this cycle: it reserves nothing now
-            for grant in grants:
-                i = index.get(grant.node)
-                if i is None:
-                    continue
-                cpu[i] -= demand.cpu_milli
-                mem[i] -= demand.memory_mib
-                if demand.fractional:
-                    for gpu in grant.gpus:
-                        milli, memory = shares.get((grant.node, gpu), (0, 0))
-                        shares[(grant.node, gpu)] = (
-                            milli + demand.gpu_milli,
-                            memory + demand.gpu_memory_mib,
-                        )
+        shares, serves = self._reserve(ledger, index, cpu, mem)
         # Only a share with a memory limit may join a shareable job's GPU.
         guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
         for i, view in enumerate(views):
             free = set(ledger.lowest(view.name, ledger.free_on(view.name)))
             gpu_free, gpu_mem = [], []
-            for gpu in view.gpus:
+            # The tenant each GPU serves, by its shareable job or its shares.
+            bound: dict[int, str | None] = {}
+            for position, gpu in enumerate(view.gpus):
                 held = shares.get((view.name, gpu))
                 host = self._hosts.get((view.name, gpu))
+                if (view.name, gpu) in serves:
+                    bound[position] = serves[(view.name, gpu)]
                 if host is not None:
+                    bound[position] = host[3]
                     # A shareable job's GPU: room only for a share with a memory limit.
                     guests = held or (0, 0)
                     gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]) if guest else 0)
@@ -317,7 +341,7 @@ class SharePlacer:
                 else:
                     gpu_free.append(0)
                     gpu_mem.append(0)
-            cluster.set_free(i, max(0, cpu[i]), max(0, mem[i]), gpu_free, gpu_mem)
+            cluster.set_free(i, max(0, cpu[i]), max(0, mem[i]), gpu_free, gpu_mem, bound)
         return cluster, views
 
     def place(self, job: JobView, ledger: FreeGpus, avoid: frozenset[str]) -> PlacementResult:

@@ -5,8 +5,15 @@ share in thousandths (`gpu_milli`, 1000 = the whole GPU) and free GPU memory. A 
 asks CPU and memory, and either no GPU, a share of one GPU (`gpus=1, gpu_milli<1000`)
 or N whole GPUs, optionally only of some models. `SharedCluster` is the ledger: it
 refuses any placement that would give a GPU more than 1000 thousandths or more memory
-than it has, over-commit a node's CPU or memory, or break a type constraint (a bug in
-a plugin raises `OverCommitted`, it is never silently applied).
+than it has, over-commit a node's CPU or memory, break a type constraint, or put a
+share on a GPU that serves another tenant's shares (a bug in a plugin raises
+`OverCommitted`, it is never silently applied).
+
+A shared GPU serves one tenant: on a real GPU its shares run under one MPS control
+daemon, which serves one Unix user at a time, and each tenant's jobs run as their own
+user (docs/security.md). A GPU with no share is open to any tenant; its first share
+binds it to that share's tenant until the last share leaves. A task's tenant is None
+where it is not known (a trace without users): all such tasks are one tenant.
 
 Plugins (objects behind `SharingPlugin.choose`) decide where a task goes:
 
@@ -31,7 +38,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -80,6 +87,8 @@ class TaskShape:
     gpu_milli: int
     gpu_memory_mib: int
     gpu_types: frozenset[str]
+    # A share goes only on a GPU open to its tenant (module docstring).
+    tenant: str | None = None
 
     @property
     def fractional(self) -> bool:
@@ -105,6 +114,8 @@ class SharedTask:
     gpu_memory_mib: int = 0
     # Allowed GPU models; empty: any.
     gpu_types: frozenset[str] = frozenset()
+    # Whose share it is: a shared GPU serves one tenant. None: not known (one tenant).
+    tenant: str | None = None
     shape: TaskShape = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +138,8 @@ class SharedTask:
             milli,
             self.gpu_memory_mib if self.gpus else 0,
             self.gpu_types if self.gpus else frozenset(),
+            # Only a share is bound by tenant; whole GPUs and CPU tasks place alike.
+            self.tenant if self.gpus == 1 and milli < GPU_MILLI else None,
         )
         object.__setattr__(self, "gpu_milli", milli)
         object.__setattr__(self, "shape", shape)
@@ -161,6 +174,13 @@ class SharedCluster:
         self.gpu_free = [[GPU_MILLI] * n.gpus for n in self.nodes]
         self.gpu_mem_free = [[n.gpu_memory_mib] * n.gpus for n in self.nodes]
         self.version = [0] * len(self.nodes)
+        # The tenant each GPU's shares belong to, and how many shares (or holders
+        # given by `set_free`) bind it: 0, the GPU is open to any tenant.
+        self.gpu_tenant: list[list[str | None]] = [[None] * n.gpus for n in self.nodes]
+        self.gpu_binds = [[0] * n.gpus for n in self.nodes]
+        # Bound GPUs per tenant: while every bound GPU is the asking task's tenant's,
+        # no GPU is closed to it and the per-GPU check is skipped.
+        self._bound: Counter[str | None] = Counter()
         self.gpu_capacity_milli = GPU_MILLI * sum(n.gpus for n in self.nodes)
         self.gpu_allocated_milli = 0
         # Placements applied and not yet released (a multiset: equal tasks may share a
@@ -168,15 +188,33 @@ class SharedCluster:
         self._held: Counter[SharePlacement] = Counter()
 
     def set_free(
-        self, i: int, cpu_milli: int, memory_mib: int, gpu_free: list[int], gpu_mem: list[int]
+        self,
+        i: int,
+        cpu_milli: int,
+        memory_mib: int,
+        gpu_free: list[int],
+        gpu_mem: list[int],
+        gpu_tenants: Mapping[int, str | None] | None = None,
     ) -> None:
         """Start node i from what is free there now (the live brain's cycle, where jobs
-        hold parts of it already); only before any placement on this ledger."""
+        hold parts of it already); only before any placement on this ledger.
+        `gpu_tenants`: the GPUs (positions on the node) that serve a tenant already, by
+        the shares or the shareable job held there, and whose; the others are open."""
         node = self.nodes[i]
         if len(gpu_free) != node.gpus or len(gpu_mem) != node.gpus:
             raise OverCommitted(f"{node.name}: {node.gpus} GPUs, given {len(gpu_free)}")
         if not all(0 <= f <= GPU_MILLI for f in gpu_free):
             raise OverCommitted(f"{node.name}: a GPU's free share is outside 0..{GPU_MILLI}")
+        bound = gpu_tenants or {}
+        if any(not 0 <= g < node.gpus for g in bound):
+            raise OverCommitted(f"{node.name}: a bound GPU is not one of its {node.gpus}")
+        for g in range(node.gpus):
+            if self.gpu_binds[i][g]:
+                self._bound[self.gpu_tenant[i][g]] -= 1
+            self.gpu_binds[i][g] = 1 if g in bound else 0
+            self.gpu_tenant[i][g] = bound.get(g)
+            if g in bound:
+                self._bound[bound[g]] += 1
         self.gpu_allocated_milli += sum(self.gpu_free[i]) - sum(gpu_free)
         self.cpu_free[i] = cpu_milli
         self.mem_free[i] = memory_mib
@@ -184,8 +222,9 @@ class SharedCluster:
         self.gpu_mem_free[i] = list(gpu_mem)
         self.version[i] += 1
 
-    def fits(self, shape: TaskShape, i: int) -> bool:
-        """Whether node i can take a task of this shape now (on some GPUs)."""
+    def fits(self, shape: TaskShape, i: int, *, any_tenant: bool = False) -> bool:
+        """Whether node i can take a task of this shape now (on some GPUs); with
+        `any_tenant`, were no GPU closed to its tenant."""
         node = self.nodes[i]
         if self.cpu_free[i] < shape.cpu_milli or self.mem_free[i] < shape.memory_mib:
             return False
@@ -193,15 +232,25 @@ class SharedCluster:
             return True
         if not shape.allows(node.model):
             return False
-        return len(self.fitting_gpus(shape, i)) >= shape.gpus
+        return len(self.fitting_gpus(shape, i, any_tenant=any_tenant)) >= shape.gpus
 
-    def fitting_gpus(self, shape: TaskShape, i: int) -> list[int]:
-        """GPUs of node i that could give this shape its per-GPU share."""
+    def closed_to_some(self, tenant: str | None) -> bool:
+        """Whether any GPU serves a tenant other than this one (and is closed to it)."""
+        bound = self._bound
+        return any(n for t, n in bound.items() if t != tenant) if bound else False
+
+    def fitting_gpus(self, shape: TaskShape, i: int, *, any_tenant: bool = False) -> list[int]:
+        """GPUs of node i that could give this shape its per-GPU share (a share: only
+        GPUs open to its tenant, unless `any_tenant`)."""
         free = self.gpu_free[i]
         mem = self.gpu_mem_free[i]
         if shape.fractional:
             need, need_mem = shape.gpu_milli, shape.gpu_memory_mib
-            return [g for g in range(len(free)) if free[g] >= need and mem[g] >= need_mem]
+            fitting = [g for g in range(len(free)) if free[g] >= need and mem[g] >= need_mem]
+            if any_tenant or not fitting or not self.closed_to_some(shape.tenant):
+                return fitting
+            binds, tenants = self.gpu_binds[i], self.gpu_tenant[i]
+            return [g for g in fitting if not binds[g] or tenants[g] == shape.tenant]
         full = self.nodes[i].gpu_memory_mib
         if shape.gpu_memory_mib > full:
             return []
@@ -220,6 +269,12 @@ class SharedCluster:
         allowed = set(self.fitting_gpus(shape, i))
         for g in placement.gpus:
             if g not in allowed:
+                binds, tenants = self.gpu_binds[i], self.gpu_tenant[i]
+                if shape.fractional and binds[g] and tenants[g] != shape.tenant:
+                    raise OverCommitted(
+                        f"{task.name} on {node.name}: GPU {g} serves tenant {tenants[g]}'s "
+                        f"shares, not {shape.tenant}'s"
+                    )
                 raise OverCommitted(f"{task.name} on {node.name}: GPU {g} has not enough free")
 
     def apply(self, placement: SharePlacement) -> None:
@@ -232,6 +287,8 @@ class SharedCluster:
             self.gpu_free[i][g] -= shape.gpu_milli
             # A whole GPU is the task's, memory and all.
             self.gpu_mem_free[i][g] = 0 if whole else self.gpu_mem_free[i][g] - shape.gpu_memory_mib
+            if not whole:
+                self._bind(i, g, shape.tenant)
         self.gpu_allocated_milli += shape.gpu_milli_total
         self._held[placement] += 1
         self.version[i] += 1
@@ -253,8 +310,25 @@ class SharedCluster:
             self.gpu_mem_free[i][g] = (
                 node.gpu_memory_mib if whole else self.gpu_mem_free[i][g] + shape.gpu_memory_mib
             )
+            if not whole:
+                self._unbind(i, g)
         self.gpu_allocated_milli -= shape.gpu_milli_total
         self.version[i] += 1
+
+    def _bind(self, i: int, g: int, tenant: str | None) -> None:
+        if not self.gpu_binds[i][g]:
+            self.gpu_tenant[i][g] = tenant
+            self._bound[tenant] += 1
+        self.gpu_binds[i][g] += 1
+
+    def _unbind(self, i: int, g: int) -> None:
+        self.gpu_binds[i][g] -= 1
+        if not self.gpu_binds[i][g]:
+            tenant = self.gpu_tenant[i][g]
+            self._bound[tenant] -= 1
+            if not self._bound[tenant]:
+                del self._bound[tenant]
+            self.gpu_tenant[i][g] = None
 
     def place(self, task: SharedTask, plugin: SharingPlugin) -> SharePlacement | Unschedulable:
         """Ask the plugin, and apply what it chose."""
@@ -275,7 +349,9 @@ class SharingPlugin(Protocol):
         ...
 
 
-def no_fit(task: SharedTask) -> Unschedulable:
+def no_fit(task: SharedTask, cluster: SharedCluster) -> Unschedulable:
+    """Why nothing takes the task now; says so when GPUs with room for a share serve
+    other tenants' shares (it would fit were they open to its tenant)."""
     shape = task.shape
     if shape.gpus == 0:
         gpu = "no GPU"
@@ -284,10 +360,19 @@ def no_fit(task: SharedTask) -> Unschedulable:
     else:
         gpu = f"{shape.gpus} whole GPU{'s' if shape.gpus > 1 else ''}"
     types = f" of type {'|'.join(sorted(shape.gpu_types))}" if shape.gpu_types else ""
-    return Unschedulable(
-        task,
-        f"no node has {shape.cpu_milli} CPU milli, {shape.memory_mib} MiB and {gpu}{types} free",
-    )
+    asked = f"{shape.cpu_milli} CPU milli, {shape.memory_mib} MiB and {gpu}{types}"
+    reason = f"no node has {asked} free"
+    if (
+        shape.fractional
+        and cluster.closed_to_some(shape.tenant)
+        and any(cluster.fits(shape, i, any_tenant=True) for i in range(len(cluster.nodes)))
+    ):
+        tenant = "an unnamed tenant" if shape.tenant is None else f"tenant {shape.tenant}"
+        reason += (
+            f" on a GPU open to {tenant}: the GPUs with room serve other tenants' shares "
+            "(a shared GPU serves one tenant: MPS serves one Unix user at a time)"
+        )
+    return Unschedulable(task, reason)
 
 
 def tightest(cluster: SharedCluster, shape: TaskShape, i: int, gpus: list[int]) -> tuple[int, ...]:
@@ -342,7 +427,7 @@ class ScoringPlugin:
             if scored is not None and (best is None or scored[0] < best[0]):
                 best = (scored[0], i, scored[1])
         if best is None:
-            return no_fit(task)
+            return no_fit(task, cluster)
         return SharePlacement(task, best[1], best[2])
 
 
@@ -425,7 +510,7 @@ class RandomFit(ScoringPlugin):
             if scored is not None
         ]
         if not feasible:
-            return no_fit(task)
+            return no_fit(task, cluster)
         i, gpus = self._rng.choice(feasible)
         if shape.fractional:
             return SharePlacement(task, i, (self._rng.choice(gpus),))

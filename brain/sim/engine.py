@@ -504,6 +504,7 @@ class _Replay:
             gpus=spec.gpus,
             submitted_at=spec.submit_time,
             queue=spec.queue,
+            tenant=spec.tenant,
             priority=spec.priority or 0,
             grants=job.grants,
             started_at=job.run_started_at,

@@ -6,7 +6,8 @@ A trace is a CSV with at least `job_id,num_gpu,submit_time,duration` (Tiresias'
 puts each job in a queue, for quotas (`alnair sim --queues`); without it, or where it
 is empty, a job is in queue `default`. An optional `priority` column (an integer,
 higher first) is what `--policy priority` orders by; a trace without one cannot be
-run under it (`TraceJob.priority` is None). `duration` is the run time
+run under it (`TraceJob.priority` is None). An optional `tenant` column names each
+job's tenant (None where absent or empty). `duration` is the run time
 on the requested GPUs. A bad row is reported with its line and column.
 """
 
@@ -65,6 +66,9 @@ class TraceJob:
     # The submitter's priority (higher first), from an optional `priority` column;
     # None when the trace has none.
     priority: int | None = None
+    # The submitting tenant, from an optional `tenant` column; None where the trace
+    # has no users (all such jobs are one tenant).
+    tenant: str | None = None
 
     @property
     def elastic(self) -> bool:
@@ -128,6 +132,12 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
         check_name("queue", queue)
     except InvalidName as error:
         raise TraceError(str(error), path=path, line=line, column="queue") from None
+    tenant = (row.get("tenant") or "").strip() or None
+    if tenant is not None:
+        try:
+            check_name("tenant", tenant)
+        except InvalidName as error:
+            raise TraceError(str(error), path=path, line=line, column="tenant") from None
     priority_raw = (row.get("priority") or "").strip()
     priority: int | None = None
     if priority_raw:
@@ -148,6 +158,7 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
         model_name=(row.get("model_name") or "").strip(),
         queue=queue,
         priority=priority,
+        tenant=tenant,
     )
 
 
