@@ -519,7 +519,9 @@ def test_the_learned_distribution_counts_unfinished_jobs_as_censored() -> None:
 
     apply(_node_changed("a", 0))
     for job_id, service in (("1", 600.0), ("2", 1200.0)):
-        apply(with_job(_job_on(job_id, "a", (0,), JobState.SUCCEEDED), attained_gpu_seconds=service))
+        apply(
+            with_job(_job_on(job_id, "a", (0,), JobState.SUCCEEDED), attained_gpu_seconds=service)
+        )
     running = _job_on("3", "a", (0, 1), JobState.RUNNING)
     apply(with_job(running, started_at=1000.0, attained_gpu_seconds=5000.0))
     preempted = _job_on("4", "a", (0,), JobState.PENDING)
