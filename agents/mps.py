@@ -380,8 +380,13 @@ class MpsDaemons:
         return None if daemon is None else daemon.problem
 
     async def close(self) -> None:
+        """Every daemon asked to quit, and the directories removed: a confined agent's
+        runtime root, which holds them, is removed after (agents/confine.py). The
+        removal follows no link a tenant may have left in its pipe or log directory
+        (`shutil.rmtree` works through file descriptors on Linux)."""
         for index in list(self._daemons):
             await self.release(index)
+        shutil.rmtree(self._root, ignore_errors=True)
 
 
 def enforcer_for(kind: Literal["nvml", "sim"], node: str, root: Path) -> ShareEnforcer:

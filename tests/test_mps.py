@@ -149,6 +149,8 @@ async def test_the_daemon_starts_per_gpu_is_restarted_and_quits(tmp_path: Path) 
         assert not (root / "gpu1" / "pipe" / "control").exists()
         await daemons.close()
         assert not (root / "gpu0" / "pipe" / "control").exists()
+        # Its directories go with it (a confined agent's runtime root can then go).
+        assert not root.exists()
     finally:
         for pid in started:
             _kill(pid)
