@@ -109,11 +109,21 @@ VARIANTS: tuple[Variant, ...] = (
     Variant(
         "progress E=1", Policy(order="progress"), None, progress_error=1.0, reads_progress=True
     ),
+    Variant(
+        "progress-gittins E=1",
+        Policy(order="progress-gittins"),
+        None,
+        progress_error=1.0,
+        reads_progress=True,
+    ),
     Variant("fifo", Policy(order="fifo"), "fifo"),
     Variant("las", Policy(order="las"), "dlas-gpu"),
     Variant("las-tiresias", Policy(order="las-tiresias"), "dlas-gpu"),
     Variant("las-fine", Policy(order="las", las_thresholds_gpu_s=FINE_BANDS), None),
     Variant("gittins", Policy(order="gittins"), "dlas-gpu-gittins"),
+    Variant("gittins-size", Policy(order="gittins-size"), "dlas-gpu-gittins"),
+    Variant("gittins-size 1band", Policy(order="gittins-size", las_thresholds_gpu_s=()), None),
+    Variant("gittins 1band", Policy(order="gittins", las_thresholds_gpu_s=()), None),
     Variant("gittins finished-only", Policy(order="gittins"), "dlas-gpu-gittins", censored=False),
     Variant("gittins yarn", Policy(order="gittins"), "dlas-gpu-gittins", distribution="yarn"),
     Variant(
@@ -123,6 +133,7 @@ VARIANTS: tuple[Variant, ...] = (
         distribution="yarn",
     ),
     Variant("progress E=0", Policy(order="progress"), None, reads_progress=True),
+    Variant("progress-gittins E=0", Policy(order="progress-gittins"), None, reads_progress=True),
     Variant("srtf", Policy(order="srtf"), "shortest-gpu", knows_durations=True),
 )
 
