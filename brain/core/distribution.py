@@ -210,16 +210,20 @@ class ServiceDistribution:
         base_w = weights[start - 1] if start else 0.0
         base_v = weighted[start - 1] if start else 0.0
         total_w = weights[-1] - base_w
-        best = math.inf
-        for k in range(start, len(values)):
-            upto_w = weights[k] - base_w
-            # Work the finishing samples still do, plus D for the rest.
-            finishing = scale * (weighted[k] - base_v) - done * upto_w
-            remaining_k = scale * values[k] - done
-            cost = finishing + remaining_k * (total_w - upto_w)
-            ratio = cost / upto_w
-            if ratio < best:
-                best = ratio
+        # Look ahead to sample k: the finishing samples' work still to do, plus that
+        # look-ahead for each of the rest, per unit of finishing weight. One
+        # generator (no indexing) as it runs for every job of every cycle.
+        best = min(
+            (
+                scale * (upto_v - base_v)
+                - done * (upto_w - base_w)
+                + (scale * value - done) * (total_w - (upto_w - base_w))
+            )
+            / (upto_w - base_w)
+            for value, upto_w, upto_v in zip(
+                values[start:], weights[start:], weighted[start:], strict=True
+            )
+        )
         return max(best, 0.0)
 
     def gittins_index_exact(self, attained: float) -> float:
