@@ -40,6 +40,20 @@ def job_sequence(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)
 
 
+# The indices of `gittins-size` and `progress-gittins`, cached by distribution (by
+# value: a frozen dataclass) and job: a waiting job's service and a learned
+# distribution stay the same over many cycles, and each index is linear in the
+# distribution's samples, where a look-up hashes them once.
+@functools.lru_cache(maxsize=1 << 16)
+def _exact_index(distribution: ServiceDistribution, attained: float) -> float:
+    return distribution.gittins_index_exact(attained)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _scaled_remaining(distribution: ServiceDistribution, scale: float, done: float) -> float | None:
+    return distribution.scaled_gittins_remaining(scale, done)
+
+
 def submission_key(job: JobView) -> tuple[float, tuple[int, str]]:
     return (job.submitted_at, job_sequence(job.job_id))
 
@@ -295,7 +309,7 @@ def _gittins(
                 small = compact.get(id(distribution))
                 if small is None:
                     small = compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
-                index = small.gittins_index_exact(attained)
+                index = _exact_index(small, attained)
             else:
                 index = distribution.gittins_index(attained, quantum)
             known = seen[(size_class, attained)] = (
@@ -446,7 +460,7 @@ def believed_remaining_gpu_seconds(job: JobView, ratios: ServiceDistribution) ->
     believed_s = 1.0 / rate
     # Past its believed total a job's fraction stops moving: its run time says more.
     done_s = job.executed_seconds if job.executed_seconds > believed_s else done / rate
-    remaining = ratios.scaled_gittins_remaining(believed_s, done_s)
+    remaining = _scaled_remaining(ratios, believed_s, done_s)
     if remaining is None:
         remaining = max(done_s - believed_s, 0.0)
     return job.gpus * remaining
