@@ -324,14 +324,14 @@ class _Replay:
     learn_censored: bool = False
     learned_at: int = 0
     learned_index: list[tuple[int, tuple[float, ...]]] = field(default_factory=list)
-    # For an order that reads `progress_error`: every finished job's actual total over
-    # the total its progress reports believed, on a weak prior, and the compressed
-    # copy the order ranks by (`ERROR_POINTS` samples at most).
     # For an order that reads `class_distribution`: finished jobs' service by size
     # class (`gpu_class`), and what the order sees (each shrunk toward the pooled).
     learn_classes: bool = False
     learned_by_class: dict[int, ServiceDistribution] = field(default_factory=dict)
     service_by_class: ServiceByClass | None = None
+    # For an order that reads `progress_error`: every finished job's actual total over
+    # the total its progress reports believed, on a weak prior, and the compressed
+    # copy the order ranks by (`ERROR_POINTS` samples at most).
     learn_error: bool = False
     errors: ServiceDistribution = DEFAULT_ERROR_PRIOR
     error_view: ServiceDistribution = DEFAULT_ERROR_PRIOR
