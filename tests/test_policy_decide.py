@@ -718,7 +718,8 @@ def test_bad_policies_are_rejected(policy: Policy, error: type[Exception]) -> No
 
 def test_decide_rejects_an_unknown_plugin() -> None:
     with pytest.raises(
-        UnknownPlugin, match="known: fifo, gittins, gittins-tiresias, las, las-tiresias, priority"
+        UnknownPlugin,
+        match="known: fifo, gittins, gittins-size, gittins-tiresias, las, las-tiresias, priority",
     ):
         decide(cluster(node("n0")), 0, Policy(order="nope"))
 

@@ -1,7 +1,11 @@
 """The pure policy core shared by the live brain and the simulator. No I/O here."""
 
 from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, Policy, UnknownPlugin, decide
-from brain.core.distribution import DEFAULT_SERVICE_PRIOR, ServiceDistribution
+from brain.core.distribution import (
+    DEFAULT_ERROR_PRIOR,
+    DEFAULT_SERVICE_PRIOR,
+    ServiceDistribution,
+)
 from brain.core.elastic import ELASTICITIES
 from brain.core.model import (
     Action,
@@ -38,6 +42,7 @@ from brain.core.placement import PLACEMENTS
 from brain.core.preemption import PREEMPTIONS
 
 __all__ = [
+    "DEFAULT_ERROR_PRIOR",
     "DEFAULT_POLICY",
     "DEFAULT_SERVICE_PRIOR",
     "DISTRIBUTION_AWARE",

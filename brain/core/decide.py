@@ -748,6 +748,8 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool) 
         gittins_quantum_gpu_s=policy.gittins_quantum_gpu_s,
         distribution=snapshot.service_distribution or DEFAULT_SERVICE_PRIOR,
         progress_probe_s=policy.progress_probe_s,
+        error_distribution=snapshot.error_distribution,
+        service_by_class=snapshot.service_by_class,
     )
     snapshot, backoff_waits, backoff_wakes = _retry_stage(snapshot, now)
     estimate = ELASTICITIES.get(policy.elasticity)

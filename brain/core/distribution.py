@@ -141,6 +141,26 @@ class ServiceDistribution:
             observed=self.observed,
         )
 
+    def blended(self, pooled: ServiceDistribution, weight: float) -> ServiceDistribution:
+        """These samples, and `pooled`'s scaled to weigh `weight` in all: a class's
+        own distribution shrunk toward the pooled one, which dominates while the class
+        has few samples and fades as it gathers more than `weight`."""
+        if not pooled.values or weight <= 0.0:
+            return self
+        scale = weight / pooled.cumulative_weight[-1]
+        own = _weights(self.cumulative_weight)
+        theirs = [w * scale for w in _weights(pooled.cumulative_weight)]
+        merged = sorted(
+            [*zip(self.values, own, strict=True), *zip(pooled.values, theirs, strict=True)],
+            key=lambda pair: pair[0],
+        )
+        return ServiceDistribution(
+            values=tuple(v for v, _ in merged),
+            cumulative_weight=tuple(accumulate(w for _, w in merged)),
+            cumulative_weighted_value=tuple(accumulate(w * v for v, w in merged)),
+            observed=self.observed,
+        )
+
     def _weight_above(self, service: float) -> tuple[float, float]:
         """(weight, weight x value) of the samples strictly above `service`."""
         at = bisect.bisect_right(self.values, service)
@@ -166,6 +186,92 @@ class ServiceDistribution:
         if expected_service <= 0.0:
             return math.inf
         return finishing_w / expected_service
+
+    def scaled_gittins_remaining(self, scale: float, done: float) -> float | None:
+        """The reciprocal of the Gittins index of a job whose total is `scale` x a
+        sample of this distribution (its samples are ratios: actual total over what
+        the job believes), after `done` of it: min over look-aheads D of
+        E[min(R, D) | R > 0] / P(R <= D | R > 0), R = scale x sample - done, D at
+        every sample above (the index's supremum lies at one of them). It is the
+        remaining work the job is worth ranking by: exactly what is left when the
+        distribution is one point, and more than the expectation says where a long
+        tail is likely (a job likely to finish soon ranks ahead of one whose
+        expected remainder is the same but which may run much longer).
+
+        None when no sample lies above `done / scale` (the job has outrun every
+        ratio seen): the distribution says nothing more about it."""
+        values = self.values
+        if not values or scale <= 0.0:
+            return None
+        start = bisect.bisect_right(values, done / scale)
+        if start >= len(values):
+            return None
+        weights, weighted = self.cumulative_weight, self.cumulative_weighted_value
+        base_w = weights[start - 1] if start else 0.0
+        base_v = weighted[start - 1] if start else 0.0
+        total_w = weights[-1] - base_w
+        # Look ahead to sample k: the finishing samples' work still to do, plus that
+        # look-ahead for each of the rest, per unit of finishing weight. One
+        # generator (no indexing) as it runs for every job of every cycle.
+        best = min(
+            (
+                scale * (upto_v - base_v)
+                - done * (upto_w - base_w)
+                + (scale * value - done) * (total_w - (upto_w - base_w))
+            )
+            / (upto_w - base_w)
+            for value, upto_w, upto_v in zip(
+                values[start:], weights[start:], weighted[start:], strict=True
+            )
+        )
+        return max(best, 0.0)
+
+    def gittins_index_exact(self, attained: float) -> float:
+        """The Gittins index of a job that has attained this much service, over
+        every look-ahead (the supremum, which lies at a sample): what Gittins' policy
+        ranks by, and which minimises mean response time on one server when the
+        distribution is the jobs' own. Not tied to a quantum, so it fits a
+        distribution of any scale. 0 past the largest sample, as `gittins_index`."""
+        left = self.scaled_gittins_remaining(1.0, attained)
+        if left is None:
+            return 0.0
+        return math.inf if left <= 0.0 else 1.0 / left
+
+    def compressed(self, points: int) -> ServiceDistribution:
+        """At most `points` samples: consecutive samples of about equal total weight
+        merged into one at their weighted mean (so the mean is kept). For ranking
+        many jobs against a distribution of many samples, each look-up linear in
+        the samples."""
+        values = self.values
+        if len(values) <= points:
+            return self
+        total = self.cumulative_weight[-1]
+        out_w: list[float] = []
+        out_v: list[float] = []
+        before_w = before_v = 0.0
+        at = 0
+        for group in range(1, points + 1):
+            target = total * group / points
+            at = max(at, bisect.bisect_left(self.cumulative_weight, target - 1e-9 * total))
+            if group == points:
+                at = len(values) - 1
+            upto_w, upto_v = self.cumulative_weight[at], self.cumulative_weighted_value[at]
+            weight = upto_w - before_w
+            if weight > 0.0:
+                out_w.append(weight)
+                out_v.append((upto_v - before_v) / weight)
+            before_w, before_v = upto_w, upto_v
+            at += 1
+            if at >= len(values):
+                break
+        return ServiceDistribution(
+            values=tuple(out_v),
+            cumulative_weight=tuple(accumulate(out_w)),
+            cumulative_weighted_value=tuple(
+                accumulate(w * v for w, v in zip(out_w, out_v, strict=True))
+            ),
+            observed=self.observed,
+        )
 
     def gittins_index_tiresias(self, attained: float, quantum: float) -> float:
         """The index as Tiresias' simulator computes it (`get_gittins_index` over
@@ -200,4 +306,42 @@ class ServiceDistribution:
         return 0.0 if expected <= 0.0 else finishing / expected
 
 
+def _weights(cumulative: tuple[float, ...]) -> list[float]:
+    return [w - p for w, p in zip(cumulative, (0.0, *cumulative[:-1]), strict=True)]
+
+
+def gpu_class(gpus: int) -> int:
+    """The size class of a job asking `gpus` GPUs: 1, 2, 3-4, 5-8, 9-16, ... are
+    classes 0, 1, 2, 3, 4, ...: jobs of one scale of parallelism, whatever the exact
+    count (GPU counts are mostly powers of two)."""
+    return max(0, (gpus - 1).bit_length())
+
+
+# How many jobs' worth of weight the pooled distribution has in each class's: a class
+# with fewer finished jobs than this ranks mostly by the pooled distribution.
+CLASS_SHRINK_WEIGHT = 16.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceByClass:
+    """The service distribution of each size class (`gpu_class`), each already
+    shrunk toward the pooled one (`ServiceDistribution.blended`): what is known at
+    submission that is not the duration (how many GPUs a job asks) conditions what
+    its service is likely to be. A class not listed has only the pooled one."""
+
+    classes: tuple[tuple[int, ServiceDistribution], ...]
+
+    def of(self, gpus: int) -> ServiceDistribution | None:
+        wanted = gpu_class(gpus)
+        for cls, distribution in self.classes:
+            if cls == wanted:
+                return distribution
+        return None
+
+
 DEFAULT_SERVICE_PRIOR = ServiceDistribution.log_uniform_prior(10.0, 1.0e7)
+
+# What a job's actual total is, as a multiple of the total it believes (its progress
+# reports' step / total steps): a weak prior, log-uniform from a quarter to four
+# times, that the ratios of finished jobs soon outweigh.
+DEFAULT_ERROR_PRIOR = ServiceDistribution.log_uniform_prior(0.25, 4.0, points=16, total_weight=4.0)

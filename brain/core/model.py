@@ -12,7 +12,7 @@ import math
 from dataclasses import field
 from typing import Literal
 
-from brain.core.distribution import ServiceDistribution
+from brain.core.distribution import ServiceByClass, ServiceDistribution
 from brain.core.record import record
 
 
@@ -220,6 +220,12 @@ class ClusterSnapshot:
     # The distribution of finished jobs' service, for the Gittins ordering; None
     # means the core's built-in prior alone.
     service_distribution: ServiceDistribution | None = None
+    # Finished jobs' actual total over the total their progress reports believed,
+    # for orders that read it (`progress-gittins`); None: the core's built-in prior.
+    error_distribution: ServiceDistribution | None = None
+    # The service distribution by job size class, for orders that read it
+    # (`gittins-size`); None: `service_distribution` for every job.
+    service_by_class: ServiceByClass | None = None
 
 
 def describe_grants(grants: tuple[Grant, ...]) -> str:

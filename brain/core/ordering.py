@@ -19,7 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple
 
-from brain.core.distribution import ServiceDistribution
+from brain.core.distribution import (
+    DEFAULT_ERROR_PRIOR,
+    ServiceByClass,
+    ServiceDistribution,
+    gpu_class,
+)
 from brain.core.model import Grant, JobView, SetServiceLevel
 
 # Attained service is accumulated in floating point; a job that reaches a threshold
@@ -35,6 +40,20 @@ def job_sequence(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)
 
 
+# The indices of `gittins-size` and `progress-gittins`, cached by distribution (by
+# value: a frozen dataclass) and job: a waiting job's service and a learned
+# distribution stay the same over many cycles, and each index is linear in the
+# distribution's samples, where a look-up hashes them once.
+@functools.lru_cache(maxsize=1 << 16)
+def _exact_index(distribution: ServiceDistribution, attained: float) -> float:
+    return distribution.gittins_index_exact(attained)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _scaled_remaining(distribution: ServiceDistribution, scale: float, done: float) -> float | None:
+    return distribution.scaled_gittins_remaining(scale, done)
+
+
 def submission_key(job: JobView) -> tuple[float, tuple[int, str]]:
     return (job.submitted_at, job_sequence(job.job_id))
 
@@ -46,6 +65,12 @@ class OrderContext:
     gittins_quantum_gpu_s: float
     distribution: ServiceDistribution
     progress_probe_s: float = 60.0
+    # Finished jobs' actual total over the total they believed (their progress
+    # reports), for orders that read `progress_error`; None: `DEFAULT_ERROR_PRIOR`.
+    error_distribution: ServiceDistribution | None = None
+    # The service distribution by size class, for orders that read
+    # `class_distribution`; None: `distribution` for every job.
+    service_by_class: ServiceByClass | None = None
 
 
 class Ranked(NamedTuple):
@@ -252,7 +277,9 @@ def las_tiresias(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     return _las(jobs, context, _within_band_tiresias, tiresias_band_crossing)
 
 
-def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) -> Ordered:
+def _gittins(
+    jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool, by_class: bool = False
+) -> Ordered:
     ranked: list[Ranked] = []
     changes: list[SetServiceLevel] = []
     thresholds = context.las_thresholds_gpu_s
@@ -260,7 +287,9 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
     crossing = tiresias_band_crossing if tiresias else next_band_crossing
     wakes: list[float] = []
     # Many jobs share a service (every new job has none): one index and label each.
-    seen: dict[float, tuple[tuple[float, float], str]] = {}
+    seen: dict[tuple[int, float], tuple[tuple[float, float], str]] = {}
+    classes = context.service_by_class if by_class else None
+    compact: dict[int, ServiceDistribution] = {}
     for job in jobs:
         attained = job.attained_gpu_seconds
         level = bisect.bisect_right(thresholds, attained + SERVICE_EPSILON)
@@ -271,15 +300,25 @@ def _gittins(jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool) 
             since = band.since
         else:
             since = job.submitted_at if job.service_level_since is None else job.service_level_since
-        known = seen.get(attained)
+        size_class = gpu_class(job.gpus) if classes is not None else 0
+        known = seen.get((size_class, attained))
         if known is None:
             distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
-            index = (
-                distribution.gittins_index_tiresias(attained, quantum)
-                if tiresias
-                else distribution.gittins_index(attained, quantum)
+            if classes is not None:
+                distribution = classes.of(job.gpus) or distribution
+            if tiresias:
+                index = distribution.gittins_index_tiresias(attained, quantum)
+            elif by_class:
+                small = compact.get(id(distribution))
+                if small is None:
+                    small = compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
+                index = _exact_index(small, attained)
+            else:
+                index = distribution.gittins_index(attained, quantum)
+            known = seen[(size_class, attained)] = (
+                (float(level), -index),
+                f"band {level} gittins {index:.3g}",
             )
-            known = seen[attained] = ((float(level), -index), f"band {level} gittins {index:.3g}")
         if tiresias:
             rank: tuple[float, ...] = (*known[0], -job.submitted_at)
         else:
@@ -307,6 +346,27 @@ def gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     seen so far (with a prior), not from a fixed file, so it adapts to the cluster.
     """
     return _gittins(jobs, context, tiresias=False)
+
+
+# `gittins-size` ranks by distributions compressed to this many samples (each index
+# is linear in them; `ServiceDistribution.compressed` keeps each group's mean).
+GITTINS_POINTS: Final = 128
+
+
+def gittins_by_size(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """`gittins`, each job's index from the service distribution of its size class
+    (`gpu_class`: 1, 2, 3-4, 5-8, ... GPUs), shrunk toward the pooled distribution
+    while the class has few finished jobs (`ServiceByClass`); without classes (a
+    shell that does not learn them), the pooled one. A job's size is known at
+    submission and is not its duration, but jobs of different sizes are different
+    work: on GPU clusters multi-GPU jobs run far longer in GPU-time, so a new 8-GPU
+    job is less likely to finish soon than a new 1-GPU job.
+
+    The index is the exact Gittins index (`ServiceDistribution.gittins_index_exact`:
+    the best look-ahead, not a fixed quantum): size classes differ in scale by orders
+    of magnitude, and a quantum fitted to one says nothing in another (within a
+    class of jobs of days, every index at a 3,250 GPU-s quantum is near 0)."""
+    return _gittins(jobs, context, tiresias=False, by_class=True)
 
 
 def gittins_tiresias(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
@@ -382,6 +442,51 @@ def progress(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     return Ordered(tuple(ranked), head_of_line_blocking=False)
 
 
+def believed_remaining_gpu_seconds(job: JobView, ratios: ServiceDistribution) -> float | None:
+    """Remaining GPU-time from the job's progress reports, the belief they carry
+    taken as evidence rather than truth: its actual total is its believed total
+    (1 / rate, in seconds at the speed it runs) times a ratio drawn from `ratios`
+    (what finished jobs' reports turned out to be off by), given that it has already
+    done what it has. Ranked by the Gittins index of that remainder
+    (`ServiceDistribution.scaled_gittins_remaining`): with exact beliefs (one ratio,
+    1) it is the remaining time, SRTF; the wider the ratios, the more a job near its
+    believed end is worth only what its likely overrun is. A job that has outrun
+    every ratio seen is expected to need as long again as it has overrun."""
+    done = job.progress_fraction
+    if done is None:
+        return None
+    if done >= 1.0:
+        return 0.0
+    rate = job.progress_rate_per_s
+    if rate is None or rate <= 0.0:
+        return estimated_remaining_gpu_seconds(job)
+    believed_s = 1.0 / rate
+    # Past its believed total a job's fraction stops moving: its run time says more.
+    done_s = job.executed_seconds if job.executed_seconds > believed_s else done / rate
+    remaining = _scaled_remaining(ratios, believed_s, done_s)
+    if remaining is None:
+        remaining = max(done_s - believed_s, 0.0)
+    return job.gpus * remaining
+
+
+def progress_gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
+    """`progress`, with each job's believed total weighed by how wrong finished
+    jobs' beliefs turned out to be (`believed_remaining_gpu_seconds`)."""
+    probe_s = context.progress_probe_s
+    ratios = context.error_distribution or DEFAULT_ERROR_PRIOR
+    ranked: list[Ranked] = []
+    for job in jobs:
+        estimate = believed_remaining_gpu_seconds(job, ratios)
+        if estimate is not None:
+            ranked.append(Ranked(job, (0.0, estimate), f"~{estimate:.0f} GPU-s left (believed)"))
+        elif job.executed_seconds < probe_s:
+            left = job.gpus * (probe_s - job.executed_seconds)
+            ranked.append(Ranked(job, (0.0, left), "probing (no progress reported yet)"))
+        else:
+            ranked.append(Ranked(job, (1.0, job.attained_gpu_seconds), "reports no progress"))
+    return Ordered(tuple(ranked), head_of_line_blocking=False)
+
+
 # What an order may read beyond a job's size, submission, grants and attained service:
 # the shell and the simulator fill (and a simulator refuses a trace without) exactly
 # what an order declares, so that every other order is provably blind to it.
@@ -389,7 +494,18 @@ def progress(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
 #   progress:          `JobView.progress_fraction`/`progress_rate_per_s` (reports)
 #   distribution:      `ClusterSnapshot.service_distribution` (finished jobs' service)
 #   priority:          `JobView.priority` (a trace must carry a `priority` column)
-Input = Literal["declared_duration", "progress", "distribution", "priority"]
+#   class_distribution: `ClusterSnapshot.service_by_class` (finished jobs' service by
+#                      the size class of the job)
+#   progress_error:    `ClusterSnapshot.error_distribution` (finished jobs' actual total
+#                      over the total their progress reports believed)
+Input = Literal[
+    "declared_duration",
+    "progress",
+    "distribution",
+    "class_distribution",
+    "priority",
+    "progress_error",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,9 +532,11 @@ QUEUE_ORDERS: Final[tuple[QueueOrder, ...]] = (
     QueueOrder("las", las),
     QueueOrder("las-tiresias", las_tiresias),
     QueueOrder("gittins", gittins, frozenset({"distribution"})),
+    QueueOrder("gittins-size", gittins_by_size, frozenset({"distribution", "class_distribution"})),
     QueueOrder("gittins-tiresias", gittins_tiresias, frozenset({"distribution"})),
     QueueOrder("srtf", srtf, frozenset({"declared_duration"})),
     QueueOrder("progress", progress, frozenset({"progress"})),
+    QueueOrder("progress-gittins", progress_gittins, frozenset({"progress", "progress_error"})),
 )
 ORDERINGS: Final[dict[str, QueueOrder]] = {order.name: order for order in QUEUE_ORDERS}
 ORDER_READS: Final[dict[str, frozenset[Input]]] = {o.name: o.reads for o in QUEUE_ORDERS}

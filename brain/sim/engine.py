@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Protocol, cast, runtime_checkable
 
 from brain.core import (
+    DEFAULT_ERROR_PRIOR,
     DEFAULT_SERVICE_PRIOR,
     ClusterSnapshot,
     Decisions,
@@ -46,12 +47,17 @@ from brain.core import (
     decide,
     reads,
 )
+from brain.core.distribution import CLASS_SHRINK_WEIGHT, ServiceByClass, gpu_class
 from brain.core.ordering import job_sequence
 from brain.sim.trace import ClusterSpec, TraceError, TraceJob
 from schemas.errors import AlnairError
 
 # Work left below this many seconds is done: time is floating point.
 _DONE_EPSILON = 1e-6
+# The learned progress-error distribution is handed to the order compressed to this
+# many samples: each job's rank is linear in them.
+ERROR_POINTS = 64
+_NO_SAMPLES = ServiceDistribution((), (), ())
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -318,6 +324,17 @@ class _Replay:
     learn_censored: bool = False
     learned_at: int = 0
     learned_index: list[tuple[int, tuple[float, ...]]] = field(default_factory=list)
+    # For an order that reads `class_distribution`: finished jobs' service by size
+    # class (`gpu_class`), and what the order sees (each shrunk toward the pooled).
+    learn_classes: bool = False
+    learned_by_class: dict[int, ServiceDistribution] = field(default_factory=dict)
+    service_by_class: ServiceByClass | None = None
+    # For an order that reads `progress_error`: every finished job's actual total over
+    # the total its progress reports believed, on a weak prior, and the compressed
+    # copy the order ranks by (`ERROR_POINTS` samples at most).
+    learn_error: bool = False
+    errors: ServiceDistribution = DEFAULT_ERROR_PRIOR
+    error_view: ServiceDistribution = DEFAULT_ERROR_PRIOR
     # The scaling model's speed may change as work goes on (`CurvedScaling`): asked
     # once, as a runtime Protocol check is slow and a start asks it every time.
     curved: bool = False
@@ -387,9 +404,17 @@ class _Replay:
             job.phase = _Phase.DONE
             job.finished_at = self.now
             self.finished += 1
+            if self.learn_error and job.spec.duration_s > 0:
+                # What a shell sees: the run time over the total its reports implied.
+                self.errors = self.errors.with_sample(job.executed_s * self._progress_rate(job))
+                self.error_view = self.errors.compressed(ERROR_POINTS)
             if self.learn_service:
                 # Learn the service distribution online, as the live brain does.
                 self.learned = self.learned.with_sample(job.attained_gpu_seconds)
+                if self.learn_classes:
+                    size_class = gpu_class(job.spec.gpus)
+                    own = self.learned_by_class.get(size_class, _NO_SAMPLES)
+                    self.learned_by_class[size_class] = own.with_sample(job.attained_gpu_seconds)
                 if not self.learn_censored:
                     self.distribution = self.learned
                     self._record_index()
@@ -397,23 +422,37 @@ class _Replay:
     def learn_unfinished(self) -> None:
         """Derive the distribution the policy sees from the finished jobs and, as
         censored samples, the service of every job not finished yet (running, or
-        preempted with service). Re-derived once another 1/64 of the jobs finished so
-        far (at least one) have finished: each derivation is linear in the jobs seen,
-        so deriving at every finish would make a replay quadratic in its trace."""
-        if not self.learn_censored:
+        preempted with service); and, for an order that reads it, each size class's,
+        shrunk toward the pooled one. Re-derived once another 1/64 of the jobs finished
+        so far (at least one) have finished: each derivation is linear in the jobs
+        seen, so deriving at every finish would make a replay quadratic in its trace."""
+        if not self.learn_censored and not self.learn_classes:
             return
         since = self.finished - self.learned_at
         if since <= 0 or since < self.finished // 64:
             return
         self.learned_at = self.finished
-        unfinished = [job.attained_gpu_seconds for job in self.running.values()]
-        unfinished.extend(
-            job.attained_gpu_seconds
-            for job in self.pending.values()
+        unfinished = [
+            job
+            for job in (*self.running.values(), *self.pending.values())
             if job.attained_gpu_seconds > 0.0
-        )
-        self.distribution = self.learned.with_censored(unfinished)
-        self._record_index()
+        ]
+        if self.learn_censored:
+            self.distribution = self.learned.with_censored(
+                job.attained_gpu_seconds for job in unfinished
+            )
+            self._record_index()
+        if self.learn_classes:
+            classes = []
+            for size_class, own in sorted(self.learned_by_class.items()):
+                if self.learn_censored:
+                    own = own.with_censored(
+                        job.attained_gpu_seconds
+                        for job in unfinished
+                        if gpu_class(job.spec.gpus) == size_class
+                    )
+                classes.append((size_class, own.blended(self.distribution, CLASS_SHRINK_WEIGHT)))
+            self.service_by_class = ServiceByClass(tuple(classes))
 
     def _record_index(self) -> None:
         probes = self.config.index_probes_gpu_s
@@ -469,6 +508,8 @@ class _Replay:
             running=tuple(self._view(job) for job in self.running.values()),
             queues=self.config.queues,
             service_distribution=self.distribution,
+            error_distribution=self.error_view if self.learn_error else None,
+            service_by_class=self.service_by_class,
         )
 
     def _deciding(self) -> list[_Job]:
@@ -730,6 +771,8 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
         free={name: set(range(cluster.gpus_per_node)) for name in names},
         reveal_durations=reads(config.policy.order, "declared_duration"),
         report_progress=reads(config.policy.order, "progress"),
+        learn_error=reads(config.policy.order, "progress_error"),
+        learn_classes=config.learn_service and reads(config.policy.order, "class_distribution"),
         report_throughput=config.policy.elasticity != "none",
         distribution=config.service_prior,
         learn_service=config.learn_service and reads(config.policy.order, "distribution"),
