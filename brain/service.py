@@ -62,6 +62,7 @@ from brain.core import (
     SetServiceLevel,
     Wait,
     decide,
+    reads,
 )
 from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
@@ -1009,6 +1010,7 @@ class Brain:
                 if self.config.policy.order in DISTRIBUTION_AWARE
                 else None,
                 running_service=self._reads_running_service(),
+                by_class=reads(self.config.policy.order, "class_distribution"),
             )
         started = self.monotonic()
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:

@@ -20,7 +20,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from brain.core.distribution import DEFAULT_SERVICE_PRIOR, ServiceDistribution
+from brain.core.distribution import (
+    CLASS_SHRINK_WEIGHT,
+    DEFAULT_SERVICE_PRIOR,
+    NO_SAMPLES,
+    ServiceByClass,
+    ServiceDistribution,
+    gpu_class,
+)
 from brain.core.model import (
     ClusterSnapshot,
     Demand,
@@ -86,6 +93,9 @@ class BrainState:
     # Attained GPU-seconds of the latest SUCCEEDED jobs, oldest first (the Gittins
     # order's samples), and the distribution last built from them, by prior.
     service_samples: deque[float] = field(default_factory=lambda: deque(maxlen=SERVICE_SAMPLES))
+    # The GPUs each of those jobs asked for, in the same order (0: not known, from a
+    # snapshot that did not keep them): `gittins-size` learns per size class.
+    service_sample_gpus: deque[int] = field(default_factory=lambda: deque(maxlen=SERVICE_SAMPLES))
     # Finished jobs in memory, in the order they finished; those gone from memory, by
     # final state; and the idempotency keys of those gone, (tenant, key) -> job id.
     finished: OrderedDict[str, None] = field(default_factory=OrderedDict)
@@ -101,6 +111,10 @@ class BrainState:
     )
     # (what it was derived from, when, the distribution with unfinished jobs censored).
     _censored: tuple[ServiceDistribution, float, ServiceDistribution] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    # Likewise each size class's (`service_by_class`), from the censored pooled one.
+    _by_class: tuple[ServiceDistribution, ServiceByClass] | None = field(
         default=None, init=False, repr=False, compare=False
     )
     # Each READY node's snapshot view, with the record and the GPUs held there that it
@@ -202,7 +216,7 @@ class BrainState:
             and (previous is None or previous.state is not JobState.SUCCEEDED)
         ):
             # Once per job, and only from an entry not applied before.
-            self._learn_service(job.attained_gpu_seconds)
+            self._learn_service(job.attained_gpu_seconds, job.spec.gpus)
         self._index(previous, job)
         self.jobs[job.job_id] = job
         if job.job_id.isdigit():
@@ -281,8 +295,9 @@ class BrainState:
             for state, ids in self.by_state.items()
         }
 
-    def _learn_service(self, attained_gpu_seconds: float) -> None:
+    def _learn_service(self, attained_gpu_seconds: float, gpus: int) -> None:
         self.service_samples.append(attained_gpu_seconds)
+        self.service_sample_gpus.append(gpus)
         self._distribution = None
 
     def service_distribution(
@@ -302,17 +317,51 @@ class BrainState:
             return learned
         kept = self._censored
         if kept is None or kept[0] is not learned or not 0 <= now - kept[1] < CENSORED_REFRESH_S:
-            unfinished = [
-                job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count
-                for job in self.jobs_in(JobState.RUNNING)
-            ]
-            unfinished += [
-                job.attained_gpu_seconds
-                for job in self.jobs_in(JobState.PENDING)
-                if job.attained_gpu_seconds > 0.0
-            ]
+            unfinished = [service for _, service in self._unfinished_service(now)]
             kept = self._censored = (learned, now, learned.with_censored(unfinished))
         return kept[2]
+
+    def _unfinished_service(self, now: float) -> list[tuple[int, float]]:
+        """(GPUs asked, service so far) of every job not finished that has run: the
+        running ones' to `now`, the preempted ones' as recorded."""
+        unfinished = [
+            (job.spec.gpus, job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count)
+            for job in self.jobs_in(JobState.RUNNING)
+        ]
+        unfinished += [
+            (job.spec.gpus, job.attained_gpu_seconds)
+            for job in self.jobs_in(JobState.PENDING)
+            if job.attained_gpu_seconds > 0.0
+        ]
+        return unfinished
+
+    def service_by_class(
+        self, prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR, *, now: float
+    ) -> ServiceByClass:
+        """Each size class's service distribution (`gpu_class`): its finished jobs, its
+        unfinished ones censored, shrunk toward the pooled distribution
+        (`service_distribution`, `CLASS_SHRINK_WEIGHT`), as the simulator derives it.
+        Derived again whenever the pooled one is."""
+        pooled = self.service_distribution(prior, now=now)
+        if self._by_class is None or self._by_class[0] is not pooled:
+            finished: dict[int, list[float]] = {}
+            for service, gpus in zip(self.service_samples, self.service_sample_gpus, strict=True):
+                if gpus > 0:
+                    finished.setdefault(gpu_class(gpus), []).append(service)
+            running: dict[int, list[float]] = {}
+            for gpus, service in self._unfinished_service(now):
+                running.setdefault(gpu_class(gpus), []).append(service)
+            classes = tuple(
+                (
+                    size_class,
+                    NO_SAMPLES.with_samples(samples)
+                    .with_censored(running.get(size_class, ()))
+                    .blended(pooled, CLASS_SHRINK_WEIGHT),
+                )
+                for size_class, samples in sorted(finished.items())
+            )
+            self._by_class = (pooled, ServiceByClass(classes))
+        return self._by_class[1]
 
     @classmethod
     def from_snapshot(cls, snapshot: BrainSnapshot) -> BrainState:
@@ -324,6 +373,10 @@ class BrainState:
             state._put_job(job, new=learned)
         if snapshot.service_samples is not None:
             state.service_samples.extend(snapshot.service_samples)
+            gpus = snapshot.service_sample_gpus
+            if gpus is None or len(gpus) != len(snapshot.service_samples):
+                gpus = (0,) * len(snapshot.service_samples)  # not known: pooled only
+            state.service_sample_gpus.extend(gpus)
         # Finished jobs in the order they finished (ties as the log had them).
         order = {job_id: i for i, job_id in enumerate(snapshot.finished)}
         for job_id in sorted(state.finished, key=lambda j: order.get(j, -1)):
@@ -346,6 +399,7 @@ class BrainState:
             blacklist=tuple(self.blacklist.values()),
             input_failures={u: tuple(sorted(j)) for u, j in self.input_failures.items()},
             service_samples=tuple(self.service_samples),
+            service_sample_gpus=tuple(self.service_sample_gpus),
             finished=tuple(self.finished),
             finished_away={state.value: n for state, n in self.finished_away.items()},
             keys_away=tuple((t, k, j) for (t, k), j in self.keys_away.items()),
@@ -426,12 +480,15 @@ class BrainState:
         service_prior: ServiceDistribution | None = DEFAULT_SERVICE_PRIOR,
         progress: Mapping[str, ObservedProgress] | None = None,
         running_service: bool = True,
+        by_class: bool = False,
     ) -> ClusterSnapshot:
         """The frozen view `decide` sees; `profiles` (job id -> profile) come from the
         brain's telemetry, which the log does not hold; `now` adds the current run to
         running jobs' attained service; `queues` and `service_prior` are configuration (no
         prior: no learned distribution, for the orders that do not read it);
-        `progress` (job id -> what its reports said) comes from its supervisor.
+        `progress` (job id -> what its reports said) comes from its supervisor;
+        `by_class`: the distribution of each size class too (`service_by_class`, for the
+        orders that read it), which needs `service_prior` and `now`.
 
         `running_service` False: running jobs' service and run time are as of their
         records (for a policy that reads neither), so their views are reused from pass
@@ -454,6 +511,11 @@ class BrainState:
             queues=queues,
             service_distribution=(
                 None if service_prior is None else self.service_distribution(service_prior, now=now)
+            ),
+            service_by_class=(
+                self.service_by_class(service_prior, now=now)
+                if by_class and service_prior is not None and now is not None
+                else None
             ),
         )
 

@@ -164,6 +164,9 @@ class BrainSnapshot(Message):
     # order's samples; None in a snapshot from before they were kept: learned from
     # its jobs then).
     service_samples: tuple[float, ...] | None = None
+    # The GPUs each of those jobs asked for, in the same order (None in a snapshot from
+    # before they were kept: those samples then count for no size class).
+    service_sample_gpus: tuple[int, ...] | None = None
     # Finished jobs in memory, in the order they finished; how many finished jobs left
     # memory, by final state; and their idempotency keys: (tenant, key, job id).
     finished: tuple[str, ...] = ()

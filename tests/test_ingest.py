@@ -536,3 +536,54 @@ def test_the_learned_distribution_counts_unfinished_jobs_as_censored() -> None:
     assert state.service_distribution(now=1100.0 + CENSORED_REFRESH_S / 2) is learned
     later = state.service_distribution(now=1100.0 + CENSORED_REFRESH_S)
     assert later == finished_only.with_censored([5200.0 + 2 * CENSORED_REFRESH_S, 9000.0])
+
+
+def test_each_size_class_learns_its_own_distribution_live() -> None:
+    """`gittins-size` in the live brain: each size class's finished jobs, its unfinished
+    ones censored, shrunk toward the pooled distribution, as the simulator derives it;
+    the GPUs of each sample survive a snapshot (and one without them counts for no class)."""
+    from brain.core.distribution import (
+        CLASS_SHRINK_WEIGHT,
+        DEFAULT_SERVICE_PRIOR,
+        NO_SAMPLES,
+        gpu_class,
+    )
+
+    state = BrainState()
+    seq = 0
+
+    def apply(record: JobChanged | NodeChanged) -> None:
+        nonlocal seq
+        seq += 1
+        state.apply(record, seq)
+
+    def with_job(record: JobChanged, **update: object) -> JobChanged:
+        return record.model_copy(update={"job": record.job.model_copy(update=update)})
+
+    apply(_node_changed("a", 0))
+    for job_id, gpu_ids, service in (("1", (0,), 100.0), ("2", (0,), 300.0), ("3", (0, 1), 9e4)):
+        apply(
+            with_job(
+                _job_on(job_id, "a", gpu_ids, JobState.SUCCEEDED), attained_gpu_seconds=service
+            )
+        )
+    running = _job_on("4", "a", (0, 1), JobState.RUNNING)
+    apply(with_job(running, started_at=1000.0, attained_gpu_seconds=1e5))
+    pooled = state.service_distribution(now=1000.0)
+    by_class = state.service_by_class(now=1000.0)
+    assert by_class.of(1) == NO_SAMPLES.with_samples([100.0, 300.0]).blended(
+        pooled, CLASS_SHRINK_WEIGHT
+    )
+    assert by_class.of(2) == NO_SAMPLES.with_samples([9e4]).with_censored([1e5]).blended(
+        pooled, CLASS_SHRINK_WEIGHT
+    )
+    assert by_class.of(8) is None and gpu_class(8) != gpu_class(2)
+    snapshot = state.snapshot(now=1000.0, service_prior=DEFAULT_SERVICE_PRIOR, by_class=True)
+    assert snapshot.service_by_class == by_class
+    assert state.snapshot(now=1000.0).service_by_class is None
+
+    kept = state.to_snapshot(taken_at=0.0, epoch=1)
+    assert kept.service_sample_gpus == (1, 1, 2)
+    assert BrainState.from_snapshot(kept).service_by_class(now=1000.0) == by_class
+    older = BrainState.from_snapshot(kept.model_copy(update={"service_sample_gpus": None}))
+    assert older.service_by_class(now=1000.0).classes == ()

@@ -80,7 +80,10 @@ class ServiceDistribution:
         """A copy that has also seen these finished jobs' service (weight 1 each): one
         merge, where calling `with_sample` for each would copy the tuples every time."""
         cumulative = self.cumulative_weight
-        weights = [w - p for w, p in zip(cumulative, (0.0, *cumulative[:-1]), strict=True)]
+        # (An empty distribution too: `NO_SAMPLES`, where a size class starts.)
+        weights = [
+            w - p for w, p in zip(cumulative, (0.0, *cumulative)[: len(cumulative)], strict=True)
+        ]
         added = list(samples)
         merged = sorted(
             [*zip(self.values, weights, strict=True), *((v, 1.0) for v in added)],
@@ -340,6 +343,8 @@ class ServiceByClass:
 
 
 DEFAULT_SERVICE_PRIOR = ServiceDistribution.log_uniform_prior(10.0, 1.0e7)
+# A distribution that has seen nothing: where a size class's own samples start.
+NO_SAMPLES = ServiceDistribution((), (), ())
 
 # What a job's actual total is, as a multiple of the total it believes (its progress
 # reports' step / total steps): a weak prior, log-uniform from a quarter to four

@@ -47,7 +47,7 @@ from brain.core import (
     decide,
     reads,
 )
-from brain.core.distribution import CLASS_SHRINK_WEIGHT, ServiceByClass, gpu_class
+from brain.core.distribution import CLASS_SHRINK_WEIGHT, NO_SAMPLES, ServiceByClass, gpu_class
 from brain.core.ordering import job_sequence
 from brain.sim.trace import ClusterSpec, TraceError, TraceJob
 from schemas.errors import AlnairError
@@ -57,8 +57,6 @@ _DONE_EPSILON = 1e-6
 # The learned progress-error distribution is handed to the order compressed to this
 # many samples: each job's rank is linear in them.
 ERROR_POINTS = 64
-_NO_SAMPLES = ServiceDistribution((), (), ())
-
 ProgressCallback = Callable[[int, int], None]
 
 
@@ -413,7 +411,7 @@ class _Replay:
                 self.learned = self.learned.with_sample(job.attained_gpu_seconds)
                 if self.learn_classes:
                     size_class = gpu_class(job.spec.gpus)
-                    own = self.learned_by_class.get(size_class, _NO_SAMPLES)
+                    own = self.learned_by_class.get(size_class, NO_SAMPLES)
                     self.learned_by_class[size_class] = own.with_sample(job.attained_gpu_seconds)
                 if not self.learn_censored:
                     self.distribution = self.learned
