@@ -4,9 +4,10 @@ A handler (an inbox item, a scheduling pass) *stages* each record it makes: the 
 gets the next sequence and is applied to state at once, so the handler reads its own
 writes, but nothing outside this process sees it yet. At the end of a unit of work
 (one inbox batch, one pass's decisions) `commit` appends everything staged as one
-group, pipelined and fenced (`Bus.append_many`), writes the group's history rows in one
-sqlite transaction, tells the observers, and only then publishes the commands the unit
-queued with `send_after`. So:
+group, pipelined and fenced (`Bus.append_many`), then publishes the commands the unit
+queued with `send_after`, and only then writes the group's history rows in one sqlite
+transaction and tells the observers (a projection, off the path from a placement to its
+Launch). So:
 
 - no command, and no reply to a caller, goes out before the records it follows are
   stored (the commit comes first; the shell answers callers after it);
@@ -96,21 +97,32 @@ class Journal:
                 raise
             self.groups += 1
             self.records += len(staged)
-            entries = [(record, seq) for _, record, seq in staged]
-            try:
-                self.history.record_many(entries)
-            except Exception:
-                log.exception(
-                    "history write failed for seq %d to %d; the log has them", first, staged[-1][2]
-                )
-            for record, seq in entries:
-                for observer in self.observers:
-                    try:
-                        observer(record, seq)
-                    except Exception:
-                        log.exception("observer %r failed", observer)
-        if outbox:
-            await self.bus.publish_many_durable(outbox)
+        try:
+            # The records are stored: their commands may go. The history and the
+            # observers come after, off the path from a placement to its Launch.
+            if outbox:
+                await self.bus.publish_many_durable(outbox)
+        finally:
+            if staged:
+                self._project(staged)
+
+    def _project(self, staged: list[tuple[str, StateRecord, int]]) -> None:
+        """Write stored records to the history and tell the observers."""
+        entries = [(record, seq) for _, record, seq in staged]
+        try:
+            self.history.record_many(entries)
+        except Exception:
+            log.exception(
+                "history write failed for seq %d to %d; the log has them",
+                entries[0][1],
+                entries[-1][1],
+            )
+        for record, seq in entries:
+            for observer in self.observers:
+                try:
+                    observer(record, seq)
+                except Exception:
+                    log.exception("observer %r failed", observer)
 
     def discard(self) -> None:
         """Drop what is staged and queued (state is reloaded from the log after this)."""

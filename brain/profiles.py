@@ -417,6 +417,11 @@ class Profiler:
 
     # -- views -----------------------------------------------------------------------
 
+    def refresh(self) -> None:
+        """Recompute the profiles that are due, within the work budget; a change that
+        matters to policy is told by the next `poll`."""
+        self._refresh()
+
     def poll(self) -> bool:
         """Refresh what is due; True if some profile changed in a way policy acts on
         (a first profile, a job turning underused or back, a cycle found or lost), so
@@ -425,9 +430,11 @@ class Profiler:
         news, self._news = self._news, False
         return news
 
-    def current(self) -> Mapping[str, UtilizationProfile]:
-        """Profiles of the running jobs, refreshing the stalest within the work budget."""
-        self._refresh()
+    def current(self, *, refresh: bool = True) -> Mapping[str, UtilizationProfile]:
+        """Profiles of the running jobs, refreshing the stalest within the work budget
+        first (unless `refresh` is False: as they stand, see `refresh`)."""
+        if refresh:
+            self._refresh()
         return {
             job_id: track.profile
             for job_id, track in self._tracks.items()

@@ -50,6 +50,7 @@ from brain.core import (
     DEFAULT_SERVICE_PRIOR,
     DISTRIBUTION_AWARE,
     ORDERINGS,
+    ClusterSnapshot,
     Decisions,
     MemoryPressure,
     Place,
@@ -85,12 +86,13 @@ from brain.journal import Journal
 from brain.leader import Lease
 from brain.leadership import Leadership
 from brain.liveness import Liveness
+from brain.pacing import PassPacer
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.reconciler import Reconciler
 from brain.replica import Replica
 from brain.resizes import Resizes
-from brain.state import BrainState, current_size_s, job_demand
+from brain.state import BrainState, current_size_s, job_demand, job_view
 from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
 from schemas import subjects
@@ -143,15 +145,10 @@ log = logging.getLogger(__name__)
 # A pass waits for the inbox to empty (one pass for all the changes queued), but no
 # longer than this: a steady stream of requests must not starve scheduling.
 PASS_WAITS_FOR_INBOX_S: Final = 0.05
-# A decide() that took longer than this last time runs in a worker thread, so the loop
+# A decide() that took longer than this (CPU time) last time runs in a worker thread, so the loop
 # (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
 # where it does not make every wake-up of the loop wait for the GIL.
 DECIDE_IN_THREAD_AFTER_S: Final = 0.05
-# After a pass, the next waits at least as long as this one took (capped): passes
-# take at most about half the loop, however fast changes come, and the rest goes to
-# the API, ingest and the lease. A pass of a few milliseconds delays nothing.
-PASS_REST_RATIO: Final = 1.0
-PASS_REST_MAX_S: Final = 1.0
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
 # group is not kept waiting long for the last.
@@ -246,6 +243,10 @@ class Brain:
         # State changed since the last pass began: one more pass is due.
         self._dirty = True
         self._pass_wanted = asyncio.Event()
+        # When the next pass may start (brain/pacing.py); a job was submitted since
+        # the last pass began: the next one is prompt.
+        self._pacer = PassPacer(since=monotonic())
+        self._submitted = asyncio.Event()
         # Set while the inbox loop waits for an item with none queued.
         self._inbox_idle = asyncio.Event()
         self._last_decide_s = 0.0
@@ -656,9 +657,11 @@ class Brain:
 
     async def _schedule_forever(self) -> None:
         """Scheduling passes, coalesced: at most one runs at a time, and the next starts
-        once state has changed since the last began, however many changes that was."""
+        once state has changed since the last began, however many changes that was,
+        and passes owe the loop no more time than allowed (brain/pacing.py)."""
         while True:
             await self._pass_wanted.wait()
+            await self._rest()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inbox_idle.wait(), PASS_WAITS_FOR_INBOX_S)
             self._pass_wanted.clear()
@@ -676,8 +679,18 @@ class Brain:
                     log.exception("scheduling cycle failed")
             if self._dirty:
                 self._pass_wanted.set()
-            took = self.monotonic() - began
-            await asyncio.sleep(min(took * PASS_REST_RATIO, PASS_REST_MAX_S))
+            self._pacer.ran(began, self.monotonic())
+
+    async def _rest(self) -> None:
+        """Wait until the pacer lets the next pass start: sooner once a job is
+        submitted meanwhile."""
+        pacer = self._pacer
+        while (wait_s := pacer.wait_s(self.monotonic(), prompt=self._submitted.is_set())) > 0:
+            if self._submitted.is_set():
+                await asyncio.sleep(wait_s)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._submitted.wait(), wait_s)
 
     async def _handle(self, item: Item) -> object:
         match item:
@@ -759,6 +772,7 @@ class Brain:
 
     async def _job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
         job = self._account(job)
+        old = self.state.jobs.get(job.job_id)
         record = JobChanged(
             record_id=self._record_id(),
             ts=self.clock(),
@@ -768,7 +782,10 @@ class Brain:
             cause=cause,
         )
         await self._append(record, subjects.state_job(job.job_id))
-        self._dirty = True
+        if old is None or not _same_to_policy(old, job):
+            # Not, say, for a process that started where it was placed: decide() would
+            # see nothing new, and a pass of 10,000 pending jobs costs tens of ms.
+            self._dirty = True
 
     def _account(self, job: JobRecord) -> JobRecord:
         """Fold a run that is ending into the job's service, and note when a job starts
@@ -909,6 +926,7 @@ class Brain:
                 kind=CauseKind.SUBMITTED, message=f"submitted by tenant {tenant}", job_id=job.job_id
             ),
         )
+        self._submitted.set()  # its pass need not wait out the last one's rest
         return job
 
     async def _cancel(self, tenant: str, job_id: str) -> JobRecord:
@@ -971,8 +989,9 @@ class Brain:
             await self.blacklist.input_error(event)
         elif isinstance(event, ResizeCompleted):
             await self.resizes.resize_completed(event)
+        # What the event changed for decide() made state dirty as it was staged (a
+        # job's, a node's or the blacklist's record); the event's own record does not.
         await self._event_recorded(event)
-        self._dirty = True
 
     async def _edit_blacklist(self, operator: str, request: BlacklistRequest) -> None:
         await self.blacklist.edit(operator, request)
@@ -999,8 +1018,10 @@ class Brain:
         as the writer, each checked against the state as it is by then."""
         async with self._writer:  # not halfway through a handler's records
             self._dirty = False
+            self._submitted.clear()
             snapshot = self.state.snapshot(
-                profiles=self.profiles.current(),
+                # As they stand: refreshed after the pass, off the path to its Launches.
+                profiles=self.profiles.current(refresh=False),
                 now=self.clock(),
                 queues=self.config.queues,
                 # Elastic jobs' throughput per size and progress, from their supervisors.
@@ -1012,16 +1033,21 @@ class Brain:
                 running_service=self._reads_running_service(),
                 by_class=reads(self.config.policy.order, "class_distribution"),
             )
-        started = self.monotonic()
+        now, policy = self.clock(), self.config.policy
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
-            decisions = await asyncio.to_thread(decide, snapshot, self.clock(), self.config.policy)
+            decisions, self._last_decide_s = await asyncio.to_thread(_decide, snapshot, now, policy)
         else:
-            decisions = decide(snapshot, self.clock(), self.config.policy)
-        self._last_decide_s = self.monotonic() - started
+            decisions, self._last_decide_s = _decide(snapshot, now, policy)
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
         async with self._unit():
-            await self._apply(decisions)
+            waits = await self._apply(decisions)
+        # The placements are stored and their Launches sent: now why the rest wait
+        # (one per pending job: thousands of look-ups, off the path to the Launches).
+        if waits:
+            async with self._unit():
+                await self._note_waits(waits)
+        self.profiles.refresh()
 
     def _reads_running_service(self) -> bool:
         """Does this pass's policy read running jobs' service as it grows? If not, the
@@ -1056,7 +1082,8 @@ class Brain:
         self.preemptions += 1
         return True
 
-    async def _apply(self, decisions: Decisions) -> None:
+    async def _apply(self, decisions: Decisions) -> list[Wait]:
+        """Apply every action but the waits, which are returned (noted apart)."""
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
         # node lost or drained, a resize staged by an operator). None: to be computed.
         free: dict[str, frozenset[int]] | None = None
@@ -1104,7 +1131,7 @@ class Brain:
                 for grant in action.grants:
                     free[grant.node] = free[grant.node] - set(grant.gpus)
                 await self._place(job, action)
-        await self._note_waits(waits)
+        return waits
 
     async def _note_waits(self, waits: list[Wait]) -> None:
         """Why each waiting job waits. A new kind of reason is journaled; the same
@@ -1241,6 +1268,15 @@ class Brain:
         return os.getpid()
 
 
+def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> tuple[Decisions, float]:
+    """decide(), and the CPU time it took: its own cost, not the time its thread
+    waited for the interpreter or a core (a decide() moved to a thread beside a busy
+    loop takes several times longer, and would stay there however cheap it was)."""
+    started = time.thread_time()
+    decisions = decide(snapshot, now, policy)
+    return decisions, time.thread_time() - started
+
+
 @functools.lru_cache(maxsize=4096)
 def _reason_kind(reason: str | None) -> str:
     """A waiting reason without its figures: what changes of it are journaled.
@@ -1249,6 +1285,18 @@ def _reason_kind(reason: str | None) -> str:
 
 
 _FIGURES: Final = re.compile(r"\d+(?:\.\d+)?")
+
+
+def _same_to_policy(old: JobRecord, new: JobRecord) -> bool:
+    """Whether decide() sees a running job the same after a change as before it: the
+    same view (without the clock; grants are seen only as the GPUs they hold, not as
+    the processes started there). A pending job's change is its waiting reason, or
+    more: news either way."""
+    return (
+        old.state is JobState.RUNNING
+        and new.state is JobState.RUNNING
+        and job_view(old, now=None) == job_view(new, now=None)
+    )
 
 
 def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:

@@ -46,10 +46,15 @@ class MemoryLog:
 class MemoryHistory:
     rows: list[int] = field(default_factory=list)
     transactions: int = 0
+    # The log's calls when each transaction was written (what had gone out before it).
+    log: MemoryLog | None = None
+    seen_calls: list[list[tuple[str, object]]] = field(default_factory=list)
 
     def record_many(self, entries: Iterable[tuple[StateRecord, int]]) -> None:
         self.transactions += 1
         self.rows += [seq for _, seq in entries]
+        if self.log is not None:
+            self.seen_calls.append(list(self.log.calls))
 
 
 def stop(command_id: str) -> Stop:
@@ -57,7 +62,8 @@ def stop(command_id: str) -> Stop:
 
 
 def journal() -> tuple[Journal, BrainState, MemoryLog, MemoryHistory, list[int]]:
-    state, log, history, seen = BrainState(), MemoryLog(), MemoryHistory(), []
+    state, log, seen = BrainState(), MemoryLog(), []
+    history = MemoryHistory(log=log)
     made = Journal(log, history, lambda: state, [lambda record, seq: seen.append(seq)])
     return made, state, log, history, seen
 
@@ -106,3 +112,30 @@ async def test_discard_drops_what_a_unit_cut_short_staged() -> None:
     assert made.tainted and not made.dirty
     await made.commit()
     assert log.calls == []
+
+
+async def test_commands_go_out_before_the_history_is_written() -> None:
+    """The history is a projection: a placement's Launch waits for the log's
+    acknowledgement only, not for the sqlite write after it."""
+    made, _, _, history, seen = journal()
+    made.stage(node_record("a", 8), "alnair.state.node.a")
+    made.send_after("alnair.node.a.cmd", stop("s-1"), "s-1")
+    await made.commit()
+    assert history.seen_calls == [[("append", 1), ("command", "s-1")]]
+    assert seen == [1]
+
+
+async def test_stored_records_reach_the_history_even_when_their_commands_fail() -> None:
+    made, _, log, history, seen = journal()
+
+    async def unreachable(messages: list[tuple[str, BaseModel, str]]) -> None:
+        raise TimeoutError("no stream answered")
+
+    log.publish_many_durable = unreachable  # type: ignore[method-assign]
+    made.stage(node_record("a", 8), "alnair.state.node.a")
+    made.send_after("alnair.node.a.cmd", stop("s-1"), "s-1")
+    with pytest.raises(TimeoutError):
+        await made.commit()
+    # The record is in the log: its projection and observers have it, and the log
+    # is not ahead of state (nothing to load again).
+    assert history.rows == [1] and seen == [1] and not made.tainted
