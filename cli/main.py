@@ -577,6 +577,7 @@ async def _serve_until_signalled(
 
 async def cmd_brain(args: argparse.Namespace) -> int:
     from brain.core import Policy
+    from brain.core.collector import tune_for_a_service
     from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
     from brain.queues import load_queues
     from brain.service import Brain, BrainConfig
@@ -622,6 +623,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
         replicas=args.replicas,
     )
     brain = Brain(bus, config)
+    tune_for_a_service()
     http = _http_server(brain, args)
     http_stopping = asyncio.Event()
     follower: asyncio.Task[None] | None = None
