@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -500,6 +501,21 @@ def test_after_news_the_loop_could_not_act_on_no_heartbeat_is_a_repeat() -> None
     assert not ingest.repeat("n1", encode(beat(seq=2)), 1.0)
 
 
+def _applier(state: BrainState) -> Callable[[JobChanged | NodeChanged], None]:
+    """Applies records to `state` as the log would, in sequence."""
+    seq = [state.last_seq]
+
+    def apply(record: JobChanged | NodeChanged) -> None:
+        seq[0] += 1
+        state.apply(record, seq[0])
+
+    return apply
+
+
+def _with_job(record: JobChanged, **update: object) -> JobChanged:
+    return record.model_copy(update={"job": record.job.model_copy(update=update)})
+
+
 def test_the_learned_distribution_counts_unfinished_jobs_as_censored() -> None:
     """Gittins learns from finished jobs and, as censored samples, from the service of
     jobs still running (to now) or preempted: long jobs tell it something before they end."""
@@ -507,25 +523,16 @@ def test_the_learned_distribution_counts_unfinished_jobs_as_censored() -> None:
     from brain.state import CENSORED_REFRESH_S
 
     state = BrainState()
-    seq = 0
-
-    def apply(record: JobChanged | NodeChanged) -> None:
-        nonlocal seq
-        seq += 1
-        state.apply(record, seq)
-
-    def with_job(record: JobChanged, **update: object) -> JobChanged:
-        return record.model_copy(update={"job": record.job.model_copy(update=update)})
-
+    apply = _applier(state)
     apply(_node_changed("a", 0))
     for job_id, service in (("1", 600.0), ("2", 1200.0)):
         apply(
-            with_job(_job_on(job_id, "a", (0,), JobState.SUCCEEDED), attained_gpu_seconds=service)
+            _with_job(_job_on(job_id, "a", (0,), JobState.SUCCEEDED), attained_gpu_seconds=service)
         )
     running = _job_on("3", "a", (0, 1), JobState.RUNNING)
-    apply(with_job(running, started_at=1000.0, attained_gpu_seconds=5000.0))
+    apply(_with_job(running, started_at=1000.0, attained_gpu_seconds=5000.0))
     preempted = _job_on("4", "a", (0,), JobState.PENDING)
-    apply(with_job(preempted, attained_gpu_seconds=9000.0))
+    apply(_with_job(preempted, attained_gpu_seconds=9000.0))
     finished_only = DEFAULT_SERVICE_PRIOR.with_samples([600.0, 1200.0])
     assert state.service_distribution() == finished_only
     # Job 3 has run 100 s more on 2 GPUs by now.
@@ -550,25 +557,16 @@ def test_each_size_class_learns_its_own_distribution_live() -> None:
     )
 
     state = BrainState()
-    seq = 0
-
-    def apply(record: JobChanged | NodeChanged) -> None:
-        nonlocal seq
-        seq += 1
-        state.apply(record, seq)
-
-    def with_job(record: JobChanged, **update: object) -> JobChanged:
-        return record.model_copy(update={"job": record.job.model_copy(update=update)})
-
+    apply = _applier(state)
     apply(_node_changed("a", 0))
     for job_id, gpu_ids, service in (("1", (0,), 100.0), ("2", (0,), 300.0), ("3", (0, 1), 9e4)):
         apply(
-            with_job(
+            _with_job(
                 _job_on(job_id, "a", gpu_ids, JobState.SUCCEEDED), attained_gpu_seconds=service
             )
         )
     running = _job_on("4", "a", (0, 1), JobState.RUNNING)
-    apply(with_job(running, started_at=1000.0, attained_gpu_seconds=1e5))
+    apply(_with_job(running, started_at=1000.0, attained_gpu_seconds=1e5))
     pooled = state.service_distribution(now=1000.0)
     by_class = state.service_by_class(now=1000.0)
     assert by_class.of(1) == NO_SAMPLES.with_samples([100.0, 300.0]).blended(

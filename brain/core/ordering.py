@@ -428,12 +428,24 @@ def progress(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     job observed to be nearly done. A job that never reports progress ranks after all
     of those, least attained service first (LAS), so it cannot hog the cluster.
     """
+    return _by_remaining(jobs, context, estimated_remaining_gpu_seconds, "observed")
+
+
+def _by_remaining(
+    jobs: Sequence[JobView],
+    context: OrderContext,
+    remaining: Callable[[JobView], float | None],
+    said: str,
+) -> Ordered:
+    """Least remaining GPU-time first, by `remaining` (None: nothing reported yet);
+    a job still in its probe by what is left of it; one that never reports, last, by
+    least attained service."""
     probe_s = context.progress_probe_s
     ranked: list[Ranked] = []
     for job in jobs:
-        estimate = estimated_remaining_gpu_seconds(job)
+        estimate = remaining(job)
         if estimate is not None:
-            ranked.append(Ranked(job, (0.0, estimate), f"~{estimate:.0f} GPU-s left (observed)"))
+            ranked.append(Ranked(job, (0.0, estimate), f"~{estimate:.0f} GPU-s left ({said})"))
         elif job.executed_seconds < probe_s:
             left = job.gpus * (probe_s - job.executed_seconds)
             ranked.append(Ranked(job, (0.0, left), "probing (no progress reported yet)"))
@@ -472,19 +484,10 @@ def believed_remaining_gpu_seconds(job: JobView, ratios: ServiceDistribution) ->
 def progress_gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """`progress`, with each job's believed total weighed by how wrong finished
     jobs' beliefs turned out to be (`believed_remaining_gpu_seconds`)."""
-    probe_s = context.progress_probe_s
     ratios = context.error_distribution or DEFAULT_ERROR_PRIOR
-    ranked: list[Ranked] = []
-    for job in jobs:
-        estimate = believed_remaining_gpu_seconds(job, ratios)
-        if estimate is not None:
-            ranked.append(Ranked(job, (0.0, estimate), f"~{estimate:.0f} GPU-s left (believed)"))
-        elif job.executed_seconds < probe_s:
-            left = job.gpus * (probe_s - job.executed_seconds)
-            ranked.append(Ranked(job, (0.0, left), "probing (no progress reported yet)"))
-        else:
-            ranked.append(Ranked(job, (1.0, job.attained_gpu_seconds), "reports no progress"))
-    return Ordered(tuple(ranked), head_of_line_blocking=False)
+    return _by_remaining(
+        jobs, context, lambda job: believed_remaining_gpu_seconds(job, ratios), "believed"
+    )
 
 
 # What an order may read beyond a job's size, submission, grants and attained service:
