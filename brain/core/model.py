@@ -2,7 +2,8 @@
 
 These types are deliberately not the wire schemas: the live brain builds a snapshot
 from its records, the simulator builds one from a trace, and neither leaks into the
-other. Everything here is immutable.
+other. Everything here is immutable: a `record` (brain/core/record.py), which the type
+checker holds frozen and which costs a tenth of a frozen dataclass to build.
 """
 
 from __future__ import annotations
