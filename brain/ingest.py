@@ -97,18 +97,26 @@ _CLOCK: Final = re.compile(
 )
 
 
+def _clock_span(raw: bytes) -> tuple[int, int] | None:
+    """Where a heartbeat's `"ts"` and `"seq"` sit together before `"instance"` (as
+    pydantic writes a Heartbeat), from the comma before `"ts"` to the one before
+    `"instance"`; None for any other layout."""
+    start = raw.find(b',"ts":')
+    end = raw.find(b',"instance":', start + 1)
+    return None if start < 0 or end < 0 else (start, end)
+
+
 def _without_clock(raw: bytes) -> bytes | None:
-    """A heartbeat's bytes without its `"ts"` and `"seq"`, where they sit together before
-    `"instance"` (as pydantic writes a Heartbeat); None for any other layout.
+    """A heartbeat's bytes without its `"ts"` and `"seq"` (`_clock_span`); None for any
+    other layout.
 
     Only for a message already validated: its schema allows no other `"ts"` key, and
     exactly two keys between the cut's ends means nothing else is cut out, so equal
     results mean equal heartbeats but for their time and sequence."""
-    start = raw.find(b',"ts":')
-    end = raw.find(b',"instance":', start + 1)
-    if start < 0 or end < 0 or raw.count(b'":', start, end) != 2:
+    span = _clock_span(raw)
+    if span is None or raw.count(b'":', *span) != 2:
         return None
-    return raw[:start] + raw[end:]
+    return raw[: span[0]] + raw[span[1] :]
 
 
 class NodeIngest:
@@ -185,9 +193,13 @@ class NodeIngest:
             return False
         if now - known.last_seen > self.node_timeout_s:
             return False
-        start = raw.find(b',"ts":')
-        end = raw.find(b',"instance":', start + 1)
-        if start < 0 or end < 0 or raw[:start] != known.raw[:start]:
+        span = _clock_span(raw)
+        if span is None:
+            return False
+        # `raw` without its clock equals the last one's (`_without_clock`), compared
+        # in place, and what was cut is a well-formed clock.
+        start, end = span
+        if raw[:start] != known.raw[:start]:
             return False
         if raw[end:] != known.raw[start:] or not _CLOCK.fullmatch(raw, start, end):
             return False

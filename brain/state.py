@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from brain.core.distribution import (
-    CLASS_SHRINK_WEIGHT,
     DEFAULT_SERVICE_PRIOR,
     NO_SAMPLES,
     ServiceByClass,
     ServiceDistribution,
+    by_size_class,
     gpu_class,
 )
 from brain.core.model import (
@@ -109,10 +109,11 @@ class BrainState:
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-    # (what it was derived from, when, the distribution with unfinished jobs censored).
-    _censored: tuple[ServiceDistribution, float, ServiceDistribution] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    # (what it was derived from, when, the distribution with unfinished jobs censored,
+    # and those jobs' (GPUs asked, service so far), which `service_by_class` reads too).
+    _censored: (
+        tuple[ServiceDistribution, float, ServiceDistribution, list[tuple[int, float]]] | None
+    ) = field(default=None, init=False, repr=False, compare=False)
     # Likewise each size class's (`service_by_class`), from the censored pooled one.
     _by_class: tuple[ServiceDistribution, ServiceByClass] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -317,8 +318,9 @@ class BrainState:
             return learned
         kept = self._censored
         if kept is None or kept[0] is not learned or not 0 <= now - kept[1] < CENSORED_REFRESH_S:
-            unfinished = [service for _, service in self._unfinished_service(now)]
-            kept = self._censored = (learned, now, learned.with_censored(unfinished))
+            unfinished = self._unfinished_service(now)
+            censored = learned.with_censored(service for _, service in unfinished)
+            kept = self._censored = (learned, now, censored, unfinished)
         return kept[2]
 
     def _unfinished_service(self, now: float) -> list[tuple[int, float]]:
@@ -348,19 +350,13 @@ class BrainState:
             for service, gpus in zip(self.service_samples, self.service_sample_gpus, strict=True):
                 if gpus > 0:
                     finished.setdefault(gpu_class(gpus), []).append(service)
-            running: dict[int, list[float]] = {}
-            for gpus, service in self._unfinished_service(now):
-                running.setdefault(gpu_class(gpus), []).append(service)
-            classes = tuple(
-                (
-                    size_class,
-                    NO_SAMPLES.with_samples(samples)
-                    .with_censored(running.get(size_class, ()))
-                    .blended(pooled, CLASS_SHRINK_WEIGHT),
-                )
-                for size_class, samples in sorted(finished.items())
+            assert self._censored is not None  # derived with `pooled`, just above
+            classes = by_size_class(
+                {c: NO_SAMPLES.with_samples(samples) for c, samples in finished.items()},
+                self._censored[3],
+                pooled,
             )
-            self._by_class = (pooled, ServiceByClass(classes))
+            self._by_class = (pooled, classes)
         return self._by_class[1]
 
     @classmethod

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import add
@@ -79,14 +79,12 @@ class ServiceDistribution:
     def with_samples(self, samples: Iterable[float]) -> ServiceDistribution:
         """A copy that has also seen these finished jobs' service (weight 1 each): one
         merge, where calling `with_sample` for each would copy the tuples every time."""
-        cumulative = self.cumulative_weight
-        # (An empty distribution too: `NO_SAMPLES`, where a size class starts.)
-        weights = [
-            w - p for w, p in zip(cumulative, (0.0, *cumulative)[: len(cumulative)], strict=True)
-        ]
         added = list(samples)
         merged = sorted(
-            [*zip(self.values, weights, strict=True), *((v, 1.0) for v in added)],
+            [
+                *zip(self.values, _weights(self.cumulative_weight), strict=True),
+                *((v, 1.0) for v in added),
+            ],
             key=lambda pair: pair[0],
         )
         return ServiceDistribution(
@@ -310,7 +308,8 @@ class ServiceDistribution:
 
 
 def _weights(cumulative: tuple[float, ...]) -> list[float]:
-    return [w - p for w, p in zip(cumulative, (0.0, *cumulative[:-1]), strict=True)]
+    """Each sample's weight, from the running totals (none for `NO_SAMPLES`)."""
+    return [w - p for w, p in zip(cumulative, (0.0, *cumulative)[: len(cumulative)], strict=True)]
 
 
 def gpu_class(gpus: int) -> int:
@@ -340,6 +339,31 @@ class ServiceByClass:
             if cls == wanted:
                 return distribution
         return None
+
+
+def by_size_class(
+    finished: Mapping[int, ServiceDistribution],
+    unfinished: Iterable[tuple[int, float]],
+    pooled: ServiceDistribution,
+) -> ServiceByClass:
+    """Each size class's distribution, as the live brain and the simulator both derive
+    it: the class's finished jobs (`finished`, by class), the (GPUs, service so far) of
+    its jobs not finished yet as censored samples, shrunk toward `pooled`
+    (`CLASS_SHRINK_WEIGHT`). Only classes with a finished job are listed."""
+    censored: dict[int, list[float]] = {}
+    for gpus, service in unfinished:
+        censored.setdefault(gpu_class(gpus), []).append(service)
+    return ServiceByClass(
+        tuple(
+            (
+                size_class,
+                own.with_censored(censored.get(size_class, ())).blended(
+                    pooled, CLASS_SHRINK_WEIGHT
+                ),
+            )
+            for size_class, own in sorted(finished.items())
+        )
+    )
 
 
 DEFAULT_SERVICE_PRIOR = ServiceDistribution.log_uniform_prior(10.0, 1.0e7)

@@ -47,7 +47,7 @@ from brain.core import (
     decide,
     reads,
 )
-from brain.core.distribution import CLASS_SHRINK_WEIGHT, NO_SAMPLES, ServiceByClass, gpu_class
+from brain.core.distribution import NO_SAMPLES, ServiceByClass, by_size_class, gpu_class
 from brain.core.ordering import job_sequence
 from brain.sim.trace import ClusterSpec, TraceError, TraceJob
 from schemas.errors import AlnairError
@@ -441,16 +441,14 @@ class _Replay:
             )
             self._record_index()
         if self.learn_classes:
-            classes = []
-            for size_class, own in sorted(self.learned_by_class.items()):
-                if self.learn_censored:
-                    own = own.with_censored(
-                        job.attained_gpu_seconds
-                        for job in unfinished
-                        if gpu_class(job.spec.gpus) == size_class
-                    )
-                classes.append((size_class, own.blended(self.distribution, CLASS_SHRINK_WEIGHT)))
-            self.service_by_class = ServiceByClass(tuple(classes))
+            censored = (
+                [(job.spec.gpus, job.attained_gpu_seconds) for job in unfinished]
+                if self.learn_censored
+                else []
+            )
+            self.service_by_class = by_size_class(
+                self.learned_by_class, censored, self.distribution
+            )
 
     def _record_index(self) -> None:
         probes = self.config.index_probes_gpu_s
