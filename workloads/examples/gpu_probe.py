@@ -1,0 +1,120 @@
+"""What a job sees of its GPUs, as one JSON line; optionally, load them.
+
+Run as a job (`alnair submit --gpus 1 -- python -m workloads.examples.gpu_probe`) to
+check that it sees exactly the GPUs it was granted: the environment the agent gave it
+(`CUDA_VISIBLE_DEVICES`, the MPS limits of a share), and what CUDA then shows (device
+count, names, UUIDs). bench/gpu_check.py runs it on a real GPU.
+
+`--seconds S` keeps the GPUs busy with matrix products for S seconds (so telemetry has
+something to show), holding `--hold-gib G` of GPU memory; `--try-gib X` then tries to
+allocate X GiB more and says whether CUDA refused (a share's memory limit under MPS
+refuses it); `--illegal-address` makes a kernel write to an unmapped address, which the
+driver reports as an XID (31, a GPU memory page fault) and CUDA as an illegal memory
+access: the job fails, the GPU does not. It needs torch (the `train` extra); the illegal
+write needs CuPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Final
+
+SHOWN_ENV: Final = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_MPS_PIPE_DIRECTORY",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "ALNAIR_GPU_SHARE",
+    "ALNAIR_GPU_SHARE_ENFORCED",
+    "ALNAIR_JOB_ID",
+)
+GIB: Final = 1 << 30
+
+
+def seen(torch: Any) -> dict[str, Any]:
+    count = torch.cuda.device_count()
+    devices = []
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        devices.append(
+            {
+                "index": i,
+                "name": props.name,
+                "uuid": f"GPU-{props.uuid}" if hasattr(props, "uuid") else None,
+                "memory_mib": props.total_memory // (1 << 20),
+                "multiprocessors": props.multi_processor_count,
+            }
+        )
+    return {"device_count": count, "devices": devices}
+
+
+def load(torch: Any, seconds: float, hold_gib: float) -> dict[str, Any]:
+    held = torch.empty(int(hold_gib * GIB), dtype=torch.uint8, device="cuda")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    products = 0
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        for _ in range(20):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize()
+        products += 20
+    elapsed = time.monotonic() - start
+    del held
+    return {
+        "seconds": round(elapsed, 2),
+        "tflops": round(products * 2 * 8192**3 / elapsed / 1e12, 1),
+        "held_gib": hold_gib,
+    }
+
+
+def try_allocate(torch: Any, gib: float) -> dict[str, Any]:
+    try:
+        block = torch.empty(int(gib * GIB), dtype=torch.uint8, device="cuda")
+        block.fill_(1)
+        torch.cuda.synchronize()
+    except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError
+        return {"gib": gib, "allocated": False, "error": str(error).splitlines()[0][:300]}
+    del block
+    return {"gib": gib, "allocated": True}
+
+
+def illegal_address() -> None:
+    import cupy
+
+    kernel = cupy.RawKernel(
+        r'extern "C" __global__ void poke() { *(volatile int*)0x10 = 1; }', "poke"
+    )
+    kernel((1,), (1,), ())
+    cupy.cuda.Device().synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_probe", description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=0.0)
+    p.add_argument("--hold-gib", type=float, default=1.0)
+    p.add_argument("--try-gib", type=float, default=None)
+    p.add_argument("--illegal-address", action="store_true")
+    args = p.parse_args(argv)
+    report: dict[str, Any] = {"pid": os.getpid(), "env": {n: os.environ.get(n) for n in SHOWN_ENV}}
+    if args.illegal_address:
+        print(json.dumps(report), flush=True)
+        illegal_address()
+        return 0  # not reached: the write faults
+    import torch
+
+    report.update(seen(torch))
+    print(json.dumps(report), flush=True)  # what it sees, even if the load then fails
+    if args.seconds > 0:
+        report["load"] = load(torch, args.seconds, args.hold_gib)
+    if args.try_gib is not None:
+        report["try"] = try_allocate(torch, args.try_gib)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
