@@ -208,18 +208,23 @@ class NvmlGpus:
 
     kind: Literal["nvml"] = "nvml"
 
-    def __init__(self) -> None:
+    def __init__(self, nvml: Any = None) -> None:
+        """`nvml`: the `pynvml` module (by default), or what stands in for it."""
+        if nvml is None:
+            try:
+                import pynvml
+            except ImportError as error:  # pragma: no cover - it is a dependency
+                raise GpuBackendError(
+                    "the pynvml module (package nvidia-ml-py) is missing"
+                ) from error
+            nvml = pynvml
+        self._nvml: Any = nvml
         try:
-            import pynvml
-        except ImportError as error:  # pragma: no cover - it is a dependency
-            raise GpuBackendError("the pynvml module (package nvidia-ml-py) is missing") from error
-        self._nvml: Any = pynvml
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as error:
+            nvml.nvmlInit()
+        except nvml.NVMLError as error:
             raise GpuBackendError(f"NVML is not usable here: {error}") from error
-        count = pynvml.nvmlDeviceGetCount()
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        count = nvml.nvmlDeviceGetCount()
+        self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self._gpus = tuple(self._info(i, h) for i, h in enumerate(self._handles))
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -251,8 +256,13 @@ class NvmlGpus:
         return {}
 
     def process_memory(self, index: int) -> dict[int, float]:
-        """NVML's compute processes on the GPU, and its MPS clients (which drivers list
-        apart), with the memory each uses; NVML says None where it cannot tell."""
+        """NVML's compute processes on the GPU, and its MPS clients, with the memory
+        each uses; NVML says None where it cannot tell.
+
+        Drivers list an MPS client in both queries (nvidia-smi's type "M+C"), with the
+        same figure: a process's use is the larger of the two, never their sum (summed,
+        each share of an H200 read twice its use, and would be stopped at half its
+        limit)."""
         nvml = self._nvml
         handle = self._handles[index]
         used: dict[int, float] = {}
@@ -266,16 +276,29 @@ class NvmlGpus:
                 memory = getattr(process, "usedGpuMemory", None)
                 if isinstance(memory, int) and memory >= 0:
                     pid = int(process.pid)
-                    used[pid] = used.get(pid, 0.0) + memory / (1024 * 1024)
+                    used[pid] = max(used.get(pid, 0.0), memory / (1024 * 1024))
         return used
 
     def sample(self) -> tuple[GpuSample, ...]:
         return tuple(self._sample_one(i, h) for i, h in enumerate(self._handles))
 
+    def _memory(self, handle: Any) -> Any:
+        """Memory in use as nvidia-smi shows it. The first version of the query counts
+        what the driver reserves for itself as used (615 MiB of an idle H200 that
+        nvidia-smi shows at 0); the second reports that apart. Drivers without the
+        second get the first."""
+        nvml = self._nvml
+        version = getattr(nvml, "nvmlMemory_v2", None)
+        if version is not None:
+            memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle, version)
+            if memory is not None:
+                return memory
+        return self._call(nvml.nvmlDeviceGetMemoryInfo, handle)
+
     def _sample_one(self, index: int, handle: Any) -> GpuSample:
         nvml = self._nvml
         util = self._call(nvml.nvmlDeviceGetUtilizationRates, handle)
-        memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle)
+        memory = self._memory(handle)
         power_mw = self._call(nvml.nvmlDeviceGetPowerUsage, handle)
         temp = self._call(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU)
         sm = self._call(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM)
