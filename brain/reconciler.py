@@ -3,16 +3,24 @@
 It reads the nodes' latest heartbeats (brain/ingest.py) and state, and sends stops
 (brain/writer.py `Stops`); it changes no state. A stop for the same process is not
 repeated more often than `RESTOP_AFTER_S`, counting stops sent for any reason.
+
+A heartbeat is read until the node's next one, so the latest may be older than the
+node's report that a process exited (events and heartbeats travel apart): a process
+whose exit its node reported after the heartbeat was sent (both on the node's own
+clock) is not stopped for it. Without that, every job that ended was "stopped" once,
+with a warning, in the half second before its node's next heartbeat.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Protocol
 
 from brain.state import BrainState
 from brain.writer import Clock, Stops
+from schemas.events import JobExited
 from schemas.jobs import JobState
 from schemas.telemetry import Heartbeat
 
@@ -20,6 +28,9 @@ log = logging.getLogger(__name__)
 
 # Do not repeat a reconciliation stop for the same process more often than this.
 RESTOP_AFTER_S: Final = 10.0
+# Exits remembered to check heartbeats against: a heartbeat is at most a few seconds
+# old when read (a silent node's is not read), so only the latest exits matter.
+EXITS_KEPT: Final = 4096
 
 
 class Reporting(Protocol):
@@ -44,6 +55,14 @@ class Reconciler:
         # (node, job, attempt) -> when a stop for it was last sent (monotonic).
         self._stops_sent = stops_sent
         self._monotonic = monotonic
+        # (node, job, attempt) -> when its node saw the process exit (the node's clock).
+        self._exits: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+
+    def exited(self, event: JobExited) -> None:
+        """A node reported a process's exit: its heartbeats sent before then list it."""
+        self._exits[(event.node, event.job_id, event.attempt)] = event.ts
+        while len(self._exits) > EXITS_KEPT:
+            self._exits.popitem(last=False)
 
     async def reconcile_all(self) -> None:
         """Reconcile every node that reports processes: a heartbeat that changes nothing
@@ -67,6 +86,8 @@ class Reconciler:
             key = (beat.node, running.job_id, running.attempt)
             if now - self._stops_sent.get(key, -RESTOP_AFTER_S) < RESTOP_AFTER_S:
                 continue
+            if beat.ts <= self._exits.get(key, float("-inf")):
+                continue  # the heartbeat predates its node's word that it exited
             log.warning(
                 "node %s runs job %s attempt %d that it does not hold; stopping it",
                 beat.node,

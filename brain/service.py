@@ -978,6 +978,7 @@ class Brain:
         if isinstance(event, JobStarted):
             await self.attempts.job_started(event)
         elif isinstance(event, JobExited):
+            self.reconciler.exited(event)
             await self.attempts.job_exited(event)
         elif isinstance(event, LaunchFailed):
             await self.attempts.launch_failed(event)

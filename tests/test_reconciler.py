@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from brain.reconciler import RESTOP_AFTER_S, Reconciler
+from schemas.events import JobExited
 from schemas.telemetry import Heartbeat
 from tests.parts import Clock, Shell, heartbeat
 
@@ -82,3 +83,39 @@ async def test_reconcile_all_covers_every_reporting_node() -> None:
     await made.reconcile_all()
 
     assert [(s.node, s.job_id, s.attempt) for s in shell.stops] == [("n2", "5", 1), ("n3", "6", 2)]
+
+
+@pytest.mark.parametrize(
+    ("exited_after_beat_s", "stopped"),
+    [
+        pytest.param(0.3, False, id="the beat predates its node's exit report"),
+        pytest.param(0.0, False, id="sent at the same instant"),
+        pytest.param(-0.3, True, id="listed after its node said it exited"),
+        pytest.param(None, True, id="no exit reported"),
+    ],
+)
+async def test_a_beat_older_than_its_nodes_exit_report_stops_nothing(
+    exited_after_beat_s: float | None, stopped: bool
+) -> None:
+    # A job ended and its record is final; the node's latest heartbeat, sent before the
+    # process exited, still lists it until the next one.
+    shell, clock = Shell(), Clock(100.0)
+    shell.add_node("n1")
+    made, _ = reconciler(shell, clock, {})
+    beat = heartbeat("n1", ("7", 1))
+    if exited_after_beat_s is not None:
+        made.exited(
+            JobExited(
+                event_id="n1-7-1-exited",
+                node="n1",
+                ts=beat.ts + exited_after_beat_s,
+                job_id="7",
+                attempt=1,
+                exit_code=0,
+                runtime_s=20.0,
+            )
+        )
+
+    await made.reconcile(beat)
+
+    assert len(shell.stops) == (1 if stopped else 0)
