@@ -17,9 +17,9 @@ places only one tenant's shares on a GPU (brain/core/sharing.py), and here a sha
 another user is refused while the GPU's shares run (`MpsError`, naming both), instead
 of hanging; once none runs, the daemon is restarted for the new user. The GPU's pipe
 and log directories (the MPS server, which runs as the client's user, writes there
-too) belong to that user's group alone (root-owned, group `rwx`, no access for
-others), and are emptied when the user changes; unconfined, they are the agent's
-alone (0700). Before a share starts, the agent checks that its user can reach both,
+too) belong to that user alone (owned by it, 0700, in a root-owned directory it can
+only pass through), and are emptied when the user changes; unconfined, they are the
+agent's alone (0700). Before a share starts, the agent checks that its user can reach both,
 every directory on the way included, and refuses it naming the directory that stops
 it (`out_of_reach`).
 
@@ -264,32 +264,32 @@ class MpsDaemons:
         return status == 0
 
     def _lay_out(self, daemon: _Daemon) -> None:
-        """The GPU's directories, for its user alone: `gpu<i>` enterable, and `pipe`
-        and `log` writable, by that user's group (the agent is root when it confines)
-        or by the agent's user only (unconfined). What another user's server left
-        there is removed first."""
+        """The GPU's directories, for its user alone: `pipe` and `log` are that user's
+        own (mode 0700), inside a root-owned `gpu<i>` that others may only pass through
+        (the agent is root when it confines); unconfined, all three are the agent's
+        user's alone. What another user's server left there is removed first.
+
+        Ownership, not a group: the control daemon starts each MPS server as the
+        client's uid but not with its group (seen on an H200 with driver 580: servers
+        for a uid whose pipe and log directories were root-owned, group rwx for the
+        user's group, exited at once without a line of log, and every client failed
+        with CUDA error 805)."""
         gpu_dir = daemon.pipe_dir.parent
         self._root.mkdir(parents=True, exist_ok=True)
         user = daemon.user
-        gid = os.getegid() if user is None else user.gid
+        uid, gid = (os.geteuid(), os.getegid()) if user is None else (user.uid, user.gid)
         with contextlib.suppress(FileNotFoundError):
-            if gpu_dir.stat().st_gid != gid:
+            if daemon.pipe_dir.stat().st_uid != uid:
                 shutil.rmtree(gpu_dir)
         if user is not None:
             self._root.chmod(0o711)  # every GPU's users pass through to their own
-        # In `pipe` and `log` the user's group writes (its MPS server runs as the user),
-        # and what it creates stays the group's.
-        for directory, mode in (
-            (gpu_dir, 0o710),
-            (daemon.pipe_dir, 0o2770),
-            (daemon.log_dir, 0o2770),
-        ):
+        gpu_dir.mkdir(exist_ok=True)
+        gpu_dir.chmod(0o700 if user is None else 0o711)
+        for directory in (daemon.pipe_dir, daemon.log_dir):
             directory.mkdir(exist_ok=True)
-            if user is None:
-                directory.chmod(0o700)
-            else:
-                os.chown(directory, os.geteuid(), gid)
-                directory.chmod(mode)
+            if user is not None:
+                os.chown(directory, uid, gid)
+            directory.chmod(0o700)
 
     def _check_reach(self, daemon: _Daemon) -> None:
         """Refuse, naming the directory, when the daemon's user could not reach its pipe

@@ -208,7 +208,7 @@ def test_out_of_reach_names_the_directory_that_stops_a_user(open_place: Path) ->
 
 
 @needs_root
-async def test_a_gpu_serves_one_user_whose_group_alone_reaches_its_pipe(open_place: Path) -> None:
+async def test_a_gpu_serves_one_user_who_alone_owns_its_pipe(open_place: Path) -> None:
     root = open_place / "mps"
     daemons = MpsDaemons(root, binary=str(_stand_in(open_place)))
     started: list[int] = []
@@ -216,16 +216,23 @@ async def test_a_gpu_serves_one_user_whose_group_alone_reaches_its_pipe(open_pla
         env = await daemons.prepare(0, "GPU-aaaa", USER_A)
         started.append(_daemon_pid(root, 0))
         assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root / "gpu0" / "pipe")
-        modes = {
-            name: (stat.S_IMODE((root / name).stat().st_mode), (root / name).stat().st_gid)
+        layout = {
+            name: (stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid)
             for name in ("", "gpu0", "gpu0/pipe", "gpu0/log")
+            for info in [(root / name).stat()]
         }
-        assert modes == {
-            "": (0o711, 0),
-            "gpu0": (0o710, USER_A.gid),
-            "gpu0/pipe": (0o2770, USER_A.gid),
-            "gpu0/log": (0o2770, USER_A.gid),
+        assert layout == {
+            "": (0o711, 0, 0),
+            "gpu0": (0o711, 0, 0),
+            "gpu0/pipe": (0o700, USER_A.uid, USER_A.gid),
+            "gpu0/log": (0o700, USER_A.uid, USER_A.gid),
         }
+        # The control daemon starts the user's MPS server with the user's uid and
+        # root's group (seen on an H200, driver 580): it must reach both as well.
+        server = ShareUser("a's MPS server", USER_A.uid, 0)
+        for directory in ("pipe", "log"):
+            assert out_of_reach(root / "gpu0" / directory, server) is None
+            assert out_of_reach(root / "gpu0" / directory, USER_B) == root / "gpu0" / directory
         # A's shares still run: B's share is refused, not left to wait behind them.
         with pytest.raises(MpsError, match="serves user a's shares; an MPS daemon serves one"):
             await daemons.prepare(0, "GPU-aaaa", USER_B, alone=False)
@@ -235,7 +242,7 @@ async def test_a_gpu_serves_one_user_whose_group_alone_reaches_its_pipe(open_pla
         await daemons.prepare(0, "GPU-aaaa", USER_B, alone=True)
         started.append(_daemon_pid(root, 0))
         assert started[1] != started[0]
-        assert (root / "gpu0" / "pipe").stat().st_gid == USER_B.gid
+        assert (root / "gpu0" / "pipe").stat().st_uid == USER_B.uid
         assert not (root / "gpu0" / "pipe" / "left-by-a").exists()
         await daemons.close()
     finally:
