@@ -75,7 +75,7 @@ def sh(*argv: str, timeout: float = 30.0) -> str:
 class Cluster:
     """`alnair up` in the background, and the CLI and HTTP API pointed at it."""
 
-    def __init__(self, home: Path, log_path: Path, gpus: str) -> None:
+    def __init__(self, home: Path, log_path: Path, gpus: str, *, secure: bool) -> None:
         self.home = home
         self.env = {
             **os.environ,
@@ -91,6 +91,7 @@ class Cluster:
             [
                 *[sys.executable, "-m", "cli", "up", "--fresh", "--gpus", gpus],
                 *(["--nodes", "1"] if gpus.startswith("sim:") else []),
+                *(["--secure"] if secure else []),
                 *["--http", "127.0.0.1:0"],
             ],
             cwd=ROOT,
@@ -367,11 +368,17 @@ def main() -> int:
         "--gpus", default="nvml", help="the agent's --gpus (sim:1xH100 to try the script)"
     )
     p.add_argument("--steps", nargs="*", default=[name for name, _ in STEPS])
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="`alnair up --secure`: as root, each job runs as its tenant's user in its own "
+        "cgroup, with only its GPUs' device files open to it",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="alnair-gpu-check-"))
     results: dict[str, Any] = {}
-    cluster = Cluster(home, args.out / "up.log", args.gpus)
+    cluster = Cluster(home, args.out / "up.log", args.gpus, secure=args.secure)
     try:
         cluster.wait_ready()
         for name, step in STEPS:

@@ -17,10 +17,12 @@ write needs CuPy.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any, Final
 
 SHOWN_ENV: Final = (
@@ -33,6 +35,37 @@ SHOWN_ENV: Final = (
     "ALNAIR_JOB_ID",
 )
 GIB: Final = 1 << 30
+
+
+def confinement() -> dict[str, Any]:
+    """Who the job runs as, its cgroup and that cgroup's limits (v2), and which of the
+    node's NVIDIA device files it may open (a confined job: only its GPUs' and the
+    driver's shared ones)."""
+    found: dict[str, Any] = {"uid": os.getuid(), "gid": os.getgid()}
+    try:
+        lines = Path("/proc/self/cgroup").read_text().split()
+    except OSError:
+        lines = []
+    found["cgroup"] = lines
+    unified = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if unified is not None:
+        limits = {}
+        for name in ("memory.max", "pids.max", "cpu.max"):
+            try:
+                limits[name] = Path(f"/sys/fs/cgroup{unified}/{name}").read_text().strip()
+            except OSError as error:
+                limits[name] = f"({error.strerror})"
+        found["limits"] = limits
+    opened = {}
+    for name in sorted(os.listdir("/dev")):
+        if name.startswith("nvidia") and not os.path.isdir(f"/dev/{name}"):
+            try:
+                os.close(os.open(f"/dev/{name}", os.O_RDWR))
+                opened[name] = "opened"
+            except OSError as error:
+                opened[name] = errno.errorcode.get(error.errno or 0, str(error.errno))
+    found["devices"] = opened
+    return found
 
 
 def seen(torch: Any) -> dict[str, Any]:
@@ -99,9 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--try-gib", type=float, default=None)
     p.add_argument("--illegal-address", action="store_true")
     args = p.parse_args(argv)
-    report: dict[str, Any] = {"pid": os.getpid(), "env": {n: os.environ.get(n) for n in SHOWN_ENV}}
+    report: dict[str, Any] = {
+        "pid": os.getpid(),
+        "env": {n: os.environ.get(n) for n in SHOWN_ENV},
+        "confinement": confinement(),
+    }
+    print(json.dumps(report), flush=True)  # before CUDA, which may fail
     if args.illegal_address:
-        print(json.dumps(report), flush=True)
         illegal_address()
         return 0  # not reached: the write faults
     import torch
