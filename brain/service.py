@@ -149,6 +149,12 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
 # where it does not make every wake-up of the loop wait for the GIL.
 DECIDE_IN_THREAD_AFTER_S: Final = 0.05
+# Why the queue waits is worked out by at most one pass in this long: every other pass
+# decides with `decide(waits=False)`. A `Wait` per pending job per pass, and the
+# shell's look-ups of each, were a fifth of a pass at 10,000 pending; an owner reads a
+# waiting reason on a person's time scale. A pass that left them out owes them: the
+# tick makes state dirty once they are due.
+EXPLAIN_WAITS_EVERY_S: Final = 1.0
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
 # group is not kept waiting long for the last.
@@ -254,6 +260,10 @@ class Brain:
         self._loop_lag_s = 0.0
         # When the last decide() asked to be called again, even if nothing happens.
         self._wake_at: float | None = None
+        # When a pass may next explain why jobs wait (monotonic), and whether one that
+        # left it out owes it (`EXPLAIN_WAITS_EVERY_S`).
+        self._waits_due = 0.0
+        self._waits_owed = False
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self.credentials = (
             JobCredentials(
@@ -720,6 +730,8 @@ class Brain:
             # decide() asked to be called again by now (a retry back-off ending).
             self._wake_at = None
             self._dirty = True
+        if self._waits_owed and self.monotonic() >= self._waits_due:
+            self._dirty = True  # a pass left out why jobs wait: the next one says
         # A snapshot covers stored records only: what this unit staged goes first.
         await self.journal.commit()
         await self._maybe_snapshot()
@@ -1035,10 +1047,13 @@ class Brain:
                 by_class=reads(self.config.policy.order, "class_distribution"),
             )
         now, policy = self.clock(), self.config.policy
+        explain = self._explains_waits(waiting=bool(snapshot.pending))
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
-            decisions, self._last_decide_s = await asyncio.to_thread(_decide, snapshot, now, policy)
+            decisions, self._last_decide_s = await asyncio.to_thread(
+                _decide, snapshot, now, policy, explain
+            )
         else:
-            decisions, self._last_decide_s = _decide(snapshot, now, policy)
+            decisions, self._last_decide_s = _decide(snapshot, now, policy, explain)
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
         async with self._unit():
@@ -1049,6 +1064,20 @@ class Brain:
             async with self._unit():
                 await self._note_waits(waits)
         self.profiles.refresh()
+
+    def _explains_waits(self, *, waiting: bool) -> bool:
+        """Does this pass say why jobs wait? At most one pass per
+        `EXPLAIN_WAITS_EVERY_S`; one that does not, with jobs waiting, owes it to a
+        later one."""
+        if not waiting:
+            return True  # nothing to explain: it costs nothing, and uses up no turn
+        now = self.monotonic()
+        if now < self._waits_due:
+            self._waits_owed = True
+            return False
+        self._waits_due = now + EXPLAIN_WAITS_EVERY_S
+        self._waits_owed = False
+        return True
 
     def _reads_running_service(self) -> bool:
         """Does this pass's policy read running jobs' service as it grows? If not, the
@@ -1269,12 +1298,14 @@ class Brain:
         return os.getpid()
 
 
-def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy) -> tuple[Decisions, float]:
+def _decide(
+    snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool
+) -> tuple[Decisions, float]:
     """decide(), and the CPU time it took: its own cost, not the time its thread
     waited for the interpreter or a core (a decide() moved to a thread beside a busy
     loop takes several times longer, and would stay there however cheap it was)."""
     started = time.thread_time()
-    decisions = decide(snapshot, now, policy)
+    decisions = decide(snapshot, now, policy, waits=waits)
     return decisions, time.thread_time() - started
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 
+from brain import service
+from brain.core import Wait
 from brain.service import _same_to_policy
-from schemas.jobs import JobRecord, JobState, NodeGrant
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.state import Cause, CauseKind
 from tests.conftest import eventually
 from tests.statelog import live_job_record
+from tests.test_cluster_e2e import submit
 
 
 def running() -> JobRecord:
@@ -84,3 +87,32 @@ async def test_a_started_process_makes_no_pass_due(brain_factory, agent_factory)
 
 def _cause(job: JobRecord) -> Cause:
     return Cause(kind=CauseKind.STARTED, job_id=job.job_id, message="test")
+
+
+async def test_passes_say_why_jobs_wait_once_per_interval_and_owe_what_they_skip(
+    brain_factory, agent_factory, monkeypatch
+) -> None:
+    """A pass within EXPLAIN_WAITS_EVERY_S of the last that explained decides without
+    `Wait`s; once they are due, the tick makes state dirty and a pass explains."""
+    monkeypatch.setattr(service, "EXPLAIN_WAITS_EVERY_S", 3600.0)  # "not yet", for now
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    await eventually(lambda: brain.state.nodes)
+    waits_per_pass: list[int] = []
+    brain.decision_observers.append(
+        lambda decisions: waits_per_pass.append(sum(isinstance(a, Wait) for a in decisions.actions))
+    )
+    await submit(brain.api, JobSpec(command=("sleep", "60"), gpus=2))  # holds both
+    queued = JobSpec(command=("true",), gpus=2)
+    first = await submit(brain.api, queued)
+    await eventually(lambda: "needs 2 GPUs" in (brain.state.jobs[first].reason or ""))
+
+    second = await submit(brain.api, queued)
+    await eventually(lambda: brain._waits_owed and not brain._dirty and brain._inbox.empty())
+    assert waits_per_pass[-1] == 0  # decided, not explained
+    assert brain.state.jobs[second].reason == "submitted"
+
+    brain._waits_due = brain.monotonic()  # the interval has passed
+    # Behind the first (fifo blocks the head of the line).
+    await eventually(lambda: "queued behind" in (brain.state.jobs[second].reason or ""))
+    assert 2 in waits_per_pass[-2:]
