@@ -48,7 +48,6 @@ from brain.blacklist import Blacklist
 from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
-    DISTRIBUTION_AWARE,
     ORDERINGS,
     ClusterSnapshot,
     Decisions,
@@ -150,10 +149,10 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # where it does not make every wake-up of the loop wait for the GIL.
 DECIDE_IN_THREAD_AFTER_S: Final = 0.05
 # Why the queue waits is worked out by at most one pass in this long: every other pass
-# decides with `decide(waits=False)`. A `Wait` per pending job per pass, and the
-# shell's look-ups of each, were a fifth of a pass at 10,000 pending; an owner reads a
-# waiting reason on a person's time scale. A pass that left them out owes them: the
-# tick makes state dirty once they are due.
+# decides with `decide(waits=False)`. Without a `Wait` per pending job, and the
+# shell's look-ups of each, a pass at 10,000 pending costs about half (the median
+# submit -> Launch halved); an owner reads a waiting reason on a person's time scale.
+# A pass that left them out owes them: the tick makes state dirty once they are due.
 EXPLAIN_WAITS_EVERY_S: Final = 1.0
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
@@ -1041,7 +1040,7 @@ class Brain:
                 progress=self.progress.current(),
                 # Learned only for the orders that read it: a rebuild costs milliseconds.
                 service_prior=self.config.service_prior
-                if self.config.policy.order in DISTRIBUTION_AWARE
+                if reads(self.config.policy.order, "distribution")
                 else None,
                 running_service=self._reads_running_service(),
                 by_class=reads(self.config.policy.order, "class_distribution"),

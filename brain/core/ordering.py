@@ -548,9 +548,3 @@ ORDER_READS: Final[dict[str, frozenset[Input]]] = {o.name: o.reads for o in QUEU
 def reads(order: str, what: Input) -> bool:
     """Does the ordering named `order` read `what`?"""
     return what in ORDER_READS.get(order, frozenset())
-
-
-# The name lists older callers test membership in; derived from `ORDER_READS`.
-DURATION_AWARE: Final = frozenset(o for o in ORDER_READS if reads(o, "declared_duration"))
-PROGRESS_AWARE: Final = frozenset(o for o in ORDER_READS if reads(o, "progress"))
-DISTRIBUTION_AWARE: Final = frozenset(o for o in ORDER_READS if reads(o, "distribution"))
