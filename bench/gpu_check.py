@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Final
 
 ROOT: Final = Path(__file__).resolve().parent.parent
-PROBE: Final = ("python3", "-m", "workloads.examples.gpu_probe")
+PROBE_MODULE: Final = ("-m", "workloads.examples.gpu_probe")
 SMI_FIELDS: Final = (
     "utilization.gpu",
     "memory.used",
@@ -75,7 +75,7 @@ def sh(*argv: str, timeout: float = 30.0) -> str:
 class Cluster:
     """`alnair up` in the background, and the CLI and HTTP API pointed at it."""
 
-    def __init__(self, home: Path, log_path: Path, gpus: str, *, secure: bool) -> None:
+    def __init__(self, home: Path, log_path: Path, gpus: str, *, secure: bool, python: str) -> None:
         self.home = home
         self.env = {
             **os.environ,
@@ -102,6 +102,8 @@ class Cluster:
         )
         self.http = ""
         self.token = ""
+        # The job that reports what it sees, run by the interpreter given.
+        self.probe = (python, *PROBE_MODULE)
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -251,7 +253,7 @@ def step_telemetry_idle(cluster: Cluster) -> dict[str, Any]:
 
 
 def step_whole_gpu(cluster: Cluster) -> dict[str, Any]:
-    job = cluster.submit("--gpus", "1", "--", *PROBE, "--seconds", "20", "--hold-gib", "8")
+    job = cluster.submit("--gpus", "1", "--", *cluster.probe, "--seconds", "20", "--hold-gib", "8")
     started = cluster.wait_state(job, {"RUNNING", *TERMINAL}, 60)
     readings: list[dict[str, Any]] = []
     apps = ""
@@ -278,7 +280,9 @@ def step_shares(cluster: Cluster) -> dict[str, Any]:
     # Each holds 6 GiB under a 16 GiB limit, then asks for 24 GiB more.
     share = ("--gpus", "0.5", "--gpu-memory", "16GiB")
     load = ("--seconds", "25", "--hold-gib", "6", "--try-gib", "24")
-    jobs = [cluster.submit(*share, "--name", f"share-{i}", "--", *PROBE, *load) for i in (1, 2)]
+    jobs = [
+        cluster.submit(*share, "--name", f"share-{i}", "--", *cluster.probe, *load) for i in (1, 2)
+    ]
     for job in jobs:
         cluster.wait_state(job, {"RUNNING", *TERMINAL}, 60)
     time.sleep(12)
@@ -309,7 +313,7 @@ def step_shares(cluster: Cluster) -> dict[str, Any]:
 
 def step_xid(cluster: Cluster) -> dict[str, Any]:
     before = sh("dmesg")
-    job = cluster.submit("--gpus", "1", "--name", "poke", "--", *PROBE, "--illegal-address")
+    job = cluster.submit("--gpus", "1", "--name", "poke", "--", *cluster.probe, "--illegal-address")
     final = cluster.wait_state(job, TERMINAL, 90)
     time.sleep(3)  # the event's way from the watcher thread to the brain
     page = cluster.metrics()
@@ -369,6 +373,13 @@ def main() -> int:
     )
     p.add_argument("--steps", nargs="*", default=[name for name, _ in STEPS])
     p.add_argument(
+        "--python",
+        default="python3",
+        help="the interpreter the probe jobs run, with a CUDA build of torch (and CuPy for "
+        "the XID): the virtual environment's torch is the CPU build (default: python3 "
+        "from the jobs' PATH, which starts with this interpreter's directory)",
+    )
+    p.add_argument(
         "--secure",
         action="store_true",
         help="`alnair up --secure`: as root, each job runs as its tenant's user in its own "
@@ -378,7 +389,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="alnair-gpu-check-"))
     results: dict[str, Any] = {}
-    cluster = Cluster(home, args.out / "up.log", args.gpus, secure=args.secure)
+    cluster = Cluster(home, args.out / "up.log", args.gpus, secure=args.secure, python=args.python)
     try:
         cluster.wait_ready()
         for name, step in STEPS:
