@@ -21,7 +21,9 @@ too) belong to that user alone (owned by it, 0700, in a root-owned directory it 
 only pass through), and are emptied when the user changes; unconfined, they are the
 agent's alone (0700). Before a share starts, the agent checks that its user can reach both,
 every directory on the way included, and refuses it naming the directory that stops
-it (`out_of_reach`).
+it (`out_of_reach`). A daemon that answers on a GPU's pipe before this agent started
+one there was left by an earlier agent (killed before it could quit it): whose shares it
+serves is not known, so it is quit and started again for the share at hand.
 
 Simulated GPUs get the same environment and the same accounting (shares, memory
 limits, per-process memory, a job over its limit stopped, one user per GPU), but no
@@ -342,6 +344,11 @@ class MpsDaemons:
             self._daemons[index] = daemon
         async with daemon.lock:
             try:
+                if created and await self._alive(daemon):
+                    # Left by an earlier agent (killed before it could quit it): whose
+                    # shares it serves, and whose its directories are, is not known.
+                    log.warning("GPU %d: an earlier agent's MPS daemon: restarting it", index)
+                    await self._control(daemon, stdin=b"quit\n")
                 if not await self._alive(daemon):
                     await self._start(daemon)
                     daemon.problem = None

@@ -393,3 +393,30 @@ async def test_a_confined_share_whose_user_cannot_reach_the_pipe_is_refused_nami
         assert brain.state.jobs[job.job_id].started_at is None
     # Refused before any daemon started.
     assert not list(private.glob("mps/gpu*/pipe/daemon.pid"))
+
+
+@needs_root
+async def test_a_daemon_left_by_an_earlier_agent_is_started_again_for_the_new_user(
+    open_place: Path,
+) -> None:
+    """An agent killed while user a's share ran leaves a's daemon, answering on a pipe
+    only a may enter. The next agent's first share there, user b's, gets a daemon and
+    directories of b's own, instead of being refused for ever as out of reach."""
+    root = open_place / "mps"
+    binary = str(_stand_in(open_place))
+    started: list[int] = []
+    try:
+        await MpsDaemons(root, binary=binary).prepare(0, "GPU-aaaa", USER_A)
+        started.append(_daemon_pid(root, 0))  # the first agent dies here, daemon and all
+
+        after = MpsDaemons(root, binary=binary)
+        env = await after.prepare(0, "GPU-aaaa", USER_B)
+        started.append(_daemon_pid(root, 0))
+        assert started[1] != started[0]
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(root / "gpu0" / "pipe")
+        assert (root / "gpu0" / "pipe").stat().st_uid == USER_B.uid
+        assert out_of_reach(root / "gpu0" / "pipe", USER_B) is None
+        await after.close()
+    finally:
+        for pid in started:
+            _kill(pid)
