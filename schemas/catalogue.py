@@ -54,7 +54,8 @@ ENTRIES: Final = (
         (telemetry.Heartbeat,),
         "Inventory, health and running jobs. A node silent for the brain's node timeout "
         "is LOST. The brain stops any running job a heartbeat lists that it did not give "
-        "to that node (reconciliation).",
+        "to that node (reconciliation), unless the node's `job_exited` for that attempt is "
+        "newer than the heartbeat's `ts`.",
     ),
     Entry(
         "alnair.node.<node>.event",
