@@ -1,6 +1,7 @@
 """Alnair on a machine with real NVIDIA GPUs: what only a GPU can show. Not a test.
 
-    python bench/gpu_check.py --out DIR      (as root, on a GPU machine, from the checkout)
+    python bench/gpu_check.py --out DIR [--secure] [--python /path/to/python-with-cuda-torch]
+        (as root, on a GPU machine, from the checkout)
 
 It starts the one-machine cluster (`alnair up --fresh`: a nats-server, a brain, one agent
 with `--gpus nvml`) under a private ALNAIR_HOME, and then, in order:
@@ -16,6 +17,10 @@ with `--gpus nvml`) under a private ALNAIR_HOME, and then, in order:
    gave it to the agent (its log, `/metrics` DCGM_FI_DEV_XID_ERRORS), the kernel's log,
    what the brain did with it (an application XID drains nothing), and how the job's
    failure was classified.
+
+`--secure` runs the cluster as `alnair up --secure` does: each job as its tenant's user in
+its own cgroup, with only its GPUs' device files open to it. `--python` is the
+interpreter the probe jobs run: it needs a CUDA build of torch (and CuPy for the XID).
 
 Writes DIR/gpu_check.json (every reading) and DIR/gpu_check.md (the tables), and the
 cluster's log as DIR/up.log. Each step records what it saw, or the error that stopped
@@ -318,7 +323,8 @@ def step_xid(cluster: Cluster) -> dict[str, Any]:
     time.sleep(3)  # the event's way from the watcher thread to the brain
     page = cluster.metrics()
     after = sh("dmesg")
-    new_kernel_lines = [line for line in after.splitlines() if line not in set(before.splitlines())]
+    seen_before = set(before.splitlines())
+    new_kernel_lines = [line for line in after.splitlines() if line not in seen_before]
     agent_lines = [
         line
         for line in cluster.log_path.read_text(errors="replace").splitlines()
