@@ -178,7 +178,8 @@ class BrainConfig:
     history_path: Path | None = None
     # The leader lease expires this long after its last renewal: the failover time.
     lease_ttl_s: float = 5.0
-    # Write a snapshot after this many log entries, to bound a restart's replay.
+    # Write a snapshot after this many log entries, to bound a restart's replay, or
+    # after as many as the jobs it holds if that is more (`snapshot_due`).
     snapshot_every: int = 1000
     # Where this brain's HTTP API listens, if anywhere (shown by `alnair status`).
     http_address: str | None = None
@@ -519,7 +520,8 @@ class Brain:
                 await self._send_launches(job)
 
     async def _maybe_snapshot(self) -> None:
-        if self.state.last_seq - self.replica.snapshot_seq < self.config.snapshot_every:
+        since = self.state.last_seq - self.replica.snapshot_seq
+        if not snapshot_due(since, len(self.state.jobs), self.config.snapshot_every):
             return
         # Stored in the background (encoded in a thread), one at a time: the loop goes on.
         self.replica.write_snapshot_soon(taken_at=self.clock(), epoch=self.epoch)
@@ -1295,6 +1297,17 @@ class Brain:
     @property
     def pid(self) -> int:
         return os.getpid()
+
+
+def snapshot_due(entries_since: int, jobs: int, every: int) -> bool:
+    """Is a snapshot due, `entries_since` log entries after the last, with `jobs` jobs to
+    hold? After `every` entries, or as many as the jobs if that is more: encoding a job
+    costs about 9 us, and at 10,000 pending and 64 submitting clients a snapshot every
+    1,000 entries was one every 0.7 s of 11,000-26,000 jobs, 100-230 ms each, a fifth
+    of a core spent in a thread that the loop then waited on for the GIL. So a snapshot
+    costs at most about one job encoded per entry appended, and a restart replays at
+    most `max(every, jobs)` entries."""
+    return entries_since >= max(every, jobs)
 
 
 def _decide(

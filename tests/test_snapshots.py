@@ -13,6 +13,7 @@ import pytest
 
 from brain.history import History
 from brain.replica import LEGACY_SNAPSHOT_BUCKET, LEGACY_SNAPSHOT_NAME, Replica
+from brain.service import snapshot_due
 from brain.snapshots import SnapshotStore, decode_snapshot, encode_snapshot
 from brain.state import BrainState
 from bus.client import Bus
@@ -209,3 +210,19 @@ async def test_a_leading_brain_stores_snapshots_in_the_background(brain_factory)
     snapshot = await store.read()
     assert snapshot is not None and len(snapshot.jobs) >= 5
     assert brain.replica.snapshot_seq >= snapshot.last_seq
+
+
+@pytest.mark.parametrize(
+    ("entries_since", "jobs", "due"),
+    [
+        pytest.param(999, 10, False, id="few jobs: after `every` entries"),
+        pytest.param(1000, 10, True, id="few jobs: due at `every`"),
+        pytest.param(1000, 20_000, False, id="many jobs: not after `every` alone"),
+        pytest.param(19_999, 20_000, False, id="many jobs: not before as many entries"),
+        pytest.param(20_000, 20_000, True, id="many jobs: due at as many entries"),
+    ],
+)
+def test_a_snapshot_is_due_after_every_entries_or_as_many_as_its_jobs(
+    entries_since: int, jobs: int, due: bool
+) -> None:
+    assert snapshot_due(entries_since, jobs, 1000) is due
