@@ -223,6 +223,8 @@ class NvmlGpus:
             nvml.nvmlInit()
         except nvml.NVMLError as error:
             raise GpuBackendError(f"NVML is not usable here: {error}") from error
+        # The version of the memory query that reports the driver's reserve apart.
+        self._memory_v2: Any = getattr(nvml, "nvmlMemory_v2", None)
         count = nvml.nvmlDeviceGetCount()
         self._handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         self._gpus = tuple(self._info(i, h) for i, h in enumerate(self._handles))
@@ -285,14 +287,14 @@ class NvmlGpus:
     def _memory(self, handle: Any) -> Any:
         """Memory in use as nvidia-smi shows it. The first version of the query counts
         what the driver reserves for itself as used (615 MiB of an idle H200 that
-        nvidia-smi shows at 0); the second reports that apart. Drivers without the
-        second get the first."""
+        nvidia-smi shows at 0); the second reports that apart. A driver (or bindings)
+        without the second gets the first, and is not asked the second again."""
         nvml = self._nvml
-        version = getattr(nvml, "nvmlMemory_v2", None)
-        if version is not None:
-            memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle, version)
+        if self._memory_v2 is not None:
+            memory = self._call(nvml.nvmlDeviceGetMemoryInfo, handle, self._memory_v2)
             if memory is not None:
                 return memory
+            self._memory_v2 = None
         return self._call(nvml.nvmlDeviceGetMemoryInfo, handle)
 
     def _sample_one(self, index: int, handle: Any) -> GpuSample:

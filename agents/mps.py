@@ -346,7 +346,7 @@ class MpsDaemons:
             try:
                 if created and await self._alive(daemon):
                     # Left by an earlier agent (killed before it could quit it): whose
-                    # shares it serves, and whose its directories are, is not known.
+                    # shares it serves, and who owns its directories, is not known.
                     log.warning("GPU %d: an earlier agent's MPS daemon: restarting it", index)
                     await self._control(daemon, stdin=b"quit\n")
                 if not await self._alive(daemon):

@@ -41,6 +41,17 @@ HISTORY_BATCH: Final = 512
 SNAPSHOT_RETRY_S: Final = 30.0
 
 
+def snapshot_due(entries_since: int, jobs: int, every: int) -> bool:
+    """Is a snapshot due, `entries_since` log entries after the last, with `jobs` jobs to
+    hold? After `every` entries, or as many as the jobs if that is more: encoding a job
+    costs about 9 us, and at 10,000 pending and 64 submitting clients a snapshot every
+    1,000 entries was one every 0.7 s of 11,000-26,000 jobs, 100-230 ms each, a fifth
+    of a core spent in a thread that the loop then waited on for the GIL. So a snapshot
+    costs at most about one job encoded per entry appended, and a restart replays at
+    most `max(every, jobs)` entries."""
+    return entries_since >= max(every, jobs)
+
+
 class Replica:
     def __init__(self, bus: Bus, history: History) -> None:
         self.bus = bus

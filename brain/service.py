@@ -89,7 +89,7 @@ from brain.pacing import PassPacer
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.reconciler import Reconciler
-from brain.replica import Replica
+from brain.replica import Replica, snapshot_due
 from brain.resizes import Resizes
 from brain.state import BrainState, current_size_s, job_demand, job_view
 from brain.tenants import check_tenant, job_event_refusal
@@ -1071,7 +1071,9 @@ class Brain:
         `EXPLAIN_WAITS_EVERY_S`; one that does not, with jobs waiting, owes it to a
         later one."""
         if not waiting:
-            return True  # nothing to explain: it costs nothing, and uses up no turn
+            # Nothing to explain, nor owed any more: it costs nothing, uses up no turn.
+            self._waits_owed = False
+            return True
         now = self.monotonic()
         if now < self._waits_due:
             self._waits_owed = True
@@ -1297,17 +1299,6 @@ class Brain:
     @property
     def pid(self) -> int:
         return os.getpid()
-
-
-def snapshot_due(entries_since: int, jobs: int, every: int) -> bool:
-    """Is a snapshot due, `entries_since` log entries after the last, with `jobs` jobs to
-    hold? After `every` entries, or as many as the jobs if that is more: encoding a job
-    costs about 9 us, and at 10,000 pending and 64 submitting clients a snapshot every
-    1,000 entries was one every 0.7 s of 11,000-26,000 jobs, 100-230 ms each, a fifth
-    of a core spent in a thread that the loop then waited on for the GIL. So a snapshot
-    costs at most about one job encoded per entry appended, and a restart replays at
-    most `max(every, jobs)` entries."""
-    return entries_since >= max(every, jobs)
 
 
 def _decide(

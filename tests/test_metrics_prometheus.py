@@ -68,7 +68,8 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     gpu = str(brain.state.jobs[running].grants[0].gpus[0])
     two = {"spec": {"name": "b", "command": ["true"], "gpus": 2, "queue": "research"}}
     waiting = (await api.call("POST", "/v1/jobs", json=two))[1]["job"]["job_id"]
-    # Why it waits is worked out off the passes, then noted (and counted) by a tick.
+    # Its waiting reason (and the `Wait` counted) comes from a pass that explains: at
+    # most one a second.
     await eventually(lambda: "needs 2 GPUs" in (brain.state.jobs[waiting].reason or ""))
 
     # An application XID (not a drain) on the other GPU, and a message no one can read.

@@ -18,12 +18,18 @@ RESERVED = 615 * MIB  # the driver's own: NVML's first memory query counts it as
 
 
 class ScriptedNvml:
-    """One GPU; `processes` are (pid, MiB) as both process queries list them."""
+    """One GPU. `compute` and `mps`: (pid, MiB) as each process query lists them.
+    `has_v2`: the bindings know the second memory query; `driver_v2`: the driver has it.
+    `memory_queries` counts the memory queries by version."""
 
-    def __init__(self, pynvml: Any, *, has_v2: bool = True, used_mib: int = 0) -> None:
+    def __init__(
+        self, pynvml: Any, *, has_v2: bool = True, driver_v2: bool = True, used_mib: int = 0
+    ) -> None:
         self._real = pynvml
         self.NVMLError = pynvml.NVMLError
         self.has_v2 = has_v2
+        self.driver_v2 = driver_v2
+        self.memory_queries: list[int | None] = []
         self.used = used_mib * MIB
         self.compute: list[tuple[int, int]] = []
         self.mps: list[tuple[int, int]] = []
@@ -52,6 +58,9 @@ class ScriptedNvml:
         return "GPU-95e9199b-38ed-97e1-f007-7ef92408a079"
 
     def nvmlDeviceGetMemoryInfo(self, handle: str, version: int | None = None) -> Any:
+        self.memory_queries.append(version)
+        if version is not None and not self.driver_v2:
+            raise self._real.NVMLError(self._real.NVML_ERROR_FUNCTION_NOT_FOUND)
         if version is None:  # the first version: reserved memory reads as used
             return SimpleNamespace(
                 total=TOTAL, used=self.used + RESERVED, free=TOTAL - self.used - RESERVED
@@ -88,23 +97,28 @@ def pynvml() -> Any:
 
 
 @pytest.mark.parametrize(
-    ("has_v2", "used_mib", "reported_mib"),
+    ("has_v2", "driver_v2", "used_mib", "reported_mib", "v2_asked"),
     [
-        pytest.param(True, 0, 0, id="idle: nvidia-smi's 0, not the driver's reserve"),
-        pytest.param(True, 9165, 9165, id="a job's 9,165 MiB, as nvidia-smi shows it"),
-        pytest.param(False, 0, 615, id="a driver without the second query: the first"),
+        pytest.param(True, True, 0, 0, 2, id="idle: nvidia-smi's 0, not the driver's reserve"),
+        pytest.param(True, True, 9165, 9165, 2, id="a job's 9,165 MiB, as nvidia-smi shows"),
+        pytest.param(False, True, 0, 615, 0, id="bindings without the second query: the first"),
+        # Asked once: a query the driver refused is not asked again at every sample.
+        pytest.param(True, False, 0, 615, 1, id="a driver without the second query: the first"),
     ],
 )
 def test_memory_in_use_is_what_nvidia_smi_shows(
-    pynvml: Any, has_v2: bool, used_mib: int, reported_mib: int
+    pynvml: Any, has_v2: bool, driver_v2: bool, used_mib: int, reported_mib: int, v2_asked: int
 ) -> None:
-    backend = NvmlGpus(ScriptedNvml(pynvml, has_v2=has_v2, used_mib=used_mib))
+    driver = ScriptedNvml(pynvml, has_v2=has_v2, driver_v2=driver_v2, used_mib=used_mib)
+    backend = NvmlGpus(driver)
 
     (sample,) = backend.sample()
+    backend.sample()
 
     assert sample.mem_used_mib == reported_mib
     assert sample.mem_total_mib == 143_771
     assert (sample.util_gpu_pct, sample.power_w, sample.sm_clock_mhz) == (100.0, 645.548, 1725)
+    assert sum(version is not None for version in driver.memory_queries) == v2_asked
 
 
 def test_an_mps_client_listed_by_both_queries_is_counted_once(pynvml: Any) -> None:

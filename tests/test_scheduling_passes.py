@@ -3,6 +3,8 @@ not one it would not (a process that started where it was placed)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from brain import service
@@ -116,3 +118,19 @@ async def test_passes_say_why_jobs_wait_once_per_interval_and_owe_what_they_skip
     # Behind the first (fifo blocks the head of the line).
     await eventually(lambda: "queued behind" in (brain.state.jobs[second].reason or ""))
     assert 2 in waits_per_pass[-2:]
+
+
+async def test_nothing_waiting_owes_no_explanation(brain_factory, agent_factory) -> None:
+    """Once nothing waits, no explanation is owed: an idle cluster makes no passes
+    (before, an owed explanation with no job left waiting made one at every tick)."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    await eventually(lambda: brain.state.nodes)
+    passes = [0]
+    brain.decision_observers.append(lambda _: passes.__setitem__(0, passes[0] + 1))
+    brain._waits_owed, brain._waits_due = True, brain.monotonic()  # jobs waited, then left
+    await eventually(lambda: not brain._waits_owed)
+    settled = passes[0]
+    for _ in range(5):  # ticks run meanwhile: still no pass
+        await asyncio.sleep(brain.config.tick_s)
+    assert passes[0] == settled

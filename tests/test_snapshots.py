@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from brain.history import History
-from brain.replica import LEGACY_SNAPSHOT_BUCKET, LEGACY_SNAPSHOT_NAME, Replica
-from brain.service import snapshot_due
+from brain.replica import LEGACY_SNAPSHOT_BUCKET, LEGACY_SNAPSHOT_NAME, Replica, snapshot_due
 from brain.snapshots import SnapshotStore, decode_snapshot, encode_snapshot
 from brain.state import BrainState
 from bus.client import Bus

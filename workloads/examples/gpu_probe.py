@@ -1,9 +1,11 @@
-"""What a job sees of its GPUs, as one JSON line; optionally, load them.
+"""What a job sees of its GPUs, as JSON lines; optionally, load them.
 
 Run as a job (`alnair submit --gpus 1 -- python -m workloads.examples.gpu_probe`) to
 check that it sees exactly the GPUs it was granted: the environment the agent gave it
 (`CUDA_VISIBLE_DEVICES`, the MPS limits of a share), and what CUDA then shows (device
-count, names, UUIDs). bench/gpu_check.py runs it on a real GPU.
+count, names, UUIDs). It prints what it has found so far after each step (the last line
+says the most), so that a step that fails leaves the others' findings.
+bench/gpu_check.py runs it on a real GPU.
 
 `--seconds S` keeps the GPUs busy with matrix products for S seconds (so telemetry has
 something to show), holding `--hold-gib G` of GPU memory; `--try-gib X` then tries to
