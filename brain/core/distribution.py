@@ -162,25 +162,29 @@ class ServiceDistribution:
             observed=self.observed,
         )
 
-    def _weight_above(self, service: float) -> tuple[float, float]:
-        """(weight, weight x value) of the samples strictly above `service`."""
-        at = bisect.bisect_right(self.values, service)
-        total_w = self.cumulative_weight[-1] if self.values else 0.0
-        total_v = self.cumulative_weighted_value[-1] if self.values else 0.0
-        below_w = self.cumulative_weight[at - 1] if at else 0.0
-        below_v = self.cumulative_weighted_value[at - 1] if at else 0.0
-        return total_w - below_w, total_v - below_v
-
     def gittins_index(self, attained: float, quantum: float) -> float:
         """P(S <= a + q | S > a) / E[min(S, a + q) - a | S > a]; higher runs first.
 
         A job past every sample is given 0, the lowest rank, as Tiresias does: the
         distribution says nothing about it except that it is very long.
-        """
-        above_w, above_v = self._weight_above(attained)
+
+        Two tail sums, each two look-ups in the running totals, written out: it is
+        asked for every running job of every cycle (their attained service differs,
+        and grows between cycles)."""
+        values = self.values
+        if not values:
+            return 0.0
+        weights, weighted = self.cumulative_weight, self.cumulative_weighted_value
+        at = bisect.bisect_right(values, attained)
+        total_w = weights[-1]
+        above_w = total_w - (weights[at - 1] if at else 0.0)
         if above_w <= 0.0:
             return 0.0
-        beyond_w, beyond_v = self._weight_above(attained + quantum)
+        total_v = weighted[-1]
+        above_v = total_v - (weighted[at - 1] if at else 0.0)
+        beyond = bisect.bisect_right(values, attained + quantum)
+        beyond_w = total_w - (weights[beyond - 1] if beyond else 0.0)
+        beyond_v = total_v - (weighted[beyond - 1] if beyond else 0.0)
         finishing_w = above_w - beyond_w
         finishing_service = (above_v - beyond_v) - attained * finishing_w
         expected_service = finishing_service + quantum * beyond_w

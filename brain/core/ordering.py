@@ -277,22 +277,61 @@ def las_tiresias(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     return _las(jobs, context, _within_band_tiresias, tiresias_band_crossing)
 
 
+class _GittinsIndices:
+    """Each (size class, attained service)'s rank prefix and label, worked out once a
+    cycle: many jobs share a service (every new job has none)."""
+
+    def __init__(self, context: OrderContext, *, tiresias: bool, by_class: bool) -> None:
+        self._context = context
+        self._tiresias = tiresias
+        self._by_class = by_class
+        self.classes = context.service_by_class if by_class else None
+        self._compact: dict[int, ServiceDistribution] = {}
+        self.seen: dict[tuple[int, float], tuple[float, float, str]] = {}
+
+    def add(
+        self, size_class: int, gpus: int, attained: float, level: int
+    ) -> tuple[float, float, str]:
+        context = self._context
+        distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
+        if self.classes is not None:
+            distribution = self.classes.of(gpus) or distribution
+        if self._tiresias:
+            index = distribution.gittins_index_tiresias(attained, quantum)
+        elif self._by_class:
+            small = self._compact.get(id(distribution))
+            if small is None:
+                small = self._compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
+            index = _exact_index(small, attained)
+        else:
+            index = distribution.gittins_index(attained, quantum)
+        known = self.seen[(size_class, attained)] = (
+            float(level),
+            -index,
+            f"band {level} gittins {index:.3g}",
+        )
+        return known
+
+
 def _gittins(
     jobs: Sequence[JobView], context: OrderContext, *, tiresias: bool, by_class: bool = False
 ) -> Ordered:
     ranked: list[Ranked] = []
     changes: list[SetServiceLevel] = []
     thresholds = context.las_thresholds_gpu_s
+    last = len(thresholds)
     now = context.now
     crossing = tiresias_band_crossing if tiresias else next_band_crossing
     wakes: list[float] = []
-    # Many jobs share a service (every new job has none): one index and label each.
-    seen: dict[tuple[int, float], tuple[tuple[float, float], str]] = {}
-    classes = context.service_by_class if by_class else None
-    compact: dict[int, ServiceDistribution] = {}
+    indices = _GittinsIndices(context, tiresias=tiresias, by_class=by_class)
+    by_size = indices.classes is not None
+    # This loop runs once per job per cycle: `_band` and `_within_band` are inlined,
+    # and look-ups hoisted.
+    band_of, add, new = bisect.bisect_right, ranked.append, tuple.__new__
+    get = indices.seen.get
     for job in jobs:
         attained = job.attained_gpu_seconds
-        level = bisect.bisect_right(thresholds, attained + SERVICE_EPSILON)
+        level = band_of(thresholds, attained + SERVICE_EPSILON)
         if job.service_level != level:
             band = _band(job, context)
             if band.change is not None:
@@ -300,35 +339,28 @@ def _gittins(
             since = band.since
         else:
             since = job.submitted_at if job.service_level_since is None else job.service_level_since
-        size_class = gpu_class(job.gpus) if classes is not None else 0
-        known = seen.get((size_class, attained))
+        size_class = gpu_class(job.gpus) if by_size else 0
+        known = get((size_class, attained))
         if known is None:
-            distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
-            if classes is not None:
-                distribution = classes.of(job.gpus) or distribution
-            if tiresias:
-                index = distribution.gittins_index_tiresias(attained, quantum)
-            elif by_class:
-                small = compact.get(id(distribution))
-                if small is None:
-                    small = compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
-                index = _exact_index(small, attained)
-            else:
-                index = distribution.gittins_index(attained, quantum)
-            known = seen[(size_class, attained)] = (
-                (float(level), -index),
-                f"band {level} gittins {index:.3g}",
-            )
+            known = indices.add(size_class, job.gpus, attained, level)
+        grants = job.grants
         if tiresias:
-            rank: tuple[float, ...] = (*known[0], -job.submitted_at)
-        else:
+            rank: tuple[float, ...] = (known[0], known[1], -job.submitted_at)
+        elif grants and since < now:
             # Equal indices (every job past the largest sample has 0): as `las` within
-            # a band, so an old huge job does not hold its GPUs for good.
-            rank = (*known[0], *_within_band(job, level, since, now)[1:])
-        ranked.append(Ranked(job, rank, known[1]))
+            # a band (`_within_band`), so an old huge job does not hold its GPUs for
+            # good.
+            started = job.started_at
+            if started is None or started < since:
+                started = since
+            rank = (known[0], known[1], 0.0, started)
+        else:
+            rank = (known[0], known[1], 1.0, attained)
+        # `Ranked(...)`, without the named tuple's Python-level constructor.
+        add(new(Ranked, (job, rank, known[2])))
         # A job in the last band crosses nothing (`crossing` would say None).
-        if job.grants and level < len(thresholds):
-            wake = crossing(job, job.grants, thresholds, now)
+        if grants and level < last:
+            wake = crossing(job, grants, thresholds, now)
             if wake is not None:
                 wakes.append(wake)
     wake_at = min(wakes) if wakes else None
