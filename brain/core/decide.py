@@ -246,9 +246,6 @@ class _Cycle:
             self.shares = SharePlacer(self.snapshot, self.policy.share_placement)
         return self.shares
 
-    def size(self, job: JobView) -> int:
-        """GPUs to place a selected job on."""
-        return job.gpus if self.elastic is None else self.elastic.size(job)
 
 
 def _submission_then_id(item: Ranked) -> tuple[float, tuple[int, str]]:
@@ -479,22 +476,22 @@ def _pending_wait_reason(
     return None
 
 
-def _may_spread(job: JobView, now: float, policy: Policy) -> bool:
-    if job.network_sensitive:
-        return False
-    return now - job.waiting_since() >= policy.relax_locality_after_s
-
-
 def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> list[_Entry]:
     """Place in rank order, releasing victims worst-ranked first only when needed.
-    Returns the victims whose GPUs were released."""
+    Returns the victims whose GPUs were released.
+
+    Runs once per placement and once per preemption of the cycle (thousands when new
+    jobs outrank long-running ones): what every job reads is hoisted out of the loop."""
     # Worst-ranked first; `next_victim` walks it, so that releasing one is O(1).
     unreleased = list(reversed(victims))
+    left = len(unreleased)
     next_victim = 0
     released: list[_Entry] = []
     elastic = cycle.elastic
     ledger = cycle.ledger
+    total_free, give = ledger.total_free, ledger.give
     policy = cycle.policy
+    now, relax = cycle.now, policy.relax_locality_after_s
     victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
     sharing = cycle.sharing
     # Requests and notes repeat: most jobs of a cycle ask alike and rank alike.
@@ -502,7 +499,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     notes: dict[tuple[str, bool, Standing, str], tuple[str, ...]] = {}
     for entry in to_place:
         job = entry.ranked.job
-        asked = (cycle.size(job), _may_spread(job, cycle.now, policy))
+        may_spread = not job.network_sensitive and now - job.waiting_since() >= relax
+        asked = (job.gpus if elastic is None else elastic.size(job), may_spread)
         request = requests.get(asked)
         if request is None:
             request = requests[asked] = PlacementRequest(*asked)
@@ -512,8 +510,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         doomed = (
             elastic is None
             and not (sharing and job.shared)
-            and ledger.total_free() < request.gpus
-            and next_victim < len(unreleased)
+            and total_free() < request.gpus
+            and next_victim < left
         )
         result: PlacementResult | None = None if doomed else _try_place(cycle, request, job)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
@@ -527,12 +525,12 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         # than it needs are free, so it is tried again only once enough are (and then
         # costs a few index look-ups); a reason that went stale is asked for once.
         stale = False
-        while not isinstance(result, Fit) and next_victim < len(unreleased):
+        while not isinstance(result, Fit) and next_victim < left:
             victim = unreleased[next_victim]
             next_victim += 1
-            ledger.give(victim.ranked.job.grants)
+            give(victim.ranked.job.grants)
             released.append(victim)
-            stale = ledger.total_free() < request.gpus
+            stale = total_free() < request.gpus
             if not stale:
                 result = _try_place(cycle, request, job)
         if stale or result is None:
@@ -545,8 +543,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             continue
         if cycle.waits:
             cycle.actions.append(Wait(job.job_id, result.reason))
-        if not request.may_spread and not job.network_sensitive:
-            cycle.wakes.append(job.waiting_since() + policy.relax_locality_after_s)
+        if not may_spread and not job.network_sensitive:
+            cycle.wakes.append(job.waiting_since() + relax)
     return released
 
 

@@ -154,23 +154,39 @@ class FreeGpus:
         return True
 
     def _changed(self, node: str, before: int, after: int) -> None:
+        """Keep the indexes after `node` went from `before` to `after` free GPUs.
+
+        Runs twice for every preemption a cycle makes (the victim's GPUs given, a
+        winner's taken): `_Buckets.move` is written out here."""
         if before == after:
             return
-        self._total_free += after - before
-        self._all.move(node, before, after)
+        delta = after - before
+        self._total_free += delta
+        rows = self._all._names
+        if before > 0:
+            row = rows[before]
+            del row[bisect.bisect_left(row, node)]
+        if after > 0:
+            while len(rows) <= after:
+                rows.append([])
+            bisect.insort(rows[after], node)
         switch = self._switch[node]
-        was = self._switch_free[switch]
-        now = self._switch_free[switch] = was + after - before
+        switch_free = self._switch_free
+        was = switch_free[switch]
+        now = switch_free[switch] = was + delta
         self._switch_nodes.pop(switch, None)
         counts = self._switches_by_free
         counts[was] -= 1
-        while len(counts) <= now:
-            counts.append(0)
+        if len(counts) <= now:
+            counts.extend([0] * (now + 1 - len(counts)))
         counts[now] += 1
-        if now > self._switch_most:
+        most = self._switch_most
+        if now > most:
             self._switch_most = now
-        while self._switch_most > 0 and not counts[self._switch_most]:
-            self._switch_most -= 1
+        elif was == most and not counts[most]:
+            while most > 0 and not counts[most]:
+                most -= 1
+            self._switch_most = most
 
     def _nodes_of(self, switch: str) -> _Buckets:
         """The switch's nodes by free GPUs (built now if a change dropped them)."""
