@@ -51,6 +51,7 @@ from brain.core import (
     ORDERINGS,
     ClusterSnapshot,
     Decisions,
+    Grant,
     MemoryPressure,
     Place,
     Policy,
@@ -1014,7 +1015,7 @@ class Brain:
 
     def _free_on(self, node: str) -> frozenset[int]:
         """The node's schedulable GPUs that no running job holds (if it is ready)."""
-        return self.state.free_gpus().get(node, frozenset())
+        return self.state.free_on(node) or frozenset()
 
     async def _resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
@@ -1118,8 +1119,10 @@ class Brain:
     async def _apply(self, decisions: Decisions) -> list[Wait]:
         """Apply every action but the waits, which are returned (noted apart)."""
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
-        # node lost or drained, a resize staged by an operator). None: to be computed.
-        free: dict[str, frozenset[int]] | None = None
+        # node lost or drained, a resize staged by an operator). Looked up by node as
+        # placements name them (a pass places a few jobs on a cluster of thousands of
+        # nodes); None: forgotten, since a preemption or a resize changed them.
+        free: _FreeNow | None = None
         waits: list[Wait] = []
         for action in decisions.actions:
             if type(action) is Wait:  # most actions: noted together, below
@@ -1155,14 +1158,13 @@ class Brain:
             if job.state is not JobState.PENDING:
                 continue
             if isinstance(action, Place):
-                free = self.state.free_gpus() if free is None else free
-                if not _fits(action, free):
+                free = _FreeNow(self.state) if free is None else free
+                if not free.fits(action):
                     # Decided on a state that has moved on: the next pass decides again.
                     log.info("placement of job %s no longer fits; deciding again", job.job_id)
                     self._dirty = True
                     continue
-                for grant in action.grants:
-                    free[grant.node] = free[grant.node] - set(grant.gpus)
+                free.take(action.grants)
                 await self._place(job, action)
         return waits
 
@@ -1351,13 +1353,32 @@ def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord])
     return beneficiary is not None and beneficiary.state is JobState.PENDING
 
 
-def _fits(action: Place, free: dict[str, frozenset[int]]) -> bool:
-    """Every GPU the placement takes is free on a ready node (a share on a GPU already
-    shared takes none: `Place.takes`), and every node it names is ready."""
-    takes = action.grants if action.takes is None else action.takes
-    return all(g.node in free for g in action.grants) and all(
-        set(g.gpus) <= free.get(g.node, frozenset()) for g in takes
-    )
+class _FreeNow:
+    """Free GPUs of ready nodes as a pass's placements are applied: each node's read
+    from state when a placement first names it, less what placements took since."""
+
+    def __init__(self, state: BrainState) -> None:
+        self._state = state
+        self._free: dict[str, frozenset[int] | None] = {}
+
+    def _on(self, node: str) -> frozenset[int] | None:
+        if node not in self._free:
+            self._free[node] = self._state.free_on(node)
+        return self._free[node]
+
+    def fits(self, action: Place) -> bool:
+        """Every GPU the placement takes is free on a ready node (a share on a GPU
+        already shared takes none: `Place.takes`), and every node it names is ready."""
+        takes = action.grants if action.takes is None else action.takes
+        return all(self._on(g.node) is not None for g in action.grants) and all(
+            set(g.gpus) <= (self._on(g.node) or frozenset()) for g in takes
+        )
+
+    def take(self, grants: tuple[Grant, ...]) -> None:
+        for grant in grants:
+            free = self._on(grant.node)
+            if free is not None:
+                self._free[grant.node] = free - set(grant.gpus)
 
 
 def _preemption(action: Preempt) -> Preemption:

@@ -580,6 +580,18 @@ class BrainState:
         views a snapshot reuses: cheap when few nodes changed)."""
         return {view.name: view.free for view in self._node_views(self.allocated())}
 
+    def free_on(self, name: str) -> frozenset[int] | None:
+        """`free_gpus()` of one node, without building every node's: None unless the
+        node is known and READY."""
+        record = self.nodes.get(name)
+        if record is None or record.state is not NodeState.READY:
+            return None
+        here = self._held.get(name, _NOTHING)
+        cached = self._views.get(name)
+        if cached is not None and cached[0] is record and cached[1] is here:
+            return cached[2].free
+        return frozenset(self.schedulable_gpus(record)) - here
+
     def _node_views(self, held: Mapping[str, frozenset[int]]) -> tuple[NodeView, ...]:
         """READY nodes' views in name order, reusing each one whose record and held GPUs
         are the same objects and values as when it was built."""
