@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
-from typing import Final
+from operator import attrgetter, itemgetter
+from typing import Final, NamedTuple
 
 from brain.core.collector import collector_paused
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
@@ -188,11 +188,9 @@ class Policy:
 DEFAULT_POLICY = Policy()
 
 
-@dataclass(slots=True)
-class _Entry:
-    """One job in the cycle, with everything its rank depends on. Not frozen only
-    because frozen dataclasses are slow to build, and one is built per job per cycle;
-    nothing mutates it."""
+class _Entry(NamedTuple):
+    """One job in the cycle, with everything its rank depends on. A named tuple built
+    with `tuple.__new__` (`_entry`): one is built per job per cycle."""
 
     ranked: Ranked
     standing: Standing
@@ -217,6 +215,11 @@ class _Entry:
             job.submitted_at,
             job_sequence(job.job_id),
         )
+
+
+def _entry(ranked: Ranked, standing: Standing, starving: bool, hold: int) -> _Entry:
+    """`_Entry(...)`, without the named tuple's Python-level constructor."""
+    return tuple.__new__(_Entry, (ranked, standing, starving, hold))
 
 
 @dataclass(slots=True)
@@ -247,7 +250,6 @@ class _Cycle:
         return self.shares
 
 
-
 def _submission_then_id(item: Ranked) -> tuple[float, tuple[int, str]]:
     job = item.job
     return (job.submitted_at, job_sequence(job.job_id))
@@ -258,10 +260,10 @@ def _rank_order(ranked: Sequence[Ranked]) -> list[Ranked]:
     id only when two jobs share a submission time), then by rank alone. Sorting by one
     float, then by short rank tuples over nearly sorted data, costs a third of one sort
     by the whole (rank, submission, id) tuple."""
-    submitted = [item.job.submitted_at for item in ranked]
+    submitted = list(map(_SUBMITTED, ranked))
     if len(set(submitted)) == len(submitted):
         # Sorting positions by a list of floats reads each job once, not once per key.
-        order = [ranked[i] for i in sorted(range(len(ranked)), key=submitted.__getitem__)]
+        order = list(map(ranked.__getitem__, sorted(range(len(ranked)), key=submitted.__getitem__)))
     else:
         order = sorted(ranked, key=_submission_then_id)
     order.sort(key=_RANK)
@@ -269,6 +271,7 @@ def _rank_order(ranked: Sequence[Ranked]) -> list[Ranked]:
 
 
 _RANK: Final = itemgetter(1)  # Ranked.rank
+_SUBMITTED: Final = attrgetter("job.submitted_at")  # of a Ranked
 
 
 def _standings(
@@ -319,7 +322,7 @@ def _entries(
     for item, held, standing in zip(by_rank, holds, standing_list, strict=True):
         job = item.job
         starving = guard is not None and not job.grants and now - job.waiting_since() >= guard
-        entry = _Entry(item, standing, starving, held)
+        entry = _entry(item, standing, starving, held)
         group = groups.get((standing, held, not starving))
         if group is None:
             groups[(standing, held, not starving)] = [entry]
@@ -340,12 +343,14 @@ def _by_standing(
 ) -> list[_Entry]:
     """`_entries` when every job has the same hold and nobody can starve (no guard):
     the rank order, partitioned by standing alone (with no quotas, one partition)."""
+    new = tuple.__new__  # `_entry`, written out: once per job
     if standing_of is None:
         over = Standing.OVER_QUOTA
-        return [_Entry(item, over, False, hold) for item in by_rank]
+        return [new(_Entry, (item, over, False, hold)) for item in by_rank]
     partitions: list[list[_Entry]] = [[] for _ in Standing]
+    appends = [partition.append for partition in partitions]
     for item, standing in zip(by_rank, standing_of, strict=True):
-        partitions[standing].append(_Entry(item, standing, False, hold))
+        appends[standing](new(_Entry, (item, standing, False, hold)))
     return [entry for partition in partitions for entry in partition]
 
 
@@ -718,19 +723,28 @@ def decide(
 def _check_sizes(jobs: Sequence[JobView]) -> None:
     """Every job asks for a GPU or more. In snapshot order, before ranking: a pass in
     the order the jobs were built reads memory in order, one in rank order does not."""
-    if jobs and min(job.gpus for job in jobs) < 1:
+    if jobs and min(map(_GPUS, jobs)) < 1:
         bad = next(job for job in jobs if job.gpus < 1)
         raise InvalidSnapshot(f"job {bad.job_id} asks for {bad.gpus} GPUs")
 
 
+# The walks below run over every job of every cycle: `map` with an `attrgetter` keeps
+# them out of the interpreter's loop.
+_GPUS: Final = attrgetter("gpus")
+_DEMAND: Final = attrgetter("demand")
+_MIN_GPUS: Final = attrgetter("min_gpus")
+
+
 def _any_demand(jobs: Sequence[JobView]) -> bool:
-    return any(job.demand is not None for job in jobs)
+    return bool(set(map(_DEMAND, jobs)) - {None})
 
 
 def any_elastic(snapshot: ClusterSnapshot) -> bool:
-    """Does any job of the snapshot run or wait elastically? Without one, the
-    elasticity stage changes nothing, and does not run."""
-    return any(j.elastic for j in snapshot.running) or any(j.elastic for j in snapshot.pending)
+    """Does any job of the snapshot run or wait elastically (`JobView.elastic`: it has a
+    minimum size)? Without one, the elasticity stage changes nothing, and does not run."""
+    return any(
+        bool(set(map(_MIN_GPUS, jobs)) - {None}) for jobs in (snapshot.running, snapshot.pending)
+    )
 
 
 def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool) -> Decisions:

@@ -116,7 +116,8 @@ def fifo(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     Tiresias' `fifo` is the same: it stops at the first pending job that does not fit.
     """
     running, pending = (0.0,), (1.0,)
-    ranked = tuple(Ranked(j, running if j.grants else pending, "fifo") for j in jobs)
+    new = tuple.__new__  # `Ranked(...)`, without its Python-level constructor
+    ranked = tuple([new(Ranked, (j, running if j.grants else pending, "fifo")) for j in jobs])
     return Ordered(ranked, head_of_line_blocking=True)
 
 
@@ -125,11 +126,12 @@ def priority(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     churn among equals), then FIFO. Lower priorities may backfill."""
     labels: dict[int, str] = {}
     ranked: list[Ranked] = []
+    add, new = ranked.append, tuple.__new__  # `Ranked(...)`, without its constructor
     for j in jobs:
         label = labels.get(j.priority)
         if label is None:
             label = labels[j.priority] = f"priority {j.priority}"
-        ranked.append(Ranked(j, (-j.priority, 0 if j.grants else 1), label))
+        add(new(Ranked, (j, (-j.priority, 0 if j.grants else 1), label)))
     return Ordered(tuple(ranked), head_of_line_blocking=False, rank_entitles=True)
 
 
