@@ -149,12 +149,14 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
 # where it does not make every wake-up of the loop wait for the GIL.
 DECIDE_IN_THREAD_AFTER_S: Final = 0.05
-# Why the queue waits is worked out by at most one pass in this long: every other pass
-# decides with `decide(waits=False)`. Without a `Wait` per pending job, and the
-# shell's look-ups of each, a pass at 10,000 pending costs about half (the median
-# submit -> Launch halved); an owner reads a waiting reason on a person's time scale.
-# A pass that left them out owes them: the tick makes state dirty once they are due.
-EXPLAIN_WAITS_EVERY_S: Final = 1.0
+# Why every waiting job waits is worked out by at most one pass in this long; every
+# other pass asks only why the jobs that became pending since the last pass wait
+# (`decide(waits=False, explain=...)`), so a job is told why at once, and a reason's
+# figures (GPUs left) are brought up to date at this interval. Without a `Wait` per
+# pending job, and the shell's look-ups of each, a pass at 10,000 pending costs about
+# half; an owner reads a waiting reason on a person's time scale. A pass that left
+# them out owes them: the tick makes state dirty once they are due.
+EXPLAIN_WAITS_EVERY_S: Final = 5.0
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
 # group is not kept waiting long for the last.
@@ -265,6 +267,9 @@ class Brain:
         # left it out owes it (`EXPLAIN_WAITS_EVERY_S`).
         self._waits_due = 0.0
         self._waits_owed = False
+        # Jobs that became pending since the last pass was planned: the next is asked
+        # why they wait, whether or not it explains every waiting job.
+        self._newly_pending: set[str] = set()
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self.credentials = (
             JobCredentials(
@@ -796,6 +801,8 @@ class Brain:
             cause=cause,
         )
         await self._append(record, subjects.state_job(job.job_id))
+        if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
+            self._newly_pending.add(job.job_id)
         if old is None or not _same_to_policy(old, job):
             # Not, say, for a process that started where it was placed: decide() would
             # see nothing new, and a pass of 10,000 pending jobs costs tens of ms.
@@ -1034,6 +1041,7 @@ class Brain:
         async with self._writer:  # not halfway through a handler's records
             self._dirty = False
             self._submitted.clear()
+            newly_pending, self._newly_pending = self._newly_pending, set()
             snapshot = self.state.snapshot(
                 # As they stand: refreshed after the pass, off the path to its Launches.
                 profiles=self.profiles.current(refresh=False),
@@ -1052,10 +1060,10 @@ class Brain:
         explain = self._explains_waits(waiting=bool(snapshot.pending))
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
             decisions, self._last_decide_s = await asyncio.to_thread(
-                _decide, snapshot, now, policy, explain
+                _decide, snapshot, now, policy, explain, newly_pending
             )
         else:
-            decisions, self._last_decide_s = _decide(snapshot, now, policy, explain)
+            decisions, self._last_decide_s = _decide(snapshot, now, policy, explain, newly_pending)
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
         async with self._unit():
@@ -1304,13 +1312,13 @@ class Brain:
 
 
 def _decide(
-    snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool
+    snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool, explain: set[str]
 ) -> tuple[Decisions, float]:
     """decide(), and the CPU time it took: its own cost, not the time its thread
     waited for the interpreter or a core (a decide() moved to a thread beside a busy
     loop takes several times longer, and would stay there however cheap it was)."""
     started = time.thread_time()
-    decisions = decide(snapshot, now, policy, waits=waits)
+    decisions = decide(snapshot, now, policy, waits=waits, explain=explain)
     return decisions, time.thread_time() - started
 
 

@@ -758,3 +758,13 @@ def test_leaving_out_waits_changes_nothing_else(order: str, guard: float | None)
         assert any(isinstance(a, Wait) for a in full.actions)
         assert quiet.actions == tuple(a for a in full.actions if not isinstance(a, Wait))
         assert quiet.wake_at == full.wake_at
+        # Asked of some jobs (the live brain asks of those newly pending), the `Wait`s
+        # of those jobs, and nothing else, come back: the retry stage's, the
+        # selection's and a placement's that found no GPUs alike.
+        waits = [a for a in full.actions if isinstance(a, Wait)]
+        assert waits[0].job_id == late.job_id  # the retry stage's comes first
+        asked = {w.job_id for w in waits[::2]} | {"gone"}
+        some = decide(snapshot, NOW, policy, waits=False, explain=asked)
+        assert some.actions == tuple(
+            a for a in full.actions if not isinstance(a, Wait) or a.job_id in asked
+        )

@@ -27,6 +27,7 @@ Every action carries its cause.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from operator import attrgetter, itemgetter
 from typing import Final, NamedTuple
@@ -240,8 +241,14 @@ class _Cycle:
     # Does any job of the cycle ask a share, a GPU type, CPUs or memory? Without one,
     # the sharing machinery has nothing to say and is skipped.
     sharing: bool = True
-    # Whether the caller reads `Wait`s (`decide(..., waits=False)`: the simulator).
+    # Whether the caller reads `Wait`s (`decide(..., waits=False)`: the simulator), and
+    # the jobs it wants them of anyway (`decide(..., explain=...)`).
     waits: bool = True
+    explain: AbstractSet[str] = frozenset()
+
+    def explains(self, job_id: str) -> bool:
+        """Is this job's `Wait` wanted, if it waits?"""
+        return self.waits or job_id in self.explain
 
     def sharer(self) -> SharePlacer:
         """The placer of jobs with a demand, built when the cycle meets the first."""
@@ -395,7 +402,7 @@ def _select(
     actions = cycle.actions
     policy = cycle.policy
     pinned, held_standing = Standing.PINNED, Standing.HELD
-    explain = cycle.waits
+    explain, also = cycle.waits, cycle.explain
     reasons: dict[tuple[int, int, int, str, str | None], str] = {}
     for entry in entries:
         job = entry.ranked.job
@@ -420,7 +427,7 @@ def _select(
                 elastic.select(job, need)
             to_place.append(entry)
             continue
-        if explain:
+        if explain or (also and job.job_id in also):
             actions.append(_wait(entry, need, capacity, budget, blocked_by, policy, reasons))
         # A starving job that cannot start yet reserves the GPUs that free up: no
         # job behind it may backfill them, or it could wait forever.
@@ -546,7 +553,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         if isinstance(result, Fit):
             _placed(cycle, entry, result, notes)
             continue
-        if cycle.waits:
+        if cycle.explains(job.job_id):
             cycle.actions.append(Wait(job.job_id, result.reason))
         if not may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + relax)
@@ -703,13 +710,20 @@ def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
 
 
 def decide(
-    snapshot: ClusterSnapshot, now: float, policy: Policy = DEFAULT_POLICY, *, waits: bool = True
+    snapshot: ClusterSnapshot,
+    now: float,
+    policy: Policy = DEFAULT_POLICY,
+    *,
+    waits: bool = True,
+    explain: AbstractSet[str] = frozenset(),
 ) -> Decisions:
     """The cycle's decisions for `snapshot` at `now` under `policy`.
 
-    `waits=False` leaves out the `Wait` of every job that stays pending, and nothing
-    else: for a caller that acts on none (the simulator), whose cycles would otherwise
-    spend much of their time explaining why queued jobs still queue.
+    `waits=False` leaves out the `Wait` of every job that stays pending but those in
+    `explain`, and nothing else: for a caller that acts on none (the simulator), whose
+    cycles would otherwise spend much of their time explaining why queued jobs still
+    queue, or that asks why only of the jobs it has not been told about (the live
+    brain, between passes that explain every job).
 
     The cyclic garbage collector is paused while it runs (and left as it was found):
     a cycle allocates a few objects per job, nearly all freed by reference counting
@@ -717,7 +731,7 @@ def decide(
     (generation 2 walks the whole snapshot) were a third to a half of its time. It
     creates no reference cycles, so nothing is left for the collector to find."""
     with collector_paused():
-        return _decide(snapshot, now, policy, waits)
+        return _decide(snapshot, now, policy, waits, explain)
 
 
 def _check_sizes(jobs: Sequence[JobView]) -> None:
@@ -747,7 +761,9 @@ def any_elastic(snapshot: ClusterSnapshot) -> bool:
     )
 
 
-def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool) -> Decisions:
+def _decide(
+    snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool, explain: AbstractSet[str]
+) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
     hold = PREEMPTIONS.get(policy.preemption)
@@ -786,10 +802,17 @@ def _decide(snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool) 
     ordered = order(jobs, context)
     ledger = FreeGpus(snapshot.nodes)
     cycle = _Cycle(
-        snapshot, now, policy, place, ledger, elastic=stage, sharing=_any_demand(jobs), waits=waits
+        snapshot,
+        now,
+        policy,
+        place,
+        ledger,
+        elastic=stage,
+        sharing=_any_demand(jobs),
+        waits=waits,
+        explain=explain,
     )
-    if waits:
-        cycle.actions.extend(backoff_waits)
+    cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
     entries = _entries(ordered, snapshot, jobs, now, policy, hold)
     if stage is not None:
         entries.sort(key=_elastic_key)
