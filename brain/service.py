@@ -58,6 +58,7 @@ from brain.core import (
     Preempt,
     QueueQuota,
     QuotaReclaim,
+    Ranking,
     Resize,
     ServiceDistribution,
     SetServiceLevel,
@@ -270,6 +271,9 @@ class Brain:
         # Jobs that became pending since the last pass was planned: the next is asked
         # why they wait, whether or not it explains every waiting job.
         self._newly_pending: set[str] = set()
+        # The last pass's ranking, for the next (brain/core/ranking.py): the snapshot
+        # reuses the views of jobs that did not change, so a pass ranks only the rest.
+        self._ranking = Ranking()
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self.credentials = (
             JobCredentials(
@@ -1059,11 +1063,19 @@ class Brain:
         now, policy = self.clock(), self.config.policy
         explain = self._explains_waits(waiting=bool(snapshot.pending))
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
-            decisions, self._last_decide_s = await asyncio.to_thread(
-                _decide, snapshot, now, policy, explain, newly_pending
-            )
+            ranking = self._ranking
+            try:
+                decisions, self._last_decide_s = await asyncio.to_thread(
+                    _decide, snapshot, now, policy, explain, newly_pending, ranking
+                )
+            except asyncio.CancelledError:
+                # The thread may go on with this ranking: the next pass takes a new one.
+                self._ranking = Ranking()
+                raise
         else:
-            decisions, self._last_decide_s = _decide(snapshot, now, policy, explain, newly_pending)
+            decisions, self._last_decide_s = _decide(
+                snapshot, now, policy, explain, newly_pending, self._ranking
+            )
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
         async with self._unit():
@@ -1312,13 +1324,18 @@ class Brain:
 
 
 def _decide(
-    snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool, explain: set[str]
+    snapshot: ClusterSnapshot,
+    now: float,
+    policy: Policy,
+    waits: bool,
+    explain: set[str],
+    ranking: Ranking,
 ) -> tuple[Decisions, float]:
     """decide(), and the CPU time it took: its own cost, not the time its thread
     waited for the interpreter or a core (a decide() moved to a thread beside a busy
     loop takes several times longer, and would stay there however cheap it was)."""
     started = time.thread_time()
-    decisions = decide(snapshot, now, policy, waits=waits, explain=explain)
+    decisions = decide(snapshot, now, policy, waits=waits, explain=explain, ranking=ranking)
     return decisions, time.thread_time() - started
 
 

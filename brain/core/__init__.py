@@ -37,6 +37,7 @@ from brain.core.ordering import (
 )
 from brain.core.placement import PLACEMENTS
 from brain.core.preemption import PREEMPTIONS
+from brain.core.ranking import Ranking
 
 __all__ = [
     "DEFAULT_ERROR_PRIOR",
@@ -67,6 +68,7 @@ __all__ = [
     "QueueOrder",
     "QueueQuota",
     "QuotaReclaim",
+    "Ranking",
     "Resize",
     "ServiceDistribution",
     "SetServiceLevel",

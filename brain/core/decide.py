@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Final, NamedTuple
 
 from brain.core.collector import collector_paused
@@ -54,7 +54,6 @@ from brain.core.ordering import (
     ORDERINGS,
     Crossing,
     OrderContext,
-    Ordered,
     Ranked,
     job_sequence,
 )
@@ -69,6 +68,7 @@ from brain.core.placement import (
 )
 from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
 from brain.core.quota import Standing, quota_of, standings_in_order
+from brain.core.ranking import Ranking, rank_order
 from brain.core.shares import (
     SharePlacer,
     describe_demand,
@@ -257,30 +257,6 @@ class _Cycle:
         return self.shares
 
 
-def _submission_then_id(item: Ranked) -> tuple[float, tuple[int, str]]:
-    job = item.job
-    return (job.submitted_at, job_sequence(job.job_id))
-
-
-def _rank_order(ranked: Sequence[Ranked]) -> list[Ranked]:
-    """By (rank, submission, job id), as two stable sorts: by submission (ties broken by
-    id only when two jobs share a submission time), then by rank alone. Sorting by one
-    float, then by short rank tuples over nearly sorted data, costs a third of one sort
-    by the whole (rank, submission, id) tuple."""
-    submitted = list(map(_SUBMITTED, ranked))
-    if len(set(submitted)) == len(submitted):
-        # Sorting positions by a list of floats reads each job once, not once per key.
-        order = list(map(ranked.__getitem__, sorted(range(len(ranked)), key=submitted.__getitem__)))
-    else:
-        order = sorted(ranked, key=_submission_then_id)
-    order.sort(key=_RANK)
-    return order
-
-
-_RANK: Final = itemgetter(1)  # Ranked.rank
-_SUBMITTED: Final = attrgetter("job.submitted_at")  # of a Ranked
-
-
 def _standings(
     by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot, jobs: Sequence[JobView]
 ) -> list[Standing] | None:
@@ -303,7 +279,7 @@ def _standings(
 
 
 def _entries(
-    ordered: Ordered,
+    by_rank: list[Ranked],
     snapshot: ClusterSnapshot,
     jobs: Sequence[JobView],
     now: float,
@@ -313,10 +289,10 @@ def _entries(
     """Every job in selection order: by (standing, hold, starving first and longest
     waiting first among them, rank, submission, id).
 
-    One sort by rank; standings and the selection order are stable partitions of it,
-    so that a cycle sorts its jobs once (sorting tuples is most of what ranking costs).
-    `jobs` are the jobs ranked, in snapshot order, for walks that need no order."""
-    by_rank = _rank_order(ordered.ranked)
+    `by_rank` is every job by (rank, submission, id) (brain/core/ranking.py); standings
+    and the selection order are stable partitions of it, so that a cycle sorts its jobs
+    once (sorting tuples is most of what ranking costs). `jobs` are the jobs ranked, in
+    snapshot order, for walks that need no order."""
     uniform = UNIFORM_HOLDS.get(hold)
     holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
     standing_of = _standings(by_rank, holds, snapshot, jobs)
@@ -716,6 +692,7 @@ def decide(
     *,
     waits: bool = True,
     explain: AbstractSet[str] = frozenset(),
+    ranking: Ranking | None = None,
 ) -> Decisions:
     """The cycle's decisions for `snapshot` at `now` under `policy`.
 
@@ -725,13 +702,17 @@ def decide(
     queue, or that asks why only of the jobs it has not been told about (the live
     brain, between passes that explain every job).
 
+    `ranking`, kept by a caller from one call to the next, spares ranking and sorting
+    the jobs whose views it has seen (brain/core/ranking.py): the decisions are the
+    same with it or without it.
+
     The cyclic garbage collector is paused while it runs (and left as it was found):
     a cycle allocates a few objects per job, nearly all freed by reference counting
     as it goes, and at 14,000 jobs the collections those allocations trigger
     (generation 2 walks the whole snapshot) were a third to a half of its time. It
     creates no reference cycles, so nothing is left for the collector to find."""
     with collector_paused():
-        return _decide(snapshot, now, policy, waits, explain)
+        return _decide(snapshot, now, policy, waits, explain, ranking)
 
 
 def _check_sizes(jobs: Sequence[JobView]) -> None:
@@ -762,7 +743,12 @@ def any_elastic(snapshot: ClusterSnapshot) -> bool:
 
 
 def _decide(
-    snapshot: ClusterSnapshot, now: float, policy: Policy, waits: bool, explain: AbstractSet[str]
+    snapshot: ClusterSnapshot,
+    now: float,
+    policy: Policy,
+    waits: bool,
+    explain: AbstractSet[str],
+    ranking: Ranking | None,
 ) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
@@ -799,7 +785,11 @@ def _decide(
         snapshot = running_views(snapshot)
     jobs = (*snapshot.running, *snapshot.pending)
     _check_sizes(jobs)
-    ordered = order(jobs, context)
+    if ranking is None:
+        ordered = order(jobs, context)
+        by_rank = rank_order(ordered.ranked)
+    else:
+        ordered, by_rank = ranking.rank(order, jobs, context)
     ledger = FreeGpus(snapshot.nodes)
     cycle = _Cycle(
         snapshot,
@@ -813,7 +803,7 @@ def _decide(
         explain=explain,
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
-    entries = _entries(ordered, snapshot, jobs, now, policy, hold)
+    entries = _entries(by_rank, snapshot, jobs, now, policy, hold)
     if stage is not None:
         entries.sort(key=_elastic_key)
         stage.set_ranks(

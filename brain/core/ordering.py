@@ -558,14 +558,26 @@ class QueueOrder:
     # with the clock. An order that does not lets the live brain reuse running jobs'
     # views from pass to pass (brain/state.py); when in doubt, leave it True.
     reads_running_service: bool = True
+    # Whether a job's rank and label are a function of its view alone (not of the clock,
+    # nor of anything else in the context), and the ranking says nothing of a job but
+    # its rank (no level changes, no wake-ups): then a caller deciding again and again
+    # may keep the ranking from one cycle to the next (brain/core/ranking.py,
+    # `Ranking`), and only new views are ranked. When in doubt, leave it False.
+    view_only: bool = False
 
     def __call__(self, jobs: Sequence[JobView], context: OrderContext) -> Ordered:
         return self.rank(jobs, context)
 
 
 QUEUE_ORDERS: Final[tuple[QueueOrder, ...]] = (
-    QueueOrder("fifo", fifo, reads_running_service=False),
-    QueueOrder("priority", priority, frozenset({"priority"}), reads_running_service=False),
+    QueueOrder("fifo", fifo, reads_running_service=False, view_only=True),
+    QueueOrder(
+        "priority",
+        priority,
+        frozenset({"priority"}),
+        reads_running_service=False,
+        view_only=True,
+    ),
     QueueOrder("las", las),
     QueueOrder("las-tiresias", las_tiresias),
     QueueOrder("gittins", gittins, frozenset({"distribution"})),
