@@ -11,8 +11,10 @@ configured queues (two `train` with guarantees, one `build`) beside the unconfig
 default. Each job's recorded LAS band matches its service, as the shell keeps it, so a
 cycle changes no band. Times `decide()` (the median of `--repeat` runs, wall clock and
 CPU time of the process: on a shared machine the CPU time is the steadier; a case whose
-first run passes `--timeout` seconds is killed and reported as such), counts its placements,
-preemptions and waits, prints a table and writes bench/results/decide-scale-<stamp>.json.
+first run passes `--timeout` seconds is killed and reported as such) and, by turns with it,
+`decide(..., waits=False)` (CPU time: a pass that explains no one, as the simulator's every
+pass and most of the live brain's), counts its placements, preemptions and waits, prints a
+table and writes bench/results/decide-scale-<stamp>.json.
 
 Sizes: 1k = 1,000 nodes, 4,000 running, 10,000 pending (the issue's case); 5k and 20k
 scale all three by 5 and 20.
@@ -194,6 +196,10 @@ class Result:
     median_s: float | None
     # CPU seconds of the same runs (median): on a shared machine, the steadier figure.
     median_cpu_s: float | None
+    # CPU seconds (median) of `decide(..., waits=False)` on the same snapshot, run by
+    # turns with the others: a pass that explains no one, as the simulator's every
+    # pass and most of the live brain's (brain/service.py, EXPLAIN_WAITS_EVERY_S).
+    median_quiet_cpu_s: float | None
     placements: int
     preemptions: int
     waits: int
@@ -210,12 +216,16 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
     policy = _policy(order)
     times: list[float] = []
     cpu: list[float] = []
+    quiet: list[float] = []
     decisions = Decisions()
     for _ in range(repeat):
         started, started_cpu = time.perf_counter(), time.process_time()
         decisions = decide(snapshot, NOW, policy)
         times.append(time.perf_counter() - started)
         cpu.append(time.process_time() - started_cpu)
+        started_cpu = time.process_time()
+        decide(snapshot, NOW, policy, waits=False)
+        quiet.append(time.process_time() - started_cpu)
     conn.send(  # type: ignore[attr-defined]
         Result(
             size.label,
@@ -226,6 +236,7 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
             repeat,
             statistics.median(times),
             statistics.median(cpu),
+            statistics.median(quiet),
             len(decisions.placements),
             len(decisions.preemptions),
             len(decisions.waits),
@@ -247,7 +258,19 @@ def run_case(size: Size, order: str, repeat: int, timeout_s: float) -> Result:
     child.kill()
     child.join()
     return Result(
-        size.label, order, size.nodes, size.running, size.pending, 0, None, None, 0, 0, 0, True
+        size.label,
+        order,
+        size.nodes,
+        size.running,
+        size.pending,
+        0,
+        None,
+        None,
+        None,
+        0,
+        0,
+        0,
+        True,
     )
 
 
@@ -260,6 +283,7 @@ def print_table(results: list[Result], timeout_s: float) -> None:
         "pending",
         "decide ms",
         "cpu ms",
+        "no-waits cpu ms",
         "place",
         "preempt",
     )
@@ -267,6 +291,7 @@ def print_table(results: list[Result], timeout_s: float) -> None:
     for r in results:
         median = f"> {timeout_s * 1000:,.0f}" if r.median_s is None else f"{r.median_s * 1000:,.1f}"
         cpu = "-" if r.median_cpu_s is None else f"{r.median_cpu_s * 1000:,.1f}"
+        quiet = "-" if r.median_quiet_cpu_s is None else f"{r.median_quiet_cpu_s * 1000:,.1f}"
         lines.append(
             (
                 r.size,
@@ -276,6 +301,7 @@ def print_table(results: list[Result], timeout_s: float) -> None:
                 f"{r.pending:,}",
                 median,
                 cpu,
+                quiet,
                 f"{r.placements:,}",
                 f"{r.preemptions:,}",
             )
@@ -336,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
             "runs": r.runs,
             "median_ms": None if r.median_s is None else round(r.median_s * 1000, 2),
             "median_cpu_ms": None if r.median_cpu_s is None else round(r.median_cpu_s * 1000, 2),
+            "median_no_waits_cpu_ms": None
+            if r.median_quiet_cpu_s is None
+            else round(r.median_quiet_cpu_s * 1000, 2),
             "timed_out": r.timed_out,
             "placements": r.placements,
             "preemptions": r.preemptions,
