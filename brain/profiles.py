@@ -25,6 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import mul
 from pathlib import Path
 from typing import Final
 
@@ -136,9 +137,10 @@ def autocorrelation(values: Sequence[float], max_lag: int) -> tuple[float, ...]:
     variance = sum(d * d for d in dev)
     if variance <= 1e-12 * n:
         return ()
-    return tuple(
-        sum(dev[i] * dev[i + lag] for i in range(n - lag)) / variance for lag in range(max_lag + 1)
-    )
+    # Each lag's sum of products with `map` (the same products, summed in the same
+    # order): it runs for every running job every `recompute_s`, over up to `max_points`
+    # points and half as many lags, and a generator per lag made it 1.4 ms a job.
+    return tuple(sum(map(mul, dev, dev[lag:])) / variance for lag in range(max_lag + 1))
 
 
 def detect_period(
