@@ -21,7 +21,7 @@ from typing import Final, Protocol
 from brain.state import BrainState
 from brain.writer import Clock, Stops
 from schemas.events import JobExited
-from schemas.jobs import JobState
+from schemas.jobs import JobRecord, JobState
 from schemas.telemetry import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,18 @@ class Reconciler:
 
     async def reconcile_all(self) -> None:
         """Reconcile every node that reports processes: a heartbeat that changes nothing
-        is not handed to the loop, and what the brain holds may have changed since."""
-        for beat in list(self._nodes.reporting(self._monotonic())):
+        is not handed to the loop, and what the brain holds may have changed since.
+
+        Every tick, over every node: the nodes whose processes are all the brain's (all
+        of them, nearly always) are passed over in one walk, without a call each."""
+        jobs = self._state().jobs
+        strays = [
+            beat
+            for beat in self._nodes.reporting(self._monotonic())
+            for running in beat.running
+            if not _holds(jobs.get(running.job_id), beat.node, running.attempt)
+        ]
+        for beat in dict.fromkeys(strays):  # a node once, however many strays it runs
             await self.reconcile(beat)
 
     async def reconcile(self, beat: Heartbeat) -> None:
@@ -76,12 +86,7 @@ class Reconciler:
         state = self._state()
         for running in beat.running:
             job = state.jobs.get(running.job_id)
-            if (
-                job is not None
-                and job.state is JobState.RUNNING
-                and job.attempt == running.attempt
-                and beat.node in job.nodes
-            ):
+            if _holds(job, beat.node, running.attempt):
                 continue
             key = (beat.node, running.job_id, running.attempt)
             if now - self._stops_sent.get(key, -RESTOP_AFTER_S) < RESTOP_AFTER_S:
@@ -100,3 +105,13 @@ class Reconciler:
                 "stale: the brain no longer runs this attempt here",
                 running.attempt,
             )
+
+
+def _holds(job: JobRecord | None, node: str, attempt: int) -> bool:
+    """Does the brain run this attempt of the job on this node?"""
+    return (
+        job is not None
+        and job.state is JobState.RUNNING
+        and job.attempt == attempt
+        and node in job.nodes
+    )

@@ -158,6 +158,10 @@ DECIDE_IN_THREAD_AFTER_S: Final = 0.05
 # half; an owner reads a waiting reason on a person's time scale. A pass that left
 # them out owes them: the tick makes state dirty once they are due.
 EXPLAIN_WAITS_EVERY_S: Final = 5.0
+# Utilisation profiles due are recomputed this often, for at most
+# `ProfileSettings.refresh_budget_s` each time: a little at a time beside everything
+# else, rather than a stall of tens of ms at every tick and pass of a large cluster.
+PROFILES_EVERY_S: Final = 0.1
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
 # group is not kept waiting long for the last.
@@ -464,6 +468,7 @@ class Brain:
             self.bus.spawn(self._run(), name="brain-loop"),
             self.bus.spawn(self._schedule_forever(), name="brain-scheduler"),
             self.bus.spawn(self._tick_forever(), name="brain-tick"),
+            self.bus.spawn(self._profiles_forever(), name="brain-profiles"),
             self.bus.spawn(
                 self.hearing.watch(self.ingest_bus, every_s=self.config.tick_s),
                 name="brain-hearing",
@@ -624,6 +629,15 @@ class Brain:
             self._loop_lag_s = max(0.0, self.monotonic() - due)
             await self._inbox.put(Tick())
 
+    async def _profiles_forever(self) -> None:
+        """Recompute the profiles due; one that changed in a way policy acts on (a
+        first profile, a job turning underused or back) makes state dirty."""
+        while not self._closing:
+            await asyncio.sleep(PROFILES_EVERY_S)
+            if self.profiles.poll():
+                self._dirty = True
+                self._pass_wanted.set()
+
     def _takes_telemetry(self) -> bool:
         """False while the brain is behind: telemetry is what it sheds first."""
         return (
@@ -746,8 +760,6 @@ class Brain:
         # A snapshot covers stored records only: what this unit staged goes first.
         await self.journal.commit()
         await self._maybe_snapshot()
-        # A profile that changed what policy sees (e.g. a job turned underused).
-        self._dirty = self.profiles.poll() or self._dirty
 
     async def _write(self, tenant: str, request: WriteRequest, *, operator: bool) -> object:
         match request:
@@ -1047,7 +1059,8 @@ class Brain:
             self._submitted.clear()
             newly_pending, self._newly_pending = self._newly_pending, set()
             snapshot = self.state.snapshot(
-                # As they stand: refreshed after the pass, off the path to its Launches.
+                # As they stand: recomputed a little at a time beside the passes
+                # (`_profiles_forever`), never on the path to a Launch.
                 profiles=self.profiles.current(refresh=False),
                 now=self.clock(),
                 queues=self.config.queues,
@@ -1085,7 +1098,6 @@ class Brain:
         if waits:
             async with self._unit():
                 await self._note_waits(waits)
-        self.profiles.refresh()
 
     def _explains_waits(self, *, waiting: bool) -> bool:
         """Does this pass say why jobs wait? At most one pass per
