@@ -586,32 +586,29 @@ class BrainState:
         record = self.nodes.get(name)
         if record is None or record.state is not NodeState.READY:
             return None
-        here = self._held.get(name, _NOTHING)
-        cached = self._views.get(name)
-        if cached is not None and cached[0] is record and cached[1] is here:
-            return cached[2].free
-        return frozenset(self.schedulable_gpus(record)) - here
+        return self._node_view(name, record, self._held.get(name, _NOTHING)).free
 
     def _node_views(self, held: Mapping[str, frozenset[int]]) -> tuple[NodeView, ...]:
-        """READY nodes' views in name order, reusing each one whose record and held GPUs
-        are the same objects and values as when it was built."""
+        """READY nodes' views in name order."""
         if len(self._sorted_names) != len(self.nodes):  # nodes are added, never removed
             self._sorted_names = sorted(self.nodes)
         views = []
         for name in self._sorted_names:
             record = self.nodes[name]
-            if record.state is not NodeState.READY:
-                continue
-            here = held.get(name, _NOTHING)
-            cached = self._views.get(name)
-            if cached is not None and cached[0] is record and cached[1] is here:
-                views.append(cached[2])
-                continue
-            gpus = self.schedulable_gpus(record)
-            view = node_view(record, gpus, frozenset(gpus) - here)
-            self._views[name] = (record, here, view)
-            views.append(view)
+            if record.state is NodeState.READY:
+                views.append(self._node_view(name, record, held.get(name, _NOTHING)))
         return tuple(views)
+
+    def _node_view(self, name: str, record: NodeRecord, here: frozenset[int]) -> NodeView:
+        """The node's view, reused while its record and held GPUs are the same objects
+        as when it was built."""
+        cached = self._views.get(name)
+        if cached is not None and cached[0] is record and cached[1] is here:
+            return cached[2]
+        gpus = self.schedulable_gpus(record)
+        view = node_view(record, gpus, frozenset(gpus) - here)
+        self._views[name] = (record, here, view)
+        return view
 
 
 _NOTHING: Final[frozenset[int]] = frozenset()

@@ -11,8 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.decide_scale import NOW, Size, build_snapshot
-from brain.core import ORDERINGS, ClusterSnapshot, JobView, Policy, Ranking, decide
-from brain.core.ordering import Ranked
+from brain.core import (
+    DEFAULT_SERVICE_PRIOR,
+    ORDERINGS,
+    ClusterSnapshot,
+    Grant,
+    JobView,
+    Policy,
+    Ranking,
+    decide,
+)
+from brain.core.ordering import OrderContext, Ranked
 from brain.core.ranking import rank_order
 
 
@@ -60,15 +69,33 @@ def test_a_kept_ranking_decides_as_a_fresh_one(order: str, seed: int) -> None:
 
 
 def test_orders_that_read_more_than_a_view_are_ranked_afresh() -> None:
-    """An order whose ranks read the clock or the context (las: service; gittins: the
-    learned distribution) ranks every job at every cycle, ranking or not."""
+    """An order whose ranks read the clock or the context (las: a job's place in its
+    band depends on whether it entered the band before now) ranks every job at every
+    cycle, ranking or not: the same views, a later clock, a different order."""
     assert {name for name, order in ORDERINGS.items() if order.view_only} == {"fifo", "priority"}
-    snapshot = build_snapshot(Size("s", 12, 40, 80))
+    grant = (Grant("n0", (0,)),)
+    # Entered band 0 at NOW: at NOW it stands with the waiting jobs, by service; later,
+    # with the running ones, ahead of every waiting job of the band.
+    demoted = JobView(
+        "1",
+        1,
+        0.0,
+        grants=grant,
+        started_at=0.0,
+        attained_gpu_seconds=50.0,
+        service_level_since=NOW,
+    )
+    waiting = JobView("2", 1, 1.0, attained_gpu_seconds=10.0)
+    jobs = (demoted, waiting)
+    order = ORDERINGS["las"]
     ranking = Ranking()
+    orders = []
     for now in (NOW, NOW + 600.0):
-        policy = Policy(order="las")
-        kept = decide(snapshot, now, policy, ranking=ranking)
-        assert kept == decide(snapshot, now, policy)
+        context = OrderContext(now, Policy().las_thresholds_gpu_s, 3250.0, DEFAULT_SERVICE_PRIOR)
+        _, by_rank = ranking.rank(order, jobs, context)
+        assert by_rank == rank_order(order(jobs, context).ranked)
+        orders.append([r.job.job_id for r in by_rank])
+    assert orders == [["2", "1"], ["1", "2"]]
 
 
 def test_rank_order_is_by_rank_then_submission_then_id() -> None:
