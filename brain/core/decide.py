@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
-from typing import Final, NamedTuple
+from typing import Final
 
 from brain.core.collector import collector_paused
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
@@ -189,9 +189,12 @@ class Policy:
 DEFAULT_POLICY = Policy()
 
 
-class _Entry(NamedTuple):
-    """One job in the cycle, with everything its rank depends on. A named tuple built
-    with `tuple.__new__` (`_entry`): one is built per job per cycle."""
+@dataclass(slots=True)
+class _Entry:
+    """One job in the cycle, with everything its rank depends on. Not frozen only
+    because frozen dataclasses are slow to build, and one is built per job per cycle;
+    nothing mutates it. (A named tuple built with `tuple.__new__` was cheaper to build
+    and dearer to read: 1.4 % more instructions a `las` cycle, by callgrind.)"""
 
     ranked: Ranked
     standing: Standing
@@ -216,11 +219,6 @@ class _Entry(NamedTuple):
             job.submitted_at,
             job_sequence(job.job_id),
         )
-
-
-def _entry(ranked: Ranked, standing: Standing, starving: bool, hold: int) -> _Entry:
-    """`_Entry(...)`, without the named tuple's Python-level constructor."""
-    return tuple.__new__(_Entry, (ranked, standing, starving, hold))
 
 
 @dataclass(slots=True)
@@ -305,7 +303,7 @@ def _entries(
     for item, held, standing in zip(by_rank, holds, standing_list, strict=True):
         job = item.job
         starving = guard is not None and not job.grants and now - job.waiting_since() >= guard
-        entry = _entry(item, standing, starving, held)
+        entry = _Entry(item, standing, starving, held)
         group = groups.get((standing, held, not starving))
         if group is None:
             groups[(standing, held, not starving)] = [entry]
@@ -326,14 +324,13 @@ def _by_standing(
 ) -> list[_Entry]:
     """`_entries` when every job has the same hold and nobody can starve (no guard):
     the rank order, partitioned by standing alone (with no quotas, one partition)."""
-    new = tuple.__new__  # `_entry`, written out: once per job
     if standing_of is None:
         over = Standing.OVER_QUOTA
-        return [new(_Entry, (item, over, False, hold)) for item in by_rank]
+        return [_Entry(item, over, False, hold) for item in by_rank]
     partitions: list[list[_Entry]] = [[] for _ in Standing]
     appends = [partition.append for partition in partitions]
     for item, standing in zip(by_rank, standing_of, strict=True):
-        appends[standing](new(_Entry, (item, standing, False, hold)))
+        appends[standing](_Entry(item, standing, False, hold))
     return [entry for partition in partitions for entry in partition]
 
 

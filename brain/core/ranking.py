@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import Final
 
 from brain.core.model import JobView
 from brain.core.ordering import OrderContext, Ordered, QueueOrder, Ranked, job_sequence
 
 _RANK: Final = itemgetter(1)  # Ranked.rank
-_SUBMITTED: Final = attrgetter("job.submitted_at")  # of a Ranked
 
 
 def _submission_then_id(item: Ranked) -> tuple[float, tuple[int, str]]:
@@ -46,10 +45,10 @@ def rank_order(ranked: Sequence[Ranked]) -> list[Ranked]:
     id only when two jobs share a submission time), then by rank alone. Sorting by one
     float, then by short rank tuples over nearly sorted data, costs a third of one sort
     by the whole (rank, submission, id) tuple."""
-    submitted = list(map(_SUBMITTED, ranked))
+    submitted = [item.job.submitted_at for item in ranked]
     if len(set(submitted)) == len(submitted):
         # Sorting positions by a list of floats reads each job once, not once per key.
-        order = list(map(ranked.__getitem__, sorted(range(len(ranked)), key=submitted.__getitem__)))
+        order = [ranked[i] for i in sorted(range(len(ranked)), key=submitted.__getitem__)]
     else:
         order = sorted(ranked, key=_submission_then_id)
     order.sort(key=_RANK)
