@@ -395,6 +395,11 @@ class Profiler:
         self._stale_index = True
         # Set when a profile changed in a way a placement or elasticity policy acts on.
         self._news = False
+        # The running jobs' profiles, kept as they change, and the copy `current` last
+        # handed out (None: something changed since): a pass that finds the same
+        # mapping as the last knows no profile changed (brain/state.py).
+        self._profiles: dict[str, UtilizationProfile] = {}
+        self._handed_out: dict[str, UtilizationProfile] | None = None
 
     # -- observers (run in the brain's loop; cheap, never raise on bad luck) ------------
 
@@ -436,11 +441,9 @@ class Profiler:
         first (unless `refresh` is False: as they stand, see `refresh`)."""
         if refresh:
             self._refresh()
-        return {
-            job_id: track.profile
-            for job_id, track in self._tracks.items()
-            if track.profile is not None
-        }
+        if self._handed_out is None:
+            self._handed_out = dict(self._profiles)
+        return self._handed_out
 
     def job_profile(self, job_id: str) -> JobProfile | None:
         """The job's latest profile: its running attempt's, else the stored one."""
@@ -514,6 +517,8 @@ class Profiler:
             self._save([self._compute(track)])
         self._let_go(track)
         del self._tracks[track.job_id]
+        if self._profiles.pop(track.job_id, None) is not None:
+            self._handed_out = None
 
     def _let_go(self, track: _Track) -> None:
         """Its GPUs are no longer filed under it (unless another track holds them now)."""
@@ -558,7 +563,8 @@ class Profiler:
         was_underused = before is not None and before.underused
         profile = analyse(tuple(track.readings), track.totals(), self.settings)
         self._news = self._news or _matters_to_policy(before, profile)
-        track.profile = profile
+        track.profile = self._profiles[track.job_id] = profile
+        self._handed_out = None
         track.computed_at = self.clock()
         track.fresh_samples = False
         if profile.underused and not was_underused:

@@ -125,6 +125,20 @@ class BrainState:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _sorted_names: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    # The snapshot's node views, kept between passes: each node's (None: not READY) in
+    # name order, the nodes whose record or held GPUs changed since, and the tuple a
+    # snapshot hands out (None: to be made again from the list). A pass after nothing
+    # changed costs nothing; after k nodes changed, k views and a copy of the list.
+    _node_list: list[NodeView | None] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
+    _node_position: dict[str, int] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _nodes_stale: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _node_tuple: tuple[NodeView, ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
     # (GPUs on every known node, the most on one), and the LOST nodes' names, until a
     # node's record changes.
     _registered: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
@@ -161,10 +175,24 @@ class BrainState:
     _pending_progress: dict[str, ObservedProgress] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    # The same for running jobs' views without the clock (see `snapshot`).
-    _running_views: dict[
-        str, tuple[JobRecord, UtilizationProfile | None, ObservedProgress | None, JobView]
-    ] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The same for running jobs' views without the clock (see `snapshot`): each running
+    # job's view and the profile and progress it was built with; those whose record
+    # changed since; the profile and progress mappings of the last build (a new mapping
+    # is compared entry by entry, by identity first); and the tuple handed out, until
+    # something changes.
+    _running_views: dict[str, JobView] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _running_inputs: dict[str, tuple[UtilizationProfile | None, ObservedProgress | None]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _running_stale: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _running_built_with: (
+        tuple[Mapping[str, UtilizationProfile], Mapping[str, ObservedProgress]] | None
+    ) = field(default=None, init=False, repr=False, compare=False)
+    _running_tuple: tuple[JobView, ...] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def apply(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, JobChanged):
@@ -172,9 +200,14 @@ class BrainState:
             self._put_job(record.job, new=seq > self.last_seq)
         elif isinstance(record, NodeChanged):
             self.nodes[record.node.name] = record.node
+            self._nodes_stale.add(record.node.name)
             self._registered = None
             self._schedulable = None
-            self._lost_nodes = None
+            if self._lost_nodes is None or (record.node.state is NodeState.LOST) != (
+                record.node.name in self._lost_nodes
+            ):
+                self._lost_nodes = None
+                self._running_tuple = None  # jobs on a LOST node are left out
         elif isinstance(record, NodeEventRecorded):
             self._saw_event(record.event.event_id)
             if isinstance(record.event, InputError):
@@ -248,6 +281,11 @@ class BrainState:
                 self._ordered[previous.state].discard(job_id)
             if previous.state is JobState.RUNNING:
                 self._hold(previous, -1)
+                self._running_tuple = None
+                if moved:  # what a standby marks must leave with the job
+                    self._running_views.pop(job_id, None)
+                    self._running_inputs.pop(job_id, None)
+                    self._running_stale.discard(job_id)
             if moved and previous.state is JobState.PENDING:
                 self._pending_views.pop(job_id, None)
                 self._pending_progress.pop(job_id, None)
@@ -258,6 +296,7 @@ class BrainState:
             self._ordered[job.state].add(job_id)
         if job.state is JobState.RUNNING:
             self._hold(job, +1)
+            self._running_stale.add(job_id)
         if job.state is JobState.PENDING:
             self._pending_stale.add(job_id)
 
@@ -268,6 +307,7 @@ class BrainState:
             counts = self._holders.setdefault(grant.node, Counter())
             counts.update({gpu: sign for gpu in grant.gpus})
             held = frozenset(gpu for gpu, n in counts.items() if n > 0)
+            self._nodes_stale.add(grant.node)
             if held:
                 self._held[grant.node] = held
             else:
@@ -491,7 +531,7 @@ class BrainState:
         to pass until a record, profile or progress report changes."""
         profiles = profiles or {}
         progress = progress or {}
-        nodes = self._node_views(self.allocated())
+        nodes = self._node_views()
         if running_service:
             running = tuple(
                 job_view(j, profiles.get(j.job_id), now=now, progress=progress.get(j.job_id))
@@ -520,28 +560,38 @@ class BrainState:
         profiles: Mapping[str, UtilizationProfile],
         progress: Mapping[str, ObservedProgress],
     ) -> tuple[JobView, ...]:
-        """Running jobs' views without the clock, in job order, reusing each one whose
-        record and profile are the same objects, and progress the same value, as when
-        it was built."""
-        cache = self._running_views
-        views = []
-        for job_id in self._ordered[JobState.RUNNING]:
-            job = self.jobs[job_id]
-            if self.on_lost_node(job):
-                continue
-            profile = profiles.get(job_id)
-            seen = progress.get(job_id)
-            cached = cache.get(job_id)
-            if cached is not None and cached[:2] == (job, profile) and cached[2] == seen:
-                views.append(cached[3])
-                continue
-            view = job_view(job, profile, progress=seen)
-            cache[job_id] = (job, profile, seen, view)
-            views.append(view)
-        if len(cache) > 2 * len(views) + 64:  # forget jobs that stopped running
+        """Running jobs' views without the clock, in job order. Built again: the views
+        of jobs whose record changed, or whose profile or progress is another (by
+        identity, then by value); the tuple, after any of that or a node turning LOST
+        or back. A pass after nothing changed costs a few look-ups; a new profile
+        mapping, one walk of it."""
+        views, inputs, stale = self._running_views, self._running_inputs, self._running_stale
+        before = self._running_built_with
+        if before is None or before[0] is not profiles or before[1] is not progress:
+            if before is None or before[0] is not profiles:
+                stale.update(_changed(inputs, profiles, 0, () if before is None else before[0]))
+            if before is None or before[1] is not progress:
+                stale.update(_changed(inputs, progress, 1, () if before is None else before[1]))
+            self._running_built_with = (profiles, progress)
+        if stale:
             running = self.by_state[JobState.RUNNING]
-            self._running_views = {k: v for k, v in cache.items() if k in running}
-        return tuple(views)
+            for job_id in stale:
+                if job_id not in running:  # a profile of a job no longer running
+                    continue
+                profile, seen = profiles.get(job_id), progress.get(job_id)
+                views[job_id] = job_view(self.jobs[job_id], profile, progress=seen)
+                inputs[job_id] = (profile, seen)
+            stale.clear()
+            self._running_tuple = None
+        if self._running_tuple is None:
+            ordered = self._ordered[JobState.RUNNING]
+            if self.lost_nodes():
+                self._running_tuple = tuple(
+                    views[job_id] for job_id in ordered if not self.on_lost_node(self.jobs[job_id])
+                )
+            else:
+                self._running_tuple = tuple(map(views.__getitem__, ordered))
+        return self._running_tuple
 
     def _pending_job_views(self, progress: Mapping[str, ObservedProgress]) -> tuple[JobView, ...]:
         """Pending jobs' views in job order. A pending job's view does not depend on the
@@ -568,17 +618,21 @@ class BrainState:
         """A job waiting out its lost node's fence margin (docs/operations.md,
         Partitions) is left out of decisions: its GPUs are not in the capacity, it
         cannot be stopped, and it is neither a victim nor a claim on other GPUs."""
+        lost = self.lost_nodes()
+        return bool(lost) and any(g.node in lost for g in job.grants)
+
+    def lost_nodes(self) -> frozenset[str]:
+        """The LOST nodes' names (counted again after such a node's record changed)."""
         if self._lost_nodes is None:
             self._lost_nodes = frozenset(
                 name for name, node in self.nodes.items() if node.state is NodeState.LOST
             )
-        lost = self._lost_nodes
-        return bool(lost) and any(g.node in lost for g in job.grants)
+        return self._lost_nodes
 
     def free_gpus(self) -> dict[str, frozenset[int]]:
         """Each READY node's schedulable GPUs that no running job holds (from the same
         views a snapshot reuses: cheap when few nodes changed)."""
-        return {view.name: view.free for view in self._node_views(self.allocated())}
+        return {view.name: view.free for view in self._node_views()}
 
     def free_on(self, name: str) -> frozenset[int] | None:
         """`free_gpus()` of one node, without building every node's: None unless the
@@ -588,16 +642,31 @@ class BrainState:
             return None
         return self._node_view(name, record, self._held.get(name, _NOTHING)).free
 
-    def _node_views(self, held: Mapping[str, frozenset[int]]) -> tuple[NodeView, ...]:
-        """READY nodes' views in name order."""
+    def _node_views(self) -> tuple[NodeView, ...]:
+        """READY nodes' views in name order: the views of nodes whose record or held
+        GPUs changed are built again, the rest are kept."""
+        stale = self._nodes_stale
         if len(self._sorted_names) != len(self.nodes):  # nodes are added, never removed
             self._sorted_names = sorted(self.nodes)
-        views = []
-        for name in self._sorted_names:
-            record = self.nodes[name]
-            if record.state is NodeState.READY:
-                views.append(self._node_view(name, record, held.get(name, _NOTHING)))
-        return tuple(views)
+            self._node_position = {name: i for i, name in enumerate(self._sorted_names)}
+            self._node_list = [None] * len(self._sorted_names)
+            stale.update(self._sorted_names)
+        if stale:
+            listed, position, held = self._node_list, self._node_position, self._held
+            for name in stale:
+                record = self.nodes.get(name)
+                if record is None:  # GPUs held on a node never registered
+                    continue
+                listed[position[name]] = (
+                    self._node_view(name, record, held.get(name, _NOTHING))
+                    if record.state is NodeState.READY
+                    else None
+                )
+            stale.clear()
+            self._node_tuple = None
+        if self._node_tuple is None:
+            self._node_tuple = tuple(filter(None, self._node_list))
+        return self._node_tuple
 
     def _node_view(self, name: str, record: NodeRecord, here: frozenset[int]) -> NodeView:
         """The node's view, reused while its record and held GPUs are the same objects
@@ -612,6 +681,24 @@ class BrainState:
 
 
 _NOTHING: Final[frozenset[int]] = frozenset()
+
+
+def _changed(
+    built: Mapping[str, tuple[object, ...]],
+    now: Mapping[str, object],
+    at: int,
+    before: Mapping[str, object] | tuple[()],
+) -> Iterator[str]:
+    """The ids whose entry in `now` is not the one their view was built with
+    (`built[id][at]`), and those `before` had that `now` lacks."""
+    for key, value in now.items():
+        kept = built.get(key)
+        if kept is None or (kept[at] is not value and kept[at] != value):
+            yield key
+    if before:
+        yield from before.keys() - now.keys()
+
+
 _LIVE: Final = frozenset({JobState.PENDING, JobState.RUNNING})
 
 

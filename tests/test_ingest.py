@@ -8,9 +8,12 @@ import json
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from brain.core.model import UtilizationProfile
 from brain.ingest import NodeIngest
-from brain.state import BrainState
+from brain.state import BrainState, job_view, node_view
 from schemas import subjects
 from schemas.base import encode
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
@@ -368,6 +371,86 @@ def test_running_views_without_the_clock_are_reused_and_decide_alike() -> None:
     assert [v.job_id for v in after.running] == ["10"]
     assert after.running[0] is first.running[1]
     assert state.allocated() == {"a": frozenset({0, 1})}
+
+
+_NODES = ("a", "b")
+_JOBS = tuple(str(i) for i in range(1, 6))
+_steps = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("node"),
+            st.sampled_from(_NODES),
+            st.sampled_from((NodeState.READY, NodeState.READY, NodeState.LOST)),
+            st.one_of(st.none(), st.integers(0, 3)),
+        ),
+        st.tuples(
+            st.just("job"),
+            st.sampled_from(_JOBS),
+            st.sampled_from((JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED)),
+            st.sampled_from((*_NODES, "gone")),
+            st.frozensets(st.integers(0, 3), min_size=1),
+        ),
+        st.tuples(
+            st.just("profiles"),
+            st.dictionaries(st.sampled_from(_JOBS), st.integers(0, 2), max_size=5),
+        ),
+        st.tuples(st.just("snapshot")),
+    ),
+    min_size=8,
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_steps)
+def test_kept_snapshot_views_equal_views_built_afresh(steps: list[tuple[object, ...]]) -> None:
+    """Whatever the sequence of node and job records and profile mappings, the views a
+    snapshot keeps from pass to pass (node views, running jobs' views without the
+    clock) are those built from the records as they stand."""
+    state = BrainState()
+    profiles: dict[str, UtilizationProfile] = {}
+    kinds = {k: UtilizationProfile(float(k), 0.0, 0.0, None, 0.0, 0.0) for k in range(3)}
+
+    def check() -> None:
+        snapshot = state.snapshot(profiles=profiles, running_service=False)
+        lost = {n for n, r in state.nodes.items() if r.state is NodeState.LOST}
+        nodes = tuple(
+            node_view(
+                r,
+                gpus := state.schedulable_gpus(r),
+                frozenset(gpus) - state.allocated().get(name, frozenset()),
+            )
+            for name, r in sorted(state.nodes.items())
+            if r.state is NodeState.READY
+        )
+        running = tuple(
+            job_view(j, profiles.get(j.job_id))
+            for j in state.jobs_in(JobState.RUNNING)
+            if not any(g.node in lost for g in j.grants)
+        )
+        assert snapshot.nodes == nodes
+        assert snapshot.running == running
+
+    for seq, step in enumerate(steps, start=1):
+        match step:
+            case ("node", name, node_state, unhealthy):
+                record = _node_changed(str(name), seq, state=node_state)
+                record = record.model_copy(
+                    update={
+                        "node": record.node.model_copy(
+                            update={"gpus": gpus(4, unhealthy=unhealthy)}  # type: ignore[arg-type]
+                        )
+                    }
+                )
+                state.apply(record, seq)
+            case ("job", job_id, job_state, node, gpu_ids):
+                ids = tuple(sorted(gpu_ids))  # type: ignore[call-overload]
+                state.apply(_job_on(str(job_id), str(node), ids, job_state), seq)  # type: ignore[arg-type]
+            case ("profiles", chosen):
+                profiles = {k: kinds[v] for k, v in chosen.items()}  # type: ignore[attr-defined]
+            case _:
+                check()
+    check()
 
 
 def test_a_waiting_reason_s_new_figures_are_shown_without_a_new_record() -> None:
