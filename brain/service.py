@@ -52,6 +52,7 @@ from brain.core import (
     ClusterSnapshot,
     Decisions,
     Grant,
+    KeptLedger,
     MemoryPressure,
     Place,
     Policy,
@@ -275,9 +276,12 @@ class Brain:
         # Jobs that became pending since the last pass was planned: the next is asked
         # why they wait, whether or not it explains every waiting job.
         self._newly_pending: set[str] = set()
-        # The last pass's ranking, for the next (brain/core/ranking.py): the snapshot
-        # reuses the views of jobs that did not change, so a pass ranks only the rest.
+        # The last pass's ranking and free-GPU ledger, for the next (brain/core/ranking.py,
+        # brain/core/placement.py): the snapshot reuses the views of jobs and nodes that
+        # did not change, so a pass ranks only the other jobs and brings only the other
+        # nodes up to date.
         self._ranking = Ranking()
+        self._ledger = KeptLedger()
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self.credentials = (
             JobCredentials(
@@ -1076,18 +1080,19 @@ class Brain:
         now, policy = self.clock(), self.config.policy
         explain = self._explains_waits(waiting=bool(snapshot.pending))
         if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
-            ranking = self._ranking
+            ranking, ledger = self._ranking, self._ledger
             try:
                 decisions, self._last_decide_s = await asyncio.to_thread(
-                    _decide, snapshot, now, policy, explain, newly_pending, ranking
+                    _decide, snapshot, now, policy, explain, newly_pending, ranking, ledger
                 )
             except asyncio.CancelledError:
-                # The thread may go on with this ranking: the next pass takes a new one.
-                self._ranking = Ranking()
+                # The thread may go on with this ranking and ledger: the next pass takes
+                # new ones.
+                self._ranking, self._ledger = Ranking(), KeptLedger()
                 raise
         else:
             decisions, self._last_decide_s = _decide(
-                snapshot, now, policy, explain, newly_pending, self._ranking
+                snapshot, now, policy, explain, newly_pending, self._ranking, self._ledger
             )
         self._wake_at = decisions.wake_at
         self._notify(self.decision_observers, decisions)
@@ -1342,12 +1347,15 @@ def _decide(
     waits: bool,
     explain: set[str],
     ranking: Ranking,
+    ledger: KeptLedger,
 ) -> tuple[Decisions, float]:
     """decide(), and the CPU time it took: its own cost, not the time its thread
     waited for the interpreter or a core (a decide() moved to a thread beside a busy
     loop takes several times longer, and would stay there however cheap it was)."""
     started = time.thread_time()
-    decisions = decide(snapshot, now, policy, waits=waits, explain=explain, ranking=ranking)
+    decisions = decide(
+        snapshot, now, policy, waits=waits, explain=explain, ranking=ranking, ledger=ledger
+    )
     return decisions, time.thread_time() - started
 
 

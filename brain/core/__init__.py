@@ -35,7 +35,7 @@ from brain.core.ordering import (
     QueueOrder,
     reads,
 )
-from brain.core.placement import PLACEMENTS
+from brain.core.placement import PLACEMENTS, KeptLedger
 from brain.core.preemption import PREEMPTIONS
 from brain.core.ranking import Ranking
 
@@ -56,6 +56,7 @@ __all__ = [
     "InvalidPolicy",
     "JobClass",
     "JobView",
+    "KeptLedger",
     "Measured",
     "MemoryPressure",
     "NodeView",

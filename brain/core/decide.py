@@ -61,6 +61,7 @@ from brain.core.placement import (
     PLACEMENTS,
     Fit,
     FreeGpus,
+    KeptLedger,
     NoFit,
     Placement,
     PlacementRequest,
@@ -690,6 +691,7 @@ def decide(
     waits: bool = True,
     explain: AbstractSet[str] = frozenset(),
     ranking: Ranking | None = None,
+    ledger: KeptLedger | None = None,
 ) -> Decisions:
     """The cycle's decisions for `snapshot` at `now` under `policy`.
 
@@ -700,8 +702,9 @@ def decide(
     brain, between passes that explain every job).
 
     `ranking`, kept by a caller from one call to the next, spares ranking and sorting
-    the jobs whose views it has seen (brain/core/ranking.py): the decisions are the
-    same with it or without it.
+    the jobs whose views it has seen (brain/core/ranking.py); `ledger`, likewise kept,
+    spares building the free-GPU ledger of every node again (brain/core/placement.py,
+    `KeptLedger`). The decisions are the same with them or without them.
 
     The cyclic garbage collector is paused while it runs (and left as it was found):
     a cycle allocates a few objects per job, nearly all freed by reference counting
@@ -709,7 +712,10 @@ def decide(
     (generation 2 walks the whole snapshot) were a third to a half of its time. It
     creates no reference cycles, so nothing is left for the collector to find."""
     with collector_paused():
-        return _decide(snapshot, now, policy, waits, explain, ranking)
+        decisions = _decide(snapshot, now, policy, waits, explain, ranking, ledger)
+    if ledger is not None:
+        ledger.done()
+    return decisions
 
 
 def _check_sizes(jobs: Sequence[JobView]) -> None:
@@ -746,6 +752,7 @@ def _decide(
     waits: bool,
     explain: AbstractSet[str],
     ranking: Ranking | None,
+    kept: KeptLedger | None,
 ) -> Decisions:
     order = ORDERINGS.get(policy.order)
     place = PLACEMENTS.get(policy.placement)
@@ -787,7 +794,7 @@ def _decide(
         by_rank = rank_order(ordered.ranked)
     else:
         ordered, by_rank = ranking.rank(order, jobs, context)
-    ledger = FreeGpus(snapshot.nodes)
+    ledger = FreeGpus(snapshot.nodes) if kept is None else kept.for_nodes(snapshot.nodes)
     cycle = _Cycle(
         snapshot,
         now,

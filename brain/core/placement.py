@@ -99,6 +99,8 @@ class FreeGpus:
 
     def __init__(self, nodes: Iterable[NodeView]) -> None:
         by_name = {n.name: n for n in nodes}
+        # The nodes taken from or given to since it was built (`KeptLedger` restores them).
+        self._touched: set[str] = set()
         self._free: dict[str, list[int]] = {name: sorted(n.free) for name, n in by_name.items()}
         self._switch: dict[str, str] = {name: n.switch for name, n in by_name.items()}
         self._capacity: dict[str, int] = {name: len(n.gpus) for name, n in by_name.items()}
@@ -158,6 +160,7 @@ class FreeGpus:
 
         Runs twice for every preemption a cycle makes (the victim's GPUs given, a
         winner's taken): `_Buckets.move` is written out here."""
+        self._touched.add(node)
         if before == after:
             return
         delta = after - before
@@ -282,6 +285,69 @@ class FreeGpus:
             view._by_switch.setdefault(self._switch[name], []).append(name)
         view._index()
         return view
+
+
+class KeptLedger:
+    """A ledger kept by a caller from one cycle to the next (the live brain), so that a
+    cycle after a few nodes changed does not build one for the whole cluster again.
+
+    `for_nodes` hands out the ledger of these nodes: the last one handed out, its
+    changes since undone and the nodes whose views are other objects now brought up to
+    date (O(nodes) identity checks at C speed, then what changed), or, when the nodes
+    are not the same names in the same order with the same GPUs and switches, or the
+    last cycle did not end (`done`), a new one. A cycle's decisions are the same either
+    way. Not for two cycles at once."""
+
+    def __init__(self) -> None:
+        self._ledger: FreeGpus | None = None
+        self._nodes: tuple[NodeView, ...] = ()
+        self._position: dict[str, int] = {}  # each node's place in `_nodes`
+        self._in_use = False
+        # Counters for tests and benches: ledgers built, and reused.
+        self.built = 0
+        self.reused = 0
+
+    def for_nodes(self, nodes: tuple[NodeView, ...]) -> FreeGpus:
+        ledger = self._ledger
+        if ledger is None or self._in_use or not self._bring_up_to_date(ledger, nodes):
+            ledger = self._ledger = FreeGpus(nodes)
+            self._position = {view.name: i for i, view in enumerate(nodes)}
+            self.built += 1
+        else:
+            self.reused += 1
+        self._nodes = nodes
+        self._in_use = True
+        return ledger
+
+    def done(self) -> None:
+        """The cycle that used the ledger ended: it may be handed out again."""
+        self._in_use = False
+
+    def _bring_up_to_date(self, ledger: FreeGpus, nodes: tuple[NodeView, ...]) -> bool:
+        before = self._nodes
+        if len(before) != len(nodes):
+            return False
+        changed = (
+            []
+            if before is nodes
+            else [(old, new) for old, new in zip(before, nodes, strict=True) if old is not new]
+        )
+        for old, new in changed:
+            if old.name != new.name or old.switch != new.switch or old.gpus != new.gpus:
+                return False
+        by_name = {new.name: new for _, new in changed}
+        # What the last cycle took and gave is undone: back to these nodes' views.
+        position = self._position
+        for name in ledger._touched:
+            if name not in by_name:
+                by_name[name] = nodes[position[name]]
+        free = ledger._free
+        for name, view in by_name.items():
+            count = len(free[name])
+            free[name] = sorted(view.free)
+            ledger._changed(name, count, len(view.free))
+        ledger._touched.clear()
+        return True
 
 
 @record

@@ -1,0 +1,110 @@
+"""A ledger kept from one cycle to the next (brain/core/placement.py, `KeptLedger`)
+changes what a cycle costs, never what it decides."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.decide_scale import NOW, Size, build_snapshot
+from brain.core import ORDERINGS, ClusterSnapshot, Grant, KeptLedger, NodeView, Policy, decide
+from brain.core.placement import FreeGpus
+from tests.test_policy_ranking import _next
+
+
+def _observed(ledger: FreeGpus) -> tuple[object, ...]:
+    """What a cycle can read of a ledger: free GPUs per node, totals, and every answer
+    placement asks of it."""
+    most = ledger.most_free()
+    return (
+        {name: ledger.lowest(name, ledger.free_on(name)) for name in ledger.nodes()},
+        ledger.total_free(),
+        ledger.total_capacity(),
+        ledger.largest_node(),
+        most,
+        [ledger.best_fit(k) for k in range(1, 10)],
+        [ledger.gather(k) for k in (1, 3, 8, 12, 20)],
+        [ledger.fewest_nodes_in_a_switch(k) for k in (1, 3, 8, 12, 20)],
+        list(ledger._all.roomiest_first()),
+    )
+
+
+def _nodes(rng: random.Random, count: int) -> tuple[NodeView, ...]:
+    return tuple(
+        NodeView(
+            f"n{i:02d}",
+            tuple(range(4)),
+            frozenset(g for g in range(4) if rng.random() < 0.6),
+            switch=f"s{i // 3}",
+        )
+        for i in range(count)
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), cycles=st.integers(1, 8))
+def test_a_kept_ledger_reads_as_one_built_afresh(seed: int, cycles: int) -> None:
+    rng = random.Random(seed)
+    kept = KeptLedger()
+    nodes = _nodes(rng, rng.randint(1, 9))
+    for _ in range(cycles):
+        ledger = kept.for_nodes(nodes)
+        assert _observed(ledger) == _observed(FreeGpus(nodes))
+        # The cycle takes and gives as it decides.
+        for _ in range(rng.randint(0, 6)):
+            name = rng.choice(ledger.nodes())
+            have = ledger.free_on(name)
+            if rng.random() < 0.6 and have:
+                ledger.take((Grant(name, ledger.lowest(name, rng.randint(1, have))),))
+            else:
+                ledger.give((Grant(name, (rng.randrange(4),)),))
+        if rng.random() < 0.9:
+            kept.done()  # else it ended by an error: the next is built anew
+        # The next pass: some nodes' views rebuilt (same or other free GPUs), rarely a
+        # node added or its GPUs changed.
+        listed = list(nodes)
+        for _ in range(rng.randint(0, 3)):
+            at = rng.randrange(len(listed))
+            free = frozenset(g for g in range(4) if rng.random() < 0.5)
+            listed[at] = replace(listed[at], free=free if rng.random() < 0.7 else listed[at].free)
+        if rng.random() < 0.1:
+            listed.append(NodeView(f"n{len(listed):02d}", (0, 1), frozenset({0, 1}), switch="s9"))
+        if rng.random() < 0.1:
+            at = rng.randrange(len(listed))
+            listed[at] = replace(listed[at], gpus=(0, 1, 2), free=frozenset({1}))
+        nodes = tuple(listed)
+    assert kept.built + kept.reused == cycles
+
+
+def _nodes_changed(snapshot: ClusterSnapshot, rng: random.Random) -> ClusterSnapshot:
+    """Some node views rebuilt for the next pass: the same, or with a GPU fewer free."""
+    nodes = list(snapshot.nodes)
+    for _ in range(rng.randint(0, 4)):
+        at = rng.randrange(len(nodes))
+        free = nodes[at].free
+        if free and rng.random() < 0.5:
+            free = free - {min(free)}
+        nodes[at] = replace(nodes[at], free=free)
+    return replace(snapshot, nodes=tuple(nodes))
+
+
+@pytest.mark.parametrize("order", sorted(ORDERINGS))
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_kept_ledger_decides_as_a_fresh_one(order: str, seed: int) -> None:
+    rng = random.Random(seed)
+    snapshot = build_snapshot(Size("s", 12, 40, 80), seed=rng.randrange(1_000))
+    policy = Policy(order=order)
+    kept = KeptLedger()
+    for serial in range(6):
+        for waits in (False, True):
+            fresh = decide(snapshot, NOW, policy, waits=waits)
+            again = decide(snapshot, NOW, policy, waits=waits, ledger=kept)
+            assert again.actions == fresh.actions
+            assert again.wake_at == fresh.wake_at
+        snapshot = _nodes_changed(_next(snapshot, rng, serial), rng)
+    assert kept.reused > 0
