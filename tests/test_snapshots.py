@@ -191,6 +191,41 @@ def test_history_written_in_batches_keeps_every_entry_and_each_jobs_latest_state
     assert batched.last_seq() == batched.last_seq_seen == len(entries)
 
 
+def test_a_history_file_is_written_by_its_thread_in_order_and_read_after_it(
+    tmp_path, caplog
+) -> None:
+    """A history in a file is written off the caller's thread, a transaction per group
+    in the order handed over; every read sees all that was handed over before it; a
+    group that fails is logged and the next ones are written; closing writes the rest."""
+    entries = list(finished_job_records(40))
+    history = History(tmp_path / "history.db")
+    for start in range(0, len(entries), 7):
+        group = entries[start : start + 7]
+        history.record_many((e, seq) for seq, e in enumerate(group, start=start + 1))
+    assert history.last_seq_seen == len(entries)
+    assert history.last_seq() == len(entries)
+    assert [r["state"] for r in history.job_events("40")] == ["PENDING", "RUNNING", "SUCCEEDED"]
+    assert history.last_job("17") is not None and history.last_job("17").state.terminal
+
+    history.db.execute("DROP TABLE attempts")  # the next group's transaction fails
+    history.record_many([(entries[40], 1000)])  # job 1 starts: an attempt row
+    history.flush()
+    history.db.execute(
+        "CREATE TABLE attempts (job_id TEXT, attempt INTEGER, "
+        "nodes TEXT, gpus TEXT, started_at FLOAT, ended_at FLOAT, state TEXT, "
+        "exit_code INTEGER, signal INTEGER, failure_class TEXT, reason TEXT, "
+        "PRIMARY KEY (job_id, attempt))"
+    )
+    history.record_many([(entries[-1], 1001)])
+    history.close()
+    assert "history write failed for seq 1000 to 1000" in caplog.text
+
+    again = History(tmp_path / "history.db")
+    assert again.last_seq() == 1001  # the failed group left nothing; the next was written
+    assert [r["seq"] for r in again.job_events("1")] == [1, 41, 81]
+    again.close()
+
+
 async def test_a_leading_brain_stores_snapshots_in_the_background(brain_factory) -> None:
     brain = await brain_factory(snapshot_every=5)
     for _ in range(6):
