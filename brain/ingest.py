@@ -16,7 +16,7 @@ anything reaches it. It never touches the brain's state or the log.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -260,12 +260,15 @@ class NodeIngest:
         known = self._nodes.get(node)
         return None if known is None else known.instance
 
-    def reporting(self, now: float) -> Iterator[Heartbeat]:
-        """The latest heartbeat of every live node that reports running processes (a
-        silent node's last word is stale: its jobs are requeued, not stopped again)."""
-        for node in self._nodes.values():
+    def reporting(self, now: float, names: Iterable[str] | None = None) -> Iterator[Heartbeat]:
+        """The latest heartbeat of every live node (of those `names`) that reports
+        running processes (a silent node's last word is stale: its jobs are requeued,
+        not stopped again)."""
+        nodes = self._nodes
+        for node in nodes.values() if names is None else map(nodes.get, names):
             if (
-                node.beat is not None
+                node is not None
+                and node.beat is not None
                 and node.beat.running
                 and now - node.last_seen <= self.node_timeout_s
             ):

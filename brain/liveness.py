@@ -24,7 +24,7 @@ from brain.state import BrainState
 from brain.writer import Clock, NodeRecords
 from schemas.api import DrainRequest, ResumeRequest
 from schemas.errors import ApiError
-from schemas.jobs import FailureClass, JobRecord, JobState
+from schemas.jobs import FailureClass, JobRecord
 from schemas.nodes import NodeRecord, NodeState
 from schemas.state import Cause, CauseKind
 from schemas.telemetry import Heartbeat
@@ -303,7 +303,7 @@ class Liveness:
     async def check_launches(self) -> None:
         """Requeue a job whose launch a node never confirmed nor refused."""
         now = self._clock()
-        for job in self._state().jobs_in(JobState.RUNNING):
+        for job in self._state().unconfirmed():
             if job.started_at is None or now - job.started_at < self._settings.launch_ttl_s + 5:
                 continue
             for grant in job.grants:

@@ -33,10 +33,16 @@ RESTOP_AFTER_S: Final = 10.0
 EXITS_KEPT: Final = 4096
 
 
+# Every node that reports processes is checked this often; in between, a tick checks
+# only the nodes where what the brain runs changed, and those found running a stray.
+# A heartbeat that changes what its node runs is checked as it comes.
+SWEEP_EVERY_S: Final = 10.0
+
+
 class Reporting(Protocol):
     """The nodes' latest word (brain.ingest.NodeIngest is one)."""
 
-    def reporting(self, now: float) -> Iterable[Heartbeat]: ...
+    def reporting(self, now: float, names: Iterable[str] | None = None) -> Iterable[Heartbeat]: ...
 
 
 class Reconciler:
@@ -57,6 +63,13 @@ class Reconciler:
         self._monotonic = monotonic
         # (node, job, attempt) -> when its node saw the process exit (the node's clock).
         self._exits: OrderedDict[tuple[str, str, int], float] = OrderedDict()
+        # Each node's latest heartbeat read, and the (job, attempt) pairs it reports.
+        self._reported: dict[str, tuple[Heartbeat, frozenset[tuple[str, int]]]] = {}
+        # The state the last sweep read, when the next is due, and the nodes found
+        # running strays at the last call.
+        self._swept: BrainState | None = None
+        self._next_sweep = 0.0
+        self._suspects: set[str] = set()
 
     def exited(self, event: JobExited) -> None:
         """A node reported a process's exit: its heartbeats sent before then list it."""
@@ -65,19 +78,38 @@ class Reconciler:
             self._exits.popitem(last=False)
 
     async def reconcile_all(self) -> None:
-        """Reconcile every node that reports processes: a heartbeat that changes nothing
-        is not handed to the loop, and what the brain holds may have changed since.
+        """Reconcile the nodes that report processes where what the brain runs changed
+        since the last call (a heartbeat that changes nothing is not handed to the
+        loop), or that ran a stray then; every node, each `SWEEP_EVERY_S` and after
+        state was loaded anew.
 
-        Every tick, over every node: the nodes whose processes are all the brain's (all
-        of them, nearly always) are passed over in one walk, without a call each."""
-        jobs = self._state().jobs
-        strays = [
-            beat
-            for beat in self._nodes.reporting(self._monotonic())
-            for running in beat.running
-            if not _holds(jobs.get(running.job_id), beat.node, running.attempt)
-        ]
-        for beat in dict.fromkeys(strays):  # a node once, however many strays it runs
+        A node whose processes are all the brain's (every node, nearly always) costs a
+        subset check of the (job, attempt) pairs its heartbeat reports against those
+        the brain runs there (`BrainState.attempts_on`); the pairs of a heartbeat are
+        made once, when it is a new one."""
+        state = self._state()
+        now = self._monotonic()
+        changed = state.take_attempts_changed()
+        if state is not self._swept or now >= self._next_sweep:
+            self._swept, self._next_sweep = state, now + SWEEP_EVERY_S
+            beats = self._nodes.reporting(now)
+        elif changed or self._suspects:
+            beats = self._nodes.reporting(now, sorted(changed | self._suspects))
+        else:
+            return
+        reported = self._reported
+        strays = []
+        for beat in beats:
+            kept = reported.get(beat.node)
+            if kept is None or kept[0] is not beat:
+                kept = reported[beat.node] = (
+                    beat,
+                    frozenset((r.job_id, r.attempt) for r in beat.running),
+                )
+            if not kept[1] <= state.attempts_on(beat.node):
+                strays.append(beat)
+        self._suspects = {beat.node for beat in strays}
+        for beat in strays:
             await self.reconcile(beat)
 
     async def reconcile(self, beat: Heartbeat) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -164,6 +165,17 @@ class BrainState:
     _held: dict[str, frozenset[int]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # The (job, attempt) pairs the brain runs on each node (a running job's, on every
+    # node it has a grant on): the reconciler checks a node's reported processes
+    # against it in one look-up. And the running jobs a node has not confirmed the
+    # launch of on some node yet (a grant without a process, not exited): what the
+    # launch check reads, rather than every running job.
+    _attempts_on: dict[str, set[tuple[str, int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _unconfirmed: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    # Nodes whose (job, attempt) pairs changed since the reconciler last asked.
+    _attempts_changed: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
     # Each pending job's view: it does not depend on the clock, so a pass builds again
     # only those whose record or progress changed (`_pending_job_views`).
     _pending_views: dict[str, JobView] = field(
@@ -281,6 +293,8 @@ class BrainState:
                 self._ordered[previous.state].discard(job_id)
             if previous.state is JobState.RUNNING:
                 self._hold(previous, -1)
+                self._place_attempt(previous, add=False)
+                self._unconfirmed.discard(job_id)
                 self._running_tuple = None
                 if moved:  # what a standby marks must leave with the job
                     self._running_views.pop(job_id, None)
@@ -296,6 +310,9 @@ class BrainState:
             self._ordered[job.state].add(job_id)
         if job.state is JobState.RUNNING:
             self._hold(job, +1)
+            self._place_attempt(job, add=True)
+            if any(g.pid is None and not g.exited for g in job.grants):
+                self._unconfirmed.add(job_id)
             self._running_stale.add(job_id)
         if job.state is JobState.PENDING:
             self._pending_stale.add(job_id)
@@ -313,6 +330,19 @@ class BrainState:
             else:
                 self._held.pop(grant.node, None)
                 del self._holders[grant.node]
+
+    def _place_attempt(self, job: JobRecord, *, add: bool) -> None:
+        attempt = (job.job_id, job.attempt)
+        for node in job.nodes:
+            self._attempts_changed.add(node)
+            if add:
+                self._attempts_on.setdefault(node, set()).add(attempt)
+                continue
+            here = self._attempts_on.get(node)
+            if here is not None:
+                here.discard(attempt)
+                if not here:
+                    del self._attempts_on[node]
 
     def _let_go(self, job_id: str) -> None:
         """A finished job leaves memory (the log and the history keep it)."""
@@ -461,6 +491,20 @@ class BrainState:
 
     def running_on(self, node: str) -> list[JobRecord]:
         return [j for j in self.jobs_in(JobState.RUNNING) if node in j.nodes]
+
+    def attempts_on(self, node: str) -> AbstractSet[tuple[str, int]]:
+        """The (job, attempt) pairs running on `node`, as the brain holds them (read only)."""
+        return self._attempts_on.get(node, _NONE_RUNNING)
+
+    def take_attempts_changed(self) -> set[str]:
+        """The nodes whose (job, attempt) pairs changed since the last call."""
+        changed, self._attempts_changed = self._attempts_changed, set()
+        return changed
+
+    def unconfirmed(self) -> list[JobRecord]:
+        """Running jobs with a grant whose process no node has reported yet (nor its
+        exit), in job order."""
+        return [self.jobs[job_id] for job_id in sorted(self._unconfirmed, key=job_sequence)]
 
     def allocated(self) -> Mapping[str, frozenset[int]]:
         """GPUs held by running jobs, per node (kept up to date, not computed: read only)."""
@@ -681,6 +725,7 @@ class BrainState:
 
 
 _NOTHING: Final[frozenset[int]] = frozenset()
+_NONE_RUNNING: Final[frozenset[tuple[str, int]]] = frozenset()
 
 
 def _changed(

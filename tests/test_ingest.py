@@ -389,6 +389,7 @@ _steps = st.lists(
             st.sampled_from((JobState.PENDING, JobState.RUNNING, JobState.SUCCEEDED)),
             st.sampled_from((*_NODES, "gone")),
             st.frozensets(st.integers(0, 3), min_size=1),
+            st.booleans(),
         ),
         st.tuples(
             st.just("profiles"),
@@ -406,7 +407,8 @@ _steps = st.lists(
 def test_kept_snapshot_views_equal_views_built_afresh(steps: list[tuple[object, ...]]) -> None:
     """Whatever the sequence of node and job records and profile mappings, the views a
     snapshot keeps from pass to pass (node views, running jobs' views without the
-    clock) are those built from the records as they stand."""
+    clock), and the indexes kept for the reconciler and the launch check, are those
+    built from the records as they stand."""
     state = BrainState()
     profiles: dict[str, UtilizationProfile] = {}
     kinds = {k: UtilizationProfile(float(k), 0.0, 0.0, None, 0.0, 0.0) for k in range(3)}
@@ -430,6 +432,15 @@ def test_kept_snapshot_views_equal_views_built_afresh(steps: list[tuple[object, 
         )
         assert snapshot.nodes == nodes
         assert snapshot.running == running
+        # The reconciler's and the launch check's indexes.
+        jobs = state.jobs_in(JobState.RUNNING)
+        for name in (*_NODES, "gone"):
+            assert state.attempts_on(name) == {
+                (j.job_id, j.attempt) for j in jobs if name in j.nodes
+            }
+        assert state.unconfirmed() == [
+            j for j in jobs if any(g.pid is None and not g.exited for g in j.grants)
+        ]
 
     for seq, step in enumerate(steps, start=1):
         match step:
@@ -443,9 +454,14 @@ def test_kept_snapshot_views_equal_views_built_afresh(steps: list[tuple[object, 
                     }
                 )
                 state.apply(record, seq)
-            case ("job", job_id, job_state, node, gpu_ids):
+            case ("job", job_id, job_state, node, gpu_ids, confirmed):
                 ids = tuple(sorted(gpu_ids))  # type: ignore[call-overload]
-                state.apply(_job_on(str(job_id), str(node), ids, job_state), seq)  # type: ignore[arg-type]
+                record = _job_on(str(job_id), str(node), ids, job_state)  # type: ignore[arg-type]
+                if confirmed:  # its node reported the process
+                    grants = tuple(g.model_copy(update={"pid": 7}) for g in record.job.grants)
+                    job = record.job.model_copy(update={"grants": grants})
+                    record = record.model_copy(update={"job": job})
+                state.apply(record, seq)
             case ("profiles", chosen):
                 profiles = {k: kinds[v] for k, v in chosen.items()}  # type: ignore[attr-defined]
             case _:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from brain.reconciler import RESTOP_AFTER_S, Reconciler
+from brain.reconciler import RESTOP_AFTER_S, SWEEP_EVERY_S, Reconciler
 from schemas.events import JobExited
+from schemas.jobs import JobState
 from schemas.telemetry import Heartbeat
 from tests.parts import Clock, Shell, heartbeat
 
@@ -18,8 +19,9 @@ from tests.parts import Clock, Shell, heartbeat
 class Nodes:
     beats: list[Heartbeat] = field(default_factory=list)
 
-    def reporting(self, now: float) -> Iterable[Heartbeat]:
-        return self.beats
+    def reporting(self, now: float, names: Iterable[str] | None = None) -> Iterable[Heartbeat]:
+        wanted = None if names is None else set(names)
+        return [b for b in self.beats if wanted is None or b.node in wanted]
 
 
 def reconciler(
@@ -83,6 +85,29 @@ async def test_reconcile_all_covers_every_reporting_node() -> None:
     await made.reconcile_all()
 
     assert [(s.node, s.job_id, s.attempt) for s in shell.stops] == [("n2", "5", 1), ("n3", "6", 2)]
+
+
+async def test_between_sweeps_only_nodes_where_what_the_brain_runs_changed_are_read() -> None:
+    """A heartbeat that changes nothing is not handed to the loop: a job ended while its
+    node still lists it is found through the node's changed (job, attempt) pairs at the
+    next tick; a node where nothing changed waits for the next sweep."""
+    shell, clock = Shell(), Clock(100.0)
+    shell.add_node("n1"), shell.add_node("n2")
+    running = shell.add_job(1, node="n1")
+    made, nodes = reconciler(shell, clock, {})
+    nodes.beats = [heartbeat("n1", ("1", 1)), heartbeat("n2")]
+    await made.reconcile_all()  # the first is a sweep: all is the brain's
+    assert shell.stops == []
+
+    shell.put_job(running.model_copy(update={"state": JobState.SUCCEEDED}))
+    nodes.beats[1] = heartbeat("n2", ("9", 1))  # not news: never handed to the loop
+    clock.now += 0.5
+    await made.reconcile_all()
+    assert [(s.node, s.job_id) for s in shell.stops] == [("n1", "1")]
+
+    clock.now += SWEEP_EVERY_S  # n1 still lists job 1, RESTOP_AFTER_S later: again
+    await made.reconcile_all()
+    assert [(s.node, s.job_id) for s in shell.stops] == [("n1", "1"), ("n1", "1"), ("n2", "9")]
 
 
 @pytest.mark.parametrize(
