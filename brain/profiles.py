@@ -17,6 +17,7 @@ Three parts, kept apart:
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -71,8 +72,9 @@ class ProfileSettings:
     max_refresh_per_call: int = 64
     # ... and no more once a call has spent this long (CPU-bound: a profile over a
     # full window takes about a millisecond, so 64 of them held the loop for tens of
-    # ms at 1,000 running jobs); the stalest go first, the rest at the next call.
-    refresh_budget_s: float = 0.004
+    # ms at 1,000 running jobs); the stalest go first, the rest at the next call. What
+    # a call holds the loop for is what a request arriving meanwhile waits.
+    refresh_budget_s: float = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,6 +402,14 @@ class Profiler:
         # mapping as the last knows no profile changed (brain/state.py).
         self._profiles: dict[str, UtilizationProfile] = {}
         self._handed_out: dict[str, UtilizationProfile] | None = None
+        # The tracks by when their profile was computed, stalest first: (computed_at,
+        # serial, track), pushed when a track starts and at each computation (an entry
+        # whose track ended or was computed since is passed over); and the jobs whose
+        # track came due without new samples, pushed again when samples come. A refresh
+        # reads what is due, not every track.
+        self._due: list[tuple[float, int, _Track]] = []
+        self._serial = itertools.count()
+        self._parked: set[str] = set()
 
     # -- observers (run in the brain's loop; cheap, never raise on bad luck) ------------
 
@@ -415,7 +425,11 @@ class Profiler:
             if track is not None:
                 by_track.setdefault(track.job_id, []).append(sample)
         for job_id, samples in by_track.items():
-            self._tracks[job_id].add(batch.node, batch.ts, samples, self.settings.window_s)
+            track = self._tracks[job_id]
+            track.add(batch.node, batch.ts, samples, self.settings.window_s)
+            if job_id in self._parked:
+                self._parked.discard(job_id)
+                self._queue(track)
 
     def resync(self) -> None:
         """Follow the running jobs afresh at the next look (state was loaded or followed
@@ -500,6 +514,7 @@ class Profiler:
                 lead_node=job.grants[0].node,
             )
             self._tracks[job.job_id] = track
+            self._queue(track)
         track.gpus = job.gpu_count
         held = tuple((grant.node, gpu) for grant in job.grants for gpu in grant.gpus)
         if held != track.held:
@@ -517,6 +532,7 @@ class Profiler:
             self._save([self._compute(track)])
         self._let_go(track)
         del self._tracks[track.job_id]
+        self._parked.discard(track.job_id)
         if self._profiles.pop(track.job_id, None) is not None:
             self._handed_out = None
 
@@ -535,29 +551,50 @@ class Profiler:
         if self._stale_index:
             self._reindex()
         now = self.clock()
-        tracks = (
-            self._tracks.values()
-            if job_ids is None
-            else [t for t in map(self._tracks.get, job_ids) if t is not None]
-        )
-        due = sorted(
-            (
-                t
-                for t in tracks
-                if t.fresh_samples and now - t.computed_at >= self.settings.recompute_s
-            ),
-            key=lambda t: t.computed_at,
-        )[: self.settings.max_refresh_per_call]
+        settings = self.settings
+        if job_ids is None:
+            due = self._take_due(now - settings.recompute_s, settings.max_refresh_per_call)
+        else:
+            tracks = [t for t in map(self._tracks.get, job_ids) if t is not None]
+            due = sorted(
+                (
+                    t
+                    for t in tracks
+                    if t.fresh_samples and now - t.computed_at >= settings.recompute_s
+                ),
+                key=lambda t: t.computed_at,
+            )[: settings.max_refresh_per_call]
         computed: list[JobProfile | None] = []
-        deadline = time.perf_counter() + self.settings.refresh_budget_s
+        deadline = time.perf_counter() + settings.refresh_budget_s
         for track in due:
             computed.append(self._compute(track))
             if time.perf_counter() >= deadline:
                 break
+        for track in due[len(computed) :]:  # still due: first the next time
+            self._queue(track)
         self._save(computed)
+
+    def _queue(self, track: _Track) -> None:
+        heapq.heappush(self._due, (track.computed_at, next(self._serial), track))
+
+    def _take_due(self, computed_by: float, most: int) -> list[_Track]:
+        """Up to `most` tracks computed at or before `computed_by` with new samples,
+        stalest first, off the queue; those without new samples are parked."""
+        due: list[_Track] = []
+        queue, tracks = self._due, self._tracks
+        while queue and len(due) < most and queue[0][0] <= computed_by:
+            at, _, track = heapq.heappop(queue)
+            if tracks.get(track.job_id) is not track or track.computed_at != at:
+                continue  # ended, or computed since (queued again then)
+            if track.fresh_samples:
+                due.append(track)
+            else:
+                self._parked.add(track.job_id)
+        return due
 
     def _compute(self, track: _Track) -> JobProfile | None:
         if track.samples == 0:
+            self._parked.add(track.job_id)  # due again once samples come
             return None
         before = track.profile
         was_underused = before is not None and before.underused
@@ -567,6 +604,7 @@ class Profiler:
         self._handed_out = None
         track.computed_at = self.clock()
         track.fresh_samples = False
+        self._queue(track)
         if profile.underused and not was_underused:
             log.warning(
                 "job %s holds %d GPUs and barely uses %d of them (mean %.1f%% utilisation)",

@@ -161,8 +161,9 @@ DECIDE_IN_THREAD_AFTER_S: Final = 0.05
 EXPLAIN_WAITS_EVERY_S: Final = 5.0
 # Utilisation profiles due are recomputed this often, for at most
 # `ProfileSettings.refresh_budget_s` each time: a little at a time beside everything
-# else, rather than a stall of tens of ms at every tick and pass of a large cluster.
-PROFILES_EVERY_S: Final = 0.1
+# else (4 % of the loop at most), rather than a stall of tens of ms at every tick and
+# pass of a large cluster.
+PROFILES_EVERY_S: Final = 0.05
 # Inbox items handled as one unit, their records stored as one group: enough to carry
 # a burst of submissions in a few round trips, few enough that the first caller in a
 # group is not kept waiting long for the last.

@@ -237,6 +237,29 @@ def test_profiles_are_kept_in_sqlite_after_the_job_ends(tmp_path: Path) -> None:
         reopened.close()
 
 
+def test_a_profile_is_computed_again_once_due_and_only_with_new_samples() -> None:
+    """A refresh reads the tracks due (computed `recompute_s` ago or more), stalest
+    first; one due without new telemetry waits for it, then comes first."""
+    batches = load("training-sim")
+    now = [0.0]
+    settings = ProfileSettings()
+    profiler = Profiler(lambda: [_job((0,))], store=ProfileStore(None), clock=lambda: now[0])
+    for batch in batches[:50]:
+        profiler.observe(batch)
+    first = profiler.current()["7"]
+    profiler.observe(batches[50])
+    now[0] += settings.recompute_s / 2
+    assert profiler.current()["7"] is first  # not due yet
+    now[0] += settings.recompute_s
+    second = profiler.current()["7"]
+    assert second is not first  # due, with a new sample
+    now[0] += 2 * settings.recompute_s
+    assert profiler.current()["7"] is second  # due, but nothing new: parked
+    for batch in batches[51:80]:
+        profiler.observe(batch)
+    assert profiler.current()["7"] is not second  # samples came: computed at once
+
+
 def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
     """The profiler follows each job record as it comes: an elastic job's GPUs move
     within an attempt, a new attempt starts a new track, an ended one is let go; what
