@@ -213,14 +213,19 @@ class _Writer:
         self._thread.start()
 
     def put(self, rows: _Rows) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("the history is closed")
         self._queue.put(rows)
 
     def flush(self) -> None:
-        self._queue.join()
+        if self._thread.is_alive():
+            self._queue.join()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        """Write what was handed over, then stop (a second close does nothing)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
     def _run(self) -> None:
         try:

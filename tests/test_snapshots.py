@@ -218,6 +218,9 @@ def test_a_history_file_is_written_by_its_thread_in_order_and_read_after_it(
     )
     history.record_many([(entries[-1], 1001)])
     history.close()
+    history.close()  # twice: nothing more
+    with pytest.raises(RuntimeError, match="closed"):
+        history.record_many([(entries[-1], 1002)])
     assert "history write failed for seq 1000 to 1000" in caplog.text
 
     again = History(tmp_path / "history.db")
