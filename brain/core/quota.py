@@ -59,19 +59,39 @@ def standings_in_order(
         for job in jobs_by_rank if unordered is None else unordered:
             if job.grants and job.queue in builds:
                 used[job.queue] = used.get(job.queue, 0) + job.gpus
+    # GPUs left of each guarantee. Every job asks for a GPU or more, so once no queue
+    # has one left, no job further down is within its quota: the rest of the walk
+    # (most of it, in a busy cluster) reads only each job's queue and grants.
+    room = {name: quota.guaranteed_gpus - used.get(name, 0) for name, quota in queues.items()}
+    open_queues = sum(1 for left in room.values() if left >= 1)
     result: list[Standing] = []
+    append = result.append
+    walked = 0
     for job in jobs_by_rank:
+        if not open_queues:
+            break
+        walked += 1
         quota = queues.get(job.queue)
         if quota is None:
-            # No guarantee to be within (every job asks for a GPU or more).
-            result.append(Standing.OVER_QUOTA)
+            # No guarantee to be within.
+            append(Standing.OVER_QUOTA)
         elif job.grants and quota.job_class == "build":
-            result.append(Standing.PINNED)
-        elif used.get(job.queue, 0) + job.gpus <= quota.guaranteed_gpus:
-            used[job.queue] = used.get(job.queue, 0) + job.gpus
-            result.append(Standing.IN_QUOTA)
+            append(Standing.PINNED)
+        elif job.gpus <= room[job.queue]:
+            left = room[job.queue] = room[job.queue] - job.gpus
+            if left < 1:
+                open_queues -= 1
+            append(Standing.IN_QUOTA)
         elif quota.job_class == "build":
-            result.append(Standing.HELD)
+            append(Standing.HELD)
         else:
-            result.append(Standing.OVER_QUOTA)
+            append(Standing.OVER_QUOTA)
+    rest = jobs_by_rank[walked:]
+    if not builds:
+        result += [Standing.OVER_QUOTA] * len(rest)
+    else:
+        pinned, held, over = Standing.PINNED, Standing.HELD, Standing.OVER_QUOTA
+        result += [
+            (pinned if job.grants else held) if job.queue in builds else over for job in rest
+        ]
     return result
