@@ -5,7 +5,8 @@
 For a speed-up that must change no decision: builds seeded synthetic snapshots
 (bench/decide_scale.py's generator at small sizes, with and without quotas, some jobs
 retried away from nodes or waiting long), runs every order under both preemption
-plugins, with and without the starvation guard and a locality back-off, in this
+plugins, with and without the starvation guard and a locality back-off, with every
+`Wait` and without (`waits=False`, as the simulator decides), in this
 checkout and in `--before` (a subprocess whose import path starts there), and compares
 a digest of every action (its full repr, causes included) and the wake time. Prints the
 cases that differ; exits 1 if any does.
@@ -56,10 +57,15 @@ def _digests(seeds: int) -> dict[str, str]:
                                 starvation_guard_s=guard,
                                 relax_locality_after_s=600.0 if guard else 0.0,
                             )
-                            decisions = decide(snapshot, NOW, policy)
-                            text = repr((decisions.actions, decisions.wake_at))
-                            case = f"{seed}/{shape.label}/{label}/{order}/{preemption}/{guard}"
-                            digests[case] = hashlib.sha256(text.encode()).hexdigest()
+                            # With every `Wait`, and without (the simulator's cycles).
+                            for waits in (True, False):
+                                decisions = decide(snapshot, NOW, policy, waits=waits)
+                                text = repr((decisions.actions, decisions.wake_at))
+                                case = (
+                                    f"{seed}/{shape.label}/{label}/{order}/{preemption}/"
+                                    f"{guard}/{'waits' if waits else 'no-waits'}"
+                                )
+                                digests[case] = hashlib.sha256(text.encode()).hexdigest()
     return digests
 
 
