@@ -1,19 +1,17 @@
 """A ledger kept from one cycle to the next (brain/core/placement.py, `KeptLedger`)
-changes what a cycle costs, never what it decides."""
+reads as one built afresh; that it decides alike, beside a kept ranking, is in
+tests/test_policy_ranking.py."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.decide_scale import NOW, Size, build_snapshot
-from brain.core import ORDERINGS, ClusterSnapshot, Grant, KeptLedger, NodeView, Policy, decide
+from brain.core import Grant, KeptLedger, NodeView
 from brain.core.placement import FreeGpus
-from tests.test_policy_ranking import _next
 
 
 def _observed(ledger: FreeGpus) -> tuple[object, ...]:
@@ -78,33 +76,3 @@ def test_a_kept_ledger_reads_as_one_built_afresh(seed: int, cycles: int) -> None
             listed[at] = replace(listed[at], gpus=(0, 1, 2), free=frozenset({1}))
         nodes = tuple(listed)
     assert kept.built + kept.reused == cycles
-
-
-def _nodes_changed(snapshot: ClusterSnapshot, rng: random.Random) -> ClusterSnapshot:
-    """Some node views rebuilt for the next pass: the same, or with a GPU fewer free."""
-    nodes = list(snapshot.nodes)
-    for _ in range(rng.randint(0, 4)):
-        at = rng.randrange(len(nodes))
-        free = nodes[at].free
-        if free and rng.random() < 0.5:
-            free = free - {min(free)}
-        nodes[at] = replace(nodes[at], free=free)
-    return replace(snapshot, nodes=tuple(nodes))
-
-
-@pytest.mark.parametrize("order", sorted(ORDERINGS))
-@settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1))
-def test_a_kept_ledger_decides_as_a_fresh_one(order: str, seed: int) -> None:
-    rng = random.Random(seed)
-    snapshot = build_snapshot(Size("s", 12, 40, 80), seed=rng.randrange(1_000))
-    policy = Policy(order=order)
-    kept = KeptLedger()
-    for serial in range(6):
-        for waits in (False, True):
-            fresh = decide(snapshot, NOW, policy, waits=waits)
-            again = decide(snapshot, NOW, policy, waits=waits, ledger=kept)
-            assert again.actions == fresh.actions
-            assert again.wake_at == fresh.wake_at
-        snapshot = _nodes_changed(_next(snapshot, rng, serial), rng)
-    assert kept.reused > 0

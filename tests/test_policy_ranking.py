@@ -1,5 +1,5 @@
-"""A ranking kept from one cycle to the next (brain/core/ranking.py) changes what a
-cycle costs, never what it decides."""
+"""A ranking kept from one cycle to the next (brain/core/ranking.py), and a ledger
+(brain/core/placement.py), change what a cycle costs, never what it decides."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from brain.core import (
     ClusterSnapshot,
     Grant,
     JobView,
+    KeptLedger,
     Policy,
     Ranking,
     decide,
@@ -51,21 +52,36 @@ def _next(snapshot: ClusterSnapshot, rng: random.Random, serial: int) -> Cluster
     return replace(snapshot, pending=tuple(pending), running=tuple(running))
 
 
+def _nodes_changed(snapshot: ClusterSnapshot, rng: random.Random) -> ClusterSnapshot:
+    """Some node views rebuilt for the next pass: the same, or with a GPU fewer free."""
+    nodes = list(snapshot.nodes)
+    for _ in range(rng.randint(0, 4)):
+        at = rng.randrange(len(nodes))
+        free = nodes[at].free
+        if free and rng.random() < 0.5:
+            free = free - {min(free)}
+        nodes[at] = replace(nodes[at], free=free)
+    return replace(snapshot, nodes=tuple(nodes))
+
+
 @pytest.mark.parametrize("order", sorted(ORDERINGS))
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_a_kept_ranking_decides_as_a_fresh_one(order: str, seed: int) -> None:
+def test_a_kept_ranking_and_ledger_decide_as_fresh_ones(order: str, seed: int) -> None:
+    """As the live brain decides: a `Ranking` and a `KeptLedger` (brain/core/placement.py)
+    kept from pass to pass, over snapshots whose jobs and nodes change."""
     rng = random.Random(seed)
     snapshot = build_snapshot(Size("s", 12, 40, 80), seed=rng.randrange(1_000))
     policy = Policy(order=order)
-    ranking = Ranking()
+    ranking, ledger = Ranking(), KeptLedger()
     for serial in range(6):
         for waits in (False, True):
             fresh = decide(snapshot, NOW, policy, waits=waits)
-            kept = decide(snapshot, NOW, policy, waits=waits, ranking=ranking)
+            kept = decide(snapshot, NOW, policy, waits=waits, ranking=ranking, ledger=ledger)
             assert kept.actions == fresh.actions
             assert kept.wake_at == fresh.wake_at
-        snapshot = _next(snapshot, rng, serial)
+        snapshot = _nodes_changed(_next(snapshot, rng, serial), rng)
+    assert ledger.reused > 0
 
 
 def test_orders_that_read_more_than_a_view_are_ranked_afresh() -> None:
