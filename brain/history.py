@@ -6,8 +6,9 @@ log. Nothing here is read to make a decision.
 
 A history in a file is written by a thread of its own, on its own connection: the
 brain's loop turns each group of stored records into rows and hands them over, and
-goes on (a group's transaction took 0.2-0.3 ms, and now and then, when sqlite
-checkpointed its write-ahead log, 15 ms, on the loop that sends Launches). Groups are
+goes on (on the loop that sends Launches, a group's transaction took 0.2-0.3 ms, and
+now and then up to 16 ms: sqlite checkpoints its write-ahead log in the connection that
+commits). Groups are
 written in the order handed over, one transaction each. A read waits until what was
 handed over before it is written, so a query sees every record stored before it.
 """
