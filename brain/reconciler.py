@@ -44,6 +44,10 @@ class Reporting(Protocol):
 
     def reporting(self, now: float, names: Iterable[str] | None = None) -> Iterable[Heartbeat]: ...
 
+    def running(self, node: str) -> frozenset[tuple[str, int]]:
+        """The (job, attempt) pairs the node's latest heartbeat reports."""
+        ...
+
 
 class Reconciler:
     def __init__(
@@ -63,8 +67,6 @@ class Reconciler:
         self._monotonic = monotonic
         # (node, job, attempt) -> when its node saw the process exit (the node's clock).
         self._exits: OrderedDict[tuple[str, str, int], float] = OrderedDict()
-        # Each node's latest heartbeat read, and the (job, attempt) pairs it reports.
-        self._reported: dict[str, tuple[Heartbeat, frozenset[tuple[str, int]]]] = {}
         # The state the last sweep read, when the next is due, and the nodes found
         # running strays at the last call.
         self._swept: BrainState | None = None
@@ -85,8 +87,8 @@ class Reconciler:
 
         A node whose processes are all the brain's (every node, nearly always) costs a
         subset check of the (job, attempt) pairs its heartbeat reports against those
-        the brain runs there (`BrainState.attempts_on`); the pairs of a heartbeat are
-        made once, when it is a new one."""
+        the brain runs there (`BrainState.attempts_on`), those reported as ingest keeps
+        them."""
         state = self._state()
         now = self._monotonic()
         changed = state.take_attempts_changed()
@@ -97,17 +99,8 @@ class Reconciler:
             beats = self._nodes.reporting(now, sorted(changed | self._suspects))
         else:
             return
-        reported = self._reported
-        strays = []
-        for beat in beats:
-            kept = reported.get(beat.node)
-            if kept is None or kept[0] is not beat:
-                kept = reported[beat.node] = (
-                    beat,
-                    frozenset((r.job_id, r.attempt) for r in beat.running),
-                )
-            if not kept[1] <= state.attempts_on(beat.node):
-                strays.append(beat)
+        running = self._nodes.running
+        strays = [beat for beat in beats if not running(beat.node) <= state.attempts_on(beat.node)]
         self._suspects = {beat.node for beat in strays}
         for beat in strays:
             await self.reconcile(beat)

@@ -19,6 +19,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Final
 
 from brain.core.distribution import (
@@ -68,6 +69,8 @@ FINISHED_KEPT: Final = 2_000
 # Idempotency keys of finished jobs no longer in memory, newest: a submission retried
 # with one of these is answered with its job (read from the history), not run again.
 KEYS_KEPT: Final = 50_000
+# An empty mapping no one may change (what running views were first built with).
+_NO_ENTRIES: Final[Mapping[str, object]] = MappingProxyType({})
 
 
 @dataclass
@@ -199,9 +202,9 @@ class BrainState:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _running_stale: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
-    _running_built_with: (
-        tuple[Mapping[str, UtilizationProfile], Mapping[str, ObservedProgress]] | None
-    ) = field(default=None, init=False, repr=False, compare=False)
+    _running_built_with: tuple[Mapping[str, object], Mapping[str, object]] = field(
+        default=(_NO_ENTRIES, _NO_ENTRIES), init=False, repr=False, compare=False
+    )
     _running_tuple: tuple[JobView, ...] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -610,13 +613,12 @@ class BrainState:
         or back. A pass after nothing changed costs a few look-ups; a new profile
         mapping, one walk of it."""
         views, inputs, stale = self._running_views, self._running_inputs, self._running_stale
-        before = self._running_built_with
-        if before is None or before[0] is not profiles or before[1] is not progress:
-            if before is None or before[0] is not profiles:
-                stale.update(_changed(inputs, profiles, 0, () if before is None else before[0]))
-            if before is None or before[1] is not progress:
-                stale.update(_changed(inputs, progress, 1, () if before is None else before[1]))
-            self._running_built_with = (profiles, progress)
+        built_profiles, built_progress = self._running_built_with
+        if profiles is not built_profiles:
+            stale.update(_changed(inputs, profiles, 0, built_profiles))
+        if progress is not built_progress:
+            stale.update(_changed(inputs, progress, 1, built_progress))
+        self._running_built_with = (profiles, progress)
         if stale:
             running = self.by_state[JobState.RUNNING]
             for job_id in stale:
@@ -732,7 +734,7 @@ def _changed(
     built: Mapping[str, tuple[object, ...]],
     now: Mapping[str, object],
     at: int,
-    before: Mapping[str, object] | tuple[()],
+    before: Mapping[str, object],
 ) -> Iterator[str]:
     """The ids whose entry in `now` is not the one their view was built with
     (`built[id][at]`), and those `before` had that `now` lacks."""
@@ -740,8 +742,7 @@ def _changed(
         kept = built.get(key)
         if kept is None or (kept[at] is not value and kept[at] != value):
             yield key
-    if before:
-        yield from before.keys() - now.keys()
+    yield from before.keys() - now.keys()
 
 
 _LIVE: Final = frozenset({JobState.PENDING, JobState.RUNNING})

@@ -23,6 +23,10 @@ class Nodes:
         wanted = None if names is None else set(names)
         return [b for b in self.beats if wanted is None or b.node in wanted]
 
+    def running(self, node: str) -> frozenset[tuple[str, int]]:
+        beat = next(b for b in self.beats if b.node == node)
+        return frozenset((r.job_id, r.attempt) for r in beat.running)
+
 
 def reconciler(
     shell: Shell, clock: Clock, stops_sent: dict[tuple[str, str, int], float]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Final
 
 from brain.core.model import Grant, NodeView
@@ -191,6 +192,20 @@ class FreeGpus:
                 most -= 1
             self._switch_most = most
 
+    def touched(self) -> AbstractSet[str]:
+        """The nodes taken from or given to since it was built or last reset."""
+        return self._touched
+
+    def reset(self, views: Iterable[NodeView]) -> None:
+        """Set these nodes' free GPUs to their views' (the same nodes: the same GPUs and
+        switch as when built), and forget what was touched."""
+        free = self._free
+        for view in views:
+            before = len(free[view.name])
+            free[view.name] = sorted(view.free)
+            self._changed(view.name, before, len(view.free))
+        self._touched.clear()
+
     def _nodes_of(self, switch: str) -> _Buckets:
         """The switch's nodes by free GPUs (built now if a change dropped them)."""
         buckets = self._switch_nodes.get(switch)
@@ -338,15 +353,10 @@ class KeptLedger:
         by_name = {new.name: new for _, new in changed}
         # What the last cycle took and gave is undone: back to these nodes' views.
         position = self._position
-        for name in ledger._touched:
+        for name in ledger.touched():
             if name not in by_name:
                 by_name[name] = nodes[position[name]]
-        free = ledger._free
-        for name, view in by_name.items():
-            count = len(free[name])
-            free[name] = sorted(view.free)
-            ledger._changed(name, count, len(view.free))
-        ledger._touched.clear()
+        ledger.reset(by_name.values())
         return True
 
 
