@@ -316,6 +316,120 @@ def step_shares(cluster: Cluster) -> dict[str, Any]:
     }
 
 
+def share_metrics(cluster: Cluster) -> str:
+    return "\n".join(
+        line for line in cluster.metrics().splitlines() if line.startswith("alnair_gpu_share")
+    )
+
+
+def compute_apps() -> str:
+    return sh("nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv")
+
+
+def wait_probe(cluster: Cluster, job: str, key: str, timeout_s: float) -> dict[str, Any]:
+    """The probe's first report that holds `key` (empty if none came in time)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = [r for r in probe_lines(logs(cluster, job)) if key in r]
+        if found:
+            return found[0]
+        if cluster.job(job)["state"] in TERMINAL:
+            break
+        time.sleep(0.5)
+    return {}
+
+
+def step_share_at_limit(cluster: Cluster) -> dict[str, Any]:
+    # A share takes GPU memory until MPS refuses it: what NVML then reports of it beside
+    # its limit, and whether the agent (which stops a share over its limit) agrees.
+    job = cluster.submit(
+        *("--gpus", "0.5", "--gpu-memory", "4GiB", "--name", "fill", "--"),
+        *(*cluster.probe, "--fill", "--idle-s", "12"),
+    )
+    cluster.wait_state(job, {"RUNNING", *TERMINAL}, 60)
+    filled = wait_probe(cluster, job, "fill", 90)
+    time.sleep(4)  # samples of it full
+    seen = {
+        "compute apps": compute_apps(),
+        "alnair nodes": cluster.cli("nodes"),
+        "share metrics": share_metrics(cluster),
+    }
+    final = cluster.wait_state(job, TERMINAL, 60)
+    return {
+        "job": job,
+        "state": final["state"],
+        "reason": final["reason"],
+        "record": final,
+        "fill": filled.get("fill"),
+        "while full": seen,
+        "log": logs(cluster, job)[-3000:],
+    }
+
+
+def step_colocation(cluster: Cluster) -> dict[str, Any]:
+    # A barely used whole-GPU job that opted in (--shareable) takes a share beside it;
+    # then its memory grows toward the GPU's, and the brain moves the share off first.
+    cue_dir = Path(tempfile.mkdtemp(prefix="alnair-gpu-check-cue-"))
+    cue_dir.chmod(0o755)  # a confined job's user looks for the cue here
+    cue = cue_dir / "grow"
+    total = int(json.loads(cluster.cli("nodes", "--json"))[0]["record"]["gpus"][0]["memory_mib"])
+    host = cluster.submit(
+        *("--gpus", "1", "--shareable", "--name", "host", "--"),
+        *(*cluster.probe, "--hold-gib", "1", "--idle-s", "150"),
+        *("--grow-when", str(cue), "--grow-gib", str(round(0.93 * total / 1024 - 4, 1))),
+    )
+    guest = ""
+    try:
+        cluster.wait_state(host, {"RUNNING", *TERMINAL}, 60)
+        wait_probe(cluster, host, "devices", 60)
+        time.sleep(8)  # samples, then its profile: barely used
+        profiled = json.loads(cluster.cli("job", host))["profile"]
+        guest = cluster.submit(
+            *("--gpus", "0.5", "--gpu-memory", "4GiB", "--name", "guest", "--"),
+            *(*cluster.probe, "--hold-gib", "2", "--idle-s", "120"),
+        )
+        placed = cluster.wait_state(guest, {"RUNNING", *TERMINAL}, 60)
+        wait_probe(cluster, guest, "devices", 60)
+        time.sleep(3)
+        beside = {
+            "host profile then": profiled,
+            "guest": {k: placed[k] for k in ("state", "grants", "reason")},
+            "compute apps": compute_apps(),
+            "alnair nodes": cluster.cli("nodes"),
+            "alnair jobs": cluster.cli("jobs"),
+        }
+        cue.touch()
+        grew = wait_probe(cluster, host, "grew", 30)
+        deadline = time.monotonic() + 45
+        moved = cluster.job(guest)
+        while moved["state"] == "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            moved = cluster.job(guest)
+        after = {
+            "guest": {k: moved[k] for k in ("state", "attempt", "reason")},
+            "host": cluster.job(host)["state"],
+            "memory.used": sh("nvidia-smi", "--query-gpu=memory.used", "--format=csv"),
+            "compute apps": compute_apps(),
+            "events": cluster.cli("events", "--job", guest),
+        }
+        return {
+            "host": host,
+            "guest": guest,
+            "gpu memory mib": total,
+            "host profile": json.loads(cluster.cli("job", host))["profile"],
+            "beside": beside,
+            "host grew": grew.get("grew"),
+            "after": after,
+            "host log": logs(cluster, host)[-2000:],
+            "guest log": logs(cluster, guest)[-2000:],
+        }
+    finally:
+        for job in filter(None, (host, guest)):
+            with contextlib.suppress(RuntimeError):
+                cluster.cli("cancel", job)
+        shutil.rmtree(cue_dir, ignore_errors=True)
+
+
 def step_xid(cluster: Cluster) -> dict[str, Any]:
     before = sh("dmesg")
     job = cluster.submit("--gpus", "1", "--name", "poke", "--", *cluster.probe, "--illegal-address")
@@ -347,6 +461,8 @@ STEPS: Final[tuple[tuple[str, Callable[[Cluster], dict[str, Any]]], ...]] = (
     ("telemetry idle", step_telemetry_idle),
     ("whole GPU job", step_whole_gpu),
     ("two shares", step_shares),
+    ("share at its limit", step_share_at_limit),
+    ("co-location", step_colocation),
     ("xid", step_xid),
 )
 

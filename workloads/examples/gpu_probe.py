@@ -10,10 +10,14 @@ bench/gpu_check.py runs it on a real GPU.
 `--seconds S` keeps the GPUs busy with matrix products for S seconds (so telemetry has
 something to show), holding `--hold-gib G` of GPU memory; `--try-gib X` then tries to
 allocate X GiB more and says whether CUDA refused (a share's memory limit under MPS
-refuses it); `--illegal-address` makes a kernel write to an unmapped address, which the
-driver reports as an XID (31, a GPU memory page fault) and CUDA as an illegal memory
-access: the job fails, the GPU does not. It needs torch (the `train` extra); the illegal
-write needs CuPy.
+refuses it). `--fill` instead takes GPU memory in 64 MiB blocks until CUDA refuses one
+(a share's limit as MPS counts it, beside what NVML then reports). `--idle-s S` then
+holds what it took (or `--hold-gib`) for S seconds without computing, a barely used job
+as a profile sees it; with `--grow-when PATH --grow-gib G` it takes G GiB more once PATH
+exists, a job whose memory grows on cue. `--illegal-address` makes a kernel write to an
+unmapped address, which the driver reports as an XID (31, a GPU memory page fault) and
+CUDA as an illegal memory access: the job fails, the GPU does not. It needs torch (the
+`train` extra); the illegal write needs CuPy.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,6 +42,8 @@ SHOWN_ENV: Final = (
     "ALNAIR_JOB_ID",
 )
 GIB: Final = 1 << 30
+MIB: Final = 1 << 20
+FILL_BLOCK_MIB: Final = 64
 
 
 def confinement() -> dict[str, Any]:
@@ -117,6 +124,42 @@ def try_allocate(torch: Any, gib: float) -> dict[str, Any]:
     return {"gib": gib, "allocated": True}
 
 
+def allocate(torch: Any, size: int) -> Any:
+    block = torch.empty(size, dtype=torch.uint8, device="cuda")
+    block.fill_(1)
+    torch.cuda.synchronize()
+    return block
+
+
+def fill(torch: Any, held: list[Any]) -> dict[str, Any]:
+    """Takes 64 MiB blocks until CUDA refuses one; how much it got, and why it stopped."""
+    error = ""
+    while True:
+        try:
+            held.append(allocate(torch, FILL_BLOCK_MIB * MIB))
+        except RuntimeError as refused:
+            error = str(refused).splitlines()[0][:300]
+            break
+    return {"filled_mib": len(held) * FILL_BLOCK_MIB, "refused": error}
+
+
+def idle(
+    torch: Any, seconds: float, held: list[Any], grow_when: Path | None, grow_gib: float
+) -> Iterator[dict[str, Any]]:
+    """Holds what it has for `seconds` without computing; takes `grow_gib` more once
+    `grow_when` exists. Yields a report of the growth when it happens."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if grow_when is not None and grow_when.exists():
+            grow_when = None
+            try:
+                held.append(allocate(torch, int(grow_gib * GIB)))
+                yield {"gib": grow_gib, "allocated": True, "at": time.time()}
+            except RuntimeError as error:
+                yield {"gib": grow_gib, "allocated": False, "error": str(error)[:300]}
+        time.sleep(0.2)
+
+
 def illegal_address() -> None:
     import cupy
 
@@ -132,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.0)
     p.add_argument("--hold-gib", type=float, default=1.0)
     p.add_argument("--try-gib", type=float, default=None)
+    p.add_argument("--fill", action="store_true")
+    p.add_argument("--idle-s", type=float, default=0.0)
+    p.add_argument("--grow-when", type=Path, default=None)
+    p.add_argument("--grow-gib", type=float, default=0.0)
     p.add_argument("--illegal-address", action="store_true")
     args = p.parse_args(argv)
     report: dict[str, Any] = {
@@ -151,7 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         report["load"] = load(torch, args.seconds, args.hold_gib)
     if args.try_gib is not None:
         report["try"] = try_allocate(torch, args.try_gib)
+    held: list[Any] = []
+    if args.fill:
+        report["fill"] = fill(torch, held)
+    elif args.idle_s > 0:
+        held.append(allocate(torch, int(args.hold_gib * GIB)))
     print(json.dumps(report), flush=True)
+    if args.idle_s > 0:
+        for grown in idle(torch, args.idle_s, held, args.grow_when, args.grow_gib):
+            report["grew"] = grown
+            print(json.dumps(report), flush=True)
     return 0
 
 
