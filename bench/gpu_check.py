@@ -91,6 +91,7 @@ class Cluster:
             ),
         }
         self.log_path = log_path
+        self.secure = secure
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
             [
@@ -142,6 +143,11 @@ class Cluster:
     def submit(self, *argv: str) -> str:
         record = json.loads(self.cli("submit", "--json", *argv))
         return str(record["job_id"])
+
+    def events(self, job_id: str) -> str:
+        # The STATE log is the operator's to read on a secure cluster.
+        operator = ("--nkey", str(self.home / "keys" / "operator-operator.nk"))
+        return self.cli("events", "--job", job_id, *(operator if self.secure else ()))
 
     def job(self, job_id: str) -> dict[str, Any]:
         return dict(json.loads(self.cli("job", job_id, "--json")))
@@ -410,7 +416,7 @@ def step_colocation(cluster: Cluster) -> dict[str, Any]:
             "host": cluster.job(host)["state"],
             "memory.used": sh("nvidia-smi", "--query-gpu=memory.used", "--format=csv"),
             "compute apps": compute_apps(),
-            "events": cluster.cli("events", "--job", guest),
+            "events": cluster.events(guest),
         }
         return {
             "host": host,

@@ -97,6 +97,8 @@ class RunTotals:
     mem_peak_mib: float
     # Per held GPU: (mean utilisation, samples).
     per_gpu: tuple[tuple[float, int], ...]
+    # The memory of its largest GPU (0: not reported), which no forecast passes.
+    mem_total_mib: float = 0.0
 
 
 # -- the analysis (pure) ----------------------------------------------------------------
@@ -291,8 +293,9 @@ def analyse(
         mem_peak_mib=totals.mem_peak_mib,
         period_s=None if period_steps is None else round(period_steps * step, 3),
         forecast_util_pct=_pct(statistics.fmean(next_util)),
-        # Memory is planned for its peak: a GPU that runs out fails the job.
-        forecast_mem_mib=round(max(0.0, max(next_mem)), 1),
+        # Memory is planned for its peak: a GPU that runs out fails the job. A trend
+        # stops at what the GPU has (a step up extrapolates past it).
+        forecast_mem_mib=round(min(max(0.0, max(next_mem)), totals.mem_total_mib or math.inf), 1),
         underused=idle > 0,
         idle_gpus=idle,
     )
@@ -325,6 +328,7 @@ class _Track:
     util_sum: float = 0.0
     util_hist: list[int] = field(default_factory=lambda: [0] * UTIL_BINS)
     mem_peak_mib: float = 0.0
+    mem_total_mib: float = 0.0
     per_gpu: dict[tuple[str, int], _GpuTotals] = field(default_factory=dict)
     first_ts: float | None = None
     last_ts: float | None = None
@@ -342,6 +346,7 @@ class _Track:
             self.util_sum += util
             self.util_hist[min(UTIL_BINS - 1, max(0, round(util)))] += 1
             self.mem_peak_mib = max(self.mem_peak_mib, sample.mem_used_mib)
+            self.mem_total_mib = max(self.mem_total_mib, sample.mem_total_mib)
             gpu = self.per_gpu.setdefault((node, sample.index), _GpuTotals())
             gpu.util_sum += util
             gpu.samples += 1
@@ -369,6 +374,7 @@ class _Track:
             per_gpu=tuple(
                 (g.util_sum / g.samples, g.samples) for g in self.per_gpu.values() if g.samples
             ),
+            mem_total_mib=self.mem_total_mib,
         )
 
 

@@ -126,6 +126,21 @@ def test_analyse_flags_idle_gpus_only_on_enough_samples() -> None:
     assert not analyse(readings[:10], few, settings).underused
 
 
+def test_a_memory_forecast_stops_at_what_the_gpu_has() -> None:
+    # Seen on an H100: a job holding 2.6 GiB took 70 GiB more, and the damped trend
+    # of the next minute read 154,560 of the GPU's 81,559 MiB.
+    readings = [Reading(float(t), 0.0, 2654.0) for t in range(10)]
+    readings += [Reading(float(t), 0.0, 73427.0) for t in range(10, 13)]
+
+    def totals(mem_total_mib: float) -> RunTotals:
+        hist = (13, *[0] * 100)
+        return RunTotals(13, 0.0, hist, 73427.0, ((0.0, 13),), mem_total_mib=mem_total_mib)
+
+    settings = ProfileSettings()
+    assert analyse(readings, totals(0.0), settings).forecast_mem_mib > 81559
+    assert analyse(readings, totals(81559.0), settings).forecast_mem_mib == 81559
+
+
 # -- recorded telemetry through the Profiler ------------------------------------------
 
 

@@ -359,8 +359,17 @@ def no_fit(task: SharedTask, cluster: SharedCluster) -> Unschedulable:
         gpu = f"{shape.gpu_milli / GPU_MILLI:g} of a GPU"
     else:
         gpu = f"{shape.gpus} whole GPU{'s' if shape.gpus > 1 else ''}"
-    types = f" of type {'|'.join(sorted(shape.gpu_types))}" if shape.gpu_types else ""
-    asked = f"{shape.cpu_milli} CPU milli, {shape.memory_mib} MiB and {gpu}{types}"
+    if shape.gpu_types:
+        gpu += f" of type {'|'.join(sorted(shape.gpu_types))}"
+    if shape.gpu_memory_mib:
+        gpu += f" with {shape.gpu_memory_mib} MiB of its memory"
+    # What it asks, naming only what it asks for (a job that asked no CPUs asks none).
+    parts = [
+        *([f"{shape.cpu_milli} CPU milli"] if shape.cpu_milli else []),
+        *([f"{shape.memory_mib} MiB of memory"] if shape.memory_mib else []),
+        gpu,
+    ]
+    asked = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
     reason = f"no node has {asked} free"
     if (
         shape.fractional
