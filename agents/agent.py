@@ -417,16 +417,11 @@ class Agent:
         )
 
     def _gpu_memory_of(self, process: JobProcess) -> float:
-        """GPU memory (MiB) the job's processes (its process group) use on its GPUs."""
+        """GPU memory (MiB) the job's processes (`JobProcess.owns`) use on its GPUs."""
         used = 0.0
         for gpu in process.gpus:
-            for pid, mib in self.backend.process_memory(gpu).items():
-                try:
-                    group = os.getpgid(pid)
-                except (ProcessLookupError, PermissionError):
-                    continue
-                if pid == process.pid or group == process.pid:
-                    used += mib
+            on_gpu = self.backend.process_memory(gpu)
+            used += sum(on_gpu[pid] for pid in process.owns(on_gpu))
         return used
 
     async def watch_shares(self) -> None:

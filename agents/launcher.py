@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -86,6 +86,32 @@ class JobProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def owns(self, pids: Iterable[int]) -> set[int]:
+        """Which of these processes are this attempt's: its process group; when confined,
+        its cgroup (which its user cannot leave); and any process started with its job
+        id and attempt in its environment, as its descendants are, also one that left
+        the group with `setsid`. (MPS limits each client process, not the job: a share
+        with two CUDA processes has twice its memory unless both are counted.)"""
+        cgroup = self.confined.cgroup if self.confined is not None else None
+        in_cgroup: set[int] | None = None
+        mine: set[int] = set()
+        for pid in pids:
+            try:
+                if pid == self.pid or os.getpgid(pid) == self.pid:
+                    mine.add(pid)
+                    continue
+            except (ProcessLookupError, PermissionError):
+                continue
+            if cgroup is not None:
+                if in_cgroup is None:
+                    in_cgroup = cgroup.pids()
+                if pid in in_cgroup:
+                    mine.add(pid)
+                    continue
+            if started_as(pid) == (self.job_id, self.attempt):
+                mine.add(pid)
+        return mine
+
 
 @dataclass(frozen=True, slots=True)
 class ExitStatus:
@@ -98,6 +124,24 @@ class ExitStatus:
 
 
 ExitCallback = Callable[[JobProcess, ExitStatus], Awaitable[None]]
+
+
+def started_as(pid: int) -> tuple[str, int] | None:
+    """The job id and attempt a process was started with (`ALNAIR_JOB_ID`,
+    `ALNAIR_ATTEMPT` in its environment as exec'd), if it was a job's and is ours to read."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    job = attempt = None
+    for entry in environ.split(b"\0"):
+        if entry.startswith(b"ALNAIR_JOB_ID="):
+            job = entry[len(b"ALNAIR_JOB_ID=") :].decode(errors="replace")
+        elif entry.startswith(b"ALNAIR_ATTEMPT="):
+            attempt = entry[len(b"ALNAIR_ATTEMPT=") :]
+    if job is None or attempt is None or not attempt.isdigit():
+        return None
+    return job, int(attempt)
 
 
 def read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:

@@ -121,6 +121,38 @@ async def test_a_share_over_its_gpu_memory_is_stopped_and_classified(
     assert "out of GPU memory: used 30000 MiB, over its limit of 20000 MiB" in failure.reason
 
 
+# The parent declares 12,000 MiB and starts a child in a session of its own (out of the
+# job's process group) that declares 12,000 more; the child goes when the parent does.
+TWO_PROCESSES = (
+    "import os, subprocess, sys, time\n"
+    "declare = os.path.join(os.environ['ALNAIR_SIM_GPU_MEMORY_DIR'], '{}')\n"
+    "child = ('import os, time\\n'\n"
+    "         f'parent = {os.getpid()}\\n'\n"
+    '         f\'open({declare!r}.format(os.getpid()), "w").write("12000")\\n\'\n'
+    "         'while os.path.exists(f\"/proc/{parent}\"): time.sleep(0.05)\\n')\n"
+    "subprocess.Popen([sys.executable, '-c', child], start_new_session=True)\n"
+    "open(declare.format(os.getpid()), 'w').write('12000')\n"
+    "time.sleep(60)\n"
+)
+
+
+async def test_a_share_is_charged_for_a_process_that_left_its_group(
+    brain_factory, agent_factory
+) -> None:
+    # MPS would give each process its own 20,000 MiB: only the agent's sum stops it.
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=1, model="A100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    spec = JobSpec(
+        command=(sys.executable, "-c", TWO_PROCESSES), gpus=1, gpu_milli=250, gpu_memory_mib=20000
+    )
+    job_id = await submit(brain.api, spec)
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.FAILED
+    (failure,) = job.failures
+    assert "out of GPU memory: used 24000 MiB, over its limit of 20000 MiB" in failure.reason
+
+
 PLAY = (
     "import os, sys, time\n"
     "path = os.path.join(os.environ['ALNAIR_SIM_GPU_MEMORY_DIR'], str(os.getpid()))\n"
