@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 TAIL_BYTES: Final = 16 * 1024
 FINISHED_REMEMBERED: Final = 10_000
+# What an unconfined attempt left running when its first process ended gets this long
+# after SIGTERM before SIGKILL (`Launcher._end_leftovers`).
+LEFTOVER_GRACE_S: Final = 5.0
 
 
 class LaunchError(AlnairError):
@@ -81,16 +84,24 @@ class JobProcess:
     gpu_memory_used_mib: float | None = None
     # Stopped for using more GPU memory than its limit: (used MiB, limit MiB).
     gpu_over: tuple[float, int] | None = None
+    # The node it was launched as (`ALNAIR_NODE`): agents of several nodes may share a
+    # machine, and a multi-node job's parts have one job id and attempt.
+    node: str | None = None
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    def leftovers(self) -> set[int]:
+        """Its processes still running once its first process has ended (and been
+        reaped: its pid may be another's by then)."""
+        return self.owns(_live_pids()) - {self.pid}
+
     def owns(self, pids: Iterable[int]) -> set[int]:
         """Which of these processes are this attempt's: its process group; when confined,
         its cgroup (which its user cannot leave); and any process started with its job
-        id and attempt in its environment, as its descendants are, also one that left
-        the group with `setsid`. (MPS limits each client process, not the job: a share
+        id, attempt and node in its environment, as its descendants are, also one that
+        left the group with `setsid`. (MPS limits each client process, not the job: a share
         with two CUDA processes has twice its memory unless both are counted.)"""
         cgroup = self.confined.cgroup if self.confined is not None else None
         in_cgroup: set[int] | None = None
@@ -108,7 +119,7 @@ class JobProcess:
                 if pid in in_cgroup:
                     mine.add(pid)
                     continue
-            if started_as(pid) == (self.job_id, self.attempt):
+            if started_as(pid) == (self.job_id, self.attempt, self.node):
                 mine.add(pid)
         return mine
 
@@ -126,22 +137,23 @@ class ExitStatus:
 ExitCallback = Callable[[JobProcess, ExitStatus], Awaitable[None]]
 
 
-def started_as(pid: int) -> tuple[str, int] | None:
-    """The job id and attempt a process was started with (`ALNAIR_JOB_ID`,
-    `ALNAIR_ATTEMPT` in its environment as exec'd), if it was a job's and is ours to read."""
+def started_as(pid: int) -> tuple[str, int, str | None] | None:
+    """The job id, attempt and node a process was started with (`ALNAIR_JOB_ID`,
+    `ALNAIR_ATTEMPT`, `ALNAIR_NODE` in its environment as exec'd), if it was a job's and
+    is ours to read."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return None
-    job = attempt = None
+    found: dict[bytes, str] = {}
     for entry in environ.split(b"\0"):
-        if entry.startswith(b"ALNAIR_JOB_ID="):
-            job = entry[len(b"ALNAIR_JOB_ID=") :].decode(errors="replace")
-        elif entry.startswith(b"ALNAIR_ATTEMPT="):
-            attempt = entry[len(b"ALNAIR_ATTEMPT=") :]
-    if job is None or attempt is None or not attempt.isdigit():
+        name, _, value = entry.partition(b"=")
+        if name in (b"ALNAIR_JOB_ID", b"ALNAIR_ATTEMPT", b"ALNAIR_NODE"):
+            found[name] = value.decode(errors="replace")
+    job, attempt = found.get(b"ALNAIR_JOB_ID"), found.get(b"ALNAIR_ATTEMPT", "")
+    if job is None or not attempt.isdigit():
         return None
-    return job, int(attempt)
+    return job, int(attempt), found.get(b"ALNAIR_NODE")
 
 
 def read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
@@ -254,6 +266,7 @@ class Launcher:
             gpu_milli=request.gpu_milli,
             gpu_memory_mib=request.gpu_memory_mib,
             shareable=request.shareable,
+            node=request.env.get("ALNAIR_NODE"),
         )
         self._procs[(request.job_id, request.attempt)] = job
         watcher = asyncio.ensure_future(self._watch(job))
@@ -327,7 +340,9 @@ class Launcher:
     async def _watch(self, job: JobProcess) -> None:
         returncode = await job.process.wait()
         oom_limit_mb = None
-        if job.confined is not None:
+        if job.confined is None:
+            await self._end_leftovers(job)
+        else:
             try:
                 oom_limit_mb = await job.confined.finish()
             except Exception:
@@ -349,6 +364,30 @@ class Launcher:
             self._finished[(job.job_id, job.attempt)] = None
             while len(self._finished) > FINISHED_REMEMBERED:
                 self._finished.popitem(last=False)
+
+    async def _end_leftovers(self, job: JobProcess) -> None:
+        """End what an unconfined attempt left running once its first process ended:
+        the rest of its process group, and what it started that left the group
+        (`JobProcess.leftovers`), so that its GPUs are free when its exit is reported.
+        SIGTERM, then SIGKILL for those still there after `LEFTOVER_GRACE_S` (a child
+        may be writing a checkpoint). A confined attempt's cgroup does this
+        (`Confined.finish`)."""
+        left = await asyncio.to_thread(job.leftovers)
+        if not left:
+            return
+        log.warning(
+            "job %s attempt %d: its first process ended and left %d running; ending them",
+            job.job_id,
+            job.attempt,
+            len(left),
+        )
+        _signal_each(left, signal.SIGTERM)
+        left = await _until_gone(job, left, LEFTOVER_GRACE_S)
+        _signal_each(left, signal.SIGKILL)
+        # A killed process still runs until the kernel has torn it down.
+        left = await _until_gone(job, left, LEFTOVER_GRACE_S)
+        if left:
+            log.error("job %s attempt %d: %d outlived SIGKILL", job.job_id, job.attempt, len(left))
 
     async def stop(
         self, job_id: str, attempt: int | None, *, reason: str, grace_s: float
@@ -382,6 +421,36 @@ class Launcher:
             watcher.cancel()
         self._procs.clear()
         return pids
+
+
+async def _until_gone(job: JobProcess, left: set[int], timeout_s: float) -> set[int]:
+    """The attempt's leftovers once none is left, or `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while left and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        left = await asyncio.to_thread(job.leftovers)
+    return left
+
+
+def _live_pids() -> list[int]:
+    """Every process but the zombies (a zombie holds nothing, and its reaper may never
+    come: in a container, pid 1 may not reap)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_bytes()
+            except OSError:
+                continue
+            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
+                pids.append(int(name))
+    return pids
+
+
+def _signal_each(pids: Iterable[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

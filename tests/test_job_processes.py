@@ -11,8 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+from agents import launcher as launcher_module
 from agents.confine import Confined
-from agents.launcher import JobProcess, started_as
+from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchRequest, started_as
 
 SLEEP = (sys.executable, "-c", "import time; time.sleep(30)")
 
@@ -36,6 +37,7 @@ def attempt(process: asyncio.subprocess.Process, cgroup_pids: set[int] | None) -
         started_at=time.time(),
         started_monotonic=time.monotonic(),
         confined=confined,
+        node="n1",
     )
 
 
@@ -44,15 +46,17 @@ async def test_a_job_owns_its_group_its_cgroup_and_what_it_started_nothing_else(
     try:
         lead = await spawn()
         # Left the group (a session of its own), still started as the job's.
-        escaped = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="2")
-        earlier = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="1")
-        other = await spawn(ALNAIR_JOB_ID="8", ALNAIR_ATTEMPT="2")
+        escaped = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="2", ALNAIR_NODE="n1")
+        earlier = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="1", ALNAIR_NODE="n1")
+        other = await spawn(ALNAIR_JOB_ID="8", ALNAIR_ATTEMPT="2", ALNAIR_NODE="n1")
+        # The same attempt's part on another node (agents of two nodes on one machine).
+        elsewhere = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="2", ALNAIR_NODE="n2")
         in_cgroup = await spawn()  # its environment scrubbed, its cgroup still the job's
         stranger = await spawn()
-        procs = [lead, escaped, earlier, other, in_cgroup, stranger]
+        procs = [lead, escaped, earlier, other, elsewhere, in_cgroup, stranger]
         gone = 2**22 + 1  # no such process
         pids = [p.pid for p in procs] + [gone]
-        assert started_as(escaped.pid) == ("7", 2)
+        assert started_as(escaped.pid) == ("7", 2, "n1")
         assert started_as(stranger.pid) is None
         assert attempt(lead, None).owns(pids) == {lead.pid, escaped.pid}
         confined = attempt(lead, {lead.pid, in_cgroup.pid})
@@ -61,3 +65,43 @@ async def test_a_job_owns_its_group_its_cgroup_and_what_it_started_nothing_else(
         for p in procs:
             p.kill()
             await p.wait()
+
+
+# Starts a child in its group that ignores SIGTERM, and one in a session of its own, writes
+# their pids, and exits at once: an unconfined job that leaves processes behind.
+LEAVES_TWO = """
+import os, signal, subprocess, sys, time
+stay = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+group = subprocess.Popen([sys.executable, "-c", stay])
+session = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                           start_new_session=True)
+time.sleep(0.3)  # the first has set its handler
+open(sys.argv[1], "w").write(f"{group.pid} {session.pid}")
+"""
+
+
+async def test_what_an_unconfined_job_leaves_running_ends_before_its_exit_is_reported(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(launcher_module, "LEFTOVER_GRACE_S", 0.5)
+    exits: list[JobProcess] = []
+
+    async def on_exit(job: JobProcess, status: ExitStatus) -> None:
+        exits.append(job)
+
+    launcher = Launcher(tmp_path / "logs", on_exit)
+    pids_file = tmp_path / "pids"
+    request = LaunchRequest(
+        job_id="7",
+        attempt=1,
+        gpus=(0,),
+        command=(sys.executable, "-c", LEAVES_TWO, str(pids_file)),
+        env={"ALNAIR_JOB_ID": "7", "ALNAIR_ATTEMPT": "1", "ALNAIR_NODE": "n1"},
+        cwd=None,
+    )
+    await launcher.launch(request)
+    await launcher.wait_idle()
+    assert len(exits) == 1
+    for pid in map(int, pids_file.read_text().split()):
+        # Gone, or a zombie until init reaps it: nothing holds its GPU any more.
+        assert pid not in launcher_module._live_pids()
