@@ -227,7 +227,7 @@ def test_types_cpus_and_memory_choose_the_node() -> None:
 def test_a_share_that_waits_is_told_only_what_it_asked_for() -> None:
     nodes = (node("n", 1, held=frozenset({0})),)
     (wait,) = decide(ClusterSnapshot(nodes, (share("s", 500, 4096),)), 100.0).waits
-    assert wait.reason.startswith("no node has 0.5 of a GPU with 4096 MiB of its memory free")
+    assert wait.reason.startswith("no node has 0.5 of a GPU with 4096 MiB of GPU memory free")
     assert "CPU" not in wait.reason
     asks = JobView("c", 1, 0.0, demand=Demand(gpu_milli=500, cpu_milli=2_000, memory_mib=1024))
     (wait,) = decide(ClusterSnapshot(nodes, (asks,)), 100.0).waits

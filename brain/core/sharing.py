@@ -362,7 +362,8 @@ def no_fit(task: SharedTask, cluster: SharedCluster) -> Unschedulable:
     if shape.gpu_types:
         gpu += f" of type {'|'.join(sorted(shape.gpu_types))}"
     if shape.gpu_memory_mib:
-        gpu += f" with {shape.gpu_memory_mib} MiB of its memory"
+        each = " each" if shape.gpus > 1 else ""
+        gpu += f" with {shape.gpu_memory_mib} MiB of GPU memory{each}"
     # What it asks, naming only what it asks for (a job that asked no CPUs asks none).
     parts = [
         *([f"{shape.cpu_milli} CPU milli"] if shape.cpu_milli else []),
