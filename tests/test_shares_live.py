@@ -12,7 +12,7 @@ from pathlib import Path
 
 from agents.mps import NOT_ENFORCED
 from schemas.api import ErrorReply, SubmitRequest
-from schemas.jobs import FailureClass, JobSpec, JobState
+from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
 from schemas.state import JobChanged, StateRecord
 from tests.conftest import eventually
 from tests.test_cluster_e2e import submit
@@ -97,12 +97,24 @@ async def test_a_type_no_node_has_is_refused_at_submit(brain_factory, agent_fact
     assert job.state is JobState.SUCCEEDED
 
 
-async def test_a_share_over_its_gpu_memory_is_stopped_and_classified(
-    brain_factory, agent_factory
-) -> None:
+async def failed_share(brain_factory, agent_factory, code: str) -> AttemptFailure:
+    """Runs `code` as a quarter share with a 20,000 MiB limit; the failure it ends in."""
     brain = await brain_factory()
     await agent_factory("n1", gpus=1, model="A100")
     await eventually(lambda: "n1" in brain.state.nodes)
+    spec = JobSpec(
+        command=(sys.executable, "-c", code), gpus=1, gpu_milli=250, gpu_memory_mib=20000
+    )
+    job_id = await submit(brain.api, spec)
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.FAILED
+    (failure,) = job.failures
+    return failure
+
+
+async def test_a_share_over_its_gpu_memory_is_stopped_and_classified(
+    brain_factory, agent_factory
+) -> None:
     # A simulated GPU allocates nothing: the job says what it would use.
     greedy = (
         "import os, time\n"
@@ -110,13 +122,7 @@ async def test_a_share_over_its_gpu_memory_is_stopped_and_classified(
         "open(path, 'w').write('30000')\n"
         "time.sleep(60)\n"
     )
-    spec = JobSpec(
-        command=(sys.executable, "-c", greedy), gpus=1, gpu_milli=250, gpu_memory_mib=20000
-    )
-    job_id = await submit(brain.api, spec)
-    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
-    assert job.state is JobState.FAILED
-    (failure,) = job.failures
+    failure = await failed_share(brain_factory, agent_factory, greedy)
     assert failure.failure_class is FailureClass.USER
     assert "out of GPU memory: used 30000 MiB, over its limit of 20000 MiB" in failure.reason
 
@@ -140,16 +146,7 @@ async def test_a_share_is_charged_for_a_process_that_left_its_group(
     brain_factory, agent_factory
 ) -> None:
     # MPS would give each process its own 20,000 MiB: only the agent's sum stops it.
-    brain = await brain_factory()
-    await agent_factory("n1", gpus=1, model="A100")
-    await eventually(lambda: "n1" in brain.state.nodes)
-    spec = JobSpec(
-        command=(sys.executable, "-c", TWO_PROCESSES), gpus=1, gpu_milli=250, gpu_memory_mib=20000
-    )
-    job_id = await submit(brain.api, spec)
-    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
-    assert job.state is JobState.FAILED
-    (failure,) = job.failures
+    failure = await failed_share(brain_factory, agent_factory, TWO_PROCESSES)
     assert "out of GPU memory: used 24000 MiB, over its limit of 20000 MiB" in failure.reason
 
 
