@@ -372,6 +372,32 @@ def step_share_at_limit(cluster: Cluster) -> dict[str, Any]:
     }
 
 
+def step_two_processes(cluster: Cluster) -> dict[str, Any]:
+    # One 4 GiB share, two CUDA processes of 3 GiB each (the second in a session of its
+    # own): MPS limits each process, so only the agent's sum over the job stops it.
+    job = cluster.submit(
+        *("--gpus", "0.5", "--gpu-memory", "4GiB", "--name", "two", "--"),
+        *(*cluster.probe, "--children", "1", "--hold-gib", "3", "--idle-s", "40"),
+    )
+    cluster.wait_state(job, {"RUNNING", *TERMINAL}, 60)
+    deadline = time.monotonic() + 60
+    apps = compute_apps()
+    while apps.count("python") < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        apps = compute_apps()
+    final = cluster.wait_state(job, TERMINAL, 60)
+    time.sleep(1)
+    return {
+        "job": job,
+        "state": final["state"],
+        "reason": final["reason"],
+        "record": final,
+        "compute apps": apps,
+        "compute apps after": compute_apps(),
+        "log": logs(cluster, job)[-3000:],
+    }
+
+
 def step_colocation(cluster: Cluster) -> dict[str, Any]:
     # A barely used whole-GPU job that opted in (--shareable) takes a share beside it;
     # then its memory grows toward the GPU's, and the brain moves the share off first.
@@ -468,6 +494,7 @@ STEPS: Final[tuple[tuple[str, Callable[[Cluster], dict[str, Any]]], ...]] = (
     ("whole GPU job", step_whole_gpu),
     ("two shares", step_shares),
     ("share at its limit", step_share_at_limit),
+    ("two processes", step_two_processes),
     ("co-location", step_colocation),
     ("xid", step_xid),
 )

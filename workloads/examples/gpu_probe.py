@@ -14,7 +14,8 @@ refuses it). `--fill` instead takes GPU memory in 64 MiB blocks until CUDA refus
 (a share's limit as MPS counts it, beside what NVML then reports). `--idle-s S` then
 holds what it took (or `--hold-gib`) for S seconds without computing, a barely used job
 as a profile sees it; with `--grow-when PATH --grow-gib G` it takes G GiB more once PATH
-exists, a job whose memory grows on cue. `--illegal-address` makes a kernel write to an
+exists, a job whose memory grows on cue; `--children N` starts N copies of itself that hold
+as much, each in a session of its own. `--illegal-address` makes a kernel write to an
 unmapped address, which the driver reports as an XID (31, a GPU memory page fault) and
 CUDA as an illegal memory access: the job fails, the GPU does not. It needs torch (the
 `train` extra); the illegal write needs CuPy.
@@ -26,6 +27,7 @@ import argparse
 import errno
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=0.0)
     p.add_argument("--grow-when", type=Path, default=None)
     p.add_argument("--grow-gib", type=float, default=0.0)
+    p.add_argument("--children", type=int, default=0)
     p.add_argument("--illegal-address", action="store_true")
     args = p.parse_args(argv)
     report: dict[str, Any] = {
@@ -198,6 +201,17 @@ def main(argv: list[str] | None = None) -> int:
         report["load"] = load(torch, args.seconds, args.hold_gib)
     if args.try_gib is not None:
         report["try"] = try_allocate(torch, args.try_gib)
+    if args.children:
+        # Each holds what this one holds, in a session of its own (out of the job's
+        # process group): one job, several CUDA processes.
+        alone = ("--hold-gib", str(args.hold_gib), "--idle-s", str(args.idle_s))
+        report["children"] = [
+            subprocess.Popen(
+                [sys.executable, "-m", "workloads.examples.gpu_probe", *alone],
+                start_new_session=True,
+            ).pid
+            for _ in range(args.children)
+        ]
     held: list[Any] = []
     if args.fill:
         report["fill"] = fill(torch, held)
