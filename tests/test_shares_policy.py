@@ -484,6 +484,26 @@ def test_a_share_is_colocated_with_a_shareable_job_that_leaves_room() -> None:
         assert not decide(ClusterSnapshot(nodes, (pending,), (running,)), 100.0).placements
 
 
+def test_a_share_that_waits_is_told_why_it_is_not_beside_a_shareable_job() -> None:
+    nodes = (node("n", 1, held=frozenset({0})),)
+    # Seen on an H100: the host grew, its guest was moved off, and then waited.
+    grown = ClusterSnapshot(nodes, (share("guest", 500, 4096),), (_host(0.0, 81_559),))
+    (wait,) = decide(grown, 100.0).waits
+    assert wait.reason.endswith(
+        "; no room beside shareable job host: a profile's utilisation over 50 % leaves "
+        "none, and its memory is reckoned at 1.25 x its peak or forecast"
+    )
+    unlimited = ClusterSnapshot(nodes, (share("u", 500),), (_host(0.0, 1_000),))
+    (wait,) = decide(unlimited, 100.0).waits
+    assert wait.reason.endswith(
+        "a share without a GPU memory limit never joins a shareable job's GPU"
+    )
+    # Without a shareable job, nothing is said of one.
+    plain = ClusterSnapshot(nodes, (share("p", 500, 4096),), (_host(0.0, 1_000, shareable=False),))
+    (wait,) = decide(plain, 100.0).waits
+    assert "shareable" not in wait.reason
+
+
 def test_a_colocated_share_moves_off_before_the_gpu_runs_out_of_memory() -> None:
     nodes = (node("n", 1, held=frozenset({0})), node("m", 1))
     older = share("older", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)

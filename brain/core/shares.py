@@ -228,6 +228,10 @@ class SharePlacer:
                 for grant in job.grants:
                     for gpu in grant.gpus:
                         self._hosts[(grant.node, gpu)] = (job.job_id, *room, job.tenant)
+        # Running shareable jobs, to say why a share that waits is not beside them.
+        self._shareable = sorted(
+            j.job_id for j in snapshot.running if j.shareable and not j.shared and j.grants
+        )
         demanding = [j for j in (*snapshot.running, *snapshot.pending) if j.demand is not None]
         mix = TaskMix.of(self._task(j) for j in demanding)
         self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](mix, seed)
@@ -244,6 +248,19 @@ class SharePlacer:
             gpu_memory_mib=demand.gpu_memory_mib,
             gpu_types=types,
             tenant=job.tenant,
+        )
+
+    def _not_beside(self, demand: Demand) -> str:
+        """Why a share that fits nowhere is not beside the running shareable jobs."""
+        if demand.gpu_memory_mib <= 0:
+            return "a share without a GPU memory limit never joins a shareable job's GPU"
+        shown = self._shareable[:3]
+        more = f" and {len(self._shareable) - 3} more" if len(self._shareable) > 3 else ""
+        jobs = f"job{'s' if len(self._shareable) > 1 else ''} {', '.join(shown)}{more}"
+        return (
+            f"no room beside shareable {jobs}: a profile's utilisation over "
+            f"{COLOCATE_MAX_UTIL_PCT:g} % leaves none, and its memory is reckoned at "
+            f"{HOST_MEMORY_MARGIN:g} x its peak or forecast"
         )
 
     def placed(self, job: JobView, grants: tuple[Grant, ...]) -> None:
@@ -357,6 +374,8 @@ class SharePlacer:
             reason = f"{outcome.reason} (asks {asked} on one node)"
             if avoid:
                 reason += f" (avoiding {', '.join(sorted(avoid))}, where it failed)"
+            if demand.fractional and self._shareable:
+                reason += "; " + self._not_beside(demand)
             return NoFit(reason)
         view = views[outcome.node]
         gpus = tuple(sorted(view.gpus[p] for p in outcome.gpus))
