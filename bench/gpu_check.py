@@ -13,7 +13,13 @@ with `--gpus nvml`) under a private ALNAIR_HOME, and then, in order:
 3. two half-GPU shares with a GPU memory limit each, at the same time: the MPS daemon the
    agent starts, each share's MPS environment, what `nvidia-smi` and NVML's per-process
    figures show, and whether CUDA refuses a share an allocation past its limit;
-4. an XID: a job writes to an unmapped address; the driver's XID as NVML's event stream
+4. a share that takes memory until CUDA refuses it: what NVML then reports beside the
+   limit the agent stops a share at;
+5. one share with two CUDA processes (one out of the job's process group): MPS limits
+   each, so the agent's sum over the job is what stops it;
+6. co-location: a barely used `--shareable` job, a share placed beside it, then the host's
+   memory grown on cue toward the GPU's: the share is moved off, with the cause;
+7. an XID: a job writes to an unmapped address; the driver's XID as NVML's event stream
    gave it to the agent (its log, `/metrics` DCGM_FI_DEV_XID_ERRORS), the kernel's log,
    what the brain did with it (an application XID drains nothing), and how the job's
    failure was classified.
