@@ -386,10 +386,12 @@ def step_two_processes(cluster: Cluster) -> dict[str, Any]:
         *(*cluster.probe, "--children", "1", "--hold-gib", "3", "--idle-s", "40"),
     )
     cluster.wait_state(job, {"RUNNING", *TERMINAL}, 60)
+    # Both on the GPU, if the agent has not stopped the job first.
     deadline = time.monotonic() + 60
     apps = compute_apps()
     while apps.count("python") < 2 and time.monotonic() < deadline:
-        time.sleep(0.5)
+        if cluster.job(job)["state"] in TERMINAL:
+            break
         apps = compute_apps()
     final = cluster.wait_state(job, TERMINAL, 60)
     time.sleep(1)
