@@ -87,6 +87,8 @@ class JobProcess:
     # The node it was launched as (`ALNAIR_NODE`): agents of several nodes may share a
     # machine, and a multi-node job's parts have one job id and attempt.
     node: str | None = None
+    # When a stop's grace runs out (monotonic): what it left running has no longer.
+    stop_deadline: float | None = None
 
     @property
     def pid(self) -> int:
@@ -370,7 +372,8 @@ class Launcher:
         the rest of its process group, and what it started that left the group
         (`JobProcess.leftovers`), so that its GPUs are free when its exit is reported.
         SIGTERM, then SIGKILL for those still there after `LEFTOVER_GRACE_S` (a child
-        may be writing a checkpoint). A confined attempt's cgroup does this
+        may be writing a checkpoint), or once the grace of a stop under way runs out (a
+        fenced node's jobs must be gone in time). A confined attempt's cgroup does this
         (`Confined.finish`)."""
         left = await asyncio.to_thread(job.leftovers)
         if not left:
@@ -382,7 +385,10 @@ class Launcher:
             len(left),
         )
         _signal_each(left, signal.SIGTERM)
-        left = await _until_gone(job, left, LEFTOVER_GRACE_S)
+        grace_s = LEFTOVER_GRACE_S
+        if job.stop_deadline is not None:
+            grace_s = min(grace_s, max(0.0, job.stop_deadline - time.monotonic()))
+        left = await _until_gone(job, left, grace_s)
         _signal_each(left, signal.SIGKILL)
         # A killed process still runs until the kernel has torn it down.
         left = await _until_gone(job, left, LEFTOVER_GRACE_S)
@@ -399,6 +405,9 @@ class Launcher:
     async def _stop_one(self, job: JobProcess, reason: str, grace_s: float) -> None:
         if job.stop_reason is None:
             job.stop_reason = reason
+        deadline = time.monotonic() + grace_s
+        if job.stop_deadline is None or deadline < job.stop_deadline:
+            job.stop_deadline = deadline
         _signal_group(job.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(job.exited.wait(), timeout=grace_s)

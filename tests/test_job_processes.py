@@ -14,6 +14,7 @@ from typing import Any, cast
 from agents import launcher as launcher_module
 from agents.confine import Confined
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchRequest, started_as
+from tests.conftest import eventually
 
 SLEEP = (sys.executable, "-c", "import time; time.sleep(30)")
 
@@ -105,3 +106,41 @@ async def test_what_an_unconfined_job_leaves_running_ends_before_its_exit_is_rep
     for pid in map(int, pids_file.read_text().split()):
         # Gone, or a zombie until init reaps it: nothing holds its GPU any more.
         assert pid not in launcher_module._live_pids()
+
+
+# Starts a child in a session of its own that ignores SIGTERM (the stop's SIGKILL to the
+# job's group does not reach it), says so, and waits to be stopped.
+STUBBORN_CHILD = """
+import subprocess, sys, time
+stay = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+child = subprocess.Popen([sys.executable, "-c", stay], start_new_session=True)
+time.sleep(0.3)  # it has set its handler
+open(sys.argv[1], "w").write(str(child.pid))
+time.sleep(120)
+"""
+
+
+async def test_a_stop_s_grace_bounds_what_the_job_left_running(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # A fenced node's jobs must be gone within the fence's grace, leftovers too: the
+    # leftovers' own grace (made far longer here) does not apply to a stop under way.
+    monkeypatch.setattr(launcher_module, "LEFTOVER_GRACE_S", 600.0)
+
+    async def on_exit(job: JobProcess, status: ExitStatus) -> None:
+        pass
+
+    launcher = Launcher(tmp_path / "logs", on_exit)
+    pid_file = tmp_path / "pid"
+    request = LaunchRequest(
+        job_id="8",
+        attempt=1,
+        gpus=(0,),
+        command=(sys.executable, "-c", STUBBORN_CHILD, str(pid_file)),
+        env={"ALNAIR_JOB_ID": "8", "ALNAIR_ATTEMPT": "1", "ALNAIR_NODE": "n1"},
+        cwd=None,
+    )
+    await launcher.launch(request)
+    await eventually(pid_file.exists)
+    await asyncio.wait_for(launcher.stop("8", 1, reason="fenced", grace_s=0.3), timeout=60)
+    assert int(pid_file.read_text()) not in launcher_module._live_pids()
