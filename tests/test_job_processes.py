@@ -81,29 +81,38 @@ open(sys.argv[1], "w").write(f"{group.pid} {session.pid}")
 """
 
 
-async def test_what_an_unconfined_job_leaves_running_ends_before_its_exit_is_reported(
-    tmp_path: Path, monkeypatch: Any
-) -> None:
-    monkeypatch.setattr(launcher_module, "LEFTOVER_GRACE_S", 0.5)
+async def launched(
+    tmp_path: Path, program: str, out: Path, monkeypatch: Any, leftover_grace_s: float
+) -> tuple[Launcher, list[JobProcess]]:
+    """An unconfined launcher, its leftovers given `leftover_grace_s`, that has started
+    `program OUT` as job 7's first attempt on n1; and the attempts it has seen exit."""
+    monkeypatch.setattr(launcher_module, "LEFTOVER_GRACE_S", leftover_grace_s)
     exits: list[JobProcess] = []
 
     async def on_exit(job: JobProcess, status: ExitStatus) -> None:
         exits.append(job)
 
     launcher = Launcher(tmp_path / "logs", on_exit)
-    pids_file = tmp_path / "pids"
     request = LaunchRequest(
         job_id="7",
         attempt=1,
         gpus=(0,),
-        command=(sys.executable, "-c", LEAVES_TWO, str(pids_file)),
+        command=(sys.executable, "-c", program, str(out)),
         env={"ALNAIR_JOB_ID": "7", "ALNAIR_ATTEMPT": "1", "ALNAIR_NODE": "n1"},
         cwd=None,
     )
     await launcher.launch(request)
+    return launcher, exits
+
+
+async def test_what_an_unconfined_job_leaves_running_ends_before_its_exit_is_reported(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    pids = tmp_path / "pids"
+    launcher, exits = await launched(tmp_path, LEAVES_TWO, pids, monkeypatch, 0.5)
     await launcher.wait_idle()
     assert len(exits) == 1
-    for pid in map(int, pids_file.read_text().split()):
+    for pid in map(int, pids.read_text().split()):
         # Gone, or a zombie until init reaps it: nothing holds its GPU any more.
         assert pid not in launcher_module._live_pids()
 
@@ -125,22 +134,8 @@ async def test_a_stop_s_grace_bounds_what_the_job_left_running(
 ) -> None:
     # A fenced node's jobs must be gone within the fence's grace, leftovers too: the
     # leftovers' own grace (made far longer here) does not apply to a stop under way.
-    monkeypatch.setattr(launcher_module, "LEFTOVER_GRACE_S", 600.0)
-
-    async def on_exit(job: JobProcess, status: ExitStatus) -> None:
-        pass
-
-    launcher = Launcher(tmp_path / "logs", on_exit)
     pid_file = tmp_path / "pid"
-    request = LaunchRequest(
-        job_id="8",
-        attempt=1,
-        gpus=(0,),
-        command=(sys.executable, "-c", STUBBORN_CHILD, str(pid_file)),
-        env={"ALNAIR_JOB_ID": "8", "ALNAIR_ATTEMPT": "1", "ALNAIR_NODE": "n1"},
-        cwd=None,
-    )
-    await launcher.launch(request)
+    launcher, _ = await launched(tmp_path, STUBBORN_CHILD, pid_file, monkeypatch, 600.0)
     await eventually(pid_file.exists)
-    await asyncio.wait_for(launcher.stop("8", 1, reason="fenced", grace_s=0.3), timeout=60)
+    await asyncio.wait_for(launcher.stop("7", 1, reason="fenced", grace_s=0.3), timeout=60)
     assert int(pid_file.read_text()) not in launcher_module._live_pids()
