@@ -24,6 +24,7 @@ from typing import Final
 
 from agents.cgroups import CgroupError
 from agents.confine import Confined, ConfineError, Confinement, JobRequest
+from agents.orphans import proc_stat
 from schemas.errors import AlnairError
 from schemas.events import LOG_TAIL_LINES
 
@@ -97,7 +98,8 @@ class JobProcess:
     def leftovers(self) -> set[int]:
         """Its processes still running once its first process has ended (and been
         reaped: its pid may be another's by then)."""
-        return self.owns(_live_pids()) - {self.pid}
+        pids = (int(name) for name in os.listdir("/proc") if name.isdigit())
+        return {pid for pid in self.owns(pids) - {self.pid} if not _ended(pid)}
 
     def owns(self, pids: Iterable[int]) -> set[int]:
         """Which of these processes are this attempt's: its process group; when confined,
@@ -441,19 +443,11 @@ async def _until_gone(job: JobProcess, left: set[int], timeout_s: float) -> set[
     return left
 
 
-def _live_pids() -> list[int]:
-    """Every process but the zombies (a zombie holds nothing, and its reaper may never
-    come: in a container, pid 1 may not reap)."""
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_bytes()
-            except OSError:
-                continue
-            if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] != b"Z":
-                pids.append(int(name))
-    return pids
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie: that holds nothing, and its reaper may never come (in a
+    container, pid 1 may not reap)."""
+    fields = proc_stat(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def _signal_each(pids: Iterable[int], sig: signal.Signals) -> None:

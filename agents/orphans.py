@@ -37,7 +37,7 @@ class Leftover:
     path: Path
 
 
-def _stat(pid: int) -> list[str] | None:
+def proc_stat(pid: int) -> list[str] | None:
     """/proc/PID/stat's fields from the state on (field 3), or None without /proc."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -49,7 +49,7 @@ def _stat(pid: int) -> list[str] | None:
 
 def process_start(pid: int) -> int | None:
     """When process `pid` started (clock ticks since boot), or None if unknown."""
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return int(fields[19]) if fields is not None and len(fields) > 19 else None
 
 
@@ -62,7 +62,7 @@ def _alive(leftover: Leftover) -> bool:
         return False  # another user's process: the pid was recycled
     if leftover.started is None:
         return True
-    fields = _stat(leftover.pid)
+    fields = proc_stat(leftover.pid)
     if fields is None or fields[0] == "Z":
         return False  # gone, or a zombie waiting to be reaped
     return len(fields) > 19 and int(fields[19]) == leftover.started
