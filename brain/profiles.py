@@ -346,13 +346,14 @@ class _Track:
             self.util_sum += util
             self.util_hist[min(UTIL_BINS - 1, max(0, round(util)))] += 1
             self.mem_peak_mib = max(self.mem_peak_mib, sample.mem_used_mib)
-            self.mem_total_mib = max(self.mem_total_mib, sample.mem_total_mib)
             gpu = self.per_gpu.setdefault((node, sample.index), _GpuTotals())
             gpu.util_sum += util
             gpu.samples += 1
         self.first_ts = ts if self.first_ts is None else min(self.first_ts, ts)
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
         self.fresh_samples = True
+        if not self.mem_total_mib:  # an attempt's GPUs keep their memory: read once
+            self.mem_total_mib = max(s.mem_total_mib for s in samples)
         if node != self.lead_node or (self.readings and ts <= self.readings[-1].ts):
             return
         self.readings.append(
