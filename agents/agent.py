@@ -608,7 +608,7 @@ class Agent:
             self._fence_after.pop((command.job_id, command.attempt), None)
             await self._launch_failed(command, error.reason, retryable=error.retryable)
             return
-        self.ledger.record(job.job_id, job.attempt, job.pid)
+        self.ledger.record(job.job_id, job.attempt, job.pid, job.launch_id)
         log.info(
             "%s: started job %s attempt %d pid %d", self.node, job.job_id, job.attempt, job.pid
         )

@@ -11,9 +11,9 @@ period, so a training launcher's workers go with it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from collections import OrderedDict
@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from agents import processes
 from agents.cgroups import CgroupError
 from agents.confine import Confined, ConfineError, Confinement, JobRequest
-from agents.orphans import proc_stat
+from agents.processes import ended, launched_as, signal_group
 from schemas.errors import AlnairError
 from schemas.events import LOG_TAIL_LINES
+from schemas.jobs import LAUNCH_ID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +87,8 @@ class JobProcess:
     gpu_memory_used_mib: float | None = None
     # Stopped for using more GPU memory than its limit: (used MiB, limit MiB).
     gpu_over: tuple[float, int] | None = None
-    # The node it was launched as (`ALNAIR_NODE`): agents of several nodes may share a
-    # machine, and a multi-node job's parts have one job id and attempt.
-    node: str | None = None
+    # Its token (`ALNAIR_LAUNCH_ID`), which its processes inherit (agents/processes.py).
+    launch_id: str | None = None
     # When a stop's grace runs out (monotonic): what it left running has no longer.
     stop_deadline: float | None = None
 
@@ -98,15 +99,14 @@ class JobProcess:
     def leftovers(self) -> set[int]:
         """Its processes still running once its first process has ended (and been
         reaped: its pid may be another's by then)."""
-        pids = (int(name) for name in os.listdir("/proc") if name.isdigit())
-        return {pid for pid in self.owns(pids) - {self.pid} if not _ended(pid)}
+        return {pid for pid in self.owns(processes.all_pids()) - {self.pid} if not ended(pid)}
 
     def owns(self, pids: Iterable[int]) -> set[int]:
         """Which of these processes are this attempt's: its process group; when confined,
-        its cgroup (which its user cannot leave); and any process started with its job
-        id, attempt and node in its environment, as its descendants are, also one that
-        left the group with `setsid`. (MPS limits each client process, not the job: a share
-        with two CUDA processes has twice its memory unless both are counted.)"""
+        its cgroup (which its user cannot leave); and any process started with its launch
+        token in its environment, as its descendants are, also one that left the group with
+        `setsid`. (MPS limits each client process, not the job: a share with two CUDA
+        processes has twice its memory unless both are counted.)"""
         cgroup = self.confined.cgroup if self.confined is not None else None
         in_cgroup: set[int] | None = None
         mine: set[int] = set()
@@ -123,7 +123,7 @@ class JobProcess:
                 if pid in in_cgroup:
                     mine.add(pid)
                     continue
-            if started_as(pid) == (self.job_id, self.attempt, self.node):
+            if self.launch_id is not None and launched_as(pid) == self.launch_id:
                 mine.add(pid)
         return mine
 
@@ -139,25 +139,6 @@ class ExitStatus:
 
 
 ExitCallback = Callable[[JobProcess, ExitStatus], Awaitable[None]]
-
-
-def started_as(pid: int) -> tuple[str, int, str | None] | None:
-    """The job id, attempt and node a process was started with (`ALNAIR_JOB_ID`,
-    `ALNAIR_ATTEMPT`, `ALNAIR_NODE` in its environment as exec'd), if it was a job's and
-    is ours to read."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    found: dict[bytes, str] = {}
-    for entry in environ.split(b"\0"):
-        name, _, value = entry.partition(b"=")
-        if name in (b"ALNAIR_JOB_ID", b"ALNAIR_ATTEMPT", b"ALNAIR_NODE"):
-            found[name] = value.decode(errors="replace")
-    job, attempt = found.get(b"ALNAIR_JOB_ID"), found.get(b"ALNAIR_ATTEMPT", "")
-    if job is None or not attempt.isdigit():
-        return None
-    return job, int(attempt), found.get(b"ALNAIR_NODE")
 
 
 def read_tail(path: Path, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
@@ -228,7 +209,8 @@ class Launcher:
         await self._wait_for_gpus(request, gpu_wait_s)
         log_path = self.log_dir / request.job_id / f"attempt-{request.attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**self._base_env, **request.env}
+        launch_id = secrets.token_hex(16)
+        env = {**self._base_env, **request.env, LAUNCH_ID_ENV: launch_id}
         visible = request.visible_devices or ",".join(map(str, request.gpus))
         env["CUDA_VISIBLE_DEVICES"] = visible
         cwd = request.cwd
@@ -236,7 +218,7 @@ class Launcher:
             raise LaunchError(request.job_id, f"working directory {cwd} does not exist")
         argv, confined = request.command, None
         if self._confinement is not None:
-            confined = self._confine(self._confinement, request, log_path)
+            confined = self._confine(self._confinement, request, log_path, launch_id)
             # The shim enters the working directory as the job's user.
             argv, env, cwd = confined.argv, confined.env, None
             env["CUDA_VISIBLE_DEVICES"] = visible
@@ -270,7 +252,7 @@ class Launcher:
             gpu_milli=request.gpu_milli,
             gpu_memory_mib=request.gpu_memory_mib,
             shareable=request.shareable,
-            node=request.env.get("ALNAIR_NODE"),
+            launch_id=launch_id,
         )
         self._procs[(request.job_id, request.attempt)] = job
         watcher = asyncio.ensure_future(self._watch(job))
@@ -279,7 +261,9 @@ class Launcher:
         return job
 
     @staticmethod
-    def _confine(confinement: Confinement, request: LaunchRequest, log_path: Path) -> Confined:
+    def _confine(
+        confinement: Confinement, request: LaunchRequest, log_path: Path, launch_id: str
+    ) -> Confined:
         try:
             return confinement.prepare(
                 JobRequest(
@@ -288,7 +272,7 @@ class Launcher:
                     tenant=request.tenant,
                     gpus=request.gpus,
                     command=request.command,
-                    env=request.env,
+                    env={**request.env, LAUNCH_ID_ENV: launch_id},
                     cwd=request.cwd,
                     memory_mb=request.memory_mb,
                     cpus=request.cpus,
@@ -386,14 +370,10 @@ class Launcher:
             job.attempt,
             len(left),
         )
-        _signal_each(left, signal.SIGTERM)
         grace_s = LEFTOVER_GRACE_S
         if job.stop_deadline is not None:
             grace_s = min(grace_s, max(0.0, job.stop_deadline - time.monotonic()))
-        left = await _until_gone(job, left, grace_s)
-        _signal_each(left, signal.SIGKILL)
-        # A killed process still runs until the kernel has torn it down.
-        left = await _until_gone(job, left, LEFTOVER_GRACE_S)
+        left = await processes.end(job.leftovers, left, grace_s=grace_s)
         if left:
             log.error("job %s attempt %d: %d outlived SIGKILL", job.job_id, job.attempt, len(left))
 
@@ -410,12 +390,12 @@ class Launcher:
         deadline = time.monotonic() + grace_s
         if job.stop_deadline is None or deadline < job.stop_deadline:
             job.stop_deadline = deadline
-        _signal_group(job.pid, signal.SIGTERM)
+        signal_group(job.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(job.exited.wait(), timeout=grace_s)
         except TimeoutError:
             log.warning("job %s ignored SIGTERM for %.0fs; killing", job.job_id, grace_s)
-            _signal_group(job.pid, signal.SIGKILL)
+            signal_group(job.pid, signal.SIGKILL)
             await job.exited.wait()
 
     async def stop_all(self, *, reason: str, grace_s: float) -> None:
@@ -432,30 +412,3 @@ class Launcher:
             watcher.cancel()
         self._procs.clear()
         return pids
-
-
-async def _until_gone(job: JobProcess, left: set[int], timeout_s: float) -> set[int]:
-    """The attempt's leftovers once none is left, or `timeout_s` has passed."""
-    deadline = time.monotonic() + timeout_s
-    while left and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-        left = await asyncio.to_thread(job.leftovers)
-    return left
-
-
-def _ended(pid: int) -> bool:
-    """Gone, or a zombie: that holds nothing, and its reaper may never come (in a
-    container, pid 1 may not reap)."""
-    fields = proc_stat(pid)
-    return fields is None or fields[0] == "Z"
-
-
-def _signal_each(pids: Iterable[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)

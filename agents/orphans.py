@@ -1,27 +1,30 @@
 """Job processes an agent leaves behind when it dies, and the next agent that stops them.
 
-An agent killed outright (SIGKILL, an OOM kill, a crash) leaves its jobs' process groups
+An agent killed outright (SIGKILL, an OOM kill, a crash) leaves its jobs' processes
 running: they hold GPUs the next agent of the node knows nothing about, for attempts the
 brain will fail and run again elsewhere. So every launch is written down in the agent's
-data directory (one small file per attempt, with the process's start time so that a
-recycled pid is never mistaken for it) and struck out once the attempt's exit has been
-stored in JetStream. A new agent stops whatever is still written down: its processes
-cannot be followed (they are not its children, their exit status is lost), and the
-brain has already been told, by the new agent instance in the heartbeat, that they are
-gone (brain/liveness.py `agent_restarted`).
+data directory (one small file per attempt: its first process, with that process's start
+time so that a recycled pid is never mistaken for it, and its launch token) and struck
+out once the attempt's exit has been stored in JetStream. A new agent stops whatever is
+still written down: the first process's group while that process lives, and every
+process started with the launch's token (agents/processes.py), also those that left the
+group and those whose first process has already ended. They cannot be followed (they are
+not its children, their exit status is lost), and the brain has already been told, by
+the new agent instance in the heartbeat, that they are gone (brain/liveness.py
+`agent_restarted`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from agents import processes
+from agents.processes import ended, proc_stat, process_start
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +38,8 @@ class Leftover:
     # there is no /proc: then the pid alone identifies it.
     started: int | None
     path: Path
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields from the state on (field 3), or None without /proc."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after it.
-    return stat.rpartition(")")[2].split()
-
-
-def process_start(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot), or None if unknown."""
-    fields = proc_stat(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 else None
+    # Its launch token (`ALNAIR_LAUNCH_ID`); None in an entry written before there was one.
+    launch_id: str | None = None
 
 
 def _alive(leftover: Leftover) -> bool:
@@ -78,11 +67,17 @@ class ProcessLedger:
     def _path(self, job_id: str, attempt: int) -> Path:
         return self.directory / f"{job_id}-{attempt}.json"
 
-    def record(self, job_id: str, attempt: int, pid: int) -> None:
+    def record(self, job_id: str, attempt: int, pid: int, launch_id: str | None) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self._path(job_id, attempt)
         tmp = path.with_suffix(".tmp")
-        entry = {"job_id": job_id, "attempt": attempt, "pid": pid, "started": process_start(pid)}
+        entry = {
+            "job_id": job_id,
+            "attempt": attempt,
+            "pid": pid,
+            "started": process_start(pid),
+            "launch_id": launch_id,
+        }
         tmp.write_text(json.dumps(entry))
         tmp.replace(path)
 
@@ -101,6 +96,7 @@ class ProcessLedger:
                         pid=int(data["pid"]),
                         started=None if data.get("started") is None else int(data["started"]),
                         path=path,
+                        launch_id=None if data.get("launch_id") is None else str(data["launch_id"]),
                     )
                 )
             except (OSError, ValueError, KeyError, TypeError) as error:
@@ -109,37 +105,44 @@ class ProcessLedger:
         return found
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
 async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str) -> list[Leftover]:
-    """Stop the process groups an earlier agent left running (SIGTERM, then SIGKILL
-    after `grace_s`) and strike them from the ledger. Take `leftovers` from the ledger
-    before launching anything. Returns those that were still running."""
-    running: list[Leftover] = []
+    """Stop what an earlier agent's attempts left running (SIGTERM, then SIGKILL after
+    `grace_s`) and strike them from the ledger. Take `leftovers` from the ledger before
+    launching anything. Returns those that still had processes running."""
+    launches = {x.launch_id for x in leftovers if x.launch_id is not None}
+
+    def find() -> dict[Leftover, set[int]]:
+        pids = [pid for pid in processes.all_pids() if not ended(pid)]
+        tokens = processes.of_launches(launches, pids)
+        found: dict[Leftover, set[int]] = {}
+        for leftover in leftovers:
+            mine = set(tokens.get(leftover.launch_id or "", ()))
+            if _alive(leftover):
+                # Its group only while its first process lives: a pid, and so a group id,
+                # of a process that is gone may be another's by now.
+                mine |= processes.in_group(leftover.pid, pids)
+            if mine:
+                found[leftover] = mine
+        return found
+
+    running = await asyncio.to_thread(find)
+    for leftover, pids in running.items():
+        log.warning(
+            "%s: job %s attempt %d (pid %d, %d processes) outlived the agent that started "
+            "it; stopping it",
+            node,
+            leftover.job_id,
+            leftover.attempt,
+            leftover.pid,
+            len(pids),
+        )
+
+    def still() -> set[int]:
+        return set().union(*find().values())
+
+    left = await processes.end(still, set().union(*running.values()), grace_s=grace_s)
+    if left:
+        log.error("%s: %d processes of a crashed agent's jobs outlived SIGKILL", node, len(left))
     for leftover in leftovers:
-        if _alive(leftover):
-            running.append(leftover)
-            log.warning(
-                "%s: job %s attempt %d (pid %d) outlived the agent that started it; stopping it",
-                node,
-                leftover.job_id,
-                leftover.attempt,
-                leftover.pid,
-            )
-            _signal_group(leftover.pid, signal.SIGTERM)
-        else:
-            leftover.path.unlink(missing_ok=True)
-    deadline = time.monotonic() + grace_s
-    # Not our children: nothing to wait on but their pids, so poll them.
-    while time.monotonic() < deadline:
-        if not any(_alive(x) for x in running):
-            break
-        await asyncio.sleep(0.1)
-    for leftover in running:
-        if _alive(leftover):
-            _signal_group(leftover.pid, signal.SIGKILL)
         leftover.path.unlink(missing_ok=True)
-    return running
+    return list(running)

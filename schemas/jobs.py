@@ -24,6 +24,9 @@ BAD_INPUT_EXIT_CODE: Final = 66
 BAD_INPUT_MARKER: Final = "ALNAIR_BAD_INPUT"
 # Names the file (one URI per line) holding the cluster's input blacklist for a job.
 BLACKLIST_FILE_ENV: Final = "ALNAIR_BLACKLIST_FILE"
+# A random token per launch, which the launch's processes inherit: how its agent knows
+# them, also those that left its process group (agents/processes.py).
+LAUNCH_ID_ENV: Final = "ALNAIR_LAUNCH_ID"
 # A confined job's limits (agents/cgroups.py) when its spec names none: per GPU it
 # holds on a node, and a flat cap on its processes and threads.
 DEFAULT_MEMORY_MB_PER_GPU: Final = 16 * 1024

@@ -1,9 +1,11 @@
-"""Which GPU processes are a job attempt's (`JobProcess.owns`): what a share's memory is
-summed over. Real processes; the confined job's cgroup is stood in for by its pid list."""
+"""Which processes are a job attempt's (`JobProcess.owns`): what a share's memory is
+summed over, and what is ended with it, also after its agent crashed (agents/orphans.py).
+Real processes; the confined job's cgroup is stood in for by its pid list."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -12,8 +14,12 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 from agents import launcher as launcher_module
+from agents import processes
 from agents.confine import Confined
-from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchRequest, started_as
+from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchRequest
+from agents.orphans import ProcessLedger, stop_leftovers
+from agents.processes import ended, launched_as
+from schemas.jobs import LAUNCH_ID_ENV
 from tests.conftest import eventually
 
 SLEEP = (sys.executable, "-c", "import time; time.sleep(30)")
@@ -38,7 +44,7 @@ def attempt(process: asyncio.subprocess.Process, cgroup_pids: set[int] | None) -
         started_at=time.time(),
         started_monotonic=time.monotonic(),
         confined=confined,
-        node="n1",
+        launch_id="L7",
     )
 
 
@@ -46,19 +52,21 @@ async def test_a_job_owns_its_group_its_cgroup_and_what_it_started_nothing_else(
     procs: list[Any] = []
     try:
         lead = await spawn()
-        # Left the group (a session of its own), still started as the job's.
-        escaped = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="2", ALNAIR_NODE="n1")
-        earlier = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="1", ALNAIR_NODE="n1")
-        other = await spawn(ALNAIR_JOB_ID="8", ALNAIR_ATTEMPT="2", ALNAIR_NODE="n1")
-        # The same attempt's part on another node (agents of two nodes on one machine).
-        elsewhere = await spawn(ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="2", ALNAIR_NODE="n2")
+        # Left the group (a session of its own), still started with the launch's token.
+        escaped = await spawn(**{LAUNCH_ID_ENV: "L7"})
+        # Another launch: an earlier attempt, another job, the same attempt's part on
+        # another node (agents of two nodes on one machine), or another cluster's job 7
+        # attempt 2 on a node of the same name; named as this one in all but the token.
+        other = await spawn(
+            ALNAIR_JOB_ID="7", ALNAIR_ATTEMPT="2", ALNAIR_NODE="n1", **{LAUNCH_ID_ENV: "L8"}
+        )
         in_cgroup = await spawn()  # its environment scrubbed, its cgroup still the job's
         stranger = await spawn()
-        procs = [lead, escaped, earlier, other, elsewhere, in_cgroup, stranger]
+        procs = [lead, escaped, other, in_cgroup, stranger]
         gone = 2**22 + 1  # no such process
         pids = [p.pid for p in procs] + [gone]
-        assert started_as(escaped.pid) == ("7", 2, "n1")
-        assert started_as(stranger.pid) is None
+        assert launched_as(escaped.pid) == "L7"
+        assert launched_as(stranger.pid) is None
         assert attempt(lead, None).owns(pids) == {lead.pid, escaped.pid}
         confined = attempt(lead, {lead.pid, in_cgroup.pid})
         assert confined.owns(pids) == {lead.pid, escaped.pid, in_cgroup.pid}
@@ -114,7 +122,7 @@ async def test_what_an_unconfined_job_leaves_running_ends_before_its_exit_is_rep
     assert len(exits) == 1
     for pid in map(int, pids.read_text().split()):
         # Gone, or a zombie until init reaps it: nothing holds its GPU any more.
-        assert launcher_module._ended(pid)
+        assert ended(pid)
 
 
 # Starts a child in a session of its own that ignores SIGTERM (the stop's SIGKILL to the
@@ -136,16 +144,81 @@ async def test_a_stop_s_grace_bounds_what_the_job_left_running(
     # are waited for no longer than what is left of the stop's 0.3 s, not the 600 s
     # leftovers are given otherwise.
     waits: list[float] = []
-    until_gone = launcher_module._until_gone
+    until_gone = processes.until_gone
 
-    async def recorded(job: JobProcess, left: set[int], timeout_s: float) -> set[int]:
+    async def recorded(find: Any, left: set[int], timeout_s: float) -> set[int]:
         waits.append(timeout_s)
-        return await until_gone(job, left, timeout_s)
+        return await until_gone(find, left, timeout_s)
 
-    monkeypatch.setattr(launcher_module, "_until_gone", recorded)
+    monkeypatch.setattr(processes, "until_gone", recorded)
     pid_file = tmp_path / "pid"
     launcher, _ = await launched(tmp_path, STUBBORN_CHILD, pid_file, monkeypatch, 600.0)
     await eventually(pid_file.exists)
     await launcher.stop("7", 1, reason="fenced", grace_s=0.3)
     assert waits and waits[0] <= 0.3
-    assert launcher_module._ended(int(pid_file.read_text()))
+    assert ended(int(pid_file.read_text()))
+
+
+async def test_a_crashed_agent_s_leftovers_are_found_by_their_launch_token(
+    tmp_path: Path,
+) -> None:
+    """A restarted agent ends what its predecessor's attempts left running: a process
+    that left the group of an attempt whose first process has ended (found by the
+    launch's token alone), and a live first process (its group); nothing of a launch
+    it did not write down, and nothing by a recycled pid."""
+    procs: list[Any] = []
+    try:
+        ended_first = await asyncio.create_subprocess_exec("true")
+        await ended_first.wait()
+        escaped = await spawn(**{LAUNCH_ID_ENV: "L1"})
+        lead = await spawn()  # its token scrubbed: found as its group's leader
+        stranger = await spawn(**{LAUNCH_ID_ENV: "L9"})
+        recycled = await spawn()  # the pid of an entry whose process started earlier
+        procs = [escaped, lead, stranger, recycled]
+        ledger = ProcessLedger(tmp_path / "processes")
+        ledger.record("1", 1, ended_first.pid, "L1")
+        ledger.record("2", 1, lead.pid, "L2")
+        ledger.record("3", 1, recycled.pid, None)  # an entry from before launch tokens
+        entry = ledger.directory / "3-1.json"
+        written = json.loads(entry.read_text())
+        entry.write_text(json.dumps({**written, "started": written["started"] - 1}))
+
+        running = await stop_leftovers(ledger.leftovers(), grace_s=0.5, node="n1")
+
+        assert sorted(x.job_id for x in running) == ["1", "2"]
+        assert ended(escaped.pid) and ended(lead.pid)
+        assert not ended(stranger.pid) and not ended(recycled.pid)
+        assert ledger.leftovers() == []
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+            await p.wait()
+
+
+async def test_each_launch_has_a_token_of_its_own_that_the_job_cannot_set(
+    tmp_path: Path,
+) -> None:
+    async def on_exit(job: JobProcess, status: ExitStatus) -> None:
+        pass
+
+    launcher = Launcher(tmp_path / "logs", on_exit)
+    seen: list[tuple[str | None, str]] = []
+    for number in (1, 2):
+        out = tmp_path / f"token-{number}"
+        show = f"import os; open({str(out)!r}, 'w').write(os.environ[{LAUNCH_ID_ENV!r}])"
+        job = await launcher.launch(
+            LaunchRequest(
+                job_id="7",
+                attempt=number,
+                gpus=(0,),
+                command=(sys.executable, "-c", show),
+                env={LAUNCH_ID_ENV: "chosen by the job"},
+                cwd=None,
+            )
+        )
+        await launcher.wait_idle()
+        seen.append((job.launch_id, out.read_text()))
+    assert all(token == launch_id for launch_id, token in seen)
+    tokens = {token for _, token in seen}
+    assert len(tokens) == 2 and all(len(t) == 32 for t in tokens)

@@ -20,6 +20,7 @@ import shlex
 import sys
 from typing import Final
 
+from schemas.jobs import LAUNCH_ID_ENV
 from schemas.workers import EXEC_SECRET_ENV
 from workloads.devices import GPU_DIR_ENV
 from workloads.progress import PROGRESS_ADDR_ENV
@@ -30,6 +31,8 @@ NODE_LOCAL_VARIABLES: Final = (
     PROGRESS_ADDR_ENV,
     "ALNAIR_NODE",
     "ALNAIR_NODE_RANK",
+    # Names the launch on this node whose processes they are (agents/processes.py).
+    LAUNCH_ID_ENV,
     # Never in a command line: it would travel in every ExecRequest.
     EXEC_SECRET_ENV,
 )
