@@ -10,15 +10,28 @@ between nodes are needed and the worker runs as part of the job on that node's a
 Variables that name this node's resources (its GPU directory, its progress address)
 are not exported to remote workers: their worker host sets its own.
 
+One fix to the elastic driver (`install_removal_fence`). A worker of a host that leaves
+the job (a shrink) ends with an error: its rendezvous says it has been removed, and it
+aborts (exit 134). The driver ignores that exit only while the host has no rank. A
+remote worker's exit reaches horovodrun a poll or two late; if the host has been given
+ranks again by then (a grow back onto the node), the old worker's exit is taken for its
+successor's: recorded as a failure of that slot, reported at the job's end as the
+process that made the job fail, and grounds for blacklisting the host. So each worker
+remembers how many times its host had been removed when it started, and an exit from
+before a removal is dropped, as the driver drops it while the host has no rank.
+
 Written against Horovod 0.28.1 (pinned by infra/build_horovod.sh); the supervisor runs
 every job through it: a grow may add a node at any time.
 """
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
-from typing import Final
+import threading
+from collections import Counter
+from typing import Any, Final
 
 from schemas.jobs import LAUNCH_ID_ENV
 from schemas.workers import EXEC_SECRET_ENV
@@ -51,12 +64,67 @@ def remote_command(
     return f"{runner} --host {shlex.quote(host)} -- {local_command}"
 
 
+def removals(driver: Any) -> Counter[str]:
+    """How many times each host has left the driver's rank assignments."""
+    counts: Counter[str] | None = getattr(driver, "_alnair_removals", None)
+    if counts is None:
+        counts = driver._alnair_removals = Counter()
+    return counts
+
+
+def install_removal_fence() -> None:
+    """Drop the exit of a worker whose host left the job after it started (see the
+    module's docstring). Replaces `ElasticDriver._start_worker_process` with Horovod
+    0.28.1's own, plus that check, and counts removals where the driver reassigns
+    ranks (`_update_host_assignments`)."""
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    if getattr(ElasticDriver, "_alnair_fenced", False):
+        return
+    reassign = ElasticDriver._update_host_assignments
+
+    def update_host_assignments(self: Any, current_hosts: Any) -> Any:
+        before = set(self._host_assignments)
+        pending = reassign(self, current_hosts)
+        removals(self).update(before - set(self._host_assignments))
+        return pending
+
+    def start_worker_process(self: Any, slot_info: Any) -> None:
+        create_worker_fn = self._create_worker_fn
+        shutdown_event = self._shutdown
+        host_event = self._host_manager.get_host_event(slot_info.hostname)
+        counts = removals(self)
+        removed_before = counts[slot_info.hostname]
+
+        def run_worker() -> None:
+            exit_code, timestamp = create_worker_fn(slot_info, [shutdown_event, host_event])
+            if counts[slot_info.hostname] != removed_before:
+                logging.info(
+                    "%s[%d] ended (%s) after its host left the job; ignoring its exit",
+                    slot_info.hostname,
+                    slot_info.local_rank,
+                    exit_code,
+                )
+                return
+            self._handle_worker_exit(slot_info, exit_code, timestamp)
+
+        thread = threading.Thread(target=run_worker)
+        thread.daemon = True
+        thread.start()
+        self._results.expect(thread)
+
+    ElasticDriver._update_host_assignments = update_host_assignments
+    ElasticDriver._start_worker_process = start_worker_process
+    ElasticDriver._alnair_fenced = True
+
+
 def install() -> None:
     from horovod.runner import gloo_run
     from horovod.runner.common.util import env as env_util
 
     gloo_run.get_remote_command = remote_command
     env_util.IGNORE_REGEXES.update(NODE_LOCAL_VARIABLES)
+    install_removal_fence()
 
 
 def main() -> None:
