@@ -17,7 +17,7 @@ import secrets
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -96,10 +96,11 @@ class JobProcess:
     def pid(self) -> int:
         return self.process.pid
 
-    def leftovers(self) -> set[int]:
-        """Its processes still running once its first process has ended (and been
-        reaped: its pid may be another's by then)."""
-        return {pid for pid in self.owns(processes.all_pids()) - {self.pid} if not ended(pid)}
+    def leftovers(self, among: Collection[int] | None = None) -> set[int]:
+        """Its processes still running (of `among`, or of all) once its first process
+        has ended (and been reaped: its pid may be another's by then)."""
+        pids = processes.all_pids() if among is None else among
+        return {pid for pid in self.owns(pids) - {self.pid} if not ended(pid)}
 
     def owns(self, pids: Iterable[int]) -> set[int]:
         """Which of these processes are this attempt's: its process group; when confined,

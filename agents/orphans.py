@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,8 +112,8 @@ async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str
     launching anything. Returns those that still had processes running."""
     launches = {x.launch_id for x in leftovers if x.launch_id is not None}
 
-    def find() -> dict[Leftover, set[int]]:
-        pids = [pid for pid in processes.all_pids() if not ended(pid)]
+    def find(among: Collection[int] | None) -> dict[Leftover, set[int]]:
+        pids = [pid for pid in (processes.all_pids() if among is None else among) if not ended(pid)]
         tokens = processes.of_launches(launches, pids)
         found: dict[Leftover, set[int]] = {}
         for leftover in leftovers:
@@ -125,7 +126,7 @@ async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str
                 found[leftover] = mine
         return found
 
-    running = await asyncio.to_thread(find)
+    running = await asyncio.to_thread(find, None)
     for leftover, pids in running.items():
         log.warning(
             "%s: job %s attempt %d (pid %d, %d processes) outlived the agent that started "
@@ -137,8 +138,8 @@ async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str
             len(pids),
         )
 
-    def still() -> set[int]:
-        return set().union(*find().values())
+    def still(among: Collection[int] | None) -> set[int]:
+        return set().union(*find(among).values())
 
     left = await processes.end(still, set().union(*running.values()), grace_s=grace_s)
     if left:

@@ -12,9 +12,11 @@ processes charged to, or ended with, someone else's job. A process that both lea
 the group and execs with a scrubbed environment is not found: only a cgroup holds it.
 
 Ending processes that are not the caller's children is polling: SIGTERM, wait for them
-to go, SIGKILL to what is left, wait for the kernel to tear those down (`end`). The
-launcher does it for what an attempt left running when its first process ended; the
-process ledger (agents/orphans.py) for what a crashed agent's attempts left.
+to go, SIGKILL to what is left, wait for the kernel to tear those down (`end`). Each poll
+looks again at the processes it is waiting for, not at every process on the node, and
+asks again whose they are: a pid freed and taken by another process is not the
+launch's. The launcher does it for what an attempt left running when its first process
+ended; the process ledger (agents/orphans.py) for what a crashed agent's attempts left.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import signal
 import time
 from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeAlias
 
 from schemas.jobs import LAUNCH_ID_ENV
 
@@ -36,6 +38,10 @@ KILL_WAIT_S: Final = 5.0
 POLL_S: Final = 0.1
 
 _LAUNCH_ID_PREFIX: Final = LAUNCH_ID_ENV.encode() + b"="
+
+# Which of these processes (or, given None, of all) are still running and still those
+# being ended.
+Find: TypeAlias = Callable[[Collection[int] | None], set[int]]
 
 
 def proc_stat(pid: int) -> list[str] | None:
@@ -115,30 +121,28 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
 
 
-async def until_gone(find: Callable[[], set[int]], left: set[int], timeout_s: float) -> set[int]:
-    """What `find` still finds once it finds nothing, or `timeout_s` has passed (`left`
-    is what it found last)."""
+async def until_gone(find: Find, left: set[int], timeout_s: float) -> set[int]:
+    """What `find` still finds of `left` once that is nothing, or `timeout_s` has
+    passed."""
     deadline = time.monotonic() + timeout_s
     while left and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
-        left = await asyncio.to_thread(find)
+        left = await asyncio.to_thread(find, left)
     return left
 
 
 async def end(
-    find: Callable[[], set[int]],
-    left: set[int],
-    *,
-    grace_s: float,
-    kill_wait_s: float = KILL_WAIT_S,
+    find: Find, left: set[int], *, grace_s: float, kill_wait_s: float = KILL_WAIT_S
 ) -> set[int]:
-    """End the processes `find` finds (`left`, found already): SIGTERM, then SIGKILL to
-    those still found after `grace_s`, then wait up to `kill_wait_s` for them to go.
-    `find` is asked again on every poll, in a thread (it reads /proc), and must skip
-    what has `ended`. Returns what outlived SIGKILL."""
+    """End the processes `find` finds (`left`, found already): SIGTERM, then, after up
+    to `grace_s`, SIGKILL to what `find` finds then among all processes (what the first
+    ones started meanwhile too), then wait up to `kill_wait_s` for those to go. `find`
+    runs in a thread (it reads /proc) and must skip what has `ended`. Returns what
+    outlived SIGKILL."""
     if not left:
         return left
     signal_each(left, signal.SIGTERM)
-    left = await until_gone(find, left, grace_s)
+    await until_gone(find, left, grace_s)
+    left = await asyncio.to_thread(find, None)
     signal_each(left, signal.SIGKILL)
     return await until_gone(find, left, kill_wait_s)
