@@ -524,6 +524,12 @@ async def test_an_elastic_job_grows_onto_another_node_and_leaves_it_through_the_
     # The other node's part is the job's worker host, launched by its agent at the grow.
     host = agents[second].launcher.find(job_id)[0]
     assert command_line(host.pid)[-1] == "workloads.worker_host"
+    # Each node's workers belong to its own launch there: the other node's carry their
+    # worker host's launch token (hvdrun does not pass the supervisor's on), so its agent
+    # charges and ends them, and the supervisor's agent does not.
+    workers = {w.pid for w in (await eventually(lambda: stepping_at(4), timeout_s=30)).workers}
+    theirs = host.owns(workers)
+    assert len(theirs) == 2 and supervisor.owns(workers) == workers - theirs
     assert agents[second].launcher.find(job_id)[0].gpus == held_on(brain, job_id, second)
     assert agents[first].launcher.find(job_id) == [supervisor]
 
