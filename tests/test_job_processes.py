@@ -26,8 +26,10 @@ SLEEP = (sys.executable, "-c", "import time; time.sleep(30)")
 
 
 async def spawn(**env: str) -> asyncio.subprocess.Process:
+    # Not the token of a launch these tests may themselves run in.
+    inherited = {k: v for k, v in os.environ.items() if k != LAUNCH_ID_ENV}
     return await asyncio.create_subprocess_exec(
-        *SLEEP, env={**os.environ, **env}, start_new_session=True
+        *SLEEP, env={**inherited, **env}, start_new_session=True
     )
 
 
