@@ -77,7 +77,23 @@ def test_an_exit_from_before_the_host_left_is_not_its_successor_s() -> None:
     workers.end("n1", 1, 0, 0)
     d._results.get_results()  # every worker's thread has run its exit
     assert sorted(handled) == [("n1", 0, 0), ("n1", 1, 0), ("n2", 0, 0)]
-    assert hvdrun.removals(d) == {"n2": 1}
+    assert hvdrun.removals(d) == {("n2", 0): 1, ("n2", 1): 1}
+
+
+def test_an_exit_from_before_its_slot_left_is_not_its_successor_s() -> None:
+    """A shrink by one worker on a node that stays, and a grow back onto it."""
+    workers = Workers()
+    d, handled = driver(workers)
+    assign(d, n1=2, n2=2)
+    assign(d, n1=2, n2=1)  # n2[1] retires
+    assign(d, n1=2, n2=2)  # a new n2[1] starts before the old one's exit is heard
+    assert workers.started.count(("n2", 1)) == 2 and d.has_rank_assignment("n2", 1)
+
+    workers.end("n2", 1, 0, 134)
+    for host, slot, generation in (("n1", 0, 0), ("n1", 1, 0), ("n2", 0, 0), ("n2", 1, 1)):
+        workers.end(host, slot, generation, 0)
+    d._results.get_results()
+    assert sorted(handled) == [("n1", 0, 0), ("n1", 1, 0), ("n2", 0, 0), ("n2", 1, 0)]
 
 
 def test_the_fence_is_installed_once() -> None:

@@ -10,15 +10,15 @@ between nodes are needed and the worker runs as part of the job on that node's a
 Variables that name this node's resources (its GPU directory, its progress address)
 are not exported to remote workers: their worker host sets its own.
 
-One fix to the elastic driver (`install_removal_fence`). A worker of a host that leaves
-the job (a shrink) ends with an error: its rendezvous says it has been removed, and it
-aborts (exit 134). The driver ignores that exit only while the host has no rank. A
-remote worker's exit reaches horovodrun a poll or two late; if the host has been given
-ranks again by then (a grow back onto the node), the old worker's exit is taken for its
-successor's: recorded as a failure of that slot, reported at the job's end as the
-process that made the job fail, and grounds for blacklisting the host. So each worker
-remembers how many times its host had been removed when it started, and an exit from
-before a removal is dropped, as the driver drops it while the host has no rank.
+One fix to the elastic driver (`install_removal_fence`). A worker whose slot (host and
+local rank) leaves the job (a shrink) ends with an error: its rendezvous says it has been
+removed, and it aborts (exit 134). The driver ignores that exit only while the slot has
+no rank. A remote worker's exit reaches horovodrun a poll or two late; if the slot has
+been given a rank again by then (a grow back onto the node), the old worker's exit is
+taken for its successor's: recorded as a failure of that slot, reported at the job's end
+as the process that made the job fail, and grounds for blacklisting the host. So each
+worker remembers how many times its slot had been removed when it started, and an exit
+from before a removal is dropped, as the driver drops it while the slot has no rank.
 
 Written against Horovod 0.28.1 (pinned by infra/build_horovod.sh); the supervisor runs
 every job through it: a grow may add a node at any time.
@@ -64,16 +64,17 @@ def remote_command(
     return f"{runner} --host {shlex.quote(host)} -- {local_command}"
 
 
-def removals(driver: Any) -> Counter[str]:
-    """How many times each host has left the driver's rank assignments."""
-    counts: Counter[str] | None = getattr(driver, "_alnair_removals", None)
+def removals(driver: Any) -> Counter[tuple[str, int]]:
+    """How many times each slot (host, local rank) has left the driver's rank
+    assignments."""
+    counts: Counter[tuple[str, int]] | None = getattr(driver, "_alnair_removals", None)
     if counts is None:
         counts = driver._alnair_removals = Counter()
     return counts
 
 
 def install_removal_fence() -> None:
-    """Drop the exit of a worker whose host left the job after it started (see the
+    """Drop the exit of a worker whose slot left the job after it started (see the
     module's docstring). Replaces `ElasticDriver._start_worker_process` with Horovod
     0.28.1's own, plus that check, and counts removals where the driver reassigns
     ranks (`_update_host_assignments`)."""
@@ -83,10 +84,13 @@ def install_removal_fence() -> None:
         return
     reassign = ElasticDriver._update_host_assignments
 
+    def slots(assignments: Any) -> set[tuple[str, int]]:
+        return {(host, slot.local_rank) for host, ranks in assignments.items() for slot in ranks}
+
     def update_host_assignments(self: Any, current_hosts: Any) -> Any:
-        before = set(self._host_assignments)
+        before = slots(self._host_assignments)
         pending = reassign(self, current_hosts)
-        removals(self).update(before - set(self._host_assignments))
+        removals(self).update(before - slots(self._host_assignments))
         return pending
 
     def start_worker_process(self: Any, slot_info: Any) -> None:
@@ -94,13 +98,14 @@ def install_removal_fence() -> None:
         shutdown_event = self._shutdown
         host_event = self._host_manager.get_host_event(slot_info.hostname)
         counts = removals(self)
-        removed_before = counts[slot_info.hostname]
+        slot = (slot_info.hostname, slot_info.local_rank)
+        removed_before = counts[slot]
 
         def run_worker() -> None:
             exit_code, timestamp = create_worker_fn(slot_info, [shutdown_event, host_event])
-            if counts[slot_info.hostname] != removed_before:
+            if counts[slot] != removed_before:
                 logging.info(
-                    "%s[%d] ended (%s) after its host left the job; ignoring its exit",
+                    "%s[%d] ended (%s) after its slot left the job; ignoring its exit",
                     slot_info.hostname,
                     slot_info.local_rank,
                     exit_code,
