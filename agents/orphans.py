@@ -129,13 +129,14 @@ async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str
     running = await asyncio.to_thread(find, None)
     for leftover, pids in running.items():
         log.warning(
-            "%s: job %s attempt %d (pid %d, %d processes) outlived the agent that started "
-            "it; stopping it",
+            "%s: job %s attempt %d outlived the agent that started it (%d %s; its first "
+            "was pid %d); stopping it",
             node,
             leftover.job_id,
             leftover.attempt,
-            leftover.pid,
             len(pids),
+            "process" if len(pids) == 1 else "processes",
+            leftover.pid,
         )
 
     def still(among: Collection[int] | None) -> set[int]:
