@@ -242,7 +242,13 @@ class Agent:
             self._sender = None
 
     async def _stop_leftovers(self, leftovers: list[Leftover]) -> None:
-        await stop_leftovers(leftovers, grace_s=self.config.stop_grace_s, node=self.node)
+        confinement = self.config.confinement
+        await stop_leftovers(
+            leftovers,
+            grace_s=self.config.stop_grace_s,
+            node=self.node,
+            cgroups=confinement.cgroups if confinement is not None else None,
+        )
 
     async def crash(self) -> list[int]:
         """Stop talking at once and forget the jobs, leaving them running (tests, chaos)."""

@@ -67,6 +67,10 @@ class Limits:
     devices: tuple[str, ...] | None
 
 
+# The limits of a cgroup found left behind (`Cgroups.leftover`): not read back.
+UNKNOWN_LIMITS: Final = Limits(memory_bytes=0, cpus=0.0, pids=0, devices=None)
+
+
 def gpu_device_rules(device_dir: Path, gpus: Sequence[int]) -> tuple[str, ...]:
     """Allow rules for the granted GPUs' device files (`nvidia<N>`) and the control
     devices, from the device numbers of the files in `device_dir` (normally /dev). A
@@ -191,6 +195,22 @@ class Cgroups:
             for directory in (level, level.parent):
                 with contextlib.suppress(OSError):
                     directory.rmdir()
+
+    def leftover(self, name: str) -> JobCgroup | None:
+        """The cgroup `name` as an earlier agent left it (it died before the attempt
+        ended), if any of its directories is still there."""
+        if self.version == "v1":
+            memory = self._v1_dir("memory") / name
+            controllers = ("memory", "cpu", "pids", "devices")
+            directories = tuple(
+                d for d in (self._v1_dir(c) / name for c in controllers) if d.is_dir()
+            )
+        else:
+            memory = self.root / self.parent / self.node / name
+            directories = (memory,) if memory.is_dir() else ()
+        if not directories:
+            return None
+        return JobCgroup(self.version, directories, memory, UNKNOWN_LIMITS)
 
     def create(self, name: str, limits: Limits) -> JobCgroup:
         """A fresh cgroup with these limits (an old one of the same name is replaced)."""

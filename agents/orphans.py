@@ -6,9 +6,10 @@ brain will fail and run again elsewhere. So every launch is written down in the 
 data directory (one small file per attempt: its first process, with that process's start
 time so that a recycled pid is never mistaken for it, and its launch token) and struck
 out once the attempt's exit has been stored in JetStream. A new agent stops whatever is
-still written down: the first process's group while that process lives, and every
-process started with the launch's token (agents/processes.py), also those that left the
-group and those whose first process has already ended. They cannot be followed (they are
+still written down: the first process's group while that process lives, every process
+started with the launch's token (agents/processes.py), also those that left the group
+and those whose first process has already ended, and, for a confined attempt, whatever
+is in its cgroup, whose directories go too. They cannot be followed (they are
 not its children, their exit status is lost), and the brain has already been told, by
 the new agent instance in the heartbeat, that they are gone (brain/liveness.py
 `agent_restarted`).
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agents import processes
+from agents.cgroups import Cgroups, JobCgroup
 from agents.processes import ended, proc_stat, process_start
 
 log = logging.getLogger(__name__)
@@ -106,11 +108,20 @@ class ProcessLedger:
         return found
 
 
-async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str) -> list[Leftover]:
+async def stop_leftovers(
+    leftovers: list[Leftover], *, grace_s: float, node: str, cgroups: Cgroups | None = None
+) -> list[Leftover]:
     """Stop what an earlier agent's attempts left running (SIGTERM, then SIGKILL after
-    `grace_s`) and strike them from the ledger. Take `leftovers` from the ledger before
-    launching anything. Returns those that still had processes running."""
+    `grace_s`), remove the cgroups of those that were confined (`cgroups`: where this
+    node's agent makes them), and strike them from the ledger. Take `leftovers` from the
+    ledger before launching anything. Returns those that still had processes running."""
     launches = {x.launch_id for x in leftovers if x.launch_id is not None}
+    # An attempt's cgroup is named for it alone: a retry is another attempt.
+    confined: dict[Leftover, JobCgroup] = {}
+    for x in leftovers:
+        cgroup = cgroups.leftover(f"{x.job_id}-{x.attempt}") if cgroups is not None else None
+        if cgroup is not None:
+            confined[x] = cgroup
 
     def find(among: Collection[int] | None) -> dict[Leftover, set[int]]:
         pids = [pid for pid in (processes.all_pids() if among is None else among) if not ended(pid)]
@@ -122,6 +133,10 @@ async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str
                 # Its group only while its first process lives: a pid, and so a group id,
                 # of a process that is gone may be another's by now.
                 mine |= processes.in_group(leftover.pid, pids)
+            cgroup = confined.get(leftover)
+            if cgroup is not None:
+                # Its user cannot leave it, whatever it does to its group or environment.
+                mine |= cgroup.pids() & set(pids)
             if mine:
                 found[leftover] = mine
         return found
@@ -145,6 +160,8 @@ async def stop_leftovers(leftovers: list[Leftover], *, grace_s: float, node: str
     left = await processes.end(still, set().union(*running.values()), grace_s=grace_s)
     if left:
         log.error("%s: %d processes of a crashed agent's jobs outlived SIGKILL", node, len(left))
+    for cgroup in confined.values():
+        await cgroup.remove(wait_s=processes.KILL_WAIT_S)
     for leftover in leftovers:
         leftover.path.unlink(missing_ok=True)
     return list(running)

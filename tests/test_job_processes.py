@@ -1,6 +1,7 @@
 """Which processes are a job attempt's (`JobProcess.owns`): what a share's memory is
 summed over, and what is ended with it, also after its agent crashed (agents/orphans.py).
-Real processes; the confined job's cgroup is stood in for by its pid list."""
+Real processes; a confined job's cgroup is stood in for by its pid list, but for the
+crash case, which makes a real one (as root)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
+
+from agents import cgroups, processes
 from agents import launcher as launcher_module
-from agents import processes
 from agents.confine import Confined
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchRequest
 from agents.orphans import ProcessLedger, stop_leftovers
@@ -224,3 +227,34 @@ async def test_each_launch_has_a_token_of_its_own_that_the_job_cannot_set(
     assert all(token == launch_id for launch_id, token in seen)
     tokens = {token for _, token in seen}
     assert len(tokens) == 2 and all(len(t) == 32 for t in tokens)
+
+
+async def test_a_crashed_agent_s_confined_leftovers_go_with_their_cgroup(tmp_path: Path) -> None:
+    """A confined attempt's process that left its group and scrubbed its environment
+    carries no token, but cannot leave its cgroup: a restarted agent ends it there and
+    removes the cgroup. Real cgroups: needs root."""
+    version = cgroups.detect()
+    if os.geteuid() != 0 or version is None:
+        pytest.skip("needs root and a cgroup hierarchy")
+    tree = cgroups.Cgroups(version, parent=f"alnair-test-{os.getpid()}", node="n1")
+    group = tree.create("7-1", cgroups.Limits(256 << 20, 1.0, 100, devices=None))
+    escaped = await asyncio.create_subprocess_exec(*SLEEP, env={}, start_new_session=True)
+    try:
+        for procs in group.procs_files:
+            procs.write_text(str(escaped.pid))
+        ended_first = await asyncio.create_subprocess_exec("true")
+        await ended_first.wait()
+        ledger = ProcessLedger(tmp_path / "processes")
+        ledger.record("7", 1, ended_first.pid, "L7")
+
+        running = await stop_leftovers(ledger.leftovers(), grace_s=0.5, node="n1", cgroups=tree)
+
+        assert [x.job_id for x in running] == ["7"]
+        assert ended(escaped.pid)
+        assert tree.leftover("7-1") is None and ledger.leftovers() == []
+    finally:
+        if escaped.returncode is None:
+            escaped.kill()
+        await escaped.wait()
+        await group.remove()
+        tree.remove_empty()
