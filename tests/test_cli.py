@@ -31,6 +31,29 @@ async def alnair(*args: str, env: dict[str, str], timeout_s: float = 60.0) -> tu
     return proc.returncode, out.decode(), err.decode()
 
 
+async def start_up(
+    env: dict[str, str], *args: str
+) -> tuple[asyncio.subprocess.Process, list[str], asyncio.Future[None]]:
+    """`alnair up ARGS`, its output lines as they come, and the task collecting them."""
+    up = await asyncio.create_subprocess_exec(
+        *CLI,
+        "up",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    output: list[str] = []
+
+    async def read_up() -> None:
+        assert up.stdout is not None
+        while line := await up.stdout.readline():
+            output.append(line.decode())
+
+    return up, output, asyncio.ensure_future(read_up())
+
+
 @pytest.fixture
 def cli_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ALNAIR_")}
@@ -67,26 +90,7 @@ async def test_a_cluster_goes_with_its_alnair_up(cli_env) -> None:
     the next `alnair up` of the same home."""
     from agents.processes import all_pids, ended, proc_stat
 
-    up = await asyncio.create_subprocess_exec(
-        *CLI,
-        "up",
-        "--nodes",
-        "1",
-        "--gpus",
-        "sim:2xA100",
-        env=cli_env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        stdin=asyncio.subprocess.DEVNULL,
-    )
-    output: list[str] = []
-
-    async def read_up() -> None:
-        assert up.stdout is not None
-        while line := await up.stdout.readline():
-            output.append(line.decode())
-
-    reader = asyncio.ensure_future(read_up())
+    up, output, reader = await start_up(cli_env, "--nodes", "1", "--gpus", "sim:2xA100")
     children: set[int] = set()
     try:
         await eventually(lambda: any("ready" in line for line in output), timeout_s=60)
@@ -108,26 +112,7 @@ async def test_a_cluster_goes_with_its_alnair_up(cli_env) -> None:
 
 async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
     """The README's promise: `alnair up`, submit, see RUNNING then SUCCEEDED, log holds 42."""
-    up = await asyncio.create_subprocess_exec(
-        *CLI,
-        "up",
-        "--nodes",
-        "2",
-        "--gpus",
-        "sim:4xA100",
-        env=cli_env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        stdin=asyncio.subprocess.DEVNULL,
-    )
-    output: list[str] = []
-
-    async def read_up() -> None:
-        assert up.stdout is not None
-        while line := await up.stdout.readline():
-            output.append(line.decode())
-
-    reader = asyncio.ensure_future(read_up())
+    up, output, reader = await start_up(cli_env, "--nodes", "2", "--gpus", "sim:4xA100")
     follower = None
     try:
         await eventually(lambda: any("ready" in line for line in output), timeout_s=60)

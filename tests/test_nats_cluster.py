@@ -193,7 +193,7 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
     """`alnair up --cluster 3 --secure --tls`: every component has all three URLs, the
     CLI finds TLS and identities through cluster.json, `status` shows each server and
     the STATE copies, and jobs still run after the STATE leader's server is SIGKILLed."""
-    from tests.test_cli import CLI, alnair
+    from tests.test_cli import alnair, start_up
 
     # As root, `up --secure` makes a user for tenant default's jobs: remove it after if
     # this test made it.
@@ -202,20 +202,10 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
     env.update(ALNAIR_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     home = tmp_path / "home"
     operator = ["--nkey", str(home / "keys" / "operator-operator.nk"), "--tenant", "operator"]
-    up = await asyncio.create_subprocess_exec(
-        *[*CLI, "up", "--cluster", "3", "--secure", "--tls", "--nodes", "1"],
-        *["--gpus", "sim:2xA100", "--http", "127.0.0.1:0"],
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        stdin=asyncio.subprocess.DEVNULL,
-    )
-    output: list[str] = []
-
-    async def read_up() -> None:
-        assert up.stdout is not None
-        while line := await up.stdout.readline():
-            output.append(line.decode())
+    up, output, reader = await start_up(
+        env, "--cluster", "3", "--secure", "--tls", "--nodes", "1",
+        "--gpus", "sim:2xA100", "--http", "127.0.0.1:0",
+    )  # fmt: skip
 
     async def run_job(word: str) -> None:
         # The job runs as the tenant's user: in a directory it may enter (the default, the
@@ -231,7 +221,6 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
 
         await eventually(succeeded, timeout_s=60, interval_s=0.5)
 
-    reader = asyncio.ensure_future(read_up())
     try:
         await eventually(lambda: any("ready." in line for line in output), timeout_s=90)
         cluster = json.loads((home / "cluster.json").read_text())
