@@ -267,7 +267,8 @@ class BusWatch:
                 self.answers[event.command_id] = event
 
         await bus.subscribe(subjects.ALL_JOB_PROGRESS, Progress, on_progress)
-        await bus.nc.subscribe(subjects.ALL_NODE_EVENTS, cb=on_event)
+        # The supervisor answers on its job's event subject (docs/elastic.md).
+        await bus.nc.subscribe(subjects.ALL_JOB_EVENTS, cb=on_event)
 
 
 async def run_supervisor(sizes: list[int], work: Path, server: EmbeddedNats) -> list[Sample]:
