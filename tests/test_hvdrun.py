@@ -101,3 +101,24 @@ def test_the_fence_is_installed_once() -> None:
     start = driver_module.ElasticDriver._start_worker_process
     hvdrun.install_removal_fence()
     assert driver_module.ElasticDriver._start_worker_process is start
+
+
+def test_new_hosts_are_ranked_in_the_order_the_discovery_script_lists_them(
+    tmp_path: Any,
+) -> None:
+    """Rank 0 (the coordinator, the only worker told that hosts changed) starts on the
+    first host listed, the supervisor's; hosts already known keep their order."""
+    hvdrun.install_host_order()
+    listed = [f"host-{i:02d}" for i in range(24)]  # a set of these is in another order
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\n" + "".join(f"echo {h}:1\n" for h in listed))
+    script.chmod(0o755)
+    manager = discovery.HostManager(discovery.HostDiscoveryScript(str(script), 1))
+
+    manager.update_available_hosts()
+    assert manager.current_hosts.host_assignment_order == listed
+
+    # A host listed first later is new, so it goes after those already ranked.
+    script.write_text("#!/bin/sh\necho late:1\n" + "".join(f"echo {h}:1\n" for h in listed))
+    manager.update_available_hosts()
+    assert manager.current_hosts.host_assignment_order == [*listed, "late"]

@@ -20,6 +20,15 @@ as the process that made the job fail, and grounds for blacklisting the host. So
 worker remembers how many times its slot had been removed when it started, and an exit
 from before a removal is dropped, as the driver drops it while the slot has no rank.
 
+And one to its host discovery (`install_host_order`): the driver ranks hosts it has
+not seen before in the order of a `set`, which is random per process, so the first
+worker (rank 0, the coordinator) started on another node about half of the time. The
+driver tells only the coordinator that hosts changed; when the coordinator's host is
+the one lost, the driver blocks on reaching it (holding the lock that re-forming the
+job needs) for longer than a resize may take. New hosts are ranked in the order the
+discovery script lists them instead, and the supervisor lists its own node first: rank
+0 runs where the supervisor does, whose loss ends the job anyway.
+
 Written against Horovod 0.28.1 (pinned by infra/build_horovod.sh); the supervisor runs
 every job through it: a grow may add a node at any time.
 """
@@ -123,6 +132,38 @@ def install_removal_fence() -> None:
     ElasticDriver._alnair_fenced = True
 
 
+_discovered = threading.local()
+
+
+def install_host_order() -> None:
+    """Rank hosts new to the driver in the order its discovery script lists them (see
+    the module's docstring); hosts it knows keep their order, as Horovod's contract
+    has it. Wraps `HostDiscoveryScript._execute_discovery_script` (which notes the
+    order of its output's lines, in the discovery's thread: Horovod parses them through
+    a `set` too) and replaces `HostManager.order_available_hosts`."""
+    from horovod.runner.elastic.discovery import HostDiscoveryScript, HostManager
+
+    if getattr(HostManager, "_alnair_ordered", False):
+        return
+    execute = HostDiscoveryScript._execute_discovery_script
+
+    def execute_discovery_script(self: Any) -> str:
+        output: str = execute(self)
+        lines = (line.partition(":")[0] for line in output.strip().split("\n"))
+        _discovered.order = list(dict.fromkeys(host for host in lines if host))
+        return output
+
+    def order_available_hosts(available: Any, previous: list[str]) -> list[str]:
+        listed = {host: i for i, host in enumerate(getattr(_discovered, "order", ()))}
+        known = [host for host in previous if host in available]
+        new = sorted(set(available) - set(known), key=lambda h: (listed.get(h, len(listed)), h))
+        return known + new
+
+    HostDiscoveryScript._execute_discovery_script = execute_discovery_script
+    HostManager.order_available_hosts = staticmethod(order_available_hosts)
+    HostManager._alnair_ordered = True
+
+
 def install() -> None:
     from horovod.runner import gloo_run
     from horovod.runner.common.util import env as env_util
@@ -130,6 +171,7 @@ def install() -> None:
     gloo_run.get_remote_command = remote_command
     env_util.IGNORE_REGEXES.update(NODE_LOCAL_VARIABLES)
     install_removal_fence()
+    install_host_order()
 
 
 def main() -> None:
