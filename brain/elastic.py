@@ -290,12 +290,50 @@ def joining(job: JobRecord) -> set[str]:
 
 
 def drop_node(job: JobRecord, node: str) -> JobRecord:
-    """The job without its part on `node`, where its worker host could not start: not
-    grown onto again in this attempt (a second launch there would bear the same id)."""
+    """The job without its part on `node`, where its worker host could not start or
+    that was lost: not grown onto again in this attempt (a second launch there would
+    bear the same id)."""
     assert node != job.grants[0].node
     grants = tuple(g for g in job.grants if g.node != node)
     left = (*job.failed_nodes, node) if node not in job.failed_nodes else job.failed_nodes
     return job.model_copy(update={"grants": grants, "failed_nodes": left})
+
+
+def without_lost(job: JobRecord, node: str) -> Placement | None:
+    """The placement `job` keeps without its GPUs on `node` (and, while it sheds other
+    lost nodes, without theirs), when it may go on at that size (within its range, its
+    supervisor's node kept); else None."""
+    if node == job.grants[0].node:
+        return None
+    shedding = job.resize is not None and job.resize.lost
+    ours = job.resize.after if job.resize is not None and shedding else current_placement(job)
+    kept = tuple(part for part in ours if part.node != node)
+    low, _ = job.spec.gpu_range
+    return kept if kept and placement_size(kept) >= low else None
+
+
+def stage_lost(
+    job: JobRecord, node: str, target: Placement, *, command_id: str, now: float, cause: str
+) -> JobRecord:
+    """The job with a shrink off lost `node` staged: its part there dropped at once (the
+    node's agent has fenced it: nothing runs there that the job may count on) and barred
+    for the attempt, as a worker host that could not start is (`drop_node`); the rest of
+    its GPUs held as they are. A shrink off lost nodes already staged is superseded by
+    one off them all (its supervisor gives the older up)."""
+    shedding = job.resize if job.resize is not None and job.resize.lost else None
+    staged = StagedResize(
+        command_id=command_id,
+        node=job.grants[0].node,
+        before=current_placement(job),
+        after=_placement(job, _by_node(target)),
+        staged_at=now,
+        cause=cause,
+        lost=(node,) if shedding is None else (*shedding.lost, node),
+    )
+    dropped = drop_node(job, node)
+    return dropped.model_copy(
+        update={"resize": staged, "reason": f"resizing {describe(staged)}: {cause}"}
+    )
 
 
 def stage(
@@ -395,6 +433,7 @@ def resize_command(job: JobRecord, *, epoch: int, issued_at: float) -> Resize:
         world_size=job.resize.to_size,
         cause=job.resize.cause[:1000],
         placement=job.resize.after,
+        lost=job.resize.lost,
     )
 
 

@@ -76,6 +76,13 @@ class Failures(Protocol):
     async def drain_gpu(self, node: NodeRecord, gpu: int, reason: str) -> None: ...
 
 
+class LostParts(Protocol):
+    """Whether a job goes on without its part on a lost node (brain.resizes.Resizes:
+    an elastic job sheds it in the same attempt)."""
+
+    async def shrink_off_lost(self, job: JobRecord, node: str, why: str) -> bool: ...
+
+
 class Liveness:
     def __init__(
         self,
@@ -84,6 +91,7 @@ class Liveness:
         failures: Failures,
         nodes: Heard,
         hearing: Hearing,
+        parts: LostParts,
         *,
         settings: LivenessSettings,
         clock: Clock,
@@ -94,6 +102,7 @@ class Liveness:
         self._failures = failures
         self._nodes = nodes
         self._hearing = hearing
+        self._parts = parts
         self._settings = settings
         self._clock = clock
         self._monotonic = monotonic
@@ -264,15 +273,17 @@ class Liveness:
                 unheard_for = self.fenced_after(job)
                 if silent < unheard_for:
                     continue
+                why = (
+                    f"no heartbeat for {silent:.1f}s; its agent stops the job after "
+                    f"{unheard_for - self._settings.fence_margin_s:g}s without NATS, margin "
+                    f"{self._settings.fence_margin_s:g}s"
+                )
+                if await self._parts.shrink_off_lost(job, name, why):
+                    continue  # an elastic job goes on without its part there
                 await self._failures.fail_attempt(
                     job,
                     name,
-                    Classification(
-                        FailureClass.INFRASTRUCTURE,
-                        f"node {name} was lost (no heartbeat for {silent:.1f}s; its agent "
-                        f"stops the job after {unheard_for - self._settings.fence_margin_s:g}s "
-                        f"without NATS, margin {self._settings.fence_margin_s:g}s)",
-                    ),
+                    Classification(FailureClass.INFRASTRUCTURE, f"node {name} was lost ({why})"),
                 )
 
     def check_fence(self, beat: Heartbeat) -> None:

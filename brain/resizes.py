@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from pydantic import BaseModel
 
 from brain import elastic
 from brain.core import Resize
+from brain.core.failures import Classification
 from brain.state import BrainState
 from brain.writer import Clock, Commands, JobRecords
 from schemas import subjects
@@ -27,7 +28,14 @@ from schemas.api import ResizeRequest
 from schemas.commands import Regrant
 from schemas.errors import ApiError
 from schemas.events import ResizeCompleted
-from schemas.jobs import JobRecord, JobState, NodeGpus, describe_placement, placement_size
+from schemas.jobs import (
+    FailureClass,
+    JobRecord,
+    JobState,
+    NodeGpus,
+    describe_placement,
+    placement_size,
+)
 from schemas.state import Cause, CauseKind
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,11 @@ class Supervisors(Protocol):
     def heard_from(self, job_id: str) -> bool: ...
 
 
+# Fails an attempt with its class, then retries or ends the job (bound to
+# brain.attempts.Attempts.fail_attempt, which is built after this part).
+FailAttempt = Callable[[JobRecord, str, Classification], Awaitable[None]]
+
+
 class Resizes:
     def __init__(
         self,
@@ -60,6 +73,7 @@ class Resizes:
         clock: Clock,
         timeout_s: float,
         leading: Callable[[], bool],
+        fail_attempt: FailAttempt,
     ) -> None:
         self._state = state
         self._writes = writes
@@ -69,6 +83,7 @@ class Resizes:
         # A resize its supervisor has not answered within this long is rolled back.
         self._timeout_s = timeout_s
         self._leading = leading
+        self._fail_attempt = fail_attempt
 
     async def resize_request(
         self, tenant: str, request: ResizeRequest, *, operator: bool
@@ -228,6 +243,9 @@ class Resizes:
                 event.job_id,
             )
             return
+        if not event.ok and staged.lost:
+            await self._lost_for_good(job, f"its supervisor refused: {event.reason}")
+            return
         if not event.ok:
             # A supervisor that tried (to_size differs) may have moved part of the way.
             moved = event.to_size != event.from_size
@@ -254,7 +272,9 @@ class Resizes:
                 elastic.describe(staged),
                 describe_placement(kept),
             )
-        if not staged.grow:
+        if staged.lost:
+            message += f"; its part on lost node(s) {', '.join(staged.lost)} dropped"
+        elif not staged.grow:
             message += f"; GPUs {describe_placement(elastic.released(staged, kept))} released"
         committed = elastic.commit(job, message, event.placement).model_copy(
             update={"last_resize_at": now, "last_resize_s": max(0.0, now - staged.staged_at)}
@@ -315,6 +335,83 @@ class Resizes:
         if drop is not None:
             await self._writes.stop(job.job_id, drop, message, job.attempt)
 
+    async def shrink_off_lost(self, job: JobRecord, node: str, why: str) -> bool:
+        """`node` was lost, and its agent has surely fenced the job's part there: an
+        elastic job goes on without that part, in the same attempt, when it can (True).
+        Its idle worker host there is dropped; GPUs there are shed by a shrink whose
+        command tells the supervisor not to wait for those workers (`Resize.lost`); a
+        grow onto the node that had not started fails as its launch failing would.
+        False (the caller fails the attempt, as for any job on a lost node): the job is
+        not elastic, its supervisor ran there, what is left is under its minimum, its
+        supervisor has not reported yet, or a resize other than a shed is under way (a
+        shed under way is superseded by one off both nodes)."""
+        if not job.spec.elastic or job.state is not JobState.RUNNING:
+            return False
+        if job.resize is not None:
+            if node in job.resize.lost:
+                return True  # already shed (the record still lists it: a stale read)
+            if node in elastic.joining(job):
+                return await self.join_failed(job, node, f"node {node} was lost: {why}")
+            if not job.resize.lost:
+                return False
+            # Shedding lost nodes already (a rack gone, its nodes missed a tick apart):
+            # one shrink off them all supersedes it.
+        target = elastic.without_lost(job, node)
+        if target is None or not self._progress.heard_from(job.job_id):
+            return False
+        part = next(g for g in job.grants if g.node == node)
+        if not part.gpus:
+            message = (
+                f"node {node} was lost ({why}); the job goes on without its idle worker host there"
+            )
+            await self._writes.job_changed(
+                elastic.drop_node(job, node).model_copy(update={"reason": message}),
+                job.state,
+                Cause(kind=CauseKind.NODE_LOST, node=node, job_id=job.job_id, message=message),
+            )
+            await self._writes.stop(job.job_id, node, message, job.attempt)  # for its return
+            return True
+        cause = f"node {node} was lost ({why}); the job goes on without its GPUs there"
+        if job.pinned_gpus is not None:
+            # It cannot be held at the size an operator pinned: back to the policy.
+            cause += f"; the pin at {job.pinned_gpus} GPUs is lifted"
+            job = job.model_copy(update={"pinned_gpus": None})
+        command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
+        staged = elastic.stage_lost(
+            job, node, target, command_id=command_id, now=self._clock(), cause=cause
+        )
+        assert staged.resize is not None
+        await self._writes.job_changed(
+            staged,
+            job.state,
+            Cause(
+                kind=CauseKind.RESIZE_STAGED,
+                node=node,
+                job_id=job.job_id,
+                message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
+            ),
+        )
+        await self.send_resize(self._state().jobs[job.job_id])
+        await self._writes.stop(job.job_id, node, cause, job.attempt)  # for its return
+        return True
+
+    async def _lost_for_good(self, job: JobRecord, why: str) -> None:
+        """A shrink off a lost node that its supervisor refused or never answered: the
+        part on that node is gone, so there is nothing to roll back onto; the attempt
+        fails as any job's on a lost node does."""
+        staged = job.resize
+        assert staged is not None
+        assert staged.lost
+        lost = ", ".join(staged.lost)
+        await self._fail_attempt(
+            job.model_copy(update={"resize": None}),
+            staged.lost[0],
+            Classification(
+                FailureClass.INFRASTRUCTURE,
+                f"node {lost} was lost and the job could not go on without it: {why}",
+            ),
+        )
+
     async def join_failed(self, job: JobRecord, node: str, why: str) -> bool:
         """A launch failed on `node`: if it was a staged grow's worker host there, the
         grow fails, not the job (True)."""
@@ -325,11 +422,15 @@ class Resizes:
 
     async def check_resizes(self) -> None:
         """Roll back a resize its supervisor has not answered in time (it died, or never
-        heard the command)."""
+        heard the command); a shrink off a lost node fails the attempt instead."""
         now = self._clock()
         limit = self._timeout_s
         for job in self._state().jobs_in(JobState.RUNNING):
-            if job.resize is not None and now - job.resize.staged_at > limit:
+            if job.resize is None or now - job.resize.staged_at <= limit:
+                continue
+            if job.resize.lost:
+                await self._lost_for_good(job, f"no answer from its supervisor within {limit:g}s")
+            else:
                 await self.roll_back_resize(
                     job, f"no answer from its supervisor within {limit:g}s", revert=True
                 )

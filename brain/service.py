@@ -342,6 +342,7 @@ class Brain:
             clock=clock,
             timeout_s=self.config.resize_timeout_s,
             leading=self.leading.is_set,
+            fail_attempt=lambda job, node, why: self.attempts.fail_attempt(job, node, why),
         )
         self.attempts = Attempts(
             lambda: self.state,
@@ -356,6 +357,7 @@ class Brain:
             self.attempts,
             self.ingest,
             self.hearing,
+            self.resizes,
             settings=self.config,
             clock=clock,
             monotonic=monotonic,

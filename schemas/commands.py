@@ -115,12 +115,19 @@ class Resize(_Command):
     # workers still hold rather than obey these lists. Empty: `world_size` workers,
     # the other nodes' slots unchanged.
     placement: tuple[NodeGpus, ...] = Field(default=(), max_length=1024)
+    # Nodes the brain found lost (silent past its node timeout, their agents fenced):
+    # the job's workers there are gone, or going, without a word, so the shrink off them
+    # does not wait to hear them retire. Never in `placement`.
+    lost: tuple[NodeName, ...] = Field(default=(), max_length=1024)
 
     @model_validator(mode="after")
     def _sized(self) -> Resize:
         nodes = [part.node for part in self.placement]
         if len(set(nodes)) != len(nodes):
             raise ValueError(f"placement names a node twice: {nodes}")
+        kept = sorted(set(nodes) & set(self.lost))
+        if kept:
+            raise ValueError(f"lost node(s) {kept} are in the placement")
         if self.placement and placement_size(self.placement) != self.world_size:
             raise ValueError(
                 f"placement holds {placement_size(self.placement)} GPUs, "

@@ -345,6 +345,10 @@ class StagedResize(BaseModel):
     # refusal after trying): the job holds the grow's GPUs until the supervisor says it
     # is back at the size before. Timing out in turn, it ends holding them all.
     reverting: bool = False
+    # A shrink off nodes that were lost (`Resize.lost`): the job's parts there are
+    # already dropped from its grants; refused or unanswered, it fails the attempt
+    # rather than rolling back onto them.
+    lost: tuple[NodeName, ...] = ()
 
     @model_validator(mode="before")
     @classmethod

@@ -13,10 +13,10 @@ import pytest
 
 from brain.attempts import Attempts
 from brain.core.failures import DEFAULT_FAILURE_POLICY
-from brain.liveness import Liveness
+from brain.liveness import Liveness, LostParts
 from schemas.api import DrainRequest, ResumeRequest
 from schemas.errors import ApiError
-from schemas.jobs import FailureClass, JobSpec, JobState, NodeGrant
+from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGrant
 from schemas.nodes import NodeState
 from schemas.state import CauseKind
 from tests.parts import Clock, Shell, heartbeat
@@ -66,7 +66,7 @@ class Setup:
     liveness: Liveness
 
 
-def setup(*nodes: str) -> Setup:
+def setup(*nodes: str, parts: LostParts | None = None) -> Setup:
     shell, heard, hearing = Shell(), Heard(), Hearing()
     monotonic, clock = Clock(1_000.0), Clock(START_TS + 1_000)
     for node in nodes:
@@ -81,11 +81,17 @@ def setup(*nodes: str) -> Setup:
         attempts,
         heard,
         hearing,
+        parts or NoLostParts(),
         settings=Settings(),
         clock=clock,
         monotonic=monotonic,
     )
     return Setup(shell, heard, hearing, monotonic, clock, made)
+
+
+class NoLostParts:
+    async def shrink_off_lost(self, job: object, node: str, why: str) -> bool:
+        return False
 
 
 class NoJoins:
@@ -158,6 +164,31 @@ async def test_a_silent_nodes_jobs_run_elsewhere_only_once_fenced(
     if failed:
         assert after.failures[-1].failure_class is FailureClass.INFRASTRUCTURE
         assert "node n1 was lost" in after.failures[-1].reason
+
+
+@dataclass
+class ShedsParts:
+    """Goes on without every lost part (brain.resizes.Resizes for an elastic job)."""
+
+    asked: list[tuple[str, str, str]] = field(default_factory=list)
+
+    async def shrink_off_lost(self, job: JobRecord, node: str, why: str) -> bool:
+        self.asked.append((job.job_id, node, why))
+        return True
+
+
+async def test_a_job_that_goes_on_without_its_part_on_a_lost_node_is_not_failed() -> None:
+    parts = ShedsParts()
+    s = setup("n1", parts=parts)
+    s.shell.add_job(1, node="n1")
+    s.monotonic.now += 10.0
+
+    await s.liveness.check_nodes()
+
+    assert s.shell.state.nodes["n1"].state is NodeState.LOST
+    [(job_id, node, why)] = parts.asked
+    assert (job_id, node) == ("1", "n1") and why.startswith("no heartbeat for 10.0s")
+    assert s.shell.state.jobs["1"].state is JobState.RUNNING
 
 
 @pytest.mark.parametrize(

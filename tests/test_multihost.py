@@ -444,3 +444,77 @@ async def test_elastic_job_across_hosts_grows_onto_a_third_and_shrinks_back(
 
     final: JobRecord = await eventually(ended, timeout_s=120, interval_s=0.5)
     assert final.state is JobState.SUCCEEDED, final.reason
+
+
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("hosts", [2, 3])
+async def test_elastic_job_shrinks_off_lost_hosts_and_goes_on(
+    multihost: MultiHost, client: Bus, tmp_path: Path, hosts: int
+) -> None:
+    """An elastic Horovod job over two (three) hosts loses every host but its
+    supervisor's at once (their links down): the brain shrinks it off them instead of
+    failing the attempt (with two lost, missed perhaps a tick apart, a second shed
+    supersedes the first), the workers left go on stepping at the smaller size in the
+    same attempt, and the hosts back again change nothing."""
+    await ready(client, multihost)
+    reports: list[Progress] = []
+
+    async def on_progress(report: Progress, msg: Msg) -> None:
+        reports.append(report)
+
+    await client.subscribe(subjects.ALL_JOB_PROGRESS, Progress, on_progress)
+
+    def stepping_at(size: int, after: int = 0) -> Progress | None:
+        last = reports[-1] if len(reports) > after else None
+        return last if last and last.world_size == size and len(last.workers) == size else None
+
+    stop_file = tmp_path / "stop"
+    size = 2 * hosts  # each agent has 2 GPUs
+    spec = elastic_train_spec(size, stop_file, max_gpus=size, name="survivor")
+    job_id = (await submit(client, TENANT, spec)).job_id
+    await eventually(lambda: stepping_at(size), timeout_s=180, interval_s=0.5)
+    started = await job(client, job_id)
+    assert started is not None and len(started.nodes) == hosts, started
+    first, *others = started.nodes
+    step_before = reports[-1].step
+    for other in others:
+        multihost.partition(other)
+
+    async def shrunk() -> JobRecord | None:
+        record = await job(client, job_id)
+        if record is None or record.resize is not None:
+            return None
+        return record if record.nodes == (first,) else None
+
+    done: JobRecord = await eventually(shrunk, timeout_s=180, interval_s=0.5)
+    attempt = started.attempt  # (a launch lost while the cluster came up may count)
+    assert (done.state, done.attempt) == (JobState.RUNNING, attempt), done.reason
+    # (The policy moves it again only once it has run 4x as long as this resize took.)
+    assert [(g.node, len(g.gpus)) for g in done.grants] == [(first, 2)], done.grants
+    assert set(others) <= set(done.failed_nodes)
+    seen = len(reports)
+    at_two: Progress = await eventually(lambda: stepping_at(2, seen), timeout_s=120, interval_s=0.5)
+    # Trained on, not restarted: back at most to the last commit (every 5 steps).
+    assert at_two.step >= step_before - 5
+    for other in others:
+        multihost.heal(other)
+
+    async def others_back() -> bool:
+        states = await node_states(client)
+        return all(states.get(other) is NodeState.READY for other in others)
+
+    await eventually(others_back, timeout_s=60, interval_s=0.5)
+    # The healed node's heartbeats and its fenced worker host's exit are through.
+    await asyncio.sleep(4 * multihost.timings.heartbeat_s)
+    still = await job(client, job_id)
+    assert still is not None
+    assert (still.state, still.attempt) == (JobState.RUNNING, attempt), still.reason
+    stop_file.touch()
+
+    async def ended() -> JobRecord | None:
+        record = await job(client, job_id)
+        return record if record is not None and record.state.terminal else None
+
+    final: JobRecord = await eventually(ended, timeout_s=120, interval_s=0.5)
+    assert (final.state, final.attempt) == (JobState.SUCCEEDED, attempt), final.reason

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 from pydantic import BaseModel
 
+from brain.core.failures import Classification
 from brain.resizes import Resizes
 from schemas import subjects
 from schemas.api import ResizeRequest
@@ -15,7 +16,7 @@ from schemas.commands import Regrant
 from schemas.commands import Resize as ResizeCommand
 from schemas.errors import ApiError
 from schemas.events import ResizeCompleted
-from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGrant
 from schemas.state import CauseKind
 from tests.parts import Clock, Shell
 from tests.statelog import START_TS
@@ -40,6 +41,16 @@ class Supervisors:
 
 
 @dataclass
+class Failed:
+    """The attempts failed (brain.attempts.Attempts.fail_attempt's place)."""
+
+    attempts: list[tuple[JobRecord, str, Classification]] = field(default_factory=list)
+
+    async def fail_attempt(self, job: JobRecord, node: str, why: Classification) -> None:
+        self.attempts.append((job, node, why))
+
+
+@dataclass
 class Setup:
     shell: Shell
     outbox: Outbox
@@ -47,6 +58,7 @@ class Setup:
     clock: Clock
     resizes: Resizes
     leading: list[bool]
+    failed: Failed
 
     @property
     def job(self) -> JobRecord:
@@ -74,6 +86,7 @@ def setup(gpus: int = 2, n1_gpus: int = 8) -> Setup:
         )
     )
     leading = [True]
+    failed = Failed()
     made = Resizes(
         lambda: shell.state,
         shell,
@@ -82,8 +95,9 @@ def setup(gpus: int = 2, n1_gpus: int = 8) -> Setup:
         clock=clock,
         timeout_s=TIMEOUT_S,
         leading=lambda: leading[0],
+        fail_attempt=failed.fail_attempt,
     )
-    return Setup(shell, outbox, supervisors, clock, made, leading)
+    return Setup(shell, outbox, supervisors, clock, made, leading, failed)
 
 
 def held(job: JobRecord) -> dict[str, tuple[int, ...]]:
@@ -249,3 +263,141 @@ async def test_resizes_are_sent_again_by_a_new_leader_only_while_it_leads() -> N
     await s.resizes.resend_staged_resizes()
     [(_, _, msg_id)] = s.outbox.sent
     assert s.job.resize is not None and msg_id == s.job.resize.command_id
+
+
+def across(s: Setup, *, n2_gpus: tuple[int, ...] = (0, 1), min_gpus: int = 1) -> None:
+    """Job 1 runs on n1's GPUs 0, 1 (its supervisor) and `n2_gpus` of n2 (none: its
+    worker host idles there)."""
+    spec = s.job.spec.model_copy(update={"gpus": 2 + len(n2_gpus), "min_gpus": min_gpus})
+    grants = (
+        NodeGrant(node="n1", gpus=(0, 1), pid=100),
+        NodeGrant(node="n2", gpus=n2_gpus, pid=200),
+    )
+    s.shell.put_job(s.job.model_copy(update={"spec": spec, "grants": grants}))
+
+
+async def test_an_elastic_job_sheds_a_lost_node_in_the_same_attempt() -> None:
+    s = setup()
+    across(s)
+    s.shell.put_job(s.job.model_copy(update={"pinned_gpus": 4}))
+
+    assert await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s") is True
+
+    # Its part there is dropped at once and the node barred for the attempt; the
+    # supervisor is told not to wait for the workers there.
+    staged = s.job.resize
+    assert staged is not None and staged.lost == ("n2",)
+    assert (staged.from_size, staged.to_size) == (4, 2)
+    assert held(s.job) == {"n1": (0, 1)} and s.job.failed_nodes == ("n2",)
+    assert s.job.nodes == ("n1",) and s.job.state is JobState.RUNNING and s.job.attempt == 1
+    [(_, command, _)] = s.outbox.sent
+    assert isinstance(command, ResizeCommand) and command.lost == ("n2",)
+    assert command.world_size == 2 and [p.node for p in command.placement] == ["n1"]
+    # Its agent stopped the part there itself; should that not be so, it hears on return.
+    assert [(stop.node, stop.job_id) for stop in s.shell.stops] == [("n2", "1")]
+    assert s.shell.causes[-1].kind is CauseKind.RESIZE_STAGED
+    assert "node n2 was lost" in s.shell.causes[-1].message
+    # It cannot be held at the size it was pinned at.
+    assert s.job.pinned_gpus is None and "pin at 4 GPUs is lifted" in s.shell.causes[-1].message
+
+    await s.resizes.resize_completed(completed(s, ok=True, to_size=2))
+
+    assert s.job.resize is None and held(s.job) == {"n1": (0, 1)} and s.failed.attempts == []
+    assert "its part on lost node(s) n2 dropped" in s.shell.causes[-1].message
+
+
+@pytest.mark.parametrize("how", ["refused", "unanswered"])
+async def test_a_lost_node_shed_that_does_not_complete_fails_the_attempt(how: str) -> None:
+    s = setup()
+    across(s)
+    await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s")
+
+    if how == "refused":
+        await s.resizes.resize_completed(completed(s, ok=False, to_size=2, reason="stuck"))
+    else:
+        s.clock.now += TIMEOUT_S + 1.0
+        await s.resizes.check_resizes()
+
+    # Nothing to roll back onto: the part on n2 is gone.
+    [(job, node, why)] = s.failed.attempts
+    assert node == "n2" and job.resize is None
+    assert why.failure_class is FailureClass.INFRASTRUCTURE
+    assert why.reason.startswith("node n2 was lost and the job could not go on without it")
+
+
+@pytest.mark.parametrize(
+    ("change", "lost"),
+    [
+        pytest.param({}, "n1", id="its supervisor's node"),
+        pytest.param({"min_gpus": True}, "n2", id="what is left is under its minimum"),
+        pytest.param({"heard": False}, "n2", id="its supervisor has not reported"),
+        pytest.param({"elastic": False}, "n2", id="not elastic"),
+        pytest.param({"resizing": True}, "n2", id="another resize under way"),
+    ],
+)
+async def test_a_job_that_cannot_go_on_without_a_lost_node_is_left_to_fail(
+    change: dict[str, object], lost: str
+) -> None:
+    s = setup()
+    across(s, min_gpus=3 if "min_gpus" in change else 1)
+    if change.get("heard") is False:
+        s.supervisors.heard.clear()
+    if change.get("elastic") is False:
+        spec = JobSpec(name="rigid", command=("train",), gpus=4)
+        s.shell.put_job(s.job.model_copy(update={"spec": spec}))
+    if change.get("resizing"):
+        await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+    before = s.shell.state.last_seq
+
+    assert await s.resizes.shrink_off_lost(s.job, lost, "no heartbeat for 10.0s") is False
+
+    assert s.shell.state.last_seq == before and s.failed.attempts == []
+
+
+async def test_a_lost_node_where_the_job_idles_is_dropped_without_a_resize() -> None:
+    s = setup()
+    across(s, n2_gpus=())
+
+    assert await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s") is True
+
+    assert s.job.resize is None and s.job.nodes == ("n1",) and s.job.failed_nodes == ("n2",)
+    assert s.outbox.sent == [] and s.shell.causes[-1].kind is CauseKind.NODE_LOST
+    assert [(stop.node, stop.job_id) for stop in s.shell.stops] == [("n2", "1")]
+
+
+async def test_a_grow_onto_a_node_lost_before_its_worker_host_started_is_rolled_back() -> None:
+    s = setup(gpus=2, n1_gpus=2)  # n1 is full: a grow goes onto n2
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+
+    assert await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s") is True
+
+    assert s.job.resize is None and held(s.job) == {"n1": (0, 1)}
+    assert s.job.failed_nodes == ("n2",) and s.failed.attempts == []
+
+
+async def test_a_second_lost_node_supersedes_the_shed_under_way() -> None:
+    s = setup()
+    spec = s.job.spec.model_copy(update={"gpus": 6, "min_gpus": 1, "max_gpus": 6})
+    grants = tuple(
+        NodeGrant(node=n, gpus=(0, 1), pid=100 + i) for i, n in enumerate(("n1", "n2", "n3"))
+    )
+    s.shell.add_node("n3", gpus=8)
+    s.shell.put_job(s.job.model_copy(update={"spec": spec, "grants": grants}))
+    await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s")
+    first = s.job.resize
+    assert first is not None and first.to_size == 4
+
+    assert await s.resizes.shrink_off_lost(s.job, "n3", "no heartbeat for 10.0s") is True
+
+    staged = s.job.resize
+    assert staged is not None and staged.command_id != first.command_id
+    assert staged.lost == ("n2", "n3") and (staged.from_size, staged.to_size) == (6, 2)
+    assert held(s.job) == {"n1": (0, 1)} and s.job.failed_nodes == ("n2", "n3")
+    [*_, (_, command, _)] = s.outbox.sent
+    assert isinstance(command, ResizeCommand) and command.lost == ("n2", "n3")
+    # The first shed's answer no longer matches: only the second commits.
+    late = completed(s, ok=False, to_size=4).model_copy(update={"command_id": first.command_id})
+    await s.resizes.resize_completed(late)
+    assert s.failed.attempts == [] and s.job.resize == staged
+    await s.resizes.resize_completed(completed(s, ok=True, to_size=2))
+    assert s.job.resize is None and held(s.job) == {"n1": (0, 1)}

@@ -1,11 +1,14 @@
-"""The supervisor's device list through a refused grow, without Horovod: the workers of
-its node claim GPUs from that list, so a grow refused without moving puts it back."""
+"""The supervisor without Horovod: its device list through a refused grow (the workers
+of its node claim GPUs from that list, so a grow refused without moving puts it back),
+and sheds of lost nodes, one superseding another."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from schemas.commands import Resize
 from schemas.jobs import NodeGpus
+from tests.conftest import eventually
 from workloads import devices
 from workloads.supervisor import Supervisor, SupervisorConfig
 
@@ -32,3 +35,47 @@ async def test_a_grow_refused_for_another_node_puts_this_node_s_gpus_back(
     assert "node b" in outcome.reason
     assert supervisor.devices == (0, 1)  # not (0, 1, 2): GPU 2 goes back to the brain
     assert devices.read_devices(supervisor.gpu_dir) == (0, 1)
+
+
+async def test_a_shed_of_more_lost_nodes_supersedes_the_one_before(tmp_path: Path) -> None:
+    """A shrink off lost node b would wait for its survivors to step at 4; node c is
+    lost too (they never will at 4). The newer command's shed, off b and c, makes the
+    older give up, whether that one was under way or only queued (two commands that
+    arrive together), and then runs itself."""
+    config = SupervisorConfig(
+        job_id="7",
+        command=("train",),
+        min_np=1,
+        max_np=8,
+        np=6,
+        work_dir=tmp_path,
+        node="a",
+        remote=(("b", 2), ("c", 2)),
+    )
+    supervisor = Supervisor(config)  # no bus, no workers: nothing ever steps
+    supervisor._prepare()
+    a, c = NodeGpus(node="a", gpus=(0, 1)), NodeGpus(node="c", gpus=(0, 1))
+
+    def shed(command_id: str, *placement: NodeGpus, lost: tuple[str, ...]) -> Resize:
+        size = sum(len(part.gpus) for part in placement)
+        return Resize(
+            command_id=command_id,
+            epoch=1,
+            issued_at=0.0,
+            job_id="7",
+            world_size=size,
+            placement=placement,
+            lost=lost,
+        )
+
+    await supervisor._on_command(shed("shed-1", a, c, lost=("b",)), None)  # type: ignore[arg-type]
+    await supervisor._on_command(shed("shed-2", a, lost=("b", "c")), None)  # type: ignore[arg-type]
+
+    await eventually(lambda: len(supervisor.outcomes) == 1, timeout_s=60)
+    [first] = supervisor.outcomes
+    assert not first.ok and first.reason == "superseded by a resize off more lost nodes"
+    await eventually(lambda: supervisor.remote == {})
+    assert (tmp_path / "lost-nodes").read_text() == "b\nc\n"
+    assert supervisor.slots == 2
+    for task in list(supervisor._tasks):
+        task.cancel()

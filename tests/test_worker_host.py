@@ -5,6 +5,7 @@ run a command."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from bus.client import Bus
 from schemas import subjects
 from schemas.workers import EXEC_SECRET_ENV, ExecRequest, ExecState
 from tests.conftest import eventually
+from workloads.remote_exec import LOST_NODES_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 SECRET = "the-attempts-secret"
@@ -124,3 +126,30 @@ async def test_remote_exec_behaves_like_an_ssh_session(
     out, _ = await asyncio.to_thread(session.communicate, timeout=90)
     assert session.returncode == 255 and "not signed" in out
     assert not (tmp_path / "forged").exists()
+
+
+async def test_remote_exec_gives_up_a_worker_on_a_node_the_brain_found_lost(
+    worker_host: subprocess.Popen[bytes], nats_server: object, tmp_path: Path
+) -> None:
+    """Its worker host gone without a word, the session ends at the next poll once the
+    supervisor lists the node as lost (not after LOST_AFTER_S): Horovod's driver waits
+    for it before the job goes on without the node."""
+    url = nats_server.url  # type: ignore[attr-defined]
+    lost, pid_file = tmp_path / "lost-nodes", tmp_path / "worker.pid"
+    os.environ[LOST_NODES_ENV] = str(lost)
+    try:
+        session = remote_exec(url, f"echo $$ > {pid_file}; exec sleep 300")
+    finally:
+        del os.environ[LOST_NODES_ENV]
+    await eventually(lambda: pid_file.exists() and pid_file.read_text().strip(), timeout_s=60)
+    worker = int(pid_file.read_text())
+    try:
+        worker_host.kill()  # the node gone: nobody answers for it any more
+        worker_host.wait(timeout=30)
+        lost.write_text("n1\nn2\n")
+        out, _ = await asyncio.to_thread(session.communicate, timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+    assert session.returncode == 255, out
+    assert "node n2 was lost (the brain says so)" in out, out

@@ -46,6 +46,7 @@ from schemas.jobs import LAUNCH_ID_ENV
 from schemas.workers import EXEC_SECRET_ENV
 from workloads.devices import GPU_DIR_ENV
 from workloads.progress import PROGRESS_ADDR_ENV
+from workloads.remote_exec import LOST_NODES_ENV
 
 # Set by the worker host for its own node, not inherited from the supervisor's.
 NODE_LOCAL_VARIABLES: Final = (
@@ -57,6 +58,8 @@ NODE_LOCAL_VARIABLES: Final = (
     LAUNCH_ID_ENV,
     # Never in a command line: it would travel in every ExecRequest.
     EXEC_SECRET_ENV,
+    # The supervisor's file, for its remote_exec processes alone.
+    LOST_NODES_ENV,
 )
 
 

@@ -43,6 +43,10 @@ START_WAIT_S: Final = 60.0
 POLL_S: Final = 0.5
 # A worker host unheard of this long (its node gone) counts as a failed worker.
 LOST_AFTER_S: Final = 60.0
+# The file (set by the supervisor) listing, one to a line, the nodes the brain found
+# lost: a worker there is given up at the next poll rather than after LOST_AFTER_S,
+# so that Horovod's driver, which waits for it, re-forms the job at once.
+LOST_NODES_ENV: Final = "ALNAIR_LOST_NODES_FILE"
 SIGNAL_GRACE_S: Final = 10.0
 OUTPUT_LINGER_S: Final = 0.5
 NO_WORKER_EXIT: Final = 255
@@ -70,6 +74,27 @@ async def run(job_id: str, node: str, command: str, bus: Bus) -> int:
     return code
 
 
+def found_lost(node: str) -> bool:
+    """Has the brain found `node` lost (`LOST_NODES_ENV`)?"""
+    path = os.environ.get(LOST_NODES_ENV)
+    if not path:
+        return False
+    try:
+        with open(path) as listed:
+            return node in listed.read().split()
+    except FileNotFoundError:
+        return False
+
+
+def _given_up(job_id: str, node: str, unheard_s: float) -> str | None:
+    """Why a worker whose host does not answer is given up, if it is."""
+    if found_lost(node):
+        return f"node {node} was lost (the brain says so)"
+    if unheard_s > LOST_AFTER_S:
+        return f"lost the worker host of job {job_id} on {node}"
+    return None
+
+
 async def _run(job_id: str, node: str, command: str, bus: Bus, exec_id: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,7 +108,7 @@ async def _run(job_id: str, node: str, command: str, bus: Bus, exec_id: str) -> 
             state = await ask(bus, job_id, start)
             break
         except BusError as error:  # nobody answers yet: the worker host is starting
-            if time.monotonic() > deadline or stop.is_set():
+            if time.monotonic() > deadline or stop.is_set() or found_lost(node):
                 print(f"alnair: no worker host for job {job_id} on {node}: {error}", flush=True)
                 return NO_WORKER_EXIT
             await asyncio.sleep(POLL_S)
@@ -105,8 +130,9 @@ async def _run(job_id: str, node: str, command: str, bus: Bus, exec_id: str) -> 
             state = await ask(bus, job_id, request)
             heard = time.monotonic()
         except BusError:
-            if time.monotonic() - heard > LOST_AFTER_S:
-                print(f"alnair: lost the worker host of job {job_id} on {node}", flush=True)
+            given_up = _given_up(job_id, node, time.monotonic() - heard)
+            if given_up is not None:
+                print(f"alnair: {given_up}", flush=True)
                 return NO_WORKER_EXIT
         if not state.running:
             return state.exit_code if state.exit_code is not None else NO_WORKER_EXIT

@@ -125,6 +125,10 @@ class _Seen:
     received: float  # supervisor's monotonic clock: worker clocks are not trusted
 
 
+class _Superseded(Exception):
+    """The resize under way gives way to one off more lost nodes."""
+
+
 @dataclass(frozen=True, slots=True)
 class ResizeOutcome:
     from_size: int
@@ -206,6 +210,12 @@ class Supervisor:
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # Workers on other nodes that have exited, as their worker hosts reported.
     _remote_gone: set[tuple[str, int]] = field(default_factory=set)
+    # Nodes the brain found lost: their workers count as gone (none will say so).
+    _lost: set[str] = field(default_factory=set)
+    # Resizes off lost nodes received so far: a resize commanded before the latest
+    # gives up (it may wait for workers on a node now lost, who will never step at its
+    # size), and that shed runs instead.
+    _sheds: int = 0
     _workers_sub: Subscription | None = None
 
     # -- the host list horovodrun discovers -----------------------------------------
@@ -226,6 +236,17 @@ class Supervisor:
         os.replace(temporary, self.hosts_path)
         self.remote = {n: k for n, k in remote.items() if k}
         self.slots = local + sum(self.remote.values())
+
+    @property
+    def lost_path(self) -> Path:
+        return self.config.work_dir / "lost-nodes"
+
+    def write_lost(self) -> None:
+        """The nodes found lost, for `remote_exec` (its `LOST_NODES_ENV`) to give their
+        workers up; after the host list, so that Horovod no longer counts them."""
+        temporary = self.lost_path.with_suffix(".tmp")
+        temporary.write_text("".join(f"{node}\n" for node in sorted(self._lost)))
+        os.replace(temporary, self.lost_path)
 
     # -- the job's GPUs, one per worker (workloads/devices.py) -------------------------
 
@@ -351,7 +372,7 @@ class Supervisor:
     def _gone(self, key: _Key) -> bool:
         node, pid = key
         if node is not None:
-            return (node, pid) in self._remote_gone
+            return node in self._lost or (node, pid) in self._remote_gone
         return process_gone(pid)
 
     async def _on_relay(self, relay: WorkerRelay, msg: Msg) -> None:
@@ -367,20 +388,39 @@ class Supervisor:
                 return
             self._on_report(report, relay.node)
 
-    async def resize(self, target: int, placement: Sequence[NodeGpus] = ()) -> ResizeOutcome:
+    async def resize(
+        self,
+        target: int,
+        placement: Sequence[NodeGpus] = (),
+        lost: Collection[str] = (),
+        *,
+        sheds_seen: int | None = None,
+    ) -> ResizeOutcome:
         """Run at `target` workers; return when every worker steps at that size.
 
         `placement` is the brain's list of the job's GPUs per node at the new size: the
         slots of each node, and the GPUs a grow's workers claim there. Without it the
-        other nodes keep their slots. The outcome names the GPUs held afterwards when
-        every worker holds one (after a shrink, those of the workers Horovod kept)."""
+        other nodes keep their slots. `lost`: nodes the brain found lost, whose workers
+        are not waited for (they cannot say they retired). `sheds_seen`: how many sheds
+        of lost nodes had been received when this resize was commanded (default: when
+        it starts); one received later supersedes it. The outcome names the GPUs held
+        afterwards when every worker holds one (after a shrink, those of the workers
+        Horovod kept)."""
         async with self._resize_lock:
+            seen = self._sheds if sheds_seen is None else sheds_seen
             started = time.monotonic()
             from_size = self.slots
             low, high = self.config.min_np, self.config.max_np
             if not low <= target <= high:
                 why = f"size {target} is outside {low}..{high}"
                 return self._record(ResizeOutcome.refused(from_size, why))
+            mine = sorted(set(lost) & {self.config.node, *(p.node for p in placement)})
+            if mine:
+                why = f"lost node(s) {mine} cannot keep workers (placement {placement})"
+                return self._record(ResizeOutcome.refused(from_size, why))
+            if lost:
+                log.warning("nodes %s were lost: going on without their workers", sorted(lost))
+                self._lost.update(lost)
             parts = {part.node: part.gpus for part in placement}
             gpus = parts.pop(self.config.node, ())
             remote = {n: len(g) for n, g in parts.items()} if placement else dict(self.remote)
@@ -412,8 +452,15 @@ class Supervisor:
                         devices.write_devices(self.gpu_dir, before)
                     return self._record(ResizeOutcome.refused(from_size, answer))
             self.write_hosts(local, remote)
+            if lost:
+                self.write_lost()
             try:
-                await self._wait_for(lambda: self._converged(target, started, old))
+                await self._wait_for(lambda: self._converged(target, started, old), seen)
+            except _Superseded:
+                why = "superseded by a resize off more lost nodes"
+                return self._record(
+                    ResizeOutcome(from_size, target, False, time.monotonic() - started, 0, why)
+                )
             except TimeoutError:
                 return self._record(
                     ResizeOutcome(
@@ -483,9 +530,11 @@ class Supervisor:
         log.info("resize %s", outcome)
         return outcome
 
-    async def _wait_for(self, condition: Callable[[], bool]) -> None:
+    async def _wait_for(self, condition: Callable[[], bool], sheds_seen: int) -> None:
         deadline = time.monotonic() + self.config.resize_timeout_s
         while not condition():
+            if self._sheds > sheds_seen:
+                raise _Superseded
             if self._process is not None and self._process.returncode is not None:
                 raise TimeoutError("horovodrun exited during the resize")
             remaining = deadline - time.monotonic()
@@ -512,12 +561,15 @@ class Supervisor:
             return
         self.epoch = command.epoch
         if isinstance(command, Resize):
+            self._sheds += 1 if command.lost else 0
             # Not awaited here: a resize takes seconds and the consumer must keep
             # acknowledging; the resize lock keeps them in arrival order.
-            self._spawn(self._apply(command))
+            self._spawn(self._apply(command, self._sheds))
 
-    async def _apply(self, command: Resize) -> None:
-        outcome = await self.resize(command.world_size, command.placement)
+    async def _apply(self, command: Resize, sheds_seen: int) -> None:
+        outcome = await self.resize(
+            command.world_size, command.placement, command.lost, sheds_seen=sheds_seen
+        )
         await self._report(command, outcome)
 
     async def _report(self, command: JobCommand, outcome: ResizeOutcome) -> None:
@@ -581,6 +633,7 @@ class Supervisor:
         await self._listen()
         gpu_dir = self.gpu_dir if self.config.gpus else None
         env = worker_env(f"{host}:{port}", gpu_dir)
+        env[remote_exec.LOST_NODES_ENV] = str(self.lost_path)
         self._process = await asyncio.create_subprocess_exec(
             *self.horovodrun_command(),
             env=env,
