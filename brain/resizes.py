@@ -166,17 +166,24 @@ class Resizes:
         await self.stage_resize(job, target, action.cause)
 
     async def stage_resize(
-        self, job: JobRecord, target: elastic.Placement, cause: str
+        self, job: JobRecord, target: elastic.Placement, cause: str, *, lost: str | None = None
     ) -> JobRecord:
+        """Journal the resize to `target` and send its commands; `lost`: a lost node the
+        job sheds (`elastic.stage_lost`), sent `Stop` for when it returns."""
         command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
-        staged = elastic.stage(job, target, command_id=command_id, now=self._clock(), cause=cause)
+        now = self._clock()
+        staged = (
+            elastic.stage(job, target, command_id=command_id, now=now, cause=cause)
+            if lost is None
+            else elastic.stage_lost(job, lost, target, command_id=command_id, now=now, cause=cause)
+        )
         assert staged.resize is not None
         await self._writes.job_changed(
             staged,
             job.state,
             Cause(
                 kind=CauseKind.RESIZE_STAGED,
-                node=staged.resize.node,
+                node=staged.resize.node if lost is None else lost,
                 job_id=job.job_id,
                 message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
             ),
@@ -189,6 +196,8 @@ class Resizes:
             await self.regrant(current, command_id, "staged")
             await self._writes.send_launches(current)
         await self.send_resize(current)
+        if lost is not None:
+            await self._writes.stop(job.job_id, lost, cause, job.attempt)
         return current
 
     async def send_resize(self, job: JobRecord) -> None:
@@ -376,23 +385,7 @@ class Resizes:
             # It cannot be held at the size an operator pinned: back to the policy.
             cause += f"; the pin at {job.pinned_gpus} GPUs is lifted"
             job = job.model_copy(update={"pinned_gpus": None})
-        command_id = f"resize-{job.job_id}-{job.attempt}-{uuid.uuid4().hex[:12]}"
-        staged = elastic.stage_lost(
-            job, node, target, command_id=command_id, now=self._clock(), cause=cause
-        )
-        assert staged.resize is not None
-        await self._writes.job_changed(
-            staged,
-            job.state,
-            Cause(
-                kind=CauseKind.RESIZE_STAGED,
-                node=node,
-                job_id=job.job_id,
-                message=f"resize {elastic.describe(staged.resize)} staged: {cause}",
-            ),
-        )
-        await self.send_resize(self._state().jobs[job.job_id])
-        await self._writes.stop(job.job_id, node, cause, job.attempt)  # for its return
+        await self.stage_resize(job, target, cause, lost=node)
         return True
 
     async def _lost_for_good(self, job: JobRecord, why: str) -> None:

@@ -13,21 +13,29 @@ from workloads import devices
 from workloads.supervisor import Supervisor, SupervisorConfig
 
 
+def supervisor_of(tmp_path: Path, np: int, **config: object) -> Supervisor:
+    """A supervisor on node "a" of job 7, ready to resize, with no bus (no other node's
+    worker host can be reached) and no workers."""
+    made = Supervisor(
+        SupervisorConfig(
+            job_id="7",
+            command=("train",),
+            min_np=1,
+            max_np=8,
+            np=np,
+            work_dir=tmp_path,
+            node="a",
+            **config,  # type: ignore[arg-type]
+        )
+    )
+    made._prepare()
+    return made
+
+
 async def test_a_grow_refused_for_another_node_puts_this_node_s_gpus_back(
     tmp_path: Path,
 ) -> None:
-    config = SupervisorConfig(
-        job_id="7",
-        command=("train",),
-        min_np=1,
-        max_np=8,
-        np=2,
-        work_dir=tmp_path,
-        node="a",
-        gpus=(0, 1),
-    )
-    supervisor = Supervisor(config)  # no bus: node b's worker host cannot be reached
-    supervisor._prepare()
+    supervisor = supervisor_of(tmp_path, 2, gpus=(0, 1))
     assert supervisor.devices == (0, 1)
     placement = (NodeGpus(node="a", gpus=(0, 1, 2)), NodeGpus(node="b", gpus=(4,)))
     outcome = await supervisor.resize(4, placement)
@@ -42,18 +50,7 @@ async def test_a_shed_of_more_lost_nodes_supersedes_the_one_before(tmp_path: Pat
     lost too (they never will at 4). The newer command's shed, off b and c, makes the
     older give up, whether that one was under way or only queued (two commands that
     arrive together), and then runs itself."""
-    config = SupervisorConfig(
-        job_id="7",
-        command=("train",),
-        min_np=1,
-        max_np=8,
-        np=6,
-        work_dir=tmp_path,
-        node="a",
-        remote=(("b", 2), ("c", 2)),
-    )
-    supervisor = Supervisor(config)  # no bus, no workers: nothing ever steps
-    supervisor._prepare()
+    supervisor = supervisor_of(tmp_path, 6, remote=(("b", 2), ("c", 2)))  # nothing steps
     a, c = NodeGpus(node="a", gpus=(0, 1)), NodeGpus(node="c", gpus=(0, 1))
 
     def shed(command_id: str, *placement: NodeGpus, lost: tuple[str, ...]) -> Resize:
