@@ -305,8 +305,8 @@ def without_lost(job: JobRecord, node: str) -> Placement | None:
     supervisor's node kept); else None."""
     if node == job.grants[0].node:
         return None
-    shedding = job.resize is not None and job.resize.lost
-    ours = job.resize.after if job.resize is not None and shedding else current_placement(job)
+    staged = job.resize
+    ours = staged.after if staged is not None and staged.lost else current_placement(job)
     kept = tuple(part for part in ours if part.node != node)
     low, _ = job.spec.gpu_range
     return kept if kept and placement_size(kept) >= low else None
