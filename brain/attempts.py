@@ -59,10 +59,13 @@ class Writes(JobRecords, NodeRecords, Stops, Protocol):
 
 
 class Joins(Protocol):
-    """Whether a failed launch was a staged grow's worker host (brain.resizes.Resizes):
-    then the grow fails, not the job (True)."""
+    """Elastic jobs' parts that end without the job (brain.resizes.Resizes): a failed
+    launch that was a staged grow's worker host (the grow fails, not the job), and a
+    part its node stopped (the job goes on without it); True when so."""
 
     async def join_failed(self, job: JobRecord, node: str, why: str) -> bool: ...
+
+    async def shed(self, job: JobRecord, node: str, why: str) -> bool: ...
 
 
 class Attempts:
@@ -119,8 +122,12 @@ class Attempts:
         )
         how = f"exit code {event.exit_code}" if event.signal is None else f"signal {event.signal}"
         if event.stopped:
-            # Stopped by its node, not by this brain (the agent shut down): not the
-            # job's fault, so it runs again.
+            # Stopped by its node, not by this brain (the agent fenced it or shut
+            # down): not the job's fault, so it runs again, or an elastic job goes on
+            # without that part.
+            why = f"its part on node {event.node} was stopped by that node ({how})"
+            if await self._joins.shed(job, event.node, why):
+                return
             await self.requeue(
                 updated,
                 Cause(

@@ -345,12 +345,18 @@ class Resizes:
             await self._writes.stop(job.job_id, drop, message, job.attempt)
 
     async def shrink_off_lost(self, job: JobRecord, node: str, why: str) -> bool:
-        """`node` was lost, and its agent has surely fenced the job's part there: an
-        elastic job goes on without that part, in the same attempt, when it can (True).
-        Its idle worker host there is dropped; GPUs there are shed by a shrink whose
+        """`node` was lost (`why`: for how long it was silent), and its agent has surely
+        fenced the job's part there: `shed`."""
+        return await self.shed(job, node, f"node {node} was lost ({why})")
+
+    async def shed(self, job: JobRecord, node: str, why: str) -> bool:
+        """The job's part on `node` is gone or going without a word (`why`: its node was
+        lost, or stopped it): an elastic job goes on without that part, in the same
+        attempt, when it can (True). Its idle worker host there is dropped; GPUs there
+        are shed by a shrink whose
         command tells the supervisor not to wait for those workers (`Resize.lost`); a
         grow onto the node that had not started fails as its launch failing would.
-        False (the caller fails the attempt, as for any job on a lost node): the job is
+        False (the caller fails or requeues the attempt, as for any job): the job is
         not elastic, its supervisor ran there, what is left is under its minimum, its
         supervisor has not reported yet, or a resize other than a shed is under way (a
         shed under way is superseded by one off both nodes)."""
@@ -360,7 +366,7 @@ class Resizes:
             if node in job.resize.lost:
                 return True  # already shed (the record still lists it: a stale read)
             if node in elastic.joining(job):
-                return await self.join_failed(job, node, f"node {node} was lost: {why}")
+                return await self.join_failed(job, node, why)
             if not job.resize.lost:
                 return False
             # Shedding lost nodes already (a rack gone, its nodes missed a tick apart):
@@ -370,9 +376,7 @@ class Resizes:
             return False
         part = next(g for g in job.grants if g.node == node)
         if not part.gpus:
-            message = (
-                f"node {node} was lost ({why}); the job goes on without its idle worker host there"
-            )
+            message = f"{why}; the job goes on without its idle worker host there"
             await self._writes.job_changed(
                 elastic.drop_node(job, node).model_copy(update={"reason": message}),
                 job.state,
@@ -380,7 +384,7 @@ class Resizes:
             )
             await self._writes.stop(job.job_id, node, message, job.attempt)  # for its return
             return True
-        cause = f"node {node} was lost ({why}); the job goes on without its GPUs there"
+        cause = f"{why}; the job goes on without its GPUs there"
         if job.pinned_gpus is not None:
             # It cannot be held at the size an operator pinned: back to the policy.
             cause += f"; the pin at {job.pinned_gpus} GPUs is lifted"
@@ -389,9 +393,9 @@ class Resizes:
         return True
 
     async def _lost_for_good(self, job: JobRecord, why: str) -> None:
-        """A shrink off a lost node that its supervisor refused or never answered: the
-        part on that node is gone, so there is nothing to roll back onto; the attempt
-        fails as any job's on a lost node does."""
+        """A shed that its supervisor refused or never answered: the part on that node
+        is gone, so there is nothing to roll back onto; the attempt fails as any job's
+        on a lost node does."""
         staged = job.resize
         assert staged is not None
         assert staged.lost
@@ -401,7 +405,7 @@ class Resizes:
             staged.lost[0],
             Classification(
                 FailureClass.INFRASTRUCTURE,
-                f"node {lost} was lost and the job could not go on without it: {why}",
+                f"the job could not go on without its part on node {lost}: {why}",
             ),
         )
 

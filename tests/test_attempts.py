@@ -27,10 +27,19 @@ class Joins:
     joining: set[tuple[str, str]] = field(default_factory=set)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
+    shedding: set[tuple[str, str]] = field(default_factory=set)
+    shed_parts: list[tuple[str, str, str]] = field(default_factory=list)
+
     async def join_failed(self, job: JobRecord, node: str, why: str) -> bool:
         if (job.job_id, node) not in self.joining:
             return False
         self.failed.append((job.job_id, node))
+        return True
+
+    async def shed(self, job: JobRecord, node: str, why: str) -> bool:
+        if (job.job_id, node) not in self.shedding:
+            return False
+        self.shed_parts.append((job.job_id, node, why))
         return True
 
 
@@ -144,6 +153,27 @@ async def test_an_exit_ends_retries_or_requeues_the_job(
     assert job.attempt == 1  # a requeue keeps the count; the next placement adds one
     if state is JobState.PENDING:
         assert job.grants == ()
+
+
+@pytest.mark.parametrize("sheds", [True, False], ids=["goes on without it", "cannot: requeued"])
+async def test_an_elastic_part_its_node_stopped_is_shed_when_the_job_can_go_on(
+    sheds: bool,
+) -> None:
+    """A worker host its node stopped (fenced through a partition shorter than the brain's
+    wait, or the agent shut down): the job goes on without it rather than starting over."""
+    shell = cluster()
+    two_node_job(shell, elastic=True)
+    joins = Joins(shedding={("1", "n2")} if sheds else set())
+
+    await attempts(shell, joins).job_exited(exited("n2", exit_code=None, signal=9, stopped=True))
+
+    job = shell.state.jobs["1"]
+    if sheds:
+        [(_, node, why)] = joins.shed_parts
+        assert node == "n2" and why == "its part on node n2 was stopped by that node (signal 9)"
+        assert job.state is JobState.RUNNING
+    else:
+        assert job.state is JobState.PENDING and job.attempt == 1
 
 
 async def test_a_part_that_exits_0_waits_for_the_others() -> None:

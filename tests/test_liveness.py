@@ -98,6 +98,9 @@ class NoJoins:
     async def join_failed(self, job: object, node: str, why: str) -> bool:
         return False
 
+    async def shed(self, job: object, node: str, why: str) -> bool:
+        return False
+
 
 async def test_a_new_node_joins_and_one_that_returns_keeps_its_drain() -> None:
     s = setup()

@@ -322,7 +322,7 @@ async def test_a_lost_node_shed_that_does_not_complete_fails_the_attempt(how: st
     [(job, node, why)] = s.failed.attempts
     assert node == "n2" and job.resize is None
     assert why.failure_class is FailureClass.INFRASTRUCTURE
-    assert why.reason.startswith("node n2 was lost and the job could not go on without it")
+    assert why.reason.startswith("the job could not go on without its part on node n2")
 
 
 @pytest.mark.parametrize(
@@ -352,6 +352,19 @@ async def test_a_job_that_cannot_go_on_without_a_lost_node_is_left_to_fail(
     assert await s.resizes.shrink_off_lost(s.job, lost, "no heartbeat for 10.0s") is False
 
     assert s.shell.state.last_seq == before and s.failed.attempts == []
+
+
+async def test_a_part_its_node_stopped_is_shed_saying_so() -> None:
+    s = setup()
+    across(s)
+
+    why = "its part on node n2 was stopped by that node (signal 9)"
+    assert await s.resizes.shed(s.job, "n2", why) is True
+
+    assert s.job.resize is not None and s.job.resize.lost == ("n2",)
+    assert s.shell.causes[-1].message.endswith(
+        f"staged: {why}; the job goes on without its GPUs there"
+    )
 
 
 async def test_a_lost_node_where_the_job_idles_is_dropped_without_a_resize() -> None:
