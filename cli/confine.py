@@ -5,6 +5,7 @@ agent's confinement settings, and `alnair up --secure`'s users (one per tenant i
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import pwd
@@ -108,16 +109,33 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cgroup-parent",
         default="alnair",
-        help="confined jobs' cgroups go under <cgroup root>/.../PARENT/NODE/ (default alnair)",
+        help="confined jobs' cgroups go under <cgroup root>/.../PARENT/NODE.TAG/, TAG naming "
+        "the agent's --data-dir (default alnair)",
     )
     p.add_argument(
         "--job-runtime-dir",
         metavar="DIR",
-        help="confined jobs' private directories (default: <tmp>/alnair/NODE)",
+        help="confined jobs' private directories (default: <tmp>/alnair/NODE.TAG, TAG naming "
+        "the agent's --data-dir)",
     )
 
 
-def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None:
+def agent_scope(node: str, data_dir: Path) -> str:
+    """This agent's level in its jobs' cgroups and private directories: the node's name
+    and a tag of the agent's data directory.
+
+    Node names are unique within one cluster only: two clusters' agents on one machine
+    (two `alnair up` homes; a staging and a production agent) both run job 1 attempt 1 on
+    "node-1". Under the node's name alone the second attempt would join the first's
+    cgroup (its limits, its processes), end the first's processes when its own attempt
+    ended, and remove the first's private directory (its TLS key) as it started. The data
+    directory holds the agent's process ledger, so an agent restarted on it has the same
+    tag and finds what a crashed one left."""
+    tag = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{node}.{tag}"
+
+
+def agent_confinement(args: argparse.Namespace, node: str, data_dir: Path) -> Confinement | None:
     """The agent's Confinement from its flags, or None without `--tenant-users`."""
     if not args.tenant_users:
         if args.job_tls_issuer:
@@ -134,13 +152,15 @@ def agent_confinement(args: argparse.Namespace, node: str) -> Confinement | None
     device_dir = Path(args.gpu_device_dir) if args.gpu_device_dir else None
     if device_dir is None and args.gpus == "nvml":
         device_dir = Path("/dev")
-    runtime = args.job_runtime_dir or Path(tempfile.gettempdir()) / "alnair" / node
+    scope = agent_scope(node, data_dir)
+    runtime = args.job_runtime_dir or Path(tempfile.gettempdir()) / "alnair" / scope
+    tree = cgroups.Cgroups(version, parent=args.cgroup_parent, node=scope) if version else None
     job_tls = job_tls_issuer(args.job_tls_issuer) if args.job_tls_issuer else None
     return Confinement(
         tenants=tenants,
         runtime_root=Path(runtime),
         path=os.environ.get("PATH", os.defpath),
-        cgroups=cgroups.Cgroups(version, parent=args.cgroup_parent, node=node) if version else None,
+        cgroups=tree,
         device_dir=device_dir,
         job_nkey_seed=Path(args.job_nkey).resolve() if args.job_nkey else None,
         job_tls=job_tls,

@@ -671,16 +671,17 @@ async def cmd_agent(args: argparse.Namespace) -> int:
     check_name("node", args.node)
     backend = open_backend(args.gpus, node=args.node)
     servers = resolve_nats(args.nats)
+    data_dir = Path(args.data_dir) if args.data_dir else alnair_home() / "agents" / args.node
     config = AgentConfig(
         node=args.node,
-        data_dir=Path(args.data_dir) if args.data_dir else alnair_home() / "agents" / args.node,
+        data_dir=data_dir,
         heartbeat_s=args.heartbeat,
         telemetry_s=args.heartbeat,
         # Every URL, so a job's supervisor survives a server's death too.
         nats_url=",".join(servers),
         nkey_seed=_absolute(resolve_nkey(args.nkey)),
         job_nkey_seed=_absolute(args.job_nkey),
-        confinement=confine.agent_confinement(args, args.node),
+        confinement=confine.agent_confinement(args, args.node, data_dir),
         fence_after_s=args.fence_after or None,
         fence_grace_s=args.fence_grace,
         cpu_milli=round(args.cpus * 1000) if args.cpus is not None else None,

@@ -5,10 +5,12 @@ crash case, which makes a real one (as root)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +24,7 @@ from agents.confine import Confined
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchRequest
 from agents.orphans import ProcessLedger, stop_leftovers
 from agents.processes import ended, launched_as
+from cli.confine import agent_confinement
 from schemas.jobs import LAUNCH_ID_ENV
 from tests.conftest import eventually
 
@@ -258,3 +261,69 @@ async def test_a_crashed_agent_s_confined_leftovers_go_with_their_cgroup(tmp_pat
         await escaped.wait()
         await group.remove()
         tree.remove_empty()
+
+
+def _confinement_of(tmp_path: Path, home: str, parent: str):  # type: ignore[no-untyped-def]
+    """What `alnair agent --tenant-users ... --node node-1` of the cluster at `home`
+    confines with (its data directory is the default, under that home)."""
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("tenants:\n  a: {user: nobody}\n")
+    args = argparse.Namespace(
+        tenant_users=str(tenants),
+        job_tls_issuer=None,
+        gpu_device_dir=None,
+        gpus="sim:1xA100",
+        job_runtime_dir=None,
+        cgroup_parent=parent,
+        job_nkey=None,
+    )
+    confinement = agent_confinement(args, "node-1", tmp_path / home / "agents" / "node-1")
+    assert confinement is not None
+    return confinement
+
+
+def test_two_clusters_agents_named_alike_keep_their_jobs_apart(tmp_path: Path) -> None:
+    """Node names are unique within a cluster only: two clusters' node-1 agents on one
+    machine keep their jobs' private directories and cgroups apart; an agent restarted
+    on the same data directory finds its predecessor's."""
+    a = _confinement_of(tmp_path, "a", "alnair")
+    b = _confinement_of(tmp_path, "b", "alnair")
+    restarted = _confinement_of(tmp_path, "a", "alnair")
+    assert a.runtime_root != b.runtime_root
+    assert a.runtime_root == restarted.runtime_root
+    assert a.runtime_root.parent == Path(tempfile.gettempdir()) / "alnair"
+    assert a.runtime_root.name.startswith("node-1.")
+    if a.cgroups is not None and b.cgroups is not None and restarted.cgroups is not None:
+        assert a.cgroups.node == a.runtime_root.name == restarted.cgroups.node
+        assert b.cgroups.node == b.runtime_root.name
+
+
+async def test_one_clusters_attempt_ending_leaves_anothers_of_the_same_name(
+    tmp_path: Path,
+) -> None:
+    """Job 1 attempt 1 on node-1 of two clusters at once: the second's cgroup is not the
+    first's, so its end (which kills what is left in its cgroup) leaves the first's
+    process running. Real cgroups: needs root."""
+    if os.geteuid() != 0 or cgroups.detect() is None:
+        pytest.skip("needs root and a cgroup hierarchy")
+    parent = f"alnair-test-{os.getpid()}"
+    trees = [_confinement_of(tmp_path, home, parent).cgroups for home in ("a", "b")]
+    assert trees[0] is not None and trees[1] is not None
+    limits = cgroups.Limits(256 << 20, 1.0, 100, devices=None)
+    first = trees[0].create("1-1", limits)
+    job = await asyncio.create_subprocess_exec(*SLEEP, start_new_session=True)
+    try:
+        for procs in first.procs_files:
+            procs.write_text(str(job.pid))
+        second = trees[1].create("1-1", limits)
+        await second.remove()
+        assert not ended(job.pid)
+        assert job.pid in first.pids()
+        assert trees[1].leftover("1-1") is None and trees[0].leftover("1-1") is not None
+    finally:
+        if job.returncode is None:
+            job.kill()
+        await job.wait()
+        await first.remove()
+        for tree in trees:
+            tree.remove_empty()
