@@ -219,7 +219,13 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
             _, out, _ = await alnair("job", job_id, "--json", env=env)
             return bool(out) and json.loads(out)["state"] == "SUCCEEDED"
 
-        await eventually(succeeded, timeout_s=60, interval_s=0.5)
+        try:
+            await eventually(succeeded, timeout_s=60, interval_s=0.5)
+        except AssertionError:
+            _, out, err = await alnair("job", job_id, "--json", env=env)
+            _, why, _ = await alnair("why", job_id, env=env)
+            failed = f"job {job_id} ({word}) did not succeed: {out}{err}{why}"
+            raise AssertionError(failed) from None
 
     try:
         await eventually(lambda: any("ready." in line for line in output), timeout_s=90)
@@ -238,6 +244,10 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
         await run_job("after")
         code, out, err = await alnair("status", *operator, env=env)
         assert code == 0 and "(DOWN)" in out, out + err
+    except BaseException:
+        # What the brain and agents said (they log to `up`'s output): pytest shows it.
+        print("".join(output))
+        raise
     finally:
         with contextlib.suppress(ProcessLookupError):
             up.send_signal(signal.SIGINT)
