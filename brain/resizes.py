@@ -353,9 +353,9 @@ class Resizes:
         """The job's part on `node` is gone or going without a word (`why`: its node was
         lost, or stopped it): an elastic job goes on without that part, in the same
         attempt, when it can (True). Its idle worker host there is dropped; GPUs there
-        are shed by a shrink whose
-        command tells the supervisor not to wait for those workers (`Resize.lost`); a
-        grow onto the node that had not started fails as its launch failing would.
+        are shed by a shrink whose command tells the supervisor not to wait for those
+        workers (`Resize.lost`); a grow onto the node that had not started fails as its
+        launch failing would.
         False (the caller fails or requeues the attempt, as for any job): the job is
         not elastic, its supervisor ran there, what is left is under its minimum, its
         supervisor has not reported yet, or a resize other than a shed is under way (a
