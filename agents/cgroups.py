@@ -11,10 +11,11 @@ Both hierarchies are supported:
   attached to the job's cgroup (agents/devices_bpf.py) that allows the same rules as v1.
 
 A job's cgroup lives at `<root>/<controller>/<parent>/<node>/<job>-<attempt>` (v1) or
-`<root>/<parent>/<node>/<job>-<attempt>` (v2), `node` being the agent's scope (its node's
-name and a tag of its data directory: cli.confine.agent_scope). The agent moves the job's first
-process in before it runs the job's program (agents/confine_exec.py), so every process
-the job ever starts is inside. Nothing here decides limits: agents/confine.py does.
+`<root>/<parent>/<node>/<job>-<attempt>` (v2), `node` being the agent's scope (its
+node's name and a tag of its data directory: cli.confine.agent_scope). The agent moves
+the job's first process in before it runs the job's program (agents/confine_exec.py), so
+every process the job ever starts is inside. Nothing here decides limits:
+agents/confine.py does.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 
 from agents import cgroups, processes
 from agents import launcher as launcher_module
-from agents.confine import Confined
+from agents.confine import Confined, Confinement
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchRequest
 from agents.orphans import ProcessLedger, stop_leftovers
 from agents.processes import ended, launched_as
@@ -263,7 +263,7 @@ async def test_a_crashed_agent_s_confined_leftovers_go_with_their_cgroup(tmp_pat
         tree.remove_empty()
 
 
-def _confinement_of(tmp_path: Path, home: str, parent: str):  # type: ignore[no-untyped-def]
+def _confinement_of(tmp_path: Path, home: str, parent: str) -> Confinement:
     """What `alnair agent --tenant-users ... --node node-1` of the cluster at `home`
     confines with (its data directory is the default, under that home)."""
     tenants = tmp_path / "tenants.yaml"
