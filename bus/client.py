@@ -197,6 +197,8 @@ class Bus:
         self._ack_tokens = 0
         # How many times `renew_s` reconnected this connection.
         self.renewals = 0
+        # Set by `close`: the disconnection that follows is no news.
+        self.closing = False
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -205,6 +207,9 @@ class Bus:
         _check_replicas(replicas)
         # The error callback counts drops on the Bus, which exists only once connected.
         made: list[Bus] = []
+
+        def closing() -> bool:
+            return bool(made) and made[0].closing
 
         async def on_error(error: Exception) -> None:
             if isinstance(error, nats.errors.SlowConsumerError) and made:
@@ -222,7 +227,7 @@ class Bus:
             "max_outstanding_pings": options.max_outstanding_pings,
             "allow_reconnect": True,
             "error_cb": on_error,
-            "disconnected_cb": _log_disconnected(options.name),
+            "disconnected_cb": _log_disconnected(options.name, closing),
             "reconnected_cb": _log_reconnected(options.name),
         }
         if options.credentials:
@@ -239,7 +244,7 @@ class Bus:
                 # nats-py handshakes each reconnection with this same context: a
                 # certificate renewed on disk (a job's, agents/confine.py) is read
                 # before it reconnects, rather than the expired one presented.
-                kwargs["disconnected_cb"] = _reload_on_disconnect(options, context)
+                kwargs["disconnected_cb"] = _reload_on_disconnect(options, context, closing)
         try:
             nc = await nats.connect(**kwargs)
         except (TimeoutError, OSError, nats.errors.NoServersError) as error:
@@ -275,6 +280,7 @@ class Bus:
         return other
 
     async def close(self) -> None:
+        self.closing = True
         await asyncio.gather(*(c.stop() for c in self._consumers))
         tasks = list(self._tasks)
         for task in tasks:
@@ -897,12 +903,14 @@ async def _log_error(error: Exception) -> None:
 
 
 def _reload_on_disconnect(
-    options: ConnectOptions, context: ssl.SSLContext
+    options: ConnectOptions, context: ssl.SSLContext, closing: Callable[[], bool]
 ) -> Callable[[], Awaitable[None]]:
-    logged = _log_disconnected(options.name)
+    logged = _log_disconnected(options.name, closing)
 
     async def callback() -> None:
         await logged()
+        if closing():
+            return
         try:
             context.load_cert_chain(str(options.tls_cert), str(options.tls_key))
         except (OSError, ssl.SSLError) as error:
@@ -911,9 +919,13 @@ def _reload_on_disconnect(
     return callback
 
 
-def _log_disconnected(name: str) -> Callable[[], Awaitable[None]]:
+def _log_disconnected(name: str, closing: Callable[[], bool]) -> Callable[[], Awaitable[None]]:
+    """Say that the connection dropped, unless it was closed on purpose (nats-py calls
+    the same callback for both)."""
+
     async def callback() -> None:
-        log.info("%s: disconnected from NATS", name)
+        if not closing():
+            log.info("%s: disconnected from NATS", name)
 
     return callback
 

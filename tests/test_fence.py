@@ -9,9 +9,12 @@ tests/test_multihost.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from agents.agent import Agent, AgentConfig
 from agents.fence import ContactClock
@@ -130,6 +133,18 @@ async def test_brain_hearing_goes_deaf_when_its_connection_does(
         await eventually(lambda: hearing.deaf_within(1.0), timeout_s=30)
     finally:
         watching.cancel()
+
+
+async def test_a_lost_connection_is_logged_and_a_closed_one_is_not(
+    connect, nats_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="bus.client")
+    closed = await connect("closed-on-purpose")
+    await closed.close()
+    await connect("lost")
+    nats_server.stop()
+    await eventually(lambda: "lost: disconnected from NATS" in caplog.text, timeout_s=30)
+    assert "closed-on-purpose: disconnected" not in caplog.text
 
 
 async def test_brain_warns_of_an_agent_that_fences_too_late(
