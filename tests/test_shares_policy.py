@@ -123,7 +123,11 @@ def test_gpu_types_match_words_of_the_model() -> None:
         (Demand(gpu_types=("V100",)), 1, "gpu_types: no node has GPUs of type V100"),
         (Demand(gpu_types=("A100",), cpu_milli=1000), 4, "gpus:"),
         (Demand(gpu_milli=500, gpu_memory_mib=100_000), 1, "gpu_memory_mib:"),
-        (Demand(cpu_milli=64_000), 1, "cpus:"),
+        (
+            Demand(cpu_milli=64_500),
+            1,
+            "cpus: asks 64.5 CPUs; the most a node that fits the rest has is 16 CPUs",
+        ),
         (Demand(gpu_types=("A100",), memory_mib=100_000), 1, "memory_mib:"),
         (Demand(gpu_types=("H100",), memory_mib=100_000), 1, None),
         (Demand(gpu_milli=250, gpu_memory_mib=20_480), 1, None),

@@ -112,19 +112,29 @@ def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | No
                 f"(models here: {', '.join(models) or 'none'})"
             )
     need = 1 if demand.fractional else gpus
-    checks: tuple[tuple[str, int, Callable[[NodeView], int], str], ...] = (
-        ("gpus", need, lambda n: len(n.gpus), "GPUs (a job with a demand runs on one node)"),
-        ("gpu_memory_mib", demand.gpu_memory_mib, lambda n: n.gpu_memory_mib, "MiB per GPU"),
-        ("cpus", demand.cpu_milli, lambda n: n.cpu_milli or 0, "thousandths of a CPU"),
-        ("memory_mib", demand.memory_mib, lambda n: n.memory_mib or 0, "MiB of memory"),
+    # (field, asked, what a node has, how to say an amount of it)
+    checks: tuple[tuple[str, int, Callable[[NodeView], int], Callable[[int], str]], ...] = (
+        ("gpus", need, lambda n: len(n.gpus), "{} GPUs".format),
+        (
+            "gpu_memory_mib",
+            demand.gpu_memory_mib,
+            lambda n: n.gpu_memory_mib,
+            "{} MiB per GPU".format,
+        ),
+        ("cpus", demand.cpu_milli, lambda n: n.cpu_milli or 0, lambda m: f"{m / 1000:g} CPUs"),
+        ("memory_mib", demand.memory_mib, lambda n: n.memory_mib or 0, "{} MiB of memory".format),
     )
-    for name, asked, has, unit in checks:
+    for name, asked, has, amount in checks:
         if not asked:
             continue
         most = max(has(n) for n in candidates)
         candidates = [n for n in candidates if has(n) >= asked]
         if not candidates:
-            return f"{name}: asks {asked} {unit}; the most a node that fits the rest has is {most}"
+            alone = " (a job with a demand runs on one node)" if name == "gpus" else ""
+            return (
+                f"{name}: asks {amount(asked)}{alone}; the most a node that fits the rest "
+                f"has is {amount(most)}"
+            )
     return None
 
 
