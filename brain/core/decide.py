@@ -455,10 +455,10 @@ def _pending_wait_reason(
     if blocked_by is not None:
         return f"queued behind {blocked_by}"
     if need > budget:
-        return (
-            f"needs {needs} GPUs; {max(budget, 0)} left after higher-ranked jobs "
-            f"({entry.ranked.label}, {policy.order})"
-        )
+        # An order whose rank says nothing more than its name (fifo) is named once.
+        label = entry.ranked.label
+        ranked = policy.order if label == policy.order else f"{label}, {policy.order}"
+        return f"needs {needs} GPUs; {max(budget, 0)} left after higher-ranked jobs ({ranked})"
     return None
 
 
