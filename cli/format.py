@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from schemas.jobs import JobRecord, JobState
+from schemas.jobs import JobRecord
 from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
 from schemas.telemetry import GpuShares
@@ -48,8 +48,9 @@ def grants_text(job: JobRecord) -> str:
 
 
 def gpus_text(job: JobRecord) -> str:
-    """GPUs asked for; an elastic job's size now and range (`3[1..4]`), `3>2[1..4]`
-    while a resize from 3 to 2 is in flight, and `pin=2` while an operator pins it."""
+    """GPUs asked for; an elastic job's size and range (`3[1..4]`: the size it holds, or
+    held last once ended), `3>2[1..4]` while a resize from 3 to 2 is in flight, and
+    `pin=2` while an operator pins it."""
     if job.spec.shared:
         memory = job.spec.gpu_memory_mib
         return f"{(job.spec.gpu_milli or 0) / 1000:g}" + (f"({memory}MiB)" if memory else "")
@@ -59,7 +60,7 @@ def gpus_text(job: JobRecord) -> str:
     staged = job.resize
     if staged is not None:
         size = f"{staged.from_size}>{staged.to_size}"
-    elif job.state is JobState.RUNNING:
+    elif job.grants:
         size = str(job.gpu_count)
     else:
         size = str(job.spec.gpus)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cli.format import gpus_text
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from tests.conftest import eventually
 
 CLI = [sys.executable, "-m", "cli"]
@@ -205,3 +207,28 @@ async def test_brain_refuses_a_bad_elasticity_setting_by_name(
     code, _, err = await alnair("brain", "--nats", "nats://127.0.0.1:1", *flags, env=env)
     assert code == 1
     assert words in err
+
+
+@pytest.mark.parametrize(
+    ("state", "gpus", "shown"),
+    [
+        ("PENDING", (), "2[1..4]"),
+        ("RUNNING", (0, 1, 2, 3), "4[1..4]"),
+        # Ended: the size it held last, not the size it asked to start at.
+        ("SUCCEEDED", (0, 1, 2), "3[1..4]"),
+    ],
+)
+def test_an_elastic_jobs_gpus_are_the_size_it_holds_or_held(
+    state: str, gpus: tuple[int, ...], shown: str
+) -> None:
+    spec = JobSpec(command=["true"], gpus=2, elastic=True, min_gpus=1, max_gpus=4)
+    grants = (NodeGrant(node="n1", gpus=gpus),) if gpus else ()
+    job = JobRecord(
+        job_id="1",
+        tenant="default",
+        spec=spec,
+        state=JobState(state),
+        submitted_at=0.0,
+        grants=grants,
+    )
+    assert gpus_text(job) == shown
