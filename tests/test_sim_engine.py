@@ -313,6 +313,16 @@ def test_cli_refuses_what_the_policy_cannot_run_on(
     assert message in capsys.readouterr().err
 
 
+def test_cli_names_the_jobs_that_never_finished_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_trace(tmp_path, "0,1,0,1,m,10,0\n1,4,0,1,m,10,0\n")
+    assert cli.run(parse("--trace", str(path), "--cluster", "1x2", "--json")) == 1
+    captured = capsys.readouterr()
+    assert '"unfinished": 1' in captured.out
+    assert "1 job never finished: 1 (asks 4 GPUs; the cluster has 2)" in captured.err
+
+
 def test_cli_progress_error_and_fixed_distribution(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -11,6 +11,7 @@ import argparse
 import csv
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
@@ -28,7 +29,7 @@ from brain.core.elastic import ELASTICITIES
 from brain.core.sharing import SHARING_PLUGINS
 from brain.queues import QueueConfigError, checked, load_queues, parse_quota
 from brain.queues import describe as describe_queues
-from brain.sim.engine import Scaling, SimConfig, check_trace_fits, simulate
+from brain.sim.engine import Scaling, SimConfig, SimResult, check_trace_fits, simulate
 from brain.sim.pollux import (
     BATCH_SCALINGS,
     PolluxScaling,
@@ -442,22 +443,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     show_progress = not args.no_progress and sys.stderr.isatty()
     bar = ProgressBar(sys.stderr, f"{args.policy} on {cluster.describe()}")
     result = simulate(trace, config, on_progress=bar if show_progress else None)
-    metrics = summarize(result)
-    if args.json:
-        print(json.dumps(metrics.as_json(), sort_keys=True))
-    else:
-        print(
-            f"trace {args.trace} ({metrics.jobs} jobs) on {cluster.describe()} GPUs, "
-            f"{policy.describe()}, preemption cost {args.preemption_cost:g} s"
-        )
-        if queues:
-            print(f"queues: {describe_queues(queues)}")
-        print(format_table([(args.policy, metrics)]))
-        for kind, count in preemption_causes(result):
-            print(f"  preemptions, {kind}: {count}")
-        if metrics.resizes:
-            shrink = "" if args.shrink_cost is None else f", shrink {args.shrink_cost:g} s"
-            print(f"  resizes: {metrics.resizes} (resize cost {args.resize_cost:g} s{shrink})")
+    _report(args, config, result)
     if args.plot is not None:
         try:
             paths = plot(result, args.plot, title=f"{args.policy} on {cluster.describe()}")
@@ -466,7 +452,48 @@ def run_jobs(args: argparse.Namespace) -> int:
             return 2
         if not args.json:
             print("plots: " + ", ".join(str(p) for p in paths))
-    return 0 if metrics.unfinished == 0 else 1
+    if result.unfinished:
+        print(f"alnair sim: {never_finished(trace, result)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(args: argparse.Namespace, config: SimConfig, result: SimResult) -> None:
+    metrics = summarize(result)
+    if args.json:
+        print(json.dumps(metrics.as_json(), sort_keys=True))
+        return
+    print(
+        f"trace {args.trace} ({metrics.jobs} jobs) on {config.cluster.describe()} GPUs, "
+        f"{config.policy.describe()}, preemption cost {args.preemption_cost:g} s"
+    )
+    if config.queues:
+        print(f"queues: {describe_queues(config.queues)}")
+    print(format_table([(args.policy, metrics)]))
+    for kind, count in preemption_causes(result):
+        print(f"  preemptions, {kind}: {count}")
+    if metrics.resizes:
+        shrink = "" if args.shrink_cost is None else f", shrink {args.shrink_cost:g} s"
+        print(f"  resizes: {metrics.resizes} (resize cost {args.resize_cost:g} s{shrink})")
+
+
+def never_finished(trace: Sequence[TraceJob], result: SimResult, *, named: int = 5) -> str:
+    """Which jobs never finished, and why where the trace says (a job larger than the
+    cluster); the first `named` of them."""
+    gpus = {job.job_id: job.gpus for job in trace}
+    capacity = result.capacity_gpus
+
+    def say(job_id: str) -> str:
+        asked = gpus.get(job_id)
+        if asked is not None and asked > capacity:
+            return f"{job_id} (asks {asked} GPUs; the cluster has {capacity})"
+        return job_id
+
+    unfinished = result.unfinished
+    shown = ", ".join(say(job_id) for job_id in unfinished[:named])
+    more = f" and {len(unfinished) - named} more" if len(unfinished) > named else ""
+    jobs = "job" if len(unfinished) == 1 else "jobs"
+    return f"{len(unfinished)} {jobs} never finished: {shown}{more}"
 
 
 def main(argv: list[str] | None = None) -> int:
