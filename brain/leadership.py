@@ -158,13 +158,16 @@ class Leadership:
             return
         await self._tenure.take_over(epoch, caught_up)
 
-    async def stop_leading(self, reason: str) -> None:
+    async def stop_leading(self, reason: str, *, planned: bool = False) -> None:
+        """Step down for `reason`; a `planned` step-down (the brain stopping) is no
+        warning."""
         if not self.leading.is_set():
             if self._renewer is not None and self._renewer is not asyncio.current_task():
                 self._renewer.cancel()
             self._renewer = None
             return
-        log.warning("brain %s stops leading: %s", self._tenure.info().brain_id, reason)
+        level = logging.INFO if planned else logging.WARNING
+        log.log(level, "brain %s stops leading: %s", self._tenure.info().brain_id, reason)
         self.leading.clear()
         # Take this tenure's parts before the first await, and hold the election off
         # until they are let go: otherwise a tenure begun meanwhile (the lease came

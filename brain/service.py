@@ -401,7 +401,7 @@ class Brain:
         if self._election is not None:
             self._election.cancel()
             await asyncio.wait({self._election}, timeout=3.0)
-        await self._stop_leading("brain shutting down")
+        await self.leadership.stop_leading("brain shutting down", planned=True)
         await self.lease.release()
         await self.replica.stop_following()
         if self.ingest_bus is not self.bus:

@@ -4,6 +4,7 @@ narrow protocol as brain/leader.py's, and a tenure that records what it was aske
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -174,6 +175,29 @@ async def test_a_leader_whose_lease_is_taken_steps_down_and_another_takes_over(
     assert first.tenure.calls[-2:] == [("end", "the lease was lost"), ("follow",)]
     epoch = second.tenure.calls[1][1]
     assert isinstance(epoch, int) and epoch > 1
+
+
+async def test_a_lost_lease_is_a_warning_and_a_planned_step_down_is_not(
+    brains: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="brain.leadership")
+    store = Store()
+    first = brains(store, "a")
+    first.start()
+    await eventually(first.leadership.leading.is_set)
+    store.holder, first.lease.cut_off = None, True
+    await eventually(lambda: not first.leadership.leading.is_set())
+    second = brains(store, "b")
+    second.start()
+    await eventually(second.leadership.leading.is_set)
+    await second.leadership.stop_leading("brain shutting down", planned=True)
+
+    said = {
+        r.getMessage().rsplit(": ", 1)[1]: r.levelno
+        for r in caplog.records
+        if "stops leading" in r.getMessage()
+    }
+    assert said == {"the lease was lost": logging.WARNING, "brain shutting down": logging.INFO}
 
 
 async def test_a_lease_lost_while_taking_over_ends_the_tenure_before_its_duties(
