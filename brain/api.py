@@ -264,10 +264,18 @@ class ApiServer:
 
     async def _status(self) -> StatusReply:
         brain = self.brain
-        others = [b for b in await brain.lease.brains() if b.brain_id != brain.instance]
+        me = brain.info()
+        # The lease is one brain's: while this one leads, another's announcement as leader
+        # is a dead leader's, left until the bucket's TTL (a live one that stepped down
+        # says so at its next election round).
+        others = [
+            b
+            for b in await brain.lease.brains()
+            if b.brain_id != me.brain_id and not (me.leader and b.leader)
+        ]
         counts = {state.value: n for state, n in brain.state.counts_by_state().items()}
         return StatusReply(
-            brains=(brain.info(), *sorted(others, key=lambda b: b.since)),
+            brains=(me, *sorted(others, key=lambda b: b.since)),
             epoch=brain.epoch,
             brain_host=brain.host,
             brain_pid=brain.pid,

@@ -6,7 +6,16 @@ import sys
 from pathlib import Path
 
 from brain.api import ApiServer
-from schemas.api import CancelRequest, ErrorReply, JobReply, SubmitRequest
+from cli.client import call
+from schemas.api import (
+    STATUS_RESULT,
+    BrainInfo,
+    CancelRequest,
+    ErrorReply,
+    JobReply,
+    StatusRequest,
+    SubmitRequest,
+)
 from schemas.jobs import JobSpec, JobState
 from tests.conftest import eventually
 
@@ -92,3 +101,22 @@ async def test_lost_node_job_runs_on_other_node(brain_factory, agent_factory) ->
     assert job.state is JobState.RUNNING
     assert job.nodes == ("n2",)
     assert job.attempt == 2
+
+
+async def test_status_leaves_out_a_dead_leaders_announcement(brain_factory, connect) -> None:
+    leader = await brain_factory()
+    standby = await brain_factory(lead=False)
+    # What a leader killed outright leaves in the bucket until its TTL.
+    dead = BrainInfo(brain_id="0dead0", host="gone", pid=1, since=0.0, leader=True)
+    await leader.lease.announce(dead)
+    client = await connect("client")
+
+    async def listed() -> list[tuple[str, bool]]:
+        reply = await call(client, "default", "status", StatusRequest(), STATUS_RESULT)
+        return [(b.brain_id, b.leader) for b in reply.brains]
+
+    async def standby_listed() -> bool:
+        return (standby.instance, False) in await listed()
+
+    await eventually(standby_listed)
+    assert await listed() == [(leader.instance, True), (standby.instance, False)]
