@@ -943,10 +943,11 @@ class Brain:
         # refused because nodes are briefly away (a NATS restart, a network blip).
         total, largest = self.state.registered_gpus()
         if self.state.nodes and spec.gpus > total:
+            nodes = len(self.state.nodes)
             raise ApiError(
                 "invalid",
                 f"job asks for {spec.gpus} GPUs but the cluster has {total} "
-                f"({len(self.state.nodes)} nodes, at most {largest} on one node)",
+                f"({nodes} node{'' if nodes == 1 else 's'}, at most {largest} on one node)",
             )
         demand = job_demand(spec)
         if demand is not None:

@@ -131,10 +131,14 @@ async def _with_bus(args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]
 
 def load_spec(args: argparse.Namespace) -> JobSpec:
     words: list[str] = list(args.command)
-    if words and words[0] == "--":
+    dashed = bool(words) and words[0] == "--"
+    if dashed:
         words = words[1:]
-    if len(words) == 1 and words[0].endswith((".yaml", ".yml")) and Path(words[0]).is_file():
-        return _spec_from_yaml(Path(words[0]), args)
+    if len(words) == 1 and words[0].endswith((".yaml", ".yml")):
+        if Path(words[0]).is_file():
+            return _spec_from_yaml(Path(words[0]), args)
+        if not dashed:
+            raise UsageError(f"{words[0]}: no such job file (a command goes after `--`)")
     if not words:
         raise UsageError("nothing to run: give a command after `--`, or a job.yaml")
     if args.gpus is None:

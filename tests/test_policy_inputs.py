@@ -255,3 +255,14 @@ def test_submit_takes_a_duration_and_network_sensitivity(tmp_path: Path) -> None
     assert overridden.declared_duration_s == 5.0
     with pytest.raises(UsageError, match="declared_duration_s: Input should be greater than 0"):
         load_spec(parser.parse_args(["submit", "--gpus", "1", "--duration", "0", "--", "true"]))
+
+
+def test_a_job_file_that_is_not_there_is_named_and_a_command_after_dashes_is_not_one(
+    tmp_path: Path,
+) -> None:
+    parser = build_parser()
+    missing = str(tmp_path / "job.yaml")
+    with pytest.raises(UsageError, match=f"{missing}: no such job file"):
+        load_spec(parser.parse_args(["submit", missing]))
+    command = load_spec(parser.parse_args(["submit", "--gpus", "1", "--", missing]))
+    assert command.command == (missing,)
