@@ -279,7 +279,7 @@ class Attempts:
                 }
             )
             cause = Cause(
-                kind=kind, node=node, job_id=job.job_id, message=f"{what}; {decision.cause}"
+                kind=kind, node=node, job_id=job.job_id, message=f"{what}; {decision.verdict}"
             )
             await self._writes.job_changed(ended, job.state, cause)
             await self._writes.stop_parts(job, f"failed: {classification.reason}", except_node=node)

@@ -153,6 +153,10 @@ async def test_an_exit_ends_retries_or_requeues_the_job(
     assert job.attempt == 1  # a requeue keeps the count; the next placement adds one
     if state is JobState.PENDING:
         assert job.grants == ()
+    if state is JobState.FAILED:
+        # The failure is said once in the cause, and once in the job's reason.
+        assert shell.causes[-1].message.count("ValueError: x") == 1
+        assert job.reason is not None and "ValueError: x" in job.reason
 
 
 @pytest.mark.parametrize("sheds", [True, False], ids=["goes on without it", "cannot: requeued"])

@@ -300,10 +300,13 @@ class Retry:
 
 @dataclass(frozen=True, slots=True)
 class GiveUp:
-    """End the job: FAILED (a user error, an input not blacklisted) or UNSUCCESSFUL."""
+    """End the job: FAILED (a user error, an input not blacklisted) or UNSUCCESSFUL.
+    `cause` says why with the last failure's reason (the job's reason), `verdict` the
+    same without it (for a message that has said the failure already)."""
 
     state: JobState
     cause: str
+    verdict: str
 
 
 RetryDecision = Retry | GiveUp
@@ -323,25 +326,20 @@ def decide_retry(
     if last.failure_class is FailureClass.USER:
         limit = policy.user_retries_for(queue)
         if same > limit:
-            return GiveUp(JobState.FAILED, f"user error, not retried: {last.reason}")
+            verdict = "user error, not retried"
+            return GiveUp(JobState.FAILED, f"{verdict}: {last.reason}", verdict)
         return Retry(now, (), f"user error {same} of {limit} allowed by queue {queue}; retrying")
     if last.failure_class is FailureClass.INPUT:
         if last.input_uri not in blacklisted:
-            return GiveUp(
-                JobState.FAILED,
-                f"{last.reason}; it runs again if that input is blacklisted",
-            )
+            verdict = "it runs again if that input is blacklisted"
+            return GiveUp(JobState.FAILED, f"{last.reason}; {verdict}", verdict)
         if same > policy.input_retries:
-            return GiveUp(
-                JobState.UNSUCCESSFUL, f"{same} input failures (limit {policy.input_retries})"
-            )
+            verdict = f"{same} input failures (limit {policy.input_retries})"
+            return GiveUp(JobState.UNSUCCESSFUL, verdict, verdict)
         return Retry(now, (), f"input {last.input_uri} is blacklisted now; retrying without it")
     if same > policy.infrastructure_retries:
-        return GiveUp(
-            JobState.UNSUCCESSFUL,
-            f"{same} infrastructure failures (limit {policy.infrastructure_retries} retries); "
-            f"last: {last.reason}",
-        )
+        verdict = f"{same} infrastructure failures (limit {policy.infrastructure_retries} retries)"
+        return GiveUp(JobState.UNSUCCESSFUL, f"{verdict}; last: {last.reason}", verdict)
     avoid = sorted(
         {n for f in failures if f.failure_class is FailureClass.INFRASTRUCTURE for n in f.nodes}
     )
