@@ -70,6 +70,8 @@ WRONG_LAST_SEQUENCE: Final = 10071
 WRONG_LAST_MSG_ID: Final = 10070
 # How long one fetch waits for messages: also how long a loop takes to notice a stop.
 FETCH_WAIT_S: Final = 0.5
+# While NATS cannot be reached, a component says so this often (it keeps trying).
+UNREACHABLE_LOG_EVERY_S: Final = 30.0
 # A poison message is dead-lettered after this many failed deliveries.
 MAX_HANDLER_ATTEMPTS: Final = 5
 # JetStream keeps at most 5 copies; Alnair uses 1 (one server) or 3 (a cluster).
@@ -211,11 +213,17 @@ class Bus:
         def closing() -> bool:
             return bool(made) and made[0].closing
 
+        # Only a connection that tries for ever says it is still trying; one that gives
+        # up (a CLI's) says why when it does.
+        forever = options.max_reconnect_attempts < 0
+        unreachable = _Unreachable(options.name, options.servers) if forever else None
+
         async def on_error(error: Exception) -> None:
             if isinstance(error, nats.errors.SlowConsumerError) and made:
                 made[0].dropped[error.sub.subject if error.sub else error.subject] += 1
                 return
-            await _log_error(error)
+            if unreachable is None or not unreachable.said(error):
+                await _log_error(error)
 
         kwargs: dict[str, Any] = {
             "servers": list(options.servers),
@@ -892,6 +900,32 @@ def tls_context(options: ConnectOptions) -> ssl.SSLContext:
         files = [f for f in (options.tls_ca, options.tls_cert, options.tls_key) if f]
         raise BusError(f"TLS files unusable ({', '.join(files)}): {error}") from error
     return context
+
+
+class _Unreachable:
+    """Says, at most every `UNREACHABLE_LOG_EVERY_S`, that no server answers: nats-py
+    retries a first connection and a lost one for ever, through the error callback, and
+    an agent given a wrong `--nats` (or started before its servers) looked hung."""
+
+    def __init__(self, name: str, servers: tuple[str, ...]) -> None:
+        self.name = name
+        self.servers = ", ".join(servers)
+        self.said_at: float | None = None
+
+    def said(self, error: Exception) -> bool:
+        """Whether `error` is one of not reaching a server (and so was handled here)."""
+        if isinstance(error, ssl.SSLError) or not isinstance(error, OSError | TimeoutError):
+            return False
+        now = time.monotonic()
+        if self.said_at is None or now - self.said_at >= UNREACHABLE_LOG_EVERY_S:
+            self.said_at = now
+            log.warning(
+                "%s: cannot reach NATS at %s (%s); still trying",
+                self.name,
+                self.servers,
+                str(error) or type(error).__name__,
+            )
+        return True
 
 
 async def _log_error(error: Exception) -> None:

@@ -20,7 +20,8 @@ from agents.agent import Agent, AgentConfig
 from agents.fence import ContactClock
 from agents.gpu import SimulatedGpus
 from brain.hearing import Hearing
-from bus.server import EmbeddedNats
+from bus.client import Bus, ConnectOptions
+from bus.server import EmbeddedNats, free_port
 from schemas.commands import Launch
 from schemas.jobs import JobSpec, JobState
 from schemas.nodes import NodeState
@@ -145,6 +146,22 @@ async def test_a_lost_connection_is_logged_and_a_closed_one_is_not(
     nats_server.stop()
     await eventually(lambda: "lost: disconnected from NATS" in caplog.text, timeout_s=30)
     assert "closed-on-purpose: disconnected" not in caplog.text
+
+
+async def test_a_component_that_cannot_reach_nats_says_so_while_it_keeps_trying(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="bus.client")
+    url = f"nats://127.0.0.1:{free_port()}"  # nobody listens there
+    options = ConnectOptions(servers=(url,), name="agent:early")
+    connecting = asyncio.ensure_future(Bus.connect(options))
+    try:
+        await eventually(lambda: "cannot reach NATS" in caplog.text, timeout_s=30)
+        assert f"agent:early: cannot reach NATS at {url}" in caplog.text
+        assert "still trying" in caplog.text and not connecting.done()
+    finally:
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
 
 
 async def test_brain_warns_of_an_agent_that_fences_too_late(
