@@ -41,7 +41,7 @@ from schemas.api import (
     ResizeRequest,
     StatusRequest,
 )
-from schemas.base import check_name
+from schemas.base import check_name, describe_invalid
 from schemas.errors import AlnairError
 from schemas.jobs import JobRecord, JobSpec, JobState, share_request
 from schemas.state import STATE_RECORD, StateRecord, record_job_id, record_kind, record_node
@@ -253,10 +253,7 @@ def _validated(fields: dict[str, Any], where: str) -> JobSpec:
     try:
         return JobSpec.model_validate(fields)
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'job'}: {e['msg']}" for e in error.errors()
-        )
-        raise UsageError(f"invalid job in {where}: {problems}") from None
+        raise UsageError(f"invalid job in {where}: {describe_invalid(error, 'job')}") from None
 
 
 def _env_pairs(pairs: Sequence[str]) -> dict[str, str]:
@@ -393,11 +390,14 @@ def _resize_size(text: str) -> int | Literal["auto"]:
     if text == "auto":
         return "auto"
     try:
-        return int(text)
+        size = int(text)
     except ValueError:
+        size = 0
+    if size < 1:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a number of GPUs nor 'auto'"
-        ) from None
+            f"{text!r} is neither a number of GPUs (1 or more) nor 'auto'"
+        )
+    return size
 
 
 async def cmd_resize(args: argparse.Namespace) -> int:
@@ -1045,5 +1045,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AlnairError as error:
         print(f"alnair {args.cmd}: {error}", file=sys.stderr)
         return 1
+    except ValidationError as error:
+        # A request built from the arguments that its schema refuses (an empty job id,
+        # a size out of range): the fields, not a traceback.
+        print(f"alnair {args.cmd}: invalid {describe_invalid(error, 'request')}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130

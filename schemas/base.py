@@ -57,10 +57,12 @@ def encode(message: BaseModel) -> bytes:
     return message.model_dump_json(exclude_none=False).encode()
 
 
-def _describe(error: ValidationError) -> str:
+def describe_invalid(error: ValidationError, whole: str = "message") -> str:
+    """What failed validation, field by field (the first five), for a person: `field:
+    reason; ...`, `whole` naming a problem with no field."""
     parts = []
     for item in error.errors()[:5]:
-        where = ".".join(str(p) for p in item["loc"]) or "message"
+        where = ".".join(str(p) for p in item["loc"]) or whole
         parts.append(f"{where}: {item['msg']}")
     more = error.error_count() - 5
     if more > 0:
@@ -92,4 +94,4 @@ def decode(
             return kind.model_validate_json(data, strict=strict)
         return TypeAdapter(kind).validate_json(data, strict=strict)
     except ValidationError as error:
-        raise InvalidMessage(_describe(error)) from None
+        raise InvalidMessage(describe_invalid(error)) from None

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from bus.server import EmbeddedNats
 from cli.format import gpus_text
+from cli.main import main
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from tests.conftest import eventually
 
@@ -232,3 +234,20 @@ def test_an_elastic_jobs_gpus_are_the_size_it_holds_or_held(
         grants=grants,
     )
     assert gpus_text(job) == shown
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["cancel", ""], "alnair cancel: invalid job_id: String should have at least 1"),
+        (["blacklist", "add", ""], "alnair blacklist: invalid uri: "),
+        (["jobs", "--limit", "0"], "alnair jobs: invalid limit: "),
+        (["inject", "n1", "--gpu", "-1", "--ecc"], "alnair inject: invalid gpu: "),
+    ],
+)
+def test_arguments_a_request_refuses_are_named_not_a_traceback(
+    nats_server: EmbeddedNats, capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    assert main([*argv, "--nats", nats_server.url]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bus.auth import write_private
 from schemas.api import OPERATOR_TENANT
-from schemas.base import TenantName
+from schemas.base import TenantName, describe_invalid
 from schemas.errors import AlnairError
 
 MIN_TOKEN_CHARS: Final = 16
@@ -77,10 +77,7 @@ class TokenTable:
         try:
             return cls(TokenFile.model_validate(data).tokens)
         except ValidationError as error:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in error.errors()
-            )
-            raise TokenFileError(path, problems) from None
+            raise TokenFileError(path, describe_invalid(error, "file")) from None
         except ValueError as error:
             raise TokenFileError(path, str(error)) from None
 
