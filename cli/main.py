@@ -44,7 +44,14 @@ from schemas.api import (
 from schemas.base import check_name, describe_invalid
 from schemas.errors import AlnairError
 from schemas.jobs import JobRecord, JobSpec, JobState, share_request
-from schemas.state import STATE_RECORD, StateRecord, record_job_id, record_kind, record_node
+from schemas.state import (
+    STATE_RECORD,
+    StateRecord,
+    record_job_id,
+    record_kind,
+    record_kinds,
+    record_node,
+)
 
 log = logging.getLogger("alnair")
 
@@ -528,6 +535,13 @@ def _local_log(job: JobRecord, node: str, attempt: int) -> bool:
 # -- events ---------------------------------------------------------------------------
 
 
+def _event_kind(text: str) -> str:
+    kinds = record_kinds()
+    if text not in kinds:
+        raise argparse.ArgumentTypeError(f"no kind {text!r}; the kinds are {', '.join(kinds)}")
+    return text
+
+
 def _matches(record: StateRecord, args: argparse.Namespace) -> bool:
     if args.job and record_job_id(record) != args.job:
         return False
@@ -910,7 +924,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument("--job", help="only this job")
     p.add_argument("--node", help="only this node")
-    p.add_argument("--kind", action="append", help="only this kind (cause or event kind)")
+    p.add_argument(
+        "--kind",
+        action="append",
+        type=_event_kind,
+        help="only this kind (cause or event kind; repeat for several)",
+    )
     p.add_argument("--since", type=int, default=1, metavar="SEQ", help="start at this sequence")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(fn=cmd_events)

@@ -9,7 +9,7 @@ changes nothing.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -225,3 +225,10 @@ def record_kind(record: StateRecord) -> str:
     if isinstance(record, NodeEventRecorded):
         return record.event.kind
     return record.cause.kind.value
+
+
+def record_kinds() -> tuple[str, ...]:
+    """Every kind `record_kind` can return, sorted."""
+    members = get_args(get_args(NodeEvent)[0])
+    events = {str(member.model_fields["kind"].default) for member in members}
+    return tuple(sorted(events | {kind.value for kind in CauseKind}))

@@ -251,3 +251,12 @@ def test_arguments_a_request_refuses_are_named_not_a_traceback(
     assert main([*argv, "--nats", nats_server.url]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_an_event_kind_that_does_not_exist_is_refused_with_the_kinds_there_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["events", "--kind", "node_dained"])
+    err = capsys.readouterr().err
+    assert "no kind 'node_dained'; the kinds are " in err and "node_drained" in err

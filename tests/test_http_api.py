@@ -130,6 +130,7 @@ async def test_invalid_requests_get_the_nats_apis_errors(
         ("GET", "/v1/jobs?state=SLEEPING", 400, "states"),
         ("POST", "/v1/jobs", 400, "invalid submit request"),  # no body
         ("GET", "/v1/events?since=0", 400, "since"),
+        ("GET", "/v1/events?kind=node_drained&kind=bogus", 400, "no kind 'bogus'"),
         ("GET", "/v1/nowhere", 404, "Not Found"),
         ("DELETE", "/v1/jobs", 405, "Not Allowed"),
     ]

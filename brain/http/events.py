@@ -33,6 +33,7 @@ from schemas.state import (
     StateRecord,
     record_job_id,
     record_kind,
+    record_kinds,
     record_node,
 )
 
@@ -85,6 +86,10 @@ def parse_query(request: web.Request) -> EventQuery:
     follow = query.get("follow", "true")
     if follow not in ("true", "false"):
         raise BadEventQuery(f"follow must be true or false, not {follow!r}")
+    kinds = frozenset(k for k in query.getall("kind", []) if k)
+    unknown = sorted(kinds - set(record_kinds()))
+    if unknown:
+        raise BadEventQuery(f"no kind {unknown[0]!r}; the kinds are {', '.join(record_kinds())}")
     return EventQuery(
         since=since,
         tail=_int_param(query.get("tail"), "tail", minimum=0),
@@ -92,7 +97,7 @@ def parse_query(request: web.Request) -> EventQuery:
         format="sse" if wants_sse else "ndjson",
         job=query.get("job") or None,
         node=query.get("node") or None,
-        kinds=frozenset(k for k in query.getall("kind", []) if k),
+        kinds=kinds,
     )
 
 
