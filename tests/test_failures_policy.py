@@ -4,10 +4,12 @@ the retry stage of `decide` (back-off and avoided nodes). No bus."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
 from brain.core import ClusterSnapshot, Grant, JobView, NodeView, Place, Wait, decide
+from brain.core.decide import AVOIDANCE_RELEASED, Policy
 from brain.core.failures import (
     AttemptEnd,
     FailurePolicy,
@@ -17,6 +19,7 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
+from brain.core.model import Demand
 from cli import failures as failures_cli
 from schemas.errors import AlnairError
 from schemas.jobs import AttemptFailure, FailureClass, JobState
@@ -200,10 +203,52 @@ def test_decide_waits_out_back_off_and_avoids_failed_nodes() -> None:
     assert place == Place("2", (Grant("n2", (0, 1)),), place.cause)
     later = decide(ClusterSnapshot(nodes=nodes, pending=(backing_off,)), 60.0)
     assert [p.job_id for p in later.placements] == ["1"]
-    only_n1 = decide(ClusterSnapshot(nodes=nodes[:1], pending=(avoiding,)), 60.0)
-    assert not only_n1.placements
-    (wait,) = only_n1.waits
+    n2_busy = (nodes[0], NodeView("n2", (0, 1), frozenset()))
+    waits_for_n2 = decide(ClusterSnapshot(nodes=n2_busy, pending=(avoiding,)), 60.0)
+    assert not waits_for_n2.placements
+    (wait,) = waits_for_n2.waits
     assert "avoiding n1" in wait.reason
+
+
+def _gpus(name: str, count: int, model: str = "NVIDIA H100") -> NodeView:
+    return NodeView(name, tuple(range(count)), frozenset(range(count)), model=model)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "job", "placed_on"),
+    [
+        pytest.param((_gpus("n1", 2),), JobView("j", 2, 0.0), "n1", id="a one-node cluster"),
+        pytest.param(
+            (_gpus("n1", 8), _gpus("n2", 8)),
+            JobView("j", 16, 0.0),
+            "n1+n2",
+            id="a whole-cluster gang",
+        ),
+        pytest.param(
+            (_gpus("n1", 2, "NVIDIA A100"), _gpus("n2", 2)),
+            JobView("j", 1, 0.0, demand=Demand(gpu_milli=500, gpu_types=("A100",))),
+            "n1",
+            id="the only node of its GPU type",
+        ),
+        pytest.param(
+            (_gpus("n1", 8), _gpus("n2", 4)),
+            JobView("j", 8, 0.0, min_gpus=4, max_gpus=8),
+            "n2",
+            id="elastic, sized by a stage: its minimum fits elsewhere",
+        ),
+        pytest.param(
+            (_gpus("n1", 8), _gpus("n2", 4)), JobView("j", 8, 0.0), "n1", id="rigid: it does not"
+        ),
+    ],
+)
+def test_a_retried_job_goes_back_to_where_it_failed_only_when_nothing_else_could_run_it(
+    nodes: tuple[NodeView, ...], job: JobView, placed_on: str
+) -> None:
+    avoiding = replace(job, avoid_nodes=frozenset({"n1"}))
+    policy = Policy(elasticity="marginal-gain")
+    (place,) = decide(ClusterSnapshot(nodes=nodes, pending=(avoiding,)), 60.0, policy).placements
+    assert "+".join(g.node for g in place.grants) == placed_on
+    assert (AVOIDANCE_RELEASED in place.cause) == ("n1" in placed_on)
 
 
 def test_brain_flags_make_the_failure_policy() -> None:

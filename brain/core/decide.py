@@ -4,6 +4,8 @@ Synchronous, deterministic, no I/O, no clock and no randomness of its own: the l
 brain and the trace simulator call this very function. The pipeline is fixed; which
 ordering, placement and preemption run are plugins named in the `Policy`:
 
+0. retries    — a job retried after a failure waits out its back-off, and avoids the
+                nodes it failed on while any other node could ever run it;
 1. ordering   — rank every runnable job, pending and running (`ORDERINGS`);
 2. admission  — each job's standing against its queue's quota (`quota.standings_in_order`);
 3. selection  — walk jobs by (standing, preemption hold, starvation, rank) and keep
@@ -41,6 +43,7 @@ from brain.core.model import (
     Decisions,
     Grant,
     JobView,
+    NodeView,
     Outranked,
     Place,
     Placed,
@@ -75,10 +78,14 @@ from brain.core.shares import (
     describe_demand,
     hosting,
     memory_pressure,
+    never_fits,
     shared_gpus_held,
 )
 from brain.core.sharing import SHARING_PLUGINS
 from schemas.errors import AlnairError
+
+# A retried job placed back on a node it failed on, said after its placement's notes.
+AVOIDANCE_RELEASED: Final = "on a node it failed on: no other node could ever run it"
 
 
 class UnknownPlugin(AlnairError, KeyError):
@@ -237,6 +244,8 @@ class _Cycle:
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
     elastic: ElasticStage | None = None
     shares: SharePlacer | None = None
+    # Retried jobs that may go back to the nodes they failed on (`_avoidance_stage`).
+    unavoided: AbstractSet[str] = frozenset()
     # Does any job of the cycle ask a share, a GPU type, CPUs or memory? Without one,
     # the sharing machinery has nothing to say and is skipped.
     sharing: bool = True
@@ -553,6 +562,8 @@ def _placed(
         colocated = sharer.colocated_with(grants)
         extra = (describe_demand(job, cycle.policy.share_placement),)
         extra += (colocated,) if colocated is not None else ()
+    if job.job_id in cycle.unavoided:
+        extra += (AVOIDANCE_RELEASED,)
     said = (entry.ranked.label, entry.starving, entry.standing, job.queue)
     noted = notes.get(said)
     if noted is None:
@@ -593,6 +604,42 @@ def _retry_stage(
     backing_off = {w.job_id for w in waits}
     eligible = tuple(j for j in snapshot.pending if j.job_id not in backing_off)
     return replace(snapshot, pending=eligible), waits, wakes
+
+
+def _avoidance_stage(
+    snapshot: ClusterSnapshot, sizes_elastic: bool
+) -> tuple[ClusterSnapshot, frozenset[str]]:
+    """A retried job avoids the nodes it failed on (`JobView.avoid_nodes`), unless no
+    other node could ever run it: too few GPUs on the others together for its size (an
+    elastic job's minimum, when an elasticity stage sizes it), or, for a job with a
+    demand, none of them that satisfies it.
+    Then avoiding them would keep it waiting for ever (a one-node cluster; a gang as
+    large as the cluster), and it may go back. Returns the snapshot with those jobs'
+    views avoiding nothing, and their ids."""
+    if not any(job.avoid_nodes for job in snapshot.pending):
+        return snapshot, frozenset()
+    released: list[str] = []
+    pending: list[JobView] = []
+    for job in snapshot.pending:
+        if job.avoid_nodes:
+            others = [n for n in snapshot.nodes if n.name not in job.avoid_nodes]
+            if not _could_ever_run(job, others, sizes_elastic):
+                released.append(job.job_id)
+                job = replace(job, avoid_nodes=frozenset())
+        pending.append(job)
+    if not released:
+        return snapshot, frozenset()
+    return replace(snapshot, pending=tuple(pending)), frozenset(released)
+
+
+def _could_ever_run(job: JobView, nodes: Sequence[NodeView], sizes_elastic: bool) -> bool:
+    """Could `nodes`, every GPU of them free, run `job`?"""
+    if not nodes:
+        return False
+    if job.demand is not None:
+        return never_fits(job.demand, job.gpus, nodes) is None
+    need = job.min_gpus if sizes_elastic and job.min_gpus is not None else job.gpus
+    return sum(len(n.gpus) for n in nodes) >= need
 
 
 def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
@@ -771,6 +818,7 @@ def _decide(
     )
     snapshot, backoff_waits, backoff_wakes = _retry_stage(snapshot, now)
     estimate = ELASTICITIES.get(policy.elasticity)
+    snapshot, unavoided = _avoidance_stage(snapshot, sizes_elastic=estimate is not None)
     if policy.elasticity not in ELASTICITIES:
         policy.validate()
     stage: ElasticStage | None = None
@@ -805,6 +853,7 @@ def _decide(
         sharing=_any_demand(jobs),
         waits=waits,
         explain=explain,
+        unavoided=unavoided,
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
     entries = _entries(by_rank, snapshot, jobs, now, policy, hold)
