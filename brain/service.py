@@ -71,6 +71,7 @@ from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
     FailurePolicy,
 )
+from brain.core.model import gpus_said
 from brain.core.shares import never_fits
 from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
 from brain.credentials import JobCredentials, load_signer
@@ -946,7 +947,7 @@ class Brain:
             nodes = len(self.state.nodes)
             raise ApiError(
                 "invalid",
-                f"job asks for {spec.gpus} GPUs but the cluster has {total} "
+                f"job asks for {gpus_said(spec.gpus)} but the cluster has {total} "
                 f"({nodes} node{'' if nodes == 1 else 's'}, at most {largest} on one node)",
             )
         demand = job_demand(spec)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brain.core import Grant, NodeView, Policy, decide
+from brain.core.model import gpus_said
 from brain.core.placement import (
     Fit,
     FreeGpus,
@@ -72,11 +73,11 @@ class Reference:
                 return Fit(anywhere)
         elif total >= gpus:
             return NoFit(
-                f"waiting for {gpus} GPUs on {preferred} node(s) under one switch "
+                f"waiting for {gpus_said(gpus)} on {preferred} node(s) under one switch "
                 f"({total} free, but scattered)"
             )
         capacity = sum(self.capacity.values())
-        return NoFit(f"needs {gpus} GPUs; {total} free of {capacity} schedulable")
+        return NoFit(f"needs {gpus_said(gpus)}; {total} free of {capacity} schedulable")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from brain.core.model import (
     QuotaReclaim,
     Resize,
     Wait,
+    gpus_said,
 )
 from brain.core.ordering import (
     ORDERINGS,
@@ -456,18 +457,18 @@ def _pending_wait_reason(
 ) -> str | None:
     job = entry.job
     # An elastic job (with an elasticity stage) needs its minimum.
-    needs = f"at least {need}" if need != job.gpus else str(need)
+    needs = f"at least {gpus_said(need)}" if need != job.gpus else gpus_said(need)
     if entry.standing is Standing.HELD:
         return f"queue {job.queue} is at its fixed quota (build jobs do not borrow)"
     if need > capacity:
-        return f"needs {needs} GPUs; the cluster has {capacity} schedulable"
+        return f"needs {needs}; the cluster has {capacity} schedulable"
     if blocked_by is not None:
         return f"queued behind {blocked_by}"
     if need > budget:
         # An order whose rank says nothing more than its name (fifo) is named once.
         label = entry.ranked.label
         ranked = policy.order if label == policy.order else f"{label}, {policy.order}"
-        return f"needs {needs} GPUs; {max(budget, 0)} left after higher-ranked jobs ({ranked})"
+        return f"needs {needs}; {max(budget, 0)} left after higher-ranked jobs ({ranked})"
     return None
 
 

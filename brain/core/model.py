@@ -229,6 +229,11 @@ class ClusterSnapshot:
     service_by_class: ServiceByClass | None = None
 
 
+def gpus_said(count: int) -> str:
+    """`1 GPU`, `2 GPUs`."""
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
+
+
 def describe_grants(grants: tuple[Grant, ...]) -> str:
     """`node0[0,1], node1[3]`: where a job's GPUs are, for an operator."""
     if len(grants) == 1:

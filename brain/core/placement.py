@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Final
 
-from brain.core.model import Grant, NodeView
+from brain.core.model import Grant, NodeView, gpus_said
 from brain.core.record import record
 
 
@@ -419,10 +419,10 @@ def consolidate(request: PlacementRequest, free: FreeGpus) -> PlacementResult:
                 return Fit(anywhere)
     if not request.may_spread and total >= gpus:
         return NoFit(
-            f"waiting for {gpus} GPUs on {preferred} node(s) under one switch "
+            f"waiting for {gpus_said(gpus)} on {preferred} node(s) under one switch "
             f"({total} free, but scattered)"
         )
-    return NoFit(f"needs {gpus} GPUs; {total} free of {free.total_capacity()} schedulable")
+    return NoFit(f"needs {gpus_said(gpus)}; {total} free of {free.total_capacity()} schedulable")
 
 
 PLACEMENTS: Final[dict[str, Placement]] = {"consolidate": consolidate}

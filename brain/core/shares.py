@@ -33,6 +33,7 @@ from brain.core.model import (
     MemoryPressure,
     NodeView,
     Preempt,
+    gpus_said,
 )
 from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
 from brain.core.sharing import (
@@ -72,7 +73,7 @@ def allowed_models(types: Sequence[str], models: Iterable[str]) -> frozenset[str
 def _gpus_asked(demand: Demand, gpus: int) -> str:
     if demand.fractional:
         return f"{demand.gpu_milli / GPU_MILLI:g} of a GPU"
-    return f"{gpus} GPU{'s' if gpus != 1 else ''}"
+    return gpus_said(gpus)
 
 
 def describe_demand(job: JobView, plugin: str) -> str:
