@@ -613,10 +613,9 @@ def _avoidance_stage(
     """A retried job avoids the nodes it failed on (`JobView.avoid_nodes`), unless no
     other node could ever run it: too few GPUs on the others together for its size (an
     elastic job's minimum, when an elasticity stage sizes it), or, for a job with a
-    demand, none of them that satisfies it.
-    Then avoiding them would keep it waiting for ever (a one-node cluster; a gang as
-    large as the cluster), and it may go back. Returns the snapshot with those jobs'
-    views avoiding nothing, and their ids."""
+    demand, none of them that satisfies it. Avoiding them would then keep it waiting
+    for ever (a one-node cluster; a gang as large as the cluster), so it may go back.
+    Returns the snapshot with those jobs' views avoiding nothing, and their ids."""
     if not any(job.avoid_nodes for job in snapshot.pending):
         return snapshot, frozenset()
     released: list[str] = []

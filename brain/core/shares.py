@@ -115,7 +115,7 @@ def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | No
     need = 1 if demand.fractional else gpus
     # (field, asked, what a node has, how to say an amount of it)
     checks: tuple[tuple[str, int, Callable[[NodeView], int], Callable[[int], str]], ...] = (
-        ("gpus", need, lambda n: len(n.gpus), "{} GPUs".format),
+        ("gpus", need, lambda n: len(n.gpus), gpus_said),
         (
             "gpu_memory_mib",
             demand.gpu_memory_mib,

@@ -26,6 +26,7 @@ from brain.core import (
 )
 from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, UnknownPlugin
 from brain.core.elastic import ELASTICITIES
+from brain.core.model import gpus_said
 from brain.core.sharing import SHARING_PLUGINS
 from brain.queues import QueueConfigError, checked, load_queues, parse_quota
 from brain.queues import describe as describe_queues
@@ -486,7 +487,7 @@ def never_finished(trace: Sequence[TraceJob], result: SimResult, *, named: int =
     def say(job_id: str) -> str:
         asked = gpus.get(job_id)
         if asked is not None and asked > capacity:
-            return f"{job_id} (asks {asked} GPUs; the cluster has {capacity})"
+            return f"{job_id} (asks {gpus_said(asked)}; the cluster has {capacity})"
         return job_id
 
     unfinished = result.unfinished
