@@ -402,6 +402,18 @@ def test_fifo_never_preempts_and_names_the_blocking_job() -> None:
     decisions = decide(snapshot, 5, Policy(order="fifo"))
     assert preempted(decisions) == set()
     assert waiting(decisions)["next"] == "queued behind an earlier job that does not fit yet (fifo)"
+    # fifo's rank says nothing more than its name: it is named once.
+    assert waiting(decisions)["head"] == "needs 2 GPUs; 1 left after higher-ranked jobs (fifo)"
+
+
+def test_a_wait_counts_one_gpu_in_the_singular() -> None:
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2, 3)),
+        pending_jobs=(pending("one", 1, at=1),),
+        running_jobs=(running("r", "n0", (0, 1, 2, 3)),),
+    )
+    reason = waiting(decide(snapshot, 5, Policy(order="fifo")))["one"]
+    assert reason == "needs 1 GPU; 0 left after higher-ranked jobs (fifo)"
 
 
 def test_las_reports_band_changes_and_when_to_wake() -> None:
