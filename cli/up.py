@@ -272,6 +272,10 @@ async def _wait_ready(
         await bus.close()
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 async def _wait_listening(address: str, timeout_s: float = 30.0) -> None:
     """The leader listens on the HTTP address once it leads: wait until it does."""
     from brain.http import parse_address
@@ -516,8 +520,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
         )
         await _wait_listening(http)
         print(
-            f"\nalnair up: ready. NATS {nats_urls}, {len(brains)} brain(s) + {len(agents)} "
-            f"nodes, {gpus} GPUs "
+            f"\nalnair up: ready. NATS {nats_urls}, {_count(len(brains), 'brain')} + "
+            f"{_count(len(agents), 'node')}, {_count(gpus, 'GPU')} "
             f"({spec}). State and logs in {home}.\n"
             f"  HTTP API {http_url} (tokens in {tokens_path})\n"
             f"  dashboard: {http_url}/#token={operator_token}\n"
