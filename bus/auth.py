@@ -33,6 +33,7 @@ import nkeys
 from bus.natsjwt import Permissions
 from schemas import subjects
 from schemas.base import check_name
+from schemas.errors import BusError
 
 Role = Literal["brain", "node", "job", "tenant", "operator"]
 OPERATOR: Final = "operator"
@@ -48,6 +49,8 @@ class Identity:
     name: str
     public_key: str
     seed_path: Path
+    # Read from a seed already there (`keep`), not made now.
+    kept: bool = False
 
     @property
     def inbox_prefix(self) -> str | None:
@@ -63,15 +66,41 @@ def write_private(path: Path, data: str | bytes) -> None:
     path.chmod(0o600)  # an existing file keeps its mode through os.open
 
 
-def create_identity(role: Role, name: str, directory: Path) -> Identity:
-    """A new user nkey; the seed is written readable by its owner only."""
+def create_identity(role: Role, name: str, directory: Path, *, keep: bool = False) -> Identity:
+    """A new user nkey, the seed written readable by its owner only; with `keep`, the
+    one whose seed is already there, if any."""
     check_name(role, name)
+    path = directory / f"{role}-{name}.nk"
+    if keep:
+        public = _existing_public_key(path, nkeys.PREFIX_BYTE_USER)
+        if public is not None:
+            return Identity(role, name, public, path, kept=True)
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
     public = nkeys.from_seed(seed).public_key.decode()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{role}-{name}.nk"
     write_private(path, seed)
     return Identity(role, name, public, path)
+
+
+def _existing_public_key(path: Path, prefix: int) -> str | None:
+    """The public key of the seed in `path`, None if there is no file; a file that
+    holds no seed of this kind is refused rather than replaced (it may be in use)."""
+    try:
+        seed = path.read_bytes().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise BusError(f"{path}: cannot read it: {error.strerror or error}") from None
+    kind = "an account" if prefix == nkeys.PREFIX_BYTE_ACCOUNT else "a user"
+    try:
+        public = str(nkeys.from_seed(seed).public_key.decode())
+    except Exception:  # nkeys raises several kinds for a malformed seed
+        public = ""
+    if not public.startswith("A" if prefix == nkeys.PREFIX_BYTE_ACCOUNT else "U"):
+        raise BusError(
+            f"{path}: not {kind} nkey seed; move it away, or make every identity anew with --rotate"
+        )
+    return public
 
 
 def _node_permissions(node: str) -> tuple[list[str], list[str]]:
@@ -170,12 +199,17 @@ def job_permissions(job_id: str, attempt: int) -> Permissions:
     return Permissions(publish, subscribe, allow_responses=True)
 
 
-def create_callout_key(directory: Path) -> tuple[str, Path]:
-    """The account nkey the brain signs job users with (auth callout): (public, seed)."""
+def create_callout_key(directory: Path, *, keep: bool = False) -> tuple[str, Path]:
+    """The account nkey the brain signs job users with (auth callout): (public, seed);
+    with `keep`, the one already there, if any."""
+    path = directory / CALLOUT_SEED_FILE
+    if keep:
+        public = _existing_public_key(path, nkeys.PREFIX_BYTE_ACCOUNT)
+        if public is not None:
+            return public, path
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_ACCOUNT)
     public = nkeys.from_seed(seed).public_key.decode()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / CALLOUT_SEED_FILE
     write_private(path, seed)
     return public, path
 
@@ -205,21 +239,40 @@ def authorization_block(identities: list[Identity], callout_issuer: str | None =
 
 
 def write_cluster_keys(
-    directory: Path, *, nodes: list[str], tenants: list[str], brains: int = 1
+    directory: Path,
+    *,
+    nodes: list[str],
+    tenants: list[str],
+    brains: int = 1,
+    keep: bool = False,
 ) -> tuple[list[Identity], Path]:
-    """Identities for a whole cluster and the server config file admitting them."""
-    identities = [create_identity("brain", f"brain-{i + 1}", directory) for i in range(brains)]
-    identities += [create_identity("node", node, directory) for node in nodes]
-    identities += [create_identity("job", node, directory) for node in nodes]
-    identities += [create_identity("tenant", tenant, directory) for tenant in tenants]
-    identities.append(create_identity("operator", OPERATOR, directory))
-    issuer, _ = create_callout_key(directory)
+    """Identities for a whole cluster and the server config file admitting exactly
+    them. With `keep`, an identity (and the callout key) whose seed is already in
+    `directory` is kept, so that adding a node leaves every other host's seed valid."""
+    if OPERATOR in tenants:
+        raise BusError(f"{OPERATOR!r} is the operator's identity, not a tenant's name")
+
+    def made(role: Role, name: str) -> Identity:
+        return create_identity(role, name, directory, keep=keep)
+
+    identities = [made("brain", f"brain-{i + 1}") for i in range(brains)]
+    identities += [made("node", node) for node in nodes]
+    identities += [made("job", node) for node in nodes]
+    identities += [made("tenant", tenant) for tenant in tenants]
+    identities.append(made("operator", OPERATOR))
+    issuer, _ = create_callout_key(directory, keep=keep)
     config = directory / "nats-auth.conf"
     config.write_text(
         "# Generated by `alnair keys`: who may connect to NATS and what each may do.\n"
         + authorization_block(identities, issuer)
     )
     return identities, config
+
+
+def unlisted_seeds(directory: Path, identities: list[Identity]) -> list[Path]:
+    """Seeds in `directory` of identities the config no longer admits."""
+    listed = {identity.seed_path.name for identity in identities} | {CALLOUT_SEED_FILE}
+    return sorted(p for p in directory.glob("*.nk") if p.name not in listed)
 
 
 def inbox_prefix_for_seed(path: str | Path) -> str | None:

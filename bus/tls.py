@@ -170,25 +170,37 @@ def _leaf(
         ext.unlink(missing_ok=True)
 
 
-def write_tls_files(directory: Path, *, hosts: tuple[str, ...] = ()) -> TlsFiles:
+def write_tls_files(
+    directory: Path, *, hosts: tuple[str, ...] = (), keep: bool = False
+) -> TlsFiles:
     """A new CA, a server certificate valid for `hosts` (plus localhost and the
     loopback addresses) and a client certificate, in `directory`. Keys are written
-    readable by their owner only; the CA key stays in `directory` to sign more."""
+    readable by their owner only; the CA key stays in `directory` to sign more.
+
+    With `keep`, a CA already there (certificate and key) is kept, and with it the
+    client certificate and the job issuer where they are there too: only the server
+    certificate is made again (for `hosts`, which may have changed), so that no
+    client's files change."""
     openssl = openssl_binary()
     san = _san((*hosts, *DEFAULT_HOSTS))
     directory.mkdir(parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     files = TlsFiles.in_dir(directory)
-    _run(
-        [
-            *[openssl, "req", "-x509", "-new", "-nodes", "-newkey", "ec"],
-            *["-pkeyopt", f"ec_paramgen_curve:{CURVE}", "-keyout", "ca-key.pem"],
-            *["-out", "ca.pem", "-days", str(CA_DAYS), "-sha256", "-subj", "/CN=Alnair NATS CA"],
-            *["-addext", "basicConstraints=critical,CA:TRUE"],
-            *["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ],
-        directory,
-    )
+    issuer = JobIssuer.in_dir(directory)
+    ca_key = directory / "ca-key.pem"
+    keep = keep and files.ca.is_file() and ca_key.is_file()
+    if not keep:
+        _run(
+            [
+                *[openssl, "req", "-x509", "-new", "-nodes", "-newkey", "ec"],
+                *["-pkeyopt", f"ec_paramgen_curve:{CURVE}", "-keyout", "ca-key.pem"],
+                *["-out", "ca.pem", "-days", str(CA_DAYS), "-sha256"],
+                *["-subj", "/CN=Alnair NATS CA"],
+                *["-addext", "basicConstraints=critical,CA:TRUE"],
+                *["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+            ],
+            directory,
+        )
     leaf = "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
     _leaf(
         openssl,
@@ -199,25 +211,26 @@ def write_tls_files(directory: Path, *, hosts: tuple[str, ...] = ()) -> TlsFiles
         # clientAuth too: a server presents this certificate on its cluster routes.
         extensions=leaf + f"extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName={san}\n",
     )
-    _leaf(
-        openssl,
-        directory,
-        cert=files.client_cert,
-        key=files.client_key,
-        subject="/CN=alnair-client",
-        extensions=leaf + "extendedKeyUsage=clientAuth\n",
-    )
-    issuer = JobIssuer.in_dir(directory)
-    _leaf(
-        openssl,
-        directory,
-        cert=issuer.cert,
-        key=issuer.key,
-        subject="/CN=Alnair job issuer",
-        extensions="basicConstraints=critical,CA:TRUE,pathlen:0\n"
-        "keyUsage=critical,keyCertSign\nextendedKeyUsage=clientAuth\n",
-    )
-    for private in (directory / "ca-key.pem", files.server_key, files.client_key, issuer.key):
+    if not (keep and files.client_cert.is_file() and files.client_key.is_file()):
+        _leaf(
+            openssl,
+            directory,
+            cert=files.client_cert,
+            key=files.client_key,
+            subject="/CN=alnair-client",
+            extensions=leaf + "extendedKeyUsage=clientAuth\n",
+        )
+    if not (keep and issuer.cert.is_file() and issuer.key.is_file()):
+        _leaf(
+            openssl,
+            directory,
+            cert=issuer.cert,
+            key=issuer.key,
+            subject="/CN=Alnair job issuer",
+            extensions="basicConstraints=critical,CA:TRUE,pathlen:0\n"
+            "keyUsage=critical,keyCertSign\nextendedKeyUsage=clientAuth\n",
+        )
+    for private in (ca_key, files.server_key, files.client_key, issuer.key):
         os.chmod(private, 0o600)
     (directory / "ca.srl").unlink(missing_ok=True)
     return files

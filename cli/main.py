@@ -728,7 +728,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from bus.auth import CALLOUT_SEED_FILE, write_cluster_keys
+    from bus.auth import CALLOUT_SEED_FILE, unlisted_seeds, write_cluster_keys
     from bus.server import route_url, write_route_authorization
 
     names = [n for n in args.nodes.split(",") if n]
@@ -739,20 +739,27 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
         check_hosts(hosts)  # before anything is written
         openssl_binary()
+    keep = not args.rotate
     identities, config = write_cluster_keys(
-        Path(args.dir), nodes=names, tenants=tenants, brains=args.brains
+        Path(args.dir), nodes=names, tenants=tenants, brains=args.brains, keep=keep
     )
     for identity in identities:
-        print(f"{identity.role:<8} {identity.name:<16} {identity.public_key}  {identity.seed_path}")
+        made = "kept" if identity.kept else "new "
+        print(
+            f"{identity.role:<8} {identity.name:<16} {made} {identity.public_key}  "
+            f"{identity.seed_path}"
+        )
     print(f"callout  (brains' --callout-seed)  {Path(args.dir) / CALLOUT_SEED_FILE}")
     print(f"server config: {config}  (include it from nats-server.conf)")
+    for seed in unlisted_seeds(Path(args.dir), identities):
+        print(f"not admitted any more: {seed} (not listed this time; delete it, or list it)")
     routes, secret = write_route_authorization(Path(args.dir))
     print(f"route password: {routes}  (include it in cluster {{}}; routes as")
     print(f"               {route_url('HOST', 6222, secret)})")
     if args.tls:
         from bus.tls import JobIssuer, write_tls_config, write_tls_files
 
-        files = write_tls_files(Path(args.dir).resolve() / "tls", hosts=hosts)
+        files = write_tls_files(Path(args.dir).resolve() / "tls", hosts=hosts, keep=keep)
         tls_config = write_tls_config(files, Path(args.dir) / "nats-tls.conf")
         print(f"TLS CA:        {files.ca}")
         print(f"server cert:   {files.server_cert} (key {files.server_key})")
@@ -1041,6 +1048,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="names and addresses of the NATS servers, comma-separated, for the server "
         "certificate (localhost and the loopback addresses are always in it)",
+    )
+    p.add_argument(
+        "--rotate",
+        action="store_true",
+        help="make every identity, the callout key and (with --tls) the CA and "
+        "certificates anew; without it, those already in DIR are kept and only what is "
+        "missing is made (the server certificate is always made again)",
     )
     p.set_defaults(fn=cmd_keys, sync=True)
 

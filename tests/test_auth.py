@@ -32,6 +32,7 @@ from schemas.api import (
     ResizeRequest,
     StatusRequest,
 )
+from schemas.errors import BusError
 from schemas.jobs import JobRecord, JobSpec, JobState
 from tests.conftest import elastic_train_spec, eventually
 
@@ -357,3 +358,46 @@ async def test_unknown_key_cannot_connect(secure_server, tmp_path) -> None:
     del refused
     gc.collect()  # collect the refused transport here, under this test's filters
     assert "authorization" in said or "noservers" in said.replace(" ", ""), said
+
+
+async def test_keys_made_again_keep_every_identity_already_there(tmp_path: Path) -> None:
+    """Adding a node with `alnair keys` leaves every other host's seed valid; an identity
+    not listed any more is no longer admitted; --rotate makes every one anew."""
+    from bus.auth import unlisted_seeds
+
+    directory = tmp_path / "keys"
+    first, _ = write_cluster_keys(directory, nodes=["n1"], tenants=["a", "b"], keep=True)
+    again, config = write_cluster_keys(directory, nodes=["n1", "n2"], tenants=["a"], keep=True)
+    before = {(i.role, i.name): i.public_key for i in first}
+    kept = {(i.role, i.name): i.kept for i in again}
+    assert kept[("node", "n1")] and kept[("brain", "brain-1")] and kept[("operator", "operator")]
+    assert not kept[("node", "n2")]
+    assert all(before[(i.role, i.name)] == i.public_key for i in again if i.kept)
+    assert unlisted_seeds(directory, again) == [directory / "tenant-b.nk"]
+
+    server = EmbeddedNats(data_dir=tmp_path / "nats", config_file=config)
+    server.start()
+    try:
+        by_name = {(i.role, i.name): i for i in again}
+        for who in (("node", "n1"), ("node", "n2")):  # the kept seed and the new one
+            bus = await open_as(server, by_name[who])
+            await bus.close()
+    finally:
+        server.stop()
+
+    rotated, _ = write_cluster_keys(directory, nodes=["n1", "n2"], tenants=["a"])
+    assert not any(i.kept for i in rotated)
+    assert all(before.get((i.role, i.name)) != i.public_key for i in rotated)
+
+
+def test_keys_refuse_a_seed_file_they_cannot_read_and_a_tenant_named_operator(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "keys"
+    write_cluster_keys(directory, nodes=["n1"], tenants=["a"], keep=True)
+    (directory / "node-n1.nk").write_text("not a seed\n")
+    with pytest.raises(BusError, match=r"node-n1\.nk: not a user nkey seed"):
+        write_cluster_keys(directory, nodes=["n1"], tenants=["a"], keep=True)
+    with pytest.raises(BusError, match="'operator' is the operator's identity"):
+        write_cluster_keys(tmp_path / "other", nodes=[], tenants=["operator"])
+    assert not (tmp_path / "other").exists()

@@ -118,3 +118,27 @@ def test_bad_tls_settings_are_named(tmp_path: Path, tls_files: TlsFiles) -> None
         tls_context(ConnectOptions(servers=(), name="x", tls_ca=missing))
     with pytest.raises(BusError, match=r"invalid TLS host 'nats://h:4222'"):
         write_tls_files(tmp_path / "t", hosts=("nats://h:4222",))
+
+
+async def test_certificates_made_again_keep_the_ca_and_every_clients_files(
+    tmp_path: Path,
+) -> None:
+    """A NATS host added to --tls-hosts gets a new server certificate from the same CA:
+    clients keep the files they have."""
+    directory = tmp_path / "tls"
+    first = write_tls_files(directory, hosts=("nats-1.example",), keep=True)
+    kept_paths = (first.ca, first.client_cert, first.client_key, directory / "jobs-ca.pem")
+    before = {path: path.read_bytes() for path in (*kept_paths, first.server_cert)}
+    again = write_tls_files(directory, hosts=("nats-1.example", "nats-2.example"), keep=True)
+    assert all(path.read_bytes() == before[path] for path in kept_paths)
+    assert again.server_cert.read_bytes() != before[first.server_cert]
+
+    server = EmbeddedNats(data_dir=tmp_path / "nats", tls=again)
+    server.start()
+    try:
+        bus = await Bus.connect(tls_options(server, first))  # the client's old files
+        await bus.close()
+    finally:
+        server.stop()
+    rotated = write_tls_files(directory, hosts=("nats-1.example",))
+    assert rotated.ca.read_bytes() != before[first.ca]
