@@ -594,24 +594,16 @@ async def _serve_until_signalled(
 
 
 async def cmd_brain(args: argparse.Namespace) -> int:
-    from brain.core import Policy
     from brain.core.collector import tune_for_a_service
     from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
     from brain.queues import load_queues
     from brain.service import Brain, BrainConfig
     from brain.tenants import load_tenant_map
     from bus.client import Bus, ConnectOptions
+    from cli.up import policy_of
 
     config = BrainConfig(
-        policy=Policy(
-            order=args.policy,
-            share_placement=args.share_placement,
-            elasticity=args.elasticity,
-            elastic_resize_interval_s=args.elastic_resize_interval,
-            elastic_payback=args.elastic_payback,
-            elastic_reprobe_s=args.elastic_reprobe,
-            elastic_may_spread=not args.elastic_one_node,
-        ).validate(),
+        policy=policy_of(args),
         node_timeout_s=args.node_timeout,
         fence_margin_s=args.fence_margin,
         keep_disconnected_s=args.keep_disconnected,

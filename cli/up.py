@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents.gpu import probe_nvml
-from brain.core import DEFAULT_POLICY
+from agents.gpu import open_backend, probe_nvml
+from brain.core import DEFAULT_POLICY, Policy
 from bus.server import EmbeddedCluster, EmbeddedNats, check_cluster_size, dies_with_parent
 from cli.config import ClusterInfo, TlsSettings, alnair_home, read_cluster, remove_cluster_file
 from schemas.api import OPERATOR_TENANT
@@ -88,11 +88,34 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def policy_of(args: argparse.Namespace) -> Policy:
+    """The brain's policy from `add_policy_args`' flags; raises naming a bad one."""
+    return Policy(
+        order=args.policy,
+        share_placement=args.share_placement,
+        elasticity=args.elasticity,
+        elastic_resize_interval_s=args.elastic_resize_interval,
+        elastic_payback=args.elastic_payback,
+        elastic_reprobe_s=args.elastic_reprobe,
+        elastic_may_spread=not args.elastic_one_node,
+    ).validate()
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return count
+
+
 def add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start the one-machine cluster: NATS, a brain, agents")
     p.add_argument(
         "--nodes",
-        type=int,
+        type=_at_least_one,
         default=None,
         help="simulated nodes to start (default 4; real GPUs: one node)",
     )
@@ -126,7 +149,7 @@ def add_up_parser(sub: Any) -> None:
     add_policy_args(p)
     p.add_argument(
         "--brains",
-        type=int,
+        type=_at_least_one,
         default=1,
         help="brains to run: one leads, the others stand by to take over (default 1)",
     )
@@ -185,6 +208,7 @@ def plan_agents(args: argparse.Namespace) -> tuple[str, list[str]]:
         if args.nodes not in (None, 1):
             raise AlnairError("--gpus nvml runs one node: this machine's GPUs")
         return spec, [node_name_for_host()]
+    open_backend(spec, node="node-1")  # a spec no agent could run, refused here
     return spec, [f"node-{i}" for i in range(1, (args.nodes or 4) + 1)]
 
 
@@ -337,7 +361,7 @@ def _plan_keys(args: argparse.Namespace, home: Path, node_names: list[str]) -> C
 
     tenants = ["default"]
     identities, config = write_cluster_keys(
-        home / "keys", nodes=node_names, tenants=tenants, brains=max(1, args.brains)
+        home / "keys", nodes=node_names, tenants=tenants, brains=args.brains
     )
     by_role: dict[str, list[str]] = {}
     for identity in identities:
@@ -431,6 +455,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
             f"a cluster is already running from {home} (pid {running.pid}, "
             f"NATS {', '.join(running.nats)}); stop it first"
         )
+    # Everything a child would refuse, refused before anything starts.
+    policy_of(args)
     spec, node_names = plan_agents(args)
     if args.cluster is not None:
         check_cluster_size(args.cluster)  # before anything is written
@@ -491,7 +517,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
                 *["--http", http, "--http-tokens", str(tokens_path), "--http-leader-only"],
             ],
         )
-        for i in range(max(1, args.brains))
+        for i in range(args.brains)
     ]
     agents = [
         Child(

@@ -260,3 +260,34 @@ def test_an_event_kind_that_does_not_exist_is_refused_with_the_kinds_there_are(
         main(["events", "--kind", "node_dained"])
     err = capsys.readouterr().err
     assert "no kind 'node_dained'; the kinds are " in err and "node_drained" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--policy", "bogus"], "unknown order policy 'bogus'"),
+        (["--elasticity", "wild"], "unknown elasticity policy 'wild'"),
+        (["--elastic-payback", "-1"], "elastic payback factor cannot be negative"),
+        (["--gpus", "sim:0xH100"], "simulated GPU count must be 1..64, not 0"),
+    ],
+)
+def test_up_refuses_what_its_brain_or_agents_would_before_starting_anything(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    says: str,
+) -> None:
+    """Not a brain or agents restarting in a loop, and 'only 0 of 4 nodes joined'."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("ALNAIR_HOME", str(home))
+    assert main(["up", *flags]) == 1
+    assert says in capsys.readouterr().err
+    assert not home.exists()
+
+
+@pytest.mark.parametrize("flag", ["--nodes", "--brains"])
+def test_up_takes_one_node_or_brain_or_more(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["up", flag, "0"])
+    assert "'0' is not a whole number of 1 or more" in capsys.readouterr().err
