@@ -63,7 +63,9 @@ def describe_invalid(error: ValidationError, whole: str = "message") -> str:
     parts = []
     for item in error.errors()[:5]:
         where = ".".join(str(p) for p in item["loc"]) or whole
-        parts.append(f"{where}: {item['msg']}")
+        # A validator's own words, without pydantic's "Value error, " before them.
+        said = item["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {said}")
     more = error.error_count() - 5
     if more > 0:
         parts.append(f"and {more} more")

@@ -266,3 +266,12 @@ def test_a_job_file_that_is_not_there_is_named_and_a_command_after_dashes_is_not
         load_spec(parser.parse_args(["submit", missing]))
     command = load_spec(parser.parse_args(["submit", "--gpus", "1", "--", missing]))
     assert command.command == (missing,)
+
+
+def test_a_refused_job_is_said_in_the_validators_words_without_pydantics() -> None:
+    parser = build_parser()
+    args = ["submit", "--gpus", "2", "--elastic", "--min-gpus", "3", "--max-gpus", "2", "--"]
+    with pytest.raises(UsageError) as refused:
+        load_spec(parser.parse_args([*args, "true"]))
+    said = "invalid job in the command line: job: min_gpus 3 is above max_gpus 2"
+    assert str(refused.value) == said
