@@ -37,6 +37,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from brain.core.model import gpus_said
 from schemas.commands import Resize
 from schemas.jobs import (
     JobRecord,
@@ -128,7 +129,7 @@ def check_resize(
 
 def not_elastic(job: JobRecord) -> str:
     return (
-        f"job {job.job_id} is not elastic: it runs on exactly {job.spec.gpus} GPUs "
+        f"job {job.job_id} is not elastic: it runs on exactly {gpus_said(job.spec.gpus)} "
         "(submit with --elastic --min-gpus --max-gpus to make it resizable)"
     )
 

@@ -247,7 +247,7 @@ async def test_resize_refusals_roll_back_and_commit(brain_factory, node: FakeNod
     job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
     await eventually(lambda: brain.state.jobs[rigid].state is JobState.RUNNING)
 
-    refused(await resize(brain, rigid, 2), "invalid", "is not elastic")
+    refused(await resize(brain, rigid, 2), "invalid", "is not elastic: it runs on exactly 1 GPU ")
     refused(await resize(brain, job_id, 4), "invalid", "1..3")
     refused(await resize(brain, job_id, 3, tenant="other"), "not_found", "no job")
     refused(await resize(brain, job_id, 3), "conflict", "has not started yet")
