@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import ssl
 import time
 from collections import Counter
@@ -49,6 +50,7 @@ from schemas.base import decode, encode
 from schemas.dlq import DLQ_PAYLOAD_PREVIEW_BYTES, DeadLetter
 from schemas.errors import (
     BrainUnavailable,
+    BusDenied,
     BusError,
     BusTimeout,
     HandBack,
@@ -72,6 +74,8 @@ WRONG_LAST_MSG_ID: Final = 10070
 FETCH_WAIT_S: Final = 0.5
 # While NATS cannot be reached, a component says so this often (it keeps trying).
 UNREACHABLE_LOG_EVERY_S: Final = 30.0
+# What nats-py hands the error callback when the server refuses a publish (lowercased).
+_DENIED: Final = re.compile(r'permissions violation for publish to "?([^"\s]+)"?')
 # A poison message is dead-lettered after this many failed deliveries.
 MAX_HANDLER_ATTEMPTS: Final = 5
 # JetStream keeps at most 5 copies; Alnair uses 1 (one server) or 3 (a cluster).
@@ -201,6 +205,10 @@ class Bus:
         self.renewals = 0
         # Set by `close`: the disconnection that follows is no news.
         self.closing = False
+        # Requests waiting, by subject (lowercased, as nats-py reports a refusal), to be
+        # told the server refused to publish them; subjects whose refusal was logged.
+        self._refusals: dict[str, set[asyncio.Future[None]]] = {}
+        self._refused_logged: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -219,8 +227,7 @@ class Bus:
         unreachable = _Unreachable(options.name, options.servers) if forever else None
 
         async def on_error(error: Exception) -> None:
-            if isinstance(error, nats.errors.SlowConsumerError) and made:
-                made[0].dropped[error.sub.subject if error.sub else error.subject] += 1
+            if made and made[0]._handled(error):
                 return
             if unreachable is None or not unreachable.said(error):
                 await _log_error(error)
@@ -855,8 +862,20 @@ class Bus:
         *,
         timeout_s: float = 5.0,
     ) -> R:
+        """Ask and decode the answer. A publish the server refuses this identity
+        (its permissions) raises `BusDenied` at once rather than waiting out the
+        timeout: the server says so, asynchronously, and nothing will answer."""
+        refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._refusals.setdefault(subject.lower(), set())
+        waiting.add(refused)
+        asking = asyncio.ensure_future(self.nc.request(subject, encode(message), timeout=timeout_s))
         try:
-            msg = await self.nc.request(subject, encode(message), timeout=timeout_s)
+            either: set[asyncio.Future[Any]] = {asking, refused}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not asking.done():
+                asking.cancel()
+                raise BusDenied(subject)
+            msg = asking.result()
         except nats.errors.NoRespondersError:
             raise BrainUnavailable(subject) from None
         except (
@@ -867,7 +886,40 @@ class Bus:
             nats.errors.StaleConnectionError,
         ):
             raise BusTimeout(subject, timeout_s) from None
+        finally:
+            if not asking.done():
+                asking.cancel()
+            waiting.discard(refused)
+            if not waiting:
+                self._refusals.pop(subject.lower(), None)
         return decode(msg.data, reply)
+
+    def _handled(self, error: Exception) -> bool:
+        """Whether the error callback's `error` is one this bus accounts for: a message
+        dropped for a slow subscription (counted), or a refused publish."""
+        if isinstance(error, nats.errors.SlowConsumerError):
+            self.dropped[error.sub.subject if error.sub else error.subject] += 1
+            return True
+        return self._denied(error)
+
+    def _denied(self, error: Exception) -> bool:
+        """Whether `error` is the server refusing a publish; if so, the requests waiting
+        on that subject are told, or, for a publish nobody waits on, it is logged once
+        per subject (a component whose permissions do not match what it does is
+        misconfigured)."""
+        found = _DENIED.search(str(error))
+        if found is None:
+            return False
+        subject = found[1]
+        waiting = self._refusals.get(subject, set())
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+        # A request raises BusDenied to its caller; a refused publish would go unseen.
+        if not waiting and subject not in self._refused_logged:
+            self._refused_logged.add(subject)
+            log.warning("%s: NATS refused to let it publish to %s", self.component, subject)
+        return True
 
 
 def _check_replicas(replicas: int) -> None:

@@ -10,13 +10,20 @@ from typing import TypeVar
 
 from pydantic import TypeAdapter
 
-from bus.auth import inbox_prefix_for_seed
+from bus.auth import READ_ONLY_VERBS, inbox_prefix_for_seed
 from bus.client import Bus, ConnectOptions
 from cli.config import TlsSettings
 from schemas import subjects
-from schemas.api import JOB_RESULT, ErrorReply, JobReply, SubmitRequest
+from schemas.api import JOB_RESULT, OPERATOR_TENANT, ErrorReply, JobReply, SubmitRequest
 from schemas.base import Message
-from schemas.errors import ApiError, BrainUnavailable, BusTimeout, NoDefiniteAnswer
+from schemas.errors import (
+    ApiError,
+    BrainUnavailable,
+    BusDenied,
+    BusError,
+    BusTimeout,
+    NoDefiniteAnswer,
+)
 from schemas.jobs import JobRecord, JobSpec
 
 R = TypeVar("R")
@@ -55,10 +62,30 @@ async def call(
     *,
     timeout_s: float = 10.0,
 ) -> R:
-    result = await bus.request(subjects.api(tenant, verb), request, reply, timeout_s=timeout_s)
+    subject = subjects.api(tenant, verb)
+    try:
+        result = await bus.request(subject, request, reply, timeout_s=timeout_s)
+    except BusDenied:
+        raise BusError(_denied(tenant, verb, subject)) from None
     if isinstance(result, ErrorReply):
         raise ApiError(result.code, result.error)
     return result
+
+
+def _denied(tenant: str, verb: str, subject: str) -> str:
+    """Why NATS refused a request, in the terms of the command that made it."""
+    refused = f"NATS refused this identity publishing to {subject}"
+    if tenant != OPERATOR_TENANT:
+        return (
+            f"{refused}: it is not tenant {tenant}'s; connect with that tenant's seed "
+            "(--nkey), or pass the --tenant of the seed you have"
+        )
+    if verb in READ_ONLY_VERBS:
+        return f"{refused}: it is not the operator's; connect with its seed (--nkey)"
+    return (
+        f"{refused}: over NATS the operator only reads ({', '.join(READ_ONLY_VERBS)}); "
+        f"{verb} goes through the HTTP API with an operator token (docs/http.md)"
+    )
 
 
 async def submit(

@@ -57,6 +57,17 @@ class SequenceConflict(BusError):
         self.expected = expected
 
 
+class BusDenied(BusError):
+    """The server refused this connection's identity publishing to `subject`."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(
+            f"NATS refused this identity publishing to {subject} (its permissions); "
+            "connect as an identity allowed to (--nkey)"
+        )
+        self.subject = subject
+
+
 class BrainUnavailable(BusError):
     def __init__(self, subject: str) -> None:
         super().__init__(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -401,3 +402,41 @@ def test_keys_refuse_a_seed_file_they_cannot_read_and_a_tenant_named_operator(
     with pytest.raises(BusError, match="'operator' is the operator's identity"):
         write_cluster_keys(tmp_path / "other", nodes=[], tenants=["operator"])
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize(
+    ("who", "tenant", "verb", "says"),
+    [
+        ("tenant:a", "b", "submit", "it is not tenant b's; connect with that tenant's seed"),
+        ("tenant:a", "operator", "jobs", "it is not the operator's"),
+        ("operator:operator", "operator", "drain", "over NATS the operator only reads"),
+    ],
+)
+async def test_a_request_nats_refuses_is_said_at_once_not_timed_out(
+    secure_server, keys, who: str, tenant: str, verb: str, says: str
+) -> None:
+    bus = await open_as(secure_server, keys[0][who])
+    try:
+        # Far longer than the server takes to refuse: a timeout would say "no answer".
+        with pytest.raises(BusError, match="NATS refused this identity publishing to") as error:
+            await call(bus, tenant, verb, StatusRequest(), STATUS_RESULT, timeout_s=60)
+        assert says in str(error.value)
+    finally:
+        await bus.close()
+
+
+async def test_a_refused_publish_is_logged_once(
+    secure_server, keys, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="bus.client")
+    bus = await open_as(secure_server, keys[0]["node:n1"])
+    try:
+        for _ in range(3):
+            await bus.nc.publish(subjects.node("n2", "heartbeat"), b"{}")
+        await bus.nc.flush()
+        refused = f"node:n1: NATS refused to let it publish to {subjects.node('n2', 'heartbeat')}"
+        await eventually(lambda: refused in caplog.text)
+        await bus.nc.flush()
+        assert caplog.text.count(refused) == 1
+    finally:
+        await bus.close()
