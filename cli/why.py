@@ -45,7 +45,7 @@ def _detail(entry: WhyEntry) -> str:
 def _summary(job: JobRecord) -> list[str]:
     spec = job.spec
     lines = [
-        f"job {job.job_id} ({spec.name}), queue {spec.queue}, {spec.gpus} GPUs: "
+        f"job {job.job_id} ({spec.name}), queue {spec.queue}, {spec.gpu_request}: "
         f"{job.state.value}, attempt {job.attempt}",
     ]
     if job.reason:

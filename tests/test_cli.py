@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from bus.server import EmbeddedNats
+from cli import why
 from cli.format import gpus_text
 from cli.main import main
+from schemas.api import WhyReply
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from tests.conftest import eventually
 
@@ -234,6 +236,26 @@ def test_an_elastic_jobs_gpus_are_the_size_it_holds_or_held(
         grants=grants,
     )
     assert gpus_text(job) == shown
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"gpus": 1, "gpu_milli": 500, "gpu_memory_mib": 10240}, "0.5 GPU (10240 MiB): RUNNING"),
+        ({"gpus": 1}, "1 GPU: RUNNING"),
+        ({"gpus": 2, "gpu_types": ["A100"]}, "2 GPUs of type A100: RUNNING"),
+    ],
+)
+def test_why_says_what_the_job_asked_for(fields: dict[str, object], says: str) -> None:
+    job = JobRecord(
+        job_id="2",
+        tenant="default",
+        spec=JobSpec.model_validate({"command": ["sleep", "30"], **fields}),
+        state=JobState.RUNNING,
+        submitted_at=0.0,
+    )
+    header = why.render(WhyReply(job=job, decisions=())).splitlines()[0]
+    assert header == f"job 2 (job), queue default, {says}, attempt 0"
 
 
 @pytest.mark.parametrize(
