@@ -25,6 +25,7 @@ from brain.core import (
     Wait,
     decide,
 )
+from brain.core.model import Demand
 
 # -- builders -------------------------------------------------------------------------
 
@@ -690,6 +691,84 @@ def test_a_victim_whose_gpus_are_not_needed_keeps_running() -> None:
     decisions = decide(snapshot, 1, Policy(order="priority"))
     assert set(placed(decisions)) == {"hi"}
     assert preempted(decisions) == set()
+
+
+@dataclass(frozen=True)
+class DrainedCase:
+    name: str
+    policy: Policy
+    snapshot: ClusterSnapshot
+    placed: dict[str, tuple[Grant, ...]]
+    preempted: set[str]
+
+
+# Jobs still running on GPUs no longer schedulable (an operator drained them, or they
+# faulted): they hold nothing of the capacity there is, and a preempted one gives back
+# only its schedulable GPUs.
+DRAINED_CASES = [
+    DrainedCase(
+        "a job on a drained node takes nothing from the free GPUs of the others",
+        Policy(order="fifo"),
+        cluster(
+            node("n1"),
+            pending_jobs=(pending("late", 4, at=1.0),),
+            running_jobs=(running("early", "n2", (0, 1, 2, 3)),),
+        ),
+        placed={"late": (Grant("n1", (0, 1, 2, 3)),)},
+        preempted=set(),
+    ),
+    DrainedCase(
+        "a share on a drained node is no reason to preempt an earlier job under fifo",
+        Policy(order="fifo"),
+        cluster(
+            node("n1", busy=(0, 1, 2, 3)),
+            pending_jobs=(pending("late", 3, at=2.0),),
+            running_jobs=(
+                running("early", "n1", (0, 1, 2, 3)),
+                running("share", "n2", (0,), at=1.0, demand=Demand(gpu_milli=250)),
+            ),
+        ),
+        placed={},
+        preempted=set(),
+    ),
+    DrainedCase(
+        "a preempted job's drained GPU is not given to the job that outranks it",
+        Policy(order="priority"),
+        cluster(
+            NodeView("n1", (0, 1, 2), frozenset(), "s0"),  # GPU 3 drained
+            node("n2", busy=(0, 1, 2)),
+            pending_jobs=(pending("hi", 4, priority=5),),
+            running_jobs=(
+                running("lo", "n1", (0, 1, 2, 3)),
+                running("top", "n2", (0, 1, 2), priority=9),
+            ),
+        ),
+        placed={"hi": (Grant("n1", (0, 1, 2)), Grant("n2", (3,)))},
+        preempted={"lo"},
+    ),
+    DrainedCase(
+        "a victim whose schedulable GPUs nobody took keeps running",
+        Policy(order="priority"),
+        cluster(
+            NodeView("n1", (0, 1, 2), frozenset(), "s0"),  # GPU 3 drained
+            node("n2", busy=(0,)),
+            pending_jobs=(pending("hi", 3, priority=5),),
+            running_jobs=(
+                running("lo", "n1", (0, 1, 2, 3)),
+                running("top", "n2", (0,), priority=9),
+            ),
+        ),
+        placed={"hi": (Grant("n2", (1, 2, 3)),)},
+        preempted=set(),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", DRAINED_CASES, ids=[c.name for c in DRAINED_CASES])
+def test_jobs_on_drained_gpus(case: DrainedCase) -> None:
+    decisions = decide(case.snapshot, 10.0, case.policy)
+    assert placed(decisions) == case.placed
+    assert preempted(decisions) == case.preempted
 
 
 def test_starvation_guard_puts_a_long_waiter_first() -> None:

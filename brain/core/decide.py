@@ -28,7 +28,7 @@ Every action carries its cause.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from operator import attrgetter
@@ -254,6 +254,10 @@ class _Cycle:
     # the jobs it wants them of anyway (`decide(..., explain=...)`).
     waits: bool = True
     explain: AbstractSet[str] = frozenset()
+    # Running jobs holding GPUs outside the schedulable ones (a drained or faulty GPU,
+    # a node drained or lost), and how many (`FreeGpus.held_outside`): those take
+    # nothing from the budget of the GPUs there are.
+    outside: Mapping[str, int] = field(default_factory=dict)
 
     def explains(self, job_id: str) -> bool:
         """Is this job's `Wait` wanted, if it waits?"""
@@ -377,7 +381,7 @@ def _select(
     # the budget (its placement says whether it fits), and is never a victim.
     running = cycle.snapshot.running
     sharing = cycle.sharing
-    budget = capacity - shared_gpus_held(running) if sharing else capacity
+    budget = capacity - shared_gpus_held(running, cycle.ledger) if sharing else capacity
     hosts = hosting(running) if sharing else frozenset()
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
@@ -388,17 +392,20 @@ def _select(
     pinned, held_standing = Standing.PINNED, Standing.HELD
     explain, also = cycle.waits, cycle.explain
     reasons: dict[tuple[int, int, int, str, str | None], str] = {}
+    outside = cycle.outside
     for entry in entries:
         job = entry.ranked.job
         need = 0 if sharing and job.shared else job.gpus if elastic is None else elastic.need(job)
         if job.grants:
+            # What it holds outside the schedulable GPUs is not in `capacity`.
+            takes = max(0, need - outside[job.job_id]) if job.job_id in outside else need
             if sharing and (job.shared or job.job_id in hosts):
                 # Never victims (shares, and whole-GPU jobs with shares beside them).
-                budget = max(0, budget - need)
+                budget = max(0, budget - takes)
                 if elastic is not None:
                     elastic.select(job, need)
-            elif need <= budget or entry.standing is pinned:
-                budget -= need
+            elif takes <= budget or entry.standing is pinned:
+                budget -= takes
                 if elastic is not None:
                     elastic.select(job, need)
             else:
@@ -697,8 +704,10 @@ def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
     preemptions = cycle.preemptions
     for victim in reversed(released):
         job = victim.ranked.job
-        if ledger.all_free(job.grants):
-            ledger.take(job.grants)
+        # Of what it holds, only its schedulable GPUs were given back (`FreeGpus.give`).
+        held = ledger.within(job.grants) if job.job_id in cycle.outside else job.grants
+        if ledger.all_free(held):
+            ledger.take(held)
             continue
         preemptions.append(Preempt(job.job_id, job.grants, _preempt_cause(victim, cycle, winners)))
 
@@ -854,6 +863,7 @@ def _decide(
         waits=waits,
         explain=explain,
         unavoided=unavoided,
+        outside=ledger.held_outside(snapshot.running),
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
     entries = _entries(by_rank, snapshot, jobs, now, policy, hold)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 from typing import Final
 
-from brain.core.model import Grant, NodeView, gpus_said
+from brain.core.model import Grant, JobView, NodeView, gpus_said
 from brain.core.record import record
 
 
@@ -103,6 +103,11 @@ class FreeGpus:
         # The nodes taken from or given to since it was built (`KeptLedger` restores them).
         self._touched: set[str] = set()
         self._free: dict[str, list[int]] = {name: sorted(n.free) for name, n in by_name.items()}
+        # Each node's schedulable GPUs: a running job may hold others (drained since, or
+        # faulty), which are never given to the ledger (`give`).
+        self._gpus: dict[str, frozenset[int]] = {
+            name: frozenset(n.gpus) for name, n in by_name.items()
+        }
         self._switch: dict[str, str] = {name: n.switch for name, n in by_name.items()}
         self._capacity: dict[str, int] = {name: len(n.gpus) for name, n in by_name.items()}
         self._by_switch: dict[str, list[str]] = {}
@@ -147,6 +152,38 @@ class FreeGpus:
 
     def largest_node(self) -> int:
         return self._largest
+
+    def within(self, grants: Iterable[Grant]) -> tuple[Grant, ...]:
+        """The part of these grants on this ledger's schedulable GPUs: a running job's
+        grants without what it holds on a drained or faulty GPU, or on a node not here
+        (drained, lost)."""
+        part: list[Grant] = []
+        for grant in grants:
+            schedulable = self._gpus.get(grant.node)
+            if schedulable is None:
+                continue
+            if schedulable.issuperset(grant.gpus):
+                part.append(grant)
+                continue
+            gpus = tuple(gpu for gpu in grant.gpus if gpu in schedulable)
+            if gpus:
+                part.append(Grant(grant.node, gpus))
+        return tuple(part)
+
+    def held_outside(self, jobs: Iterable[JobView]) -> dict[str, int]:
+        """Of these running jobs, those holding GPUs that are not schedulable here
+        (`within`), and how many: they hold them outside the cluster's capacity. A walk
+        over every grant, each one set test: nearly always it finds none."""
+        gpus = self._gpus
+        outside: dict[str, int] = {}
+        for job in jobs:
+            for grant in job.grants:
+                schedulable = gpus.get(grant.node)
+                if schedulable is None or not schedulable.issuperset(grant.gpus):
+                    held = sum(len(g.gpus) for g in job.grants)
+                    outside[job.job_id] = held - sum(len(g.gpus) for g in self.within(job.grants))
+                    break
+        return outside
 
     def all_free(self, grants: Iterable[Grant]) -> bool:
         """Whether every GPU of these grants is still free in this ledger."""
@@ -229,15 +266,19 @@ class FreeGpus:
             self._changed(grant.node, before, len(free))
 
     def give(self, grants: Iterable[Grant]) -> None:
+        """Free these GPUs; those that are not schedulable (`within`) stay out."""
         for grant in grants:
             free = self._free.get(grant.node)
             if free is None:
                 continue
+            gpus = grant.gpus
+            if not self._gpus[grant.node].issuperset(gpus):
+                gpus = tuple(gpu for gpu in gpus if gpu in self._gpus[grant.node])
             before = len(free)
             if before:
-                free = self._free[grant.node] = sorted({*free, *grant.gpus})
+                free = self._free[grant.node] = sorted({*free, *gpus})
             else:
-                free.extend(sorted(set(grant.gpus)))
+                free.extend(sorted(set(gpus)))
             self._changed(grant.node, before, len(free))
 
     def lowest(self, node: str, count: int) -> tuple[int, ...]:
@@ -295,6 +336,7 @@ class FreeGpus:
             if name in avoid:
                 continue
             view._free[name] = list(free)
+            view._gpus[name] = self._gpus[name]
             view._switch[name] = self._switch[name]
             view._capacity[name] = self._capacity[name]
             view._by_switch.setdefault(self._switch[name], []).append(name)

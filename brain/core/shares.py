@@ -139,10 +139,16 @@ def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | No
     return None
 
 
-def shared_gpus_held(jobs: Sequence[JobView]) -> int:
-    """Distinct GPUs that running jobs hold shares of and no whole-GPU job holds (a
-    co-located GPU counts once, for its host)."""
-    shared = {(g.node, gpu) for job in jobs if job.shared for g in job.grants for gpu in g.gpus}
+def shared_gpus_held(jobs: Sequence[JobView], ledger: FreeGpus) -> int:
+    """Distinct schedulable GPUs (`FreeGpus.within`) that running jobs hold shares of
+    and no whole-GPU job holds (a co-located GPU counts once, for its host)."""
+    shared = {
+        (g.node, gpu)
+        for job in jobs
+        if job.shared
+        for g in ledger.within(job.grants)
+        for gpu in g.gpus
+    }
     if not shared:
         return 0
     whole = {(g.node, gpu) for job in jobs if not job.shared for g in job.grants for gpu in g.gpus}
