@@ -786,6 +786,12 @@ def test_starvation_guard_puts_a_long_waiter_first() -> None:
     late = decide(snapshot, 3600, policy)
     assert set(placed(late)) == {"starved"}
     assert "starvation guard" in late.placements[0].cause
+    # The victim is told the guard put the starved job ahead: by las alone, a job in
+    # band 2 is behind one in band 0.
+    (preemption,) = late.preemptions
+    assert preemption.cause == Outranked(
+        "starved", "las", "las band 0", "las band 2 (starvation guard)"
+    )
 
 
 # -- policy configuration -------------------------------------------------------------

@@ -87,6 +87,9 @@ from schemas.errors import AlnairError
 
 # A retried job placed back on a node it failed on, said after its placement's notes.
 AVOIDANCE_RELEASED: Final = "on a node it failed on: no other node could ever run it"
+# What a job that waited past `Policy.starvation_guard_s` is placed, preempts and
+# reserves GPUs by.
+STARVING: Final = "starvation guard"
 
 
 class UnknownPlugin(AlnairError, KeyError):
@@ -428,7 +431,7 @@ def _select(
             and need <= capacity
             and not held
         ):
-            why = "starvation guard" if entry.starving else policy.order
+            why = STARVING if entry.starving else policy.order
             # Deliberately not naming the blocker: the head changes at every
             # placement, and a reason that changes is journaled again for every
             # waiting job (quadratic churn in the log).
@@ -654,7 +657,7 @@ def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
     # An order whose rank says nothing more than its name (fifo) is named once.
     notes = [policy.order] if label == policy.order else [policy.order, label]
     if entry.starving:
-        notes.append("starvation guard")
+        notes.append(STARVING)
     if entry.standing is Standing.IN_QUOTA:
         notes.append(f"within queue {entry.job.queue}'s guarantee")
     return tuple(notes)
@@ -692,9 +695,9 @@ def _preempt_cause(
     winner = placed[first if first < len(placed) else 0][0] if placed else victim
     if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
         return QuotaReclaim(winner.job.queue, winner.job.job_id, victim.job.queue)
-    return Outranked(
-        winner.job.job_id, cycle.policy.order, victim.ranked.label, winner.ranked.label
-    )
+    # A starving winner is ahead by the guard, whatever the order says of the two.
+    ahead = f"{winner.ranked.label} ({STARVING})" if winner.starving else winner.ranked.label
+    return Outranked(winner.job.job_id, cycle.policy.order, victim.ranked.label, ahead)
 
 
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
