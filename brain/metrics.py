@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from brain.core.model import Decisions, MemoryPressure, Preempt, QuotaReclaim
+from brain.core.model import Decisions, MemoryPressure, Preempt, QueueQuota, QuotaReclaim
 from schemas import subjects
 from schemas.events import GpuFault
 from schemas.jobs import JobRecord, JobState
@@ -143,6 +143,7 @@ class _ClusterCollector(Collector):
         brain = self.metrics.brain
         state = brain.state
         yield from self._queues(state.jobs_in(JobState.PENDING))
+        yield from self._quotas(brain.config.queues, state.jobs_in(JobState.RUNNING))
         jobs = GaugeMetricFamily("alnair_jobs", "Jobs the brain knows, by state.", labels=["state"])
         for job_state in JobState:
             jobs.add_metric([job_state.value], len(state.jobs_in(job_state)))
@@ -255,6 +256,36 @@ class _ClusterCollector(Collector):
             gpus.add_metric([queue], sum(j.spec.gpus for j in jobs))
         yield length
         yield gpus
+
+    @staticmethod
+    def _quotas(queues: tuple[QueueQuota, ...], running: list[JobRecord]) -> Iterator[Metric]:
+        """What each queue holds beside what it is guaranteed: a queue over its
+        guarantee borrows (and its jobs past it may be preempted), one under it is owed
+        GPUs that other queues' jobs give back when it asks (docs/policies.md)."""
+        guaranteed = GaugeMetricFamily(
+            "alnair_queue_guaranteed_gpus",
+            "GPUs each configured queue is guaranteed (alnair brain --queues), and its class.",
+            labels=["queue", "class"],
+        )
+        for quota in queues:
+            guaranteed.add_metric([quota.name, quota.job_class], quota.guaranteed_gpus)
+        held = GaugeMetricFamily(
+            "alnair_queue_running_gpus",
+            "GPUs held by running jobs, by queue (a share of a GPU counts as the GPU).",
+            labels=["queue"],
+        )
+        jobs = GaugeMetricFamily(
+            "alnair_queue_running_jobs", "Running jobs, by queue.", labels=["queue"]
+        )
+        by_queue: dict[str, list[JobRecord]] = {quota.name: [] for quota in queues}
+        for job in running:
+            by_queue.setdefault(job.spec.queue, []).append(job)
+        for queue, in_queue in sorted(by_queue.items()):
+            held.add_metric([queue], sum(len(g.gpus) for j in in_queue for g in j.grants))
+            jobs.add_metric([queue], len(in_queue))
+        yield guaranteed
+        yield held
+        yield jobs
 
     def _profiles(self) -> Iterator[Metric]:
         brain = self.metrics.brain

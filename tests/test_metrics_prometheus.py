@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from brain.core.model import QueueQuota
 from brain.metrics import GPU_LABELS, PROFILE_LABELS
 from brain.service import Brain
 from bus.client import Bus
@@ -57,7 +58,8 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     api_factory: Callable[..., Awaitable[Api]],
     connect: Callable[[str], Awaitable[Bus]],
 ) -> None:
-    brain = await brain_factory()
+    # Guaranteed less than its job asks: the job waits over quota rather than reclaim.
+    brain = await brain_factory(queues=(QueueQuota("research", 1),))
     agent = await agent_factory("n1", gpus=2, model="H100")
     api = await api_factory(brain)
     await eventually(lambda: "n1" in brain.telemetry)
@@ -114,6 +116,17 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     assert (
         value(metrics["alnair_queue_pending_gpus"], "alnair_queue_pending_gpus", queue="research")
         == 2
+    )
+    # Each queue's guarantee beside what it holds: research is owed 1 and holds none.
+    quota = metrics["alnair_queue_guaranteed_gpus"]
+    assert value(quota, "alnair_queue_guaranteed_gpus", queue="research", **{"class": "train"}) == 1
+    assert value(quota, "alnair_queue_guaranteed_gpus", queue="default") is None
+    held = metrics["alnair_queue_running_gpus"]
+    assert value(held, "alnair_queue_running_gpus", queue="default") == 1
+    assert value(held, "alnair_queue_running_gpus", queue="research") == 0
+    assert (
+        value(metrics["alnair_queue_running_jobs"], "alnair_queue_running_jobs", queue="default")
+        == 1
     )
     pending = metrics["alnair_job_pending_seconds"]
     assert value(pending, "alnair_job_pending_seconds_count", queue="default") == 1
