@@ -859,6 +859,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state",
         action="append",
+        # As `alnair jobs` prints it (PENDING) or in lower case.
+        type=str.lower,
         choices=[s.value.lower() for s in JobState],
         help="only jobs in this state (repeatable)",
     )

@@ -15,7 +15,7 @@ import pytest
 from bus.server import EmbeddedNats
 from cli import why
 from cli.format import gpus_text
-from cli.main import main
+from cli.main import build_parser, main
 from schemas.api import WhyReply
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from tests.conftest import eventually
@@ -273,6 +273,11 @@ def test_arguments_a_request_refuses_are_named_not_a_traceback(
     assert main([*argv, "--nats", nats_server.url]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_jobs_takes_a_state_as_its_table_prints_it() -> None:
+    args = build_parser().parse_args(["jobs", "--state", "PENDING", "--state", "running"])
+    assert args.state == ["pending", "running"]
 
 
 def test_an_event_kind_that_does_not_exist_is_refused_with_the_kinds_there_are(
