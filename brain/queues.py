@@ -24,7 +24,7 @@ from typing import Final, cast
 
 import yaml
 
-from brain.core.model import JobClass, QueueQuota
+from brain.core.model import JobClass, QueueQuota, gpus_said
 from schemas.base import check_name
 from schemas.errors import AlnairError, InvalidName
 
@@ -138,3 +138,15 @@ def checked(quotas: Iterable[QueueQuota], *, where: str | None = None) -> tuple[
 def describe(quotas: Iterable[QueueQuota]) -> str:
     """`interactive=4:build research=8:train`, for logs and `alnair status`."""
     return " ".join(f"{q.name}={q.guaranteed_gpus}:{q.job_class}" for q in quotas) or "none"
+
+
+def never_within(queues: Iterable[QueueQuota], queue: str, gpus: int) -> str | None:
+    """Why a job asking `gpus` (an elastic job: its minimum) of `queue` could never run,
+    or None: a build queue's jobs never borrow beyond its guarantee."""
+    quota = next((q for q in queues if q.name == queue), None)
+    if quota is None or quota.job_class != "build" or gpus <= quota.guaranteed_gpus:
+        return None
+    return (
+        f"queue {queue} is a build queue guaranteed {gpus_said(quota.guaranteed_gpus)}, and "
+        f"build jobs do not borrow: a job asking {gpus_said(gpus)} there could never run"
+    )

@@ -950,6 +950,9 @@ class Brain:
                 f"job asks for {gpus_said(spec.gpus)} but the cluster has {total} "
                 f"({nodes} node{'' if nodes == 1 else 's'}, at most {largest} on one node)",
             )
+        never = queue_config.never_within(self.config.queues, spec.queue, spec.gpu_range[0])
+        if never is not None:
+            raise ApiError("invalid", never)
         demand = job_demand(spec)
         if demand is not None:
             never = never_fits(demand, spec.gpus, self.state.registered_views())

@@ -127,6 +127,37 @@ async def test_an_owner_reclaims_its_guarantee_from_a_borrower_and_build_jobs_st
     assert status == 400 and "limit" in body["error"]
 
 
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        ({"gpus": 2}, "a job asking 2 GPUs there could never run"),
+        # An elastic job that could run at its minimum is taken.
+        ({"gpus": 2, "elastic": True, "min_gpus": 1, "max_gpus": 2}, None),
+        ({"gpus": 1}, None),
+    ],
+)
+async def test_a_build_job_beyond_its_queues_fixed_quota_is_refused_at_submit(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    tmp_path: Path,
+    fields: dict[str, object],
+    refused: str | None,
+) -> None:
+    queues_file = tmp_path / "queues.yaml"
+    queues_file.write_text(QUEUES)
+    brain = await brain_factory(queues=load_queues(queues_file))
+    spec = JobSpec.model_validate({"command": SLEEP, "queue": "interactive", **fields})
+    reply = await brain.api.handle("alice", SubmitRequest(spec=spec))
+    if refused is None:
+        assert isinstance(reply, JobReply), reply
+        return
+    assert isinstance(reply, ErrorReply) and reply.code == "invalid"
+    assert reply.error == (
+        "queue interactive is a build queue guaranteed 1 GPU, and build jobs do not "
+        f"borrow: {refused}"
+    )
+    assert not brain.state.jobs
+
+
 async def test_why_is_for_the_jobs_owner(
     brain_factory: Callable[..., Awaitable[Brain]],
 ) -> None:
