@@ -618,6 +618,49 @@ def test_no_gpu_is_granted_twice_resizes_included(world: World, policy: Policy) 
         seen |= set(gpus)
 
 
+@st.composite
+def drained_worlds(draw: st.DrawFn) -> World:
+    """`worlds`, then some GPUs drained (by an operator, or a fault) under the jobs that
+    run on them: gone from their nodes' views, and a node with none left gone whole."""
+    world = draw(worlds())
+    gpus = [(n.name, g) for n in world.snapshot.nodes for g in n.gpus]
+    drained = draw(st.sets(st.sampled_from(gpus))) if gpus else set()
+    views = []
+    for n in world.snapshot.nodes:
+        left = tuple(g for g in n.gpus if (n.name, g) not in drained)
+        if left:
+            views.append(NodeView(n.name, left, frozenset(n.free & set(left)), n.switch))
+    return World(replace(world.snapshot, nodes=tuple(views)), world.now)
+
+
+@pytest.mark.parametrize("elasticity", ["linear", "marginal-gain"])
+def test_a_reclaim_takes_a_gpu_the_winner_can_use_not_a_drained_one(elasticity: str) -> None:
+    # The elastic job runs on n0, drained whole since, and on n1; the new job outranks
+    # it under las. Only its GPU on n1 is of use to anyone.
+    shrinking = elastic("1", 3, 1, 3, on=(Grant("n0", (0, 1)), Grant("n1", (0,))), attained=1e6)
+    snapshot = ClusterSnapshot(
+        (NodeView("n1", (0,), frozenset()),), (pending("2", 1, at=1.0),), (shrinking,)
+    )
+    decisions = decide(snapshot, 10.0, Policy(order="las", elasticity=elasticity))
+    assert [(p.job_id, p.grants) for p in decisions.placements] == [("2", (Grant("n1", (0,)),))]
+    (shrink,) = [a for a in decisions.actions if isinstance(a, Resize)]
+    assert shrink.job_id == "1" and shrink.grants == (Grant("n0", (0, 1)),)
+
+
+@settings(max_examples=300, deadline=None)
+@given(drained_worlds(), policies)
+def test_no_drained_gpu_is_granted_resizes_included(world: World, policy: Policy) -> None:
+    # Jobs keep the drained GPUs they run on (or give them up), but no job gains one.
+    decisions = decide(world.snapshot, world.now, policy)
+    schedulable = {(n.name, g) for n in world.snapshot.nodes for g in n.gpus}
+    before = held_after(world, Decisions(()))
+    seen: set[tuple[str, int]] = set()
+    for job_id, gpus in held_after(world, decisions).items():
+        assert set(gpus) - set(before.get(job_id, ())) <= schedulable
+        assert not set(gpus) & seen
+        seen |= set(gpus)
+
+
 @settings(max_examples=300, deadline=None)
 @given(worlds(), policies)
 def test_sizes_stay_within_min_and_max(world: World, policy: Policy) -> None:

@@ -519,17 +519,33 @@ class ElasticStage:
 
     # -- reclaim ---------------------------------------------------------------------
 
-    def _give_back(self, sized: _Sized, ledger: FreeGpus, near: set[str]) -> _Gpu:
-        """Take one GPU from a job into the ledger: on a node in `near` if it has one;
-        else from the node where it holds the fewest (a job on fewer nodes syncs
-        faster), then where the most GPUs are free already (free GPUs together fit a
-        gang). Never the last on a running job's first node: its supervisor runs there,
-        and Horovod carries the state over from a host of the old world."""
+    @staticmethod
+    def _givable(sized: _Sized, ledger: FreeGpus, *, usable: bool) -> list[_Gpu]:
+        """The GPUs a job may give back: never the last on a running job's first node
+        (its supervisor runs there, and Horovod carries the state over from a host of
+        the old world); `usable`: only those another job could take (not drained,
+        faulty or on a node gone from the cluster)."""
         count: dict[str, int] = {}
         for node, _ in sized.held:
             count[node] = count.get(node, 0) + 1
         first = sized.job.grants[0].node if sized.job.grants else None
-        held = [g for g in sized.held if g[0] != first or count[g[0]] > 1]
+        return [
+            g
+            for g in sized.held
+            if (g[0] != first or count[g[0]] > 1) and (not usable or ledger.schedulable(*g))
+        ]
+
+    def _give_back(
+        self, sized: _Sized, ledger: FreeGpus, near: set[str], *, usable: bool = True
+    ) -> _Gpu:
+        """Take one GPU from a job into the ledger (`_givable`): on a node in `near` if
+        it has one; else from the node where it holds the fewest (a job on fewer nodes
+        syncs faster), then where the most GPUs are free already (free GPUs together
+        fit a gang)."""
+        count: dict[str, int] = {}
+        for node, _ in sized.held:
+            count[node] = count.get(node, 0) + 1
+        held = self._givable(sized, ledger, usable=usable)
         preferred = [g for g in held if g[0] in near] or held
         node, gpu = min(preferred, key=lambda g: (count[g[0]], -ledger.free_on(g[0]), g[0], -g[1]))
         sized.held.remove((node, gpu))
@@ -546,6 +562,8 @@ class ElasticStage:
             size = len(sized.held)
             if job_id in exclude or sized.before == 0 or size <= self._target(job_id):
                 continue
+            if not self._givable(sized, ledger, usable=True):
+                continue  # what it holds above its target is no use to anyone
             key = (self.loss(sized.job, size), job_sequence(job_id))
             if best is None or key < best[0]:
                 best = (key, sized)
@@ -593,7 +611,8 @@ class ElasticStage:
                     break
                 target = size
             while len(sized.held) > target:
-                self._give_back(sized, ledger, set())
+                # Its own retreat: a drained GPU may go as well as any.
+                self._give_back(sized, ledger, set(), usable=False)
             if len(sized.held) < sized.before:
                 self.targets[job_id] = min(self.targets.get(job_id, target), target)
 
@@ -636,6 +655,8 @@ class ElasticStage:
             ):
                 continue
             if not spans and not any(node in mine for node, _ in other.held):
+                continue
+            if not self._givable(other, ledger, usable=True):
                 continue
             key = (self.loss(other.job, size), job_sequence(other_id))
             if best is None or key < best[0]:

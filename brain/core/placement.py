@@ -139,7 +139,14 @@ class FreeGpus:
         self._switch_most = most
 
     def free_on(self, node: str) -> int:
-        return len(self._free[node])
+        """Free GPUs on `node`; none on a node not schedulable (drained, lost)."""
+        free = self._free.get(node)
+        return 0 if free is None else len(free)
+
+    def schedulable(self, node: str, gpu: int) -> bool:
+        """Is this GPU one the ledger may hand out (not drained, faulty or lost)?"""
+        gpus = self._gpus.get(node)
+        return gpus is not None and gpu in gpus
 
     def nodes(self) -> list[str]:
         return list(self._free)
