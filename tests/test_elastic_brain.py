@@ -926,6 +926,35 @@ async def test_the_policy_grows_an_elastic_job_through_the_same_path(
     assert done.gpu_count == 3
 
 
+async def test_a_job_shrunk_for_a_newcomer_keeps_running_until_its_shrink_commits(
+    brain_factory, node: FakeNode
+) -> None:
+    from brain.core import Policy
+
+    brain = await brain_factory(policy=Policy(order="priority", elasticity="marginal-gain"))
+    await eventually(lambda: brain.state.nodes)
+    job_id = await submit(brain, sleeper(4, elastic=True, min_gpus=1, max_gpus=4))
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
+    await node.started(job)
+    await node.progress(job_id, 4, 100.0)
+    await eventually(lambda: brain.progress.heard_from(job_id))
+    # A better-ranked job needs one GPU: the elastic job is shrunk for it, in place.
+    newcomer = await submit(brain, JobSpec(command=("sleep", "600"), gpus=1, priority=5))
+    staged = await eventually(lambda: brain.state.jobs[job_id].resize)
+    assert staged.to_size == 3
+    # While its supervisor has not answered, passes come and go (the newcomer's
+    # placement on the GPU not yet released is refused, and decided again): the job is
+    # not preempted and restarted, which is what shrinking in place is for.
+    await eventually(lambda: "0 free" in (brain.state.jobs[newcomer].reason or ""))
+    still = brain.state.jobs[job_id]
+    assert (still.state, still.attempt, still.resize) == (JobState.RUNNING, 1, staged)
+    command = await eventually(lambda: node.resize_for(staged.command_id))
+    await node.resized(command, ok=True, from_size=4)
+    await eventually(lambda: brain.state.jobs[newcomer].state is JobState.RUNNING)
+    done = brain.state.jobs[job_id]
+    assert (done.state, done.attempt, done.gpu_count) == (JobState.RUNNING, 1, 3)
+
+
 async def test_http_resize_route(brain_factory, api_factory, node: FakeNode) -> None:
     brain = await brain_factory()
     api = await api_factory(brain)

@@ -633,6 +633,24 @@ def drained_worlds(draw: st.DrawFn) -> World:
     return World(replace(world.snapshot, nodes=tuple(views)), world.now)
 
 
+@pytest.mark.parametrize("order", ["las", "priority"])
+def test_a_job_mid_resize_is_not_preempted_for_the_job_it_shrinks_for(order: str) -> None:
+    # The pass after a shrink for job 4 was staged: the elastic job still holds every
+    # GPU of both sizes until its supervisor commits, and job 4 (ahead of it in every
+    # order here: less service, a higher priority) waits for the GPU it frees. Before,
+    # this pass preempted the elastic job and restarted it: the very restart an in-place
+    # shrink is for avoiding.
+    shrinking = elastic("3", 4, 1, 4, on=(Grant("n1", (0, 1)), Grant("n2", (0, 1))), attained=171.0)
+    snapshot = ClusterSnapshot(
+        (NodeView("n1", (0, 1), frozenset()), NodeView("n2", (0, 1), frozenset())),
+        (pending("4", 1, at=30.0, priority=5),),
+        (replace(shrinking, resizing=True),),
+    )
+    decisions = decide(snapshot, 35.0, Policy(order=order, elasticity="marginal-gain"))
+    assert decisions.preemptions == ()
+    assert [w.job_id for w in decisions.waits] == ["4"]
+
+
 @pytest.mark.parametrize("elasticity", ["linear", "marginal-gain"])
 def test_a_reclaim_takes_a_gpu_the_winner_can_use_not_a_drained_one(elasticity: str) -> None:
     # The elastic job runs on n0, drained whole since, and on n1; the new job outranks

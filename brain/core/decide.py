@@ -402,8 +402,11 @@ def _select(
         if job.grants:
             # What it holds outside the schedulable GPUs is not in `capacity`.
             takes = max(0, need - outside[job.job_id]) if job.job_id in outside else need
-            if sharing and (job.shared or job.job_id in hosts):
-                # Never victims (shares, and whole-GPU jobs with shares beside them).
+            if job.resizing or (sharing and (job.shared or job.job_id in hosts)):
+                # Never victims: shares, whole-GPU jobs with shares beside them, and a
+                # job mid-resize, whose GPUs are spoken for (a shrink's, for the job
+                # it shrank for, which waits for them): if its rank says it must go,
+                # it goes once the resize has settled, not in the pass after staging.
                 budget = max(0, budget - takes)
                 if elastic is not None:
                     elastic.select(job, need)
