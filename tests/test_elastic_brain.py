@@ -223,6 +223,19 @@ def sleeper(gpus: int, **elastic: int | bool) -> JobSpec:
     return JobSpec(command=("sleep", "600"), gpus=gpus, **elastic)  # type: ignore[arg-type]
 
 
+async def elastic_heard_from(
+    brain: Brain, node: FakeNode, gpus: int, most: int, rate: float
+) -> JobRecord:
+    """An elastic job (1..`most`, started at `gpus`) running on `node`, its supervisor
+    heard from at `rate` samples/s."""
+    job_id = await submit(brain, sleeper(gpus, elastic=True, min_gpus=1, max_gpus=most))
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
+    await node.started(job)
+    await node.progress(job_id, gpus, rate, attempt=job.attempt)
+    await eventually(lambda: brain.progress.heard_from(job_id))
+    return job
+
+
 def held(brain: Brain, job_id: str) -> tuple[int, ...]:
     return brain.state.jobs[job_id].grants[0].gpus
 
@@ -331,11 +344,7 @@ async def test_an_unanswered_grow_keeps_its_gpus_until_the_supervisor_is_back(
     the brain holds it through the revert, and, the revert unanswered too, for good."""
     brain = await brain_factory(resize_timeout_s=1.0)
     await eventually(lambda: brain.state.nodes)
-    job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=3))
-    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
-    await node.started(job)
-    await node.progress(job_id, 2, 100.0, attempt=job.attempt)
-    await eventually(lambda: brain.progress.heard_from(job_id))
+    job_id = (await elastic_heard_from(brain, node, 2, 3, 100.0)).job_id
     before = held(brain, job_id)
     reply = await resize(brain, job_id, 3)
     assert isinstance(reply, JobReply) and reply.job.resize is not None
@@ -355,11 +364,8 @@ async def test_an_unanswered_grow_keeps_its_gpus_until_the_supervisor_is_back(
 async def test_a_new_leader_continues_a_staged_resize(brain_factory, node: FakeNode) -> None:
     first = await brain_factory()
     await eventually(lambda: first.state.nodes)
-    job_id = await submit(first, sleeper(2, elastic=True, min_gpus=1, max_gpus=4))
-    job = await eventually(lambda: (j := first.state.jobs[job_id]).state is JobState.RUNNING and j)
-    await node.started(job)
-    await node.progress(job_id, 2, 50.0)
-    await eventually(lambda: first.progress.heard_from(job_id))
+    job = await elastic_heard_from(first, node, 2, 4, 50.0)
+    job_id = job.job_id
     reply = await resize(first, job_id, 4)
     assert isinstance(reply, JobReply) and reply.job.resize is not None
     staged = reply.job.resize
@@ -909,12 +915,9 @@ async def test_the_policy_grows_an_elastic_job_through_the_same_path(
     await eventually(lambda: brain.state.nodes)
     rigid = await submit(brain, sleeper(2))
     await eventually(lambda: brain.state.jobs[rigid].state is JobState.RUNNING)
-    job_id = await submit(brain, sleeper(2, elastic=True, min_gpus=1, max_gpus=3))
-    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
+    job = await elastic_heard_from(brain, node, 2, 3, 100.0)
+    job_id = job.job_id
     assert job.gpu_count == 2
-    await node.started(job)
-    await node.progress(job_id, 2, 100.0)
-    await eventually(lambda: brain.progress.heard_from(job_id))
     # GPUs go idle and a job may use them: the elasticity stage's Resize is staged by
     # the shell (checked against the live state), commanded, and committed on the ack.
     assert isinstance(await brain.api.handle(TENANT, CancelRequest(job_id=rigid)), JobReply)
@@ -933,11 +936,7 @@ async def test_a_job_shrunk_for_a_newcomer_keeps_running_until_its_shrink_commit
 
     brain = await brain_factory(policy=Policy(order="priority", elasticity="marginal-gain"))
     await eventually(lambda: brain.state.nodes)
-    job_id = await submit(brain, sleeper(4, elastic=True, min_gpus=1, max_gpus=4))
-    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state is JobState.RUNNING and j)
-    await node.started(job)
-    await node.progress(job_id, 4, 100.0)
-    await eventually(lambda: brain.progress.heard_from(job_id))
+    job_id = (await elastic_heard_from(brain, node, 4, 4, 100.0)).job_id
     # A better-ranked job needs one GPU: the elastic job is shrunk for it, in place.
     newcomer = await submit(brain, JobSpec(command=("sleep", "600"), gpus=1, priority=5))
     staged = await eventually(lambda: brain.state.jobs[job_id].resize)
