@@ -282,7 +282,14 @@ def share_request(fields: dict[str, Any]) -> dict[str, Any]:
             gpus = float(gpus)
         except ValueError:
             return fields  # the field's own validation names it
-    if isinstance(gpus, bool) or not isinstance(gpus, float) or gpus.is_integer():
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, float)):
+        return fields
+    if gpus <= 0:
+        raise ValueError(
+            f"gpus {gpus:g}: asks for no GPU; ask for whole GPUs (1 or more) "
+            "or a share of one (0.001..0.999)"
+        )
+    if isinstance(gpus, int) or gpus.is_integer():
         return fields
     if not 0 < gpus < 1:
         raise ValueError(

@@ -94,6 +94,8 @@ def test_a_share_is_asked_as_a_fraction_of_one_gpu() -> None:
     [
         ({"gpus": 1.5}, "gpus 1.5"),
         ({"gpus": 0.0001}, "gpus 0.0001"),
+        ({"gpus": 0}, "gpus 0: asks for no GPU"),
+        ({"gpus": -0.5}, "gpus -0.5: asks for no GPU"),
         ({"gpus": 2, "gpu_milli": 500}, "gpu_milli"),
         ({"gpus": 0.5, "elastic": True}, "gpu_milli: not for elastic jobs"),
         ({"gpus": 1, "gpu_types": ["H100"], "elastic": True}, "gpu_types"),
