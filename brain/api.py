@@ -18,6 +18,7 @@ from nats.aio.subscription import Subscription
 
 from brain.core.ordering import job_sequence
 from brain.port import BrainPort
+from brain.state import current_run_s, current_size_s
 from schemas import subjects
 from schemas.api import (
     OPERATOR_TENANT,
@@ -204,8 +205,12 @@ class ApiServer:
         # The latest changes with their causes, from the history: a projection of the
         # log that the brain keeps current as it journals.
         changes, truncated = brain.history.job_changes(job.job_id, request.limit)
+        now = brain.clock()
         return WhyReply(
             job=job,
+            attained_gpu_seconds=job.attained_gpu_seconds
+            + current_size_s(job, now) * job.gpu_count,
+            executed_seconds=job.executed_seconds + current_run_s(job, now),
             decisions=tuple(
                 WhyEntry(
                     seq=seq,

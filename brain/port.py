@@ -3,6 +3,7 @@ the service (brain/service.py `Brain` is the one implementation)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from brain.core import Policy
@@ -34,6 +35,8 @@ class BrainPort(Protocol):
     instance: str
     host: str
     started_at: float
+    # The brain's clock (wall seconds): what its records' times are in.
+    clock: Callable[[], float]
 
     @property
     def config(self) -> BrainConfigView: ...

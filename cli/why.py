@@ -16,7 +16,6 @@ from typing import Any, Final
 from cli import format as fmt
 from cli.client import call
 from schemas.api import WHY_RESULT, WhyEntry, WhyReply, WhyRequest
-from schemas.jobs import JobRecord
 from schemas.state import CauseKind
 
 WithBus = Callable[[argparse.Namespace, Callable[[Any], Awaitable[int]]], Awaitable[int]]
@@ -42,7 +41,8 @@ def _detail(entry: WhyEntry) -> str:
     return cause.message
 
 
-def _summary(job: JobRecord) -> list[str]:
+def _summary(reply: WhyReply) -> list[str]:
+    job = reply.job
     spec = job.spec
     lines = [
         f"job {job.job_id} ({spec.name}), queue {spec.queue}, {spec.gpu_request}: "
@@ -50,8 +50,12 @@ def _summary(job: JobRecord) -> list[str]:
     ]
     if job.reason:
         lines.append(f"  why now:  {job.reason}")
+    # To the reply's time: a running job's record counts only what ended before its run.
+    attained = reply.attained_gpu_seconds
+    executed = reply.executed_seconds
     lines.append(
-        f"  service:  {job.attained_gpu_seconds:.1f} GPU-s over {job.executed_seconds:.1f} s "
+        f"  service:  {job.attained_gpu_seconds if attained is None else attained:.1f} GPU-s "
+        f"over {job.executed_seconds if executed is None else executed:.1f} s "
         f"run; LAS band {job.service_level}"
     )
     hints = []
@@ -85,7 +89,7 @@ def render(reply: WhyReply) -> str:
         ]
         for e in reply.decisions
     ]
-    lines = _summary(reply.job)
+    lines = _summary(reply)
     lines.append("")
     if reply.truncated:
         lines.append(f"(the latest {len(rows)} changes; --limit N for more)")

@@ -192,6 +192,11 @@ class WhyReply(Message):
     # Oldest first; `truncated` when older ones were left out.
     decisions: tuple[WhyEntry, ...]
     truncated: bool = False
+    # The job's service when answered, the run in progress included (the record's
+    # `attained_gpu_seconds` and `executed_seconds` count only what ended before it);
+    # None from a brain that does not say.
+    attained_gpu_seconds: float | None = None
+    executed_seconds: float | None = None
 
 
 class BlacklistReply(Message):

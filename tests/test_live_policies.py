@@ -8,6 +8,7 @@ from typing import Any
 
 from brain.core import ClusterSnapshot, Policy
 from brain.state import BrainState
+from cli import why as why_cli
 from schemas.api import JobReply, SubmitRequest, WhyReply, WhyRequest
 from schemas.jobs import JobSpec, JobState
 from schemas.state import CauseKind
@@ -31,6 +32,36 @@ async def test_finished_job_carries_its_attained_service(brain_factory, agent_fa
     assert job.executed_seconds >= 0.5
     assert job.attained_gpu_seconds >= 2 * 0.5
     assert job.attained_gpu_seconds == 2 * job.executed_seconds
+
+
+async def test_why_counts_the_service_of_the_run_in_progress(brain_factory, agent_factory) -> None:
+    # The record counts only runs that ended; `alnair why` of a running job read
+    # "0.0 GPU-s over 0.0 s run" however long it had run.
+    brain = await brain_factory()
+    agent = await agent_factory("n1", gpus=2)
+    await eventually(lambda: brain.state.nodes)
+    sleeper = JobSpec(command=(sys.executable, "-c", "import time; time.sleep(600)"), gpus=2)
+    submitted = await brain.api.handle("default", SubmitRequest(spec=sleeper))
+    assert isinstance(submitted, JobReply)
+    job_id = submitted.job.job_id
+    await eventually(lambda: agent.launcher.find(job_id))
+
+    async def why() -> WhyReply:
+        reply = await brain.api.handle("default", WhyRequest(job_id=job_id))
+        assert isinstance(reply, WhyReply)
+        return reply
+
+    async def served() -> WhyReply | None:
+        reply = await why()
+        return reply if (reply.executed_seconds or 0.0) >= 0.5 else None
+
+    reply = await eventually(served)
+    assert reply.job.state is JobState.RUNNING
+    assert reply.job.executed_seconds == 0.0  # the record: nothing ended yet
+    assert reply.attained_gpu_seconds == 2 * reply.executed_seconds
+    (service,) = (line for line in why_cli.render(reply).splitlines() if "service:" in line)
+    assert service.startswith(f"  service:  {reply.attained_gpu_seconds:.1f} GPU-s over ")
+    assert not service.startswith("  service:  0.0 ")
 
 
 async def test_las_demotes_a_long_job_and_preempts_it_for_a_newcomer(
