@@ -49,6 +49,11 @@ def current_attempt(state: BrainState, job_id: str, attempt: int, node: str) -> 
     return job if node in job.nodes else None
 
 
+def resumed_nodes(state: BrainState) -> dict[str, float]:
+    """Nodes an operator resumed, and when (`decide_retry`'s `forgiven`)."""
+    return {name: n.resumed_at for name, n in state.nodes.items() if n.resumed_at is not None}
+
+
 def with_grant(job: JobRecord, node: str, **update: object) -> JobRecord:
     grants = tuple(g.model_copy(update=update) if g.node == node else g for g in job.grants)
     return job.model_copy(update={"grants": grants})
@@ -260,6 +265,7 @@ class Attempts:
             now,
             self._policy,
             blacklisted=frozenset(self._state().blacklist),
+            forgiven=resumed_nodes(self._state()),
         )
         what = f"{classification.failure_class.value} failure on {node}: {classification.reason}"
         if isinstance(decision, GiveUp):
@@ -338,6 +344,25 @@ class Attempts:
         for job in affected:
             await self.fail_attempt(
                 job, node.name, Classification(FailureClass.INFRASTRUCTURE, action.reason)
+            )
+
+    async def forgive_node(self, node: str, why: str) -> None:
+        """An operator resumed `node`: the jobs that avoid it for failing there (retried
+        after an infrastructure failure) may run there again. Their later retries forgive
+        it too (`decide_retry`, `forgiven`), as long as they do not fail there again."""
+        for job in self._state().jobs_in(JobState.PENDING, JobState.RUNNING):
+            if node not in job.avoid_nodes:
+                continue
+            avoid = tuple(n for n in job.avoid_nodes if n != node)
+            await self._writes.job_changed(
+                job.model_copy(update={"avoid_nodes": avoid}),
+                job.state,
+                Cause(
+                    kind=CauseKind.NODE_RESUMED,
+                    node=node,
+                    job_id=job.job_id,
+                    message=f"{why}: it may run there again, where it failed before",
+                ),
             )
 
     async def drain_gpu(self, node: NodeRecord, gpu: int, reason: str) -> None:

@@ -75,6 +75,8 @@ class Failures(Protocol):
 
     async def drain_gpu(self, node: NodeRecord, gpu: int, reason: str) -> None: ...
 
+    async def forgive_node(self, node: str, why: str) -> None: ...
+
 
 class LostParts(Protocol):
     """Whether a job goes on without its part on a lost node (brain.resizes.Resizes:
@@ -128,6 +130,7 @@ class Liveness:
             joined_at=known.joined_at if known is not None else self._clock(),
             drain_reason=drain_reason,
             drained_gpus=known.drained_gpus if known is not None else (),
+            resumed_at=known.resumed_at if known is not None else None,
             cpu_milli=beat.cpu_milli,
             memory_mib=beat.memory_mib,
         )
@@ -233,6 +236,7 @@ class Liveness:
                     "state": NodeState.READY if node.state is NodeState.DRAINED else node.state,
                     "drain_reason": None,
                     "drained_gpus": (),
+                    "resumed_at": self._clock(),
                 }
             ),
             node.state,
@@ -242,6 +246,8 @@ class Liveness:
                 message=f"resumed by {operator}: its GPUs are schedulable again",
             ),
         )
+        # The operator vouches for it: jobs that failed there may go back.
+        await self._failures.forgive_node(node.name, f"node {node.name} resumed by {operator}")
 
     def known_node(self, name: str) -> NodeRecord:
         node = self._state().nodes.get(name)

@@ -51,6 +51,9 @@ class NodeRecord(BaseModel):
     # GPUs drained one by one (a critical XID, an operator's `drain --gpu`); they stay
     # drained until the node is resumed.
     drained_gpus: tuple[DrainedGpu, ...] = ()
+    # When an operator last resumed it: jobs that failed here before may run here again
+    # (`avoid_nodes` forgives it; docs/failures.md).
+    resumed_at: float | None = None
     # CPUs (thousandths of a core) and memory (MiB) jobs may reserve here; None: the
     # agent did not say.
     cpu_milli: int | None = Field(default=None, ge=0)

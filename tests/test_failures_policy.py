@@ -146,6 +146,27 @@ def test_infrastructure_retries_back_off_avoid_nodes_then_unsuccessful() -> None
     assert isinstance(final, GiveUp) and final.state is JobState.UNSUCCESSFUL
 
 
+@pytest.mark.parametrize(
+    ("resumed_at", "avoided"),
+    [
+        ({}, ("n1", "n2")),
+        ({"n1": 5.0}, ("n2",)),  # resumed after it failed there: forgiven
+        ({"n1": 5.0, "n2": 25.0}, ()),
+        ({"n2": 15.0}, ("n1", "n2")),  # it failed on n2 again after the resume
+    ],
+)
+def test_a_node_resumed_after_a_failure_is_not_avoided_for_it(
+    resumed_at: dict[str, float], avoided: tuple[str, ...]
+) -> None:
+    failures = [
+        _failure(1, FailureClass.INFRASTRUCTURE, node="n1").model_copy(update={"at": 1.0}),
+        _failure(2, FailureClass.INFRASTRUCTURE, node="n2").model_copy(update={"at": 10.0}),
+        _failure(3, FailureClass.INFRASTRUCTURE, node="n2").model_copy(update={"at": 20.0}),
+    ]
+    decision = decide_retry(failures, "default", 30.0, FailurePolicy(), forgiven=resumed_at)
+    assert isinstance(decision, Retry) and decision.avoid_nodes == avoided
+
+
 def test_user_errors_not_retried_unless_the_queue_says_so() -> None:
     failures = [_failure(1, FailureClass.USER)]
     decision = decide_retry(failures, "default", 0.0, FailurePolicy())

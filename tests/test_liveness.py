@@ -16,7 +16,8 @@ from brain.core.failures import DEFAULT_FAILURE_POLICY
 from brain.liveness import Liveness, LostParts
 from schemas.api import DrainRequest, ResumeRequest
 from schemas.errors import ApiError
-from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGrant
+from schemas.events import GpuFault
+from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobSpec, JobState, NodeGrant
 from schemas.nodes import NodeState
 from schemas.state import CauseKind
 from tests.parts import Clock, Shell, heartbeat
@@ -64,6 +65,7 @@ class Setup:
     monotonic: Clock
     clock: Clock
     liveness: Liveness
+    attempts: Attempts
 
 
 def setup(*nodes: str, parts: LostParts | None = None) -> Setup:
@@ -86,7 +88,7 @@ def setup(*nodes: str, parts: LostParts | None = None) -> Setup:
         clock=clock,
         monotonic=monotonic,
     )
-    return Setup(shell, heard, hearing, monotonic, clock, made)
+    return Setup(shell, heard, hearing, monotonic, clock, made, attempts)
 
 
 class NoLostParts:
@@ -268,3 +270,44 @@ async def test_operators_drain_and_resume_nodes_and_gpus() -> None:
     with pytest.raises(ApiError) as unknown:
         await s.liveness.drain("ops", DrainRequest(node="n9"))
     assert (not_drained.value.code, unknown.value.code) == ("conflict", "not_found")
+
+
+async def test_a_resumed_node_is_no_longer_avoided_by_the_jobs_that_failed_there() -> None:
+    # A GPU falls off the bus: the node is drained and its job retried elsewhere,
+    # avoiding it. Once an operator resumes the node, the job may go back: before,
+    # it waited for room on the other nodes while the resumed one idled.
+    s = setup("n1", "n2")
+    s.shell.add_job(1, node="n1")
+    s.shell.add_job(2, node="n1")
+    earlier = AttemptFailure(
+        attempt=1, failure_class=FailureClass.INFRASTRUCTURE, reason="lost", nodes=("n2",), at=0.0
+    )
+    s.shell.put_job(s.shell.state.jobs["2"].model_copy(update={"failures": (earlier,)}))
+    await s.attempts.gpu_fault(
+        GpuFault(event_id="e", node="n1", ts=0.0, gpu=0, fault="xid", xid=79)
+    )
+    assert s.shell.state.nodes["n1"].state is NodeState.DRAINED
+    assert [s.shell.state.jobs[j].avoid_nodes for j in ("1", "2")] == [("n1",), ("n1", "n2")]
+
+    s.clock.now += 60
+    await s.liveness.resume("ops", ResumeRequest(node="n1"))
+
+    assert s.shell.state.nodes["n1"].resumed_at == s.clock.now
+    assert [s.shell.state.jobs[j].avoid_nodes for j in ("1", "2")] == [(), ("n2",)]
+    forgiven = [c for c in s.shell.causes[-2:] if c.kind is CauseKind.NODE_RESUMED]
+    assert [c.job_id for c in forgiven] == ["1", "2"]
+    assert forgiven[0].message == (
+        "node n1 resumed by ops: it may run there again, where it failed before"
+    )
+
+    # Its next failure, elsewhere, does not bring back what was forgiven.
+    s.shell.put_job(
+        s.shell.state.jobs["1"].model_copy(
+            update={"state": JobState.RUNNING, "grants": (NodeGrant(node="n2", gpus=(0,)),)}
+        )
+    )
+    s.clock.now += 60
+    await s.attempts.gpu_fault(
+        GpuFault(event_id="f", node="n2", ts=0.0, gpu=0, fault="xid", xid=79)
+    )
+    assert s.shell.state.jobs["1"].avoid_nodes == ("n2",)

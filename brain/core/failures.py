@@ -20,8 +20,9 @@ The XID catalogue says which GPU faults take a GPU, or its whole node, out of se
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Final, Literal
 
 from schemas.errors import AlnairError
@@ -319,8 +320,12 @@ def decide_retry(
     policy: FailurePolicy,
     *,
     blacklisted: frozenset[str] = frozenset(),
+    forgiven: Mapping[str, float] = MappingProxyType({}),
 ) -> RetryDecision:
-    """What follows the last of `failures` (the job's whole list, newest last)."""
+    """What follows the last of `failures` (the job's whole list, newest last).
+
+    `forgiven`: nodes an operator resumed, and when; a failure on one of them before
+    then is not a reason to avoid it."""
     last = failures[-1]
     same = sum(1 for f in failures if f.failure_class is last.failure_class)
     if last.failure_class is FailureClass.USER:
@@ -341,7 +346,13 @@ def decide_retry(
         verdict = f"{same} infrastructure failures (limit {policy.infrastructure_retries} retries)"
         return GiveUp(JobState.UNSUCCESSFUL, f"{verdict}; last: {last.reason}", verdict)
     avoid = sorted(
-        {n for f in failures if f.failure_class is FailureClass.INFRASTRUCTURE for n in f.nodes}
+        {
+            n
+            for f in failures
+            if f.failure_class is FailureClass.INFRASTRUCTURE
+            for n in f.nodes
+            if f.at > forgiven.get(n, float("-inf"))
+        }
     )
     delay = policy.backoff_s(same)
     return Retry(
