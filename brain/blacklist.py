@@ -9,22 +9,51 @@ stops. It reads state and never writes it but through the writer.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Protocol
 
-from brain.core.failures import FailurePolicy, GiveUp, decide_retry
+from pydantic import ValidationError
+
+from brain.core.failures import FailurePolicy, GiveUp, bad_input_in, decide_retry
 from brain.core.ordering import job_sequence
 from brain.state import BrainState
 from brain.writer import BlacklistRecords, Clock, JobRecords, Stops
 from schemas.api import BlacklistRequest
 from schemas.errors import ApiError
-from schemas.events import InputError
-from schemas.jobs import FailureClass, JobState
+from schemas.events import InputError, JobExited
+from schemas.jobs import BAD_INPUT_EXIT_CODE, FailureClass, JobState
 from schemas.state import BlacklistEntry, Cause, CauseKind
 
 
 class Writes(JobRecords, BlacklistRecords, Stops, Protocol):
     pass
+
+
+def input_marked(exit: JobExited, reported: str | None) -> InputError | None:
+    """The input a job failed on, as its log marked it (exit 66 and an `ALNAIR_BAD_INPUT
+    <uri> [reason]` line) when it did not report it through the SDK: the same failure
+    (brain/core/failures.py classifies both as `input`), so it counts the same toward the
+    blacklist. Its id is the exit's, derived: a redelivered exit marks the same one."""
+    if reported is not None or exit.exit_code != BAD_INPUT_EXIT_CODE:
+        return None
+    marked = bad_input_in(exit.log_tail)
+    if marked is None:
+        return None
+    uri, reason = marked
+    digest = hashlib.sha256(exit.event_id.encode()).hexdigest()[:40]
+    try:
+        return InputError(
+            event_id=f"input-{digest}",
+            node=exit.node,
+            ts=exit.ts,
+            job_id=exit.job_id,
+            attempt=exit.attempt,
+            uri=uri,
+            reason=reason[:1000],
+        )
+    except ValidationError:
+        return None  # not a URI an InputError can carry (too long): classified, not counted
 
 
 class Blacklist:
@@ -40,6 +69,17 @@ class Blacklist:
         self._writes = writes
         self._policy = policy
         self._clock = clock
+
+    async def job_exited(self, event: JobExited) -> InputError | None:
+        """Count the input a failed job's log marked (`input_marked`), before the exit is
+        handled, as a report through the SDK would have been; returns it, for the caller
+        to record as the job's input error (None: nothing marked, or recorded already)."""
+        state = self._state()
+        marked = input_marked(event, state.input_reports.get((event.job_id, event.attempt)))
+        if marked is None or marked.event_id in state.seen_events:
+            return None
+        await self.input_error(marked)
+        return marked
 
     async def input_error(self, event: InputError) -> None:
         """Count distinct jobs failing per input; blacklist the input at K of them."""

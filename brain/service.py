@@ -1028,6 +1028,9 @@ class Brain:
             await self.attempts.job_started(event)
         elif isinstance(event, JobExited):
             self.reconciler.exited(event)
+            marked = await self.blacklist.job_exited(event)
+            if marked is not None:
+                await self._event_recorded(marked)
             await self.attempts.job_exited(event)
         elif isinstance(event, LaunchFailed):
             await self.attempts.launch_failed(event)

@@ -73,7 +73,8 @@ class GpuFault(_NodeEvent):
 
 class InputError(_NodeEvent):
     """A job says which input it failed on (the in-job SDK publishes it on its job's
-    event subject); the brain counts distinct jobs per input to blacklist it."""
+    event subject; the brain records one for an exit 66 whose log marked the input);
+    the brain counts distinct jobs per input to blacklist it."""
 
     kind: Literal["input_error"] = "input_error"
     job_id: str = Field(min_length=1, max_length=64)

@@ -12,7 +12,7 @@ from brain.blacklist import Blacklist
 from brain.core.failures import DEFAULT_FAILURE_POLICY
 from schemas.api import BlacklistRequest
 from schemas.errors import ApiError
-from schemas.events import InputError
+from schemas.events import InputError, JobExited
 from schemas.jobs import AttemptFailure, FailureClass, JobState, NodeGrant
 from schemas.state import CauseKind
 from tests.parts import Clock, Shell
@@ -163,3 +163,61 @@ async def test_a_prerun_that_survives_its_trial_waits_for_its_full_allocation(
         assert [(s.node, s.reason) for s in shell.stops] == [("n1", "pre-run passed")]
     else:
         assert after.state is JobState.RUNNING and shell.stops == []
+
+
+def exited(job_id: str, code: int, *log: str, event_id: str | None = None) -> JobExited:
+    return JobExited(
+        event_id=event_id or f"x-{job_id}",
+        node="n1",
+        ts=0.0,
+        job_id=job_id,
+        attempt=1,
+        exit_code=code,
+        runtime_s=1.0,
+        log_tail=log,
+    )
+
+
+MARKED = f"ALNAIR_BAD_INPUT {URI} checksum mismatch"
+
+
+async def test_an_input_a_jobs_log_marked_counts_like_one_it_reported() -> None:
+    # A job without the SDK (a shell script, no NATS) marks its bad input in its log
+    # and exits 66: classified `input`, but it was never counted toward the blacklist,
+    # so three jobs failing on one input blacklisted nothing.
+    shell = Shell()
+    made = blacklist(shell)
+    for job_id in ("1", "2", "3"):
+        marked = await made.job_exited(exited(job_id, 66, "reading", MARKED))
+        assert marked is not None and (marked.uri, marked.reason) == (URI, "checksum mismatch")
+        shell.record_event(marked)
+    entry = shell.state.blacklist[URI]
+    assert entry.jobs == ("1", "2", "3") and "checksum mismatch" in entry.reason
+
+
+@pytest.mark.parametrize(
+    ("code", "log", "reported", "counted"),
+    [
+        pytest.param(66, (MARKED,), False, True, id="marked"),
+        pytest.param(1, (MARKED,), False, False, id="not exit 66: not an input failure"),
+        pytest.param(66, ("no marker",), False, False, id="exit 66 without a marker"),
+        pytest.param(66, (MARKED,), True, False, id="reported through the SDK: counted there"),
+    ],
+)
+async def test_only_an_unreported_marked_input_failure_is_counted_from_the_log(
+    code: int, log: tuple[str, ...], reported: bool, counted: bool
+) -> None:
+    shell = Shell()
+    if reported:
+        shell.record_event(input_error("1"))
+    marked = await blacklist(shell).job_exited(exited("1", code, *log))
+    assert (marked is not None) is counted
+
+
+async def test_a_redelivered_exit_marks_its_input_once() -> None:
+    shell = Shell()
+    made = blacklist(shell)
+    marked = await made.job_exited(exited("1", 66, MARKED))
+    assert marked is not None
+    shell.record_event(marked)
+    assert await made.job_exited(exited("1", 66, MARKED)) is None

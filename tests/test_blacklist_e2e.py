@@ -1,11 +1,14 @@
-"""Input blacklisting: jobs report a bad input through the in-job SDK over NATS; after
-K distinct jobs the input is blacklisted cluster-wide, the jobs that failed on it run
-again without it, and every later job receives the blacklist."""
+"""Input blacklisting: jobs report a bad input through the in-job SDK over NATS, or
+mark it in their log and exit 66 (no SDK); after K distinct jobs the input is
+blacklisted cluster-wide, the jobs that failed on it run again without it, and every
+later job receives the blacklist."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+import pytest
 
 from brain.core.failures import FailurePolicy
 from schemas.api import BlacklistReply, BlacklistRequest
@@ -23,15 +26,23 @@ TRAIN = python(
     "else:\n"
     f"    sdk.fail_on_bad_input({BAD!r}, 'truncated tar header')\n"
 )
+# The same without the SDK: a shell script that marks the input in its log.
+SCRIPT = (
+    "sh",
+    "-c",
+    f'if grep -qxF {BAD} "$ALNAIR_BLACKLIST_FILE"; then echo skipping; '
+    f'else echo "ALNAIR_BAD_INPUT {BAD} truncated tar header"; exit 66; fi',
+)
 
 
+@pytest.mark.parametrize("command", [TRAIN, SCRIPT], ids=["sdk", "log marker"])
 async def test_input_failing_three_jobs_is_blacklisted_and_handed_on(
-    brain_factory, agent_factory
+    brain_factory, agent_factory, command: tuple[str, ...]
 ) -> None:
     brain = await brain_factory(failures=FailurePolicy(blacklist_after_jobs=3))
     agent = await agent_factory("n1", gpus=4)
     await eventually(lambda: brain.state.nodes)
-    spec = JobSpec(command=TRAIN, gpus=1, cwd=REPO)
+    spec = JobSpec(command=command, gpus=1, cwd=REPO)
     first_two = [await submit(brain.api, spec) for _ in range(2)]
     for job_id in first_two:
         job = await eventually(lambda j=job_id: (r := brain.state.jobs[j]).state.terminal and r)
