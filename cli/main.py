@@ -42,7 +42,7 @@ from schemas.api import (
     StatusRequest,
 )
 from schemas.base import check_name, describe_invalid
-from schemas.errors import AlnairError
+from schemas.errors import AlnairError, ApiError
 from schemas.jobs import JobRecord, JobSpec, JobState, share_request
 from schemas.state import (
     STATE_RECORD,
@@ -385,10 +385,21 @@ async def cmd_job(args: argparse.Namespace) -> int:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
+    # Every id is checked before any job is cancelled.
+    requests = [CancelRequest(job_id=job_id) for job_id in args.job]
+
     async def run(bus: Any) -> int:
-        reply = await call(bus, args.tenant, "cancel", CancelRequest(job_id=args.job), JOB_RESULT)
-        print(f"job {reply.job.job_id} {reply.job.state.value}")
-        return 0
+        refused = 0
+        for request in requests:
+            try:
+                reply = await call(bus, args.tenant, "cancel", request, JOB_RESULT)
+            except ApiError as error:
+                # The others are still cancelled (like scancel): say which was not.
+                print(f"alnair cancel: {error}", file=sys.stderr)
+                refused += 1
+                continue
+            print(f"job {reply.job.job_id} {reply.job.state.value}")
+        return 1 if refused else 0
 
     return await _with_bus(args, run)
 
@@ -874,9 +885,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the full record")
     p.set_defaults(fn=cmd_job)
 
-    p = sub.add_parser("cancel", help="cancel a job")
+    p = sub.add_parser("cancel", help="cancel jobs")
     _client_args(p)
-    p.add_argument("job")
+    p.add_argument("job", nargs="+", help="job ids")
     p.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser(

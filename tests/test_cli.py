@@ -173,6 +173,14 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
         assert out.count("READY") == 2
         code, out, _ = await alnair("cancel", "999", env=cli_env)
         assert code == 1
+        # Several at once, like scancel: one unknown id does not stop the others.
+        sleepers = [
+            (await alnair("submit", "--gpus", "1", "--", "sleep", "600", env=cli_env))[1].split()[2]
+            for _ in range(2)
+        ]
+        code, out, err = await alnair("cancel", sleepers[0], "999", sleepers[1], env=cli_env)
+        assert code == 1 and "999" in err
+        assert out.splitlines() == [f"job {job} CANCELLED" for job in sleepers]
         code, _, err = await alnair("submit", "--gpus", "9", "--", "true", env=cli_env)
         assert code == 1 and "cluster has 8" in err
         # One key, one job: a resubmission is answered with the job the first created.
