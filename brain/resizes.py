@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from brain import elastic
 from brain.core import Resize
 from brain.core.failures import Classification
+from brain.core.model import gpus_said
 from brain.state import BrainState
 from brain.writer import Clock, Commands, JobRecords
 from schemas import subjects
@@ -112,11 +113,11 @@ class Resizes:
             raise ApiError(refused.code, refused.reason)
         pinned = job.model_copy(update={"pinned_gpus": request.gpus})
         return await self.stage_resize(
-            pinned, target, f"asked by {who}, who pins it at {request.gpus} GPUs"
+            pinned, target, f"asked by {who}, who pins it at {gpus_said(request.gpus)}"
         )
 
     async def pin(self, job: JobRecord, gpus: int, who: str) -> JobRecord:
-        message = f"pinned at {gpus} GPUs by {who}: the policy leaves its size alone"
+        message = f"pinned at {gpus_said(gpus)} by {who}: the policy leaves its size alone"
         return await self.set_pin(job, gpus, CauseKind.RESIZE_PINNED, message)
 
     async def unpin(self, job: JobRecord, who: str) -> JobRecord:
@@ -126,7 +127,7 @@ class Resizes:
             raise ApiError("conflict", f"job {job.job_id} is {job.state.value}")
         low, high = job.spec.gpu_range
         message = (
-            f"pin at {job.pinned_gpus} GPUs lifted by {who}: the policy sizes it again "
+            f"pin at {gpus_said(job.pinned_gpus or 0)} lifted by {who}: the policy sizes it again "
             f"within {low}..{high}"
         )
         return await self.set_pin(job, None, CauseKind.RESIZE_UNPINNED, message)
@@ -322,7 +323,7 @@ class Resizes:
         if job.pinned_gpus == staged.to_size and not staged.reverting:
             # The size an operator pinned it at could not be reached: the job goes back
             # to the policy rather than being held at a size it does not run at.
-            message += f"; the pin at {staged.to_size} GPUs is lifted"
+            message += f"; the pin at {gpus_said(staged.to_size)} is lifted"
             changed = changed.model_copy(update={"pinned_gpus": None, "reason": message})
         if drop is not None:
             changed = elastic.drop_node(changed, drop)
@@ -387,7 +388,7 @@ class Resizes:
         cause = f"{why}; the job goes on without its GPUs there"
         if job.pinned_gpus is not None:
             # It cannot be held at the size an operator pinned: back to the policy.
-            cause += f"; the pin at {job.pinned_gpus} GPUs is lifted"
+            cause += f"; the pin at {gpus_said(job.pinned_gpus)} is lifted"
             job = job.model_copy(update={"pinned_gpus": None})
         await self.stage_resize(job, target, cause, lost=node)
         return True

@@ -70,7 +70,7 @@ def _summary(reply: WhyReply) -> list[str]:
             hints.append(f"{size}, sized by the policy")
         else:
             hints.append(
-                f"{size}, pinned at {job.pinned_gpus} by an operator "
+                f"{size}, pinned at {job.pinned_gpus} by `alnair resize` "
                 "(`alnair resize JOB auto` hands it back)"
             )
     if hints:

@@ -617,7 +617,7 @@ async def test_cli_submit_elastic_resize_and_show(
     code, out, err = await alnair("jobs", *where, env=env)
     assert code == 0 and "3[1..3] pin=3" in out, err
     code, out, err = await alnair("why", *where, job_id, env=env)
-    assert code == 0 and "pinned at 3 by an operator" in out, err
+    assert code == 0 and "pinned at 3 by `alnair resize`" in out, err
     code, out, err = await alnair("resize", *where, job_id, "auto", env=env)
     assert code == 0 and "not pinned" in out, err
     code, out, err = await alnair("job", *where, job_id, env=env)
