@@ -224,6 +224,18 @@ class JobSpec(BaseModel):
         low = self.min_gpus if self.min_gpus is not None else 1
         return (low, self.max_gpus if self.max_gpus is not None else self.gpus)
 
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _whole_gpus(cls, value: Any) -> Any:
+        # The spec keeps a share as `gpus: 1` and `gpu_milli` (the CLI and job.yaml take
+        # `gpus: 0.25` and convert it: `share_request`); say so rather than "a valid integer".
+        if isinstance(value, float) and not value.is_integer() and 0 < value < 1:
+            raise ValueError(
+                f"{value:g} is a share of a GPU: ask gpus 1 and gpu_milli "
+                f"{round(value * GPU_MILLI)} (thousandths of the GPU)"
+            )
+        return value
+
     @field_validator("command")
     @classmethod
     def _command_not_blank(cls, value: tuple[str, ...]) -> tuple[str, ...]:

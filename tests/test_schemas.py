@@ -162,6 +162,10 @@ def test_oversized_is_rejected_before_parsing() -> None:
     [
         ({"command": [], "gpus": 1}, "command"),
         ({"command": ["x"], "gpus": 0}, "gpus"),
+        (
+            {"command": ["x"], "gpus": 0.5},
+            "spec.gpus: 0.5 is a share of a GPU: ask gpus 1 and gpu_milli 500",
+        ),
         ({"command": ["x"], "gpus": 1, "queue": "a b"}, "queue"),
         ({"command": ["x"], "gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "0"}}, "set by Alnair"),
         ({"command": ["x"], "gpus": 1, "env": {"1BAD": "0"}}, "invalid environment"),
