@@ -10,12 +10,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import nats.errors
-
 from bus.client import Bus
 from schemas import subjects
-from schemas.base import decode, encode
-from schemas.errors import AlnairError
+from schemas.errors import AlnairError, BrainUnavailable, BusDenied, BusTimeout
 from schemas.logs import LOG_RESULT, LogChunk, LogMissing, LogRequest
 
 
@@ -35,14 +32,21 @@ async def read_chunk(
 ) -> LogChunk:
     subject = subjects.node(node, "logs")
     try:
-        msg = await bus.nc.request(subject, encode(request), timeout=timeout_s)
-    except nats.errors.NoRespondersError:
+        answer = await bus.request(subject, request, LOG_RESULT, timeout_s=timeout_s)
+    except BrainUnavailable:  # no responders, whoever was asked
         raise LogUnavailable(
             node, f"node {node} does not answer for its logs (its agent is down or cut off)"
         ) from None
-    except nats.errors.TimeoutError:
+    except BusTimeout:
         raise LogUnavailable(node, f"node {node} did not answer within {timeout_s:g}s") from None
-    answer = decode(msg.data, LOG_RESULT)
+    except BusDenied:
+        # Said at once, not after the timeout: under --secure only the operator and the
+        # brain ask nodes for logs; a tenant reads its jobs' through the brain.
+        raise LogUnavailable(
+            node,
+            f"this identity may not ask node {node} for logs: read a job's log through the "
+            "HTTP API (GET /v1/jobs/{id}/logs, with the tenant's token) or as the operator",
+        ) from None
     if isinstance(answer, LogMissing):
         raise LogUnavailable(node, answer.error, answered=True)
     return answer

@@ -21,6 +21,7 @@ from brain.credentials import DEFAULT_TTL_S
 from brain.service import Brain, BrainConfig
 from bus.auth import CALLOUT_SEED_FILE, Identity, write_cluster_keys
 from bus.client import Bus, ConnectOptions
+from bus.logs import LogUnavailable, read_chunk
 from bus.server import EmbeddedNats
 from bus.tls import TlsFiles
 from cli.client import call, submit
@@ -35,6 +36,7 @@ from schemas.api import (
 )
 from schemas.errors import BusError
 from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.logs import LogRequest
 from tests.conftest import elastic_train_spec, eventually
 
 REPO = Path(__file__).resolve().parent.parent
@@ -438,5 +440,21 @@ async def test_a_refused_publish_is_logged_once(
         await eventually(lambda: refused in caplog.text)
         await bus.nc.flush()
         assert caplog.text.count(refused) == 1
+    finally:
+        await bus.close()
+
+
+async def test_a_tenant_asking_a_node_for_logs_is_told_at_once_where_to_read_them(
+    secure_server, keys
+) -> None:
+    # Under --secure only the operator and the brain ask nodes for logs. A tenant's
+    # `alnair logs` waited out the 5-s timeout and logged a warning before.
+    bus = await open_as(secure_server, keys[0]["tenant:a"])
+    try:
+        request = LogRequest(job_id="1", attempt=1, offset=0, max_bytes=1024)
+        with pytest.raises(LogUnavailable) as refused:
+            await read_chunk(bus, "n1", request, timeout_s=60)
+        assert refused.value.reason.startswith("this identity may not ask node n1 for logs")
+        assert "GET /v1/jobs/{id}/logs" in refused.value.reason
     finally:
         await bus.close()
