@@ -954,6 +954,48 @@ async def test_a_job_shrunk_for_a_newcomer_keeps_running_until_its_shrink_commit
     assert (done.state, done.attempt, done.gpu_count) == (JobState.RUNNING, 1, 3)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HOROVODRUN.exists(), reason="horovodrun is not installed")
+@pytest.mark.timeout(240)
+async def test_a_horovod_job_shrinks_in_place_for_a_better_ranked_newcomer(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Agent]],
+    tmp_path: Path,
+) -> None:
+    """The whole path with real horovodrun, across two nodes: the newcomer outranks the
+    elastic job, which gives it a GPU by shrinking in place, not by a preemption and a
+    restart. (The pass between staging and commit that once preempted it is pinned by
+    the fake-supervisor test above: here the real one answers too fast to hit it.)"""
+    from brain.core import Policy
+
+    brain = await brain_factory(policy=Policy(order="priority", elasticity="marginal-gain"))
+    await agent_factory("n1", gpus=2)
+    await agent_factory("n2", gpus=2)
+    await eventually(lambda: len(brain.state.nodes) == 2)
+    records: list[StateRecord] = []
+    brain.record_observers.append(lambda record, seq: records.append(record))
+    stop_file = tmp_path / "stop"
+    job_id = await submit(brain, elastic_train_spec(4, stop_file, max_gpus=4))
+    await eventually(lambda: brain.progress.world_size(job_id) == 4, timeout_s=90)
+
+    newcomer = await submit(brain, JobSpec(command=("sleep", "600"), gpus=1))
+    await eventually(lambda: brain.state.jobs[newcomer].state is JobState.RUNNING, timeout_s=90)
+    shrunk = brain.state.jobs[job_id]
+    assert (shrunk.state, shrunk.attempt, shrunk.gpu_count) == (JobState.RUNNING, 1, 3)
+    await eventually(lambda: brain.progress.world_size(job_id) == 3, timeout_s=30)
+    changes = [
+        r.cause.kind for r in records if isinstance(r, JobChanged) and r.job.job_id == job_id
+    ]
+    assert CauseKind.PREEMPTED not in changes
+    assert changes.index(CauseKind.RESIZE_STAGED) < changes.index(CauseKind.RESIZED)
+
+    stop_file.touch()
+    ended = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=60
+    )
+    assert (ended.state, ended.attempt) == (JobState.SUCCEEDED, 1), ended.reason
+
+
 async def test_http_resize_route(brain_factory, api_factory, node: FakeNode) -> None:
     brain = await brain_factory()
     api = await api_factory(brain)
