@@ -11,7 +11,8 @@ queues:
     guaranteed_gpus: 8    # class defaults to train: borrows idle GPUs, preemptible
 ```
 
-A queue not listed is a `train` queue with no guarantee. This module only parses and
+A queue not listed is a `train` queue with no guarantee, or, under `--strict-queues`,
+refused at submit (`unlisted`). This module only parses and
 validates; an error names the file, the entry and what is wrong with it. The policy
 that reads the quotas is `brain/core/quota.py`.
 """
@@ -138,6 +139,15 @@ def checked(quotas: Iterable[QueueQuota], *, where: str | None = None) -> tuple[
 def describe(quotas: Iterable[QueueQuota]) -> str:
     """`interactive=4:build research=8:train`, for logs and `alnair status`."""
     return " ".join(f"{q.name}={q.guaranteed_gpus}:{q.job_class}" for q in quotas) or "none"
+
+
+def unlisted(queues: Iterable[QueueQuota], queue: str) -> str | None:
+    """Why a job for `queue` is refused by a brain that takes only listed queues
+    (`--strict-queues`), or None."""
+    names = [q.name for q in queues]
+    if queue in names:
+        return None
+    return f"no queue {queue}; the queues are {', '.join(names)} (submit --queue NAME)"
 
 
 def never_within(queues: Iterable[QueueQuota], queue: str, gpus: int) -> str | None:

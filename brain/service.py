@@ -201,6 +201,8 @@ class BrainConfig:
     resize_timeout_s: float = 300.0
     # Queue quotas (`alnair brain --queues FILE`); a queue not listed has no guarantee.
     queues: tuple[QueueQuota, ...] = ()
+    # Refuse a job for a queue `queues` does not list (else: train, no guarantee).
+    strict_queues: bool = False
     # What the Gittins order believes of job service before any job has finished; the
     # finished jobs' service (from the log) is learned on top of it.
     service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
@@ -950,6 +952,10 @@ class Brain:
                 f"job asks for {gpus_said(spec.gpus)} but the cluster has {total} "
                 f"({nodes} node{'' if nodes == 1 else 's'}, at most {largest} on one node)",
             )
+        if self.config.strict_queues:
+            unlisted = queue_config.unlisted(self.config.queues, spec.queue)
+            if unlisted is not None:
+                raise ApiError("invalid", unlisted)
         never = queue_config.never_within(self.config.queues, spec.queue, spec.gpu_range[0])
         if never is not None:
             raise ApiError("invalid", never)

@@ -604,6 +604,12 @@ async def _serve_until_signalled(
     return 0
 
 
+def _strict_queues(args: argparse.Namespace) -> bool:
+    if args.strict_queues and not args.queues:
+        raise UsageError("--strict-queues needs --queues: the queues jobs may use")
+    return bool(args.strict_queues)
+
+
 async def cmd_brain(args: argparse.Namespace) -> int:
     from brain.core.collector import tune_for_a_service
     from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
@@ -621,6 +627,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl,
         launch_ttl_s=args.launch_ttl,
         queues=load_queues(args.queues) if args.queues else (),
+        strict_queues=_strict_queues(args),
         history_path=Path(args.history) if args.history else alnair_home() / "brain" / "history.db",
         failures=failures.policy_of(args),
         tenants=load_tenant_map(args.tenant_users).tenants if args.tenant_users else None,

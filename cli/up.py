@@ -86,6 +86,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="queue quotas (YAML: name, guaranteed_gpus, class build|train); see docs/policies.md",
     )
+    p.add_argument(
+        "--strict-queues",
+        action="store_true",
+        help="refuse a job for a queue the --queues file does not list (default: it runs "
+        "as a train queue with no guarantee, so a mistyped name goes unnoticed)",
+    )
 
 
 def policy_of(args: argparse.Namespace) -> Policy:
@@ -437,14 +443,16 @@ def _job_tls_args(keys: ClusterKeys | None, tls: TlsSettings | None) -> list[str
     return ["--job-tls-issuer", f"{issuer.cert},{issuer.key}"]
 
 
-def _queues_args(path: str | None) -> list[str]:
+def _queues_args(path: str | None, strict: bool) -> list[str]:
     """The brains' `--queues`, checked now rather than by brains that would restart."""
     if not path:
+        if strict:
+            raise AlnairError("--strict-queues needs --queues: the queues jobs may use")
         return []
     from brain.queues import load_queues
 
     load_queues(path)
-    return ["--queues", str(Path(path).resolve())]
+    return ["--queues", str(Path(path).resolve()), *(["--strict-queues"] if strict else [])]
 
 
 async def cmd_up(args: argparse.Namespace) -> int:
@@ -460,7 +468,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
     spec, node_names = plan_agents(args)
     if args.cluster is not None:
         check_cluster_size(args.cluster)  # before anything is written
-    queues = _queues_args(args.queues)
+    queues = _queues_args(args.queues, args.strict_queues)
     if args.fresh:
         import shutil
 

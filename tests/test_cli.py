@@ -326,3 +326,14 @@ def test_up_takes_one_node_or_brain_or_more(flag: str, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         main(["up", flag, "0"])
     assert "'0' is not a whole number of 1 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["brain", "up"])
+def test_strict_queues_without_queues_is_refused_before_anything_starts(
+    command: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("ALNAIR_HOME", str(tmp_path))
+    elsewhere = ["--nats", "nats://127.0.0.1:1"] if command == "brain" else []
+    assert main([command, "--strict-queues", *elsewhere]) == 1
+    assert "--strict-queues needs --queues" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

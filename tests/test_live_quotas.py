@@ -158,6 +158,26 @@ async def test_a_build_job_beyond_its_queues_fixed_quota_is_refused_at_submit(
     assert not brain.state.jobs
 
 
+@pytest.mark.parametrize(("strict", "queue"), [(True, "prdo"), (True, "default"), (False, "prdo")])
+async def test_a_brain_with_strict_queues_refuses_a_queue_it_does_not_list(
+    brain_factory: Callable[..., Awaitable[Brain]], tmp_path: Path, strict: bool, queue: str
+) -> None:
+    queues_file = tmp_path / "queues.yaml"
+    queues_file.write_text(QUEUES)
+    brain = await brain_factory(queues=load_queues(queues_file), strict_queues=strict)
+    prod = await submit(brain, "prod", gpus=1)
+    spec = JobSpec(command=SLEEP, gpus=1, queue=queue)
+    reply = await brain.api.handle("alice", SubmitRequest(spec=spec))
+    if not strict:
+        assert isinstance(reply, JobReply), reply  # a train queue with no guarantee
+        return
+    assert isinstance(reply, ErrorReply) and reply.code == "invalid"
+    assert reply.error == (
+        f"no queue {queue}; the queues are interactive, prod, research (submit --queue NAME)"
+    )
+    assert list(brain.state.jobs) == [prod]  # what was accepted stays
+
+
 async def test_why_is_for_the_jobs_owner(
     brain_factory: Callable[..., Awaitable[Brain]],
 ) -> None:
