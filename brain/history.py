@@ -27,8 +27,9 @@ from typing import Any, Final
 
 import sqlite_utils
 
-from schemas.jobs import JobRecord
+from schemas.jobs import JobRecord, JobState
 from schemas.state import (
+    CauseKind,
     JobChanged,
     NodeChanged,
     NodeEventRecorded,
@@ -283,6 +284,13 @@ _UPSERT_ATTEMPT: Final = _upsert(
     ("nodes", "gpus", "started_at", "ended_at", "state", "exit_code", "signal", "reason"),
 )
 
+# An attempt that ended without failing or finishing the job (preempted, stopped by its
+# node, a pre-run passed): the job went back to PENDING, and its row is closed.
+_END_REQUEUED_ATTEMPT: Final = (
+    "UPDATE attempts SET ended_at = ?, state = ?, reason = ? "
+    "WHERE job_id = ? AND attempt = ? AND ended_at IS NULL"
+)
+
 Row = tuple[object, ...]
 
 
@@ -321,6 +329,7 @@ class _Rows:
         )
         if isinstance(record, JobChanged):
             self._job(record.job)
+            self._requeued(record)
 
     def _job(self, job: JobRecord) -> None:
         self.jobs.append(
@@ -377,6 +386,22 @@ class _Rows:
                     ),
                 )
             )
+
+    def _requeued(self, record: JobChanged) -> None:
+        """RUNNING -> PENDING, not for a failure (whose row `_job` ends as FAILED): the
+        attempt ended, and its row says how; else it read RUNNING for ever."""
+        job = record.job
+        if record.previous is not JobState.RUNNING or job.state is not JobState.PENDING:
+            return
+        if job.attempt < 1 or (job.failures and job.failures[-1].attempt == job.attempt):
+            return
+        state = "PREEMPTED" if record.cause.kind is CauseKind.PREEMPTED else "REQUEUED"
+        self.attempts.append(
+            (
+                _END_REQUEUED_ATTEMPT,
+                (record.ts, state, record.cause.message, job.job_id, job.attempt),
+            )
+        )
 
 
 def _state_of(record: StateRecord) -> str | None:
