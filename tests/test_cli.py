@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from cli.format import gpus_text
 from cli.main import build_parser, main
 from schemas.api import WhyReply
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
-from tests.conftest import eventually
+from tests.conftest import REPO, eventually
 
 CLI = [sys.executable, "-m", "cli"]
 
@@ -337,3 +338,23 @@ def test_strict_queues_without_queues_is_refused_before_anything_starts(
     assert main([command, "--strict-queues", *elsewhere]) == 1
     assert "--strict-queues needs --queues" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
+    # `alnair events | head` printed a BrokenPipeError traceback once head had its lines.
+    trace = tmp_path / "trace.csv"
+    trace.write_text("job_id,num_gpu,submit_time,duration\n1,1,0,10\n")
+    read, write = os.pipe()
+    os.close(read)  # nobody will read what it prints
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "cli", "sim", "--trace", str(trace), "--cluster", "1x1"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")
