@@ -18,6 +18,7 @@ from nats.aio.subscription import Subscription
 
 from brain.core.ordering import job_sequence
 from brain.port import BrainPort
+from brain.queues import queue_status
 from brain.state import current_run_s, current_size_s
 from schemas import subjects
 from schemas.api import (
@@ -36,8 +37,10 @@ from schemas.api import (
     JobsReply,
     ListJobsRequest,
     ListNodesRequest,
+    ListQueuesRequest,
     NodeReply,
     NodesReply,
+    QueuesReply,
     ResizeRequest,
     ResumeRequest,
     StatusReply,
@@ -49,7 +52,7 @@ from schemas.api import (
 )
 from schemas.base import Message, decode, encode
 from schemas.errors import ApiError, InvalidMessage, InvalidName, InvalidSubject
-from schemas.jobs import JobRecord
+from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeStatus
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,7 @@ Reply = (
     JobReply
     | JobsReply
     | NodesReply
+    | QueuesReply
     | NodeReply
     | StatusReply
     | HistoryReply
@@ -162,8 +166,8 @@ class ApiServer:
             jobs = self._jobs(tenant, request, operator=operator)
             profiles = brain.profiles.live_profiles(j.job_id for j in jobs)
             return JobsReply(jobs=jobs, profiles=profiles)
-        if isinstance(request, ListNodesRequest):
-            return NodesReply(nodes=self._nodes())
+        if isinstance(request, ListNodesRequest | ListQueuesRequest):
+            return self._cluster(request)
         if isinstance(request, DrainRequest | ResumeRequest):
             verb = "drain" if isinstance(request, DrainRequest) else "resume"
             if not operator:
@@ -189,6 +193,16 @@ class ApiServer:
         if isinstance(request, StatusRequest):
             return await self._status()
         raise ApiError("invalid", f"unsupported request {type(request).__name__}")
+
+    def _cluster(self, request: ListNodesRequest | ListQueuesRequest) -> NodesReply | QueuesReply:
+        """The nodes, or the queues: what every tenant may read of the cluster."""
+        if isinstance(request, ListNodesRequest):
+            return NodesReply(nodes=self._nodes())
+        state, config = self.brain.state, self.brain.config
+        statuses = queue_status(
+            config.queues, state.jobs_in(JobState.RUNNING), state.jobs_in(JobState.PENDING)
+        )
+        return QueuesReply(queues=tuple(statuses), strict=config.strict_queues)
 
     def _about_job(
         self, tenant: str, request: GetJobRequest | HistoryRequest | WhyRequest, *, operator: bool

@@ -27,7 +27,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from brain.core.model import Decisions, MemoryPressure, Preempt, QueueQuota, QuotaReclaim
+from brain.queues import queue_status
 from schemas import subjects
+from schemas.api import QueueStatus
 from schemas.events import GpuFault
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeState
@@ -142,8 +144,12 @@ class _ClusterCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         brain = self.metrics.brain
         state = brain.state
-        yield from self._queues(state.jobs_in(JobState.PENDING))
-        yield from self._quotas(brain.config.queues, state.jobs_in(JobState.RUNNING))
+        queues = brain.config.queues
+        statuses = queue_status(
+            queues, state.jobs_in(JobState.RUNNING), state.jobs_in(JobState.PENDING)
+        )
+        yield from self._queues(statuses)
+        yield from self._quotas(queues, statuses)
         jobs = GaugeMetricFamily("alnair_jobs", "Jobs the brain knows, by state.", labels=["state"])
         for job_state in JobState:
             jobs.add_metric([job_state.value], len(state.jobs_in(job_state)))
@@ -239,7 +245,7 @@ class _ClusterCollector(Collector):
         )
 
     @staticmethod
-    def _queues(pending: list[JobRecord]) -> Iterator[Metric]:
+    def _queues(statuses: list[QueueStatus]) -> Iterator[Metric]:
         length = GaugeMetricFamily(
             "alnair_queue_pending_jobs", "Pending jobs, by queue.", labels=["queue"]
         )
@@ -248,17 +254,15 @@ class _ClusterCollector(Collector):
             "GPUs asked for by pending jobs, by queue.",
             labels=["queue"],
         )
-        by_queue: dict[str, list[JobRecord]] = {}
-        for job in pending:
-            by_queue.setdefault(job.spec.queue, []).append(job)
-        for queue, jobs in sorted(by_queue.items()):
-            length.add_metric([queue], len(jobs))
-            gpus.add_metric([queue], sum(j.spec.gpus for j in jobs))
+        for status in statuses:
+            if status.pending_jobs:
+                length.add_metric([status.name], status.pending_jobs)
+                gpus.add_metric([status.name], status.pending_gpus)
         yield length
         yield gpus
 
     @staticmethod
-    def _quotas(queues: tuple[QueueQuota, ...], running: list[JobRecord]) -> Iterator[Metric]:
+    def _quotas(queues: tuple[QueueQuota, ...], statuses: list[QueueStatus]) -> Iterator[Metric]:
         """What each queue holds beside what it is guaranteed: a queue over its
         guarantee borrows (and its jobs past it may be preempted), one under it is owed
         GPUs that other queues' jobs give back when it asks (docs/policies.md)."""
@@ -277,12 +281,11 @@ class _ClusterCollector(Collector):
         jobs = GaugeMetricFamily(
             "alnair_queue_running_jobs", "Running jobs, by queue.", labels=["queue"]
         )
-        by_queue: dict[str, list[JobRecord]] = {quota.name: [] for quota in queues}
-        for job in running:
-            by_queue.setdefault(job.spec.queue, []).append(job)
-        for queue, in_queue in sorted(by_queue.items()):
-            held.add_metric([queue], sum(len(g.gpus) for j in in_queue for g in j.grants))
-            jobs.add_metric([queue], len(in_queue))
+        for status in statuses:
+            # Every configured queue (0 when it holds none), and any other that holds some.
+            if status.listed or status.running_jobs:
+                held.add_metric([status.name], status.running_gpus)
+                jobs.add_metric([status.name], status.running_jobs)
         yield guaranteed
         yield held
         yield jobs

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from brain.core import Policy
+from brain.core import Policy, QueueQuota
 from brain.history import History
 from brain.inbox import WriteRequest
 from brain.leader import Lease
@@ -21,6 +21,12 @@ from schemas.telemetry import GpuShares, TelemetryBatch
 class BrainConfigView(Protocol):
     @property
     def policy(self) -> Policy: ...
+
+    @property
+    def queues(self) -> tuple[QueueQuota, ...]: ...
+
+    @property
+    def strict_queues(self) -> bool: ...
 
 
 class BrainPort(Protocol):

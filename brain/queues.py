@@ -26,8 +26,10 @@ from typing import Final, cast
 import yaml
 
 from brain.core.model import JobClass, QueueQuota, gpus_said
+from schemas.api import QueueStatus
 from schemas.base import check_name
 from schemas.errors import AlnairError, InvalidName
+from schemas.jobs import JobRecord
 
 JOB_CLASSES: Final[tuple[JobClass, ...]] = ("build", "train")
 KEYS: Final = ("name", "guaranteed_gpus", "class")
@@ -139,6 +141,39 @@ def checked(quotas: Iterable[QueueQuota], *, where: str | None = None) -> tuple[
 def describe(quotas: Iterable[QueueQuota]) -> str:
     """`interactive=4:build research=8:train`, for logs and `alnair status`."""
     return " ".join(f"{q.name}={q.guaranteed_gpus}:{q.job_class}" for q in quotas) or "none"
+
+
+def queue_status(
+    queues: Iterable[QueueQuota], running: Iterable[JobRecord], pending: Iterable[JobRecord]
+) -> list[QueueStatus]:
+    """Every listed queue, and every other queue that has jobs, by name: its quota
+    beside its running jobs' GPUs (a share counts as its GPU) and its pending jobs' asks."""
+    listed = {q.name: q for q in queues}
+    counts: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in listed}
+    for job in running:
+        count = counts.setdefault(job.spec.queue, [0, 0, 0, 0])
+        count[0] += 1
+        count[1] += sum(len(g.gpus) for g in job.grants)
+    for job in pending:
+        count = counts.setdefault(job.spec.queue, [0, 0, 0, 0])
+        count[2] += 1
+        count[3] += job.spec.gpus
+    statuses: list[QueueStatus] = []
+    for name, (running_jobs, running_gpus, pending_jobs, pending_gpus) in sorted(counts.items()):
+        quota = listed.get(name)
+        statuses.append(
+            QueueStatus(
+                name=name,
+                listed=quota is not None,
+                job_class=quota.job_class if quota is not None else "train",
+                guaranteed_gpus=quota.guaranteed_gpus if quota is not None else 0,
+                running_jobs=running_jobs,
+                running_gpus=running_gpus,
+                pending_jobs=pending_jobs,
+                pending_gpus=pending_gpus,
+            )
+        )
+    return statuses
 
 
 def unlisted(queues: Iterable[QueueQuota], queue: str) -> str | None:

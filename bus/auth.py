@@ -37,7 +37,7 @@ from schemas.errors import BusError
 
 Role = Literal["brain", "node", "job", "tenant", "operator"]
 OPERATOR: Final = "operator"
-READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "status", "history", "why")
+READ_ONLY_VERBS: Final = ("jobs", "job", "nodes", "queues", "status", "history", "why")
 # The account key a brain signs job users with (its auth callout), beside the seeds.
 CALLOUT_SEED_FILE: Final = "callout-issuer.nk"
 WORKER_SUBJECTS: Final = (f"{subjects.PREFIX}.job.*.exec", f"{subjects.PREFIX}.job.*.workers")

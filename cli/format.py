@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from schemas.api import QueueStatus
 from schemas.jobs import JobRecord
 from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
@@ -123,6 +124,26 @@ def nodes_table(nodes: Sequence[NodeStatus]) -> str:
             "SHARED (JOB=SHARE/LIMIT)",
             "DRAINED (REASON)",
         ],
+        rows,
+    )
+
+
+def queues_table(queues: Sequence[QueueStatus]) -> str:
+    """Each queue's guarantee beside what its jobs hold (BORROWED: beyond the guarantee,
+    preemptible for a queue owed its own) and ask; an unlisted queue is marked."""
+    rows = [
+        [
+            q.name if q.listed else f"{q.name} (not listed)",
+            q.job_class,
+            str(q.guaranteed_gpus),
+            f"{q.running_jobs}/{q.running_gpus}",
+            str(q.borrowed_gpus),
+            f"{q.pending_jobs}/{q.pending_gpus}",
+        ]
+        for q in queues
+    ]
+    return table(
+        ["QUEUE", "CLASS", "GUARANTEED", "RUNNING(JOBS/GPUS)", "BORROWED", "PENDING(JOBS/GPUS)"],
         rows,
     )
 

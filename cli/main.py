@@ -32,12 +32,14 @@ from schemas.api import (
     JOB_RESULT,
     JOBS_RESULT,
     NODES_RESULT,
+    QUEUES_RESULT,
     STATUS_RESULT,
     CancelRequest,
     GetJobRequest,
     HistoryRequest,
     ListJobsRequest,
     ListNodesRequest,
+    ListQueuesRequest,
     ResizeRequest,
     StatusRequest,
 )
@@ -460,6 +462,23 @@ async def cmd_nodes(args: argparse.Namespace) -> int:
             print(json.dumps([n.model_dump(mode="json") for n in reply.nodes], indent=2))
         else:
             print(fmt.nodes_table(reply.nodes))
+        return 0
+
+    return await _with_bus(args, run)
+
+
+async def cmd_queues(args: argparse.Namespace) -> int:
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "queues", ListQueuesRequest(), QUEUES_RESULT)
+        if args.json:
+            print(json.dumps(reply.model_dump(mode="json")["queues"], indent=2))
+            return 0
+        if not reply.queues:
+            print("no queues configured and no jobs (alnair brain --queues FILE)")
+            return 0
+        print(fmt.queues_table(reply.queues))
+        if reply.strict:
+            print("queues not listed are refused (--strict-queues)")
         return 0
 
     return await _with_bus(args, run)
@@ -929,6 +948,13 @@ def build_parser() -> argparse.ArgumentParser:
     _client_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_nodes)
+
+    p = sub.add_parser(
+        "queues", help="queues: each one's guaranteed GPUs beside what its jobs hold and ask"
+    )
+    _client_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_queues)
 
     failures.add_commands(sub, _client_args, _with_bus)
     why.add_command(sub, _client_args, _with_bus)

@@ -29,6 +29,7 @@ ApiVerb = Literal[
     "blacklist",
     "why",
     "resize",
+    "queues",
 ]
 API_VERBS: Final[tuple[str, ...]] = get_args(ApiVerb)
 # Requests on `alnair.api.operator.>` are an operator's: they may read every tenant's
@@ -63,6 +64,10 @@ class ListNodesRequest(Message):
 
 class StatusRequest(Message):
     pass
+
+
+class ListQueuesRequest(Message):
+    """Each queue's guarantee beside what its jobs hold and ask (`alnair queues`)."""
 
 
 class DrainRequest(Message):
@@ -139,6 +144,36 @@ class JobsReply(Message):
 class NodesReply(Message):
     ok: Literal[True] = True
     nodes: tuple[NodeStatus, ...]
+
+
+class QueueStatus(BaseModel):
+    """One queue: its quota (`alnair brain --queues`), and its jobs now. A share of a GPU
+    counts as the GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    # False: not in the queues file, but jobs use it (a train queue with no guarantee).
+    listed: bool
+    job_class: Literal["build", "train"]
+    guaranteed_gpus: int = Field(ge=0)
+    running_jobs: int = Field(ge=0)
+    running_gpus: int = Field(ge=0)
+    pending_jobs: int = Field(ge=0)
+    pending_gpus: int = Field(ge=0)
+
+    @property
+    def borrowed_gpus(self) -> int:
+        """GPUs held beyond the guarantee: its jobs past it may be preempted for a queue
+        owed its own (docs/policies.md)."""
+        return max(0, self.running_gpus - self.guaranteed_gpus)
+
+
+class QueuesReply(Message):
+    ok: Literal[True] = True
+    queues: tuple[QueueStatus, ...]
+    # The brain refuses jobs for a queue not listed (`--strict-queues`).
+    strict: bool = False
 
 
 class NodeReply(Message):
@@ -245,6 +280,7 @@ REQUEST_TYPES: Final[dict[str, type[Message]]] = {
     "blacklist": BlacklistRequest,
     "why": WhyRequest,
     "resize": ResizeRequest,
+    "queues": ListQueuesRequest,
 }
 
 JOB_RESULT: Final = TypeAdapter(ErrorReply | JobReply)
@@ -255,3 +291,4 @@ STATUS_RESULT: Final = TypeAdapter(ErrorReply | StatusReply)
 HISTORY_RESULT: Final = TypeAdapter(ErrorReply | HistoryReply)
 BLACKLIST_RESULT: Final = TypeAdapter(ErrorReply | BlacklistReply)
 WHY_RESULT: Final = TypeAdapter(ErrorReply | WhyReply)
+QUEUES_RESULT: Final = TypeAdapter(ErrorReply | QueuesReply)

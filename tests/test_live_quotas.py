@@ -126,6 +126,24 @@ async def test_an_owner_reclaims_its_guarantee_from_a_borrower_and_build_jobs_st
     status, body = await api.call("GET", f"/v1/jobs/{borrower}/why?limit=0")
     assert status == 400 and "limit" in body["error"]
 
+    # `alnair queues`: each queue's guarantee beside what it holds and asks, for any
+    # tenant (totals, no other tenant's jobs); the same over HTTP.
+    args = ["queues", "--nats", nats_server.url, "--tenant", "bob"]
+    assert await asyncio.to_thread(main, args) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "QUEUE        CLASS  GUARANTEED  RUNNING(JOBS/GPUS)  BORROWED  PENDING(JOBS/GPUS)",
+        "interactive  build  1           1/1                 0         1/1",
+        "prod         train  2           1/2                 0         0/0",
+        "research     train  1           0/0                 0         1/3",
+    ]
+    status, body = await api.call("GET", "/v1/queues", who="bob")
+    assert status == 200 and body["strict"] is False
+    assert [(q["name"], q["running_gpus"], q["pending_gpus"]) for q in body["queues"]] == [
+        ("interactive", 1, 1),
+        ("prod", 2, 0),
+        ("research", 0, 3),
+    ]
+
 
 @pytest.mark.parametrize(
     ("fields", "refused"),

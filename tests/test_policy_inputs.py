@@ -10,11 +10,11 @@ import pytest
 from pydantic import ValidationError
 
 from brain.core import DEFAULT_SERVICE_PRIOR, QueueQuota
-from brain.queues import QueueConfigError, load_queues, parse_quota
+from brain.queues import QueueConfigError, load_queues, parse_quota, queue_status
 from brain.sim import TraceError, cli, load_trace
 from brain.state import SERVICE_SAMPLES, BrainState, job_view
 from cli.main import UsageError, build_parser, load_spec, main
-from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.state import Cause, CauseKind, JobChanged
 
 # -- the queues file ------------------------------------------------------------------
@@ -121,6 +121,37 @@ def test_the_brain_and_up_refuse_a_bad_queues_file(
 
 
 # -- the simulator's quotas -----------------------------------------------------------
+
+
+def _job(number: int, queue: str, gpus: int, *, on: tuple[int, ...] = ()) -> JobRecord:
+    spec = JobSpec(command=("x",), gpus=gpus, queue=queue)
+    state = JobState.RUNNING if on else JobState.PENDING
+    grants = (NodeGrant(node="n1", gpus=on),) if on else ()
+    return JobRecord(
+        job_id=str(number), tenant="t", spec=spec, state=state, submitted_at=0.0, grants=grants
+    )
+
+
+def test_queue_status_sets_each_guarantee_beside_what_its_jobs_hold_and_ask() -> None:
+    quotas = (QueueQuota("prod", 2), QueueQuota("interactive", 1, "build"))
+    running = [
+        _job(1, "prod", 2, on=(0, 1)),
+        _job(2, "prod", 1, on=(2,)),  # one beyond the guarantee: borrowed
+        _job(3, "scratch", 1, on=(3,)),  # not listed: all of it borrowed
+    ]
+    pending = [_job(4, "interactive", 1), _job(5, "scratch", 4), _job(6, "scratch", 2)]
+    shown = [
+        (
+            *(q.name, q.listed, q.job_class, q.guaranteed_gpus),
+            *(q.running_jobs, q.running_gpus, q.borrowed_gpus, q.pending_jobs, q.pending_gpus),
+        )
+        for q in queue_status(quotas, running, pending)
+    ]
+    assert shown == [
+        ("interactive", True, "build", 1, 0, 0, 0, 1, 1),
+        ("prod", True, "train", 2, 2, 3, 1, 0, 0),
+        ("scratch", False, "train", 0, 1, 1, 1, 2, 6),
+    ]
 
 
 def test_traces_carry_a_queue(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from schemas.api import (
     JobsReply,
     NodeReply,
     NodesReply,
+    QueuesReply,
     StatusReply,
     SubmitRequest,
     WhyReply,
@@ -65,6 +66,7 @@ _MODELS: Final[tuple[tuple[type[BaseModel], JsonSchemaMode], ...]] = (
     (JobReply, "serialization"),
     (JobsReply, "serialization"),
     (NodesReply, "serialization"),
+    (QueuesReply, "serialization"),
     (NodeReply, "serialization"),
     (StatusReply, "serialization"),
     (WhyReply, "serialization"),
@@ -308,6 +310,14 @@ def _paths() -> dict[str, Any]:
                 _json(_ref("NodesReply"), "nodes"),
                 errors=(),
                 operation_id="listNodes",
+            )
+        },
+        "/v1/queues": {
+            "get": _operation(
+                "Each queue's guarantee beside what its jobs hold and ask",
+                _json(_ref("QueuesReply"), "queues"),
+                errors=(),
+                operation_id="listQueues",
             )
         },
         "/v1/nodes/{node}/drain": {

@@ -43,6 +43,7 @@ from schemas.api import (
     JobReply,
     ListJobsRequest,
     ListNodesRequest,
+    ListQueuesRequest,
     ResizeRequest,
     ResumeRequest,
     StatusRequest,
@@ -161,6 +162,7 @@ class HttpServer:
         r.add_get("/v1/jobs/{job_id}/why", self._why)
         r.add_get("/v1/jobs/{job_id}/logs", self._logs)
         r.add_get("/v1/nodes", self._nodes)
+        r.add_get("/v1/queues", self._queues)
         r.add_post("/v1/nodes/{node}/drain", self._drain)
         r.add_post("/v1/nodes/{node}/resume", self._resume)
         r.add_get("/v1/events", self._events)
@@ -391,6 +393,9 @@ class HttpServer:
 
     async def _nodes(self, request: web.Request) -> web.Response:
         return await self._call(request, ListNodesRequest())
+
+    async def _queues(self, request: web.Request) -> web.Response:
+        return await self._call(request, ListQueuesRequest())
 
     async def _drain(self, request: web.Request) -> web.Response:
         self._caller(request)
