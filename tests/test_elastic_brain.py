@@ -31,7 +31,15 @@ from brain.service import Brain
 from bus.client import Bus
 from bus.server import EmbeddedNats
 from schemas import subjects
-from schemas.api import CancelRequest, ErrorReply, JobReply, ResizeRequest, SubmitRequest
+from schemas.api import (
+    OPERATOR_TENANT,
+    CancelRequest,
+    DrainRequest,
+    ErrorReply,
+    JobReply,
+    ResizeRequest,
+    SubmitRequest,
+)
 from schemas.base import decode
 from schemas.commands import JOB_COMMAND, NODE_COMMAND, Launch, Regrant, Resize, Stop
 from schemas.events import JobStarted, LaunchFailed, NodeEvent, ResizeCompleted
@@ -994,6 +1002,30 @@ async def test_a_horovod_job_shrinks_in_place_for_a_better_ranked_newcomer(
         lambda: (j := brain.state.jobs[job_id]).state.terminal and j, timeout_s=60
     )
     assert (ended.state, ended.attempt) == (JobState.SUCCEEDED, 1), ended.reason
+
+
+async def test_an_elastic_job_shrinks_off_a_gpu_an_operator_drains_and_runs_on(
+    brain_factory, node: FakeNode
+) -> None:
+    from brain.core import Policy
+
+    brain = await brain_factory(policy=Policy(elasticity="marginal-gain"))
+    await eventually(lambda: brain.state.nodes)
+    job_id = (await elastic_heard_from(brain, node, 4, 4, 100.0)).job_id
+    await brain.api.handle(
+        OPERATOR_TENANT, DrainRequest(node="n1", gpu=3, reason="fan"), operator=True
+    )
+    staged = await eventually(lambda: brain.state.jobs[job_id].resize)
+    assert staged.to_size == 3 and gpus_on(staged.after) == {0, 1, 2}
+    assert "off n1:3, no longer schedulable" in (brain.state.jobs[job_id].reason or "")
+    command = await eventually(lambda: node.resize_for(staged.command_id))
+    await node.resized(command, ok=True, from_size=4)
+    done = await eventually(lambda: (j := brain.state.jobs[job_id]).resize is None and j)
+    assert (done.state, done.attempt, held(brain, job_id)) == (JobState.RUNNING, 1, (0, 1, 2))
+    # Not grown back onto the drained GPU, nor preempted, in the passes that follow.
+    await asyncio.sleep(1.0)
+    after = brain.state.jobs[job_id]
+    assert (after.resize, after.attempt, held(brain, job_id)) == (None, 1, (0, 1, 2))
 
 
 async def test_http_resize_route(brain_factory, api_factory, node: FakeNode) -> None:

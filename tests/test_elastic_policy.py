@@ -665,6 +665,73 @@ def test_a_reclaim_takes_a_gpu_the_winner_can_use_not_a_drained_one(elasticity: 
     assert shrink.job_id == "1" and shrink.grants == (Grant("n0", (0, 1)),)
 
 
+SPANNING = (Grant("n1", (0, 1)), Grant("n2", (0, 1)))
+
+
+@pytest.mark.parametrize(
+    ("views", "least", "kept", "left"),
+    [
+        pytest.param(
+            (NodeView("n1", (0, 1), frozenset()),),
+            1,
+            {"n1": (0, 1)},
+            "n2:0, n2:1",
+            id="a node drained whole",
+        ),
+        pytest.param(
+            (NodeView("n1", (0, 1), frozenset()), NodeView("n2", (0,), frozenset())),
+            1,
+            {"n1": (0, 1), "n2": (0,)},
+            "n2:1",
+            id="one faulty GPU",
+        ),
+        pytest.param(
+            (NodeView("n2", (0, 1), frozenset()),),
+            1,
+            {"n1": (1,), "n2": (0, 1)},
+            "n1:0",
+            id="its first node: the last GPU there stays, for its supervisor",
+        ),
+        pytest.param(
+            (NodeView("n1", (0, 1), frozenset()),),
+            3,
+            {"n1": (0, 1), "n2": (1,)},
+            "n2:0",
+            id="never below its minimum",
+        ),
+    ],
+)
+def test_an_elastic_job_leaves_gpus_drained_under_it_in_place(
+    views: tuple[NodeView, ...], least: int, kept: dict[str, tuple[int, ...]], left: str
+) -> None:
+    # A rigid job runs on where its GPUs were drained until it ends; an elastic one can
+    # shrink off them without a restart, so a drained node empties sooner.
+    job = elastic(
+        "1", 4, least, 4, on=SPANNING, throughput=((2, 20.0), (3, 30.0), (4, 40.0)), attained=1e3
+    )
+    decisions = decide(
+        snapshot(*views, running=(job,)), 50.0, Policy(order="las", elasticity="marginal-gain")
+    )
+    (resize,) = decisions.resizes
+    assert {g.node: g.gpus for g in resize.grants} == kept and not resize.retreat
+    size = sum(len(gpus) for gpus in kept.values())
+    assert resize.cause == (
+        f"shrunk from 4 to {size} GPUs off {left}, no longer schedulable (drained, faulty "
+        "or gone): it runs on in place"
+    )
+    assert not decisions.preemptions and not decisions.placements
+
+
+def test_a_pinned_elastic_job_keeps_its_drained_gpus() -> None:
+    # The operator's pin holds: what it runs on is theirs to change.
+    job = elastic("1", 4, 1, 4, on=SPANNING, throughput=((4, 40.0),), pinned_gpus=4)
+    views = (NodeView("n1", (0, 1), frozenset()),)
+    decisions = decide(
+        snapshot(*views, running=(job,)), 50.0, Policy(order="las", elasticity="marginal-gain")
+    )
+    assert decisions.resizes == ()
+
+
 @settings(max_examples=300, deadline=None)
 @given(drained_worlds(), policies)
 def test_no_drained_gpu_is_granted_resizes_included(world: World, policy: Policy) -> None:

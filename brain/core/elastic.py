@@ -17,11 +17,13 @@ allocator semantics), which `decide` runs around its rigid pipeline:
    GPUs above their target, lowest marginal loss first, *before* any job is
    preempted; reclaimed GPUs nobody took are handed back; a pending elastic job that
    still does not fit at its target starts smaller, down to its minimum;
-4. retreat   — a running job gives back GPUs its measured throughput says do not earn
-   their keep: the mirror of growth's test (see 6), one measured size at a time;
-5. entitle   — in rank order, elastic jobs below their target grow to it: from idle
+4. evacuate  — a running job leaves GPUs that are no longer schedulable (drained,
+   faulty, on a node gone), in place, down to its minimum;
+5. retreat   — a running job gives back GPUs its measured throughput says do not earn
+   their keep: the mirror of growth's test (see 7), one measured size at a time;
+6. entitle   — in rank order, elastic jobs below their target grow to it: from idle
    GPUs, else from GPUs other jobs hold above their targets;
-6. grow      — GPUs still idle go to elastic jobs, highest relative marginal gain
+7. grow      — GPUs still idle go to elastic jobs, highest relative marginal gain
    first, up to `max_gpus`, while the next GPU adds at least `elastic_min_gain` of
    what the job's average GPU does. Past its asked size a job grows only on evidence:
    once measured at its asked size or more, and not past twice the largest size
@@ -30,14 +32,14 @@ allocator semantics), which `decide` runs around its rigid pipeline:
 Settling: measured rates carry their error (`Measured.rel_error`, from the reports'
 spread); between two measured sizes a job grows only when the gain clears the bar by
 `CONFIDENCE_Z` standard errors, and retreats only when it falls short by as much, so it
-stays put on a difference within the noise. Steps 4-6 leave a running job alone until
+stays put on a difference within the noise. Steps 4-7 leave a running job alone until
 its size is measured and it has run `payback` times as long as its last resize took
 (`settle`; the shell is woken when that ends); a size it left for lack of gain
 (`JobView.gain_ceiling`) and measurements older than `reprobe_s` count until then
 (`fresh_evidence`). A job an operator pinned (`JobView.pinned_gpus`) runs at exactly
 that size: its minimum and maximum here, and no move of its own.
 
-With `Policy.elastic_resize_interval_s` > 0, steps 4-6 resize running jobs only in
+With `Policy.elastic_resize_interval_s` > 0, steps 4-7 resize running jobs only in
 cycles at the start of a round (a multiple of the interval; Pollux schedules every
 60 s) and the stage asks to be woken at the next; admission, placement and reclaims
 (1-3) go on at every cycle. It needs no memory: the round follows from `now`.
@@ -115,7 +117,7 @@ UNREPORTED_AFTER_S: Final = 60.0
 
 
 def is_resize_round(now: float, interval_s: float) -> bool:
-    """Whether a cycle at `now` may resize running jobs by itself (retreat, entitle,
+    """Whether a cycle at `now` may resize running jobs by itself (evacuate, retreat, entitle,
     grow): every cycle without an interval, else only at the start of a round (a
     multiple of `interval_s`, within `ROUND_TOLERANCE_S`)."""
     if interval_s <= 0:
@@ -236,8 +238,11 @@ class _Sized:
     before: int
     # GPUs it gave back this cycle and not yet handed back (reclaims not settled).
     reclaimed: list[_Gpu] = field(default_factory=list)
-    # Why it shrank: the job the first reclaim was for (None: a retreat).
+    # Why it shrank: the job the first reclaim was for (None: a retreat, or off the GPUs
+    # in `evacuated`).
     shrunk_for: str | None = None
+    # GPUs it left because they are no longer schedulable (`evacuate`).
+    evacuated: list[_Gpu] = field(default_factory=list)
     shrank: bool = False
     grown: int = 0
 
@@ -260,11 +265,11 @@ class ElasticStage:
     rank_of: dict[str, int] = field(default_factory=dict)
     # What entitles a job to GPUs above its minimum before worse classes (`plan`).
     share_class: dict[str, tuple[float, ...]] = field(default_factory=dict)
-    # Whether this cycle may resize running jobs by itself (retreat, entitle, grow);
+    # Whether this cycle may resize running jobs by itself (evacuate, retreat, entitle, grow);
     # reclaims for pending jobs happen at every cycle. Off: the next round's start.
     resize_round: bool = True
     next_round: float | None = None
-    # Running jobs that make no move of their own this cycle (retreat, entitle, grow):
+    # Running jobs that make no move of their own this cycle (evacuate, retreat, entitle, grow):
     # pinned by an operator, their current size not measured well enough yet, or their
     # last resize not paid back yet (`settle`). Reclaims for pending jobs may still
     # shrink them (a pinned one only down to its pin).
@@ -587,7 +592,35 @@ class ElasticStage:
             sized.reclaimed.clear()
             sized.shrank = len(sized.held) < sized.before
 
-    # -- retreat, entitle, grow ------------------------------------------------------
+    # -- evacuate, retreat, entitle, grow --------------------------------------------
+
+    def evacuate(self, ledger: FreeGpus, exclude: set[str]) -> None:
+        """Shrink running jobs, in place, off GPUs that are no longer schedulable (drained
+        by an operator or a fault, or on a node gone from the cluster), down to their
+        minimum: a drained node empties of elastic jobs without a restart, where a rigid
+        job runs on until it ends. The last GPU on a job's first node stays (`_givable`:
+        its supervisor runs there). Nothing goes back to the ledger: those GPUs are for
+        no one."""
+        for job_id in sorted(self.sized, key=job_sequence):
+            sized = self.sized[job_id]
+            if job_id in exclude or sized.before == 0 or sized.shrank:
+                continue
+            least = self.least(sized.job)
+            while len(sized.held) > least:
+                outside = [
+                    g
+                    for g in self._givable(sized, ledger, usable=False)
+                    if not ledger.schedulable(*g)
+                ]
+                if not outside:
+                    break
+                gpu = min(outside)
+                sized.held.remove(gpu)
+                sized.evacuated.append(gpu)
+            if sized.evacuated:
+                sized.shrank = True
+                size = len(sized.held)
+                self.targets[job_id] = min(self.targets.get(job_id, size), size)
 
     def retreat(self, ledger: FreeGpus, exclude: set[str]) -> None:
         """Shrink running jobs whose measured throughput says their last GPUs do not
@@ -721,7 +754,7 @@ class ElasticStage:
     def finish(
         self, ledger: FreeGpus, actions: Sequence[Action], exclude: set[str]
     ) -> tuple[list[Resize], list[Action], list[Resize]]:
-        """Settle reclaims, retreat, entitle and grow; return (shrinks, `actions` with
+        """Settle reclaims, evacuate, retreat, entitle and grow; return (shrinks, `actions` with
         the placements of elastic jobs at their final size, grows). `exclude`: running
         jobs that keep their size (preemption candidates)."""
         self.settle_reclaims(ledger)
@@ -734,6 +767,7 @@ class ElasticStage:
             # Between rounds running jobs keep their size (bar reclaims): only the
             # jobs placed in this cycle take part.
             exclude = exclude | {j for j, s in self.sized.items() if s.before > 0}
+        self.evacuate(ledger, exclude)
         self.retreat(ledger, exclude)
         self.entitle(ledger, exclude)
         self.grow(ledger, exclude)
@@ -753,7 +787,7 @@ class ElasticStage:
                 continue
             grants = _as_grants(sized.held)
             if len(sized.held) < sized.before:
-                retreat = sized.shrunk_for is None
+                retreat = sized.shrunk_for is None and not sized.evacuated
                 shrinks.append(Resize(job_id, grants, self._shrink_cause(sized), retreat=retreat))
             else:
                 grows.append(Resize(job_id, grants, self._grow_cause(sized)))
@@ -786,6 +820,12 @@ class ElasticStage:
     def _shrink_cause(self, sized: _Sized) -> str:
         job = sized.job
         before, after = sized.before, len(sized.held)
+        if sized.evacuated:
+            left = ", ".join(f"{node}:{gpu}" for node, gpu in sorted(sized.evacuated))
+            return (
+                f"shrunk from {before} to {after} GPUs off {left}, no longer schedulable "
+                "(drained, faulty or gone): it runs on in place"
+            )
         if sized.shrunk_for is None:
             return (
                 f"shrunk from {before} to {after} GPUs: the last {before - after} did not "
