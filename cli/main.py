@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -243,6 +244,7 @@ def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
         raise UsageError(f"{path}: expected a mapping of job fields (name, command, gpus, ...)")
     if isinstance(data.get("command"), str):
         data["command"] = shlex.split(data["command"])
+    data = _yaml_fields(data, path)
     data.setdefault("cwd", str(path.resolve().parent))
     if args.gpus is not None:
         data["gpus"] = args.gpus
@@ -252,6 +254,41 @@ def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
     data.update(_elastic_fields(args))
     data.update(_share_fields(args))
     return _validated(data, str(path))
+
+
+# A job file may give sizes as the flags take them (`gpu_memory: 20GiB`).
+_YAML_SIZES: Final = {"gpu_memory": "gpu_memory_mib", "memory": "memory_mib"}
+
+
+def _yaml_fields(data: dict[Any, Any], path: Path) -> dict[str, Any]:
+    """A job file's fields as the spec takes them, or a refusal that says what to write:
+    sizes with units converted; a field that is not one named, with the nearest that is;
+    an environment value that YAML read as a number or a boolean told to be quoted (its
+    text as written is gone by then: `0.10` reads 0.1)."""
+    fields = dict(data)
+    for name, spec_name in _YAML_SIZES.items():
+        if name in fields:
+            if spec_name in fields:
+                raise UsageError(f"invalid job in {path}: {name} and {spec_name}: give one")
+            fields[spec_name] = parse_mib(str(fields.pop(name)), name)
+    known = set(JobSpec.model_fields) | set(_YAML_SIZES)
+    for name in fields:
+        if name not in known:
+            near = difflib.get_close_matches(str(name), sorted(known), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise UsageError(
+                f"invalid job in {path}: {name} is not a job field{hint}; the fields are "
+                f"{', '.join(sorted(known))}"
+            )
+    env = fields.get("env")
+    if isinstance(env, dict):
+        for key, value in env.items():
+            if isinstance(value, bool | int | float):
+                raise UsageError(
+                    f"invalid job in {path}: env.{key}: YAML read {value!r}, not text: quote "
+                    f'it ({key}: "{value}"); environment values are strings'
+                )
+    return fields
 
 
 def _validated(fields: dict[str, Any], where: str) -> JobSpec:

@@ -299,6 +299,31 @@ def test_a_job_file_that_is_not_there_is_named_and_a_command_after_dashes_is_not
     assert command.command == (missing,)
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("prioirty: 5", "prioirty is not a job field (did you mean priority?); the fields are "),
+        ("gpu_memory: 12GiB\ngpu_memory_mib: 5", "gpu_memory and gpu_memory_mib: give one"),
+        ("memory: lots", "memory takes a size such as 20GiB or 512MiB, not 'lots'"),
+        ("env: {LR: 0.10}", 'env.LR: YAML read 0.1, not text: quote it (LR: "0.1")'),
+        ("env: {DEBUG: yes}", "env.DEBUG: YAML read True, not text: quote it"),
+    ],
+)
+def test_a_job_file_is_refused_saying_what_to_write(tmp_path: Path, text: str, says: str) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(f"command: [sleep, '1']\ngpus: 1\n{text}\n")
+    with pytest.raises(UsageError) as refused:
+        load_spec(build_parser().parse_args(["submit", str(job)]))
+    assert says in str(refused.value)
+
+
+def test_a_job_file_takes_sizes_as_the_flags_do(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("command: [sleep, '1']\ngpus: 0.5\ngpu_memory: 12GiB\nmemory: 2G\n")
+    spec = load_spec(build_parser().parse_args(["submit", str(job)]))
+    assert (spec.gpu_milli, spec.gpu_memory_mib, spec.memory_mib) == (500, 12288, 2048)
+
+
 def test_a_refused_job_is_said_in_the_validators_words_without_pydantics() -> None:
     parser = build_parser()
     args = ["submit", "--gpus", "2", "--elastic", "--min-gpus", "3", "--max-gpus", "2", "--"]
