@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from brain.core import QueueQuota
 from brain.service import Brain
 from tests.conftest import eventually
 from tests.httpkit import TOKENS, Api, api_factory
@@ -108,7 +109,10 @@ PAGE_STATE = """JSON.stringify({
   held: document.querySelectorAll('.gpu-cell.held').length,
   events: document.querySelectorAll('#events li').length,
   profiled: Array.from(document.querySelectorAll('#running tbody tr td:nth-child(6)'))
-    .map(td => td.textContent)
+    .map(td => td.textContent),
+  queues: document.getElementById('queues-section').hidden ? [] :
+    Array.from(document.querySelectorAll('#queues tbody tr'))
+      .map(tr => Array.from(tr.cells).map(td => td.textContent).join('|'))
 })"""
 
 
@@ -121,7 +125,7 @@ async def test_dashboard_shows_the_job_and_the_gpus(
     binary = find_chromium()
     if binary is None:
         pytest.skip(f"no Chromium found (looked for {', '.join(CHROMIUM_NAMES)} on PATH)")
-    brain = await brain_factory()
+    brain = await brain_factory(queues=(QueueQuota("research", 1),))
     await agent_factory("gpu-node-1", gpus=4, model="H100")
     api = await api_factory(brain)
     await eventually(lambda: "gpu-node-1" in brain.telemetry)
@@ -144,11 +148,18 @@ async def test_dashboard_shows_the_job_and_the_gpus(
                 and state.get("held") == 2
                 and state.get("events", 0) > 0
                 and any(cell.endswith("%") for cell in state.get("profiled", []))
+                and len(state.get("queues", [])) == 2
             )
             return state if done else None
 
         state = await eventually(shows_everything, timeout_s=60, interval_s=0.25)
         assert "gpu-node-1" in state["text"] and f"job {job_id}" in state["text"]
+        # Queues: the configured one, and the one the jobs use that is not configured
+        # (queue|class|guaranteed|running|held|borrowed|pending|asked).
+        assert state["queues"] == [
+            "default (not listed)|train|0|1|2|2|1|4",
+            "research|train|1|0|0|0|0|0",
+        ]
         shot = await browser.call("Page.captureScreenshot", format="png")
 
     import base64

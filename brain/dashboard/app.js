@@ -191,6 +191,27 @@ function drawQueue(pending, now) {
   $("queue").tBodies[0].replaceChildren(...rows);
 }
 
+// Shown once queues are configured (alnair brain --queues): GPUs held beyond the
+// guarantee are borrowed, and preemptible for a queue owed its own.
+function drawQueues(queues) {
+  $("queues-section").hidden = !queues.some((q) => q.listed);
+  const rows = queues.map((q) =>
+    el(
+      "tr",
+      { "data-queue": q.name },
+      el("td", {}, q.listed ? q.name : `${q.name} (not listed)`),
+      el("td", {}, q.job_class),
+      el("td", {}, q.guaranteed_gpus),
+      el("td", {}, q.running_jobs),
+      el("td", {}, q.running_gpus),
+      el("td", {}, Math.max(0, q.running_gpus - q.guaranteed_gpus)),
+      el("td", {}, q.pending_jobs),
+      el("td", {}, q.pending_gpus),
+    ),
+  );
+  $("queues").tBodies[0].replaceChildren(...rows);
+}
+
 function drawRunning(running, profiles) {
   $("running-count").textContent = `(${running.length})`;
   const rows = running.map((job) => {
@@ -224,10 +245,11 @@ function drawRunning(running, profiles) {
 }
 
 async function refresh() {
-  const [status, nodes, jobs] = await Promise.all([
+  const [status, nodes, jobs, queues] = await Promise.all([
     api("/v1/status"),
     api("/v1/nodes"),
     api("/v1/jobs?state=PENDING&state=RUNNING"),
+    api("/v1/queues"),
   ]);
   const now = Date.now() / 1000;
   $("status").textContent =
@@ -242,6 +264,7 @@ async function refresh() {
   }
   drawNodes(nodes.nodes, holders);
   drawQueue(jobs.jobs.filter((j) => j.state === "PENDING"), now);
+  drawQueues(queues.queues);
   drawRunning(running, new Map(jobs.profiles.map((p) => [p.job_id, p])));
 }
 
