@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
 
+from schemas.api import OPERATOR_TENANT
 from schemas.errors import BusError, ClusterNotFound
 
 CLUSTER_FILE: Final = "cluster.json"
@@ -112,8 +113,10 @@ def now() -> float:
     return time.time()
 
 
-def resolve_nkey(explicit: str | None) -> str | None:
-    """`--nkey`, then `ALNAIR_NKEY`, then the local secure cluster's client identity."""
+def resolve_nkey(explicit: str | None, *, tenant: str | None = None) -> str | None:
+    """`--nkey`, then `ALNAIR_NKEY`, then the local secure cluster's identity: the seed
+    `alnair up --secure` wrote for `tenant` (`operator-operator.nk` for the operator,
+    `tenant-<name>.nk`) when there is one, else its client's."""
     if explicit:
         return explicit
     if os.environ.get("ALNAIR_NKEY"):
@@ -121,7 +124,14 @@ def resolve_nkey(explicit: str | None) -> str | None:
     if os.environ.get("ALNAIR_NATS"):
         return None
     info = read_cluster(alnair_home())
-    return info.client_nkey if info is not None else None
+    if info is None or info.client_nkey is None:
+        return None
+    if tenant is not None:
+        role = "operator" if tenant == OPERATOR_TENANT else "tenant"
+        own = Path(info.client_nkey).parent / f"{role}-{tenant}.nk"
+        if own.is_file():
+            return str(own)
+    return info.client_nkey
 
 
 def resolve_tls(

@@ -33,6 +33,7 @@ from schemas.api import (
     JOB_RESULT,
     JOBS_RESULT,
     NODES_RESULT,
+    OPERATOR_TENANT,
     QUEUES_RESULT,
     STATUS_RESULT,
     CancelRequest,
@@ -122,12 +123,16 @@ def _client_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def _with_bus(args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]]) -> int:
+async def _with_bus(
+    args: argparse.Namespace, fn: Callable[[Any], Awaitable[int]], *, as_tenant: str | None = None
+) -> int:
+    """Run `fn` on a bus connected as the command's tenant (`as_tenant`: another one, the
+    operator for reading the log): on a local secure cluster, with that tenant's seed."""
     bus = await open_bus(
         resolve_nats(args.nats),
         name="alnair-cli",
         credentials=args.creds,
-        nkey=resolve_nkey(args.nkey),
+        nkey=resolve_nkey(args.nkey, tenant=as_tenant or args.tenant),
         tls=resolve_tls(args.tls_ca, args.tls_cert, args.tls_key),
     )
     try:
@@ -635,7 +640,8 @@ async def cmd_events(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return await _with_bus(args, run)
+        # The log is the operator's to read (docs/security.md).
+        return await _with_bus(args, run, as_tenant=OPERATOR_TENANT)
     except TimeoutError:  # nats.errors.TimeoutError is one too
         raise UsageError(
             "JetStream did not answer reading the STATE log. If the cluster runs with "

@@ -15,6 +15,7 @@ import pytest
 
 from bus.server import EmbeddedNats
 from cli import why
+from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text
 from cli.main import build_parser, main
 from schemas.api import WhyReply
@@ -358,3 +359,30 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> Non
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")
+
+
+@pytest.mark.parametrize(
+    ("tenant", "seed"),
+    [
+        ("operator", "operator-operator.nk"),
+        ("alice", "tenant-alice.nk"),
+        ("bob", "tenant-default.nk"),  # no seed of its own here: the client's
+        (None, "tenant-default.nk"),
+    ],
+)
+def test_a_local_secure_cluster_lends_each_tenant_its_own_seed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tenant: str | None, seed: str
+) -> None:
+    # `alnair events` and `--tenant operator` on `alnair up --secure` were refused with
+    # the default tenant's seed until given --nkey keys/operator-operator.nk.
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("operator-operator.nk", "tenant-default.nk", "tenant-alice.nk"):
+        (keys / name).write_text("seed")
+    client = str(keys / "tenant-default.nk")
+    ClusterInfo(("nats://x",), os.getpid(), 0.0, str(tmp_path), client).write(tmp_path)
+    monkeypatch.setenv("ALNAIR_HOME", str(tmp_path))
+    for variable in ("ALNAIR_NKEY", "ALNAIR_NATS"):
+        monkeypatch.delenv(variable, raising=False)
+    assert resolve_nkey(None, tenant=tenant) == str(keys / seed)
+    assert resolve_nkey("mine.nk", tenant=tenant) == "mine.nk"
