@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 from brain.core.ordering import job_sequence
 from brain.port import BrainPort
 from brain.queues import queue_status
-from brain.state import current_run_s, current_size_s
+from brain.state import attained_to, executed_to
 from schemas import subjects
 from schemas.api import (
     OPERATOR_TENANT,
@@ -222,9 +222,8 @@ class ApiServer:
         now = brain.clock()
         return WhyReply(
             job=job,
-            attained_gpu_seconds=job.attained_gpu_seconds
-            + current_size_s(job, now) * job.gpu_count,
-            executed_seconds=job.executed_seconds + current_run_s(job, now),
+            attained_gpu_seconds=attained_to(job, now),
+            executed_seconds=executed_to(job, now),
             decisions=tuple(
                 WhyEntry(
                     seq=seq,

@@ -125,9 +125,11 @@ class Resizes:
             raise ApiError("invalid", elastic.not_elastic(job))
         if job.state.terminal:
             raise ApiError("conflict", f"job {job.job_id} is {job.state.value}")
+        if job.pinned_gpus is None:
+            return job  # not pinned: nothing to lift
         low, high = job.spec.gpu_range
         message = (
-            f"pin at {gpus_said(job.pinned_gpus or 0)} lifted by {who}: the policy sizes it again "
+            f"pin at {gpus_said(job.pinned_gpus)} lifted by {who}: the policy sizes it again "
             f"within {low}..{high}"
         )
         return await self.set_pin(job, None, CauseKind.RESIZE_UNPINNED, message)

@@ -400,8 +400,7 @@ class BrainState:
         """(GPUs asked, service so far) of every job not finished that has run: the
         running ones' to `now`, the preempted ones' as recorded."""
         unfinished = [
-            (job.spec.gpus, job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count)
-            for job in self.jobs_in(JobState.RUNNING)
+            (job.spec.gpus, attained_to(job, now)) for job in self.jobs_in(JobState.RUNNING)
         ]
         unfinished += [
             (job.spec.gpus, job.attained_gpu_seconds)
@@ -819,6 +818,17 @@ def current_size_s(job: JobRecord, now: float | None) -> float:
     return min(run_s, max(0.0, now - job.resized_at))
 
 
+def attained_to(job: JobRecord, now: float | None) -> float:
+    """GPU-seconds of service to `now`, the run in progress included (the record's
+    `attained_gpu_seconds` counts only what ended or was resized before)."""
+    return job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count
+
+
+def executed_to(job: JobRecord, now: float | None) -> float:
+    """Seconds run to `now`, the run in progress included."""
+    return job.executed_seconds + current_run_s(job, now)
+
+
 def job_view(
     job: JobRecord,
     profile: UtilizationProfile | None = None,
@@ -826,7 +836,6 @@ def job_view(
     now: float | None = None,
     progress: ObservedProgress | None = None,
 ) -> JobView:
-    run_s = current_run_s(job, now)
     low, high = job.spec.gpu_range
     progress = progress or ObservedProgress()
     return JobView(
@@ -845,8 +854,8 @@ def job_view(
         not_before=job.not_before,
         # A running elastic job does not grow onto its barred nodes either.
         avoid_nodes=frozenset(job.avoid_nodes) | job.barred_nodes,
-        attained_gpu_seconds=job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count,
-        executed_seconds=job.executed_seconds + run_s,
+        attained_gpu_seconds=attained_to(job, now),
+        executed_seconds=executed_to(job, now),
         pending_since=job.pending_since,
         service_level=job.service_level,
         service_level_since=job.service_level_since,

@@ -66,11 +66,16 @@ def write_private(path: Path, data: str | bytes) -> None:
     path.chmod(0o600)  # an existing file keeps its mode through os.open
 
 
+def seed_file(directory: Path, role: Role, name: str) -> Path:
+    """Where `alnair keys` (and `alnair up --secure`) write an identity's seed."""
+    return directory / f"{role}-{name}.nk"
+
+
 def create_identity(role: Role, name: str, directory: Path, *, keep: bool = False) -> Identity:
     """A new user nkey, the seed written readable by its owner only; with `keep`, the
     one whose seed is already there, if any."""
     check_name(role, name)
-    path = directory / f"{role}-{name}.nk"
+    path = seed_file(directory, role, name)
     if keep:
         public = _existing_public_key(path, nkeys.PREFIX_BYTE_USER)
         if public is not None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, NamedTuple
 
+from bus.auth import Role, seed_file
 from schemas.api import OPERATOR_TENANT
 from schemas.errors import BusError, ClusterNotFound
 
@@ -127,8 +128,8 @@ def resolve_nkey(explicit: str | None, *, tenant: str | None = None) -> str | No
     if info is None or info.client_nkey is None:
         return None
     if tenant is not None:
-        role = "operator" if tenant == OPERATOR_TENANT else "tenant"
-        own = Path(info.client_nkey).parent / f"{role}-{tenant}.nk"
+        role: Role = "operator" if tenant == OPERATOR_TENANT else "tenant"
+        own = seed_file(Path(info.client_nkey).parent, role, tenant)
         if own.is_file():
             return str(own)
     return info.client_nkey

@@ -893,7 +893,7 @@ def _decide(
     grows: list[Resize] = []
     if stage is not None:
         excluded = {v.job.job_id for v in victims}
-        shrinks, cycle.actions, grows = stage.finish(ledger, cycle.actions, excluded)
+        shrinks, cycle.actions, grows = stage.finish(ledger, cycle.actions, excluded, cycle.outside)
         if stage.next_round is not None:
             cycle.wakes.append(stage.next_round)
         cycle.wakes.extend(stage.wakes)

@@ -594,27 +594,28 @@ class ElasticStage:
 
     # -- evacuate, retreat, entitle, grow --------------------------------------------
 
-    def evacuate(self, ledger: FreeGpus, exclude: set[str]) -> None:
+    def evacuate(self, ledger: FreeGpus, exclude: set[str], outside: Iterable[str]) -> None:
         """Shrink running jobs, in place, off GPUs that are no longer schedulable (drained
         by an operator or a fault, or on a node gone from the cluster), down to their
         minimum: a drained node empties of elastic jobs without a restart, where a rigid
         job runs on until it ends. The last GPU on a job's first node stays (`_givable`:
         its supervisor runs there). Nothing goes back to the ledger: those GPUs are for
-        no one."""
-        for job_id in sorted(self.sized, key=job_sequence):
-            sized = self.sized[job_id]
-            if job_id in exclude or sized.before == 0 or sized.shrank:
+        no one. `outside`: the jobs that hold such GPUs (`FreeGpus.held_outside`, which
+        `decide` works out once a cycle); nearly always none."""
+        for job_id in sorted(outside, key=job_sequence):
+            sized = self.sized.get(job_id)
+            if sized is None or job_id in exclude or sized.before == 0 or sized.shrank:
                 continue
             least = self.least(sized.job)
             while len(sized.held) > least:
-                outside = [
+                drained = [
                     g
                     for g in self._givable(sized, ledger, usable=False)
                     if not ledger.schedulable(*g)
                 ]
-                if not outside:
+                if not drained:
                     break
-                gpu = min(outside)
+                gpu = min(drained)
                 sized.held.remove(gpu)
                 sized.evacuated.append(gpu)
             if sized.evacuated:
@@ -752,11 +753,16 @@ class ElasticStage:
     # -- the cycle's elastic actions -------------------------------------------------
 
     def finish(
-        self, ledger: FreeGpus, actions: Sequence[Action], exclude: set[str]
+        self,
+        ledger: FreeGpus,
+        actions: Sequence[Action],
+        exclude: set[str],
+        outside: Iterable[str] = (),
     ) -> tuple[list[Resize], list[Action], list[Resize]]:
         """Settle reclaims, evacuate, retreat, entitle and grow; return (shrinks, `actions` with
         the placements of elastic jobs at their final size, grows). `exclude`: running
-        jobs that keep their size (preemption candidates)."""
+        jobs that keep their size (preemption candidates); `outside`: running jobs holding
+        GPUs no longer schedulable (`evacuate`)."""
         self.settle_reclaims(ledger)
         for action in actions:
             if isinstance(action, Place) and action.job_id in self.asked:
@@ -767,7 +773,7 @@ class ElasticStage:
             # Between rounds running jobs keep their size (bar reclaims): only the
             # jobs placed in this cycle take part.
             exclude = exclude | {j for j, s in self.sized.items() if s.before > 0}
-        self.evacuate(ledger, exclude)
+        self.evacuate(ledger, exclude, outside)
         self.retreat(ledger, exclude)
         self.entitle(ledger, exclude)
         self.grow(ledger, exclude)
