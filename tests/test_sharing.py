@@ -176,6 +176,18 @@ def test_fgd_keeps_whole_gpus_whole_where_a_share_fits_a_shared_one() -> None:
     placed(cluster.place(tasks[2], fgd))
 
 
+def test_best_fit_measures_what_is_left_in_amounts_so_a_large_node_stays_whole() -> None:
+    # An 8-GPU node half used and an idle 2-GPU node. As shares of each node, the
+    # 8-GPU node is the tighter (3/8 left against 1/2) and a 1-GPU task there leaves
+    # no node with 4 GPUs; as amounts (the FGD authors' best-fit), the small node is.
+    tasks = [task("four", 4), task("one"), task("four again", 4)]
+    cluster = SharedCluster([node("large", 8), node("small", 2)])
+    best_fit = plugin_for("best-fit", tasks)
+    assert placed(cluster.place(tasks[0], best_fit)).node == 0
+    assert placed(cluster.place(tasks[1], best_fit)).node == 1
+    assert placed(cluster.place(tasks[2], best_fit)).node == 0
+
+
 def test_random_is_seeded() -> None:
     nodes = [node(f"n{i}", 4) for i in range(20)]
     tasks = [task(f"t{i}", milli=250) for i in range(30)]
