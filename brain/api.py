@@ -224,6 +224,7 @@ class ApiServer:
             job=job,
             attained_gpu_seconds=attained_to(job, now),
             executed_seconds=executed_to(job, now),
+            order=brain.config.policy.order,
             decisions=tuple(
                 WhyEntry(
                     seq=seq,

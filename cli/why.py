@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
+from brain.core.ordering import ORDERINGS
 from cli import format as fmt
 from cli.client import call
 from schemas.api import WHY_RESULT, WhyEntry, WhyReply, WhyRequest
@@ -53,11 +54,16 @@ def _summary(reply: WhyReply) -> list[str]:
     # To the reply's time: a running job's record counts only what ended before its run.
     attained = reply.attained_gpu_seconds
     executed = reply.executed_seconds
-    lines.append(
+    service = (
         f"  service:  {job.attained_gpu_seconds if attained is None else attained:.1f} GPU-s "
-        f"over {job.executed_seconds if executed is None else executed:.1f} s "
-        f"run; LAS band {job.service_level}"
+        f"over {job.executed_seconds if executed is None else executed:.1f} s run"
     )
+    order = ORDERINGS.get(reply.order) if reply.order is not None else None
+    if order is None or order.banded:
+        service += f"; LAS band {job.service_level}"
+    else:
+        service += f"; queue order {order.name} (no bands)"
+    lines.append(service)
     hints = []
     if spec.declared_duration_s is not None:
         hints.append(f"declared duration {spec.declared_duration_s:g} s")

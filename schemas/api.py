@@ -232,6 +232,9 @@ class WhyReply(Message):
     # None from a brain that does not say.
     attained_gpu_seconds: float | None = None
     executed_seconds: float | None = None
+    # The brain's queue order (`Policy.order`): whether the job's LAS band means
+    # anything; None from a brain that does not say.
+    order: str | None = None
 
 
 class BlacklistReply(Message):

@@ -269,6 +269,37 @@ def test_why_says_what_the_job_asked_for(fields: dict[str, object], says: str) -
 
 
 @pytest.mark.parametrize(
+    ("order", "says"),
+    [
+        ("las", "; LAS band 1"),
+        ("gittins", "; LAS band 1"),
+        ("fifo", "; queue order fifo (no bands)"),
+        ("priority", "; queue order priority (no bands)"),
+        ("srtf", "; queue order srtf (no bands)"),
+        (None, "; LAS band 1"),  # a brain that does not say its order
+        ("an-order-from-a-newer-brain", "; LAS band 1"),
+    ],
+)
+def test_why_speaks_of_a_las_band_only_under_an_order_that_has_bands(
+    order: str | None, says: str
+) -> None:
+    job = JobRecord(
+        job_id="3",
+        tenant="default",
+        spec=JobSpec(command=("sleep", "30"), gpus=1),
+        state=JobState.RUNNING,
+        submitted_at=0.0,
+        service_level=1,
+    )
+    (service,) = (
+        line
+        for line in why.render(WhyReply(job=job, decisions=(), order=order)).splitlines()
+        if "service:" in line
+    )
+    assert service.endswith(says)
+
+
+@pytest.mark.parametrize(
     ("argv", "says"),
     [
         (["cancel", ""], "alnair cancel: invalid job_id: String should have at least 1"),

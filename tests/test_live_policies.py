@@ -62,6 +62,7 @@ async def test_why_counts_the_service_of_the_run_in_progress(brain_factory, agen
     (service,) = (line for line in why_cli.render(reply).splitlines() if "service:" in line)
     assert service.startswith(f"  service:  {reply.attained_gpu_seconds:.1f} GPU-s over ")
     assert not service.startswith("  service:  0.0 ")
+    assert reply.order == brain.config.policy.order
 
 
 async def test_las_demotes_a_long_job_and_preempts_it_for_a_newcomer(

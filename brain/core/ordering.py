@@ -564,6 +564,9 @@ class QueueOrder:
     # may keep the ranking from one cycle to the next (brain/core/ranking.py,
     # `Ranking`), and only new views are ranked. When in doubt, leave it False.
     view_only: bool = False
+    # Whether its ranks begin with a LAS band (`JobView.service_level`, which its
+    # `SetServiceLevel`s move): what `alnair why` shows of a job's band.
+    banded: bool = False
 
     def __call__(self, jobs: Sequence[JobView], context: OrderContext) -> Ordered:
         return self.rank(jobs, context)
@@ -578,11 +581,16 @@ QUEUE_ORDERS: Final[tuple[QueueOrder, ...]] = (
         reads_running_service=False,
         view_only=True,
     ),
-    QueueOrder("las", las),
-    QueueOrder("las-tiresias", las_tiresias),
-    QueueOrder("gittins", gittins, frozenset({"distribution"})),
-    QueueOrder("gittins-size", gittins_by_size, frozenset({"distribution", "class_distribution"})),
-    QueueOrder("gittins-tiresias", gittins_tiresias, frozenset({"distribution"})),
+    QueueOrder("las", las, banded=True),
+    QueueOrder("las-tiresias", las_tiresias, banded=True),
+    QueueOrder("gittins", gittins, frozenset({"distribution"}), banded=True),
+    QueueOrder(
+        "gittins-size",
+        gittins_by_size,
+        frozenset({"distribution", "class_distribution"}),
+        banded=True,
+    ),
+    QueueOrder("gittins-tiresias", gittins_tiresias, frozenset({"distribution"}), banded=True),
     QueueOrder("srtf", srtf, frozenset({"declared_duration"})),
     QueueOrder("progress", progress, frozenset({"progress"})),
     QueueOrder("progress-gittins", progress_gittins, frozenset({"progress", "progress_error"})),
