@@ -45,7 +45,9 @@ def job_time(job: JobRecord, now: float) -> str:
 
 
 def grants_text(job: JobRecord) -> str:
-    return ",".join(f"{g.node}[{','.join(map(str, g.gpus))}]" for g in job.grants) or "-"
+    """Each node's GPUs, `n1[0,1]`; `n2[idle]` where an elastic job that shrank off a
+    node keeps its worker host there, with no GPU, until it ends (docs/elastic.md)."""
+    return ",".join(f"{g.node}[{','.join(map(str, g.gpus)) or 'idle'}]" for g in job.grants) or "-"
 
 
 def gpus_text(job: JobRecord) -> str:

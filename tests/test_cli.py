@@ -16,7 +16,7 @@ import pytest
 from bus.server import EmbeddedNats
 from cli import why
 from cli.config import ClusterInfo, resolve_nkey
-from cli.format import gpus_text
+from cli.format import gpus_text, grants_text
 from cli.main import build_parser, main
 from schemas.api import WhyReply
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
@@ -246,6 +246,21 @@ def test_an_elastic_jobs_gpus_are_the_size_it_holds_or_held(
         grants=grants,
     )
     assert gpus_text(job) == shown
+
+
+def test_a_node_an_elastic_job_shrank_off_shows_its_idle_worker_host() -> None:
+    spec = JobSpec(command=["true"], gpus=2, elastic=True, min_gpus=1, max_gpus=4)
+    grants = (NodeGrant(node="n1", gpus=(0, 1)), NodeGrant(node="n2", gpus=()))
+    job = JobRecord(
+        job_id="1",
+        tenant="default",
+        spec=spec,
+        state=JobState.RUNNING,
+        submitted_at=0.0,
+        grants=grants,
+    )
+    assert grants_text(job) == "n1[0,1],n2[idle]"
+    assert gpus_text(job) == "2[1..4]"
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,8 @@ function shareText(share) {
 }
 
 function grantsText(job) {
-  return job.grants.map((g) => `${g.node}[${g.gpus.join(",")}]`).join(" ") || "-";
+  // An elastic job that shrank off a node keeps its idle worker host there.
+  return job.grants.map((g) => `${g.node}[${g.gpus.join(",") || "idle"}]`).join(" ") || "-";
 }
 
 // GPUs held; an elastic job's range, and the size an operator pinned it at.
