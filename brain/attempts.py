@@ -247,11 +247,13 @@ class Attempts:
         """Record a failed attempt with its class, then retry it or end it."""
         now = self._clock()
         user = classification.failure_class is FailureClass.USER
+        nodes = job.nodes or (node,)
         failure = AttemptFailure(
             attempt=max(1, job.attempt),
             failure_class=classification.failure_class,
             reason=classification.reason,
-            nodes=job.nodes or (node,),
+            nodes=nodes,
+            at_fault=nodes if classification.between_nodes else (node,),
             at=now,
             exit_code=end.exit_code if end is not None else None,
             signal=end.signal if end is not None else None,

@@ -78,6 +78,10 @@ class AttemptFailure(BaseModel):
     failure_class: FailureClass
     reason: str
     nodes: tuple[NodeName, ...] = ()
+    # The nodes an infrastructure failure is blamed on, which its retries avoid: the
+    # node where it happened, or all of `nodes` for a failure between them (a
+    # collective's timeout). None: all of `nodes` (records from before this field).
+    at_fault: tuple[NodeName, ...] | None = None
     at: float
     exit_code: int | None = None
     signal: int | None = None

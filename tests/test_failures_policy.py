@@ -167,6 +167,46 @@ def test_a_node_resumed_after_a_failure_is_not_avoided_for_it(
     assert isinstance(decision, Retry) and decision.avoid_nodes == avoided
 
 
+@pytest.mark.parametrize(
+    ("log_line", "between"),
+    [
+        ("[E ProcessGroupNCCL.cpp] Watchdog caught collective operation timeout", True),
+        ("RuntimeError: [../gloo/transport/tcp/pair.cc] Connection closed by peer", True),
+        ("RuntimeError: CUDA error: uncorrectable ECC error encountered", False),
+        ("Out of memory: Killed process 4242 (python)", False),
+    ],
+)
+def test_a_collectives_failure_is_between_nodes_a_hardware_one_is_of_its_node(
+    log_line: str, between: bool
+) -> None:
+    result = classify(AttemptEnd(exit_code=1, log_tail=(log_line,)))
+    assert result.failure_class is FailureClass.INFRASTRUCTURE
+    assert result.between_nodes is between
+
+
+@pytest.mark.parametrize(
+    ("at_fault", "avoided"),
+    [
+        (("n2",), ("n2",)),  # n2 was lost: n1 did nothing wrong
+        (("n1", "n2"), ("n1", "n2")),  # a collective timed out between them
+        (None, ("n1", "n2")),  # a record from before `at_fault`: every node of the attempt
+    ],
+)
+def test_a_retry_avoids_the_nodes_a_failure_is_blamed_on(
+    at_fault: tuple[str, ...] | None, avoided: tuple[str, ...]
+) -> None:
+    failure = AttemptFailure(
+        attempt=1,
+        failure_class=FailureClass.INFRASTRUCTURE,
+        reason="r",
+        nodes=("n1", "n2"),
+        at_fault=at_fault,
+        at=0.0,
+    )
+    decision = decide_retry([failure], "default", 1.0, FailurePolicy())
+    assert isinstance(decision, Retry) and decision.avoid_nodes == avoided
+
+
 def test_user_errors_not_retried_unless_the_queue_says_so() -> None:
     failures = [_failure(1, FailureClass.USER)]
     decision = decide_retry(failures, "default", 0.0, FailurePolicy())

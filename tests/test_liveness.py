@@ -227,6 +227,26 @@ async def test_an_attempt_gone_with_a_restarted_agent_fails_a_node_timeout_later
     assert bool(s.liveness.vanishing) is (waited_s < 5.0)
 
 
+async def test_a_job_across_nodes_whose_agent_restarted_on_one_avoids_that_one_only() -> None:
+    # Seen: a 4-GPU job on n1 and n2; n2's agent was killed and restarted, and the
+    # retry avoided n1 too, although nothing had failed there.
+    s = setup("n1", "n2")
+    job = s.shell.add_job(1, gpus=2, node="n1")
+    both = (*job.grants, NodeGrant(node="n2", gpus=(0, 1), pid=4242))
+    s.shell.put_job(job.model_copy(update={"grants": both}))
+    s.heard.reported["n1"] = frozenset({("1", 1)})
+
+    await s.liveness.heartbeat(heartbeat("n2", instance="second"))  # reports nothing
+    s.monotonic.now += 5.0
+    await s.liveness.check_vanished()
+
+    after = s.shell.state.jobs["1"]
+    assert after.state is JobState.PENDING
+    assert after.failures[-1].nodes == ("n1", "n2")  # the attempt ran on both
+    assert after.avoid_nodes == ("n2",)
+    assert "avoiding n2" in s.shell.causes[-1].message
+
+
 @pytest.mark.parametrize(
     ("age_s", "running_reported", "requeued"),
     [(64.9, False, False), (65.1, False, True), (100.0, True, False)],

@@ -125,25 +125,40 @@ class Classification:
     failure_class: FailureClass
     reason: str
     input_uri: str | None = None
+    # An infrastructure failure between the attempt's nodes (a collective that timed
+    # out or lost a peer): the node that reported it is not to blame more than the
+    # others, so a retry avoids them all. False: the failure is of the node where it
+    # happened (lost, its agent restarted, a GPU fault, the kernel's OOM killer there),
+    # and a retry avoids that node alone.
+    between_nodes: bool = False
 
 
+# (pattern, what it means, whether it is a failure between nodes).
 _INFRA_LOG: Final = (
-    (re.compile(r"NCCL.*(time ?out|timed out|Watchdog)", re.I), "NCCL communication timeout"),
+    (
+        re.compile(r"NCCL.*(time ?out|timed out|Watchdog)", re.I),
+        "NCCL communication timeout",
+        True,
+    ),
     (
         re.compile(r"nccl(SystemError|RemoteError|InternalError)|NCCL communicator was aborted"),
         "NCCL communication failure",
+        True,
     ),
     (
         re.compile(r"gloo.*(timed out|timeout|connection closed by peer|connection reset)", re.I),
         "Gloo communication timeout",
+        True,
     ),
     (
         re.compile(r"uncorrectable ECC error|GPU is lost|fallen off the bus", re.I),
         "GPU hardware error",
+        False,
     ),
     (
         re.compile(r"Out of memory: Killed process|oom-kill", re.I),
         "killed by the kernel's OOM killer",
+        False,
     ),
 )
 _TRACEBACK: Final = "Traceback (most recent call last)"
@@ -197,10 +212,12 @@ def classify(
         return Classification(
             FailureClass.INPUT, f"failed on input {uri}" + (f": {why}" if why else ""), uri
         )
-    for pattern, what in _INFRA_LOG:
+    for pattern, what, between in _INFRA_LOG:
         line = next((ln.strip() for ln in reversed(end.log_tail) if pattern.search(ln)), None)
         if line is not None:
-            return Classification(FailureClass.INFRASTRUCTURE, f"{what} ({_how(end)}): {line}")
+            return Classification(
+                FailureClass.INFRASTRUCTURE, f"{what} ({_how(end)}): {line}", between_nodes=between
+            )
     if end.signal == SIGKILL:
         return Classification(
             FailureClass.INFRASTRUCTURE,
@@ -350,7 +367,7 @@ def decide_retry(
             n
             for f in failures
             if f.failure_class is FailureClass.INFRASTRUCTURE
-            for n in f.nodes
+            for n in (f.nodes if f.at_fault is None else f.at_fault)
             if f.at > forgiven.get(n, float("-inf"))
         }
     )
