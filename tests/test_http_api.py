@@ -68,13 +68,15 @@ async def test_submit_show_list_cancel_as_over_nats(
     assert status == 200 and body["jobs"] == []
     status, _ = await api.call("POST", f"/v1/jobs/{job_id}/cancel", "bob")
     assert status == 404
+    status, _ = await api.call("DELETE", f"/v1/jobs/{job_id}", "bob")
+    assert status == 404
 
     # An operator reads every tenant's jobs.
     status, body = await api.call("GET", "/v1/jobs", "operator")
     assert status == 200 and [j["job_id"] for j in body["jobs"]] == [job_id]
     assert (await api.call("GET", f"/v1/jobs/{job_id}", "operator"))[0] == 200
 
-    status, body = await api.call("POST", f"/v1/jobs/{job_id}/cancel")
+    status, body = await api.call("DELETE", f"/v1/jobs/{job_id}")
     assert status == 200 and body["job"]["state"] == "CANCELLED"
     status, body = await api.call("POST", f"/v1/jobs/{job_id}/cancel")
     assert status == 409 and body == {

@@ -222,7 +222,14 @@ def _paths() -> dict[str, Any]:
                 errors=(400, 404),
                 parameters=[JOB_ID],
                 operation_id="getJob",
-            )
+            ),
+            "delete": _operation(
+                "Cancel a job, as POST /v1/jobs/{job_id}/cancel (its record stays, CANCELLED)",
+                _json(_ref("JobReply"), "the job, CANCELLED"),
+                errors=(400, 404, 409),
+                parameters=[JOB_ID],
+                operation_id="deleteJob",
+            ),
         },
         "/v1/jobs/{job_id}/cancel": {
             "post": _operation(

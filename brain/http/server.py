@@ -157,6 +157,8 @@ class HttpServer:
         r.add_get("/v1/jobs", self._list_jobs)
         r.add_post("/v1/jobs", self._submit)
         r.add_get("/v1/jobs/{job_id}", self._get_job)
+        # DELETE is what a REST client tries first; the job's record stays, CANCELLED.
+        r.add_delete("/v1/jobs/{job_id}", self._cancel)
         r.add_post("/v1/jobs/{job_id}/cancel", self._cancel)
         r.add_post("/v1/jobs/{job_id}/resize", self._resize)
         r.add_get("/v1/jobs/{job_id}/why", self._why)
