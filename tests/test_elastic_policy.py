@@ -821,6 +821,26 @@ def test_elastic_decisions_are_deterministic(
     assert decide(shuffled, world.now, policy) == first
 
 
+def test_a_shrink_across_nodes_gives_back_a_whole_other_node_before_the_first_ones() -> None:
+    """Seen live: a job at 2+2 GPUs on n0 (its first node) and n1 shrank to n0:0 and
+    n1:0 (a GPU off n0, the tie's first name, then n0's last stays), still on two
+    nodes. Giving back on the first node frees no node: n1 goes, whole."""
+    job = elastic(
+        "1", 2, 1, 8, on=(Grant("n0", (0, 1)), Grant("n1", (0, 1))), throughput=((4, 100.0),)
+    )
+    world = snapshot(
+        node("n0", busy=(0, 1, 2, 3)),
+        node("n1", busy=(0, 1, 2, 3)),
+        pending_jobs=(pending("2", 2, at=10.0),),
+        running=(job,),
+    )
+    decisions = decide(world, 100.0, ELASTIC)
+    (shrink,) = decisions.resizes
+    assert shrink.grants == (Grant("n0", (0, 1)),), shrink
+    (placed,) = decisions.placements
+    assert placed.grants == (Grant("n1", (0, 1)),), placed
+
+
 def test_a_shrink_across_nodes_never_leaves_the_first_node() -> None:
     """The supervisor runs on a job's first node: a shrink keeps a GPU there, though
     giving back from the node where the job holds fewest would otherwise come first."""

@@ -544,15 +544,20 @@ class ElasticStage:
         self, sized: _Sized, ledger: FreeGpus, near: set[str], *, usable: bool = True
     ) -> _Gpu:
         """Take one GPU from a job into the ledger (`_givable`): on a node in `near` if
-        it has one; else from the node where it holds the fewest (a job on fewer nodes
-        syncs faster), then where the most GPUs are free already (free GPUs together
-        fit a gang)."""
+        it has one; else from a node other than its first (which it never leaves: giving
+        back there frees no node), where it holds the fewest (a job on fewer nodes syncs
+        faster), then where the most GPUs are free already (free GPUs together fit a
+        gang). The operator's shrink chooses alike (brain/elastic.py, `choose_target`)."""
         count: dict[str, int] = {}
         for node, _ in sized.held:
             count[node] = count.get(node, 0) + 1
+        first = sized.job.grants[0].node if sized.job.grants else None
         held = self._givable(sized, ledger, usable=usable)
         preferred = [g for g in held if g[0] in near] or held
-        node, gpu = min(preferred, key=lambda g: (count[g[0]], -ledger.free_on(g[0]), g[0], -g[1]))
+        node, gpu = min(
+            preferred,
+            key=lambda g: (g[0] == first, count[g[0]], -ledger.free_on(g[0]), g[0], -g[1]),
+        )
         sized.held.remove((node, gpu))
         sized.shrank = True
         ledger.give((Grant(node, (gpu,)),))
