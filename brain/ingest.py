@@ -242,8 +242,12 @@ class NodeIngest:
                 yield name, silent_s
 
     def last_seen_ago(self, node: str, now: float) -> float | None:
+        """Seconds since the node's last heartbeat; None if this brain has not heard it
+        (a node known from the log is only given a grace period: `expect`)."""
         known = self._nodes.get(node)
-        return None if known is None else max(0.0, now - known.last_seen)
+        if known is None or known.reported is None:
+            return None
+        return max(0.0, now - known.last_seen)
 
     def running(self, node: str) -> frozenset[tuple[str, int]]:
         """The (job, attempt) processes the node's latest heartbeat reported."""

@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,13 @@ def plan_agents(args: argparse.Namespace) -> tuple[str, list[str]]:
     if spec == "nvml":
         if args.nodes not in (None, 1):
             raise AlnairError("--gpus nvml runs one node: this machine's GPUs")
+        if args.gpus is not None:
+            count, why = probe_nvml()
+            if not count:
+                # Its agent could never start: refused before anything starts.
+                raise AlnairError(
+                    f"--gpus nvml: {why}; simulate GPUs with --gpus {DEFAULT_SIM_GPUS}"
+                )
         return spec, [node_name_for_host()]
     open_backend(spec, node="node-1")  # a spec no agent could run, refused here
     return spec, [f"node-{i}" for i in range(1, (args.nodes or 4) + 1)]
@@ -274,7 +282,7 @@ async def _terminate(children: list[Child], timeout_s: float) -> None:
 
 async def _wait_ready(
     urls: tuple[str, ...],
-    nodes: int,
+    nodes: Sequence[str],
     *,
     nkey: str | None,
     tenant: str,
@@ -283,21 +291,32 @@ async def _wait_ready(
 ) -> int:
     from cli.client import call, open_bus
     from schemas.api import NODES_RESULT, ListNodesRequest
+    from schemas.nodes import NodeStatus
 
     bus = await open_bus(urls, name="alnair-up", credentials=None, nkey=nkey, tls=tls)
     try:
         deadline = time.monotonic() + timeout_s
-        seen = 0
+        heard: list[NodeStatus] = []
         while time.monotonic() < deadline:
             with contextlib.suppress(AlnairError):
                 reply = await call(
                     bus, tenant, "nodes", ListNodesRequest(), NODES_RESULT, timeout_s=2.0
                 )
-                seen = len(reply.nodes)
-                if seen >= nodes:
-                    return sum(len(n.record.gpus) for n in reply.nodes)
+                # Its own nodes, heard by this brain: a record replayed from an earlier
+                # cluster's log (its agent not started yet, or failing) does not count.
+                heard = [
+                    n
+                    for n in reply.nodes
+                    if n.record.name in nodes and n.last_seen_s_ago is not None
+                ]
+                if len(heard) == len(nodes):
+                    return sum(len(n.record.gpus) for n in heard)
             await asyncio.sleep(0.3)
-        raise AlnairError(f"only {seen} of {nodes} nodes joined within {timeout_s:.0f}s")
+        missing = sorted(set(nodes) - {n.record.name for n in heard})
+        raise AlnairError(
+            f"only {len(heard)} of {len(nodes)} nodes joined within {timeout_s:.0f}s "
+            f"(not heard: {', '.join(missing)}; their agents' lines above say why)"
+        )
     finally:
         await bus.close()
 
@@ -547,7 +566,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
     try:
         gpus = await _wait_ready(
             server.urls,
-            len(agents),
+            node_names,
             tls=tls,
             nkey=keys.operator if keys else None,
             tenant="operator" if keys else "default",

@@ -72,6 +72,7 @@ class NodeStatus(BaseModel):
     record: NodeRecord
     allocated_gpus: tuple[int, ...]
     jobs: tuple[str, ...]
+    # Since its last heartbeat; None: not heard by this brain (known from the log only).
     last_seen_s_ago: float | None
     latest: tuple[GpuSample, ...] = ()
     # Shared GPUs as the agent last reported them (shares, memory limits and use).

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bus.server import EmbeddedNats
-from cli import why
+from cli import up, why
 from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text
 from cli.main import build_parser, main
@@ -366,6 +366,20 @@ def test_up_refuses_what_its_brain_or_agents_would_before_starting_anything(
     monkeypatch.setenv("ALNAIR_HOME", str(home))
     assert main(["up", *flags]) == 1
     assert says in capsys.readouterr().err
+    assert not home.exists()
+
+
+def test_up_refuses_gpus_nvml_where_nvml_is_not_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Seen: its agent exited at once, and restarted for ever, while `alnair up` said
+    "ready ... 4 GPUs (nvml)" from a node an earlier cluster's log remembered."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("ALNAIR_HOME", str(home))
+    monkeypatch.setattr(up, "probe_nvml", lambda: (0, "NVML Shared Library Not Found"))
+    assert main(["up", "--gpus", "nvml"]) == 1
+    err = capsys.readouterr().err
+    assert "--gpus nvml: NVML Shared Library Not Found; simulate GPUs with --gpus sim:" in err
     assert not home.exists()
 
 

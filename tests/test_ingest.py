@@ -65,6 +65,16 @@ def job(job_id: str, attempt: int = 1, pid: int = 10) -> RunningJob:
     return RunningJob(job_id=job_id, attempt=attempt, pid=pid, gpus=(0,))
 
 
+def test_a_node_known_from_the_log_has_not_been_seen_until_it_is_heard() -> None:
+    # `alnair nodes` (SEEN) and `alnair up` (ready) read it: a node the log knows, in
+    # its grace period after a brain starts, was read as seen just now.
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    ingest.expect("n1", "old-instance", 10.0)
+    assert ingest.last_seen_ago("n1", 12.0) is None
+    ingest.heartbeat(beat(seq=1), 13.0)
+    assert ingest.last_seen_ago("n1", 14.0) == pytest.approx(1.0)
+
+
 def test_first_heartbeat_is_news_and_repeats_are_not() -> None:
     ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
     first = ingest.heartbeat(beat(seq=1), 0.0)
