@@ -251,10 +251,13 @@ class ApiServer:
         self, tenant: str, request: ListJobsRequest, *, operator: bool = False
     ) -> tuple[JobRecord, ...]:
         wanted = set(request.states) if request.states else None
+        queues = set(request.queues) if request.queues else None
         jobs = [
             j
             for j in self.brain.state.jobs.values()
-            if (operator or j.tenant == tenant) and (wanted is None or j.state in wanted)
+            if (operator or j.tenant == tenant)
+            and (wanted is None or j.state in wanted)
+            and (queues is None or j.spec.queue in queues)
         ]
         jobs.sort(key=lambda j: (j.submitted_at, job_sequence(j.job_id)))
         return tuple(map(self.brain.state.shown, jobs[-request.limit :]))

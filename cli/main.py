@@ -399,11 +399,11 @@ def elastic_json(job: JobRecord) -> dict[str, Any]:
 
 async def cmd_jobs(args: argparse.Namespace) -> int:
     states = tuple(JobState(s.upper()) for s in args.state) if args.state else None
+    queues = tuple(args.queue) if args.queue else None
 
     async def run(bus: Any) -> int:
-        reply = await call(
-            bus, args.tenant, "jobs", ListJobsRequest(states=states, limit=args.limit), JOBS_RESULT
-        )
+        request = ListJobsRequest(states=states, queues=queues, limit=args.limit)
+        reply = await call(bus, args.tenant, "jobs", request, JOBS_RESULT)
         if args.json:
             print(json.dumps([job_json(j) for j in reply.jobs], indent=2))
         else:
@@ -943,6 +943,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=str.lower,
         choices=[s.value.lower() for s in JobState],
         help="only jobs in this state (repeatable)",
+    )
+    p.add_argument(
+        "--queue", action="append", metavar="QUEUE", help="only jobs of this queue (repeatable)"
     )
     p.add_argument("--limit", type=int, default=200, help="at most this many, newest")
     p.add_argument("--json", action="store_true")

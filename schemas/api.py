@@ -10,7 +10,7 @@ from typing import Annotated, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from schemas.base import Message, NodeName
+from schemas.base import Message, NodeName, QueueName
 from schemas.jobs import MAX_GPUS_PER_JOB, FailureClass, JobRecord, JobSpec, JobState, NodeGrant
 from schemas.nodes import NodeStatus
 from schemas.profiles import JobProfile
@@ -51,6 +51,8 @@ class CancelRequest(Message):
 
 class ListJobsRequest(Message):
     states: tuple[JobState, ...] | None = None
+    # Only jobs of these queues; None: every queue.
+    queues: tuple[QueueName, ...] | None = Field(default=None, max_length=64)
     limit: int = Field(default=1000, ge=1, le=100_000)
 
 

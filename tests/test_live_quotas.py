@@ -4,6 +4,7 @@ with a queues file, a simulated-GPU agent running real processes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -143,6 +144,17 @@ async def test_an_owner_reclaims_its_guarantee_from_a_borrower_and_build_jobs_st
         ("prod", 2, 0),
         ("research", 0, 3),
     ]
+
+    # `alnair jobs --queue`, and `?queue=` over HTTP: the jobs of one queue, or several.
+    args = ["jobs", "--queue", "interactive", "--nats", nats_server.url, "--tenant", "alice"]
+    assert await asyncio.to_thread(main, [*args, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted(j["job_id"] for j in listed) == sorted([build, held])
+    status, body = await api.call("GET", "/v1/jobs?queue=prod&queue=research")
+    assert status == 200
+    assert sorted(j["job_id"] for j in body["jobs"]) == sorted([owner, borrower])
+    status, body = await api.call("GET", "/v1/jobs?queue=no%20such")
+    assert status == 400 and "queues" in body["error"]
 
 
 @pytest.mark.parametrize(

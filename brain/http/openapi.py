@@ -171,6 +171,18 @@ def _paths() -> dict[str, Any]:
             "description": "only jobs in these states",
         },
         {
+            "name": "queue",
+            "in": "query",
+            "schema": {
+                "type": "array",
+                "items": {"type": "string", "pattern": NAME_PATTERN},
+                "maxItems": 64,
+            },
+            "style": "form",
+            "explode": True,
+            "description": "only jobs of these queues",
+        },
+        {
             "name": "limit",
             "in": "query",
             "schema": {"type": "integer", "minimum": 1, "maximum": 100_000, "default": 1000},

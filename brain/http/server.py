@@ -322,6 +322,9 @@ class HttpServer:
         states = request.query.getall("state", [])
         if states:
             data["states"] = states
+        queues = request.query.getall("queue", [])
+        if queues:
+            data["queues"] = queues
         if "limit" in request.query:
             limit = request.query["limit"]
             data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
