@@ -107,15 +107,16 @@ class Attempts:
         if job is None:
             return
         started = with_grant(job, event.node, pid=event.pid, log_path=event.log_path)
+        message = f"process {event.pid} started on {event.node}"
+        if event.unenforced:
+            message += (
+                f"; reserved, not enforced there: {', '.join(event.unenforced)} "
+                "(its agent does not confine jobs: docs/security.md)"
+            )
         await self._writes.job_changed(
             started,
             job.state,
-            Cause(
-                kind=CauseKind.STARTED,
-                node=event.node,
-                job_id=job.job_id,
-                message=f"process {event.pid} started on {event.node}",
-            ),
+            Cause(kind=CauseKind.STARTED, node=event.node, job_id=job.job_id, message=message),
         )
 
     async def job_exited(self, event: JobExited) -> None:

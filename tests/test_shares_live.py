@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from agents.mps import NOT_ENFORCED
-from schemas.api import ErrorReply, SubmitRequest
+from schemas.api import ErrorReply, SubmitRequest, WhyReply, WhyRequest
 from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
-from schemas.state import JobChanged, StateRecord
+from schemas.state import CauseKind, JobChanged, StateRecord
 from tests.conftest import eventually
 from tests.test_cluster_e2e import submit
 
@@ -95,6 +95,26 @@ async def test_a_type_no_node_has_is_refused_at_submit(brain_factory, agent_fact
     )
     job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
     assert job.state is JobState.SUCCEEDED
+
+
+async def test_an_unconfined_agent_says_the_memory_and_cpus_it_does_not_enforce(
+    brain_factory, agent_factory
+) -> None:
+    # Seen: a job with --memory 64MiB allocated 500 MB and succeeded, and nothing said
+    # the limit was only a reservation on an agent that does not confine jobs.
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=1)
+    await eventually(lambda: "n1" in brain.state.nodes)
+    job_id = await submit(brain.api, JobSpec(command=("true",), gpus=1, memory_mib=64, cpus=1.0))
+    await eventually(lambda: brain.state.jobs[job_id].state.terminal)
+    reply = await brain.api.handle("default", WhyRequest(job_id=job_id, limit=100))
+    assert isinstance(reply, WhyReply)
+    started = [d.cause.message for d in reply.decisions if d.cause.kind is CauseKind.STARTED]
+    assert started == [
+        f"process {brain.state.jobs[job_id].grants[0].pid} started on n1; reserved, not "
+        "enforced there: memory 64 MiB, 1 CPU (its agent does not confine jobs: "
+        "docs/security.md)"
+    ]
 
 
 async def failed_share(brain_factory, agent_factory, code: str) -> AttemptFailure:
