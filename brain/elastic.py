@@ -438,9 +438,12 @@ def resize_command(job: JobRecord, *, epoch: int, issued_at: float) -> Resize:
     )
 
 
-def describe(staged: StagedResize) -> str:
-    nodes = {part.node for part in (*staged.before, *staged.after)}
+def describe(staged: StagedResize, after: Placement | None = None) -> str:
+    """`2 -> 4 GPUs (n1:0,1 -> n1:0,1, n2:0,1)`; `after`: the placement it ended with,
+    where that is not the target (after a shrink, Horovod chose the workers to retire)."""
+    after = staged.after if after is None else after
+    nodes = {part.node for part in (*staged.before, *after)}
     sizes = f"{staged.from_size} -> {staged.to_size} GPUs"
     if len(nodes) == 1:
         return f"{sizes} on {staged.node}"
-    return f"{sizes} ({describe_placement(staged.before)} -> {describe_placement(staged.after)})"
+    return f"{sizes} ({describe_placement(staged.before)} -> {describe_placement(after)})"

@@ -273,8 +273,8 @@ class Resizes:
                 staged.from_size,
             )
         now = self._clock()
-        message = f"resized {elastic.describe(staged)} in {event.duration_s:.1f}s"
         kept = elastic.committed_placement(staged, event.placement)
+        message = f"resized {elastic.describe(staged, kept)} in {event.duration_s:.1f}s"
         if event.placement and not elastic.same_placement(kept, event.placement):
             log.warning(
                 "job %s: its supervisor says its workers hold GPUs %s, which does not fit "

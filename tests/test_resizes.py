@@ -16,7 +16,7 @@ from schemas.commands import Regrant
 from schemas.commands import Resize as ResizeCommand
 from schemas.errors import ApiError
 from schemas.events import ResizeCompleted
-from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGrant
+from schemas.jobs import FailureClass, JobRecord, JobSpec, JobState, NodeGpus, NodeGrant
 from schemas.state import CauseKind
 from tests.parts import Clock, Shell
 from tests.statelog import START_TS
@@ -192,6 +192,29 @@ async def test_a_shrink_commits_on_its_supervisors_answer_and_frees_the_gpus() -
     assert s.job.last_resize_s == pytest.approx(3.0)
     assert s.shell.causes[-1].kind is CauseKind.RESIZED
     assert isinstance(s.shell.commands[-1][1], Regrant) and s.shell.commands[-1][1].gpus == (0, 1)
+
+
+async def test_a_shrink_says_the_gpus_its_workers_kept_not_the_ones_planned() -> None:
+    # Seen live: "resized 4 -> 3 GPUs (node-1:0,1, node-2:0,1 -> node-1:0,1, node-2:0)
+    # ...; GPUs node-2:0 released": Horovod retired the worker on node-2:0, not the one
+    # on node-2:1 the brain planned to release, and the text said both.
+    s = setup(gpus=2)
+    two_nodes = (*s.job.grants, NodeGrant(node="n2", gpus=(0, 1), pid=101))
+    s.shell.put_job(s.job.model_copy(update={"grants": two_nodes}))
+    await s.resizes.resize_request("alice", ResizeRequest(job_id="1", gpus=3), operator=False)
+    planned = s.job.resize
+    assert planned is not None
+    assert [(p.node, p.gpus) for p in planned.after] == [("n1", (0, 1)), ("n2", (0,))]
+    kept = (NodeGpus(node="n1", gpus=(0, 1)), NodeGpus(node="n2", gpus=(1,)))
+
+    await s.resizes.resize_completed(
+        completed(s, ok=True, to_size=3).model_copy(update={"placement": kept})
+    )
+
+    assert held(s.job) == {"n1": (0, 1), "n2": (1,)}
+    assert s.shell.causes[-1].message == (
+        "resized 4 -> 3 GPUs (n1:0,1, n2:0,1 -> n1:0,1, n2:1) in 2.5s; GPUs n2:0 released"
+    )
 
 
 async def test_an_answer_for_another_resize_is_ignored() -> None:
