@@ -132,14 +132,16 @@ def nodes_table(nodes: Sequence[NodeStatus]) -> str:
 
 def queues_table(queues: Sequence[QueueStatus]) -> str:
     """Each queue's guarantee beside what its jobs hold (BORROWED: beyond the guarantee,
-    preemptible for a queue owed its own) and ask; an unlisted queue is marked."""
+    preemptible for a queue owed its own) and ask; an unlisted queue is marked. With no
+    queue configured at all, no queue is owed anything, so nothing is borrowed (`-`)."""
+    configured = any(q.listed for q in queues)
     rows = [
         [
             q.name if q.listed else f"{q.name} (not listed)",
             q.job_class,
             str(q.guaranteed_gpus),
             f"{q.running_jobs}/{q.running_gpus}",
-            str(q.borrowed_gpus),
+            str(q.borrowed_gpus) if configured else "-",
             f"{q.pending_jobs}/{q.pending_gpus}",
         ]
         for q in queues

@@ -519,6 +519,8 @@ async def cmd_queues(args: argparse.Namespace) -> int:
             print("no queues configured and no jobs (alnair brain --queues FILE)")
             return 0
         print(fmt.queues_table(reply.queues))
+        if not any(q.listed for q in reply.queues):
+            print("no queues configured (alnair brain --queues FILE): no guarantees, no reclaims")
         if reply.strict:
             print("queues not listed are refused (--strict-queues)")
         return 0

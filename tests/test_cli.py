@@ -16,9 +16,9 @@ import pytest
 from bus.server import EmbeddedNats
 from cli import up, why
 from cli.config import ClusterInfo, resolve_nkey
-from cli.format import gpus_text, grants_text
+from cli.format import gpus_text, grants_text, queues_table
 from cli.main import build_parser, main
-from schemas.api import WhyReply
+from schemas.api import QueueStatus, WhyReply
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from tests.conftest import REPO, eventually
 
@@ -261,6 +261,27 @@ def test_a_node_an_elastic_job_shrank_off_shows_its_idle_worker_host() -> None:
     )
     assert grants_text(job) == "n1[0,1],n2[idle]"
     assert gpus_text(job) == "2[1..4]"
+
+
+def test_queues_without_a_queues_file_borrow_nothing() -> None:
+    # Seen: with no --queues, `alnair queues` showed "default (not listed) ... BORROWED 4":
+    # no queue is owed a guarantee there, so nothing held is borrowed or reclaimed.
+    def queue(name: str, listed: bool, guaranteed: int = 0) -> QueueStatus:
+        return QueueStatus(
+            name=name,
+            listed=listed,
+            job_class="train",
+            guaranteed_gpus=guaranteed,
+            running_jobs=1,
+            running_gpus=4,
+            pending_jobs=0,
+            pending_gpus=0,
+        )
+
+    alone = queues_table([queue("default", listed=False)]).splitlines()[1].split()
+    assert alone[-2] == "-"
+    beside = queues_table([queue("a", True, 2), queue("default", False)]).splitlines()
+    assert [row.split()[-2] for row in beside[1:]] == ["2", "4"]
 
 
 @pytest.mark.parametrize(
