@@ -628,22 +628,10 @@ class Agent:
                 pid=job.pid,
                 gpus=job.gpus,
                 log_path=str(job.log_path),
-                unenforced=self._unenforced(command),
+                limits_enforced=self.config.confinement is not None,
             )
         )
         self.backend.set_busy(self.launcher.busy_gpus())
-
-    def _unenforced(self, command: Launch) -> tuple[str, ...]:
-        """The limits of `command` this agent does not enforce: without confinement a
-        job runs in no cgroup of its own, so its memory and CPUs are only reserved."""
-        if self.config.confinement is not None:
-            return ()
-        limits = []
-        if command.memory_mb is not None:
-            limits.append(f"memory {command.memory_mb} MiB")
-        if command.cpus is not None:
-            limits.append(f"{command.cpus:g} CPU{'' if command.cpus == 1 else 's'}")
-        return tuple(limits)
 
     def _blacklist_file(self, command: Launch) -> Path:
         """The cluster's input blacklist for this attempt, one URI per line."""

@@ -28,7 +28,7 @@ from brain.state import BrainState
 from brain.writer import Clock, JobRecords, NodeRecords, Stops
 from schemas.errors import ApiError
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
-from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobState
+from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobState, job_limits
 from schemas.nodes import DrainedGpu, NodeRecord, NodeState
 from schemas.state import Cause, CauseKind
 
@@ -108,9 +108,10 @@ class Attempts:
             return
         started = with_grant(job, event.node, pid=event.pid, log_path=event.log_path)
         message = f"process {event.pid} started on {event.node}"
-        if event.unenforced:
+        unenforced = [] if event.limits_enforced else _asked_limits(job, event.node)
+        if unenforced:
             message += (
-                f"; reserved, not enforced there: {', '.join(event.unenforced)} "
+                f"; reserved, not enforced there: {', '.join(unenforced)} "
                 "(its agent does not confine jobs: docs/security.md)"
             )
         await self._writes.job_changed(
@@ -379,3 +380,18 @@ class Attempts:
             node.state,
             Cause(kind=CauseKind.GPU_DRAINED, node=node.name, message=reason),
         )
+
+
+def _asked_limits(job: JobRecord, node: str) -> list[str]:
+    """The memory and CPUs the job asked for on `node`, as its cgroup there would have
+    them (`job_limits`); the defaults an agent applies to a job that asked none are not
+    the job's request, and go unsaid."""
+    spec = job.spec
+    here = sum(len(g.gpus) for g in job.grants if g.node == node)
+    memory_mb, cpus = job_limits(spec, here)
+    asked = []
+    if spec.memory_mib is not None or spec.memory_mb_per_gpu is not None:
+        asked.append(f"memory {memory_mb} MiB")
+    if spec.cpus is not None or spec.cpus_per_gpu is not None:
+        asked.append(f"{cpus:g} CPU{'' if cpus == 1 else 's'}")
+    return asked

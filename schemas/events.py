@@ -25,10 +25,10 @@ class JobStarted(_NodeEvent):
     pid: int = Field(ge=1)
     gpus: tuple[int, ...]
     log_path: str
-    # Limits the job asked for that this node does not enforce, as text ("memory
-    # 4096 MiB"): an agent that does not confine jobs runs them without a cgroup
-    # (docs/security.md). The placement reserved them all the same.
-    unenforced: tuple[str, ...] = Field(default=(), max_length=4)
+    # False: the agent does not confine jobs, so this one runs in no cgroup of its own
+    # and the memory and CPUs it asked for are reserved by placement, not enforced
+    # (docs/security.md).
+    limits_enforced: bool = True
 
 
 class JobExited(_NodeEvent):

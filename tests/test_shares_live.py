@@ -115,6 +115,13 @@ async def test_an_unconfined_agent_says_the_memory_and_cpus_it_does_not_enforce(
         "enforced there: memory 64 MiB, 1 CPU (its agent does not confine jobs: "
         "docs/security.md)"
     ]
+    # A job that asked for neither is not told of the defaults a confining agent applies.
+    plain = await submit(brain.api, JobSpec(command=("true",), gpus=1))
+    await eventually(lambda: brain.state.jobs[plain].state.terminal)
+    reply = await brain.api.handle("default", WhyRequest(job_id=plain, limit=100))
+    assert isinstance(reply, WhyReply)
+    started = [d.cause.message for d in reply.decisions if d.cause.kind is CauseKind.STARTED]
+    assert len(started) == 1 and "not enforced" not in started[0]
 
 
 async def failed_share(brain_factory, agent_factory, code: str) -> AttemptFailure:
