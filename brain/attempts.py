@@ -111,7 +111,7 @@ class Attempts:
         unenforced = [] if event.limits_enforced else _asked_limits(job, event.node)
         if unenforced:
             message += (
-                f"; reserved, not enforced there: {', '.join(unenforced)} "
+                f"; its limits are not enforced there: {', '.join(unenforced)} "
                 "(its agent does not confine jobs: docs/security.md)"
             )
         await self._writes.job_changed(

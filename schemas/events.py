@@ -26,8 +26,7 @@ class JobStarted(_NodeEvent):
     gpus: tuple[int, ...]
     log_path: str
     # False: the agent does not confine jobs, so this one runs in no cgroup of its own
-    # and the memory and CPUs it asked for are reserved by placement, not enforced
-    # (docs/security.md).
+    # and the memory and CPUs it asked for are not enforced (docs/security.md).
     limits_enforced: bool = True
 
 

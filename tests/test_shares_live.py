@@ -111,8 +111,8 @@ async def test_an_unconfined_agent_says_the_memory_and_cpus_it_does_not_enforce(
     assert isinstance(reply, WhyReply)
     started = [d.cause.message for d in reply.decisions if d.cause.kind is CauseKind.STARTED]
     assert started == [
-        f"process {brain.state.jobs[job_id].grants[0].pid} started on n1; reserved, not "
-        "enforced there: memory 64 MiB, 1 CPU (its agent does not confine jobs: "
+        f"process {brain.state.jobs[job_id].grants[0].pid} started on n1; its limits are "
+        "not enforced there: memory 64 MiB, 1 CPU (its agent does not confine jobs: "
         "docs/security.md)"
     ]
     # A job that asked for neither is not told of the defaults a confining agent applies.
