@@ -189,6 +189,13 @@ def _paths() -> dict[str, Any]:
             "description": "at most this many, newest",
         },
     ]
+
+    def cancel(summary: str, operation_id: str) -> dict[str, Any]:
+        reply = _json(_ref("JobReply"), "the job, CANCELLED")
+        return _operation(
+            summary, reply, errors=(400, 404, 409), parameters=[JOB_ID], operation_id=operation_id
+        )
+
     stream = {
         "type": "string",
         "description": "one JSON object per line: {seq, subject, ...the STATE record}",
@@ -235,22 +242,13 @@ def _paths() -> dict[str, Any]:
                 parameters=[JOB_ID],
                 operation_id="getJob",
             ),
-            "delete": _operation(
+            "delete": cancel(
                 "Cancel a job, as POST /v1/jobs/{job_id}/cancel (its record stays, CANCELLED)",
-                _json(_ref("JobReply"), "the job, CANCELLED"),
-                errors=(400, 404, 409),
-                parameters=[JOB_ID],
-                operation_id="deleteJob",
+                "deleteJob",
             ),
         },
         "/v1/jobs/{job_id}/cancel": {
-            "post": _operation(
-                "Cancel a job (its processes are stopped)",
-                _json(_ref("JobReply"), "the job, CANCELLED"),
-                errors=(400, 404, 409),
-                parameters=[JOB_ID],
-                operation_id="cancelJob",
-            )
+            "post": cancel("Cancel a job (its processes are stopped)", "cancelJob")
         },
         "/v1/jobs/{job_id}/resize": {
             "post": _operation(
