@@ -255,7 +255,7 @@ class Attempts:
             failure_class=classification.failure_class,
             reason=classification.reason,
             nodes=nodes,
-            at_fault=nodes if classification.between_nodes else (node,),
+            at_fault=nodes if classification.between_nodes else classification.on_nodes or (node,),
             at=now,
             exit_code=end.exit_code if end is not None else None,
             signal=end.signal if end is not None else None,

@@ -409,6 +409,7 @@ class Resizes:
             Classification(
                 FailureClass.INFRASTRUCTURE,
                 f"the job could not go on without its part on node {lost}: {why}",
+                on_nodes=staged.lost,
             ),
         )
 

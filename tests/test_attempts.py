@@ -202,6 +202,33 @@ async def test_an_elastic_jobs_supervisor_exiting_0_ends_it_and_stops_its_worker
     assert [(s.node, s.reason) for s in shell.stops] == [("n2", "the job's supervisor finished")]
 
 
+@pytest.mark.parametrize(
+    ("classification", "blamed"),
+    [
+        (Classification(FailureClass.INFRASTRUCTURE, "node n2 was lost"), ("n2",)),
+        (
+            Classification(FailureClass.INFRASTRUCTURE, "NCCL timeout", between_nodes=True),
+            ("n1", "n2"),
+        ),
+        (
+            Classification(FailureClass.INFRASTRUCTURE, "lost n1 and n2", on_nodes=("n1", "n2")),
+            ("n1", "n2"),
+        ),
+    ],
+)
+async def test_a_failure_is_blamed_on_the_nodes_it_happened_on(
+    classification: Classification, blamed: tuple[str, ...]
+) -> None:
+    shell = cluster()
+    job = two_node_job(shell)
+
+    await attempts(shell).fail_attempt(job, "n2", classification)
+
+    after = shell.state.jobs["1"]
+    assert after.failures[-1].nodes == ("n1", "n2")
+    assert after.failures[-1].at_fault == blamed and after.avoid_nodes == blamed
+
+
 async def test_a_failure_retries_elsewhere_until_the_limit_then_gives_up() -> None:
     shell = cluster()
     made = attempts(shell)

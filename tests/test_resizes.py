@@ -437,3 +437,20 @@ async def test_a_second_lost_node_supersedes_the_shed_under_way() -> None:
     assert s.failed.attempts == [] and s.job.resize == staged
     await s.resizes.resize_completed(completed(s, ok=True, to_size=2))
     assert s.job.resize is None and held(s.job) == {"n1": (0, 1)}
+
+
+async def test_a_shed_of_several_lost_nodes_that_fails_blames_them_all() -> None:
+    s = setup()
+    spec = s.job.spec.model_copy(update={"gpus": 6, "min_gpus": 1, "max_gpus": 6})
+    grants = tuple(
+        NodeGrant(node=n, gpus=(0, 1), pid=100 + i) for i, n in enumerate(("n1", "n2", "n3"))
+    )
+    s.shell.add_node("n3", gpus=8)
+    s.shell.put_job(s.job.model_copy(update={"spec": spec, "grants": grants}))
+    await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s")
+    await s.resizes.shrink_off_lost(s.job, "n3", "no heartbeat for 10.0s")
+
+    await s.resizes.resize_completed(completed(s, ok=False, to_size=2, reason="stuck"))
+
+    [(_, node, why)] = s.failed.attempts
+    assert node == "n2" and why.on_nodes == ("n2", "n3")

@@ -131,6 +131,9 @@ class Classification:
     # happened (lost, its agent restarted, a GPU fault, the kernel's OOM killer there),
     # and a retry avoids that node alone.
     between_nodes: bool = False
+    # The nodes it happened on, where more than the one it is reported for (an elastic
+    # job that could not go on without its parts on several lost nodes).
+    on_nodes: tuple[str, ...] = ()
 
 
 # (pattern, what it means, whether it is a failure between nodes).
