@@ -411,7 +411,8 @@ async def test_a_grow_onto_a_node_lost_before_its_worker_host_started_is_rolled_
     assert s.job.failed_nodes == ("n2",) and s.failed.attempts == []
 
 
-async def test_a_second_lost_node_supersedes_the_shed_under_way() -> None:
+def across_three() -> Setup:
+    """Job 1 at 6 GPUs (1..6), two on each of n1, n2 and n3."""
     s = setup()
     spec = s.job.spec.model_copy(update={"gpus": 6, "min_gpus": 1, "max_gpus": 6})
     grants = tuple(
@@ -419,6 +420,11 @@ async def test_a_second_lost_node_supersedes_the_shed_under_way() -> None:
     )
     s.shell.add_node("n3", gpus=8)
     s.shell.put_job(s.job.model_copy(update={"spec": spec, "grants": grants}))
+    return s
+
+
+async def test_a_second_lost_node_supersedes_the_shed_under_way() -> None:
+    s = across_three()
     await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s")
     first = s.job.resize
     assert first is not None and first.to_size == 4
@@ -440,13 +446,7 @@ async def test_a_second_lost_node_supersedes_the_shed_under_way() -> None:
 
 
 async def test_a_shed_of_several_lost_nodes_that_fails_blames_them_all() -> None:
-    s = setup()
-    spec = s.job.spec.model_copy(update={"gpus": 6, "min_gpus": 1, "max_gpus": 6})
-    grants = tuple(
-        NodeGrant(node=n, gpus=(0, 1), pid=100 + i) for i, n in enumerate(("n1", "n2", "n3"))
-    )
-    s.shell.add_node("n3", gpus=8)
-    s.shell.put_job(s.job.model_copy(update={"spec": spec, "grants": grants}))
+    s = across_three()
     await s.resizes.shrink_off_lost(s.job, "n2", "no heartbeat for 10.0s")
     await s.resizes.shrink_off_lost(s.job, "n3", "no heartbeat for 10.0s")
 
