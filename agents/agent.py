@@ -51,7 +51,7 @@ from schemas.commands import (
     Regrant,
     Stop,
 )
-from schemas.errors import BusError, InvalidMessage
+from schemas.errors import InvalidMessage
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
 from schemas.jobs import BLACKLIST_FILE_ENV
 from schemas.telemetry import GpuShares, Heartbeat, RunningJob, ShareUse, TelemetryBatch
@@ -696,7 +696,9 @@ class Agent:
                     if isinstance(event, JobExited):
                         self.ledger.forget(event.job_id, event.attempt)
                     break
-                except BusError as error:
+                except Exception as error:  # whatever it is, the sender goes on
+                    # Not stored (cut off, or refused by the stream): kept, and tried
+                    # again, with the events behind it waiting in order.
                     log.warning(
                         "%s: event %s not stored yet (%s); retrying",
                         self.node,

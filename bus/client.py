@@ -181,6 +181,13 @@ class ConnectOptions:
     max_outstanding_pings: int = 2
 
 
+
+def _say_if_it_died(task: asyncio.Task[None]) -> None:
+    """A spawned loop that ends in an exception is logged at once: one that stops
+    silently (an agent no longer sending its events, say) is found only by its effects."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("task %s died: %r", task.get_name(), error, exc_info=error)
+
 class Bus:
     def __init__(self, nc: NatsClient, *, component: str, replicas: int = 1) -> None:
         _check_replicas(replicas)
@@ -320,6 +327,7 @@ class Bus:
         task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(_say_if_it_died)
         return task
 
     # -- streams ---------------------------------------------------------------------
@@ -400,9 +408,9 @@ class Bus:
     ) -> int:
         """Publish to JetStream and return the stream sequence once it is stored.
 
-        Retries a timed-out or unanswered publish with the same `Nats-Msg-Id` until
-        `retry_for_s` has passed: the server keeps one copy however many arrive.
-        (Fenced appends, the brain's log, go through `append_many`.)
+        Retries a timed-out, unanswered or refused-for-now (503) publish with the same
+        `Nats-Msg-Id` until `retry_for_s` has passed: the server keeps one copy however
+        many arrive. (Fenced appends, the brain's log, go through `append_many`.)
         """
         payload = encode(message)
         headers = {"Nats-Msg-Id": msg_id}
@@ -420,6 +428,9 @@ class Bus:
                 nats.errors.ConnectionClosedError,
                 nats.errors.ConnectionReconnectingError,
                 nats.errors.OutboundBufferLimitError,
+                # A stream that cannot store it now: a cluster electing a leader, a
+                # full store. What else it refuses (400, 404) is no use retrying.
+                nats.js.errors.ServiceUnavailableError,
             ) as error:
                 if time.monotonic() + delay >= deadline:
                     raise BusTimeout(subject, retry_for_s) from error
@@ -553,7 +564,9 @@ class Bus:
                     continue
                 if ack.done() and not ack.cancelled():
                     error = ack.exception()
-                    if isinstance(error, nats.js.errors.APIError):
+                    if isinstance(error, nats.js.errors.APIError) and not isinstance(
+                        error, nats.js.errors.ServiceUnavailableError
+                    ):
                         raise error
                 else:
                     ack.cancel()

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
+from nats.js.api import DiscardPolicy
+
 from brain.service import Brain
+from schemas import subjects
 from schemas.api import JobReply, SubmitRequest
 from schemas.commands import Launch
+from schemas.events import NODE_EVENT
 from schemas.jobs import JobSpec, JobState
 from tests.conftest import eventually
 
@@ -82,3 +87,60 @@ async def test_expired_launch_is_refused(agent_factory, connect) -> None:
         )
     )
     assert not agent.launcher.find("x")
+
+
+async def test_an_event_the_stream_refuses_for_a_while_is_sent_once_it_takes_it(
+    agent_factory, connect
+) -> None:
+    """JetStream may refuse a publish with an error rather than time out (a 503 while a
+    cluster settles, a store that is full): the agent's event sender keeps the event
+    and goes on trying, and the events after it follow. Here the EVENTS stream is made
+    full, with new messages refused, while a job starts and exits."""
+    setup = await connect("setup")
+    await setup.ensure_streams()
+
+    async def stored() -> list[str]:
+        read = setup.read(
+            subjects.STREAM_EVENTS, NODE_EVENT, filter_subject=subjects.node("n1", "event")
+        )
+        return [type(event).__name__ async for event, _, _ in read]
+
+    agent = await agent_factory("n1", gpus=1)
+    config = await setup.js.stream_info(subjects.STREAM_EVENTS)
+    full = config.config.evolve(max_msgs=config.state.messages + 1, discard=DiscardPolicy.NEW)
+    await setup.js.update_stream(full)
+    await setup.js.publish(subjects.node("other", "event"), b"{}")  # fills it
+    await agent.handle_command(
+        Launch(
+            command_id="c1",
+            epoch=1,
+            issued_at=0.0,
+            job_id="x",
+            attempt=1,
+            gpus=(0,),
+            command=("true",),
+            expires_at=agent.clock() + 60,
+        )
+    )
+    (process,) = agent.launcher.find("x")
+    await eventually(lambda: process.exited.is_set())
+    await asyncio.sleep(3.0)  # refused meanwhile, more than once
+    assert await stored() == []
+    await setup.js.update_stream(config.config.evolve(max_msgs=-1, discard=DiscardPolicy.OLD))
+
+    async def both() -> bool:
+        return await stored() == ["JobStarted", "JobExited"]
+
+    await eventually(both, timeout_s=40, interval_s=0.5)
+
+
+async def test_a_spawned_loop_that_dies_says_so(connect, caplog) -> None:
+    bus = await connect("loops")
+
+    async def breaks() -> None:
+        raise RuntimeError("out of luck")
+
+    task = bus.spawn(breaks(), name="sender")
+    await asyncio.wait([task])
+    await asyncio.sleep(0)  # done callbacks run on the next turn
+    assert "task sender died: RuntimeError('out of luck')" in caplog.text
