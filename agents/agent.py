@@ -498,10 +498,12 @@ class Agent:
                 deliver_new=True,
             )
         except (
-            nats.js.errors.NotFoundError,
-            nats.js.errors.ServiceUnavailableError,
-            TimeoutError,  # a JetStream cluster electing a leader answers late
-        ):
+            # No COMMANDS stream yet (404), or a JetStream cluster still settling: one
+            # electing a leader answers late, or refuses (503) or cannot handle it (500).
+            nats.js.errors.APIError,
+            TimeoutError,
+        ) as error:
+            log.debug("%s: cannot open the command consumer yet: %r", self.node, error)
             return False
         return True
 
