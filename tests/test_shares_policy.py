@@ -183,6 +183,19 @@ def test_a_share_joins_a_running_share_and_a_whole_job_does_not() -> None:
     assert any(isinstance(a, Wait) and a.job_id == "whole" for a in decisions.actions)
 
 
+def test_shares_pack_to_keep_whole_gpus_for_the_whole_gpu_jobs_the_cluster_runs() -> None:
+    """fgd weighs fragment against the workload: every job the brain holds, whole-GPU
+    jobs included (they are a share of the mix like any other shape). With only the
+    shares in the mix, a quarter would take the idle GPU: for a 0.5 and a 0.25, a GPU
+    with 0.75 free is no fragment, and the whole GPUs that most jobs need would be
+    cut up one share at a time."""
+    half = share("half", 500, grants=(Grant("n", (0,)),), started_at=0.0)
+    whole = JobView("whole", 1, 0.0, grants=(Grant("m", (0,)),), started_at=0.0)
+    nodes = (node("n", 2, held=frozenset({0})), node("m", 1, held=frozenset({0})))
+    snapshot = ClusterSnapshot(nodes, (share("quarter", 250),), (half, whole))
+    assert places(snapshot) == {"quarter": (Grant("n", (0,)),)}
+
+
 def test_a_shared_gpu_serves_one_tenant() -> None:
     jobs = tuple(share(f"{t}{n}", 250, tenant=t) for n, t in ((1, "a"), (1, "b"), (2, "a")))
     placed = places(ClusterSnapshot((node("n", 2),), jobs))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
@@ -44,6 +45,7 @@ from brain.core.sharing import (
     SharedTask,
     SharingPlugin,
     TaskMix,
+    TaskShape,
     Unschedulable,
 )
 
@@ -249,9 +251,23 @@ class SharePlacer:
         self._shareable = sorted(
             j.job_id for j in snapshot.running if j.shareable and not j.shared and j.grants
         )
-        demanding = [j for j in (*snapshot.running, *snapshot.pending) if j.demand is not None]
-        mix = TaskMix.of(self._task(j) for j in demanding)
-        self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](mix, seed)
+        self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](self._mix(snapshot), seed)
+
+    def _mix(self, snapshot: ClusterSnapshot) -> TaskMix:
+        """The workload fgd weighs fragment against: every job held, running or
+        pending, whole-GPU jobs too (most of a cluster's, often; left out, an idle GPU
+        would be no more worth keeping whole than a half-used one), as the FGD authors
+        take every task of the trace. A job without a demand is its GPU count alone."""
+        counts: Counter[TaskShape] = Counter()
+        plain: Counter[int] = Counter()
+        for job in (*snapshot.running, *snapshot.pending):
+            if job.demand is not None:
+                counts[self._task(job).shape] += 1
+            else:
+                plain[job.gpus] += 1
+        for gpus, n in plain.items():
+            counts[SharedTask(name="", cpu_milli=0, memory_mib=0, gpus=gpus).shape] += n
+        return TaskMix.counted(counts)
 
     def _task(self, job: JobView) -> SharedTask:
         demand = job.demand or Demand()

@@ -540,7 +540,11 @@ class TaskMix:
 
     @staticmethod
     def of(tasks: Iterable[SharedTask]) -> TaskMix:
-        counts = Counter(t.shape for t in tasks)
+        return TaskMix.counted(Counter(t.shape for t in tasks))
+
+    @staticmethod
+    def counted(counts: Counter[TaskShape]) -> TaskMix:
+        """The mix of these shapes, each seen so many times."""
         total = sum(counts.values())
         if not total:
             return TaskMix(())
