@@ -181,12 +181,12 @@ class ConnectOptions:
     max_outstanding_pings: int = 2
 
 
-
 def _say_if_it_died(task: asyncio.Task[None]) -> None:
     """A spawned loop that ends in an exception is logged at once: one that stops
     silently (an agent no longer sending its events, say) is found only by its effects."""
     if not task.cancelled() and (error := task.exception()) is not None:
         log.error("task %s died: %r", task.get_name(), error, exc_info=error)
+
 
 class Bus:
     def __init__(self, nc: NatsClient, *, component: str, replicas: int = 1) -> None:
