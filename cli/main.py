@@ -149,6 +149,13 @@ def load_spec(args: argparse.Namespace) -> JobSpec:
     dashed = bool(words) and words[0] == "--"
     if dashed:
         words = words[1:]
+    if not dashed and len(words) > 1 and words[0].endswith((".yaml", ".yml")):
+        # `submit job.yaml --gpus 2`: argparse stops reading options at the file.
+        rest = " ".join(shlex.quote(w) for w in words[1:])
+        raise UsageError(
+            f"{words[0]}: nothing may follow a job file; put options before it "
+            f"(alnair submit {rest} {shlex.quote(words[0])})"
+        )
     if len(words) == 1 and words[0].endswith((".yaml", ".yml")):
         if Path(words[0]).is_file():
             return _spec_from_yaml(Path(words[0]), args)

@@ -299,6 +299,21 @@ def test_a_job_file_that_is_not_there_is_named_and_a_command_after_dashes_is_not
     assert command.command == (missing,)
 
 
+def test_options_after_a_job_file_are_refused_saying_where_they_go(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("command: echo\ngpus: 1\n")
+    parser = build_parser()
+    with pytest.raises(UsageError) as refused:
+        load_spec(parser.parse_args(["submit", str(job), "--gpus", "2"]))
+    assert str(refused.value) == (
+        f"{job}: nothing may follow a job file; put options before it "
+        f"(alnair submit --gpus 2 {job})"
+    )
+    # A command that happens to start with a .yaml word, after `--`, is a command.
+    command = load_spec(parser.parse_args(["submit", "--gpus", "1", "--", str(job), "x"]))
+    assert command.command == (str(job), "x")
+
+
 @pytest.mark.parametrize(
     ("text", "says"),
     [
