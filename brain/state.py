@@ -31,6 +31,7 @@ from brain.core.distribution import (
     gpu_class,
 )
 from brain.core.model import (
+    Ask,
     ClusterSnapshot,
     Demand,
     Grant,
@@ -110,6 +111,9 @@ class BrainState:
     wait_details: dict[str, str] = field(default_factory=dict, compare=False)
     # Elastic jobs pending or running: without one, an elasticity stage does not run.
     live_elastic: int = field(default=0, compare=False)
+    # What the finished jobs in memory asked, counted: the recent workload that sharing
+    # placement weighs (`ClusterSnapshot.recent_asks`).
+    _asks: Counter[Ask] = field(default_factory=Counter, init=False, repr=False, compare=False)
     _distribution: tuple[ServiceDistribution, ServiceDistribution] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -273,12 +277,24 @@ class BrainState:
         if job.idempotency_key is not None:
             self.by_key[(job.tenant, job.idempotency_key)] = job.job_id
         if job.state.terminal:
-            self.finished.pop(job.job_id, None)
-            self.finished[job.job_id] = None
+            if job.job_id in self.finished:
+                self.finished.move_to_end(job.job_id)
+            else:
+                self.finished[job.job_id] = None
+                self._asks[job_ask(job)] += 1
             while len(self.finished) > FINISHED_KEPT:
                 self._let_go(next(iter(self.finished)))
-        elif previous is not None and previous.state.terminal:
-            self.finished.pop(job.job_id, None)
+        elif job.job_id in self.finished:
+            del self.finished[job.job_id]
+            self._forget_ask(job)
+
+    def _forget_ask(self, job: JobRecord) -> None:
+        ask = job_ask(job)
+        left = self._asks[ask] - 1
+        if left > 0:
+            self._asks[ask] = left
+        else:
+            del self._asks[ask]
 
     def _index(self, previous: JobRecord | None, job: JobRecord) -> None:
         """Keep what passes read without scanning every job: ids by state (pending and
@@ -351,6 +367,7 @@ class BrainState:
         """A finished job leaves memory (the log and the history keep it)."""
         del self.finished[job_id]
         job = self.jobs.pop(job_id)
+        self._forget_ask(job)
         self.by_state[job.state].discard(job_id)
         self.finished_away[job.state] = self.finished_away.get(job.state, 0) + 1
         for attempt in range(1, job.attempt + 1):
@@ -591,6 +608,7 @@ class BrainState:
             pending=self._pending_job_views(progress),
             running=running,
             queues=queues,
+            recent_asks=tuple(self._asks.items()),
             service_distribution=(
                 None if service_prior is None else self.service_distribution(service_prior, now=now)
             ),
@@ -782,6 +800,11 @@ def node_view(record: NodeRecord, gpus: tuple[int, ...], free: frozenset[int]) -
         cpu_milli=record.cpu_milli,
         memory_mib=record.memory_mib,
     )
+
+
+def job_ask(job: JobRecord) -> Ask:
+    """What the job asked of placement (a share, with its tenant)."""
+    return Ask(job.spec.gpus, job_demand(job.spec), job.tenant if job.spec.shared else None)
 
 
 def job_demand(spec: JobSpec) -> Demand | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from brain.core.model import Ask
 from brain.service import Brain
 from brain.state import FINISHED_KEPT, BrainState
 from schemas import subjects
@@ -59,6 +60,16 @@ def test_a_brain_from_a_snapshot_holds_what_a_full_replay_holds() -> None:
     assert restored.counts_by_state() == replayed.counts_by_state()
     assert restored.keys_away == replayed.keys_away
     assert list(restored.service_samples) == list(replayed.service_samples)
+    assert restored.snapshot().recent_asks == replayed.snapshot().recent_asks
+
+
+def test_the_recent_workload_is_what_the_finished_jobs_in_memory_asked() -> None:
+    """Sharing placement weighs fragment against what jobs ask (brain/core/shares.py):
+    the finished jobs still in memory count, those gone from it do not."""
+    state = folded(JOBS)
+    assert state.snapshot().recent_asks == ((Ask(2), FINISHED_KEPT),)
+    assert folded(3).snapshot().recent_asks == ((Ask(2), 3),)
+    assert BrainState().snapshot().recent_asks == ()
 
 
 async def ask(brain: Brain, verb: str, request: object, reply: object) -> object:

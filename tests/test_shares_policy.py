@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from brain.core.decide import DEFAULT_POLICY, Policy, decide
 from brain.core.model import (
+    Ask,
     ClusterSnapshot,
     Demand,
     Grant,
@@ -194,6 +195,18 @@ def test_shares_pack_to_keep_whole_gpus_for_the_whole_gpu_jobs_the_cluster_runs(
     nodes = (node("n", 2, held=frozenset({0})), node("m", 1, held=frozenset({0})))
     snapshot = ClusterSnapshot(nodes, (share("quarter", 250),), (half, whole))
     assert places(snapshot) == {"quarter": (Grant("n", (0,)),)}
+
+
+def test_shares_pack_when_the_jobs_that_finished_lately_took_whole_gpus() -> None:
+    """With no whole-GPU job held now, the recent workload still says whole GPUs are
+    asked for: the quarter goes beside the half. Without it, each share takes an idle
+    GPU."""
+    half = share("half", 500, grants=(Grant("n", (0,)),), started_at=0.0)
+    nodes = (node("n", 2, held=frozenset({0})),)
+    alone = ClusterSnapshot(nodes, (share("quarter", 250),), (half,))
+    assert places(alone) == {"quarter": (Grant("n", (1,)),)}
+    lately = replace(alone, recent_asks=((Ask(1), 30), (Ask(2), 10)))
+    assert places(lately) == {"quarter": (Grant("n", (0,)),)}
 
 
 def test_a_shared_gpu_serves_one_tenant() -> None:

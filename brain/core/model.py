@@ -212,12 +212,26 @@ class JobView:
 
 
 @record
+class Ask:
+    """What a job asked of placement: GPUs, a demand beyond them, and its tenant (a
+    share is bound to its tenant's GPUs)."""
+
+    gpus: int
+    demand: Demand | None = None
+    tenant: str | None = None
+
+
+@record
 class ClusterSnapshot:
     nodes: tuple[NodeView, ...]
     pending: tuple[JobView, ...]
     running: tuple[JobView, ...] = ()
     # Quota configuration; queues not listed have no guarantee (see `QueueQuota`).
     queues: tuple[QueueQuota, ...] = ()
+    # What the jobs that finished lately asked, each with how many asked it: with the
+    # jobs running and pending, the workload fgd weighs fragment against
+    # (brain/core/shares.py). Empty: the jobs held alone.
+    recent_asks: tuple[tuple[Ask, int], ...] = ()
     # The distribution of finished jobs' service, for the Gittins ordering; None
     # means the core's built-in prior alone.
     service_distribution: ServiceDistribution | None = None

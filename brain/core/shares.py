@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from brain.core.model import (
+    Ask,
     ClusterSnapshot,
     Demand,
     Grant,
@@ -254,10 +255,11 @@ class SharePlacer:
         self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](self._mix(snapshot), seed)
 
     def _mix(self, snapshot: ClusterSnapshot) -> TaskMix:
-        """The workload fgd weighs fragment against: every job held, running or
-        pending, whole-GPU jobs too (most of a cluster's, often; left out, an idle GPU
-        would be no more worth keeping whole than a half-used one), as the FGD authors
-        take every task of the trace. A job without a demand is its GPU count alone."""
+        """The workload fgd weighs fragment against, as the FGD authors take it from
+        history: what the jobs that finished lately asked (`recent_asks`) and every job
+        held, running or pending. Whole-GPU jobs count too, most of a cluster's often:
+        left out, an idle GPU would be no more worth keeping whole than a half-used one.
+        A job without a demand is its GPU count alone."""
         counts: Counter[TaskShape] = Counter()
         plain: Counter[int] = Counter()
         for job in (*snapshot.running, *snapshot.pending):
@@ -265,22 +267,31 @@ class SharePlacer:
                 counts[self._task(job).shape] += 1
             else:
                 plain[job.gpus] += 1
-        for gpus, n in plain.items():
-            counts[SharedTask(name="", cpu_milli=0, memory_mib=0, gpus=gpus).shape] += n
+        asks = [(Ask(gpus), n) for gpus, n in plain.items()]
+        for ask, n in (*asks, *snapshot.recent_asks):
+            counts[self._shape(ask.gpus, ask.demand, ask.tenant)] += n
         return TaskMix.counted(counts)
 
     def _task(self, job: JobView) -> SharedTask:
-        demand = job.demand or Demand()
+        return self._shared_task(job.job_id, job.gpus, job.demand, job.tenant)
+
+    def _shape(self, gpus: int, demand: Demand | None, tenant: str | None) -> TaskShape:
+        return self._shared_task("", gpus, demand, tenant).shape
+
+    def _shared_task(
+        self, name: str, gpus: int, demand: Demand | None, tenant: str | None
+    ) -> SharedTask:
+        demand = demand or Demand()
         types = allowed_models(demand.gpu_types, self._models) if demand.gpu_types else frozenset()
         return SharedTask(
-            name=job.job_id,
+            name=name,
             cpu_milli=demand.cpu_milli,
             memory_mib=demand.memory_mib,
-            gpus=1 if demand.fractional else job.gpus,
+            gpus=1 if demand.fractional else gpus,
             gpu_milli=demand.gpu_milli,
             gpu_memory_mib=demand.gpu_memory_mib,
             gpu_types=types,
-            tenant=job.tenant,
+            tenant=tenant,
         )
 
     def _not_beside(self, demand: Demand) -> str:
