@@ -385,13 +385,22 @@ class Agent:
     async def _fence_forever(self) -> None:
         while not self._closing:
             await asyncio.sleep(CHECK_EVERY_S)
-            running = [(p.job_id, p.attempt) for p in self.launcher.running()]
-            for job_id, attempt, silent_s in self.contact.due(running, self._fence_period):
-                reason = f"fenced: no contact with NATS for {silent_s:.1f}s"
-                log.warning("%s: job %s attempt %d %s", self.node, job_id, attempt, reason)
-                for process in self.launcher.find(job_id, attempt):
-                    process.stop_reason = process.stop_reason or reason
-                self.bus.spawn(self._stop_fenced(job_id, attempt, reason), name=f"fence:{job_id}")
+            try:
+                self.fence_due()
+            except Exception:
+                # The fence is what keeps a cut-off node from running a job twice: a
+                # check that failed is logged and the next one runs.
+                log.exception("%s: fence check failed", self.node)
+
+    def fence_due(self) -> None:
+        """Stop every job whose fence period without contact has passed."""
+        running = [(p.job_id, p.attempt) for p in self.launcher.running()]
+        for job_id, attempt, silent_s in self.contact.due(running, self._fence_period):
+            reason = f"fenced: no contact with NATS for {silent_s:.1f}s"
+            log.warning("%s: job %s attempt %d %s", self.node, job_id, attempt, reason)
+            for process in self.launcher.find(job_id, attempt):
+                process.stop_reason = process.stop_reason or reason
+            self.bus.spawn(self._stop_fenced(job_id, attempt, reason), name=f"fence:{job_id}")
 
     async def _stop_fenced(self, job_id: str, attempt: int, reason: str) -> None:
         await self.launcher.stop(job_id, attempt, reason=reason, grace_s=self.config.fence_grace_s)

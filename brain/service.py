@@ -644,7 +644,12 @@ class Brain:
         first profile, a job turning underused or back) makes state dirty."""
         while not self._closing:
             await asyncio.sleep(PROFILES_EVERY_S)
-            if self.profiles.poll():
+            try:
+                changed = self.profiles.poll()
+            except Exception:
+                log.exception("recomputing profiles failed; tried again in %gs", PROFILES_EVERY_S)
+                continue
+            if changed:
                 self._dirty = True
                 self._pass_wanted.set()
 

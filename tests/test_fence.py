@@ -175,3 +175,30 @@ async def test_brain_warns_of_an_agent_that_fences_too_late(
         and "node timeout + fence margin = 3s" in r.getMessage()
         for r in caplog.records
     )
+
+
+async def test_a_fence_check_that_fails_does_not_end_the_fence(
+    connect, tmp_path: Path, caplog
+) -> None:
+    """The fence is what stops a cut-off node's jobs: one check that raises is logged,
+    and the checks go on."""
+    config = AgentConfig(node="n1", data_dir=tmp_path / "n1", heartbeat_s=0.2, telemetry_s=0.5)
+    bus = await connect("agent:n1")
+    await bus.ensure_streams()
+    agent = Agent(bus, config, SimulatedGpus("n1", 1, "A100"))
+    calls: list[int] = []
+    due = agent.contact.due
+
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("clock trouble")
+        return due(*args, **kwargs)
+
+    agent.contact.due = flaky  # type: ignore[method-assign]
+    await agent.start()
+    try:
+        await eventually(lambda: len(calls) >= 3)
+        assert "n1: fence check failed" in caplog.text
+    finally:
+        await agent.stop(stop_jobs=True)
