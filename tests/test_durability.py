@@ -7,6 +7,7 @@ import sys
 
 from nats.js.api import DiscardPolicy
 
+from agents.agent import Agent
 from brain.service import Brain
 from schemas import subjects
 from schemas.api import JobReply, SubmitRequest
@@ -71,21 +72,24 @@ async def test_agent_refuses_commands_from_an_older_epoch(agent_factory, connect
     assert agent.epoch == 5
 
 
+def _true(agent: Agent, *, expires_in_s: float) -> Launch:
+    """Job x's first attempt, `true` on GPU 0."""
+    return Launch(
+        command_id="c1",
+        epoch=1,
+        issued_at=0.0,
+        job_id="x",
+        attempt=1,
+        gpus=(0,),
+        command=("true",),
+        expires_at=agent.clock() + expires_in_s,
+    )
+
+
 async def test_expired_launch_is_refused(agent_factory, connect) -> None:
     await (await connect("setup")).ensure_streams()
     agent = await agent_factory("n1", gpus=1)
-    await agent.handle_command(
-        Launch(
-            command_id="c1",
-            epoch=1,
-            issued_at=0.0,
-            job_id="x",
-            attempt=1,
-            gpus=(0,),
-            command=("true",),
-            expires_at=agent.clock() - 1,
-        )
-    )
+    await agent.handle_command(_true(agent, expires_in_s=-1))
     assert not agent.launcher.find("x")
 
 
@@ -110,18 +114,7 @@ async def test_an_event_the_stream_refuses_for_a_while_is_sent_once_it_takes_it(
     full = config.config.evolve(max_msgs=config.state.messages + 1, discard=DiscardPolicy.NEW)
     await setup.js.update_stream(full)
     await setup.js.publish(subjects.node("other", "event"), b"{}")  # fills it
-    await agent.handle_command(
-        Launch(
-            command_id="c1",
-            epoch=1,
-            issued_at=0.0,
-            job_id="x",
-            attempt=1,
-            gpus=(0,),
-            command=("true",),
-            expires_at=agent.clock() + 60,
-        )
-    )
+    await agent.handle_command(_true(agent, expires_in_s=60))
     (process,) = agent.launcher.find("x")
     await eventually(lambda: process.exited.is_set())
     await asyncio.sleep(3.0)  # refused meanwhile, more than once
