@@ -294,7 +294,7 @@ class BrainState:
         if left > 0:
             self._asks[ask] = left
         else:
-            del self._asks[ask]
+            self._asks.pop(ask, None)
 
     def _index(self, previous: JobRecord | None, job: JobRecord) -> None:
         """Keep what passes read without scanning every job: ids by state (pending and
