@@ -386,13 +386,13 @@ class Agent:
         while not self._closing:
             await asyncio.sleep(CHECK_EVERY_S)
             try:
-                self.fence_due()
+                self._fence_due()
             except Exception:
                 # The fence is what keeps a cut-off node from running a job twice: a
                 # check that failed is logged and the next one runs.
                 log.exception("%s: fence check failed", self.node)
 
-    def fence_due(self) -> None:
+    def _fence_due(self) -> None:
         """Stop every job whose fence period without contact has passed."""
         running = [(p.job_id, p.attempt) for p in self.launcher.running()]
         for job_id, attempt, silent_s in self.contact.due(running, self._fence_period):
@@ -492,8 +492,9 @@ class Agent:
 
     async def _consume_commands(self) -> None:
         # The brain creates the streams; until it has, wait for them.
-        while not self._closing and not await self._open_commands():
-            log.info("%s: waiting for the COMMANDS stream", self.node)
+        while not self._closing:
+            if await self._open_commands():
+                return
             await asyncio.sleep(1.0)
 
     async def _open_commands(self) -> bool:
@@ -512,7 +513,8 @@ class Agent:
             nats.js.errors.APIError,
             TimeoutError,
         ) as error:
-            log.debug("%s: cannot open the command consumer yet: %r", self.node, error)
+            # Said each time: a refusal that does not pass (a 400) must not go unseen.
+            log.info("%s: waiting to hear commands: %r", self.node, error)
             return False
         return True
 
