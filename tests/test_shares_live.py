@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from agents.mps import NOT_ENFORCED
+from brain.core.decide import Policy
 from schemas.api import ErrorReply, SubmitRequest, WhyReply, WhyRequest
 from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
 from schemas.state import CauseKind, JobChanged, StateRecord
@@ -258,3 +259,39 @@ async def test_shares_of_two_tenants_take_turns_on_one_gpu(
     stop.touch()
     await eventually(lambda: brain.state.jobs[second].state is JobState.SUCCEEDED)
     assert brain.state.jobs[first].state is JobState.SUCCEEDED
+
+
+async def test_shares_make_room_for_a_better_ranked_whole_gpu_job(
+    brain_factory, agent_factory, tmp_path
+) -> None:
+    """Under `priority`, a 2-GPU job of higher priority is not kept waiting by shares
+    holding both GPUs: they are preempted, saying by whom, and it runs."""
+    brain = await brain_factory(policy=Policy(order="priority"))
+    records: list[StateRecord] = []
+    brain.record_observers.append(lambda record, seq: records.append(record))
+    await agent_factory("n1", gpus=2, model="H100")
+    await eventually(lambda: "n1" in brain.state.nodes)
+    shares = []
+    for milli in (700, 700):  # one GPU each
+        spec = JobSpec(command=("sleep", "120"), gpus=1, gpu_milli=milli, priority=0)
+        shares.append(await submit(brain.api, spec))
+    await eventually(lambda: all(brain.state.jobs[s].state is JobState.RUNNING for s in shares))
+    done = tmp_path / "done"
+    big = await submit(
+        brain.api,
+        JobSpec(command=(sys.executable, "-c", f"open({str(done)!r}, 'w')"), gpus=2, priority=10),
+    )
+    await eventually(lambda: done.exists(), timeout_s=30)
+    assert sorted(g.node for g in brain.state.jobs[big].grants) == ["n1"]
+    preempted = {
+        r.job.job_id: r.cause
+        for r in records
+        if isinstance(r, JobChanged) and r.cause.kind is CauseKind.PREEMPTED
+    }
+    assert sorted(preempted) == sorted(shares)
+    for cause in preempted.values():
+        assert cause.preemption is not None and cause.preemption.for_job == big
+        assert (
+            cause.message
+            == f"outranked by job {big} under priority: priority 10 ahead of priority 0"
+        )

@@ -24,7 +24,9 @@ from brain.core.model import (
     JobView,
     MemoryPressure,
     NodeView,
+    Outranked,
     Place,
+    QueueQuota,
     UtilizationProfile,
     Wait,
 )
@@ -418,7 +420,41 @@ def test_no_gpu_over_committed_on_a_full_small_node(ops: list[Step]) -> None:
     _replay(ops, NODES[:1])
 
 
-def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
+# Shares and whole-GPU jobs crowding two nodes of 2 and 4 GPUs, exits rarer than
+# submissions: whole-GPU jobs often wait while shares hold GPUs.
+crowding = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("submit"),
+            st.builds(Demand, gpu_milli=st.sampled_from([250, 500, 700])),
+            st.just(1),
+            st.none(),
+            st.none(),
+        ),
+        st.tuples(st.just("submit"), st.none(), st.integers(1, 3), st.none(), st.none()),
+        st.tuples(st.just("exit"), st.integers(0, 50), st.just(0), st.none(), st.none()),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(crowding, st.lists(st.integers(0, 2), min_size=25, max_size=25))
+def test_shares_make_room_for_better_ranked_jobs_whatever_the_sequence(
+    ops: list[Step], priorities: list[int]
+) -> None:
+    """Under `priority`, shares are victims too: never over-committed, and only ever
+    for a better-ranked whole-GPU job that waits."""
+    _replay(ops, NODES[:2], Policy(order="priority").validate(), priorities)
+
+
+def _replay(
+    ops: list[Step],
+    cluster: tuple[NodeView, ...],
+    policy: Policy = DEFAULT_POLICY,
+    priorities: list[int] | None = None,
+) -> None:
     pending: dict[str, JobView] = {}
     running: dict[str, JobView] = {}
     for n, (op, arg, gpus, profile, tenant) in enumerate(ops):
@@ -431,6 +467,7 @@ def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
                 size,
                 float(n),
                 tenant=tenant,
+                priority=priorities[n] if priorities else 0,
                 demand=demand,
                 shareable=host,
                 profile=profile,
@@ -455,10 +492,17 @@ def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
             for v in cluster
         )
         snapshot = ClusterSnapshot(nodes, tuple(pending.values()), tuple(running.values()))
-        decisions = decide(snapshot, float(n + 1))
+        decisions = decide(snapshot, float(n + 1), policy)
         for move in decisions.preemptions:
-            # Only shares move, and only off a host's GPU short of memory.
-            assert isinstance(move.cause, MemoryPressure) and running[move.job_id].shared
+            victim = running[move.job_id]
+            if priorities is None:
+                # Only shares move, and only off a host's GPU short of memory.
+                assert isinstance(move.cause, MemoryPressure) and victim.shared
+            elif isinstance(move.cause, Outranked):
+                # For a better-ranked job that waits; a share only for a whole-GPU one.
+                winner = pending[move.cause.by_job]
+                assert winner.priority > victim.priority
+                assert not (victim.shared and winner.demand is not None)
             moved = running.pop(move.job_id)
             pending[moved.job_id] = replace(moved, grants=(), started_at=None)
         for place in decisions.placements:
@@ -468,6 +512,7 @@ def _replay(ops: list[Step], cluster: tuple[NodeView, ...]) -> None:
                 job.gpus,
                 job.submitted_at,
                 tenant=job.tenant,
+                priority=job.priority,
                 grants=place.grants,
                 started_at=float(n),
                 demand=job.demand,
@@ -560,3 +605,116 @@ def test_a_host_with_shares_beside_it_is_no_victim() -> None:
     hosting = ClusterSnapshot(nodes, (urgent,), (_host(20.0, 16_000), guest))
     decisions = decide(hosting, 100.0, policy)
     assert not decisions.preemptions and not decisions.placements
+
+
+# -- shares make room for a better-ranked whole-GPU job, a GPU at a time ---------------
+
+
+def _shares_on(*placed: tuple[str, int, int, int], queue: str = "default") -> tuple[JobView, ...]:
+    """Running shares: (id, milli, GPU of node n, priority)."""
+    return tuple(
+        share(
+            job_id,
+            milli,
+            grants=(Grant("n", (gpu,)),),
+            started_at=1.0,
+            priority=priority,
+            queue=queue,
+        )
+        for job_id, milli, gpu, priority in placed
+    )
+
+
+def _after(snapshot: ClusterSnapshot, policy: Policy) -> ClusterSnapshot:
+    """`snapshot` once its decisions' preemptions are applied: the victims wait again."""
+    decisions = decide(snapshot, 100.0, policy)
+    gone = {p.job_id for p in decisions.preemptions}
+    running = tuple(j for j in snapshot.running if j.job_id not in gone)
+    requeued = tuple(
+        replace(j, grants=(), started_at=None) for j in snapshot.running if j.job_id in gone
+    )
+    held = {gpu for j in running for g in j.grants for gpu in g.gpus}
+    nodes = tuple(replace(n, free=frozenset(n.gpus) - held) for n in snapshot.nodes)
+    return ClusterSnapshot(nodes, (*snapshot.pending, *requeued), running, queues=snapshot.queues)
+
+
+def test_a_better_ranked_whole_gpu_job_makes_room_among_shares() -> None:
+    nodes = (node("n", 2, held=frozenset({0, 1})),)
+    shares = _shares_on(("s1", 500, 0, 0), ("s2", 250, 0, 0), ("s3", 500, 1, 0))
+    big = JobView("big", 2, 50.0, priority=10)
+    snapshot = ClusterSnapshot(nodes, (big,), shares)
+    policy = Policy(order="priority").validate()
+    decisions = decide(snapshot, 100.0, policy)
+    # Every share of both GPUs goes, each told why; the job is placed in the next cycle.
+    assert sorted(p.job_id for p in decisions.preemptions) == ["s1", "s2", "s3"]
+    assert {p.reason for p in decisions.preemptions} == {
+        "outranked by job big under priority: priority 10 ahead of priority 0"
+    }
+    assert [w.reason for w in decisions.waits] == [
+        "shares on 2 GPUs ranked behind it are preempted to make room"
+    ]
+    following = decide(_after(snapshot, policy), 100.0, policy)
+    assert [(p.job_id, p.grants) for p in following.placements] == [("big", (Grant("n", (0, 1)),))]
+    assert not following.preemptions
+
+
+def test_a_queue_reclaims_its_guarantee_from_shares_over_quota() -> None:
+    nodes = (node("n", 2, held=frozenset({0, 1})),)
+    shares = _shares_on(("s1", 100, 0, 0), ("s2", 100, 1, 0), queue="scratch")
+    owner = JobView("owner", 2, 50.0, queue="prod")
+    snapshot = ClusterSnapshot(nodes, (owner,), shares, queues=(QueueQuota("prod", 2, "train"),))
+    decisions = decide(snapshot, 100.0)
+    assert [p.reason for p in decisions.preemptions] == [
+        "quota reclaim: queue prod needs its guaranteed GPUs for job owner; "
+        "queue scratch was over its quota"
+    ] * 2
+
+
+def test_a_gpu_comes_back_only_with_all_its_shares() -> None:
+    nodes = (node("n", 2, held=frozenset({0, 1})),)
+    # GPU 0 holds a share ranked ahead of the waiting job: it is kept, and so is the
+    # share beside it; GPU 1's share alone ranks behind.
+    shares = _shares_on(("low", 250, 0, 0), ("high", 250, 0, 20), ("other", 500, 1, 0))
+    policy = Policy(order="priority").validate()
+    two = ClusterSnapshot(nodes, (JobView("two", 2, 50.0, priority=10),), shares)
+    assert not decide(two, 100.0, policy).preemptions  # no room it could make
+    one = ClusterSnapshot(nodes, (JobView("one", 1, 50.0, priority=10),), shares)
+    assert [p.job_id for p in decide(one, 100.0, policy).preemptions] == ["other"]
+
+
+def test_shares_ranked_ahead_keep_their_gpus() -> None:
+    nodes = (node("n", 2, held=frozenset({0, 1})),)
+    shares = _shares_on(("s1", 500, 0, 10), ("s2", 500, 1, 10))
+    snapshot = ClusterSnapshot(nodes, (JobView("big", 2, 50.0, priority=5),), shares)
+    assert not decide(snapshot, 100.0, Policy(order="priority")).preemptions
+    # Under fifo, shares that came first keep their GPUs too.
+    assert not decide(snapshot, 100.0).preemptions
+
+
+def test_room_is_made_where_the_job_will_go() -> None:
+    # A 2-GPU job that must stay on one node: of three GPUs whose shares rank behind
+    # it, only the two of node m are taken; node n's share stays.
+    nodes = (node("n", 2, held=frozenset({0, 1})), node("m", 2, held=frozenset({0, 1})))
+    running = (
+        share("keep", 500, grants=(Grant("n", (0,)),), started_at=1.0),
+        JobView("whole", 1, 1.0, priority=20, grants=(Grant("n", (1,)),), started_at=1.0),
+        share("m0", 500, grants=(Grant("m", (0,)),), started_at=1.0),
+        share("m1", 500, grants=(Grant("m", (1,)),), started_at=1.0),
+    )
+    big = JobView("big", 2, 50.0, priority=10, network_sensitive=True)
+    decisions = decide(ClusterSnapshot(nodes, (big,), running), 100.0, Policy(order="priority"))
+    assert sorted(p.job_id for p in decisions.preemptions) == ["m0", "m1"]
+
+
+def test_a_gpu_given_a_share_in_the_cycle_is_not_taken_back() -> None:
+    # A better-ranked share is placed beside the old one on GPU 0 in this cycle: GPU 0
+    # stays shared, so the 2-GPU job cannot have room, and nothing is preempted.
+    nodes = (node("n", 2, held=frozenset({0, 1})),)
+    shares = _shares_on(("old0", 500, 0, 0), ("old1", 500, 1, 0))
+    newer = share("newer", 250, priority=30)
+    big = JobView("big", 2, 50.0, priority=10)
+    decisions = decide(
+        ClusterSnapshot(nodes, (newer, big), shares), 100.0, Policy(order="priority")
+    )
+    assert [p.job_id for p in decisions.placements] == ["newer"]
+    assert not decisions.preemptions

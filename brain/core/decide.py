@@ -16,7 +16,9 @@ ordering, placement and preemption run are plugins named in the `Policy`:
                 whose GPUs nobody took keeps running. A job asking a share of a GPU, a
                 GPU type, CPUs or memory is placed on one node by the policy's sharing
                 plugin instead (brain/core/shares.py); a share needs none of the
-                whole-GPU budget in 3 and is never a victim;
+                whole-GPU budget in 3, and shares are victims a GPU at a time, for
+                the first whole-GPU job their GPUs would make room for
+                (`_make_room_in_shares`);
 5. elasticity — with an `ELASTICITIES` plugin other than "none" (brain/core/elastic.py):
                 elastic jobs count at their minimum in 3, get targets toward what
                 they asked for in rank order (less attained service first within a
@@ -28,6 +30,7 @@ Every action carries its cause.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
@@ -80,7 +83,7 @@ from brain.core.shares import (
     hosting,
     memory_pressure,
     never_fits,
-    shared_gpus_held,
+    shares_by_gpu,
 )
 from brain.core.sharing import SHARING_PLUGINS
 from schemas.errors import AlnairError
@@ -261,6 +264,14 @@ class _Cycle:
     # a node drained or lost), and how many (`FreeGpus.held_outside`): those take
     # nothing from the budget of the GPUs there are.
     outside: Mapping[str, int] = field(default_factory=dict)
+    # The GPUs that running shares alone hold, with the shares on each
+    # (`shares.shares_by_gpu`), and the whole-GPU jobs that waited for want of GPUs
+    # while there were any: (entry, the GPUs left for it, its need), in selection order
+    # (`_make_room_in_shares`).
+    share_gpus: Mapping[tuple[str, int], list[JobView]] = field(default_factory=dict)
+    short: list[tuple[_Entry, int, int]] = field(default_factory=list)
+    # Running whole-GPU jobs with shares beside them (`shares.hosting`): never victims.
+    hosts: AbstractSet[str] = frozenset()
 
     def explains(self, job_id: str) -> bool:
         """Is this job's `Wait` wanted, if it waits?"""
@@ -380,12 +391,17 @@ def _select(
 
     One pass, and most of it over jobs that wait: once the GPUs run out, a job costs
     its `Wait` and nothing more (reasons that repeat are built once)."""
-    # GPUs that jobs share are not for whole-GPU jobs; a share needs no whole GPU of
-    # the budget (its placement says whether it fits), and is never a victim.
+    # GPUs that shares hold are not for whole-GPU jobs; a share needs no whole GPU of
+    # the budget (its placement says whether it fits), and is no victim here: a GPU's
+    # shares make room for a better-ranked whole-GPU job together, after the placements
+    # (`_make_room_in_shares`), which is why those that wait for want of GPUs are noted.
     running = cycle.snapshot.running
     sharing = cycle.sharing
-    budget = capacity - shared_gpus_held(running, cycle.ledger) if sharing else capacity
-    hosts = hosting(running) if sharing else frozenset()
+    if sharing:
+        cycle.share_gpus = shares_by_gpu(running, cycle.ledger)
+    budget = capacity - len(cycle.share_gpus)
+    short = cycle.short if cycle.share_gpus else None
+    hosts = cycle.hosts = hosting(running) if sharing else frozenset()
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
@@ -426,6 +442,14 @@ def _select(
             continue
         if explain or (also and job.job_id in also):
             actions.append(_wait(entry, need, capacity, budget, blocked_by, policy, reasons))
+        if (
+            short is not None
+            and blocked_by is None
+            and need <= capacity
+            and not held
+            and job.demand is None
+        ):
+            short.append((entry, budget, need))
         # A starving job that cannot start yet reserves the GPUs that free up: no
         # job behind it may backfill them, or it could wait forever.
         if (
@@ -696,11 +720,15 @@ def _preempt_cause(
             if index < first:
                 first = index
     winner = placed[first if first < len(placed) else 0][0] if placed else victim
+    return _cause(victim, winner, cycle.policy)
+
+
+def _cause(victim: _Entry, winner: _Entry, policy: Policy) -> PreemptCause:
     if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
         return QuotaReclaim(winner.job.queue, winner.job.job_id, victim.job.queue)
     # A starving winner is ahead by the guard, whatever the order says of the two.
     ahead = f"{winner.ranked.label} ({STARVING})" if winner.starving else winner.ranked.label
-    return Outranked(winner.job.job_id, cycle.policy.order, victim.ranked.label, ahead)
+    return Outranked(winner.job.job_id, policy.order, victim.ranked.label, ahead)
 
 
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
@@ -716,6 +744,114 @@ def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
             ledger.take(held)
             continue
         preemptions.append(Preempt(job.job_id, job.grants, _preempt_cause(victim, cycle, winners)))
+
+
+def _make_room_in_shares(cycle: _Cycle, entries: list[_Entry]) -> None:
+    """Shares are preemption victims a GPU at a time: a GPU comes back whole only once
+    every share on it has gone. The first whole-GPU job in selection order that waited
+    for want of GPUs (`_Cycle.short`), and that the GPUs of shares all ranked behind it
+    would make room for, has those shares preempted, each with its cause; it is placed
+    in the next cycle, on the GPUs they free (its place there is by the same selection).
+
+    Which GPUs: the job is placed on a copy of the ledger given every GPU ranked behind
+    it (those shares', and those of the whole-GPU jobs that are its victims once it is
+    selected), and only the shares on the GPUs of that fit are preempted, so that the
+    room made is where the job will go. A GPU a share was placed on in this cycle, or
+    whose shares one ranked ahead, pinned or already preempted shares, is not touched.
+    One job a cycle: the next cycle sees the room made and goes on from there."""
+    short, groups = cycle.short, cycle.share_gpus
+    if not short or not groups:
+        return
+    behind, by_id, mine = _share_standings(cycle, entries)
+    bests = sorted(behind.values())
+    for entry, budget, need in short:
+        position = mine[id(entry)]
+        if budget + len(bests) - bisect_right(bests, position) < need:
+            continue
+        room = [key for key, best in behind.items() if best > position]
+        job = entry.job
+        relax = cycle.policy.relax_locality_after_s
+        may_spread = not job.network_sensitive and cycle.now - job.waiting_since() >= relax
+        ledger = _ledger_behind(cycle, entries, position, room)
+        fit = cycle.place(PlacementRequest(need, may_spread), ledger)
+        taken = (
+            {(g.node, gpu) for g in fit.grants for gpu in g.gpus} if isinstance(fit, Fit) else ()
+        )
+        freed = [key for key in room if key in taken]
+        for key in freed:
+            for share in groups[key]:
+                cause = _cause(by_id[share.job_id], entry, cycle.policy)
+                cycle.preemptions.append(Preempt(share.job_id, share.grants, cause))
+        if freed and cycle.explains(job.job_id):
+            # Its wait said what it was short of; now it is what is being done about it.
+            reason = (
+                f"shares on {gpus_said(len(freed))} ranked behind it are preempted to make room"
+            )
+            actions = cycle.actions
+            at = next(
+                i for i, a in enumerate(actions) if type(a) is Wait and a.job_id == job.job_id
+            )
+            actions[at] = Wait(job.job_id, reason)
+        return
+
+
+def _share_standings(
+    cycle: _Cycle, entries: list[_Entry]
+) -> tuple[dict[tuple[str, int], int], dict[str, _Entry], dict[int, int]]:
+    """For `_make_room_in_shares`, in one walk of the selection order: each GPU whose
+    shares may go, with the best position among them (a job ahead of that may have
+    it); the entries of the shares; the position of each job of `_Cycle.short`."""
+    gone = {p.job_id for p in cycle.preemptions}
+    kept = {
+        (g.node, gpu)
+        for entry, grants in cycle.placed
+        if entry.job.shared
+        for g in grants
+        for gpu in g.gpus
+    }
+    groups = cycle.share_gpus
+    sharing = {j.job_id for on in groups.values() for j in on}
+    waiting = {id(entry) for entry, _, _ in cycle.short}
+    at: dict[str, int] = {}
+    by_id: dict[str, _Entry] = {}
+    mine: dict[int, int] = {}
+    for position, entry in enumerate(entries):
+        if entry.job.job_id in sharing:
+            at[entry.job.job_id] = position
+            by_id[entry.job.job_id] = entry
+        elif id(entry) in waiting:
+            mine[id(entry)] = position
+    behind: dict[tuple[str, int], int] = {}
+    for key, on in groups.items():
+        if key in kept or any(
+            j.job_id in gone or j.job_id not in at or by_id[j.job_id].standing is Standing.PINNED
+            for j in on
+        ):
+            continue
+        behind[key] = min(at[j.job_id] for j in on)
+    return behind, by_id, mine
+
+
+def _ledger_behind(
+    cycle: _Cycle, entries: list[_Entry], position: int, room: list[tuple[str, int]]
+) -> FreeGpus:
+    """A copy of the cycle's ledger (without the nodes the job at `position` avoids)
+    given the GPUs of `room` and those of every whole-GPU job behind it that may be
+    its victim, running or placed in this cycle."""
+    job = entries[position].job
+    ledger = cycle.ledger.excluding(job.avoid_nodes)
+    ledger.give(Grant(node, (gpu,)) for node, gpu in room)
+    gone = {p.job_id for p in cycle.preemptions}
+    placed = {e.job.job_id: grants for e, grants in cycle.placed}
+    pinned = Standing.PINNED
+    for later in entries[position + 1 :]:
+        other = later.job
+        if other.shared or other.resizing or later.standing is pinned or other.job_id in gone:
+            continue
+        grants = placed.get(other.job_id, other.grants)
+        if grants and other.job_id not in cycle.hosts:
+            ledger.give(ledger.within(grants))
+    return ledger
 
 
 def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
@@ -889,6 +1025,7 @@ def _decide(
     if cycle.sharing:
         # Shares on a shareable job's GPU that is running out of memory move off it.
         cycle.preemptions.extend(memory_pressure(snapshot))
+        _make_room_in_shares(cycle, entries)
     shrinks: list[Resize] = []
     grows: list[Resize] = []
     if stage is not None:

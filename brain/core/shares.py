@@ -141,20 +141,31 @@ def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | No
     return None
 
 
+def shares_by_gpu(
+    jobs: Sequence[JobView], ledger: FreeGpus
+) -> dict[tuple[str, int], list[JobView]]:
+    """The schedulable GPUs (`FreeGpus.within`) that running shares hold and no whole-GPU
+    job holds (a co-located GPU is its host's), each with the shares on it, in the order
+    of `jobs`: the GPUs that come back whole once every share on them has gone."""
+    on: dict[tuple[str, int], list[JobView]] = {}
+    for job in jobs:
+        if job.shared:
+            for grant in ledger.within(job.grants):
+                for gpu in grant.gpus:
+                    on.setdefault((grant.node, gpu), []).append(job)
+    if on:
+        for job in jobs:
+            if not job.shared:
+                for grant in job.grants:
+                    for gpu in grant.gpus:
+                        on.pop((grant.node, gpu), None)
+    return on
+
+
 def shared_gpus_held(jobs: Sequence[JobView], ledger: FreeGpus) -> int:
-    """Distinct schedulable GPUs (`FreeGpus.within`) that running jobs hold shares of
-    and no whole-GPU job holds (a co-located GPU counts once, for its host)."""
-    shared = {
-        (g.node, gpu)
-        for job in jobs
-        if job.shared
-        for g in ledger.within(job.grants)
-        for gpu in g.gpus
-    }
-    if not shared:
-        return 0
-    whole = {(g.node, gpu) for job in jobs if not job.shared for g in job.grants for gpu in g.gpus}
-    return len(shared - whole)
+    """Distinct schedulable GPUs that running jobs hold shares of and no whole-GPU job
+    holds (`shares_by_gpu`; a co-located GPU counts once, for its host)."""
+    return len(shares_by_gpu(jobs, ledger))
 
 
 def hosting(jobs: Sequence[JobView]) -> frozenset[str]:
