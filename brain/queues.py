@@ -26,6 +26,7 @@ from typing import Final, cast
 import yaml
 
 from brain.core.model import JobClass, QueueQuota, gpus_said
+from brain.core.quota import MILLI
 from schemas.api import QueueStatus
 from schemas.base import check_name
 from schemas.errors import AlnairError, InvalidName
@@ -147,19 +148,23 @@ def queue_status(
     queues: Iterable[QueueQuota], running: Iterable[JobRecord], pending: Iterable[JobRecord]
 ) -> list[QueueStatus]:
     """Every listed queue, and every other queue that has jobs, by name: its quota
-    beside its running jobs' GPUs (a share counts as its GPU) and its pending jobs' asks."""
+    beside its running jobs' GPUs and its pending jobs' asks, a share of a GPU counted as
+    its share (as the policy charges it: `brain.core.quota.charge`)."""
     listed = {q.name: q for q in queues}
+    # Jobs, and thousandths of a GPU.
     counts: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in listed}
     for job in running:
         count = counts.setdefault(job.spec.queue, [0, 0, 0, 0])
         count[0] += 1
-        count[1] += sum(len(g.gpus) for g in job.grants)
+        held = sum(len(g.gpus) for g in job.grants) * MILLI
+        count[1] += held if job.spec.gpu_milli is None else job.spec.gpu_milli
     for job in pending:
         count = counts.setdefault(job.spec.queue, [0, 0, 0, 0])
         count[2] += 1
-        count[3] += job.spec.gpus
+        milli = job.spec.gpu_milli
+        count[3] += job.spec.gpus * MILLI if milli is None else milli
     statuses: list[QueueStatus] = []
-    for name, (running_jobs, running_gpus, pending_jobs, pending_gpus) in sorted(counts.items()):
+    for name, (running_jobs, running_milli, pending_jobs, pending_milli) in sorted(counts.items()):
         quota = listed.get(name)
         statuses.append(
             QueueStatus(
@@ -168,9 +173,9 @@ def queue_status(
                 job_class=quota.job_class if quota is not None else "train",
                 guaranteed_gpus=quota.guaranteed_gpus if quota is not None else 0,
                 running_jobs=running_jobs,
-                running_gpus=running_gpus,
+                running_gpus=running_milli / MILLI,
                 pending_jobs=pending_jobs,
-                pending_gpus=pending_gpus,
+                pending_gpus=pending_milli / MILLI,
             )
         )
     return statuses

@@ -140,9 +140,9 @@ def queues_table(queues: Sequence[QueueStatus]) -> str:
             q.name if q.listed else f"{q.name} (not listed)",
             q.job_class,
             str(q.guaranteed_gpus),
-            f"{q.running_jobs}/{q.running_gpus}",
-            str(q.borrowed_gpus) if configured else "-",
-            f"{q.pending_jobs}/{q.pending_gpus}",
+            f"{q.running_jobs}/{q.running_gpus:g}",
+            f"{q.borrowed_gpus:g}" if configured else "-",
+            f"{q.pending_jobs}/{q.pending_gpus:g}",
         ]
         for q in queues
     ]

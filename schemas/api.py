@@ -150,7 +150,7 @@ class NodesReply(Message):
 
 class QueueStatus(BaseModel):
     """One queue: its quota (`alnair brain --queues`), and its jobs now. A share of a GPU
-    counts as the GPU."""
+    counts as its share (0.25), as the policy charges it against the guarantee."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -160,15 +160,15 @@ class QueueStatus(BaseModel):
     job_class: Literal["build", "train"]
     guaranteed_gpus: int = Field(ge=0)
     running_jobs: int = Field(ge=0)
-    running_gpus: int = Field(ge=0)
+    running_gpus: float = Field(ge=0)
     pending_jobs: int = Field(ge=0)
-    pending_gpus: int = Field(ge=0)
+    pending_gpus: float = Field(ge=0)
 
     @property
-    def borrowed_gpus(self) -> int:
+    def borrowed_gpus(self) -> float:
         """GPUs held beyond the guarantee: its jobs past it may be preempted for a queue
-        owed its own (docs/policies.md)."""
-        return max(0, self.running_gpus - self.guaranteed_gpus)
+        owed its own (docs/policies.md). In thousandths, as shares are asked."""
+        return max(0, round(self.running_gpus - self.guaranteed_gpus, 3))
 
 
 class QueuesReply(Message):

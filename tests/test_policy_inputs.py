@@ -13,6 +13,7 @@ from brain.core import DEFAULT_SERVICE_PRIOR, QueueQuota
 from brain.queues import QueueConfigError, load_queues, parse_quota, queue_status
 from brain.sim import TraceError, cli, load_trace
 from brain.state import SERVICE_SAMPLES, BrainState, job_view
+from cli.format import queues_table
 from cli.main import UsageError, build_parser, load_spec, main
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.state import Cause, CauseKind, JobChanged
@@ -152,6 +153,25 @@ def test_queue_status_sets_each_guarantee_beside_what_its_jobs_hold_and_ask() ->
         ("prod", True, "train", 2, 2, 3, 1, 0, 0),
         ("scratch", False, "train", 0, 1, 1, 1, 2, 6),
     ]
+
+
+def test_queue_status_counts_a_share_as_its_share() -> None:
+    """As the policy charges it: three 0.3 shares and a 0.5 share hold 1.4 of a queue's
+    1-GPU guarantee, 0.4 borrowed, with no binary-fraction tail."""
+    quarters = [
+        JobRecord(
+            job_id=str(n),
+            tenant="t",
+            spec=JobSpec(command=("x",), gpus=1, gpu_milli=milli, queue="team"),
+            state=JobState.RUNNING if n < 4 else JobState.PENDING,
+            submitted_at=0.0,
+            grants=(NodeGrant(node="n1", gpus=(0,)),) if n < 4 else (),
+        )
+        for n, milli in enumerate((300, 300, 300, 500, 250))
+    ]
+    (team,) = queue_status((QueueQuota("team", 1),), quarters[:4], quarters[4:])
+    assert (team.running_gpus, team.borrowed_gpus, team.pending_gpus) == (1.4, 0.4, 0.25)
+    assert queues_table([team]).splitlines()[1].split()[3:] == ["4/1.4", "0.4", "1/0.25"]
 
 
 def test_traces_carry_a_queue(tmp_path: Path) -> None:

@@ -1,9 +1,10 @@
 """Admission by quota (Run:ai): where each job stands against its queue's guarantee.
 
 Walking a queue's jobs in rank order, the jobs that fit in the queue's guaranteed
-GPUs are *in quota*; the rest of a `train` queue borrow idle GPUs *over quota* and are
-the first to be reclaimed; the rest of a `build` queue are *held* (a fixed quota,
-never borrowed). Running `build` jobs are *pinned*: never preempted.
+GPUs are *in quota* (a share of one GPU is charged its share: `charge`); the rest of a
+`train` queue borrow idle GPUs *over quota* and are the first to be reclaimed; the rest
+of a `build` queue are *held* (a fixed quota, never borrowed). Running `build` jobs are
+*pinned*: never preempted.
 
 This module decides standings only; the pipeline in `decide` turns them into ranks.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from enum import IntEnum
+from operator import attrgetter
+from typing import Final
 
 from brain.core.model import JobView, QueueQuota
 
@@ -23,6 +26,20 @@ class Standing(IntEnum):
     IN_QUOTA = 1
     OVER_QUOTA = 2
     HELD = 3
+
+
+# Quotas are reckoned in thousandths of a GPU, a share's unit (`Demand.gpu_milli`).
+MILLI: Final = 1000
+_DEMAND: Final = attrgetter("demand")
+
+
+def charge(job: JobView) -> int:
+    """What a job takes of its queue's guarantee, in thousandths of a GPU: a share of
+    one GPU its share, any other job its GPUs."""
+    demand = job.demand
+    if demand is not None and demand.fractional:
+        return demand.gpu_milli
+    return job.gpus * MILLI
 
 
 def quota_of(queues: Iterable[QueueQuota]) -> dict[str, QueueQuota]:
@@ -41,7 +58,7 @@ def standings_in_order(
     jobs_by_rank: Sequence[JobView],
     queues: dict[str, QueueQuota],
     *,
-    unordered: Iterable[JobView] | None = None,
+    unordered: Sequence[JobView] | None = None,
 ) -> list[Standing]:
     """Each job's standing, in the order of `jobs_by_rank` (best-ranked first): one walk,
     no lookup by job id. A job of a queue nobody configured is over quota.
@@ -52,18 +69,24 @@ def standings_in_order(
         # The common case in a single-tenant cluster (and in Tiresias' traces).
         return [Standing.OVER_QUOTA] * len(jobs_by_rank)
     used: dict[str, int] = {}
+    every = jobs_by_rank if unordered is None else unordered
     # Running build jobs are pinned whatever their rank, so they use their queue's
     # guarantee before any pending job of that queue is considered.
     builds = {name for name, quota in queues.items() if quota.job_class == "build"}
     if builds:
-        for job in jobs_by_rank if unordered is None else unordered:
+        for job in every:
             if job.grants and job.queue in builds:
-                used[job.queue] = used.get(job.queue, 0) + job.gpus
-    # GPUs left of each guarantee. Every job asks for a GPU or more, so once no queue
-    # has one left, no job further down is within its quota: the rest of the walk
-    # (most of it, in a busy cluster) reads only each job's queue and grants.
-    room = {name: quota.guaranteed_gpus - used.get(name, 0) for name, quota in queues.items()}
-    open_queues = sum(1 for left in room.values() if left >= 1)
+                used[job.queue] = used.get(job.queue, 0) + charge(job)
+    # Thousandths left of each guarantee. No job asks less than the smallest share (a
+    # GPU, where none is shared), so once no queue has that left, no job further down
+    # is within its quota: the rest of the walk (most of it, in a busy cluster) reads
+    # only each job's queue and grants.
+    demands = set(map(_DEMAND, every))
+    smallest = min((d.gpu_milli for d in demands if d is not None and d.fractional), default=MILLI)
+    room = {
+        name: quota.guaranteed_gpus * MILLI - used.get(name, 0) for name, quota in queues.items()
+    }
+    open_queues = sum(1 for left in room.values() if left >= smallest)
     result: list[Standing] = []
     append = result.append
     walked = 0
@@ -77,9 +100,9 @@ def standings_in_order(
             append(Standing.OVER_QUOTA)
         elif job.grants and quota.job_class == "build":
             append(Standing.PINNED)
-        elif job.gpus <= room[job.queue]:
-            left = room[job.queue] = room[job.queue] - job.gpus
-            if left < 1:
+        elif (ask := job.gpus * MILLI if job.demand is None else charge(job)) <= room[job.queue]:
+            left = room[job.queue] = room[job.queue] - ask
+            if left < smallest:
                 open_queues -= 1
             append(Standing.IN_QUOTA)
         elif quota.job_class == "build":

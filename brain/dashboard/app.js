@@ -193,7 +193,8 @@ function drawQueue(pending, now) {
 }
 
 // Shown once queues are configured (alnair brain --queues): GPUs held beyond the
-// guarantee are borrowed, and preemptible for a queue owed its own.
+// guarantee are borrowed, and preemptible for a queue owed its own. A share of a GPU
+// counts as its share.
 function drawQueues(queues) {
   $("queues-section").hidden = !queues.some((q) => q.listed);
   const rows = queues.map((q) =>
@@ -205,7 +206,8 @@ function drawQueues(queues) {
       el("td", {}, q.guaranteed_gpus),
       el("td", {}, q.running_jobs),
       el("td", {}, q.running_gpus),
-      el("td", {}, Math.max(0, q.running_gpus - q.guaranteed_gpus)),
+      // In thousandths, as shares are asked (0.25): no binary-fraction tails.
+      el("td", {}, Math.max(0, Math.round((q.running_gpus - q.guaranteed_gpus) * 1000) / 1000)),
       el("td", {}, q.pending_jobs),
       el("td", {}, q.pending_gpus),
     ),
