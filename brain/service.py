@@ -854,7 +854,7 @@ class Brain:
             ran = max(0.0, now - old.started_at)
             # GPU-seconds at the size it ran at last (earlier sizes are counted already).
             at_size = current_size_s(old, now)
-            update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_count
+            update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_size
             update["executed_seconds"] = old.executed_seconds + ran
         elif (
             old is not None

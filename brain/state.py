@@ -844,7 +844,7 @@ def current_size_s(job: JobRecord, now: float | None) -> float:
 def attained_to(job: JobRecord, now: float | None) -> float:
     """GPU-seconds of service to `now`, the run in progress included (the record's
     `attained_gpu_seconds` counts only what ended or was resized before)."""
-    return job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_count
+    return job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_size
 
 
 def executed_to(job: JobRecord, now: float | None) -> float:

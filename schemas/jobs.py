@@ -462,6 +462,13 @@ class JobRecord(BaseModel):
         return sum(len(grant.gpus) for grant in self.grants)
 
     @property
+    def gpu_size(self) -> float:
+        """GPUs its service is reckoned in while it runs: a share of one GPU its share,
+        any other job the GPUs it holds (`brain.core.model.JobView.gpu_size`)."""
+        milli = self.spec.gpu_milli
+        return self.gpu_count if milli is None or not self.grants else milli / 1000
+
+    @property
     def barred_nodes(self) -> frozenset[str]:
         """Nodes an elastic job does not grow onto again in this attempt: its worker host
         could not start there, or has ended (a launch there is named by the attempt, so

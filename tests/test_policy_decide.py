@@ -53,7 +53,9 @@ def cluster(
     queues: tuple[QueueQuota, ...] = (),
     distribution: ServiceDistribution | None = None,
 ) -> ClusterSnapshot:
-    return ClusterSnapshot(nodes, pending_jobs, running_jobs, queues, distribution)
+    return ClusterSnapshot(
+        nodes, pending_jobs, running_jobs, queues, service_distribution=distribution
+    )
 
 
 def placed(decisions: Decisions) -> dict[str, tuple[Grant, ...]]:
@@ -436,6 +438,8 @@ class WakeCase:
     gpus: int
     # When the job placed at `now` = 100 crosses its band's threshold; None: never.
     wake_at: float | None
+    # A share of one GPU, in thousandths (`gpus` 1): it accrues its share a second.
+    milli: int | None = None
 
 
 WAKE_CASES = [
@@ -447,6 +451,7 @@ WAKE_CASES = [
     # Tiresias: floor((3250 - 1500 wall seconds) / 2) = 875 s, not (3250 - 3000) / 2.
     WakeCase("las-tiresias: a resumed 2-GPU job, looked at late", "las-tiresias", 3000.0, 2, 975.0),
     WakeCase("fifo: no bands, no wake", "fifo", 0.0, 1, None),
+    WakeCase("las: a 0.25 share crosses 3250 GPU-s after 13000 s", "las", 0.0, 1, 13100.0, 250),
 ]
 
 
@@ -460,6 +465,7 @@ def test_a_job_started_in_this_decision_is_woken_for_its_band_crossing(case: Wak
         attained_gpu_seconds=case.attained_gpu_seconds,
         executed_seconds=case.attained_gpu_seconds / case.gpus,
         service_level=level,
+        demand=None if case.milli is None else Demand(gpu_milli=case.milli),
     )
     decisions = decide(cluster(node("n0"), pending_jobs=(job,)), 100, Policy(order=case.order))
     assert set(placed(decisions)) == {"j"}

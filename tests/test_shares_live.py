@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from agents.mps import NOT_ENFORCED
 from brain.core.decide import Policy
 from schemas.api import ErrorReply, SubmitRequest, WhyReply, WhyRequest
@@ -74,8 +76,12 @@ async def test_two_half_gpu_jobs_share_one_gpu_with_mps_limits(
     assert brain.state.jobs[whole].state is JobState.PENDING
     stop.touch()
     await eventually(lambda: brain.state.jobs[whole].state is JobState.SUCCEEDED)
-    assert brain.state.jobs[first].state is JobState.SUCCEEDED
-    assert brain.state.jobs[second].state is JobState.SUCCEEDED
+    for job_id in (first, second):
+        done = brain.state.jobs[job_id]
+        assert done.state is JobState.SUCCEEDED
+        # Service is its share of a GPU for as long as it ran (what LAS ranks by).
+        assert done.executed_seconds > 0
+        assert done.attained_gpu_seconds == pytest.approx(0.5 * done.executed_seconds)
 
 
 async def test_a_type_no_node_has_is_refused_at_submit(brain_factory, agent_factory) -> None:

@@ -867,7 +867,7 @@ def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
     next unrelated event. Jobs alike in what a crossing reads (most are new: no service)
     are asked once."""
     thresholds, now = cycle.policy.las_thresholds_gpu_s, cycle.now
-    asked: dict[tuple[float, float, int], float | None] = {}
+    asked: dict[tuple[float, float, float], float | None] = {}
     times: list[float | None] = []
     for entry, grants in cycle.placed:
         job = entry.ranked.job
@@ -875,7 +875,7 @@ def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
             # Its size is what it was granted, not what it asked for.
             times.append(crossing(job, grants, thresholds, now))
             continue
-        key = (job.attained_gpu_seconds, job.executed_seconds, job.gpus)
+        key = (job.attained_gpu_seconds, job.executed_seconds, job.gpu_size)
         if key not in asked:
             asked[key] = crossing(job, grants, thresholds, now)
     return [t for t in (*times, *asked.values()) if t is not None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import field
+from dataclasses import KW_ONLY, field
 from typing import Literal
 
 from brain.core.distribution import ServiceByClass, ServiceDistribution
@@ -207,6 +207,13 @@ class JobView:
     def held_gpus(self) -> int:
         return sum(len(g.gpus) for g in self.grants)
 
+    @property
+    def gpu_size(self) -> float:
+        """GPUs its service is reckoned in: a share of one GPU its share, any other job
+        its GPUs (`gpus`). A second of a 0.25 share is 0.25 GPU-seconds of service."""
+        demand = self.demand
+        return demand.gpu_milli / 1000 if demand is not None and demand.fractional else self.gpus
+
     def waiting_since(self) -> float:
         return self.submitted_at if self.pending_since is None else self.pending_since
 
@@ -228,6 +235,9 @@ class ClusterSnapshot:
     running: tuple[JobView, ...] = ()
     # Quota configuration; queues not listed have no guarantee (see `QueueQuota`).
     queues: tuple[QueueQuota, ...] = ()
+    # The rest by name only: a field added among them cannot shift a caller's argument
+    # into another's place.
+    _: KW_ONLY
     # What the jobs that finished lately asked, each with how many asked it: with the
     # jobs running and pending, the workload fgd weighs fragment against
     # (brain/core/shares.py). Empty: the jobs held alone.

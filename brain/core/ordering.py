@@ -161,14 +161,21 @@ def next_band_crossing(
     job: JobView, grants: Sequence[Grant], thresholds: Sequence[float], now: float
 ) -> float | None:
     """When a job running on `grants` from `now` will cross its band's upper
-    threshold (None: it is in the last band, or holds no GPU)."""
-    gpus = sum(len(g.gpus) for g in grants)
+    threshold (None: it is in the last band, or holds no GPU). A share accrues its
+    share of a GPU a second."""
+    gpus = _accruing(job, grants)
     if gpus <= 0:
         return None
     level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
     if level >= len(thresholds):
         return None
     return now + (thresholds[level] - job.attained_gpu_seconds) / gpus
+
+
+def _accruing(job: JobView, grants: Sequence[Grant]) -> float:
+    """GPU-seconds of service a second on `grants`: their GPUs, or a share's share."""
+    gpus = sum(len(g.gpus) for g in grants)
+    return job.gpu_size if gpus and job.shared else gpus
 
 
 def tiresias_band_crossing(
@@ -178,7 +185,7 @@ def tiresias_band_crossing(
     job's *wall* seconds run (not its GPU-seconds) from the threshold before dividing
     by its GPUs, and rounds down (Python 2), so a multi-GPU job that has run before
     is looked at late, and demoted only then (or at an unrelated event before)."""
-    gpus = sum(len(g.gpus) for g in grants)
+    gpus = _accruing(job, grants)
     if gpus <= 0:
         return None
     level = bisect.bisect_right(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
@@ -414,7 +421,7 @@ def gittins_tiresias(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
 def remaining_gpu_seconds(job: JobView) -> float | None:
     if job.declared_duration_s is None:
         return None
-    return max(0.0, job.declared_duration_s * job.gpus - job.attained_gpu_seconds)
+    return max(0.0, job.declared_duration_s * job.gpu_size - job.attained_gpu_seconds)
 
 
 def srtf(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
@@ -446,10 +453,10 @@ def estimated_remaining_gpu_seconds(job: JobView) -> float | None:
         # Expect it to need as long again as it has overrun (with job durations'
         # falling hazard, the longer past a prediction, the longer still to go).
         overrun_s = job.executed_seconds - 1.0 / rate
-        return job.gpus * max((1.0 - done) / rate, overrun_s)
+        return job.gpu_size * max((1.0 - done) / rate, overrun_s)
     if done <= 0.0 or job.executed_seconds <= 0.0:
         return None
-    return job.gpus * job.executed_seconds * (1.0 - done) / done
+    return job.gpu_size * job.executed_seconds * (1.0 - done) / done
 
 
 def progress(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
@@ -481,7 +488,7 @@ def _by_remaining(
         if estimate is not None:
             ranked.append(Ranked(job, (0.0, estimate), f"~{estimate:.0f} GPU-s left ({said})"))
         elif job.executed_seconds < probe_s:
-            left = job.gpus * (probe_s - job.executed_seconds)
+            left = job.gpu_size * (probe_s - job.executed_seconds)
             ranked.append(Ranked(job, (0.0, left), "probing (no progress reported yet)"))
         else:
             ranked.append(Ranked(job, (1.0, job.attained_gpu_seconds), "reports no progress"))
@@ -512,7 +519,7 @@ def believed_remaining_gpu_seconds(job: JobView, ratios: ServiceDistribution) ->
     remaining = _scaled_remaining(ratios, believed_s, done_s)
     if remaining is None:
         remaining = max(done_s - believed_s, 0.0)
-    return job.gpus * remaining
+    return job.gpu_size * remaining
 
 
 def progress_gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
