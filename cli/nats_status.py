@@ -13,6 +13,9 @@ from bus.client import Bus
 from schemas import subjects
 
 PROBE_TIMEOUT_S = 1.0
+# A copy the leader has not heard from for this long is said to be silent: the server
+# marks it offline only later (about a minute after it stopped answering).
+SILENT_AFTER_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +30,21 @@ class ReplicaState:
     server: str
     role: str  # "leader", "current", "behind" or "offline"
     lag: int | None = None
+    # Seconds since the leader last heard from it (None: the leader, or not said).
+    silent_s: float | None = None
+
+    def describe(self) -> str:
+        lag = f" lag {self.lag}" if self.lag else ""
+        silent = self.silent_s
+        quiet = f", silent {silent:.0f}s" if silent is not None and silent >= SILENT_AFTER_S else ""
+        return f"{self.server} {self.role}{lag}{quiet}"
+
+    @classmethod
+    def of_peer(cls, peer: Any) -> ReplicaState:
+        """From JetStream's view of a follower (`PeerInfo`: `active` in nanoseconds)."""
+        role = "offline" if peer.offline else "current" if peer.current else "behind"
+        silent = None if peer.active is None else peer.active / 1e9
+        return cls(peer.name or "?", role, peer.lag, silent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +68,7 @@ class NatsReport:
             shown.append(f"{server.url} ({mark})")
         out = [f"nats:    {', '.join(shown)}"]
         if self.state_replicas:
-            parts = []
-            for replica in self.state_replicas:
-                lag = f" lag {replica.lag}" if replica.lag else ""
-                parts.append(f"{replica.server} {replica.role}{lag}")
+            parts = [replica.describe() for replica in self.state_replicas]
             out.append(f"STATE:   {len(self.state_replicas)} copies: {', '.join(parts)}")
         return out
 
@@ -92,8 +107,6 @@ async def nats_report(bus: Bus, servers: tuple[str, ...]) -> NatsReport:
         cluster = await bus.stream_cluster(subjects.STREAM_STATE, timeout_s=PROBE_TIMEOUT_S)
         if cluster is not None and cluster.replicas:  # one copy: nothing to tell
             found = [ReplicaState(cluster.leader or "?", "leader")]
-            for peer in cluster.replicas or []:
-                role = "offline" if peer.offline else "current" if peer.current else "behind"
-                found.append(ReplicaState(peer.name or "?", role, peer.lag))
+            found += [ReplicaState.of_peer(peer) for peer in cluster.replicas or []]
             replicas = tuple(found)
     return NatsReport(states, replicas)

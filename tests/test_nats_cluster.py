@@ -21,9 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from nats.js.api import PeerInfo
 
 from bus.client import Bus, ConnectOptions
 from bus.server import EmbeddedCluster, EmbeddedNats
+from cli.nats_status import NatsReport, ReplicaState
 from schemas import subjects
 from schemas.errors import BusError
 from tests.chaos_harness import burst, wait_all_finished
@@ -181,6 +183,22 @@ async def test_the_route_port_admits_only_servers_with_the_route_password(nats_c
         assert b"Authorization Violation" in answer, answer
     finally:
         writer.close()
+
+
+def test_status_says_a_copy_the_leader_has_not_heard_from_is_silent() -> None:
+    """Before the server marks a dead copy offline (about a minute), `alnair status`
+    says how long the leader has not heard from it."""
+    peers = [
+        PeerInfo(name="nats-1", current=True, offline=False, active=400_000_000, lag=0),
+        PeerInfo(name="nats-2", current=False, offline=False, active=14_200_000_000, lag=3),
+        PeerInfo(name="nats-3", current=False, offline=True, active=90_000_000_000),
+    ]
+    report = NatsReport((), (ReplicaState("nats-0", "leader"), *map(ReplicaState.of_peer, peers)))
+    assert report.lines()[1] == (
+        "STATE:   4 copies: nats-0 leader, nats-1 current, nats-2 behind lag 3, silent 14s, "
+        "nats-3 offline, silent 90s"
+    )
+    assert report.as_json()["state_replicas"][2]["silent_s"] == pytest.approx(14.2)
 
 
 def test_a_cluster_of_two_is_refused(tmp_path: Path) -> None:
