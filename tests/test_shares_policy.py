@@ -499,10 +499,17 @@ def _replay(
                 # Only shares move, and only off a host's GPU short of memory.
                 assert isinstance(move.cause, MemoryPressure) and victim.shared
             elif isinstance(move.cause, Outranked):
-                # For a better-ranked job that waits; a share only for a whole-GPU one.
                 winner = pending[move.cause.by_job]
-                assert winner.priority > victim.priority
-                assert not (victim.shared and winner.demand is not None)
+                if winner.shared or victim.shared:
+                    # A share needs none of the whole-GPU budget, by which whole-GPU
+                    # jobs are selected out (as Tiresias' count): it takes GPUs only
+                    # from a job ranked behind it (priority, then submission), and loses
+                    # them only to a whole-GPU job ranked ahead.
+                    assert (-winner.priority, winner.submitted_at) < (
+                        -victim.priority,
+                        victim.submitted_at,
+                    )
+                    assert not (victim.shared and winner.demand is not None)
             moved = running.pop(move.job_id)
             pending[moved.job_id] = replace(moved, grants=(), started_at=None)
         for place in decisions.placements:
@@ -677,7 +684,12 @@ def test_a_gpu_comes_back_only_with_all_its_shares() -> None:
     shares = _shares_on(("low", 250, 0, 0), ("high", 250, 0, 20), ("other", 500, 1, 0))
     policy = Policy(order="priority").validate()
     two = ClusterSnapshot(nodes, (JobView("two", 2, 50.0, priority=10),), shares)
-    assert not decide(two, 100.0, policy).preemptions  # no room it could make
+    waits = decide(two, 100.0, policy)
+    assert not waits.preemptions  # no room it could make
+    assert [w.reason for w in waits.waits] == [
+        "needs 2 GPUs; 0 left after higher-ranked jobs (priority 10, priority) "
+        "and the 2 GPUs that shares hold"
+    ]
     one = ClusterSnapshot(nodes, (JobView("one", 1, 50.0, priority=10),), shares)
     assert [p.job_id for p in decide(one, 100.0, policy).preemptions] == ["other"]
 
@@ -718,3 +730,23 @@ def test_a_gpu_given_a_share_in_the_cycle_is_not_taken_back() -> None:
     )
     assert [p.job_id for p in decisions.placements] == ["newer"]
     assert not decisions.preemptions
+
+
+def test_a_share_takes_no_gpu_a_better_ranked_victim_gave_back() -> None:
+    # The 3-GPU job's count makes the 2-GPU job a victim, and its GPUs are given back
+    # for it; it still cannot be placed (a share ahead took the last free GPU). The
+    # share behind the victim may not have the victim's GPUs: it keeps running.
+    nodes = (node("n", 4, held=frozenset({0, 1, 2})),)
+    running = (
+        share("s0", 700, grants=(Grant("n", (0,)),), started_at=1.0, priority=2),
+        JobView("victim", 2, 5.0, priority=1, grants=(Grant("n", (1, 2)),), started_at=5.0),
+    )
+    pending = (
+        share("ahead", 500, priority=2),
+        JobView("three", 3, 6.0, priority=2),
+        replace(share("behind", 700, priority=1), submitted_at=9.0),
+    )
+    decisions = decide(ClusterSnapshot(nodes, pending, running), 100.0, Policy(order="priority"))
+    assert [p.job_id for p in decisions.placements] == ["ahead"]
+    assert not decisions.preemptions
+    assert "behind" in {w.job_id for w in decisions.waits}

@@ -441,7 +441,7 @@ def _select(
             to_place.append(entry)
             continue
         if explain or (also and job.job_id in also):
-            actions.append(_wait(entry, need, capacity, budget, blocked_by, policy, reasons))
+            actions.append(_wait(entry, need, capacity, budget, blocked_by, cycle, reasons))
         if (
             short is not None
             and blocked_by is None
@@ -472,7 +472,7 @@ def _wait(
     capacity: int,
     budget: int,
     blocked_by: str | None,
-    policy: Policy,
+    cycle: _Cycle,
     reasons: dict[tuple[int, int, int, str, str | None], str],
 ) -> Wait:
     """A selected-out job's `Wait`; `reasons` keeps those built this cycle, by what
@@ -482,7 +482,9 @@ def _wait(
     key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by)
     reason = None if held else reasons.get(key)
     if reason is None:
-        reason = _pending_wait_reason(entry, need, capacity, budget, blocked_by, policy)
+        reason = _pending_wait_reason(
+            entry, need, capacity, budget, blocked_by, cycle.policy, len(cycle.share_gpus)
+        )
         assert reason is not None  # it does not fit: there is a reason
         if not held:
             reasons[key] = reason
@@ -490,8 +492,16 @@ def _wait(
 
 
 def _pending_wait_reason(
-    entry: _Entry, need: int, capacity: int, budget: int, blocked_by: str | None, policy: Policy
+    entry: _Entry,
+    need: int,
+    capacity: int,
+    budget: int,
+    blocked_by: str | None,
+    policy: Policy,
+    shared: int = 0,
 ) -> str | None:
+    """Why a job that does not fit waits; `shared`: the GPUs that shares alone hold,
+    which are not for whole-GPU jobs (`shares.shares_by_gpu`)."""
     job = entry.job
     # An elastic job (with an elasticity stage) needs its minimum.
     needs = f"at least {gpus_said(need)}" if need != job.gpus else gpus_said(need)
@@ -505,7 +515,8 @@ def _pending_wait_reason(
         # An order whose rank says nothing more than its name (fifo) is named once.
         label = entry.ranked.label
         ranked = policy.order if label == policy.order else f"{label}, {policy.order}"
-        return f"needs {needs}; {max(budget, 0)} left after higher-ranked jobs ({ranked})"
+        held = f" and the {gpus_said(shared)} that shares hold" if shared else ""
+        return f"needs {needs}; {max(budget, 0)} left after higher-ranked jobs ({ranked}){held}"
     return None
 
 
@@ -527,6 +538,10 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     now, relax = cycle.now, policy.relax_locality_after_s
     victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
     sharing = cycle.sharing
+    # The GPUs given back by victims, with where each victim stood: a share needs none
+    # of the budget the victims were selected out by, so it takes (and releases) the
+    # GPUs only of victims ranked behind it.
+    released_at: dict[tuple[str, int], tuple[object, ...]] = {}
     # Requests and notes repeat: most jobs of a cycle ask alike and rank alike.
     requests: dict[tuple[int, bool], PlacementRequest] = {}
     notes: dict[tuple[str, bool, Standing, str], tuple[str, ...]] = {}
@@ -546,28 +561,37 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             and total_free() < request.gpus
             and next_victim < left
         )
-        result: PlacementResult | None = None if doomed else _try_place(cycle, request, job)
+        rank = _rank_of(entry, elastic) if sharing and job.shared else None
+        hidden = _released_ahead(released_at, rank)
+        result = None if doomed else _try_place(cycle, request, job, hidden)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
             not isinstance(result, Fit)
             and elastic is not None
             and elastic.reclaim_one(ledger, job.job_id, victim_ids)
         ):
-            result = _try_place(cycle, request, job)
+            result = _try_place(cycle, request, job, hidden)
         # Linear in the victims released: no placement can fit a gang while fewer GPUs
         # than it needs are free, so it is tried again only once enough are (and then
         # costs a few index look-ups); a reason that went stale is asked for once.
         stale = False
-        while not isinstance(result, Fit) and next_victim < left:
+        while (
+            not isinstance(result, Fit)
+            and next_victim < left
+            and (rank is None or _rank_of(unreleased[next_victim], elastic) > rank)
+        ):
             victim = unreleased[next_victim]
             next_victim += 1
             give(victim.ranked.job.grants)
             released.append(victim)
+            if sharing:
+                at = _rank_of(victim, elastic)
+                released_at.update(((g.node, gpu), at) for g in victim.job.grants for gpu in g.gpus)
             stale = total_free() < request.gpus
             if not stale:
-                result = _try_place(cycle, request, job)
+                result = _try_place(cycle, request, job, hidden)
         if stale or result is None:
-            result = _try_place(cycle, request, job)
+            result = _try_place(cycle, request, job, hidden)
         if not isinstance(result, Fit) and elastic is not None and job.elastic:
             # What is left, down to its minimum.
             result = elastic.place(job, ledger, partial=True)
@@ -579,6 +603,21 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         if not may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + relax)
     return released
+
+
+def _rank_of(entry: _Entry, elastic: ElasticStage | None) -> tuple[object, ...]:
+    """Where a job stands in the cycle's selection order (smaller first)."""
+    return entry.sort_key if elastic is None else _elastic_key(entry)
+
+
+def _released_ahead(
+    released_at: dict[tuple[str, int], tuple[object, ...]], rank: tuple[object, ...] | None
+) -> frozenset[tuple[str, int]]:
+    """The GPUs released from victims ranked ahead of a share standing at `rank`: not
+    for it (None: a job that is no share; every GPU released is for it)."""
+    if rank is None or not released_at:
+        return frozenset()
+    return frozenset(gpu for gpu, at in released_at.items() if at < rank)
 
 
 def _placed(
@@ -610,10 +649,16 @@ def _placed(
     cycle.actions.append(Place(job.job_id, grants, why.describe(), why, fit.takes))
 
 
-def _try_place(cycle: _Cycle, request: PlacementRequest, job: JobView) -> PlacementResult:
-    """Place on the cycle's ledger, minus the nodes a retried job must avoid."""
+def _try_place(
+    cycle: _Cycle,
+    request: PlacementRequest,
+    job: JobView,
+    hidden: AbstractSet[tuple[str, int]] = frozenset(),
+) -> PlacementResult:
+    """Place on the cycle's ledger, minus the nodes a retried job must avoid (and, for
+    a share, the `hidden` GPUs: `_released_ahead`)."""
     if job.demand is not None:
-        return cycle.sharer().place(job, cycle.ledger, job.avoid_nodes)
+        return cycle.sharer().place(job, cycle.ledger, job.avoid_nodes, hidden)
     if cycle.elastic is not None and job.elastic:
         return cycle.elastic.place(job, cycle.ledger, partial=False)
     if not job.avoid_nodes:

@@ -24,6 +24,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Final
 
 from brain.core.model import (
@@ -361,7 +362,11 @@ class SharePlacer:
         return shares, serves
 
     def _cluster(
-        self, job: JobView, ledger: FreeGpus, avoid: frozenset[str]
+        self,
+        job: JobView,
+        ledger: FreeGpus,
+        avoid: frozenset[str],
+        hidden: AbstractSet[tuple[str, int]],
     ) -> tuple[SharedCluster, list[NodeView]]:
         views = [n for n in self._nodes if n.name not in avoid]
         index = {view.name: i for i, view in enumerate(views)}
@@ -385,6 +390,8 @@ class SharePlacer:
         guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
         for i, view in enumerate(views):
             free = set(ledger.lowest(view.name, ledger.free_on(view.name)))
+            if hidden:
+                free -= {gpu for node, gpu in hidden if node == view.name}
             gpu_free, gpu_mem = [], []
             # The tenant each GPU serves, by its shareable job or its shares.
             bound: dict[int, str | None] = {}
@@ -413,13 +420,20 @@ class SharePlacer:
             cluster.set_free(i, max(0, cpu[i]), max(0, mem[i]), gpu_free, gpu_mem, bound)
         return cluster, views
 
-    def place(self, job: JobView, ledger: FreeGpus, avoid: frozenset[str]) -> PlacementResult:
-        """Where the job fits now, on one node. A share on a GPU already shared takes
-        nothing from the free ledger (`Fit.takes`); any other takes its GPUs."""
+    def place(
+        self,
+        job: JobView,
+        ledger: FreeGpus,
+        avoid: frozenset[str],
+        hidden: AbstractSet[tuple[str, int]] = frozenset(),
+    ) -> PlacementResult:
+        """Where the job fits now, on one node, not on a `hidden` GPU that is free
+        (one a victim ranked ahead of it gave back). A share on a GPU already shared
+        takes nothing from the free ledger (`Fit.takes`); any other takes its GPUs."""
         demand = job.demand or Demand()
         if demand.gpu_types and not allowed_models(demand.gpu_types, self._models):
             return NoFit(f"no schedulable GPU of type {'|'.join(demand.gpu_types)} now")
-        cluster, views = self._cluster(job, ledger, avoid)
+        cluster, views = self._cluster(job, ledger, avoid, hidden)
         outcome = self._plugin.choose(self._task(job), cluster)
         if isinstance(outcome, Unschedulable):
             asked = _gpus_asked(demand, job.gpus)
