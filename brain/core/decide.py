@@ -807,17 +807,18 @@ def _make_room_in_shares(cycle: _Cycle, entries: list[_Entry]) -> None:
     short, groups = cycle.short, cycle.share_gpus
     if not short or not groups:
         return
-    behind, by_id, mine = _share_standings(cycle, entries)
+    index = {entry.ranked.job.job_id: i for i, entry in enumerate(entries)}
+    behind = _share_standings(cycle, entries, index)
     bests = sorted(behind.values())
     for entry, budget, need in short:
-        position = mine[id(entry)]
+        position = index[entry.ranked.job.job_id]
         if budget + len(bests) - bisect_right(bests, position) < need:
             continue
         room = [key for key, best in behind.items() if best > position]
         job = entry.job
         relax = cycle.policy.relax_locality_after_s
         may_spread = not job.network_sensitive and cycle.now - job.waiting_since() >= relax
-        ledger = _ledger_behind(cycle, entries, position, room)
+        ledger = _ledger_behind(cycle, entries, index, position, room)
         fit = cycle.place(PlacementRequest(need, may_spread), ledger)
         taken = (
             {(g.node, gpu) for g in fit.grants for gpu in g.gpus} if isinstance(fit, Fit) else ()
@@ -825,7 +826,7 @@ def _make_room_in_shares(cycle: _Cycle, entries: list[_Entry]) -> None:
         freed = [key for key in room if key in taken]
         for key in freed:
             for share in groups[key]:
-                cause = _cause(by_id[share.job_id], entry, cycle.policy)
+                cause = _cause(entries[index[share.job_id]], entry, cycle.policy)
                 cycle.preemptions.append(Preempt(share.job_id, share.grants, cause))
         if freed and cycle.explains(job.job_id):
             # Its wait said what it was short of; now it is what is being done about it.
@@ -841,11 +842,10 @@ def _make_room_in_shares(cycle: _Cycle, entries: list[_Entry]) -> None:
 
 
 def _share_standings(
-    cycle: _Cycle, entries: list[_Entry]
-) -> tuple[dict[tuple[str, int], int], dict[str, _Entry], dict[int, int]]:
-    """For `_make_room_in_shares`, in one walk of the selection order: each GPU whose
-    shares may go, with the best position among them (a job ahead of that may have
-    it); the entries of the shares; the position of each job of `_Cycle.short`."""
+    cycle: _Cycle, entries: list[_Entry], index: dict[str, int]
+) -> dict[tuple[str, int], int]:
+    """For `_make_room_in_shares`: each GPU whose shares may go, with the best position
+    in `entries` among them (`index`, by job id): a job ahead of that may have it."""
     gone = {p.job_id for p in cycle.preemptions}
     kept = {
         (g.node, gpu)
@@ -854,49 +854,51 @@ def _share_standings(
         for g in grants
         for gpu in g.gpus
     }
-    groups = cycle.share_gpus
-    sharing = {j.job_id for on in groups.values() for j in on}
-    waiting = {id(entry) for entry, _, _ in cycle.short}
-    at: dict[str, int] = {}
-    by_id: dict[str, _Entry] = {}
-    mine: dict[int, int] = {}
-    for position, entry in enumerate(entries):
-        if entry.job.job_id in sharing:
-            at[entry.job.job_id] = position
-            by_id[entry.job.job_id] = entry
-        elif id(entry) in waiting:
-            mine[id(entry)] = position
+    pinned = Standing.PINNED
     behind: dict[tuple[str, int], int] = {}
-    for key, on in groups.items():
-        if key in kept or any(
-            j.job_id in gone or j.job_id not in at or by_id[j.job_id].standing is Standing.PINNED
-            for j in on
-        ):
+    for key, on in cycle.share_gpus.items():
+        if key in kept:
             continue
-        behind[key] = min(at[j.job_id] for j in on)
-    return behind, by_id, mine
+        best = len(entries)
+        for share in on:
+            at = index.get(share.job_id)
+            if at is None or share.job_id in gone or entries[at].standing is pinned:
+                break
+            best = min(best, at)
+        else:
+            behind[key] = best
+    return behind
 
 
 def _ledger_behind(
-    cycle: _Cycle, entries: list[_Entry], position: int, room: list[tuple[str, int]]
+    cycle: _Cycle,
+    entries: list[_Entry],
+    index: dict[str, int],
+    position: int,
+    room: list[tuple[str, int]],
 ) -> FreeGpus:
-    """A copy of the cycle's ledger (without the nodes the job at `position` avoids)
-    given the GPUs of `room` and those of every whole-GPU job behind it that may be
-    its victim, running or placed in this cycle."""
+    """A ledger of the cycle's free GPUs (without the nodes the job at `position`
+    avoids) and the GPUs of `room` and of every whole-GPU job behind it that may be its
+    victim, running or placed in this cycle: copied once with them, rather than given
+    back job by job."""
     job = entries[position].job
-    ledger = cycle.ledger.excluding(job.avoid_nodes)
-    ledger.give(Grant(node, (gpu,)) for node, gpu in room)
+    ledger = cycle.ledger
+    more: dict[str, set[int]] = {}
+    for node, gpu in room:
+        more.setdefault(node, set()).add(gpu)
     gone = {p.job_id for p in cycle.preemptions}
-    placed = {e.job.job_id: grants for e, grants in cycle.placed}
-    pinned = Standing.PINNED
-    for later in entries[position + 1 :]:
-        other = later.job
-        if other.shared or other.resizing or later.standing is pinned or other.job_id in gone:
+    pinned, hosts = Standing.PINNED, cycle.hosts
+    held = [(other, other.grants) for other in cycle.snapshot.running]
+    held += [(e.ranked.job, grants) for e, grants in cycle.placed]
+    for other, grants in held:
+        if other.shared or other.resizing or other.job_id in gone or other.job_id in hosts:
             continue
-        grants = placed.get(other.job_id, other.grants)
-        if grants and other.job_id not in cycle.hosts:
-            ledger.give(ledger.within(grants))
-    return ledger
+        at = index.get(other.job_id)
+        if at is None or at <= position or entries[at].standing is pinned:
+            continue
+        for grant in ledger.within(grants):
+            more.setdefault(grant.node, set()).update(grant.gpus)
+    return ledger.excluding(job.avoid_nodes, more)
 
 
 def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:

@@ -13,7 +13,7 @@ consolidation. The pipeline decides `may_spread`; the plugin only obeys it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Final
 
@@ -334,15 +334,22 @@ class FreeGpus:
                     break
         return None if best is None else self.gather(gpus, best)
 
-    def excluding(self, avoid: frozenset[str]) -> FreeGpus:
-        """A copy without the `avoid` nodes, for a job retried away from where it failed.
-        Placing on the copy takes nothing: the cycle takes the fit on its own ledger.
-        O(nodes): retried jobs are few."""
+    def excluding(
+        self, avoid: frozenset[str], adding: Mapping[str, Iterable[int]] | None = None
+    ) -> FreeGpus:
+        """A copy without the `avoid` nodes, for a job retried away from where it failed,
+        with the schedulable GPUs of `adding` (by node) free too: what a placement could
+        have were they given back. Placing on the copy takes nothing: the cycle takes
+        the fit on its own ledger. O(nodes): retried jobs are few."""
         view = FreeGpus(())
         for name, free in self._free.items():
             if name in avoid:
                 continue
-            view._free[name] = list(free)
+            extra = adding.get(name) if adding else None
+            if extra:
+                view._free[name] = sorted({*free, *(g for g in extra if g in self._gpus[name])})
+            else:
+                view._free[name] = list(free)
             view._gpus[name] = self._gpus[name]
             view._switch[name] = self._switch[name]
             view._capacity[name] = self._capacity[name]
