@@ -275,7 +275,7 @@ class _ClusterCollector(Collector):
             guaranteed.add_metric([quota.name, quota.job_class], quota.guaranteed_gpus)
         held = GaugeMetricFamily(
             "alnair_queue_running_gpus",
-            "GPUs held by running jobs, by queue (a share of a GPU counts as the GPU).",
+            "GPUs held by running jobs, by queue (a share of a GPU counts as its share).",
             labels=["queue"],
         )
         jobs = GaugeMetricFamily(
