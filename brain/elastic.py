@@ -128,6 +128,11 @@ def check_resize(
 
 
 def not_elastic(job: JobRecord) -> str:
+    if job.spec.gpu_milli is not None:
+        return (
+            f"job {job.job_id} is a share of one GPU ({job.spec.gpu_request}): shares are "
+            "not elastic (submit whole GPUs with --elastic --min-gpus --max-gpus to resize)"
+        )
     return (
         f"job {job.job_id} is not elastic: it runs on exactly {gpus_said(job.spec.gpus)} "
         "(submit with --elastic --min-gpus --max-gpus to make it resizable)"

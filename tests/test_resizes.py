@@ -9,6 +9,7 @@ import pytest
 from pydantic import BaseModel
 
 from brain.core.failures import Classification
+from brain.elastic import not_elastic
 from brain.resizes import Resizes
 from schemas import subjects
 from schemas.api import ResizeRequest
@@ -454,3 +455,14 @@ async def test_a_shed_of_several_lost_nodes_that_fails_blames_them_all() -> None
 
     [(_, node, why)] = s.failed.attempts
     assert node == "n2" and why.on_nodes == ("n2", "n3")
+
+
+def test_a_share_is_told_shares_are_not_elastic() -> None:
+    share = JobRecord(
+        job_id="7",
+        tenant="t",
+        spec=JobSpec(command=("x",), gpus=1, gpu_milli=250),
+        state=JobState.RUNNING,
+        submitted_at=0.0,
+    )
+    assert not_elastic(share).startswith("job 7 is a share of one GPU (0.25 GPU): shares are")
