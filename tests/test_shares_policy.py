@@ -27,6 +27,7 @@ from brain.core.model import (
     Outranked,
     Place,
     QueueQuota,
+    QuotaReclaim,
     UtilizationProfile,
     Wait,
 )
@@ -449,11 +450,24 @@ def test_shares_make_room_for_better_ranked_jobs_whatever_the_sequence(
     _replay(ops, NODES[:2], Policy(order="priority").validate(), priorities)
 
 
+@settings(max_examples=150, deadline=None)
+@given(crowding, st.lists(st.sampled_from(["a", "b", "c"]), min_size=25, max_size=25))
+def test_shares_give_a_queue_back_its_guarantee_whatever_the_sequence(
+    ops: list[Step], queue_of: list[str]
+) -> None:
+    """Queues a and b are guaranteed 2 GPUs each, c none: shares are charged their
+    share, and are taken back, a GPU at a time, only for a whole-GPU job."""
+    queues = (QueueQuota("a", 2), QueueQuota("b", 2))
+    _replay(ops, NODES[:2], DEFAULT_POLICY, None, queues, queue_of)
+
+
 def _replay(
     ops: list[Step],
     cluster: tuple[NodeView, ...],
     policy: Policy = DEFAULT_POLICY,
     priorities: list[int] | None = None,
+    queues: tuple[QueueQuota, ...] = (),
+    queue_of: list[str] | None = None,
 ) -> None:
     pending: dict[str, JobView] = {}
     running: dict[str, JobView] = {}
@@ -468,6 +482,7 @@ def _replay(
                 float(n),
                 tenant=tenant,
                 priority=priorities[n] if priorities else 0,
+                queue=queue_of[n] if queue_of else "default",
                 demand=demand,
                 shareable=host,
                 profile=profile,
@@ -491,11 +506,11 @@ def _replay(
             )
             for v in cluster
         )
-        snapshot = ClusterSnapshot(nodes, tuple(pending.values()), tuple(running.values()))
+        snapshot = ClusterSnapshot(nodes, tuple(pending.values()), tuple(running.values()), queues)
         decisions = decide(snapshot, float(n + 1), policy)
         for move in decisions.preemptions:
             victim = running[move.job_id]
-            if priorities is None:
+            if priorities is None and not queues:
                 # Only shares move, and only off a host's GPU short of memory.
                 assert isinstance(move.cause, MemoryPressure) and victim.shared
             elif isinstance(move.cause, Outranked):
@@ -510,6 +525,16 @@ def _replay(
                         victim.submitted_at,
                     )
                     assert not (victim.shared and winner.demand is not None)
+            elif isinstance(move.cause, QuotaReclaim):
+                # For a queue owed its guarantee, from a job over its own queue's
+                # (the same queue's, when its job is larger than the guarantee); a
+                # share only for a whole-GPU job.
+                winner = pending[move.cause.for_job]
+                assert (winner.queue, victim.queue) == (
+                    move.cause.owner_queue,
+                    move.cause.victim_queue,
+                )
+                assert not (victim.shared and winner.demand is not None)
             moved = running.pop(move.job_id)
             pending[moved.job_id] = replace(moved, grants=(), started_at=None)
         for place in decisions.placements:
@@ -520,6 +545,7 @@ def _replay(
                 job.submitted_at,
                 tenant=job.tenant,
                 priority=job.priority,
+                queue=job.queue,
                 grants=place.grants,
                 started_at=float(n),
                 demand=job.demand,
