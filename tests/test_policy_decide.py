@@ -871,3 +871,19 @@ def test_leaving_out_waits_changes_nothing_else(order: str, guard: float | None)
         assert some.actions == tuple(
             a for a in full.actions if not isinstance(a, Wait) or a.job_id in asked
         )
+
+
+def test_a_gang_larger_than_its_queues_guarantee_yields_to_one_within_it() -> None:
+    # Queue a is guaranteed 2 GPUs: its running 3-GPU job never fits in them, so the
+    # queue's next 2-GPU job stands within the guarantee and takes it back.
+    snapshot = cluster(
+        node("n0", busy=(0, 1, 2)),
+        pending_jobs=(pending("a2", 2, at=50, queue="a"),),
+        running_jobs=(running("a1", "n0", (0, 1, 2), queue="a"),),
+        queues=(QueueQuota("a", 2),),
+    )
+    (preemption,) = decide(snapshot, 100, Policy(order="fifo")).preemptions
+    assert preemption.reason == (
+        "quota reclaim: queue a needs its guaranteed GPUs for job a2; "
+        "this job of the same queue was beyond the guarantee"
+    )

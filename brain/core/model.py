@@ -321,9 +321,16 @@ class QuotaReclaim:
     victim_queue: str
 
     def describe(self) -> str:
+        # The same queue: the victim asked more than its queue's guarantee had left when
+        # its turn came (a gang larger than the guarantee never fits in it).
+        over = (
+            "this job of the same queue was beyond the guarantee"
+            if self.victim_queue == self.owner_queue
+            else f"queue {self.victim_queue} was over its quota"
+        )
         return (
             f"quota reclaim: queue {self.owner_queue} needs its guaranteed GPUs for job "
-            f"{self.for_job}; queue {self.victim_queue} was over its quota"
+            f"{self.for_job}; {over}"
         )
 
 
