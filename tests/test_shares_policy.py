@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from brain.core.decide import DEFAULT_POLICY, Policy, decide
+from brain.core.decide import DEFAULT_POLICY, STARVING, Policy, decide
 from brain.core.model import (
     Ask,
     ClusterSnapshot,
@@ -451,6 +451,17 @@ def test_shares_make_room_for_better_ranked_jobs_whatever_the_sequence(
 
 
 @settings(max_examples=150, deadline=None)
+@given(crowding, st.lists(st.integers(0, 2), min_size=25, max_size=25))
+def test_shares_make_room_for_starving_jobs_whatever_the_sequence(
+    ops: list[Step], priorities: list[int]
+) -> None:
+    """With a starvation guard (4 steps), a whole-GPU job that waited past it ranks
+    ahead of shares whatever their priority, and they make room for it too."""
+    policy = Policy(order="priority", starvation_guard_s=4.0).validate()
+    _replay(ops, NODES[:2], policy, priorities)
+
+
+@settings(max_examples=150, deadline=None)
 @given(crowding, st.lists(st.sampled_from(["a", "b", "c"]), min_size=25, max_size=25))
 def test_shares_give_a_queue_back_its_guarantee_whatever_the_sequence(
     ops: list[Step], queue_of: list[str]
@@ -518,12 +529,14 @@ def _replay(
                 if winner.shared or victim.shared:
                     # A share needs none of the whole-GPU budget, by which whole-GPU
                     # jobs are selected out (as Tiresias' count): it takes GPUs only
-                    # from a job ranked behind it (priority, then submission), and loses
-                    # them only to a whole-GPU job ranked ahead.
-                    assert (-winner.priority, winner.submitted_at) < (
-                        -victim.priority,
-                        victim.submitted_at,
-                    )
+                    # from a job ranked behind it (priority, then submission, unless
+                    # the winner is ahead by the starvation guard), and loses them only
+                    # to a whole-GPU job ranked ahead.
+                    if STARVING not in move.cause.winner_rank:
+                        assert (-winner.priority, winner.submitted_at) < (
+                            -victim.priority,
+                            victim.submitted_at,
+                        )
                     assert not (victim.shared and winner.demand is not None)
             elif isinstance(move.cause, QuotaReclaim):
                 # For a queue owed its guarantee, from a job over its own queue's
