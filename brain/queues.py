@@ -26,10 +26,10 @@ from typing import Final, cast
 import yaml
 
 from brain.core.model import JobClass, QueueQuota, gpus_said
-from brain.core.quota import MILLI
 from schemas.api import QueueStatus
 from schemas.base import check_name
 from schemas.errors import AlnairError, InvalidName
+from schemas.jobs import GPU_MILLI as MILLI
 from schemas.jobs import JobRecord
 
 JOB_CLASSES: Final[tuple[JobClass, ...]] = ("build", "train")

@@ -466,7 +466,7 @@ class JobRecord(BaseModel):
         """GPUs its service is reckoned in while it runs: a share of one GPU its share,
         any other job the GPUs it holds (`brain.core.model.JobView.gpu_size`)."""
         milli = self.spec.gpu_milli
-        return self.gpu_count if milli is None or not self.grants else milli / 1000
+        return self.gpu_count if milli is None or not self.grants else milli / GPU_MILLI
 
     @property
     def barred_nodes(self) -> frozenset[str]:

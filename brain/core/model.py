@@ -15,6 +15,7 @@ from typing import Literal
 
 from brain.core.distribution import ServiceByClass, ServiceDistribution
 from brain.core.record import record
+from brain.core.sharing import GPU_MILLI
 
 
 @record
@@ -212,7 +213,9 @@ class JobView:
         """GPUs its service is reckoned in: a share of one GPU its share, any other job
         its GPUs (`gpus`). A second of a 0.25 share is 0.25 GPU-seconds of service."""
         demand = self.demand
-        return demand.gpu_milli / 1000 if demand is not None and demand.fractional else self.gpus
+        return (
+            demand.gpu_milli / GPU_MILLI if demand is not None and demand.fractional else self.gpus
+        )
 
     def waiting_since(self) -> float:
         return self.submitted_at if self.pending_since is None else self.pending_since

@@ -17,6 +17,7 @@ from operator import attrgetter
 from typing import Final
 
 from brain.core.model import JobView, QueueQuota
+from brain.core.sharing import GPU_MILLI as MILLI
 
 
 class Standing(IntEnum):
@@ -28,8 +29,6 @@ class Standing(IntEnum):
     HELD = 3
 
 
-# Quotas are reckoned in thousandths of a GPU, a share's unit (`Demand.gpu_milli`).
-MILLI: Final = 1000
 _DEMAND: Final = attrgetter("demand")
 
 
