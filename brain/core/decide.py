@@ -44,6 +44,7 @@ from brain.core.model import (
     Action,
     ClusterSnapshot,
     Decisions,
+    Demand,
     Grant,
     JobView,
     NodeView,
@@ -75,7 +76,7 @@ from brain.core.placement import (
     PlacementResult,
 )
 from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
-from brain.core.quota import Standing, quota_of, standings_in_order
+from brain.core.quota import Standing, quota_of, smallest_ask, standings_in_order
 from brain.core.ranking import Ranking, rank_order
 from brain.core.shares import (
     SharePlacer,
@@ -285,7 +286,11 @@ class _Cycle:
 
 
 def _standings(
-    by_rank: list[Ranked], holds: list[int], snapshot: ClusterSnapshot, jobs: Sequence[JobView]
+    by_rank: list[Ranked],
+    holds: list[int],
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobView],
+    smallest: int,
 ) -> list[Standing] | None:
     """Each job's quota standing (`quota.standings_in_order`), in the order of `by_rank`,
     the queues walked by (hold, rank); None when no queue is configured (every job is
@@ -295,10 +300,12 @@ def _standings(
         return None
     ranked_jobs = [r.job for r in by_rank]
     if min(holds, default=0) == max(holds, default=0):
-        return standings_in_order(ranked_jobs, queues, unordered=jobs)
+        return standings_in_order(ranked_jobs, queues, unordered=jobs, smallest=smallest)
     # Stable: within one hold, still by rank.
     walk = sorted(range(len(ranked_jobs)), key=holds.__getitem__)
-    walked = standings_in_order([ranked_jobs[i] for i in walk], queues, unordered=jobs)
+    walked = standings_in_order(
+        [ranked_jobs[i] for i in walk], queues, unordered=jobs, smallest=smallest
+    )
     result = [Standing.OVER_QUOTA] * len(ranked_jobs)
     for position, standing in zip(walk, walked, strict=True):
         result[position] = standing
@@ -312,6 +319,7 @@ def _entries(
     now: float,
     policy: Policy,
     hold: Preemption,
+    smallest: int,
 ) -> list[_Entry]:
     """Every job in selection order: by (standing, hold, starving first and longest
     waiting first among them, rank, submission, id).
@@ -319,10 +327,11 @@ def _entries(
     `by_rank` is every job by (rank, submission, id) (brain/core/ranking.py); standings
     and the selection order are stable partitions of it, so that a cycle sorts its jobs
     once (sorting tuples is most of what ranking costs). `jobs` are the jobs ranked, in
-    snapshot order, for walks that need no order."""
+    snapshot order, for walks that need no order; `smallest` the least any of them takes
+    of a guarantee (`quota.smallest_ask`)."""
     uniform = UNIFORM_HOLDS.get(hold)
     holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
-    standing_of = _standings(by_rank, holds, snapshot, jobs)
+    standing_of = _standings(by_rank, holds, snapshot, jobs, smallest)
     guard = policy.starvation_guard_s
     if guard is None and min(holds, default=0) == max(holds, default=0):
         return _by_standing(by_rank, holds[0] if holds else 0, standing_of)
@@ -562,7 +571,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             and next_victim < left
         )
         rank = _rank_of(entry, elastic) if sharing and job.shared else None
-        hidden = _released_ahead(released_at, rank)
+        hidden = _NOTHING_HIDDEN if rank is None else _released_ahead(released_at, rank)
         result = None if doomed else _try_place(cycle, request, job, hidden)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
@@ -610,13 +619,14 @@ def _rank_of(entry: _Entry, elastic: ElasticStage | None) -> tuple[object, ...]:
     return entry.sort_key if elastic is None else _elastic_key(entry)
 
 
+_NOTHING_HIDDEN: Final[frozenset[tuple[str, int]]] = frozenset()
+
+
 def _released_ahead(
-    released_at: dict[tuple[str, int], tuple[object, ...]], rank: tuple[object, ...] | None
+    released_at: dict[tuple[str, int], tuple[object, ...]], rank: tuple[object, ...]
 ) -> frozenset[tuple[str, int]]:
     """The GPUs released from victims ranked ahead of a share standing at `rank`: not
-    for it (None: a job that is no share; every GPU released is for it)."""
-    if rank is None or not released_at:
-        return frozenset()
+    for it. (A job that is no share hides nothing: every GPU released is for it.)"""
     return frozenset(gpu for gpu, at in released_at.items() if at < rank)
 
 
@@ -922,7 +932,11 @@ def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
             # Its size is what it was granted, not what it asked for.
             times.append(crossing(job, grants, thresholds, now))
             continue
-        key = (job.attained_gpu_seconds, job.executed_seconds, job.gpu_size)
+        key = (
+            job.attained_gpu_seconds,
+            job.executed_seconds,
+            job.gpus if job.demand is None else job.gpu_size,
+        )
         if key not in asked:
             asked[key] = crossing(job, grants, thresholds, now)
     return [t for t in (*times, *asked.values()) if t is not None]
@@ -978,8 +992,9 @@ _DEMAND: Final = attrgetter("demand")
 _MIN_GPUS: Final = attrgetter("min_gpus")
 
 
-def _any_demand(jobs: Sequence[JobView]) -> bool:
-    return bool(set(map(_DEMAND, jobs)) - {None})
+def _demands(jobs: Sequence[JobView]) -> set[Demand]:
+    """The demands the jobs make (one walk; most jobs make none)."""
+    return set(map(_DEMAND, jobs)) - {None}
 
 
 def any_elastic(snapshot: ClusterSnapshot) -> bool:
@@ -1041,6 +1056,7 @@ def _decide(
     else:
         ordered, by_rank = ranking.rank(order, jobs, context)
     ledger = FreeGpus(snapshot.nodes) if kept is None else kept.for_nodes(snapshot.nodes)
+    demands = _demands(jobs)
     cycle = _Cycle(
         snapshot,
         now,
@@ -1048,14 +1064,14 @@ def _decide(
         place,
         ledger,
         elastic=stage,
-        sharing=_any_demand(jobs),
+        sharing=bool(demands),
         waits=waits,
         explain=explain,
         unavoided=unavoided,
         outside=ledger.held_outside(snapshot.running),
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
-    entries = _entries(by_rank, snapshot, jobs, now, policy, hold)
+    entries = _entries(by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands))
     if stage is not None:
         entries.sort(key=_elastic_key)
         stage.set_ranks(

@@ -26,6 +26,7 @@ from brain.core.distribution import (
     gpu_class,
 )
 from brain.core.model import Grant, JobView, SetServiceLevel
+from brain.core.sharing import GPU_MILLI
 
 # Attained service is accumulated in floating point; a job that reaches a threshold
 # exactly must count as past it, or the core would ask to be woken again and again
@@ -175,7 +176,11 @@ def next_band_crossing(
 def _accruing(job: JobView, grants: Sequence[Grant]) -> float:
     """GPU-seconds of service a second on `grants`: their GPUs, or a share's share."""
     gpus = sum(len(g.gpus) for g in grants)
-    return job.gpu_size if gpus and job.shared else gpus
+    # Once for every job a cycle starts: `JobView.shared` and `gpu_size`, inline.
+    demand = job.demand
+    if gpus and demand is not None and demand.fractional:
+        return demand.gpu_milli / GPU_MILLI
+    return gpus
 
 
 def tiresias_band_crossing(

@@ -16,7 +16,7 @@ from enum import IntEnum
 from operator import attrgetter
 from typing import Final
 
-from brain.core.model import JobView, QueueQuota
+from brain.core.model import Demand, JobView, QueueQuota
 from brain.core.sharing import GPU_MILLI as MILLI
 
 
@@ -41,6 +41,24 @@ def charge(job: JobView) -> int:
     return job.gpus * MILLI
 
 
+def smallest_ask(demands: Iterable[Demand | None]) -> int:
+    """The least a job with one of `demands` takes of a guarantee, in thousandths: the
+    smallest share among them, or a GPU where none is a share."""
+    return min((d.gpu_milli for d in demands if d is not None and d.fractional), default=MILLI)
+
+
+def _pinned_use(jobs: Iterable[JobView], builds: set[str]) -> dict[str, int]:
+    """What running jobs of `build` queues use of their guarantees, by queue: they are
+    pinned whatever their rank, so they use it before any pending job of their queue
+    is considered."""
+    used: dict[str, int] = {}
+    if builds:
+        for job in jobs:
+            if job.grants and job.queue in builds:
+                used[job.queue] = used.get(job.queue, 0) + charge(job)
+    return used
+
+
 def quota_of(queues: Iterable[QueueQuota]) -> dict[str, QueueQuota]:
     return {q.name: q for q in queues}
 
@@ -58,30 +76,26 @@ def standings_in_order(
     queues: dict[str, QueueQuota],
     *,
     unordered: Sequence[JobView] | None = None,
+    smallest: int | None = None,
 ) -> list[Standing]:
     """Each job's standing, in the order of `jobs_by_rank` (best-ranked first): one walk,
     no lookup by job id. A job of a queue nobody configured is over quota.
 
     `unordered`: the same jobs in any order, for the walk that needs no order (what
-    pinned jobs use), when the caller has them laid out in memory as they were built."""
+    pinned jobs use), when the caller has them laid out in memory as they were built;
+    `smallest`: the least any of them asks (`smallest_ask`), when the caller knows it."""
     if not queues:
         # The common case in a single-tenant cluster (and in Tiresias' traces).
         return [Standing.OVER_QUOTA] * len(jobs_by_rank)
-    used: dict[str, int] = {}
     every = jobs_by_rank if unordered is None else unordered
-    # Running build jobs are pinned whatever their rank, so they use their queue's
-    # guarantee before any pending job of that queue is considered.
     builds = {name for name, quota in queues.items() if quota.job_class == "build"}
-    if builds:
-        for job in every:
-            if job.grants and job.queue in builds:
-                used[job.queue] = used.get(job.queue, 0) + charge(job)
+    used = _pinned_use(every, builds)
     # Thousandths left of each guarantee. No job asks less than the smallest share (a
     # GPU, where none is shared), so once no queue has that left, no job further down
     # is within its quota: the rest of the walk (most of it, in a busy cluster) reads
     # only each job's queue and grants.
-    demands = set(map(_DEMAND, every))
-    smallest = min((d.gpu_milli for d in demands if d is not None and d.fractional), default=MILLI)
+    if smallest is None:
+        smallest = smallest_ask(set(map(_DEMAND, every)))
     room = {
         name: quota.guaranteed_gpus * MILLI - used.get(name, 0) for name, quota in queues.items()
     }
