@@ -700,7 +700,9 @@ class Agent:
         await self._outbox.put(event)
 
     async def _send_events(self) -> None:
-        while not self._closing or not self._outbox.empty():
+        # Until cancelled: `stop` waits for the outbox to empty first. Ending on an
+        # empty outbox once closing lost the exits of jobs still stopping.
+        while True:
             event = await self._outbox.get()
             subject = subjects.node(self.node, "event")
             while True:

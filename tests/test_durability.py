@@ -137,3 +137,44 @@ async def test_a_spawned_loop_that_dies_says_so(connect, caplog) -> None:
     await asyncio.wait([task])
     await asyncio.sleep(0)  # done callbacks run on the next turn
     assert "task sender died: RuntimeError('out of luck')" in caplog.text
+
+
+def _slow_to_stop(agent: Agent, job_id: str, gpu: int, linger_s: float) -> Launch:
+    """A job that, told to stop, takes `linger_s` to exit."""
+    script = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *_: (time.sleep({linger_s}), sys.exit(0)))\n"
+        "time.sleep(600)\n"
+    )
+    return Launch(
+        command_id=f"c-{job_id}",
+        epoch=1,
+        issued_at=0.0,
+        job_id=job_id,
+        attempt=1,
+        gpus=(gpu,),
+        command=(sys.executable, "-c", script),
+        expires_at=agent.clock() + 60,
+    )
+
+
+async def test_an_agent_shutting_down_reports_every_exit_of_the_jobs_it_stops(
+    agent_factory, connect
+) -> None:
+    """Stopping, the agent stops its jobs and sends each exit before it goes. Its event
+    sender used to end as soon as its queue was empty once the agent was closing: the
+    exit of a job that took longer to stop than the one before it was never sent (and
+    the agent waited out its 10 s for it)."""
+    setup = await connect("setup")
+    await setup.ensure_streams()
+    agent = await agent_factory("n1", gpus=3)
+    for gpu, linger_s in enumerate((0.0, 0.6, 1.2)):
+        await agent.handle_command(_slow_to_stop(agent, f"j{gpu}", gpu, linger_s))
+        await eventually(lambda gpu=gpu: agent.launcher.find(f"j{gpu}"))  # type: ignore[misc]
+    await asyncio.sleep(0.5)  # the starts are sent: the queue is empty when it closes
+    await agent.stop(stop_jobs=True)
+    read = setup.read(
+        subjects.STREAM_EVENTS, NODE_EVENT, filter_subject=subjects.node("n1", "event")
+    )
+    exited = {event.job_id async for event, _, _ in read if type(event).__name__ == "JobExited"}
+    assert exited == {"j0", "j1", "j2"}
