@@ -78,6 +78,30 @@ Reply = (
 IN_FLIGHT_MAX: Final = 1024
 
 
+def fit_jobs(reply: JobsReply, limit: int) -> JobsReply:
+    """`reply` cut to its newest jobs (and their profiles) that fit in a message of
+    `limit` bytes, with `next_before` naming where the next page starts. One job is
+    kept whatever its size: the caller is then told it is too big, not sent round."""
+    profiles = {p.job_id: p for p in reply.profiles}
+    # Bytes a job and its profile add to the reply: their JSON and a comma each.
+    room = limit - len(encode(JobsReply(jobs=(), next_before="9" * 64)))
+    kept = 0
+    for job in reversed(reply.jobs):
+        profile = profiles.get(job.job_id)
+        cost = len(encode(job)) + 1 + (len(encode(profile)) + 1 if profile is not None else 0)
+        if kept and cost > room:
+            break
+        room -= cost
+        kept += 1
+    jobs = reply.jobs[len(reply.jobs) - kept :]
+    held = {job.job_id for job in jobs}
+    return JobsReply(
+        jobs=jobs,
+        profiles=tuple(p for p in reply.profiles if p.job_id in held),
+        next_before=jobs[0].job_id if kept < len(reply.jobs) else reply.next_before,
+    )
+
+
 class ApiServer:
     def __init__(self, brain: BrainPort) -> None:
         self.brain = brain
@@ -105,6 +129,9 @@ class ApiServer:
         if msg.reply:
             data = encode(reply)
             limit = self.brain.bus.nc.max_payload
+            if len(data) > limit and isinstance(reply, JobsReply):
+                # A listing pages instead: its newest jobs, as many as one message holds.
+                data = encode(fit_jobs(reply, limit))
             if len(data) > limit:
                 # NATS would refuse it, and the caller would see only a timeout.
                 too_big = f"the answer ({len(data)} bytes) is over NATS's message limit "
@@ -163,9 +190,11 @@ class ApiServer:
         if isinstance(request, GetJobRequest | HistoryRequest | WhyRequest):
             return self._about_job(tenant, request, operator=operator)
         if isinstance(request, ListJobsRequest):
-            jobs = self._jobs(tenant, request, operator=operator)
+            jobs, older = self._jobs(tenant, request, operator=operator)
             profiles = brain.profiles.live_profiles(j.job_id for j in jobs)
-            return JobsReply(jobs=jobs, profiles=profiles)
+            return JobsReply(
+                jobs=jobs, profiles=profiles, next_before=jobs[0].job_id if older else None
+            )
         if isinstance(request, ListNodesRequest | ListQueuesRequest):
             return self._cluster(request)
         if isinstance(request, DrainRequest | ResumeRequest):
@@ -249,18 +278,23 @@ class ApiServer:
 
     def _jobs(
         self, tenant: str, request: ListJobsRequest, *, operator: bool = False
-    ) -> tuple[JobRecord, ...]:
+    ) -> tuple[tuple[JobRecord, ...], bool]:
+        """The newest `limit` jobs that match, oldest first (by job id: the order the log
+        took them in), and whether older ones match too."""
         wanted = set(request.states) if request.states else None
         queues = set(request.queues) if request.queues else None
+        before = None if request.before is None else job_sequence(request.before)
         jobs = [
             j
             for j in self.brain.state.jobs.values()
             if (operator or j.tenant == tenant)
             and (wanted is None or j.state in wanted)
             and (queues is None or j.spec.queue in queues)
+            and (before is None or job_sequence(j.job_id) < before)
         ]
-        jobs.sort(key=lambda j: (j.submitted_at, job_sequence(j.job_id)))
-        return tuple(map(self.brain.state.shown, jobs[-request.limit :]))
+        jobs.sort(key=lambda j: job_sequence(j.job_id))
+        page = jobs[-request.limit :]
+        return tuple(map(self.brain.state.shown, page)), len(page) < len(jobs)
 
     def _nodes(self) -> tuple[NodeStatus, ...]:
         held = self.brain.state.allocated()

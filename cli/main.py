@@ -409,12 +409,21 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
     queues = tuple(args.queue) if args.queue else None
 
     async def run(bus: Any) -> int:
+        # Page by page, newest first, until `--limit`: one answer holds what one NATS
+        # message can (jobs with a large environment fill it sooner).
+        jobs: list[JobRecord] = []
         request = ListJobsRequest(states=states, queues=queues, limit=args.limit)
-        reply = await call(bus, args.tenant, "jobs", request, JOBS_RESULT)
+        while True:
+            reply = await call(bus, args.tenant, "jobs", request, JOBS_RESULT)
+            jobs[:0] = reply.jobs
+            if reply.next_before is None or not reply.jobs or len(jobs) >= args.limit:
+                break
+            update = {"limit": args.limit - len(jobs), "before": reply.next_before}
+            request = request.model_copy(update=update)
         if args.json:
-            print(json.dumps([job_json(j) for j in reply.jobs], indent=2))
+            print(json.dumps([job_json(j) for j in jobs], indent=2))
         else:
-            print(fmt.jobs_table(reply.jobs))
+            print(fmt.jobs_table(jobs))
         return 0
 
     return await _with_bus(args, run)

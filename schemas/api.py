@@ -54,6 +54,9 @@ class ListJobsRequest(Message):
     # Only jobs of these queues; None: every queue.
     queues: tuple[QueueName, ...] | None = Field(default=None, max_length=64)
     limit: int = Field(default=1000, ge=1, le=100_000)
+    # Only jobs listed before this one (by job id, the order the log took them in):
+    # the next page, from a reply's `next_before`.
+    before: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 class GetJobRequest(Message):
@@ -141,6 +144,9 @@ class JobsReply(Message):
     jobs: tuple[JobRecord, ...]
     # Profiles of the listed jobs that have one.
     profiles: tuple[JobProfile, ...] = ()
+    # Older jobs match too, left out by `limit` or because one message holds no more:
+    # ask again with `before` set to this (the oldest job listed) for the next page.
+    next_before: str | None = None
 
 
 class NodesReply(Message):

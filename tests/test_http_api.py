@@ -16,11 +16,23 @@ import aiohttp
 from brain.http import HttpServer, TokenTable
 from brain.service import Brain
 from bus.client import Bus
+from cli.client import call
+from cli.main import main
 from schemas import subjects
-from schemas.api import JOB_RESULT, NODE_RESULT, ErrorReply, GetJobRequest, ResumeRequest
+from schemas.api import (
+    JOB_RESULT,
+    JOBS_RESULT,
+    NODE_RESULT,
+    ErrorReply,
+    GetJobRequest,
+    ListJobsRequest,
+    ResumeRequest,
+)
 from schemas.base import decode
+from schemas.jobs import JobSpec
 from tests.conftest import eventually
 from tests.httpkit import TOKENS, Api, api_factory, write_tokens
+from tests.test_cluster_e2e import submit
 
 __all__ = ["api_factory"]
 
@@ -277,3 +289,42 @@ async def test_both_apis_refuse_the_same_coercions(
     assert status == 400 and json.loads(raw.data)["error"] == http_refusal["error"]
     assert "spec.gpus" in http_refusal["error"]
     assert not brain.state.jobs
+
+
+async def test_a_listing_too_big_for_one_message_comes_in_pages(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Any]],
+    api_factory: Callable[..., Awaitable[Api]],
+    connect: Callable[[str], Awaitable[Bus]],
+    nats_server: Any,
+    capsys: Any,
+) -> None:
+    """Fifteen jobs with a 100 KB environment each do not fit one NATS message (1 MiB):
+    the NATS answer holds the newest that fit and says where the next page starts,
+    `alnair jobs` pages through to its --limit, and HTTP pages by `before` alike. A
+    listing whose answer outgrew the message used to be refused whole."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=1)
+    await eventually(lambda: "n1" in brain.state.nodes)
+    spec = JobSpec(command=("sleep", "60"), gpus=1, env={"BLOB": "x" * 100_000})
+    ids = [await submit(brain.api, spec, "alice") for _ in range(15)]
+
+    bus = await connect("client:alice")
+    first = await call(bus, "alice", "jobs", ListJobsRequest(), JOBS_RESULT)
+    count = len(first.jobs)
+    assert 1 < count < 15 and [j.job_id for j in first.jobs] == ids[-count:]
+    assert first.next_before == ids[-count]
+    rest = await call(bus, "alice", "jobs", ListJobsRequest(before=first.next_before), JOBS_RESULT)
+    assert [j.job_id for j in rest.jobs] == ids[-count - len(rest.jobs) : -count]
+
+    args = ["jobs", "--nats", nats_server.url, "--tenant", "alice", "--json", "--limit", "14"]
+    assert await asyncio.to_thread(main, args) == 0
+    assert [j["job_id"] for j in json.loads(capsys.readouterr().out)] == ids[1:]
+
+    api = await api_factory(brain)
+    status, body = await api.call("GET", "/v1/jobs?limit=5")
+    assert status == 200 and [j["job_id"] for j in body["jobs"]] == ids[-5:]
+    assert body["next_before"] == ids[-5]
+    status, body = await api.call("GET", f"/v1/jobs?before={ids[-5]}")
+    assert status == 200 and [j["job_id"] for j in body["jobs"]] == ids[:-5]
+    assert body["next_before"] is None

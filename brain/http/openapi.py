@@ -188,6 +188,12 @@ def _paths() -> dict[str, Any]:
             "schema": {"type": "integer", "minimum": 1, "maximum": 100_000, "default": 1000},
             "description": "at most this many, newest",
         },
+        {
+            "name": "before",
+            "in": "query",
+            "schema": {"type": "string", "minLength": 1, "maxLength": 64},
+            "description": "only jobs before this one (a reply's next_before: the next page)",
+        },
     ]
 
     def cancel(summary: str, operation_id: str) -> dict[str, Any]:

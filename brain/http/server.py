@@ -328,6 +328,8 @@ class HttpServer:
         if "limit" in request.query:
             limit = request.query["limit"]
             data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
+        if "before" in request.query:
+            data["before"] = request.query["before"]
         return await self._call(request, self._decode(ListJobsRequest, data, "jobs"))
 
     async def _submit(self, request: web.Request) -> web.Response:
