@@ -9,8 +9,9 @@ naming what was wrong; invalid requests are also dead-lettered.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Final
 
 from nats.aio.msg import Msg
@@ -78,21 +79,31 @@ Reply = (
 IN_FLIGHT_MAX: Final = 1024
 
 
+def _fitting(costs: Iterable[int], room: int) -> int:
+    """How many of the items whose encoded sizes are `costs`, in that order, fit in
+    `room` bytes (a comma each between them); at least one, whatever its size: the
+    caller is then told that one item is too big, not sent round for ever."""
+    kept = 0
+    for cost in costs:
+        if kept and cost + 1 > room:
+            break
+        room -= cost + 1
+        kept += 1
+    return kept
+
+
 def fit_jobs(reply: JobsReply, limit: int) -> JobsReply:
     """`reply` cut to its newest jobs (and their profiles) that fit in a message of
-    `limit` bytes, with `next_before` naming where the next page starts. One job is
-    kept whatever its size: the caller is then told it is too big, not sent round."""
+    `limit` bytes, with `next_before` naming where the next page starts."""
     profiles = {p.job_id: p for p in reply.profiles}
-    # Bytes a job and its profile add to the reply: their JSON and a comma each.
     room = limit - len(encode(JobsReply(jobs=(), next_before="9" * 64)))
-    kept = 0
-    for job in reversed(reply.jobs):
-        profile = profiles.get(job.job_id)
-        cost = len(encode(job)) + 1 + (len(encode(profile)) + 1 if profile is not None else 0)
-        if kept and cost > room:
-            break
-        room -= cost
-        kept += 1
+    kept = _fitting(
+        (
+            len(encode(job)) + (len(encode(p)) + 1 if (p := profiles.get(job.job_id)) else 0)
+            for job in reversed(reply.jobs)
+        ),
+        room,
+    )
     jobs = reply.jobs[len(reply.jobs) - kept :]
     held = {job.job_id for job in jobs}
     return JobsReply(
@@ -100,6 +111,16 @@ def fit_jobs(reply: JobsReply, limit: int) -> JobsReply:
         profiles=tuple(p for p in reply.profiles if p.job_id in held),
         next_before=jobs[0].job_id if kept < len(reply.jobs) else reply.next_before,
     )
+
+
+def fit_nodes(reply: NodesReply, limit: int) -> NodesReply:
+    """`reply` cut to its first nodes that fit in a message of `limit` bytes, with
+    `next_after` naming where the next page starts."""
+    room = limit - len(encode(NodesReply(nodes=(), next_after="n" * 64)))
+    kept = _fitting((len(encode(node)) for node in reply.nodes), room)
+    nodes = reply.nodes[:kept]
+    more = kept < len(reply.nodes)
+    return NodesReply(nodes=nodes, next_after=nodes[-1].record.name if more else None)
 
 
 class ApiServer:
@@ -129,9 +150,13 @@ class ApiServer:
         if msg.reply:
             data = encode(reply)
             limit = self.brain.bus.nc.max_payload
-            if len(data) > limit and isinstance(reply, JobsReply):
-                # A listing pages instead: its newest jobs, as many as one message holds.
-                data = encode(fit_jobs(reply, limit))
+            if len(data) > limit and isinstance(reply, JobsReply | NodesReply):
+                # A listing pages instead: as much of it as one message holds.
+                data = encode(
+                    fit_jobs(reply, limit)
+                    if isinstance(reply, JobsReply)
+                    else fit_nodes(reply, limit)
+                )
             if len(data) > limit:
                 # NATS would refuse it, and the caller would see only a timeout.
                 too_big = f"the answer ({len(data)} bytes) is over NATS's message limit "
@@ -226,7 +251,7 @@ class ApiServer:
     def _cluster(self, request: ListNodesRequest | ListQueuesRequest) -> NodesReply | QueuesReply:
         """The nodes, or the queues: what every tenant may read of the cluster."""
         if isinstance(request, ListNodesRequest):
-            return NodesReply(nodes=self._nodes())
+            return NodesReply(nodes=self._nodes(request.after))
         state, config = self.brain.state, self.brain.config
         statuses = queue_status(
             config.queues, state.jobs_in(JobState.RUNNING), state.jobs_in(JobState.PENDING)
@@ -296,9 +321,12 @@ class ApiServer:
         page = jobs[-request.limit :]
         return tuple(map(self.brain.state.shown, page)), len(page) < len(jobs)
 
-    def _nodes(self) -> tuple[NodeStatus, ...]:
+    def _nodes(self, after: str | None = None) -> tuple[NodeStatus, ...]:
         held = self.brain.state.allocated()
-        return tuple(self._node_status(name, held) for name in sorted(self.brain.state.nodes))
+        names = sorted(self.brain.state.nodes)
+        if after is not None:
+            names = names[bisect.bisect_right(names, after) :]
+        return tuple(self._node_status(name, held) for name in names)
 
     def _node_status(
         self, name: str, held: Mapping[str, frozenset[int]] | None = None

@@ -48,6 +48,7 @@ from schemas.api import (
 from schemas.base import check_name, describe_invalid
 from schemas.errors import AlnairError, ApiError
 from schemas.jobs import JobRecord, JobSpec, JobState, share_request
+from schemas.nodes import NodeStatus
 from schemas.state import (
     STATE_RECORD,
     StateRecord,
@@ -515,11 +516,21 @@ async def cmd_resize(args: argparse.Namespace) -> int:
 
 async def cmd_nodes(args: argparse.Namespace) -> int:
     async def run(bus: Any) -> int:
-        reply = await call(bus, args.tenant, "nodes", ListNodesRequest(), NODES_RESULT)
+        # Page by page: one answer holds what one NATS message can (a few hundred
+        # 8-GPU nodes with their latest telemetry).
+        nodes: list[NodeStatus] = []
+        after: str | None = None
+        while True:
+            request = ListNodesRequest(after=after)
+            reply = await call(bus, args.tenant, "nodes", request, NODES_RESULT)
+            nodes += reply.nodes
+            if reply.next_after is None or not reply.nodes:
+                break
+            after = reply.next_after
         if args.json:
-            print(json.dumps([n.model_dump(mode="json") for n in reply.nodes], indent=2))
+            print(json.dumps([n.model_dump(mode="json") for n in nodes], indent=2))
         else:
-            print(fmt.nodes_table(reply.nodes))
+            print(fmt.nodes_table(nodes))
         return 0
 
     return await _with_bus(args, run)

@@ -64,7 +64,9 @@ class GetJobRequest(Message):
 
 
 class ListNodesRequest(Message):
-    pass
+    # Only nodes whose names sort after this one: the next page, from a reply's
+    # `next_after`.
+    after: NodeName | None = None
 
 
 class StatusRequest(Message):
@@ -151,7 +153,11 @@ class JobsReply(Message):
 
 class NodesReply(Message):
     ok: Literal[True] = True
+    # By name.
     nodes: tuple[NodeStatus, ...]
+    # More nodes follow, left out because one message holds no more: ask again with
+    # `after` set to this (the last node listed) for the next page.
+    next_after: str | None = None
 
 
 class QueueStatus(BaseModel):

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,19 @@ from schemas.api import (
     JOB_RESULT,
     JOBS_RESULT,
     NODE_RESULT,
+    NODES_RESULT,
     ErrorReply,
     GetJobRequest,
     ListJobsRequest,
+    ListNodesRequest,
     ResumeRequest,
 )
-from schemas.base import decode
+from schemas.base import decode, encode
 from schemas.jobs import JobSpec
+from schemas.telemetry import GpuSample, TelemetryBatch
 from tests.conftest import eventually
 from tests.httpkit import TOKENS, Api, api_factory, write_tokens
+from tests.parts import heartbeat
 from tests.test_cluster_e2e import submit
 
 __all__ = ["api_factory"]
@@ -328,3 +333,47 @@ async def test_a_listing_too_big_for_one_message_comes_in_pages(
     status, body = await api.call("GET", f"/v1/jobs?before={ids[-5]}")
     assert status == 200 and [j["job_id"] for j in body["jobs"]] == ids[:-5]
     assert body["next_before"] is None
+
+
+async def test_a_node_listing_too_big_for_one_message_comes_in_pages(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    connect: Callable[[str], Awaitable[Bus]],
+    nats_server: Any,
+    capsys: Any,
+) -> None:
+    """600 8-GPU nodes with their latest telemetry are about 1.8 MB of statuses: the NATS
+    answer holds the first that fit and says where the next page starts, and `alnair
+    nodes` lists them all. The answer used to be refused whole from about 340 nodes."""
+    brain = await brain_factory(node_timeout_s=600.0)
+    bus = await connect("nodes")
+    names = [f"n{i:03d}" for i in range(600)]
+    samples = tuple(
+        GpuSample(
+            index=i,
+            util_gpu_pct=50.0,
+            util_mem_pct=40.0,
+            mem_used_mib=40_000.0,
+            mem_total_mib=81_559.0,
+            power_w=400.0,
+            temp_c=60.0,
+            sm_clock_mhz=1_980.0,
+            mem_clock_mhz=2_619.0,
+        )
+        for i in range(8)
+    )
+    for name in names:
+        await bus.nc.publish(subjects.node(name, "heartbeat"), encode(heartbeat(name)))
+        batch = TelemetryBatch(node=name, ts=time.time(), samples=samples)
+        await bus.nc.publish(subjects.node(name, "telemetry"), encode(batch))
+    await eventually(lambda: len(brain.state.nodes) == 600 and len(brain.telemetry) == 600)
+
+    first = await call(bus, "alice", "nodes", ListNodesRequest(), NODES_RESULT)
+    count = len(first.nodes)
+    assert 1 < count < 600 and [n.record.name for n in first.nodes] == names[:count]
+    assert first.next_after == names[count - 1]
+    rest = await call(bus, "alice", "nodes", ListNodesRequest(after=first.next_after), NODES_RESULT)
+    assert [n.record.name for n in rest.nodes] == names[count : count + len(rest.nodes)]
+
+    args = ["nodes", "--nats", nats_server.url, "--tenant", "alice", "--json"]
+    assert await asyncio.to_thread(main, args) == 0
+    assert [n["record"]["name"] for n in json.loads(capsys.readouterr().out)] == names

@@ -329,9 +329,17 @@ def _paths() -> dict[str, Any]:
         },
         "/v1/nodes": {
             "get": _operation(
-                "Nodes, their GPUs' latest telemetry and what runs on them",
+                "Nodes, by name, their GPUs' latest telemetry and what runs on them",
                 _json(_ref("NodesReply"), "nodes"),
-                errors=(),
+                errors=(400,),
+                parameters=[
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "schema": {"type": "string", "pattern": NAME_PATTERN},
+                        "description": "only nodes after this one (a reply's next_after)",
+                    }
+                ],
                 operation_id="listNodes",
             )
         },

@@ -399,7 +399,8 @@ class HttpServer:
         return await self._call(request, self._decode(ResizeRequest, data, "resize"))
 
     async def _nodes(self, request: web.Request) -> web.Response:
-        return await self._call(request, ListNodesRequest())
+        data = {"after": request.query["after"]} if "after" in request.query else {}
+        return await self._call(request, self._decode(ListNodesRequest, data, "nodes"))
 
     async def _queues(self, request: web.Request) -> web.Response:
         return await self._call(request, ListQueuesRequest())
