@@ -10,8 +10,9 @@ stops. It reads state and never writes it but through the writer.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
-from typing import Protocol
+import logging
+from collections.abc import Callable, Iterable
+from typing import Final, Protocol
 
 from pydantic import ValidationError
 
@@ -25,9 +26,22 @@ from schemas.events import InputError, JobExited
 from schemas.jobs import BAD_INPUT_EXIT_CODE, FailureClass, JobState
 from schemas.state import BlacklistEntry, Cause, CauseKind
 
+log = logging.getLogger(__name__)
+
+# The most the blacklist's entries may take, encoded. The whole list is one STATE entry
+# (`BlacklistChanged`) and goes with every launch: kept well inside one NATS message
+# (1 MiB), beside a job's own command and environment. A few thousand entries of
+# ordinary URIs.
+MAX_BLACKLIST_BYTES: Final = 256 * 1024
+
 
 class Writes(JobRecords, BlacklistRecords, Stops, Protocol):
     pass
+
+
+def blacklist_bytes(entries: Iterable[BlacklistEntry]) -> int:
+    """What `entries` take of `MAX_BLACKLIST_BYTES`."""
+    return sum(len(entry.model_dump_json()) + 1 for entry in entries)
 
 
 def input_marked(exit: JobExited, reported: str | None) -> InputError | None:
@@ -91,17 +105,25 @@ class Blacklist:
         limit = self._policy.blacklist_after_jobs
         if len(jobs) < limit:
             return
+        entry = BlacklistEntry(
+            uri=event.uri,
+            reason=f"{len(jobs)} jobs failed on it (limit {limit}); last: {event.reason}",
+            jobs=tuple(sorted(jobs, key=job_sequence)),
+            added_at=self._clock(),
+            added_by="brain",
+        )
+        entries = {**state.blacklist, event.uri: entry}
+        if blacklist_bytes(entries.values()) > MAX_BLACKLIST_BYTES:
+            log.warning(
+                "input %s is not blacklisted although %d jobs failed on it: the blacklist "
+                "is full (%d entries); remove some (alnair blacklist remove URI)",
+                event.uri,
+                len(jobs),
+                len(state.blacklist),
+            )
+            return
         await self.set_blacklist(
-            {
-                **state.blacklist,
-                event.uri: BlacklistEntry(
-                    uri=event.uri,
-                    reason=f"{len(jobs)} jobs failed on it (limit {limit}); last: {event.reason}",
-                    jobs=tuple(sorted(jobs, key=job_sequence)),
-                    added_at=self._clock(),
-                    added_by="brain",
-                ),
-            },
+            entries,
             Cause(
                 kind=CauseKind.BLACKLISTED,
                 message=f"input {event.uri} blacklisted: jobs {', '.join(sorted(jobs))} "
@@ -120,6 +142,14 @@ class Blacklist:
             entries[uri] = BlacklistEntry(
                 uri=uri, reason=request.reason, added_at=self._clock(), added_by=operator
             )
+            size = blacklist_bytes(entries.values())
+            if size > MAX_BLACKLIST_BYTES:
+                raise ApiError(
+                    "invalid",
+                    f"the blacklist is full: {len(entries) - 1} entries, and with {uri} "
+                    f"{size} bytes, over the {MAX_BLACKLIST_BYTES} it may take (it goes with "
+                    "every launch); remove some first (alnair blacklist remove URI)",
+                )
             cause = Cause(
                 kind=CauseKind.BLACKLISTED,
                 message=f"input {uri} blacklisted by {operator}: {request.reason}",

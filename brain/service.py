@@ -122,6 +122,7 @@ from schemas.events import (
     ResizeCompleted,
 )
 from schemas.jobs import (
+    MAX_SPEC_BYTES,
     JobRecord,
     JobState,
     NodeGrant,
@@ -947,6 +948,14 @@ class Brain:
             away = self.state.job_away_for_key(tenant, request.idempotency_key)
             if away is not None and (finished := self.job_record(away)) is not None:
                 return finished  # finished long ago: answered from the history
+        size = len(spec.model_dump_json())
+        if size > MAX_SPEC_BYTES:
+            env = sum(len(name) + len(value) for name, value in spec.env.items())
+            raise ApiError(
+                "invalid",
+                f"the job's spec is {size} bytes (its environment {env}), over the "
+                f"{MAX_SPEC_BYTES} a job may take: pass large data in files",
+            )
         # Against every registered GPU, not only those up right now: a job must not be
         # refused because nodes are briefly away (a NATS restart, a network blip).
         total, largest = self.state.registered_gpus()

@@ -55,6 +55,7 @@ from schemas.errors import (
     BusTimeout,
     HandBack,
     InvalidMessage,
+    MessageTooLarge,
     SequenceConflict,
 )
 
@@ -72,6 +73,11 @@ WRONG_LAST_SEQUENCE: Final = 10071
 WRONG_LAST_MSG_ID: Final = 10070
 # How long one fetch waits for messages: also how long a loop takes to notice a stop.
 FETCH_WAIT_S: Final = 0.5
+# What one fetch of `read` asks for at most, in bytes (see there).
+READ_BYTES: Final = 8 * 1024 * 1024
+# What the headers of a JetStream append may add to its payload: its id and fences
+# (`Nats-Msg-Id`, `Nats-Expected-Last-Sequence`, `Nats-Expected-Last-Msg-Id`).
+HEADERS_ROOM: Final = 512
 # While NATS cannot be reached, a component says so this often (it keeps trying).
 UNREACHABLE_LOG_EVERY_S: Final = 30.0
 # What nats-py hands the error callback when the server refuses a publish (lowercased).
@@ -414,6 +420,7 @@ class Bus:
         """
         payload = encode(message)
         headers = {"Nats-Msg-Id": msg_id}
+        self._check_size(subject, payload)
         deadline = time.monotonic() + retry_for_s
         delay = 0.05
         while True:
@@ -463,6 +470,8 @@ class Bus:
         got there first; BusTimeout when it stays unconfirmed.
         """
         payloads = [(subject, encode(message), msg_id) for subject, message, msg_id in entries]
+        for subject, payload, _ in payloads:
+            self._check_size(subject, payload)  # before any is sent: none of them is
         deadline = time.monotonic() + retry_for_s
         stored = 0  # entries[:stored] are known to be in the stream
         delay = 0.05
@@ -578,6 +587,14 @@ class Bus:
                     raise BusTimeout(pending[0][0], retry_for_s) from error
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    def _check_size(self, subject: str, payload: bytes) -> None:
+        """Refuse a JetStream message the server would refuse by closing the connection.
+        nats-py checks the payload alone; the server counts the headers too (ids and
+        fences: `HEADERS_ROOM` at most)."""
+        limit = self.nc.max_payload
+        if limit and len(payload) + HEADERS_ROOM > limit:
+            raise MessageTooLarge(subject, len(payload) + HEADERS_ROOM, limit)
 
     async def _publish_acked(
         self, subject: str, payload: bytes, headers: dict[str, str]
@@ -828,9 +845,16 @@ class Bus:
         inside nats-py's fetch does not reliably end it). An entry that fails validation
         is yielded as the InvalidMessage, so a reader can report it and go on.
         """
-        until = await self.last_seq(stream)
+        info = await self.js.stream_info(stream)
+        until = int(info.state.last_seq)
         if not follow and until < start_seq:
             return
+        # Fetch at most about READ_BYTES at a time: the server drops a connection
+        # that more than its pending limit (64 MiB) waits on as a slow consumer, and a
+        # batch of 512 records of a few hundred KB each is more. Sized by the larger
+        # of the stream's average message and the largest of the last batch.
+        average = int(info.state.bytes) // max(1, int(info.state.messages))
+        largest = 0
         config = ConsumerConfig(
             deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
             opt_start_seq=max(1, start_seq),
@@ -843,8 +867,9 @@ class Bus:
         )
         try:
             while True:
+                want = max(1, min(batch, READ_BYTES // max(1, average, largest)))
                 try:
-                    msgs = await psub.fetch(batch, timeout=FETCH_WAIT_S)
+                    msgs = await psub.fetch(want, timeout=FETCH_WAIT_S)
                 except (nats.errors.TimeoutError, TimeoutError):
                     if stop is not None and stop.is_set():
                         return
@@ -852,6 +877,7 @@ class Bus:
                         # A filtered reader may never see `until` itself.
                         return
                     continue
+                largest = max(map(len, (msg.data for msg in msgs)), default=0)
                 for msg in msgs:
                     seq = int(msg.metadata.sequence.stream)
                     try:

@@ -45,6 +45,19 @@ class BusTimeout(BusError, TimeoutError):
         self.subject = subject
 
 
+class MessageTooLarge(BusError):
+    """A message over the server's payload limit, refused before it is sent: sent, the
+    server would close the connection ("Maximum Payload Violation")."""
+
+    def __init__(self, subject: str, size: int, limit: int) -> None:
+        super().__init__(
+            f"a message of {size} bytes for {subject} is over the server's limit of {limit}"
+        )
+        self.subject = subject
+        self.size = size
+        self.limit = limit
+
+
 class SequenceConflict(BusError):
     """A fenced append found the log further along than expected: another writer.
 

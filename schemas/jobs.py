@@ -37,6 +37,10 @@ MAX_MEMORY_MB_PER_GPU: Final = 16 * 1024 * 1024
 GPU_MILLI: Final = 1000
 MAX_GPU_MEMORY_MIB: Final = 16 * 1024 * 1024
 MAX_GPU_TYPES: Final = 16
+# The most a job's spec may take, encoded: its record is one STATE entry and its
+# command and environment go with every launch, both within one NATS message (1 MiB)
+# beside the input blacklist (brain/blacklist.py). Large data belongs in files.
+MAX_SPEC_BYTES: Final = 256 * 1024
 
 OnDisconnect = Literal["stop", "keep"]
 

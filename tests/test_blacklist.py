@@ -5,10 +5,11 @@ pre-runs that survive their trial."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
-from brain.blacklist import Blacklist
+from brain.blacklist import MAX_BLACKLIST_BYTES, Blacklist, blacklist_bytes
 from brain.core.failures import DEFAULT_FAILURE_POLICY
 from schemas.api import BlacklistRequest
 from schemas.errors import ApiError
@@ -221,3 +222,51 @@ async def test_a_redelivered_exit_marks_its_input_once() -> None:
     assert marked is not None
     shell.record_event(marked)
     assert await made.job_exited(exited("1", 66, MARKED)) is None
+
+
+async def test_a_full_blacklist_refuses_more_and_keeps_what_it_has(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The whole blacklist is one log entry and goes with every launch: past
+    MAX_BLACKLIST_BYTES an operator's add is refused, naming the limit, and an input
+    that reaches K failures is not added (said in the log); nothing already listed is
+    lost. Unbounded, a list of a few hundred long URIs outgrew a NATS message and the
+    brain could not journal it."""
+    caplog.set_level(logging.WARNING, logger="brain.blacklist")
+    shell = Shell()
+    made = blacklist(shell)
+    long = "x" * 4000
+    added = 0
+    while blacklist_bytes(shell.state.blacklist.values()) + 4200 <= MAX_BLACKLIST_BYTES:
+        await made.edit(
+            "ops", BlacklistRequest(action="add", uri=f"s3://bucket/{added:04d}/{long}")
+        )
+        added += 1
+    one_more = BlacklistRequest(action="add", uri=f"s3://bucket/{added:04d}/{long}")
+    with pytest.raises(ApiError) as refused:
+        await made.edit("ops", one_more)
+    assert refused.value.code == "invalid"
+    assert f"the blacklist is full: {added} entries" in str(refused.value)
+    assert f"over the {MAX_BLACKLIST_BYTES} it may take" in str(refused.value)
+    assert len(shell.state.blacklist) == added > 50
+    assert blacklist_bytes(shell.state.blacklist.values()) <= MAX_BLACKLIST_BYTES
+
+    # Filled to within 100 bytes, too little for the entry K failures would add.
+    room = MAX_BLACKLIST_BYTES - blacklist_bytes(shell.state.blacklist.values())
+    probe = "s3://filler/"
+    await made.edit("ops", BlacklistRequest(action="add", uri=probe))
+    overhead = blacklist_bytes(shell.state.blacklist.values()) - (MAX_BLACKLIST_BYTES - room)
+    await made.edit("ops", BlacklistRequest(action="remove", uri=probe))
+    filler = probe + "f" * (room - overhead - 100)
+    await made.edit("ops", BlacklistRequest(action="add", uri=filler))
+    for number, job_id in enumerate(("1", "2")):
+        shell.record_event(input_error(job_id, number))
+    records = shell.state.last_seq
+    await made.input_error(input_error("3"))
+    assert URI not in shell.state.blacklist and shell.state.last_seq == records
+    assert f"input {URI} is not blacklisted although 3 jobs failed on it" in caplog.text
+
+    # Room again once one is removed.
+    await made.edit("ops", BlacklistRequest(action="remove", uri=f"s3://bucket/0000/{long}"))
+    await made.edit("ops", BlacklistRequest(action="add", uri=URI))
+    assert URI in shell.state.blacklist

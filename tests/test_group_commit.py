@@ -18,12 +18,14 @@ from brain.service import Brain
 from bus.client import Bus
 from cli.client import submit as client_submit
 from schemas import subjects
-from schemas.api import JOB_RESULT, JobReply, SubmitRequest
-from schemas.errors import ApiError, SequenceConflict
-from schemas.jobs import JobSpec
+from schemas.api import JOB_RESULT, ErrorReply, JobReply, SubmitRequest
+from schemas.base import encode
+from schemas.errors import ApiError, MessageTooLarge, SequenceConflict
+from schemas.jobs import MAX_SPEC_BYTES, JobSpec
 from schemas.state import (
     STATE_RECORD,
     BlacklistChanged,
+    BlacklistEntry,
     Cause,
     CauseKind,
     JobChanged,
@@ -227,3 +229,68 @@ async def test_a_reply_lost_with_the_leader_is_given_by_the_next_one(
         if isinstance(item, JobChanged) and item.previous is None
     ]
     assert created == [job.job_id]
+
+
+def _padded(record_id: str, size: int) -> BlacklistChanged:
+    """A STATE entry of exactly `size` bytes, encoded."""
+
+    def made(pad: int) -> BlacklistChanged:
+        entry = BlacklistEntry(uri="s3://pad", reason="p" * pad, added_at=0.0, added_by="t")
+        cause = Cause(kind=CauseKind.BLACKLISTED, message="padding")
+        return BlacklistChanged(record_id=record_id, ts=0.0, epoch=1, entries=(entry,), cause=cause)
+
+    return made(size - len(encode(made(0))))
+
+
+async def test_a_group_with_an_entry_too_big_sends_none_of_it(connect) -> None:
+    """An entry under nats-py's payload check but over the server's limit once its
+    headers count is refused before anything is sent: sent, the server would close the
+    connection ("Maximum Payload Violation") and take the brain's subscriptions with it."""
+    bus = await connect("writer")
+    await bus.ensure_streams()
+    limit = bus.nc.max_payload
+    big = _padded("big", limit - 100)
+    assert len(encode(big)) == limit - 100
+    group = [*entries(["a"]), (subjects.STATE_BLACKLIST, big, "id-big"), *entries(["c"])]
+    with pytest.raises(MessageTooLarge, match=f"over the server's limit of {limit}"):
+        await bus.append_many(subjects.STREAM_STATE, group, after=0)
+    assert await stored(bus) == []
+    assert bus.nc.is_connected and bus.nc.stats["reconnects"] == 0
+    assert await bus.append_many(subjects.STREAM_STATE, entries(["a"]), after=0) == 1
+
+
+async def test_a_log_of_large_entries_is_read_without_losing_the_connection(connect) -> None:
+    """250 entries of 1 MB: read in batches of 512, the server queued them all for the
+    reader at once and dropped it as a slow consumer (past 64 MiB), and the read hung;
+    `read` sizes its fetches by the entries it meets."""
+    bus = await connect("writer")
+    await bus.ensure_streams()
+    record = _padded("r", 1_000_000)
+    for i in range(250):
+        entry = (subjects.STATE_BLACKLIST, record, f"id-{i}")
+        await bus.append_many(subjects.STREAM_STATE, [entry], after=i)
+    reader = await connect("reader")
+
+    async def read_all() -> list[int]:
+        return [seq async for _, seq, _ in reader.read(subjects.STREAM_STATE, STATE_RECORD)]
+
+    assert await asyncio.wait_for(read_all(), timeout=60) == list(range(1, 251))
+    assert reader.nc.stats["reconnects"] == 0
+
+
+async def test_a_spec_too_big_for_the_log_is_refused_at_submit(
+    brain_factory: Callable[..., Awaitable[Brain]],
+) -> None:
+    """A submission fits one NATS message (1 MiB), but its job's record must too, and
+    its launch, with the blacklist: a spec over MAX_SPEC_BYTES is refused, naming its
+    size, and the brain goes on leading. Near 1 MiB, a record the log could not take
+    made the brain step down."""
+    brain = await brain_factory()
+    spec = JobSpec(command=("true",), gpus=1, env={"BLOB": "x" * 300_000})
+    refused = await brain.api.handle(TENANT, SubmitRequest(spec=spec))
+    assert isinstance(refused, ErrorReply) and refused.code == "invalid"
+    assert "the job's spec is 30" in refused.error
+    assert f"over the {MAX_SPEC_BYTES} a job may take" in refused.error
+    assert brain.leading.is_set()
+    fine = await brain.api.handle(TENANT, SubmitRequest(spec=JobSpec(command=("true",), gpus=64)))
+    assert isinstance(fine, JobReply)
