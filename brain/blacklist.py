@@ -146,9 +146,9 @@ class Blacklist:
             if size > MAX_BLACKLIST_BYTES:
                 raise ApiError(
                     "invalid",
-                    f"the blacklist is full: {len(entries) - 1} entries, and with {uri} "
-                    f"{size} bytes, over the {MAX_BLACKLIST_BYTES} it may take (it goes with "
-                    "every launch); remove some first (alnair blacklist remove URI)",
+                    f"the blacklist is full: {len(entries) - 1} entries; with this one it "
+                    f"would take {size} bytes, over the {MAX_BLACKLIST_BYTES} it may (it goes "
+                    "with every launch); remove some first (alnair blacklist remove URI)",
                 )
             cause = Cause(
                 kind=CauseKind.BLACKLISTED,
