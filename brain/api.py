@@ -120,7 +120,7 @@ def fit_nodes(reply: NodesReply, limit: int) -> NodesReply:
     kept = _fitting((len(encode(node)) for node in reply.nodes), room)
     nodes = reply.nodes[:kept]
     more = kept < len(reply.nodes)
-    return NodesReply(nodes=nodes, next_after=nodes[-1].record.name if more else None)
+    return NodesReply(nodes=nodes, next_after=nodes[-1].record.name if more else reply.next_after)
 
 
 class ApiServer:
@@ -251,7 +251,10 @@ class ApiServer:
     def _cluster(self, request: ListNodesRequest | ListQueuesRequest) -> NodesReply | QueuesReply:
         """The nodes, or the queues: what every tenant may read of the cluster."""
         if isinstance(request, ListNodesRequest):
-            return NodesReply(nodes=self._nodes(request.after))
+            nodes = self._nodes(request.after)
+            page = nodes[: request.limit]
+            more = len(page) < len(nodes)
+            return NodesReply(nodes=page, next_after=page[-1].record.name if more else None)
         state, config = self.brain.state, self.brain.config
         statuses = queue_status(
             config.queues, state.jobs_in(JobState.RUNNING), state.jobs_in(JobState.PENDING)

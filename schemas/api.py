@@ -67,6 +67,8 @@ class ListNodesRequest(Message):
     # Only nodes whose names sort after this one: the next page, from a reply's
     # `next_after`.
     after: NodeName | None = None
+    # At most this many (the first by name): a dashboard's page.
+    limit: int = Field(default=100_000, ge=1, le=100_000)
 
 
 class StatusRequest(Message):
@@ -155,8 +157,8 @@ class NodesReply(Message):
     ok: Literal[True] = True
     # By name.
     nodes: tuple[NodeStatus, ...]
-    # More nodes follow, left out because one message holds no more: ask again with
-    # `after` set to this (the last node listed) for the next page.
+    # More nodes follow, left out by `limit` or because one message holds no more: ask
+    # again with `after` set to this (the last node listed) for the next page.
     next_after: str | None = None
 
 

@@ -337,6 +337,7 @@ async def test_a_listing_too_big_for_one_message_comes_in_pages(
 
 async def test_a_node_listing_too_big_for_one_message_comes_in_pages(
     brain_factory: Callable[..., Awaitable[Brain]],
+    api_factory: Callable[..., Awaitable[Api]],
     connect: Callable[[str], Awaitable[Bus]],
     nats_server: Any,
     capsys: Any,
@@ -377,3 +378,16 @@ async def test_a_node_listing_too_big_for_one_message_comes_in_pages(
     args = ["nodes", "--nats", nats_server.url, "--tenant", "alice", "--json"]
     assert await asyncio.to_thread(main, args) == 0
     assert [n["record"]["name"] for n in json.loads(capsys.readouterr().out)] == names
+
+    # HTTP answers whole, or a page of `limit` (the dashboard's), then `after` it.
+    api = await api_factory(brain)
+    status, body = await api.call("GET", "/v1/nodes")
+    assert status == 200 and len(body["nodes"]) == 600 and body["next_after"] is None
+    status, body = await api.call("GET", "/v1/nodes?limit=256")
+    assert [n["record"]["name"] for n in body["nodes"]] == names[:256]
+    assert body["next_after"] == names[255]
+    status, body = await api.call("GET", f"/v1/nodes?after={names[255]}&limit=1000")
+    assert [n["record"]["name"] for n in body["nodes"]] == names[256:]
+    assert body["next_after"] is None
+    status, body = await api.call("GET", "/v1/nodes?limit=0")
+    assert status == 400 and "limit" in body["error"]

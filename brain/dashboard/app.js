@@ -4,6 +4,7 @@
 "use strict";
 
 const REFRESH_MS = 2000;
+const NODES_SHOWN = 256;
 const MAX_EVENTS = 100;
 const TOKEN_KEY = "alnair-token";
 
@@ -88,64 +89,68 @@ function drawLegend() {
   legend.append(el("span", {}, "\u00a0100%"));
 }
 
-function drawNodes(nodes, holders) {
+// `of`: how many nodes there are when `nodes` is only the first page of them (else null).
+function drawNodes(nodes, holders, of) {
   const box = $("nodes");
   if (!nodes.length) {
     box.replaceChildren(el("p", { class: "muted" }, "no node has joined yet"));
     return;
   }
-  box.replaceChildren(
-    ...nodes.map((status) => {
-      const record = status.record;
-      const latest = new Map(status.latest.map((sample) => [sample.index, sample]));
-      const held = new Set(status.allocated_gpus);
-      const drained = new Set((record.drained_gpus || []).map((d) => d.index));
-      const shared = new Map((status.shares || []).map((s) => [s.index, s]));
-      const cells = record.gpus.map((gpu) => {
-        const sample = latest.get(gpu.index);
-        const util = sample ? sample.util_gpu_pct : 0;
-        const share = shared.get(gpu.index);
-        const job = share
-          ? share.jobs.map((u) => `${u.job_id} ${u.gpu_milli / 1000}`).join(", ")
-          : holders.get(`${record.name}/${gpu.index}`);
-        const sick = gpu.health !== "healthy" || drained.has(gpu.index);
-        const title =
-          `${record.name} GPU ${gpu.index} ${gpu.model}\n` +
-          (sample
-            ? `util ${util}%  memory ${mib(sample.mem_used_mib)} / ${mib(sample.mem_total_mib)}` +
-              `  ${sample.power_w} W  ${sample.temp_c} °C`
-            : "no telemetry") +
-          (job ? `\njob ${job}` : "") +
-          (share ? `\n${shareText(share)}` : "") +
-          (sick ? `\n${gpu.health_reason || "drained"}` : "");
-        return el(
-          "div",
-          {
-            class: `gpu-cell${held.has(gpu.index) ? " held" : ""}${sick ? " sick" : ""}`,
-            style: `background:${sample ? heat(util) : "#333"}`,
-            title,
-            "data-node": record.name,
-            "data-gpu": String(gpu.index),
-          },
-          el("span", {}, sample ? `${Math.round(util)}%` : "–"),
-          job ? el("span", { class: "job" }, `job ${job}`) : null,
-        );
-      });
-      const model = record.gpus.length ? record.gpus[0].model : "";
+  const tiles = nodes.map((status) => {
+    const record = status.record;
+    const latest = new Map(status.latest.map((sample) => [sample.index, sample]));
+    const held = new Set(status.allocated_gpus);
+    const drained = new Set((record.drained_gpus || []).map((d) => d.index));
+    const shared = new Map((status.shares || []).map((s) => [s.index, s]));
+    const cells = record.gpus.map((gpu) => {
+      const sample = latest.get(gpu.index);
+      const util = sample ? sample.util_gpu_pct : 0;
+      const share = shared.get(gpu.index);
+      const job = share
+        ? share.jobs.map((u) => `${u.job_id} ${u.gpu_milli / 1000}`).join(", ")
+        : holders.get(`${record.name}/${gpu.index}`);
+      const sick = gpu.health !== "healthy" || drained.has(gpu.index);
+      const title =
+        `${record.name} GPU ${gpu.index} ${gpu.model}\n` +
+        (sample
+          ? `util ${util}%  memory ${mib(sample.mem_used_mib)} / ${mib(sample.mem_total_mib)}` +
+            `  ${sample.power_w} W  ${sample.temp_c} °C`
+          : "no telemetry") +
+        (job ? `\njob ${job}` : "") +
+        (share ? `\n${shareText(share)}` : "") +
+        (sick ? `\n${gpu.health_reason || "drained"}` : "");
       return el(
         "div",
-        { class: "node" },
-        el(
-          "div",
-          { class: "node-name" },
-          el("strong", {}, record.name),
-          el("span", { class: `state ${record.state}` }, record.state),
-          el("div", { class: "muted small" }, `${model} · seen ${ago(status.last_seen_s_ago)} ago`),
-        ),
-        el("div", { class: "gpus" }, ...cells),
+        {
+          class: `gpu-cell${held.has(gpu.index) ? " held" : ""}${sick ? " sick" : ""}`,
+          style: `background:${sample ? heat(util) : "#333"}`,
+          title,
+          "data-node": record.name,
+          "data-gpu": String(gpu.index),
+        },
+        el("span", {}, sample ? `${Math.round(util)}%` : "–"),
+        job ? el("span", { class: "job" }, `job ${job}`) : null,
       );
-    }),
-  );
+    });
+    const model = record.gpus.length ? record.gpus[0].model : "";
+    return el(
+      "div",
+      { class: "node" },
+      el(
+        "div",
+        { class: "node-name" },
+        el("strong", {}, record.name),
+        el("span", { class: `state ${record.state}` }, record.state),
+        el("div", { class: "muted small" }, `${model} · seen ${ago(status.last_seen_s_ago)} ago`),
+      ),
+      el("div", { class: "gpus" }, ...cells),
+    );
+  });
+  if (of !== null) {
+    const note = `the first ${nodes.length} of ${of} nodes, by name (alnair nodes lists every one)`;
+    tiles.push(el("p", { class: "muted" }, note));
+  }
+  box.replaceChildren(...tiles);
 }
 
 // A shared GPU: each job's share, GPU memory limit and use, and who enforces them.
@@ -250,7 +255,9 @@ function drawRunning(running, profiles) {
 async function refresh() {
   const [status, nodes, jobs, queues] = await Promise.all([
     api("/v1/status"),
-    api("/v1/nodes"),
+    // The first NODES_SHOWN by name: a page of them, not every node of a large cluster
+    // every REFRESH_MS (alnair nodes lists them all).
+    api(`/v1/nodes?limit=${NODES_SHOWN}`),
     api("/v1/jobs?state=PENDING&state=RUNNING"),
     api("/v1/queues"),
   ]);
@@ -265,7 +272,7 @@ async function refresh() {
       for (const gpu of grant.gpus) holders.set(`${grant.node}/${gpu}`, job.job_id);
     }
   }
-  drawNodes(nodes.nodes, holders);
+  drawNodes(nodes.nodes, holders, nodes.next_after ? status.nodes : null);
   drawQueue(jobs.jobs.filter((j) => j.state === "PENDING"), now);
   drawQueues(queues.queues);
   drawRunning(running, new Map(jobs.profiles.map((p) => [p.job_id, p])));

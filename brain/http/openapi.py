@@ -338,7 +338,18 @@ def _paths() -> dict[str, Any]:
                         "in": "query",
                         "schema": {"type": "string", "pattern": NAME_PATTERN},
                         "description": "only nodes after this one (a reply's next_after)",
-                    }
+                    },
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": 100_000,
+                            "default": 100_000,
+                        },
+                        "description": "at most this many, the first by name",
+                    },
                 ],
                 operation_id="listNodes",
             )

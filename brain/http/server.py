@@ -399,7 +399,12 @@ class HttpServer:
         return await self._call(request, self._decode(ResizeRequest, data, "resize"))
 
     async def _nodes(self, request: web.Request) -> web.Response:
-        data = {"after": request.query["after"]} if "after" in request.query else {}
+        data: dict[str, Any] = {}
+        if "after" in request.query:
+            data["after"] = request.query["after"]
+        if "limit" in request.query:
+            limit = request.query["limit"]
+            data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
         return await self._call(request, self._decode(ListNodesRequest, data, "nodes"))
 
     async def _queues(self, request: web.Request) -> web.Response:
