@@ -870,6 +870,11 @@ class Bus:
                 want = max(1, min(batch, READ_BYTES // max(1, average, largest)))
                 try:
                     msgs = await psub.fetch(want, timeout=FETCH_WAIT_S)
+                except nats.js.errors.ServiceUnavailableError:
+                    # The stream is electing a leader (a JetStream cluster lost one):
+                    # nothing read, nothing missed; ask again.
+                    await asyncio.sleep(FETCH_WAIT_S)
+                    continue
                 except (nats.errors.TimeoutError, TimeoutError):
                     if stop is not None and stop.is_set():
                         return
