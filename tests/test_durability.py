@@ -171,7 +171,8 @@ async def test_an_agent_shutting_down_reports_every_exit_of_the_jobs_it_stops(
     for gpu, linger_s in enumerate((0.0, 0.6, 1.2)):
         await agent.handle_command(_slow_to_stop(agent, f"j{gpu}", gpu, linger_s))
         await eventually(lambda gpu=gpu: agent.launcher.find(f"j{gpu}"))  # type: ignore[misc]
-    await asyncio.sleep(0.5)  # the starts are sent: the queue is empty when it closes
+    # The starts are sent: the queue is empty when it closes (what ended the sender).
+    await eventually(agent._outbox.empty)
     await agent.stop(stop_jobs=True)
     read = setup.read(
         subjects.STREAM_EVENTS, NODE_EVENT, filter_subject=subjects.node("n1", "event")
