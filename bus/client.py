@@ -844,6 +844,13 @@ class Bus:
         for new ones until `stop` is set (checked between fetches: cancelling a task
         inside nats-py's fetch does not reliably end it). An entry that fails validation
         is yielded as the InvalidMessage, so a reader can report it and go on.
+
+        Every entry is yielded once, in order, whatever happens to the connection. The
+        pull consumer delivers without acks, so what the server sent and the client
+        never got (a connection dropped as a slow consumer, a server restarted) is
+        gone from that consumer. Its deliveries are numbered: when one is missing, or
+        the consumer says it sent more than arrived, or is gone, the reader goes on
+        from the next sequence it needs with a new consumer.
         """
         info = await self.js.stream_info(stream)
         until = int(info.state.last_seq)
@@ -855,36 +862,25 @@ class Bus:
         # of the stream's average message and the largest of the last batch.
         average = int(info.state.bytes) // max(1, int(info.state.messages))
         largest = 0
-        config = ConsumerConfig(
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=max(1, start_seq),
-            ack_policy=AckPolicy.NONE,
-            inactive_threshold=60.0,
-            filter_subject=filter_subject,
-        )
-        psub = await self.js.pull_subscribe(
-            filter_subject or ">", durable=None, stream=stream, config=config
-        )
+        needed = max(1, start_seq)  # the next stream sequence not yet yielded
+        psub = await self._pull_from(stream, needed, filter_subject)
+        delivered = 0  # the last delivery of this consumer that arrived
+        reconnects = self.nc.stats["reconnects"]
         try:
             while True:
                 want = max(1, min(batch, READ_BYTES // max(1, average, largest)))
-                try:
-                    msgs = await psub.fetch(want, timeout=FETCH_WAIT_S)
-                except nats.js.errors.ServiceUnavailableError:
-                    # The stream is electing a leader (a JetStream cluster lost one):
-                    # nothing read, nothing missed; ask again.
-                    await asyncio.sleep(FETCH_WAIT_S)
-                    continue
-                except (nats.errors.TimeoutError, TimeoutError):
-                    if stop is not None and stop.is_set():
-                        return
-                    if not follow and (filter_subject is not None or start_seq > until):
-                        # A filtered reader may never see `until` itself.
-                        return
-                    continue
+                msgs = await self._fetch(psub, want)
                 largest = max(map(len, (msg.data for msg in msgs)), default=0)
+                lost = False
                 for msg in msgs:
+                    if msg.metadata.sequence.consumer != delivered + 1:
+                        lost = True  # deliveries between never arrived
+                        break
+                    delivered += 1
                     seq = int(msg.metadata.sequence.stream)
+                    if seq < needed:
+                        continue
+                    needed = seq + 1
                     try:
                         item: T | InvalidMessage = decode(msg.data, decoder)
                     except InvalidMessage as error:
@@ -892,11 +888,80 @@ class Bus:
                     yield item, seq, msg.subject
                     if not follow and seq >= until:
                         return
+                if (
+                    not lost
+                    and len(msgs) < want
+                    and (not follow or self.nc.stats["reconnects"] != reconnects)
+                ):
+                    # A short batch: the stream has no more for now, or the connection
+                    # lost the rest. The consumer knows which. (A follower meets short
+                    # batches all the time and asks only after a reconnect: nothing is
+                    # lost in transit without one.)
+                    reconnects = self.nc.stats["reconnects"]
+                    pending = await self._pending(psub, delivered)
+                    lost = pending is None
+                    if pending == 0 and not follow:
+                        return
+                if lost:
+                    with contextlib.suppress(Exception):
+                        await psub.unsubscribe()  # the server forgets it when inactive
+                    psub = await self._pull_from(stream, needed, filter_subject)
+                    delivered = 0
                 if stop is not None and stop.is_set():
                     return
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+
+    @staticmethod
+    async def _fetch(psub: JetStreamContext.PullSubscription, want: int) -> list[Msg]:
+        """Up to `want` entries, none when there are none before FETCH_WAIT_S."""
+        try:
+            return await psub.fetch(want, timeout=FETCH_WAIT_S)
+        except nats.js.errors.ServiceUnavailableError:
+            # The stream is electing a leader (a JetStream cluster lost one), or the
+            # server restarted without this consumer.
+            await asyncio.sleep(FETCH_WAIT_S)
+        except (nats.errors.TimeoutError, TimeoutError):
+            pass
+        return []
+
+    async def _pull_from(
+        self, stream: str, seq: int, filter_subject: str | None
+    ) -> JetStreamContext.PullSubscription:
+        """An ephemeral pull consumer of `stream` delivering from `seq`, unacknowledged;
+        waits out a reconnect or a leader election."""
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=seq,
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=60.0,
+            filter_subject=filter_subject,
+        )
+        while True:
+            try:
+                return await self.js.pull_subscribe(
+                    filter_subject or ">", durable=None, stream=stream, config=config
+                )
+            except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError):
+                await asyncio.sleep(FETCH_WAIT_S)
+
+    async def _pending(self, psub: JetStreamContext.PullSubscription, delivered: int) -> int | None:
+        """What the consumer still holds for its reader, or None where it delivered more
+        than the reader's `delivered`, or is gone (with the server that held it), or
+        cannot say: then a new consumer from the next sequence needed is right."""
+        try:
+            info = await psub.consumer_info()
+        except (
+            nats.js.errors.NotFoundError,
+            nats.js.errors.ServiceUnavailableError,
+            nats.errors.TimeoutError,
+            TimeoutError,
+        ):
+            return None
+        if info.delivered is None or int(info.delivered.consumer_seq) != delivered:
+            return None
+        return int(info.num_pending or 0)
 
     async def request(
         self,
