@@ -10,16 +10,19 @@ restarted) is gone from that consumer: the reader must notice and read it again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.js.client
 import pytest
 
+from brain.service import Brain
 from bus.client import Bus
 from schemas import subjects
+from schemas.errors import ApiError
 from schemas.state import STATE_RECORD
 from tests.conftest import eventually
-from tests.test_group_commit import entries
+from tests.test_group_commit import entries, submit
 
 PullSubscription = nats.js.client.JetStreamContext.PullSubscription
 
@@ -149,3 +152,52 @@ async def test_entries_removed_from_the_stream_are_not_waited_for(connect) -> No
     expected = [seq for seq in range(1, 300) if seq != 150]
     assert await sequences(bus, batch=100) == expected
     assert await sequences(bus, batch=100, start_seq=150) == expected[149:]
+
+
+@pytest.mark.timeout(120)
+async def test_a_step_down_whose_reload_meets_a_server_restart_leads_again(
+    brain_factory: Callable[..., Awaitable[Brain]], connect, nats_server, monkeypatch
+) -> None:
+    """A refused group makes the leader step down and read its state again; the server
+    restarts under that read. The reload must end, over the log as stored, and the
+    brain lead again: before, a read that lost its entries never ended, and a brain
+    that never finished stepping down never stood for election again."""
+    brain = await brain_factory()
+    for i in range(3):
+        await submit(brain, f"before-{i}")
+    real_reload = brain.replica.reload
+    real_fetch = PullSubscription.fetch
+    restarts: list[bool] = []
+    reloading = False
+
+    async def reload() -> None:
+        nonlocal reloading
+        reloading = True
+        try:
+            await real_reload()
+        finally:
+            reloading = False
+
+    async def fetch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        msgs = await real_fetch(self, *args, **kwargs)
+        if reloading and not restarts and msgs:
+            restarts.append(True)  # these entries are lost with the connection
+            nats_server.kill()
+            await nats_server.astart()
+            return []
+        return msgs
+
+    brain.replica.reload = reload  # type: ignore[method-assign]
+    monkeypatch.setattr(PullSubscription, "fetch", fetch)
+    rival = await connect("rival")
+    last = await rival.last_seq(subjects.STREAM_STATE)
+    await rival.append_many(subjects.STREAM_STATE, entries(["intruder"]), after=last)
+    lost = await asyncio.gather(submit(brain, "lost"), return_exceptions=True)
+    assert isinstance(lost[0], ApiError) and lost[0].code == "unavailable"
+
+    await eventually(lambda: restarts and brain.leading.is_set(), timeout_s=60)
+    assert not brain.journal.tainted
+    assert "intruder" in brain.state.nodes
+    names = sorted(j.spec.name for j in brain.state.jobs.values())
+    assert names == ["before-0", "before-1", "before-2"]
+    assert brain.state.last_seq == await rival.last_seq(subjects.STREAM_STATE)
