@@ -455,10 +455,14 @@ class Agent:
             process.stop_reason = reason
             self.bus.spawn(self._stop_over(process, reason), name=f"gpu-memory:{process.job_id}")
         async with self._command_lock:
-            shared = {gpu for p in self.launcher.shares() for gpu in p.gpus}
-            for gpu in self._shared_gpus - shared:
-                await self.shares.release(gpu)
-            self._shared_gpus &= shared
+            await self._release_unshared(self._shared_gpus)
+
+    async def _release_unshared(self, gpus: set[int]) -> None:
+        """Let the MPS daemons of these GPUs go where no share runs any more."""
+        shared = {gpu for p in self.launcher.shares() for gpu in p.gpus}
+        for gpu in (self._shared_gpus & gpus) - shared:
+            await self.shares.release(gpu)
+            self._shared_gpus.discard(gpu)
 
     async def _stop_over(self, process: JobProcess, reason: str) -> None:
         await self.launcher.stop(
@@ -622,6 +626,13 @@ class Agent:
             shareable=command.shareable,
         )
         try:
+            if command.gpu_milli is None and self._shared_gpus & set(command.gpus):
+                # Whole GPUs whose shares are being stopped (preempted to make room
+                # for this job): their MPS daemon goes before the job starts, or its
+                # server would hold the GPU beside it (memory, and in EXCLUSIVE_PROCESS
+                # mode the job's own CUDA context). The watch would let it go later.
+                await self.launcher.wait_for_gpus(request)
+                await self._release_unshared(set(command.gpus))
             job = await self.launcher.launch(request)
         except LaunchError as error:
             self._fence_after.pop((command.job_id, command.attempt), None)

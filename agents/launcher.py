@@ -37,6 +37,8 @@ FINISHED_REMEMBERED: Final = 10_000
 # What an unconfined attempt left running when its first process ended gets this long
 # after SIGTERM before SIGKILL (`Launcher._end_leftovers`).
 LEFTOVER_GRACE_S: Final = 5.0
+# How long a launch waits for the processes being stopped on its GPUs to exit.
+GPU_WAIT_S: Final = 30.0
 
 
 class LaunchError(AlnairError):
@@ -199,7 +201,7 @@ class Launcher:
         job.gpus = gpus
         return True
 
-    async def launch(self, request: LaunchRequest, *, gpu_wait_s: float = 30.0) -> JobProcess:
+    async def launch(self, request: LaunchRequest, *, gpu_wait_s: float = GPU_WAIT_S) -> JobProcess:
         existing = self._procs.get((request.job_id, request.attempt))
         if existing is not None and not existing.exited.is_set():
             return existing  # the same launch again: idempotent
@@ -207,7 +209,7 @@ class Launcher:
             # A new brain re-sent a launch whose process already ran and exited: its
             # exit is on its way; running it twice would be wrong.
             raise LaunchError(request.job_id, f"attempt {request.attempt} already ran on this node")
-        await self._wait_for_gpus(request, gpu_wait_s)
+        await self.wait_for_gpus(request, gpu_wait_s)
         log_path = self.log_dir / request.job_id / f"attempt-{request.attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         launch_id = secrets.token_hex(16)
@@ -286,7 +288,7 @@ class Launcher:
             # The node cannot confine it (cgroup filesystem, disk): another node may.
             raise LaunchError(request.job_id, f"cannot confine: {error}", retryable=True) from None
 
-    async def _wait_for_gpus(self, request: LaunchRequest, wait_s: float) -> None:
+    async def wait_for_gpus(self, request: LaunchRequest, wait_s: float = GPU_WAIT_S) -> None:
         """A GPU may still be held by a process being stopped: wait for it to go.
 
         A GPU held by a process nobody asked to stop means the brain and this node

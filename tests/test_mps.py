@@ -27,11 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from agents.agent import Agent
+from agents.agent import Agent, AgentConfig
+from agents.gpu import SimulatedGpus
 from agents.mps import Accounted, MpsDaemons, MpsError, ShareUser, out_of_reach, share_env
+from brain.core.decide import Policy
 from cli.client import submit
 from schemas.jobs import FailureClass, JobSpec, JobState
 from tests.conftest import eventually
+from tests.test_cluster_e2e import submit as submit_spec
 from tests.test_confine import (
     JOB_PYTHON,
     _finished,
@@ -420,3 +423,45 @@ async def test_a_daemon_left_by_an_earlier_agent_is_started_again_for_the_new_us
     finally:
         for pid in started:
             _kill(pid)
+
+
+@pytest.mark.timeout(120)
+async def test_a_whole_gpu_job_starts_after_its_gpus_shares_daemon_has_quit(
+    brain_factory, connect, nats_server, tmp_path: Path
+) -> None:
+    """A share preempted for a whole-GPU job: the GPU's MPS daemon quits before the job
+    starts (its server would hold the GPU beside a job that is no MPS client), not at
+    the agent's next watch. The agent here watches once a minute; the job looks for
+    the daemon's pipe as it starts."""
+    brain = await brain_factory(policy=Policy(order="priority"))
+    config = AgentConfig(
+        node="n1",
+        data_dir=tmp_path / "agents" / "n1",
+        heartbeat_s=0.2,
+        telemetry_s=60.0,  # the watch that lets idle daemons go
+        stop_grace_s=3.0,
+        nats_url=nats_server.url,
+    )
+    agent = Agent(await connect("agent:n1"), config, SimulatedGpus("n1", 1, "H100"))
+    root = tmp_path / "mps"
+    agent.shares = MpsDaemons(root, binary=str(_stand_in(tmp_path)))
+    await agent.start()
+    try:
+        await eventually(lambda: "n1" in brain.state.nodes)
+        share = await submit_spec(
+            brain.api, JobSpec(command=("sleep", "120"), gpus=1, gpu_milli=500, priority=0)
+        )
+        await eventually(lambda: brain.state.jobs[share].state is JobState.RUNNING)
+        daemon = _daemon_pid(root, 0)
+        pipe = root / "gpu0" / "pipe" / "control"
+        assert pipe.exists()
+        seen = tmp_path / "seen"
+        probe = f"import os; open({str(seen)!r}, 'w').write(str(os.path.exists({str(pipe)!r})))"
+        whole = await submit_spec(
+            brain.api, JobSpec(command=(sys.executable, "-c", probe), gpus=1, priority=10)
+        )
+        await eventually(lambda: brain.state.jobs[whole].state is JobState.SUCCEEDED)
+        assert seen.read_text() == "False"
+    finally:
+        await agent.stop(stop_jobs=True)
+        _kill(daemon)
