@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -625,15 +626,16 @@ class Agent:
             visible_devices=visible,
             shareable=command.shareable,
         )
+        before_start = None
+        if command.gpu_milli is None:
+            # Whole GPUs whose shares were stopped for this job (preempted to make
+            # room): their MPS daemon goes before it starts, not at the next watch, or
+            # its server would hold the GPU beside the job (memory, and in
+            # EXCLUSIVE_PROCESS mode the job's own CUDA context).
+            gpus = set(command.gpus)
+            before_start = functools.partial(self._release_unshared, gpus)
         try:
-            if command.gpu_milli is None and self._shared_gpus & set(command.gpus):
-                # Whole GPUs whose shares are being stopped (preempted to make room
-                # for this job): their MPS daemon goes before the job starts, or its
-                # server would hold the GPU beside it (memory, and in EXCLUSIVE_PROCESS
-                # mode the job's own CUDA context). The watch would let it go later.
-                await self.launcher.wait_for_gpus(request)
-                await self._release_unshared(set(command.gpus))
-            job = await self.launcher.launch(request)
+            job = await self.launcher.launch(request, before_start=before_start)
         except LaunchError as error:
             self._fence_after.pop((command.job_id, command.attempt), None)
             await self._launch_failed(command, error.reason, retryable=error.retryable)

@@ -201,7 +201,15 @@ class Launcher:
         job.gpus = gpus
         return True
 
-    async def launch(self, request: LaunchRequest, *, gpu_wait_s: float = GPU_WAIT_S) -> JobProcess:
+    async def launch(
+        self,
+        request: LaunchRequest,
+        *,
+        gpu_wait_s: float = GPU_WAIT_S,
+        before_start: Callable[[], Awaitable[None]] | None = None,
+    ) -> JobProcess:
+        """Start the job once what is being stopped on its GPUs has exited, and
+        `before_start` has run (the agent lets the GPUs' share daemons go)."""
         existing = self._procs.get((request.job_id, request.attempt))
         if existing is not None and not existing.exited.is_set():
             return existing  # the same launch again: idempotent
@@ -209,7 +217,9 @@ class Launcher:
             # A new brain re-sent a launch whose process already ran and exited: its
             # exit is on its way; running it twice would be wrong.
             raise LaunchError(request.job_id, f"attempt {request.attempt} already ran on this node")
-        await self.wait_for_gpus(request, gpu_wait_s)
+        await self._wait_for_gpus(request, gpu_wait_s)
+        if before_start is not None:
+            await before_start()
         log_path = self.log_dir / request.job_id / f"attempt-{request.attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         launch_id = secrets.token_hex(16)
@@ -288,7 +298,7 @@ class Launcher:
             # The node cannot confine it (cgroup filesystem, disk): another node may.
             raise LaunchError(request.job_id, f"cannot confine: {error}", retryable=True) from None
 
-    async def wait_for_gpus(self, request: LaunchRequest, wait_s: float = GPU_WAIT_S) -> None:
+    async def _wait_for_gpus(self, request: LaunchRequest, wait_s: float) -> None:
         """A GPU may still be held by a process being stopped: wait for it to go.
 
         A GPU held by a process nobody asked to stop means the brain and this node
