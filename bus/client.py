@@ -106,6 +106,8 @@ _JETSTREAM_NOT_READY: Final = (
     nats.errors.NoRespondersError,
     TimeoutError,  # nats.errors.TimeoutError is one
 )
+# How long `ensure_streams` waits for each answer of JetStream's API before asking again.
+STREAM_API_TIMEOUT_S: Final = 1.0
 # JetStream's error code for "stream name already in use" (created meanwhile by another).
 _STREAM_NAME_IN_USE: Final = 10058
 
@@ -137,6 +139,27 @@ STREAMS: Final = (
         allow_direct=True,
     ),
 )
+
+
+def _same_stream(stored: StreamConfig, wanted: StreamConfig) -> bool:
+    """Whether a stream as stored already has what `ensure_streams` sets: then it is
+    not updated (an update is a proposal to the JetStream cluster's meta leader, at
+    every brain's start)."""
+
+    def key(config: StreamConfig) -> tuple[Any, ...]:
+        return (
+            config.description,
+            sorted(config.subjects or ()),
+            config.retention,
+            config.storage,
+            config.discard,
+            config.max_age or 0.0,
+            config.duplicate_window or 0.0,
+            config.num_replicas or 1,
+            bool(config.allow_direct),
+        )
+
+    return key(stored) == key(wanted)
 
 
 class Consumer:
@@ -375,18 +398,23 @@ class Bus:
             num_replicas=self.replicas,
             allow_direct=spec.allow_direct,
         )
+        # A short wait for each answer: of two components creating the same stream at
+        # once (brains starting together), one is never answered while the other's
+        # create goes through, and the loop in `ensure_streams` asks again.
+        js = self.nc.jetstream(timeout=STREAM_API_TIMEOUT_S)
         try:
             try:
-                await self.js.stream_info(spec.name)
+                info = await js.stream_info(spec.name)
             except nats.js.errors.NotFoundError:
                 try:
-                    await self.js.add_stream(config)
+                    await js.add_stream(config)
                 except nats.js.errors.BadRequestError as error:
                     if error.err_code != _STREAM_NAME_IN_USE:
                         raise
-                    await self.js.update_stream(config)  # another component made it meanwhile
+                    await js.update_stream(config)  # another component made it meanwhile
             else:
-                await self.js.update_stream(config)
+                if not _same_stream(info.config, config):
+                    await js.update_stream(config)
         except _JETSTREAM_NOT_READY:
             raise
         except nats.js.errors.APIError as error:

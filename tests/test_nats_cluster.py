@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import pwd
@@ -19,8 +20,10 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from nats.js import JetStreamContext
 from nats.js.api import PeerInfo
 
 from bus.client import Bus, ConnectOptions
@@ -165,6 +168,56 @@ async def test_streams_wait_for_a_cluster_still_forming(tmp_path: Path) -> None:
             await bus.close()
     finally:
         await cluster.astop()
+
+
+async def test_brains_starting_together_create_each_stream_once(tmp_path: Path) -> None:
+    """Of components creating the same stream at once on a new cluster, one is never
+    answered (nats-server answers the create that goes through); each asks again
+    soon, and all end with the streams as wanted."""
+    cluster = EmbeddedCluster(data_dir=tmp_path)
+    await cluster.astart()
+    buses = [
+        await Bus.connect(ConnectOptions(servers=cluster.urls, name=f"b{i}"), replicas=3)
+        for i in range(3)
+    ]
+    try:
+        await asyncio.gather(*(bus.ensure_streams() for bus in buses))
+        for name in (subjects.STREAM_STATE, subjects.STREAM_COMMANDS):
+            info = await buses[0].js.stream_info(name)
+            assert info.config.num_replicas == 3
+    finally:
+        for bus in buses:
+            await bus.close()
+        await cluster.astop()
+
+
+async def test_a_stream_as_wanted_is_not_updated_and_one_that_differs_is(
+    nats_cluster, monkeypatch
+) -> None:
+    """Every brain's start ensures the streams: one already as wanted costs no update
+    (a proposal to the meta leader); one whose settings differ is brought in line."""
+    bus = await Bus.connect(ConnectOptions(servers=nats_cluster.urls, name="b"), replicas=3)
+    try:
+        await bus.ensure_streams()
+        updated: list[str] = []
+        real = JetStreamContext.update_stream
+
+        async def update_stream(self: Any, config: Any = None, **params: Any) -> Any:
+            updated.append(config.name)
+            return await real(self, config, **params)
+
+        monkeypatch.setattr(JetStreamContext, "update_stream", update_stream)
+        await bus.ensure_streams()
+        assert updated == []
+
+        info = await bus.js.stream_info(subjects.STREAM_COMMANDS)
+        await real(bus.js, dataclasses.replace(info.config, max_age=3_600.0))
+        await bus.ensure_streams()
+        assert updated == [subjects.STREAM_COMMANDS]
+        info = await bus.js.stream_info(subjects.STREAM_COMMANDS)
+        assert info.config.max_age == 86_400
+    finally:
+        await bus.close()
 
 
 async def test_the_route_port_admits_only_servers_with_the_route_password(nats_cluster) -> None:
