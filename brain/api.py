@@ -17,6 +17,7 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from brain.census import CensusCache
 from brain.core.ordering import job_sequence
 from brain.port import BrainPort
 from brain.queues import queue_status
@@ -127,6 +128,7 @@ class ApiServer:
     def __init__(self, brain: BrainPort) -> None:
         self.brain = brain
         self._in_flight = asyncio.Semaphore(IN_FLIGHT_MAX)
+        self._census = CensusCache()
 
     async def serve(self) -> Subscription:
         return await self.brain.bus.nc.subscribe(
@@ -371,4 +373,5 @@ class ApiServer:
             jobs_by_state=counts,
             nodes=len(brain.state.nodes),
             gpus=brain.state.capacity(),
+            census=await self._census.get(brain.state, brain.telemetry),
         )

@@ -156,6 +156,11 @@ class BrainState:
         default=None, init=False, repr=False, compare=False
     )
     _lost_nodes: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    # Each node's schedulable GPUs, with the record they were read from (records are
+    # replaced, never changed, so a new one is known by identity).
+    _schedulable_sets: dict[str, tuple[NodeRecord, frozenset[int]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     # Pending and running job ids in job order, kept as jobs come and go: a pass reads
     # them without sorting the queue again.
     _ordered: dict[JobState, _JobOrder] = field(
@@ -534,6 +539,14 @@ class BrainState:
         return tuple(
             g.index for g in node.gpus if g.health is GpuHealth.HEALTHY and g.index not in drained
         )
+
+    def schedulable_set(self, node: NodeRecord) -> frozenset[int]:
+        """`schedulable_gpus` as a set, kept until the node's record is replaced."""
+        kept = self._schedulable_sets.get(node.name)
+        if kept is None or kept[0] is not node:
+            kept = (node, frozenset(self.schedulable_gpus(node)))
+            self._schedulable_sets[node.name] = kept
+        return kept[1]
 
     def registered_gpus(self) -> tuple[int, int]:
         """Every GPU of every known node, whatever its state now, and the most on one

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from schemas.api import QueueStatus
+from schemas.api import GpuCensus, QueueStatus
 from schemas.jobs import JobRecord
 from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
@@ -150,6 +150,23 @@ def queues_table(queues: Sequence[QueueStatus]) -> str:
         ["QUEUE", "CLASS", "GUARANTEED", "RUNNING(JOBS/GPUS)", "BORROWED", "PENDING(JOBS/GPUS)"],
         rows,
     )
+
+
+def census_lines(census: GpuCensus) -> list[str]:
+    """`alnair status`'s count of every GPU, and of READY nodes' GPUs by utilisation
+    (buckets of 10 %, the empty ones left out)."""
+    gpus = (
+        f"gpus:    busy {census.busy}, shared {census.shared}, free {census.free}, "
+        f"drained {census.drained}, on lost nodes {census.unavailable}"
+    )
+    buckets = [
+        f"{10 * i}-{10 * i + 9 if i < len(census.utilisation) - 1 else 100}% {count}"
+        for i, count in enumerate(census.utilisation)
+        if count
+    ]
+    if census.unreported:
+        buckets.append(f"not reported {census.unreported}")
+    return [gpus, "util:    " + (", ".join(buckets) or "no GPUs")]
 
 
 def shares_text(shares: Sequence[GpuShares]) -> str:

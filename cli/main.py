@@ -577,6 +577,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
             print(f"brain:   {role} {brain.brain_id} on {brain.host} pid {brain.pid}{http}")
         print(f"policy:  {reply.policy}")
         print(f"nodes:   {reply.nodes} ({reply.gpus} schedulable GPUs)")
+        if reply.census is not None:
+            print("\n".join(fmt.census_lines(reply.census)))
         print("jobs:    " + ", ".join(f"{k.lower()} {v}" for k, v in reply.jobs_by_state.items()))
         print("\n".join(nats.lines()))
         return 0

@@ -273,6 +273,29 @@ class BrainInfo(BaseModel):
     leader: bool = False
 
 
+# Utilisation buckets of `GpuCensus.utilisation`: [0, 10) %, [10, 20) %, ... [90, 100] %.
+UTILISATION_BUCKETS: Final = 10
+
+
+class GpuCensus(BaseModel):
+    """Every GPU of every node, counted by what it is doing: the cluster at a glance,
+    however many nodes (a node's own GPUs are in `alnair nodes`). Each GPU is in exactly
+    one of the first five counts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    busy: int  # held whole by a running job
+    shared: int  # holding shares of a GPU (jobs asking a fraction of one)
+    free: int  # schedulable and holding nothing
+    drained: int  # taken out of scheduling: drained (node or GPU) or unhealthy
+    unavailable: int  # on nodes not heard from (LOST)
+    # GPUs of READY nodes by their latest utilisation, in UTILISATION_BUCKETS buckets of
+    # 10 %; `unreported`: READY nodes' GPUs with no telemetry sample yet.
+    utilisation: tuple[int, ...] = Field(max_length=UTILISATION_BUCKETS)
+    unreported: int
+    nodes_by_state: dict[str, int]
+
+
 class StatusReply(Message):
     ok: Literal[True] = True
     brains: tuple[BrainInfo, ...] = ()
@@ -284,6 +307,7 @@ class StatusReply(Message):
     jobs_by_state: dict[str, int]
     nodes: int
     gpus: int
+    census: GpuCensus | None = None  # None from a brain older than it
 
 
 REQUEST_TYPES: Final[dict[str, type[Message]]] = {

@@ -194,6 +194,9 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
         assert code == 1 and "--idempotency-key must be 1 to 128" in err
         code, out, _ = await alnair("status", env=cli_env)
         assert "epoch 1" in out
+        gpus = next(line for line in out.splitlines() if line.startswith("gpus:"))
+        assert "drained 0, on lost nodes 0" in gpus, out
+        assert any(line.startswith("util:") for line in out.splitlines()), out
     finally:
         if follower is not None and follower.returncode is None:
             follower.kill()

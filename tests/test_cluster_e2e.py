@@ -6,13 +6,19 @@ import sys
 from pathlib import Path
 
 from brain.api import ApiServer
+from brain.census import CensusCache, gpu_census
+from brain.core.decide import Policy
 from cli.client import call
 from schemas.api import (
+    OPERATOR_TENANT,
     STATUS_RESULT,
     BrainInfo,
     CancelRequest,
+    DrainRequest,
     ErrorReply,
+    GpuCensus,
     JobReply,
+    StatusReply,
     StatusRequest,
     SubmitRequest,
 )
@@ -120,3 +126,44 @@ async def test_status_leaves_out_a_dead_leaders_announcement(brain_factory, conn
 
     await eventually(standby_listed)
     assert await listed() == [(leader.instance, True), (standby.instance, False)]
+
+
+async def test_status_counts_every_gpu_by_what_it_is_doing(brain_factory, agent_factory) -> None:
+    """The census `alnair status` and the dashboard show: each GPU in exactly one of
+    busy, shared, free, drained and on lost nodes, and READY nodes' GPUs by utilisation."""
+    brain = await brain_factory(policy=Policy(share_placement="best-fit"))
+    await agent_factory("n1", gpus=2)
+    n2 = await agent_factory("n2", gpus=2)
+    await eventually(lambda: len(brain.state.nodes) == 2)
+    sleeper = (sys.executable, "-c", "import time; time.sleep(600)")
+    whole = await submit(brain.api, JobSpec(command=sleeper, gpus=1))
+    share = await submit(brain.api, JobSpec(command=sleeper, gpus=1, gpu_milli=500))
+    await eventually(
+        lambda: all(brain.state.jobs[j].state is JobState.RUNNING for j in (whole, share))
+    )
+    free_node = next(n for n in ("n1", "n2") if n not in brain.state.allocated())
+    drain = DrainRequest(node=free_node, gpu=1)
+    reply = await brain.api.handle(OPERATOR_TENANT, drain, operator=True)
+    assert not isinstance(reply, ErrorReply), reply
+
+    reply = await brain.api.handle("default", StatusRequest())
+    assert isinstance(reply, StatusReply) and reply.census is not None
+
+    async def census() -> GpuCensus:  # as the API counts it, without its 5 s cache
+        return await CensusCache().get(brain.state, brain.telemetry)
+
+    counted = await census()
+    assert counted == gpu_census(brain.state, brain.telemetry)
+    assert (counted.busy, counted.shared, counted.free, counted.drained) == (1, 1, 1, 1)
+    assert counted.unavailable == 0
+    assert counted.nodes_by_state == {"READY": 2, "LOST": 0, "DRAINED": 0}
+    await eventually(lambda: len(brain.telemetry) == 2)
+    counted = await census()
+    assert sum(counted.utilisation) + counted.unreported == 4
+
+    await n2.stop(stop_jobs=False)  # gone silent: LOST after the node timeout
+    await eventually(lambda: brain.state.nodes["n2"].state.value == "LOST", timeout_s=30)
+    counted = await census()
+    assert counted.unavailable == 2
+    assert counted.busy + counted.shared + counted.free + counted.drained == 2
+    assert counted.nodes_by_state["LOST"] == 1

@@ -108,6 +108,9 @@ PAGE_STATE = """JSON.stringify({
   cells: document.querySelectorAll('.gpu-cell').length,
   held: document.querySelectorAll('.gpu-cell.held').length,
   events: document.querySelectorAll('#events li').length,
+  census: Array.from(document.querySelectorAll('#census [data-count]'))
+    .map(span => span.textContent),
+  bars: document.querySelectorAll('#census .histogram div').length,
   profiled: Array.from(document.querySelectorAll('#running tbody tr td:nth-child(6)'))
     .map(td => td.textContent),
   queues: document.getElementById('queues-section').hidden ? [] :
@@ -149,11 +152,15 @@ async def test_dashboard_shows_the_job_and_the_gpus(
                 and state.get("events", 0) > 0
                 and any(cell.endswith("%") for cell in state.get("profiled", []))
                 and len(state.get("queues", [])) == 2
+                and "2 busy" in state.get("census", [])
             )
             return state if done else None
 
         state = await eventually(shows_everything, timeout_s=60, interval_s=0.25)
         assert "gpu-node-1" in state["text"] and f"job {job_id}" in state["text"]
+        # The census: every GPU counted, and a bar per 10 % of utilisation.
+        assert state["census"] == ["2 busy", "0 shared", "2 free", "0 drained", "0 on lost nodes"]
+        assert state["bars"] == 10
         # Queues: the configured one, and the one the jobs use that is not configured
         # (queue|class|guaranteed|running|held|borrowed|pending|asked).
         assert state["queues"] == [

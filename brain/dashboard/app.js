@@ -252,6 +252,40 @@ function drawRunning(running, profiles) {
   $("running").tBodies[0].replaceChildren(...rows);
 }
 
+function drawCensus(census) {
+  // Every GPU of the cluster counted, and READY nodes' GPUs by utilisation (buckets of
+  // 10 %): what the node tiles, the first NODES_SHOWN nodes, cannot show of a large one.
+  const box = $("census");
+  if (!census) {
+    box.replaceChildren();
+    return;
+  }
+  const counts = el(
+    "div",
+    { class: "counts" },
+    ...[
+      ["busy", census.busy],
+      ["shared", census.shared],
+      ["free", census.free],
+      ["drained", census.drained],
+      ["on lost nodes", census.unavailable],
+    ].map(([name, n]) => el("span", { "data-count": name }, `${n} ${name}`)),
+  );
+  const most = Math.max(1, ...census.utilisation);
+  const bars = census.utilisation.map((n, i) =>
+    el("div", {
+      style: `height:${Math.round((40 * n) / most)}px;background:${heat(10 * i + 5)}`,
+      title: `${n} GPU(s) at ${10 * i}-${i === census.utilisation.length - 1 ? 100 : 10 * i + 9}%`,
+    }),
+  );
+  const unreported = census.unreported ? ` · ${census.unreported} not reported` : "";
+  box.replaceChildren(
+    counts,
+    el("div", { class: "histogram", title: "GPUs by utilisation, 0 to 100 %" }, ...bars),
+    el("span", { class: "muted small" }, `utilisation 0 → 100 %${unreported}`),
+  );
+}
+
 async function refresh() {
   const [status, nodes, jobs, queues] = await Promise.all([
     api("/v1/status"),
@@ -272,6 +306,7 @@ async function refresh() {
       for (const gpu of grant.gpus) holders.set(`${grant.node}/${gpu}`, job.job_id);
     }
   }
+  drawCensus(status.census);
   drawNodes(nodes.nodes, holders, nodes.next_after ? status.nodes : null);
   drawQueue(jobs.jobs.filter((j) => j.state === "PENDING"), now);
   drawQueues(queues.queues);
