@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from typing import Final
 
 import nats.errors
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 LEASE_BUCKET: Final = "alnair_leader"
 LEASE_KEY: Final = "leader"
 BRAINS_BUCKET: Final = "alnair_brains"
+# The brains read from the bucket are shown again for this long: `status` (asked every
+# 2 s by each dashboard) then costs no round trip to the bucket.
+BRAINS_FRESH_S: Final = 1.0
 
 
 async def _bucket(bus: Bus, name: str, ttl_s: float) -> KeyValue:
@@ -47,6 +52,8 @@ class Lease:
         self._kv: KeyValue | None = None
         self._brains: KeyValue | None = None
         self._known: list[BrainInfo] = []
+        self._known_at = -math.inf
+        self._reading: asyncio.Future[None] | None = None
 
     async def open(self) -> None:
         self._kv = await _bucket(self.bus, LEASE_BUCKET, self.ttl_s)
@@ -92,14 +99,31 @@ class Lease:
             await self._brains.put(info.brain_id, info.model_dump_json().encode())
 
     async def brains(self, *, timeout_s: float = 2.0) -> list[BrainInfo]:
-        """Every brain announced within its TTL. When the bucket does not answer in time
-        (its stream leader moving to another server, say) this is the list read last:
-        `alnair status` must answer while the cluster heals."""
+        """Every brain announced within its TTL, as last read from the bucket: read again
+        in the background once BRAINS_FRESH_S old, so that `status` (asked every 2 s by
+        each dashboard) waits on no round trip; only the first call waits for a read.
+        When the bucket does not answer in time (its stream leader moving to another
+        server, say) the list read last stays: `alnair status` must answer while the
+        cluster heals."""
+        stale = time.monotonic() - self._known_at >= BRAINS_FRESH_S
+        if stale and self._reading is None:
+            self._reading = asyncio.ensure_future(self._read_again(timeout_s))
+            self._reading.add_done_callback(self._read_done)
+        if self._known_at == -math.inf and self._reading is not None:
+            await asyncio.shield(self._reading)
+        return list(self._known)
+
+    async def _read_again(self, timeout_s: float) -> None:
         try:
             self._known = await asyncio.wait_for(self._read_brains(), timeout_s)
         except (TimeoutError, nats.errors.Error) as e:
             log.warning("brains bucket did not answer (%s); showing the last list read", e)
-        return list(self._known)
+        self._known_at = time.monotonic()
+
+    def _read_done(self, task: asyncio.Future[None]) -> None:
+        self._reading = None
+        if not task.cancelled() and task.exception() is not None:
+            log.error("reading the brains bucket failed", exc_info=task.exception())
 
     async def _read_brains(self) -> list[BrainInfo]:
         # Keys from the stream's subject list, one bounded request; KeyValue.keys() runs

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
 from brain.api import ApiServer
 from brain.census import CensusCache, gpu_census
 from brain.core.decide import Policy
+from brain.leader import BRAINS_FRESH_S
 from cli.client import call
 from schemas.api import (
     OPERATOR_TENANT,
@@ -167,3 +169,29 @@ async def test_status_counts_every_gpu_by_what_it_is_doing(brain_factory, agent_
     assert counted.unavailable == 2
     assert counted.busy + counted.shared + counted.free + counted.drained == 2
     assert counted.nodes_by_state["LOST"] == 1
+
+
+async def test_status_does_not_wait_on_the_brains_bucket(brain_factory, monkeypatch) -> None:
+    """`status` lists the brains as last read: a read of the bucket that does not end
+    (its stream leader moving, a flood ahead of its answer) holds no request up, and the
+    list is read again in the background once it is a second old."""
+    brain = await brain_factory()
+    first = await brain.api.handle("default", StatusRequest())
+    assert isinstance(first, StatusReply) and [b.leader for b in first.brains] == [True]
+    release = asyncio.Event()
+    reads: list[bool] = []
+    real = brain.lease._read_brains
+
+    async def stuck() -> list[BrainInfo]:
+        reads.append(True)
+        await release.wait()
+        return await real()
+
+    monkeypatch.setattr(brain.lease, "_read_brains", stuck)
+    await asyncio.sleep(BRAINS_FRESH_S)  # stale: the next status starts a read
+    for _ in range(3):
+        reply = await asyncio.wait_for(brain.api.handle("default", StatusRequest()), 10)
+        assert isinstance(reply, StatusReply) and reply.brains == first.brains
+    assert reads == [True]  # one read at a time
+    release.set()
+    await eventually(lambda: brain.lease._reading is None)
