@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -149,12 +149,10 @@ class BrainState:
     )
     # (GPUs on every known node, the most on one), and the LOST nodes' names, until a
     # node's record changes.
-    _registered: tuple[int, int] | None = field(default=None, init=False, repr=False, compare=False)
+    _registered: _Sizes | None = field(default=None, init=False, repr=False, compare=False)
     # (schedulable GPUs of READY nodes, the most on one), likewise: `status` and
     # /metrics ask for it, and at thousands of nodes counting took tens of milliseconds.
-    _schedulable: tuple[int, int] | None = field(
-        default=None, init=False, repr=False, compare=False
-    )
+    _schedulable: _Sizes | None = field(default=None, init=False, repr=False, compare=False)
     _lost_nodes: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     # Each node's schedulable GPUs, with the record they were read from (records are
     # replaced, never changed, so a new one is known by identity).
@@ -223,10 +221,15 @@ class BrainState:
             # An entry at or before the last one applied was applied already.
             self._put_job(record.job, new=seq > self.last_seq)
         elif isinstance(record, NodeChanged):
-            self.nodes[record.node.name] = record.node
-            self._nodes_stale.add(record.node.name)
-            self._registered = None
-            self._schedulable = None
+            node = record.node
+            self.nodes[node.name] = node
+            self._nodes_stale.add(node.name)
+            # Kept up to date once counted: a mass join changes a node at a time, and
+            # `status` and every submission ask (counting anew walked every node).
+            if self._registered is not None:
+                self._registered.set(node.name, len(node.gpus))
+            if self._schedulable is not None:
+                self._schedulable.set(node.name, self._schedulable_size(node))
             if self._lost_nodes is None or (record.node.state is NodeState.LOST) != (
                 record.node.name in self._lost_nodes
             ):
@@ -553,9 +556,8 @@ class BrainState:
         node: what a job may ever hope for (a node away for a minute comes back).
         Asked at every submission: counted again only after a node's record changed."""
         if self._registered is None:
-            sizes = [len(n.gpus) for n in self.nodes.values()]
-            self._registered = (sum(sizes), max(sizes, default=0))
-        return self._registered
+            self._registered = _Sizes((n.name, len(n.gpus)) for n in self.nodes.values())
+        return self._registered.total, self._registered.most()
 
     def registered_views(self) -> tuple[NodeView, ...]:
         """Every known node with all its GPUs, whatever their state: what a job asking a
@@ -575,13 +577,13 @@ class BrainState:
 
     def _schedulable_counts(self) -> tuple[int, int]:
         if self._schedulable is None:
-            sizes = [
-                len(self.schedulable_gpus(n))
-                for n in self.nodes.values()
-                if n.state is NodeState.READY
-            ]
-            self._schedulable = (sum(sizes), max(sizes, default=0))
-        return self._schedulable
+            self._schedulable = _Sizes(
+                (n.name, self._schedulable_size(n)) for n in self.nodes.values()
+            )
+        return self._schedulable.total, self._schedulable.most()
+
+    def _schedulable_size(self, node: NodeRecord) -> int:
+        return len(self.schedulable_set(node)) if node.state is NodeState.READY else 0
 
     def snapshot(
         self,
@@ -754,6 +756,38 @@ class BrainState:
         view = node_view(record, gpus, frozenset(gpus) - here)
         self._views[name] = (record, here, view)
         return view
+
+
+class _Sizes:
+    """A number per node (its GPUs), kept as nodes change: the sum, and the most by how
+    many nodes have each number (a handful of distinct numbers)."""
+
+    __slots__ = ("each", "nodes_of", "total")
+
+    def __init__(self, sizes: Iterable[tuple[str, int]]) -> None:
+        self.each: dict[str, int] = {}
+        self.nodes_of: Counter[int] = Counter()
+        self.total = 0
+        for name, size in sizes:
+            self.set(name, size)
+
+    def set(self, name: str, size: int) -> None:
+        old = self.each.get(name, 0)
+        if size == old:
+            return
+        self.total += size - old
+        if old:
+            self.nodes_of[old] -= 1
+            if not self.nodes_of[old]:
+                del self.nodes_of[old]
+        if size:
+            self.nodes_of[size] += 1
+            self.each[name] = size
+        else:
+            self.each.pop(name, None)
+
+    def most(self) -> int:
+        return max(self.nodes_of, default=0)
 
 
 _NOTHING: Final[frozenset[int]] = frozenset()

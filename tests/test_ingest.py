@@ -294,6 +294,41 @@ def _job_on(job_id: str, node: str, gpu_ids: tuple[int, ...], state: JobState) -
     )
 
 
+_NODE_CHANGES = st.lists(
+    st.tuples(
+        st.sampled_from("abcdef"),
+        st.sampled_from(list(NodeState)),
+        st.integers(min_value=0, max_value=8),  # GPUs
+        st.sets(st.integers(min_value=0, max_value=7), max_size=3),  # drained
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(changes=_NODE_CHANGES, asked_from=st.integers(min_value=0, max_value=40))
+def test_kept_gpu_totals_equal_a_fresh_count(
+    changes: list[tuple[str, NodeState, int, set[int]]], asked_from: int
+) -> None:
+    """`capacity`, `largest_node` and `registered_gpus` are kept up to date as nodes
+    change once first asked (a mass join asks at every status): whatever changed, and
+    whenever they were first asked, they equal a state's that counts them afresh."""
+    state = BrainState()
+    for seq, (name, node_state, count, drained) in enumerate(changes, start=1):
+        if seq == asked_from:
+            state.capacity(), state.registered_gpus()
+        update = {
+            "state": node_state,
+            "gpus": gpus(count),
+            "drained_gpus": tuple(DrainedGpu(index=i, reason="x", at=0.0) for i in drained),
+        }
+        state.apply(_node_changed(name, seq, **update), seq)
+    fresh = BrainState()
+    fresh.nodes = dict(state.nodes)
+    assert (state.capacity(), state.largest_node()) == (fresh.capacity(), fresh.largest_node())
+    assert state.registered_gpus() == fresh.registered_gpus()
+
+
 def test_snapshot_views_follow_nodes_and_allocations() -> None:
     state = BrainState()
     seq = 0
