@@ -157,6 +157,17 @@ async def test_a_group_the_log_refuses_acknowledges_nobody(
     assert len({r.job.job_id for r in retried}) == 5
 
 
+async def refuse_a_group(brain: Brain, connect: Callable[[str], Awaitable[Bus]]) -> None:
+    """A node `intruder` appended behind the leader's back: its next group (submitting
+    job "lost") is refused, nobody is told the job exists, and it steps down to read
+    its state again."""
+    rival = await connect("rival")
+    last = await rival.last_seq(subjects.STREAM_STATE)
+    await rival.append_many(subjects.STREAM_STATE, entries(["intruder"]), after=last)
+    lost = await asyncio.gather(submit(brain, "lost"), return_exceptions=True)
+    assert isinstance(lost[0], ApiError) and lost[0].code == "unavailable"
+
+
 async def test_state_that_could_not_be_read_again_is_read_before_leading(
     brain_factory: Callable[..., Awaitable[Brain]], connect
 ) -> None:
@@ -175,11 +186,7 @@ async def test_state_that_could_not_be_read_again_is_read_before_leading(
         await real_reload()
 
     brain.replica.reload = reload_fails_once  # type: ignore[method-assign]
-    rival = await connect("rival")
-    last = await rival.last_seq(subjects.STREAM_STATE)
-    await rival.append_many(subjects.STREAM_STATE, entries(["intruder"]), after=last)
-    lost = await asyncio.gather(submit(brain, "lost"), return_exceptions=True)
-    assert isinstance(lost[0], ApiError) and lost[0].code == "unavailable"
+    await refuse_a_group(brain, connect)
 
     await eventually(lambda: failures and brain.leading.is_set(), timeout_s=30)
     assert not brain.journal.tainted

@@ -19,10 +19,9 @@ import pytest
 from brain.service import Brain
 from bus.client import Bus
 from schemas import subjects
-from schemas.errors import ApiError
 from schemas.state import STATE_RECORD
 from tests.conftest import eventually
-from tests.test_group_commit import entries, submit
+from tests.test_group_commit import entries, refuse_a_group, submit
 
 PullSubscription = nats.js.client.JetStreamContext.PullSubscription
 
@@ -189,15 +188,11 @@ async def test_a_step_down_whose_reload_meets_a_server_restart_leads_again(
 
     brain.replica.reload = reload  # type: ignore[method-assign]
     monkeypatch.setattr(PullSubscription, "fetch", fetch)
-    rival = await connect("rival")
-    last = await rival.last_seq(subjects.STREAM_STATE)
-    await rival.append_many(subjects.STREAM_STATE, entries(["intruder"]), after=last)
-    lost = await asyncio.gather(submit(brain, "lost"), return_exceptions=True)
-    assert isinstance(lost[0], ApiError) and lost[0].code == "unavailable"
+    await refuse_a_group(brain, connect)
 
     await eventually(lambda: restarts and brain.leading.is_set(), timeout_s=60)
     assert not brain.journal.tainted
     assert "intruder" in brain.state.nodes
     names = sorted(j.spec.name for j in brain.state.jobs.values())
     assert names == ["before-0", "before-1", "before-2"]
-    assert brain.state.last_seq == await rival.last_seq(subjects.STREAM_STATE)
+    assert brain.state.last_seq == await brain.bus.last_seq(subjects.STREAM_STATE)
