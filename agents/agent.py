@@ -626,14 +626,15 @@ class Agent:
             visible_devices=visible,
             shareable=command.shareable,
         )
-        before_start = None
-        if command.gpu_milli is None:
-            # Whole GPUs whose shares were stopped for this job (preempted to make
-            # room): their MPS daemon goes before it starts, not at the next watch, or
-            # its server would hold the GPU beside the job (memory, and in
-            # EXCLUSIVE_PROCESS mode the job's own CUDA context).
-            gpus = set(command.gpus)
-            before_start = functools.partial(self._release_unshared, gpus)
+        # Whole GPUs whose shares were stopped for this job (preempted to make room):
+        # their MPS daemon goes before it starts, not at the next watch, or its server
+        # would hold the GPU beside the job (memory, and in EXCLUSIVE_PROCESS mode the
+        # job's own CUDA context).
+        before_start = (
+            functools.partial(self._release_unshared, set(command.gpus))
+            if command.gpu_milli is None
+            else None
+        )
         try:
             job = await self.launcher.launch(request, before_start=before_start)
         except LaunchError as error:

@@ -253,9 +253,7 @@ class ApiServer:
     def _cluster(self, request: ListNodesRequest | ListQueuesRequest) -> NodesReply | QueuesReply:
         """The nodes, or the queues: what every tenant may read of the cluster."""
         if isinstance(request, ListNodesRequest):
-            nodes = self._nodes(request.after)
-            page = nodes[: request.limit]
-            more = len(page) < len(nodes)
+            page, more = self._nodes(request.after, request.limit)
             return NodesReply(nodes=page, next_after=page[-1].record.name if more else None)
         state, config = self.brain.state, self.brain.config
         statuses = queue_status(
@@ -326,12 +324,15 @@ class ApiServer:
         page = jobs[-request.limit :]
         return tuple(map(self.brain.state.shown, page)), len(page) < len(jobs)
 
-    def _nodes(self, after: str | None = None) -> tuple[NodeStatus, ...]:
+    def _nodes(self, after: str | None, limit: int) -> tuple[tuple[NodeStatus, ...], bool]:
+        """The first `limit` nodes by name after `after`, and whether more follow. Only
+        those are built: a dashboard asks for 256 of 20,000 every 2 s."""
         held = self.brain.state.allocated()
         names = sorted(self.brain.state.nodes)
-        if after is not None:
-            names = names[bisect.bisect_right(names, after) :]
-        return tuple(self._node_status(name, held) for name in names)
+        start = 0 if after is None else bisect.bisect_right(names, after)
+        page = names[start : start + limit]
+        more = start + limit < len(names)
+        return tuple(self._node_status(name, held) for name in page), more
 
     def _node_status(
         self, name: str, held: Mapping[str, frozenset[int]] | None = None

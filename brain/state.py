@@ -147,12 +147,12 @@ class BrainState:
     _node_tuple: tuple[NodeView, ...] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-    # (GPUs on every known node, the most on one), and the LOST nodes' names, until a
-    # node's record changes.
+    # GPUs on every known node, and schedulable GPUs of READY nodes: counted when first
+    # asked, then kept as each node's record changes (`status`, /metrics and every
+    # submission ask; counting anew walked every node, at every request of a mass join).
     _registered: _Sizes | None = field(default=None, init=False, repr=False, compare=False)
-    # (schedulable GPUs of READY nodes, the most on one), likewise: `status` and
-    # /metrics ask for it, and at thousands of nodes counting took tens of milliseconds.
     _schedulable: _Sizes | None = field(default=None, init=False, repr=False, compare=False)
+    # The LOST nodes' names, until a node's record changes.
     _lost_nodes: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     # Each node's schedulable GPUs, with the record they were read from (records are
     # replaced, never changed, so a new one is known by identity).
@@ -224,8 +224,6 @@ class BrainState:
             node = record.node
             self.nodes[node.name] = node
             self._nodes_stale.add(node.name)
-            # Kept up to date once counted: a mass join changes a node at a time, and
-            # `status` and every submission ask (counting anew walked every node).
             if self._registered is not None:
                 self._registered.set(node.name, len(node.gpus))
             if self._schedulable is not None:
@@ -553,8 +551,7 @@ class BrainState:
 
     def registered_gpus(self) -> tuple[int, int]:
         """Every GPU of every known node, whatever its state now, and the most on one
-        node: what a job may ever hope for (a node away for a minute comes back).
-        Asked at every submission: counted again only after a node's record changed."""
+        node: what a job may ever hope for (a node away for a minute comes back)."""
         if self._registered is None:
             self._registered = _Sizes((n.name, len(n.gpus)) for n in self.nodes.values())
         return self._registered.total, self._registered.most()
@@ -568,7 +565,7 @@ class BrainState:
         )
 
     def capacity(self) -> int:
-        """Schedulable GPUs of READY nodes (counted again only after a node changed)."""
+        """Schedulable GPUs of READY nodes."""
         return self._schedulable_counts()[0]
 
     def largest_node(self) -> int:

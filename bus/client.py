@@ -907,7 +907,7 @@ class Bus:
                     delivered += 1
                     seq = int(msg.metadata.sequence.stream)
                     if seq < needed:
-                        continue
+                        continue  # never from a consumer made at `needed`; kept as a guard
                     needed = seq + 1
                     try:
                         item: T | InvalidMessage = decode(msg.data, decoder)
