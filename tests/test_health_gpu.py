@@ -17,7 +17,7 @@ from agents.health import FaultReport, NvmlHealthWatcher, check_injection, watch
 from brain.core.failures import FailurePolicy
 from cli.format import nodes_table
 from schemas import subjects
-from schemas.api import DrainRequest, NodeReply, ResumeRequest
+from schemas.api import DrainRequest, ListNodesRequest, NodeReply, NodesReply, ResumeRequest
 from schemas.commands import InjectFault, InjectFaultReply
 from schemas.jobs import FailureClass, JobSpec, JobState
 from schemas.nodes import NodeState
@@ -53,7 +53,8 @@ async def test_xid_79_drains_the_node_and_its_job_runs_elsewhere(
     assert (job.state, job.nodes, job.attempt) == (JobState.RUNNING, ("n2",), 2)
     assert job.failures[0].failure_class is FailureClass.INFRASTRUCTURE
     await eventually(lambda: stale.exited.is_set())
-    assert "XID 79" in nodes_table(brain.api._nodes())
+    listed = await brain.api.handle("default", ListNodesRequest())
+    assert isinstance(listed, NodesReply) and "XID 79" in nodes_table(listed.nodes)
 
 
 async def test_xid_13_drains_nothing(brain_factory, agent_factory, connect) -> None:
