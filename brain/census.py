@@ -14,14 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Final
 
 from brain.state import BrainState
+from brain.telemetry import LatestTelemetry
 from schemas.api import UTILISATION_BUCKETS, GpuCensus
 from schemas.jobs import JobState
 from schemas.nodes import NodeRecord, NodeState
-from schemas.telemetry import TelemetryBatch
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ _NOTHING: Final[frozenset[int]] = frozenset()
 class _Tally:
     """A census being counted, node by node."""
 
-    def __init__(self, state: BrainState, telemetry: Mapping[str, TelemetryBatch]) -> None:
+    def __init__(self, state: BrainState, telemetry: LatestTelemetry) -> None:
         self._state = state
         self._telemetry = telemetry
         self._held = state.allocated()
@@ -70,13 +70,13 @@ class _Tally:
             self.shared += len(shared_here)
             self.busy += taken
             self.free += len(schedulable) - len(shared_here) - taken
-            batch = telemetry.get(name)
-            if batch is None:
+            utils = telemetry.utilisations(name)
+            if utils is None:
                 self.unreported += count
                 continue
-            for sample in batch.samples:
-                utilisation[_BUCKET[int(sample.util_gpu_pct)]] += 1
-            self.unreported += max(0, count - len(batch.samples))
+            for util in utils:
+                utilisation[_BUCKET[int(util)]] += 1
+            self.unreported += max(0, count - len(utils))
 
     def census(self) -> GpuCensus:
         return GpuCensus(
@@ -91,7 +91,7 @@ class _Tally:
         )
 
 
-def gpu_census(state: BrainState, telemetry: Mapping[str, TelemetryBatch]) -> GpuCensus:
+def gpu_census(state: BrainState, telemetry: LatestTelemetry) -> GpuCensus:
     """Each GPU in one of busy, shared, free, drained, unavailable; READY nodes' GPUs
     by their latest utilisation."""
     tally = _Tally(state, telemetry)
@@ -111,7 +111,7 @@ class CensusCache:
         self._at = 0.0
         self._counting: asyncio.Task[GpuCensus] | None = None
 
-    async def get(self, state: BrainState, telemetry: Mapping[str, TelemetryBatch]) -> GpuCensus:
+    async def get(self, state: BrainState, telemetry: LatestTelemetry) -> GpuCensus:
         stale = self._census is None or self._clock() - self._at >= CENSUS_TTL_S
         if stale and self._counting is None:
             self._counting = asyncio.ensure_future(self._count(state, telemetry))
@@ -126,7 +126,7 @@ class CensusCache:
         if not task.cancelled() and task.exception() is not None:
             log.error("counting the GPUs failed", exc_info=task.exception())
 
-    async def _count(self, state: BrainState, telemetry: Mapping[str, TelemetryBatch]) -> GpuCensus:
+    async def _count(self, state: BrainState, telemetry: LatestTelemetry) -> GpuCensus:
         at = self._clock()
         tally = _Tally(state, telemetry)
         nodes = list(state.nodes.items())  # the nodes may change while the loop runs

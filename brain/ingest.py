@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from brain.telemetry import LatestTelemetry
 from schemas.telemetry import GpuInfo, Heartbeat, TelemetryBatch
 
 # Why a heartbeat is handed to the decision loop.
@@ -128,7 +129,7 @@ class NodeIngest:
         self.node_timeout_s = node_timeout_s
         self.counts = IngestCounts()
         self._nodes: dict[str, _Node] = {}
-        self._telemetry: dict[str, TelemetryBatch] = {}
+        self._telemetry = LatestTelemetry()
 
     def reset(self) -> None:
         """Forget every node's liveness (a new tenure starts from the log); keep the
@@ -221,13 +222,13 @@ class NodeIngest:
 
     def telemetry(self, batch: TelemetryBatch) -> None:
         self.counts.telemetry += 1
-        self._telemetry[batch.node] = batch
+        self._telemetry.put(batch)
 
     # -- views -----------------------------------------------------------------------
 
     @property
-    def latest_telemetry(self) -> dict[str, TelemetryBatch]:
-        """Each node's latest telemetry batch (read-only by convention)."""
+    def latest_telemetry(self) -> LatestTelemetry:
+        """Each node's latest telemetry batch."""
         return self._telemetry
 
     def known(self, node: str) -> bool:

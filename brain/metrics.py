@@ -28,13 +28,13 @@ from prometheus_client.registry import Collector
 
 from brain.core.model import Decisions, MemoryPressure, Preempt, QueueQuota, QuotaReclaim
 from brain.queues import queue_status
+from brain.telemetry import LatestTelemetry
 from schemas import subjects
 from schemas.api import QueueStatus
 from schemas.events import GpuFault
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeState
 from schemas.state import JobChanged, NodeEventRecorded, StateRecord
-from schemas.telemetry import TelemetryBatch
 
 if TYPE_CHECKING:
     from brain.service import Brain
@@ -78,7 +78,7 @@ class _GpuView:
     are immutable: shallow copies suffice), so that they can be rendered in a thread
     while the loop goes on changing state."""
 
-    telemetry: list[tuple[str, TelemetryBatch]]
+    telemetry: LatestTelemetry
     nodes: dict[str, NodeRecord]
     holders: dict[tuple[str, int], str]
     last_xid: dict[tuple[str, int], int]
@@ -87,7 +87,7 @@ class _GpuView:
     def take(cls, metrics: BrainMetrics) -> _GpuView:
         brain = metrics.brain
         return cls(
-            telemetry=sorted(brain.telemetry.items()),
+            telemetry=brain.telemetry.copy(),
             nodes=dict(brain.state.nodes),
             holders=_gpu_holders(brain.state.jobs_in(JobState.RUNNING)),
             last_xid=dict(metrics.last_xid),
@@ -102,21 +102,22 @@ class _GpuCollector(Collector):
         view = self.view
         families = _gpu_families()
         holders = view.holders
-        for name, batch in view.telemetry:
+        telemetry = view.telemetry
+        for name in sorted(telemetry):
             node = view.nodes.get(name)
             if node is None or node.state is NodeState.LOST:
                 continue  # its last batch is stale, not a measurement
             infos = {gpu.index: gpu for gpu in node.gpus}
-            for sample in batch.samples:
-                info = infos.get(sample.index)
+            for sample in telemetry.readings(name) or ():
+                info = infos.get(sample.gpu)
                 labels = [
-                    str(sample.index),
+                    str(sample.gpu),
                     info.uuid if info else "",
-                    f"nvidia{sample.index}",
+                    f"nvidia{sample.gpu}",
                     info.model if info else "",
                     node.hostname,
                     name,
-                    holders.get((name, sample.index), ""),
+                    holders.get((name, sample.gpu), ""),
                 ]
                 families["util"].add_metric(labels, sample.util_gpu_pct)
                 families["mem_copy"].add_metric(labels, sample.util_mem_pct)
@@ -129,7 +130,7 @@ class _GpuCollector(Collector):
                 families["temp"].add_metric(labels, sample.temp_c)
                 families["sm_clock"].add_metric(labels, sample.sm_clock_mhz)
                 families["mem_clock"].add_metric(labels, sample.mem_clock_mhz)
-                families["xid"].add_metric(labels, view.last_xid.get((name, sample.index), 0))
+                families["xid"].add_metric(labels, view.last_xid.get((name, sample.gpu), 0))
                 if sample.ecc_dbe_total is not None:
                     families["dbe"].add_metric(labels, sample.ecc_dbe_total)
         yield from families.values()

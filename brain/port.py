@@ -12,10 +12,11 @@ from brain.inbox import WriteRequest
 from brain.leader import Lease
 from brain.profiles import Profiler
 from brain.state import BrainState
+from brain.telemetry import LatestTelemetry
 from bus.client import Bus
 from schemas.api import BrainInfo
 from schemas.jobs import JobRecord
-from schemas.telemetry import GpuShares, TelemetryBatch
+from schemas.telemetry import GpuShares
 
 
 class BrainConfigView(Protocol):
@@ -51,7 +52,7 @@ class BrainPort(Protocol):
     def state(self) -> BrainState: ...
 
     @property
-    def telemetry(self) -> dict[str, TelemetryBatch]: ...
+    def telemetry(self) -> LatestTelemetry: ...
 
     @property
     def pid(self) -> int: ...

@@ -96,6 +96,7 @@ from brain.reconciler import Reconciler
 from brain.replica import Replica, snapshot_due
 from brain.resizes import Resizes
 from brain.state import BrainState, current_size_s, job_demand, job_view
+from brain.telemetry import LatestTelemetry
 from brain.tenants import check_tenant, job_event_refusal
 from bus.client import Bus, Consumer
 from schemas import subjects
@@ -372,7 +373,7 @@ class Brain:
         return self.replica.state
 
     @property
-    def telemetry(self) -> dict[str, TelemetryBatch]:
+    def telemetry(self) -> LatestTelemetry:
         """Each node's latest telemetry batch."""
         return self.ingest.latest_telemetry
 

@@ -41,7 +41,8 @@ class GpuSample(BaseModel):
     temp_c: float
     sm_clock_mhz: float = Field(ge=0)
     mem_clock_mhz: float = Field(ge=0)
-    ecc_dbe_total: int | None = Field(default=None, ge=0)
+    # NVML's count is a 64-bit unsigned integer (and the brain packs it as one).
+    ecc_dbe_total: int | None = Field(default=None, ge=0, le=2**64 - 1)
 
 
 class TelemetryBatch(Message):

@@ -8,6 +8,7 @@ import asyncio
 
 from brain.census import CENSUS_CHUNK, CENSUS_TTL_S, CensusCache, gpu_census
 from brain.state import BrainState
+from brain.telemetry import LatestTelemetry
 from schemas.nodes import DrainedGpu, NodeState
 from schemas.telemetry import GpuSample, TelemetryBatch
 from tests.statelog import START_TS, node_record
@@ -20,17 +21,22 @@ def cluster(nodes: int) -> BrainState:
     return state
 
 
-def telemetry(state: BrainState, util: float) -> dict[str, TelemetryBatch]:
+def telemetry(state: BrainState, util: float, missing: str | None = None) -> LatestTelemetry:
+    """Every node's batch at `util`, but `missing`'s."""
+
     def sample(index: int) -> GpuSample:
         return GpuSample(
             index=index, util_gpu_pct=util, util_mem_pct=0, mem_used_mib=0,
             mem_total_mib=81_559, power_w=0, temp_c=30, sm_clock_mhz=0, mem_clock_mhz=0,
         )  # fmt: skip
 
-    return {
-        name: TelemetryBatch(node=name, ts=START_TS, samples=tuple(map(sample, range(8))))
-        for name in state.nodes
-    }
+    return LatestTelemetry.of(
+        {
+            name: TelemetryBatch(node=name, ts=START_TS, samples=tuple(map(sample, range(8))))
+            for name in state.nodes
+            if name != missing
+        }
+    )
 
 
 def replace(brain_state: BrainState, name: str, seq: int, **changes: object) -> None:
@@ -46,8 +52,7 @@ async def test_counted_in_chunks_as_at_once() -> None:
     replace(state, "n3", seq + 1, drained_gpus=(DrainedGpu(index=2, reason="fan", at=START_TS),))
     replace(state, "n4", seq + 2, state=NodeState.LOST)
     replace(state, "n5", seq + 3, state=NodeState.DRAINED, drain_reason="rack work")
-    samples = telemetry(state, 100.0)
-    del samples["n6"]
+    samples = telemetry(state, 100.0, missing="n6")
     chunked = await CensusCache().get(state, samples)
     assert chunked == gpu_census(state, samples)
     gpus = 8 * len(state.nodes)
@@ -64,12 +69,12 @@ async def test_a_census_is_kept_for_its_ttl() -> None:
     now = [0.0]
     cache = CensusCache(clock=lambda: now[0])
     state = cluster(3)
-    first = await cache.get(state, {})
+    first = await cache.get(state, LatestTelemetry())
     replace(state, "n0", 4, drained_gpus=(DrainedGpu(index=0, reason="fan", at=START_TS),))
-    assert await cache.get(state, {}) is first
+    assert await cache.get(state, LatestTelemetry()) is first
     # Stale: the last one is answered at once, and counted anew meanwhile.
     now[0] = CENSUS_TTL_S
-    assert await cache.get(state, {}) is first
+    assert await cache.get(state, LatestTelemetry()) is first
     await asyncio.sleep(0)
-    again = await cache.get(state, {})
+    again = await cache.get(state, LatestTelemetry())
     assert (first.drained, again.drained) == (0, 1)
