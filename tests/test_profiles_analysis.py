@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brain.profiles import (
     Profiler,
@@ -19,6 +21,7 @@ from brain.profiles import (
     ProfileStore,
     Reading,
     RunTotals,
+    _Window,
     analyse,
     autocorrelation,
     detect_period,
@@ -325,3 +328,25 @@ def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
     change({"state": JobState.SUCCEEDED, "finished_at": 4.0}, 4)
     assert "7" not in profiler._tracks
     assert profiler._holders == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0.1, 30.0), st.floats(0, 100)), max_size=300),
+    st.floats(1.0, 120.0),
+)
+def test_a_window_keeps_exactly_the_readings_of_its_last_span(
+    steps: list[tuple[float, float]], window_s: float
+) -> None:
+    """`_Window` (flat arrays, cut now and then) keeps what a list trimmed at every
+    reading would."""
+    window, model = _Window(), []
+    ts = 1_000_000.0
+    for gap, util in steps:
+        ts += gap
+        window.append(ts, util, util * 10)
+        window.drop_before(ts - window_s)
+        model = [r for r in (*model, Reading(ts, util, util * 10)) if r.ts >= ts - window_s]
+        assert len(window) == len(model)
+    assert window.readings() == tuple(model)
+    assert window.last_ts() == (model[-1].ts if model else None)
