@@ -26,14 +26,16 @@ def collector_paused() -> Iterator[None]:
 
 
 # For a process that holds a large, long-lived state and takes in a stream of
-# short-lived messages (the brain): collect the young generation every 20,000 net
-# allocations, not CPython's 700. A full collection is considered once per ten of the
-# middle generation's, and each walks every tracked object of the state; at the default
-# threshold, the objects of each second's telemetry batches made one due every few
-# seconds at 10,000 nodes (40-70 ms each at 1,000 nodes and 10,000 pending), and they
-# were most of the API's p99 (`docs/architecture.md`). Young cycles are still collected
-# within 20,000 allocations.
-SERVICE_THRESHOLDS: Final = (20_000, 10, 10)
+# short-lived messages (the brain). A young collection every 2,000 net allocations, a
+# middle one every ten of those: each walks what was allocated since (a node joining
+# makes about 60 tracked objects), so at 20,000 allocations, ten times this, the middle
+# collections of a mass join walked 250,000-300,000 objects, 80-265 ms each (a gc
+# callback in a 20,000-node flood). A full collection walks every tracked object of the
+# state (about 0.7-1 s at 20,000 nodes): it is considered once per hundred middle
+# collections, 2,000,000 net allocations (CPython's default: once per 70,000, which
+# made one due every few seconds at 10,000 nodes). Telemetry does not count: it is
+# kept where the collector does not track it (brain/telemetry.py, brain/profiles.py).
+SERVICE_THRESHOLDS: Final = (2_000, 10, 100)
 
 
 def tune_for_a_service() -> None:
