@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/brain_scale.py [--modes submit latency nodes restart]
         [--nodes 1000] [--pending 1000] [--clients 64] [--submit-s 10] [--probes 100]
-        [--flood-nodes 1000 3000] [--flood-s 30] [--finished 5000] [--profile-restart]
+        [--flood-nodes 1000 3000] [--flood-s 30] [--scrape-every S] [--finished 5000]
+        [--profile-restart]
 
 Each world is a fresh nats-server (free port, never 4222) and a brain started as a real
 process (`python -m cli brain`, policy `priority`); synthetic nodes and clients run in
@@ -25,7 +26,9 @@ this process and speak to it over the bus only:
 - `nodes`: F nodes join and beat at 1 Hz for a while: live nodes the brain declared
   LOST, whether it kept the lease, `status` p99 meanwhile, the brain's RSS and CPU.
   Baseline: a bare nats-py core subscriber (a process) on the same subjects: received
-  and its CPU.
+  and its CPU. `--scrape-every S` also scrapes the brain's `/metrics` (every GPU's
+  series) every S seconds meanwhile, as Prometheus would, one at a time and given up
+  after 10 s: how long the scrapes took, and `status` p99 with them.
 - `restart`: a log of K finished jobs (3 entries each) appended; a brain started over it
   (cold: no snapshot), then, once it has stored a snapshot, stopped and a new brain
   started over the same history, then one with a new (empty) history: process start to
@@ -41,7 +44,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -110,6 +115,8 @@ class BrainProc:
     profile: Path | None = None
     process: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
+    # HOST:PORT for its HTTP API and /metrics; None: none.
+    http: str | None = None
 
     @property
     def log(self) -> Path:
@@ -121,6 +128,8 @@ class BrainProc:
         prefix = ["-m", "cProfile", "-o", str(self.profile)] if self.profile else []
         args = [*prefix, "-m", "cli", "brain", "--nats", self.url, "--history", str(history)]
         args += ["--policy", "priority", "--node-timeout", "5", "--lease-ttl", "5"]
+        if self.http is not None:
+            args += ["--http", self.http]
         with self.log.open("ab") as out:
             self.started_at = time.monotonic()
             self.process = await asyncio.create_subprocess_exec(
@@ -564,8 +573,11 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
         await client.ensure_streams()
         profiled = work / "brain.prof" if args.profile_nodes else None
         brain = BrainProc(server.url, work, "brain", profile=profiled)
+        if args.scrape_every:
+            brain.http = f"127.0.0.1:{free_port()}"
         await brain.start(work / "history.db")
         world = World(work, server, brain, client)
+        scrapes = Scrapes()
         try:
             await wait_leading(client, brain)
             epoch = (await call(client, "default", "status", StatusRequest(), STATUS_RESULT)).epoch
@@ -597,6 +609,7 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                 str(args.flood_s),
                 stdout=asyncio.subprocess.PIPE,
             )
+            scrapes.start(brain, args.scrape_every)
             api: list[float] = []
             joined_api: list[float] = []  # once every node is known: past the mass join
             api_failed = 0
@@ -619,6 +632,7 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                 rss = max(rss, brain.rss_mib())
                 await asyncio.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
             brain_cpu = brain.cpu_s() - cpu0
+            scrapes.stop()
             published, _ = await publisher.communicate()
             if publisher.returncode:
                 raise RuntimeError(f"the synthetic nodes failed (exit {publisher.returncode})")
@@ -686,7 +700,9 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                     ),
                 )
             )
+            rows += scrapes.rows(f"{count} nodes, every {args.scrape_every:g} s")
         finally:
+            scrapes.stop()
             await world.close()
         if profiled is not None:
             import pstats
@@ -694,6 +710,73 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
             print(f"\nwhere the brain's time went at {count} nodes (internal, top 30):")
             pstats.Stats(str(profiled)).sort_stats("tottime").print_stats(30)
     return rows
+
+
+# Prometheus' default scrape timeout.
+SCRAPE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Scrapes:
+    """The brain's /metrics scraped every so often, as Prometheus would (one at a time,
+    given up after SCRAPE_TIMEOUT_S): how long each took, or why it failed."""
+
+    took: list[float] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+    def start(self, brain: BrainProc, every_s: float) -> None:
+        if brain.http is not None:
+            self.task = asyncio.create_task(self._forever(brain, every_s))
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def rows(self, setting: str) -> list[Row]:
+        if self.task is None:
+            return []
+        took, failed = self.took, self.failed
+        return [
+            row(
+                "/metrics scrape, longest (s)",
+                setting,
+                round(max(took), 2) if took else "-",
+                "median (s)",
+                round(statistics.median(took), 2) if took else "-",
+                note=(
+                    f"{len(took)} answered within {SCRAPE_TIMEOUT_S:g} s, {len(failed)} not"
+                    f" ({', '.join(sorted(set(failed))) or 'none'})"
+                ),
+            )
+        ]
+
+    async def _forever(self, brain: BrainProc, every_s: float) -> None:
+        import aiohttp
+
+        tokens = json.loads((brain.home / "http-tokens.json").read_text())["tokens"]
+        token = next(t["token"] for t in tokens if t.get("operator"))
+        headers = {"Authorization": f"Bearer {token}"}
+        timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+            while True:
+                started = time.monotonic()
+                try:
+                    async with session.get(f"http://{brain.http}/metrics") as response:
+                        await response.read()
+                        if response.status != 200:
+                            self.failed.append(f"HTTP {response.status}")
+                        else:
+                            self.took.append(time.monotonic() - started)
+                except (TimeoutError, aiohttp.ClientError) as error:
+                    self.failed.append(type(error).__name__)
+                await asyncio.sleep(max(0.0, every_s - (time.monotonic() - started)))
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 async def mode_restart(args: argparse.Namespace, home: Path) -> list[Row]:
@@ -850,6 +933,13 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=100)
     parser.add_argument("--flood-nodes", type=int, nargs="+", default=[1000, 3000])
     parser.add_argument("--flood-s", type=float, default=30.0)
+    parser.add_argument(
+        "--scrape-every",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="during the node flood, scrape the brain's /metrics every S seconds (0: never)",
+    )
     parser.add_argument("--finished", type=int, default=5000, help="finished jobs for restart")
     parser.add_argument("--restarts", type=int, default=3, help="restarts over the snapshot")
     parser.add_argument("--profile-restart", action="store_true")

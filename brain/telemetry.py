@@ -5,16 +5,16 @@ Kept as decoded, each batch is nine pydantic models and their dictionaries and f
 sets, twenty objects the cyclic garbage collector tracks. Replacing one frees twenty
 old objects as twenty new ones are made, so the collector's allocation count does not
 move, and its youngest generation fills with every node's batch until some other
-allocation trips a collection over all of them: pauses of 100-300 ms once a second or
-so, found with a gc callback in a 20,000-node flood. A `bytes` is not tracked, and
-holds a batch in about 640 bytes rather than about 7 KB.
+allocation trips a collection over all of them: pauses of 160-300 ms once every node
+had joined a 20,000-node flood (a gc callback in the brain). A `bytes` is not tracked, and
+holds a batch in about 0.8 KiB rather than 11.5 (bench/telemetry_memory.py).
 
 Readers get what they read: a `GpuReading` per GPU (a named tuple of `GpuSample`'s
 fields) for the metrics, the utilisations alone for the census, a `TelemetryBatch`
-rebuilt for the API's node pages (`__getitem__`: the store is a
-read-only mapping of node name to batch). Batches are validated at the edge before they
-are put here; a value the packing cannot hold is refused by the schema
-(`GpuSample.ecc_dbe_total` is a 64-bit counter, as NVML's is).
+rebuilt for the API's node pages (`__getitem__`: the store is a read-only mapping of
+node name to batch). Batches are validated at the edge before they are put here; a
+value the packing cannot hold is refused by the schema (`GpuSample.ecc_dbe_total` is a
+64-bit counter, as NVML's is).
 """
 
 from __future__ import annotations
