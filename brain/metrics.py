@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The GPU series' labels (`_render_gpus` writes them sorted, as prometheus_client does).
 GPU_LABELS: Final = ("gpu", "UUID", "device", "modelName", "Hostname", "node", "alnair_job")
 PROFILE_LABELS: Final = ("alnair_job", "tenant", "queue")
 # Pending time spans seconds (an idle cluster) to days (a starved queue).
