@@ -186,3 +186,10 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     }
     exported = set(await scrape(api))
     assert charted and charted <= exported, charted - exported
+
+    # Gzipped for a scraper that asks (Prometheus does), plain text for one that does not.
+    for accept, encoding in (("gzip", "gzip"), ("identity", None)):
+        headers = {**api.auth("operator"), "Accept-Encoding": accept}
+        async with api.session.get(f"{api.url}/metrics", headers=headers) as response:
+            assert response.headers.get("Content-Encoding") == encoding
+            assert "DCGM_FI_DEV_GPU_UTIL{" in await response.text()

@@ -1,9 +1,11 @@
 """The GPU series of `/metrics` are written by the brain itself (brain/metrics.py,
 `_render_gpus`), for speed: byte for byte what prometheus_client writes for the same
-families, checked here against it, with values and labels that need care."""
+families, checked here against it, with values and labels that need care; and gzipped
+a family at a time when the scraper asks."""
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 
 from hypothesis import given, settings
@@ -12,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from brain.metrics import _GPU_SERIES, GPU_LABELS, _GpuView, _render_gpus
+from brain.metrics import _GPU_SERIES, GPU_LABELS, _exposition, _GpuView, _render_gpus
 from brain.telemetry import LatestTelemetry
 from schemas.nodes import NodeRecord, NodeState
 from schemas.telemetry import GpuInfo, GpuSample, TelemetryBatch
@@ -123,3 +125,29 @@ def test_the_gpu_series_are_prometheus_clients_bytes(
         telemetry=LatestTelemetry.of(telemetry), nodes=records, holders=holders, last_xid=last_xid
     )
     assert _render_gpus(view) == _reference(view)
+
+
+def test_the_exposition_is_gzipped_a_family_at_a_time_when_asked() -> None:
+    sample = GpuSample(
+        index=0, util_gpu_pct=50, util_mem_pct=5, mem_used_mib=1_000, mem_total_mib=81_559,
+        power_w=300, temp_c=50, sm_clock_mhz=1_400, mem_clock_mhz=1_600,
+    )  # fmt: skip
+    batches = {f"n{i}": TelemetryBatch(node=f"n{i}", ts=1.0, samples=(sample,)) for i in range(50)}
+    records = {
+        name: NodeRecord(
+            name=name,
+            state=NodeState.READY,
+            hostname=name,
+            backend="sim",
+            instance="i",
+            gpus=(GpuInfo(index=0, uuid=f"GPU-{name}", model="H100", memory_mib=1),),
+            joined_at=1.0,
+        )
+        for name in batches
+    }
+    view = _GpuView(LatestTelemetry.of(batches), records, holders={}, last_xid={})
+    scheduler = b"# HELP alnair_x x\n# TYPE alnair_x gauge\nalnair_x 1.0\n"
+    plain = _exposition(scheduler, view, gzip=False)
+    assert plain == scheduler + _render_gpus(view) == scheduler + _reference(view)
+    zipped = _exposition(scheduler, view, gzip=True)
+    assert gzip.decompress(zipped) == plain and len(zipped) < len(plain) / 5

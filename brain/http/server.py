@@ -306,9 +306,11 @@ class HttpServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         if not self._caller(request).operator:
             raise HttpRefusal(403, "forbidden", "/metrics is for operator tokens")
-        return web.Response(
-            body=await self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        gzip = "gzip" in request.headers.get("Accept-Encoding", "")
+        headers = {"Content-Type": CONTENT_TYPE_LATEST}
+        if gzip:
+            headers["Content-Encoding"] = "gzip"
+        return web.Response(body=await self.metrics.render(gzip=gzip), headers=headers)
 
     async def _whoami(self, request: web.Request) -> web.Response:
         caller = self._caller(request)
