@@ -6,6 +6,7 @@ a family at a time when the scraper asks."""
 from __future__ import annotations
 
 import gzip
+import math
 from collections.abc import Iterator
 
 from hypothesis import given, settings
@@ -78,7 +79,7 @@ texts = st.text(alphabet=st.sampled_from(list('ab-_ "\\\n\u00e9H100')), min_size
         ),
         max_size=4,
     ),
-    st.floats(-50, 150),
+    st.floats(-50, 150) | st.sampled_from([math.inf, -math.inf, math.nan, -1e-7, 1e6]),
 )
 def test_the_gpu_series_are_prometheus_clients_bytes(
     nodes: list[tuple[str, NodeState, str, list[tuple[int, float, int | None]], bool]],
