@@ -15,23 +15,37 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from brain.metrics import _GPU_SERIES, GPU_LABELS, _exposition, _GpuView, _render_gpus
+from brain.metrics import (
+    _GPU_SERIES,
+    GPU_LABELS,
+    _exposition,
+    _GpuView,
+    _node_labels,
+    _render_gpus,
+)
 from brain.telemetry import LatestTelemetry
 from schemas.nodes import NodeRecord, NodeState
 from schemas.telemetry import GpuInfo, GpuSample, TelemetryBatch
 
 
-class _Reference(Collector):
-    """The same series through prometheus_client's families: the oracle."""
+def _shown(records: dict[str, NodeRecord]) -> dict[str, tuple[str, dict[int, tuple[str, str]]]]:
+    shown = {name: _node_labels(record) for name, record in records.items()}
+    return {name: labels for name, labels in shown.items() if labels is not None}
 
-    def __init__(self, view: _GpuView) -> None:
+
+class _Reference(Collector):
+    """The same series through prometheus_client's families, from the node records:
+    the oracle."""
+
+    def __init__(self, view: _GpuView, records: dict[str, NodeRecord]) -> None:
         self.view = view
+        self.records = records
 
     def collect(self) -> Iterator[Metric]:
         view = self.view
         families = [GaugeMetricFamily(name, doc, labels=GPU_LABELS) for name, doc, _ in _GPU_SERIES]
         for name in sorted(view.telemetry):
-            node = view.nodes.get(name)
+            node = self.records.get(name)
             if node is None or node.state is NodeState.LOST:
                 continue
             infos = {gpu.index: gpu for gpu in node.gpus}
@@ -54,9 +68,9 @@ class _Reference(Collector):
         yield from families
 
 
-def _reference(view: _GpuView) -> bytes:
+def _reference(view: _GpuView, records: dict[str, NodeRecord]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Reference(view))
+    registry.register(_Reference(view, records))
     return generate_latest(registry)
 
 
@@ -123,9 +137,12 @@ def test_the_gpu_series_are_prometheus_clients_bytes(
             holders[(name, index)] = f"job-{text}"
             last_xid[(name, index)] = 79 if ecc else 0
     view = _GpuView(
-        telemetry=LatestTelemetry.of(telemetry), nodes=records, holders=holders, last_xid=last_xid
+        telemetry=LatestTelemetry.of(telemetry),
+        nodes=_shown(records),
+        holders=holders,
+        last_xid=last_xid,
     )
-    assert _render_gpus(view) == _reference(view)
+    assert _render_gpus(view) == _reference(view, records)
 
 
 def test_the_exposition_is_gzipped_a_family_at_a_time_when_asked() -> None:
@@ -146,9 +163,9 @@ def test_the_exposition_is_gzipped_a_family_at_a_time_when_asked() -> None:
         )
         for name in batches
     }
-    view = _GpuView(LatestTelemetry.of(batches), records, holders={}, last_xid={})
+    view = _GpuView(LatestTelemetry.of(batches), _shown(records), holders={}, last_xid={})
     scheduler = b"# HELP alnair_x x\n# TYPE alnair_x gauge\nalnair_x 1.0\n"
     plain = _exposition(scheduler, view, gzip=False)
-    assert plain == scheduler + _render_gpus(view) == scheduler + _reference(view)
+    assert plain == scheduler + _render_gpus(view) == scheduler + _reference(view, records)
     zipped = _exposition(scheduler, view, gzip=True)
     assert gzip.decompress(zipped) == plain and len(zipped) < len(plain) / 5
