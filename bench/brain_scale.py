@@ -148,14 +148,19 @@ class BrainProc:
         return self.process.pid
 
     def rss_mib(self) -> float:
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
+        return process_rss_mib(self.pid)
 
     def cpu_s(self) -> float:
         return process_cpu_s(self.pid)
+
+    def children(self) -> list[int]:
+        """The processes the brain started (its /metrics renderer among them)."""
+        found: list[int] = []
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{self.pid}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    found += [int(p) for p in (task / "children").read_text().split()]
+        return found
 
     async def stop(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -165,6 +170,14 @@ class BrainProc:
             except TimeoutError:
                 self.process.kill()
                 await self.process.wait()
+
+
+def process_rss_mib(pid: int) -> float:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def process_cpu_s(pid: int) -> float:
@@ -613,7 +626,8 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
             api: list[float] = []
             joined_api: list[float] = []  # once every node is known: past the mass join
             api_failed = 0
-            rss = 0.0
+            rss = child_rss = 0.0
+            child_cpu: dict[int, float] = {}  # the brain's processes: CPU seconds, last read
             began = time.monotonic()
             joined_s: float | None = None
             while time.monotonic() - began < args.flood_s:
@@ -630,6 +644,9 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                 except Exception:
                     api_failed += 1
                 rss = max(rss, brain.rss_mib())
+                children = brain.children()
+                child_rss = max(child_rss, sum(process_rss_mib(p) for p in children))
+                child_cpu = {**child_cpu, **{p: process_cpu_s(p) for p in children}}
                 await asyncio.sleep(max(0.0, 0.25 - (time.monotonic() - t)))
             brain_cpu = brain.cpu_s() - cpu0
             scrapes.stop()
@@ -696,7 +713,9 @@ async def mode_nodes(args: argparse.Namespace, home: Path) -> list[Row]:
                     round(100 * bare_cpu / (args.flood_s + 1), 1),
                     note=(
                         f"brain RSS max {rss:.0f} MiB; synthetic nodes' CPU "
-                        f"{100 * float(publisher_cpu) / args.flood_s:.0f} %"
+                        f"{100 * float(publisher_cpu) / args.flood_s:.0f} %; the brain's "
+                        f"own processes: CPU {100 * sum(child_cpu.values()) / elapsed:.1f} %, "
+                        f"RSS max {child_rss:.0f} MiB"
                     ),
                 )
             )
