@@ -6,8 +6,8 @@ sets, twenty objects the cyclic garbage collector tracks. Replacing one frees tw
 old objects as twenty new ones are made, so the collector's allocation count does not
 move, and its youngest generation fills with every node's batch until some other
 allocation trips a collection over all of them: pauses of 160-300 ms once every node
-had joined a 20,000-node flood (a gc callback in the brain). A `bytes` is not tracked, and
-holds a batch in about 0.8 KiB rather than 11.5 (bench/telemetry_memory.py).
+had joined a 20,000-node flood (a gc callback in the brain). A `bytes` is not tracked,
+and holds a batch in about 0.8 KiB rather than 11.5 (bench/telemetry_memory.py).
 
 Readers get what they read: a `GpuReading` per GPU (a named tuple of `GpuSample`'s
 fields) for the metrics, the utilisations alone for the census, a `TelemetryBatch`
