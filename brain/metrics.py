@@ -140,7 +140,8 @@ class _Renderer:
     held the interpreter's lock half the time the loop wanted it, and a brain already
     busy with a node flood fell behind for the length of every scrape. A process has
     its own; the view it is sent is plain data (packed telemetry, label strings).
-    Should the process die, the next scrape starts another."""
+    Should the process die, that scrape is rendered in a thread, and the next starts
+    another process."""
 
     def __init__(self) -> None:
         self._pool: ProcessPoolExecutor | None = None
@@ -151,10 +152,11 @@ class _Renderer:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, _exposition, scheduler, view, gzip)
-        except BrokenProcessPool:
-            log.warning("the /metrics rendering process died; the next scrape starts another")
+        except (BrokenProcessPool, OSError) as error:
+            # This scrape is rendered here, in a thread; the next starts a process again.
+            log.warning("the /metrics rendering process failed (%r): rendering in a thread", error)
             self.close()
-            raise
+            return await asyncio.to_thread(_exposition, scheduler, view, gzip)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import gzip
 import math
+import multiprocessing
+import os
+import signal
 from collections.abc import Iterator
 
 from hypothesis import given, settings
@@ -22,6 +25,7 @@ from brain.metrics import (
     _GpuView,
     _node_labels,
     _render_gpus,
+    _Renderer,
 )
 from brain.telemetry import LatestTelemetry
 from schemas.nodes import NodeRecord, NodeState
@@ -169,3 +173,24 @@ def test_the_exposition_is_gzipped_a_family_at_a_time_when_asked() -> None:
     assert plain == scheduler + _render_gpus(view) == scheduler + _reference(view, records)
     zipped = _exposition(scheduler, view, gzip=True)
     assert gzip.decompress(zipped) == plain and len(zipped) < len(plain) / 5
+
+
+async def test_a_scrape_outlives_its_rendering_process() -> None:
+    """The exposition is rendered in a process of its own; killed, that scrape is
+    rendered in a thread and the next starts another process."""
+    batches = {"n1": TelemetryBatch(node="n1", ts=1.0, samples=())}
+    view = _GpuView(LatestTelemetry.of(batches), {}, holders={}, last_xid={})
+    renderer = _Renderer()
+    others = set(multiprocessing.active_children())
+    try:
+        first = await renderer.render(b"x 1.0\n", view, gzip=False)
+        (process,) = set(multiprocessing.active_children()) - others
+        assert process.pid is not None
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(timeout=30)
+        assert await renderer.render(b"x 1.0\n", view, gzip=False) == first
+        assert await renderer.render(b"x 1.0\n", view, gzip=False) == first
+        (again,) = set(multiprocessing.active_children()) - others
+        assert again.pid != process.pid
+    finally:
+        renderer.close()
