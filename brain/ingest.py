@@ -161,13 +161,17 @@ class NodeIngest:
         silent_s = now - known.last_seen
         previous = known.reported
         known.last_seen = max(known.last_seen, now)
-        known.beat = beat
+        same = stripped is not None and stripped == known.raw
         if (
-            stripped is not None
-            and stripped == known.raw
-            and previous is not None
-            and silent_s <= self.node_timeout_s
+            previous is not None
+            and beat.gpus is not previous.gpus
+            and (same or beat.gpus == previous.gpus)
         ):
+            # One copy of an inventory that did not change, shared with the node's record
+            # (a heartbeat decoded again, after a silence, would otherwise keep a second).
+            beat = beat.model_copy(update={"gpus": previous.gpus})
+        known.beat = beat
+        if same and previous is not None and silent_s <= self.node_timeout_s:
             return None
         reported = _Reported.of(beat)
         known.instance = beat.instance

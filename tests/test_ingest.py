@@ -128,6 +128,27 @@ def test_silence_and_return() -> None:
     assert list(ingest.silent(7.0)) == []
 
 
+def test_an_unchanged_inventory_is_kept_once() -> None:
+    """A heartbeat decoded again (after a silence, with news about its processes, or with
+    its bytes) keeps the inventory objects its node already has, which the node's record
+    shares: one copy of every GPU's description per node, however often it is decoded."""
+    ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
+    first = beat("n1", 1)
+    ingest.heartbeat(first, 0.0, encode(first))
+    kept = first.gpus
+    for later, now in (
+        (beat("n1", 2), 1.0),  # decoded although a repeat
+        (beat("n1", 3), 9.0),  # back after a silence
+        (beat("n1", 4, running=(job("j"),)), 10.0),  # news about its processes
+    ):
+        ingest.heartbeat(later, now, encode(later))
+        latest = ingest.latest_beat("n1")
+        assert latest is not None and latest.gpus is kept and latest.seq == later.seq
+    changed = beat("n1", 5, inventory=gpus(unhealthy=1))
+    news = ingest.heartbeat(changed, 11.0, encode(changed))
+    assert news is not None and news.kind == "changed" and news.beat.gpus == gpus(unhealthy=1)
+
+
 def test_nodes_from_the_log_get_a_grace_period_and_their_first_beat_is_news() -> None:
     ingest = NodeIngest(node_timeout_s=TIMEOUT_S)
     ingest.expect("n1", "a", 100.0)
