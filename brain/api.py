@@ -33,6 +33,7 @@ from schemas.api import (
     DrainRequest,
     ErrorReply,
     GetJobRequest,
+    GpuCensus,
     HistoryReply,
     HistoryRequest,
     JobReply,
@@ -374,5 +375,10 @@ class ApiServer:
             jobs_by_state=counts,
             nodes=len(brain.state.nodes),
             gpus=brain.state.capacity(),
-            census=await self._census.get(brain.state, brain.telemetry),
+            census=await self.census(),
         )
+
+    async def census(self) -> GpuCensus:
+        """Every GPU counted by what it is doing (brain/census.py), at most CENSUS_TTL_S
+        old: `status` and `/metrics` share the count."""
+        return await self._census.get(self.brain.state, self.brain.telemetry)

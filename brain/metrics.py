@@ -36,7 +36,7 @@ from brain.core.model import Decisions, MemoryPressure, Preempt, QueueQuota, Quo
 from brain.queues import queue_status
 from brain.telemetry import GpuReading, LatestTelemetry
 from schemas import subjects
-from schemas.api import QueueStatus
+from schemas.api import GpuCensus, QueueStatus, utilisation_bucket
 from schemas.events import GpuFault
 from schemas.jobs import JobRecord, JobState
 from schemas.nodes import NodeRecord, NodeState
@@ -201,9 +201,39 @@ class _ClusterCollector(Collector):
         yield GaugeMetricFamily(
             "alnair_brain_state_seq", "Last STATE log sequence applied.", value=state.last_seq
         )
+        yield from self._census()
         yield from self._ingest()
         yield from self._profiles()
         yield from self._shares()
+
+    def _census(self) -> Iterator[Metric]:
+        """Every GPU counted by what it is doing, and READY nodes' GPUs by utilisation:
+        the cluster in a few series, where the per-GPU ones are millions of lines."""
+        census = self.metrics.census
+        if census is None:
+            return
+        by_state = GaugeMetricFamily(
+            "alnair_gpus_by_state",
+            "GPUs by what they are doing: each in exactly one state "
+            "(unavailable: on nodes not heard from).",
+            labels=["state"],
+        )
+        for name in ("busy", "shared", "free", "drained", "unavailable"):
+            by_state.add_metric([name], getattr(census, name))
+        yield by_state
+        by_util = GaugeMetricFamily(
+            "alnair_gpus_by_utilisation",
+            "READY nodes' GPUs by their latest utilisation (percent range).",
+            labels=["percent"],
+        )
+        for index, count in enumerate(census.utilisation):
+            by_util.add_metric([utilisation_bucket(index)], count)
+        yield by_util
+        yield GaugeMetricFamily(
+            "alnair_gpus_unreported",
+            "READY nodes' GPUs with no telemetry sample yet.",
+            value=census.unreported,
+        )
 
     def _shares(self) -> Iterator[Metric]:
         """Each shared GPU's jobs: their share, GPU memory limit and use (from the
@@ -366,6 +396,8 @@ class BrainMetrics:
         self._pending_since: dict[str, float] = {}
         self._dlq_sub: Subscription | None = None
         self._renderer = _Renderer()
+        # The GPU census as of the scrape being rendered (`_ClusterCollector._census`).
+        self.census: GpuCensus | None = None
         # node -> (the record its labels were read from, its labels): read again only
         # when the node's record changes.
         self._labels: dict[str, tuple[NodeRecord, _NodeLabels | None]] = {}
@@ -433,6 +465,7 @@ class BrainMetrics:
         (`_Renderer`: seconds at thousands of nodes). `gzip`: all of it compressed
         there too, as it is rendered (Prometheus asks for it; at 20,000 8-GPU nodes the
         text is about 270 MB, and gzip takes it to about a thirtieth)."""
+        self.census = await self.brain.api.census()
         scheduler = generate_latest(self.registry)
         return await self._renderer.render(scheduler, _GpuView.take(self), gzip)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from schemas.api import GpuCensus, QueueStatus
+from schemas.api import GpuCensus, QueueStatus, utilisation_bucket
 from schemas.jobs import JobRecord
 from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
@@ -160,9 +160,7 @@ def census_lines(census: GpuCensus) -> list[str]:
         f"drained {census.drained}, on lost nodes {census.unavailable}"
     )
     buckets = [
-        f"{10 * i}-{10 * i + 9 if i < len(census.utilisation) - 1 else 100}% {count}"
-        for i, count in enumerate(census.utilisation)
-        if count
+        f"{utilisation_bucket(i)}% {count}" for i, count in enumerate(census.utilisation) if count
     ]
     if census.unreported:
         buckets.append(f"not reported {census.unreported}")

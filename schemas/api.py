@@ -277,6 +277,11 @@ class BrainInfo(BaseModel):
 UTILISATION_BUCKETS: Final = 10
 
 
+def utilisation_bucket(index: int) -> str:
+    """A utilisation bucket's range in whole percent: "0-9", ..., "90-100"."""
+    return f"{10 * index}-{10 * index + 9 if index < UTILISATION_BUCKETS - 1 else 100}"
+
+
 class GpuCensus(BaseModel):
     """Every GPU of every node, counted by what it is doing: the cluster at a glance,
     however many nodes (a node's own GPUs are in `alnair nodes`). Each GPU is in exactly

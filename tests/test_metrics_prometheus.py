@@ -187,6 +187,21 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     exported = set(await scrape(api))
     assert charted and charted <= exported, charted - exported
 
+    # The census: every GPU in one state, READY nodes' GPUs by utilisation (counted at
+    # most CENSUS_TTL_S apart, so asked until it has seen the job).
+    async def counted_gpus() -> dict[str, list[Sample]] | None:
+        metrics = await scrape(api)
+        busy = value(metrics["alnair_gpus_by_state"], "alnair_gpus_by_state", state="busy")
+        return metrics if busy == 1 else None
+
+    metrics = await eventually(counted_gpus, timeout_s=30)
+    states = {s.labels["state"]: s.value for s in metrics["alnair_gpus_by_state"]}
+    assert states == {"busy": 1, "shared": 0, "free": 1, "drained": 0, "unavailable": 0}
+    by_util = metrics["alnair_gpus_by_utilisation"]
+    assert [s.labels["percent"] for s in by_util][::9] == ["0-9", "90-100"]
+    assert sum(s.value for s in by_util) == 2
+    assert value(metrics["alnair_gpus_unreported"], "alnair_gpus_unreported") == 0
+
     # Gzipped for a scraper that asks (Prometheus does), plain text for one that does not.
     for accept, encoding in (("gzip", "gzip"), ("identity", None)):
         headers = {**api.auth("operator"), "Accept-Encoding": accept}
