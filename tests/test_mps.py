@@ -446,15 +446,18 @@ async def test_a_whole_gpu_job_starts_after_its_gpus_shares_daemon_has_quit(
     root = tmp_path / "mps"
     agent.shares = MpsDaemons(root, binary=str(_stand_in(tmp_path)))
     await agent.start()
+    daemon: int | None = None
     try:
         await eventually(lambda: "n1" in brain.state.nodes)
         share = await submit_spec(
             brain.api, JobSpec(command=("sleep", "120"), gpus=1, gpu_milli=500, priority=0)
         )
-        await eventually(lambda: brain.state.jobs[share].state is JobState.RUNNING)
-        daemon = _daemon_pid(root, 0)
+        # RUNNING once placed; the agent starts the daemon (which writes its pid, then
+        # makes its pipe) as it launches the share.
         pipe = root / "gpu0" / "pipe" / "control"
-        assert pipe.exists()
+        await eventually(lambda: brain.state.jobs[share].state is JobState.RUNNING)
+        await eventually(pipe.exists)
+        daemon = _daemon_pid(root, 0)
         seen = tmp_path / "seen"
         probe = f"import os; open({str(seen)!r}, 'w').write(str(os.path.exists({str(pipe)!r})))"
         whole = await submit_spec(
@@ -464,4 +467,5 @@ async def test_a_whole_gpu_job_starts_after_its_gpus_shares_daemon_has_quit(
         assert seen.read_text() == "False"
     finally:
         await agent.stop(stop_jobs=True)
-        _kill(daemon)
+        if daemon is not None:
+            _kill(daemon)
