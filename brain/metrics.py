@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The GPU series' labels (`_render_gpus` writes them sorted, as prometheus_client does).
+# The GPU series' labels (`_gpu_chunks` writes them sorted, as prometheus_client does).
 GPU_LABELS: Final = ("gpu", "UUID", "device", "modelName", "Hostname", "node", "alnair_job")
 PROFILE_LABELS: Final = ("alnair_job", "tenant", "queue")
 # Pending time spans seconds (an idle cluster) to days (a starved queue).
@@ -532,10 +532,6 @@ def _exposition(scheduler: bytes, view: _GpuView, gzip: bool) -> bytes:
     parts += [compressor.compress(chunk) for chunk in _gpu_chunks(view)]
     parts.append(compressor.flush())
     return b"".join(parts)
-
-
-def _render_gpus(view: _GpuView) -> bytes:
-    return b"".join(_gpu_chunks(view))
 
 
 def _gpu_chunks(view: _GpuView) -> Iterator[bytes]:

@@ -1,5 +1,5 @@
 """The GPU series of `/metrics` are written by the brain itself (brain/metrics.py,
-`_render_gpus`), for speed: byte for byte what prometheus_client writes for the same
+`_gpu_chunks`), for speed: byte for byte what prometheus_client writes for the same
 families, checked here against it, with values and labels that need care; and gzipped
 a family at a time when the scraper asks."""
 
@@ -24,7 +24,6 @@ from brain.metrics import (
     _exposition,
     _GpuView,
     _node_labels,
-    _render_gpus,
     _Renderer,
 )
 from brain.telemetry import LatestTelemetry
@@ -146,7 +145,7 @@ def test_the_gpu_series_are_prometheus_clients_bytes(
         holders=holders,
         last_xid=last_xid,
     )
-    assert _render_gpus(view) == _reference(view, records)
+    assert _exposition(b"", view, gzip=False) == _reference(view, records)
 
 
 def test_the_exposition_is_gzipped_a_family_at_a_time_when_asked() -> None:
@@ -170,7 +169,7 @@ def test_the_exposition_is_gzipped_a_family_at_a_time_when_asked() -> None:
     view = _GpuView(LatestTelemetry.of(batches), _shown(records), holders={}, last_xid={})
     scheduler = b"# HELP alnair_x x\n# TYPE alnair_x gauge\nalnair_x 1.0\n"
     plain = _exposition(scheduler, view, gzip=False)
-    assert plain == scheduler + _render_gpus(view) == scheduler + _reference(view, records)
+    assert plain == scheduler + _reference(view, records)
     zipped = _exposition(scheduler, view, gzip=True)
     assert gzip.decompress(zipped) == plain and len(zipped) < len(plain) / 5
 
