@@ -11,12 +11,14 @@ one group with its unit of work, before any command or answer of that unit goes 
 what any client was told is in the log. Decisions come from the pure `decide()`; this
 module only turns them into records and commands.
 
-`Brain` owns the inbox loop, the scheduling pass, submissions and placements, the
-journal's records and the commands. The rest is in parts it wires here, each behind the
-narrow protocols of brain/writer.py (`_Shell` implements them over the brain):
-leadership (brain/leadership.py, with `_BrainTenure`), liveness of nodes
-(brain/liveness.py), attempts and failures (brain/attempts.py), the blacklist and
-pre-runs (brain/blacklist.py), resizes (brain/resizes.py) and the reconciler
+`Brain` owns the inbox loop and when scheduling passes run, the journal's records and the
+commands. The rest is in parts it wires here, each behind the narrow protocols of
+brain/writer.py (`_Shell` implements them over the brain): the scheduling pass
+(brain/scheduler.py), launches (brain/launches.py), submissions and cancellations
+(brain/submissions.py), leadership
+(brain/leadership.py, with `_BrainTenure`), liveness of nodes (brain/liveness.py),
+attempts and failures (brain/attempts.py), the blacklist and pre-runs
+(brain/blacklist.py), resizes (brain/resizes.py) and the reconciler
 (brain/reconciler.py). The parts never import this module.
 """
 
@@ -24,14 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
-import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -39,40 +39,24 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from brain import elastic, secrets
 from brain import queues as queue_config
+from brain import secrets
 from brain.api import ApiServer
 from brain.attempts import Attempts
-from brain.attempts import launch_id as _launch_id
 from brain.blacklist import Blacklist
 from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
-    ORDERINGS,
-    ClusterSnapshot,
     Decisions,
-    Grant,
-    KeptLedger,
-    MemoryPressure,
-    Place,
     Policy,
-    Preempt,
     QueueQuota,
-    QuotaReclaim,
-    Ranking,
     Resize,
     ServiceDistribution,
-    SetServiceLevel,
-    Wait,
-    decide,
-    reads,
 )
 from brain.core.failures import (
     DEFAULT_FAILURE_POLICY,
     FailurePolicy,
 )
-from brain.core.model import gpus_said
-from brain.core.shares import never_fits
 from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
@@ -86,6 +70,7 @@ from brain.ingest import (
     NodeIngest,
 )
 from brain.journal import Journal
+from brain.launches import Launches
 from brain.leader import Lease
 from brain.leadership import Leadership
 from brain.liveness import Liveness
@@ -95,9 +80,11 @@ from brain.progress import ProgressTracker
 from brain.reconciler import Reconciler
 from brain.replica import Replica, snapshot_due
 from brain.resizes import Resizes
-from brain.state import BrainState, current_size_s, job_demand, job_view
+from brain.scheduler import Scheduler
+from brain.state import BrainState, current_size_s, job_view
+from brain.submissions import Submissions
 from brain.telemetry import LatestTelemetry
-from brain.tenants import check_tenant, job_event_refusal
+from brain.tenants import job_event_refusal
 from bus.client import Bus, Consumer
 from schemas import subjects
 from schemas.api import (
@@ -109,7 +96,7 @@ from schemas.api import (
     ResumeRequest,
     SubmitRequest,
 )
-from schemas.commands import Launch, NodeCommand, Stop
+from schemas.commands import NodeCommand, Stop
 from schemas.errors import ApiError, HandBack
 from schemas.events import (
     NODE_EVENT,
@@ -123,11 +110,8 @@ from schemas.events import (
     ResizeCompleted,
 )
 from schemas.jobs import (
-    MAX_SPEC_BYTES,
     JobRecord,
     JobState,
-    NodeGrant,
-    job_limits,
 )
 from schemas.nodes import NodeRecord, NodeState
 from schemas.progress import Progress
@@ -135,33 +119,18 @@ from schemas.state import (
     BlacklistChanged,
     BlacklistEntry,
     Cause,
-    CauseKind,
     JobChanged,
     NodeChanged,
     NodeEventRecorded,
-    Preemption,
     StateRecord,
 )
 from schemas.telemetry import GpuShares, Heartbeat, TelemetryBatch
-from schemas.workers import EXEC_SECRET_ENV
 
 log = logging.getLogger(__name__)
 
 # A pass waits for the inbox to empty (one pass for all the changes queued), but no
 # longer than this: a steady stream of requests must not starve scheduling.
 PASS_WAITS_FOR_INBOX_S: Final = 0.05
-# A decide() that took longer than this (CPU time) last time runs in a worker thread, so the loop
-# (heartbeats, the API, the lease) goes on beside it; a shorter one runs in the loop,
-# where it does not make every wake-up of the loop wait for the GIL.
-DECIDE_IN_THREAD_AFTER_S: Final = 0.05
-# Why every waiting job waits is worked out by at most one pass in this long; every
-# other pass asks only why the jobs that became pending since the last pass wait
-# (`decide(waits=False, explain=...)`), so a job is told why at once, and a reason's
-# figures (GPUs left) are brought up to date at this interval. Without a `Wait` per
-# pending job, and the shell's look-ups of each, a pass at 10,000 pending costs about
-# half; an owner reads a waiting reason on a person's time scale. A pass that left
-# them out owes them: the tick makes state dirty once they are due.
-EXPLAIN_WAITS_EVERY_S: Final = 5.0
 # Utilisation profiles due are recomputed this often, for at most
 # `ProfileSettings.refresh_budget_s` each time: a little at a time beside everything
 # else (4 % of the loop at most), rather than a stall of tens of ms at every tick and
@@ -261,33 +230,13 @@ class Brain:
         # State and the log have one writer at a time: an inbox item being handled, or
         # a scheduling pass applying its decisions (decide() itself runs outside it).
         self._writer = asyncio.Lock()
-        # State changed since the last pass began: one more pass is due.
-        self._dirty = True
         self._pass_wanted = asyncio.Event()
-        # When the next pass may start (brain/pacing.py); a job was submitted since
-        # the last pass began: the next one is prompt.
+        # When the next pass may start (brain/pacing.py).
         self._pacer = PassPacer(since=monotonic())
-        self._submitted = asyncio.Event()
         # Set while the inbox loop waits for an item with none queued.
         self._inbox_idle = asyncio.Event()
-        self._last_decide_s = 0.0
         # How late the last tick woke up: how far behind the event loop runs.
         self._loop_lag_s = 0.0
-        # When the last decide() asked to be called again, even if nothing happens.
-        self._wake_at: float | None = None
-        # When a pass may next explain why jobs wait (monotonic), and whether one that
-        # left it out owes it (`EXPLAIN_WAITS_EVERY_S`).
-        self._waits_due = 0.0
-        self._waits_owed = False
-        # Jobs that became pending since the last pass was planned: the next is asked
-        # why they wait, whether or not it explains every waiting job.
-        self._newly_pending: set[str] = set()
-        # The last pass's ranking and free-GPU ledger, for the next (brain/core/ranking.py,
-        # brain/core/placement.py): the snapshot reuses the views of jobs and nodes that
-        # did not change, so a pass ranks only the other jobs and brings only the other
-        # nodes up to date.
-        self._ranking = Ranking()
-        self._ledger = KeptLedger()
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
         self.credentials = (
             JobCredentials(
@@ -307,7 +256,6 @@ class Brain:
         # Loops end on this flag, not on cancellation alone: nats-py turns a
         # cancellation into ConnectionClosedError once the connection is closed.
         self._closing = False
-        self.preemptions = 0
         # Read-only observers (metrics, profiles, the HTTP event stream). They run in
         # the brain's loop and must not block or raise; they never change state.
         self.telemetry_observers: list[Callable[[TelemetryBatch], None]] = []
@@ -349,6 +297,14 @@ class Brain:
             leading=self.leading.is_set,
             fail_attempt=lambda job, node, why: self.attempts.fail_attempt(job, node, why),
         )
+        self.launches = Launches(
+            lambda: self.state,
+            shell,
+            self.config,
+            clock=clock,
+            cluster_key=self._cluster_key,
+            tokens=self.credentials,
+        )
         self.attempts = Attempts(
             lambda: self.state,
             shell,
@@ -366,6 +322,28 @@ class Brain:
             settings=self.config,
             clock=clock,
             monotonic=monotonic,
+        )
+        self.submissions = Submissions(
+            lambda: self.state,
+            shell,
+            self.config,
+            clock=clock,
+            job_record=self.job_record,
+            # Its pass need not wait out the last one's rest.
+            submitted=lambda: self.scheduler.submitted.set(),
+        )
+        # The scheduling pass; when passes run is `_schedule_forever`'s.
+        self.scheduler = Scheduler(
+            lambda: self.state,
+            shell,
+            self.attempts,
+            self.resizes,
+            self.config,
+            clock=clock,
+            monotonic=monotonic,
+            profiles=lambda: self.profiles.current(refresh=False),
+            progress=self.progress.current,
+            observers=self.decision_observers,
         )
 
     @property
@@ -486,7 +464,7 @@ class Brain:
                 name="brain-hearing",
             ),
         ]
-        self._dirty = True
+        self.scheduler.dirty = True
         self._pass_wanted.set()
 
     async def _take_over(self, epoch: int, caught_up: int) -> None:
@@ -544,7 +522,7 @@ class Brain:
             if not self.leading.is_set():
                 return  # stepped down meanwhile: the next leader re-sends them
             if any(g.pid is None and not g.exited for g in job.grants):
-                await self._send_launches(job)
+                await self.launches.send(job)
 
     async def _maybe_snapshot(self) -> None:
         since = self.state.last_seq - self.replica.snapshot_seq
@@ -587,7 +565,7 @@ class Brain:
         if report.attempt is not None and report.attempt != job.attempt:
             return  # an earlier run's supervisor, still stopping: not this run's news
         if self.progress.observe(report):
-            self._dirty = True  # a first report, or a first at this size: news for policy
+            self.scheduler.dirty = True  # a first report, or a first at this size: news for policy
 
     async def _on_event(self, event: NodeEvent, msg: Msg) -> None:
         if msg.subject.startswith(f"{subjects.PREFIX}.job."):
@@ -652,7 +630,7 @@ class Brain:
                 log.exception("recomputing profiles failed; tried again in %gs", PROFILES_EVERY_S)
                 continue
             if changed:
-                self._dirty = True
+                self.scheduler.dirty = True
                 self._pass_wanted.set()
 
     def _takes_telemetry(self) -> bool:
@@ -692,7 +670,7 @@ class Brain:
                     item.done.set_result(result)
                 else:
                     item.done.set_exception(failure)
-            if self._dirty:
+            if self.scheduler.dirty:
                 self._pass_wanted.set()
 
     async def _outcome(self, item: Item) -> tuple[object, BaseException | None]:
@@ -719,7 +697,7 @@ class Brain:
             self._pass_wanted.clear()
             began = self.monotonic()
             try:
-                await self._schedule()
+                await self.scheduler.run_pass()
             except Exception as error:
                 if self.journal.tainted:
                     # The pass's group was not stored: state is ahead of the log.
@@ -729,20 +707,20 @@ class Brain:
                 leaving = isinstance(error, ApiError) and not self.leading.is_set()
                 if not leaving:  # else: leadership ended mid-pass; the next plans anew
                     log.exception("scheduling cycle failed")
-            if self._dirty:
+            if self.scheduler.dirty:
                 self._pass_wanted.set()
             self._pacer.ran(began, self.monotonic())
 
     async def _rest(self) -> None:
         """Wait until the pacer lets the next pass start: sooner once a job is
         submitted meanwhile."""
-        pacer = self._pacer
-        while (wait_s := pacer.wait_s(self.monotonic(), prompt=self._submitted.is_set())) > 0:
-            if self._submitted.is_set():
+        pacer, submitted = self._pacer, self.scheduler.submitted
+        while (wait_s := pacer.wait_s(self.monotonic(), prompt=submitted.is_set())) > 0:
+            if submitted.is_set():
                 await asyncio.sleep(wait_s)
             else:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._submitted.wait(), wait_s)
+                    await asyncio.wait_for(submitted.wait(), wait_s)
 
     async def _handle(self, item: Item) -> object:
         match item:
@@ -768,12 +746,7 @@ class Brain:
         await self.liveness.check_launches()
         await self.blacklist.check_preruns()
         await self.resizes.check_resizes()
-        if self._wake_at is not None and self.clock() >= self._wake_at:
-            # decide() asked to be called again by now (a retry back-off ending).
-            self._wake_at = None
-            self._dirty = True
-        if self._waits_owed and self.monotonic() >= self._waits_due:
-            self._dirty = True  # a pass left out why jobs wait: the next one says
+        self.scheduler.due()  # decide() asked to be called again, or owes reasons
         # A snapshot covers stored records only: what this unit staged goes first.
         await self.journal.commit()
         await self._maybe_snapshot()
@@ -781,9 +754,9 @@ class Brain:
     async def _write(self, tenant: str, request: WriteRequest, *, operator: bool) -> object:
         match request:
             case SubmitRequest():
-                return await self._submit(tenant, request)
+                return await self.submissions.submit(tenant, request)
             case CancelRequest(job_id=job_id):
-                return await self._cancel(tenant, job_id)
+                return await self.submissions.cancel(tenant, job_id)
             case DrainRequest():
                 await self._drain(tenant, request)
             case ResumeRequest():
@@ -835,11 +808,11 @@ class Brain:
         )
         await self._append(record, subjects.state_job(job.job_id))
         if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
-            self._newly_pending.add(job.job_id)
+            self.scheduler.became_pending(job.job_id)
         if old is None or not _same_to_policy(old, job):
             # Not, say, for a process that started where it was placed: decide() would
             # see nothing new, and a pass of 10,000 pending jobs costs tens of ms.
-            self._dirty = True
+            self.scheduler.dirty = True
 
     def _account(self, job: JobRecord) -> JobRecord:
         """Fold a run that is ending into the job's service, and note when a job starts
@@ -889,7 +862,7 @@ class Brain:
             cause=cause,
         )
         await self._append(record, subjects.state_node(node.name))
-        self._dirty = True
+        self.scheduler.dirty = True
 
     async def _blacklist_changed(self, entries: dict[str, BlacklistEntry], cause: Cause) -> None:
         record = BlacklistChanged(
@@ -900,7 +873,7 @@ class Brain:
             cause=cause,
         )
         await self._append(record, subjects.STATE_BLACKLIST)
-        self._dirty = True
+        self.scheduler.dirty = True
 
     async def _event_recorded(self, event: NodeEvent) -> None:
         record = NodeEventRecorded(
@@ -938,87 +911,6 @@ class Brain:
                 await self._stop(job.job_id, grant.node, reason, job.attempt)
 
     # -- API operations (called from the inbox) ----------------------------------------
-
-    async def _submit(self, tenant: str, request: SubmitRequest) -> JobRecord:
-        spec = request.spec
-        check_tenant(self.config.tenants, tenant)
-        if request.idempotency_key is not None:
-            known = self.state.job_for_key(tenant, request.idempotency_key)
-            if known is not None:
-                return known
-            away = self.state.job_away_for_key(tenant, request.idempotency_key)
-            if away is not None and (finished := self.job_record(away)) is not None:
-                return finished  # finished long ago: answered from the history
-        size = len(spec.model_dump_json())
-        if size > MAX_SPEC_BYTES:
-            env = sum(len(name) + len(value) for name, value in spec.env.items())
-            raise ApiError(
-                "invalid",
-                f"the job's spec is {size} bytes (its environment {env}), over the "
-                f"{MAX_SPEC_BYTES} a job may take: pass large data in files",
-            )
-        # Against every registered GPU, not only those up right now: a job must not be
-        # refused because nodes are briefly away (a NATS restart, a network blip).
-        total, largest = self.state.registered_gpus()
-        if self.state.nodes and spec.gpus > total:
-            nodes = len(self.state.nodes)
-            raise ApiError(
-                "invalid",
-                f"job asks for {gpus_said(spec.gpus)} but the cluster has {total} "
-                f"({nodes} node{'' if nodes == 1 else 's'}, at most {largest} on one node)",
-            )
-        if self.config.strict_queues:
-            unlisted = queue_config.unlisted(self.config.queues, spec.queue)
-            if unlisted is not None:
-                raise ApiError("invalid", unlisted)
-        never = queue_config.never_within(self.config.queues, spec.queue, spec.gpu_range[0])
-        if never is not None:
-            raise ApiError("invalid", never)
-        demand = job_demand(spec)
-        if demand is not None:
-            never = never_fits(demand, spec.gpus, self.state.registered_views())
-            if never is not None:
-                raise ApiError("invalid", f"no node could ever run this job: {never}")
-        job = JobRecord(
-            job_id=self.state.next_job_id(),
-            tenant=tenant,
-            spec=spec,
-            state=JobState.PENDING,
-            submitted_at=self.clock(),
-            reason="submitted",
-            idempotency_key=request.idempotency_key,
-            prerun="pending" if self.config.failures.wants_prerun(spec.queue, spec.gpus) else None,
-        )
-        await self._job_changed(
-            job,
-            None,
-            Cause(
-                kind=CauseKind.SUBMITTED, message=f"submitted by tenant {tenant}", job_id=job.job_id
-            ),
-        )
-        self._submitted.set()  # its pass need not wait out the last one's rest
-        return job
-
-    async def _cancel(self, tenant: str, job_id: str) -> JobRecord:
-        job = self.job_record(job_id)
-        if job is None or job.tenant != tenant:
-            raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
-        if job.state.terminal:
-            raise ApiError("conflict", f"job {job_id} already ended {job.state.value}")
-        cancelled = job.model_copy(
-            update={
-                "state": JobState.CANCELLED,
-                "finished_at": self.clock(),
-                "reason": "cancelled by its owner",
-            }
-        )
-        await self._job_changed(
-            cancelled,
-            job.state,
-            Cause(kind=CauseKind.CANCELLED, message=f"cancelled by tenant {tenant}", job_id=job_id),
-        )
-        await self._stop_parts(job, "cancelled")
-        return cancelled
 
     # -- nodes (brain/liveness.py) -----------------------------------------------------
 
@@ -1084,260 +976,6 @@ class Brain:
     async def _apply_resize(self, job: JobRecord, action: Resize) -> None:
         await self.resizes.apply_resize(job, action)
 
-    # -- scheduling ------------------------------------------------------------------
-
-    async def _schedule(self) -> None:
-        """One pass: snapshot, decide() (in a worker thread when it is slow: the inbox
-        goes on meanwhile, submissions are stored and answered), then apply the decisions
-        as the writer, each checked against the state as it is by then."""
-        async with self._writer:  # not halfway through a handler's records
-            self._dirty = False
-            self._submitted.clear()
-            newly_pending, self._newly_pending = self._newly_pending, set()
-            snapshot = self.state.snapshot(
-                # As they stand: recomputed a little at a time beside the passes
-                # (`_profiles_forever`), never on the path to a Launch.
-                profiles=self.profiles.current(refresh=False),
-                now=self.clock(),
-                queues=self.config.queues,
-                # Elastic jobs' throughput per size and progress, from their supervisors.
-                progress=self.progress.current(),
-                # Learned only for the orders that read it: a rebuild costs milliseconds.
-                service_prior=self.config.service_prior
-                if reads(self.config.policy.order, "distribution")
-                else None,
-                running_service=self._reads_running_service(),
-                by_class=reads(self.config.policy.order, "class_distribution"),
-            )
-        now, policy = self.clock(), self.config.policy
-        explain = self._explains_waits(waiting=bool(snapshot.pending))
-        if self._last_decide_s > DECIDE_IN_THREAD_AFTER_S:
-            ranking, ledger = self._ranking, self._ledger
-            try:
-                decisions, self._last_decide_s = await asyncio.to_thread(
-                    _decide, snapshot, now, policy, explain, newly_pending, ranking, ledger
-                )
-            except asyncio.CancelledError:
-                # The thread may go on with this ranking and ledger: the next pass takes
-                # new ones.
-                self._ranking, self._ledger = Ranking(), KeptLedger()
-                raise
-        else:
-            decisions, self._last_decide_s = _decide(
-                snapshot, now, policy, explain, newly_pending, self._ranking, self._ledger
-            )
-        self._wake_at = decisions.wake_at
-        self._notify(self.decision_observers, decisions)
-        async with self._unit():
-            waits = await self._apply(decisions)
-        # The placements are stored and their Launches sent: now why the rest wait
-        # (one per pending job: thousands of look-ups, off the path to the Launches).
-        if waits:
-            async with self._unit():
-                await self._note_waits(waits)
-
-    def _explains_waits(self, *, waiting: bool) -> bool:
-        """Does this pass say why jobs wait? At most one pass per
-        `EXPLAIN_WAITS_EVERY_S`; one that does not, with jobs waiting, owes it to a
-        later one."""
-        if not waiting:
-            # Nothing to explain, nor owed any more: it costs nothing, uses up no turn.
-            self._waits_owed = False
-            return True
-        now = self.monotonic()
-        if now < self._waits_due:
-            self._waits_owed = True
-            return False
-        self._waits_due = now + EXPLAIN_WAITS_EVERY_S
-        self._waits_owed = False
-        return True
-
-    def _reads_running_service(self) -> bool:
-        """Does this pass's policy read running jobs' service as it grows? If not, the
-        pass reuses their views (brain/state.py, `snapshot`). The order says; an
-        elasticity stage reads it, and runs only while some job is elastic."""
-        policy = self.config.policy
-        order = ORDERINGS.get(policy.order)
-        if order is None or order.reads_running_service:
-            return True
-        return policy.elasticity != "none" and self.state.live_elastic > 0
-
-    async def _preempt(self, action: Preempt, job: JobRecord | None) -> bool:
-        """Requeue the victim, only as decided: on those GPUs, its beneficiary waiting
-        (decide() may have run in a thread while the inbox went on). True if it was."""
-        if job is not None and self.state.on_lost_node(job):
-            # Never a victim on a lost node: its stop cannot arrive, and it would be
-            # requeued (and run elsewhere) before its agent fenced it. The node's loss
-            # frees it in its time, and makes state dirty then.
-            return False
-        if job is None or not _still_holds(action, job, self.state.jobs):
-            self._dirty = True  # decided on a state that has moved: decide again
-            return False
-        await self._requeue(
-            job,
-            Cause(
-                kind=CauseKind.PREEMPTED,
-                job_id=job.job_id,
-                message=action.reason,
-                preemption=_preemption(action),
-            ),
-        )
-        self.preemptions += 1
-        return True
-
-    async def _apply(self, decisions: Decisions) -> list[Wait]:
-        """Apply every action but the waits, which are returned (noted apart)."""
-        # Free GPUs now, for the placements: state may have moved while decide() ran (a
-        # node lost or drained, a resize staged by an operator). Looked up by node as
-        # placements name them (a pass places a few jobs on a cluster of thousands of
-        # nodes); None: forgotten, since a preemption or a resize changed them.
-        free: _FreeNow | None = None
-        waits: list[Wait] = []
-        for action in decisions.actions:
-            if type(action) is Wait:  # most actions: noted together, below
-                waits.append(action)
-                continue
-            job = self.state.jobs.get(action.job_id)
-            if isinstance(action, Preempt):
-                # Preemptions come first: the placements after them use the GPUs freed.
-                if await self._preempt(action, job):
-                    free = None
-                continue
-            if job is None:
-                continue
-            if isinstance(action, SetServiceLevel):
-                if (job.service_level, job.service_level_since) != (action.level, action.since):
-                    await self._job_changed(
-                        job.model_copy(
-                            update={
-                                "service_level": action.level,
-                                "service_level_since": action.since,
-                            }
-                        ),
-                        job.state,
-                        Cause(
-                            kind=CauseKind.SERVICE_LEVEL, job_id=job.job_id, message=action.cause
-                        ),
-                    )
-                continue
-            if isinstance(action, Resize):
-                await self._apply_resize(job, action)
-                free = None
-                continue
-            if job.state is not JobState.PENDING:
-                continue
-            if isinstance(action, Place):
-                free = _FreeNow(self.state) if free is None else free
-                if not free.fits(action):
-                    # Decided on a state that has moved on: the next pass decides again.
-                    log.info("placement of job %s no longer fits; deciding again", job.job_id)
-                    self._dirty = True
-                    continue
-                free.take(action.grants)
-                await self._place(job, action)
-        return waits
-
-    async def _note_waits(self, waits: list[Wait]) -> None:
-        """Why each waiting job waits. A new kind of reason is journaled; the same
-        reason with new figures (GPUs left, a blocker's id) is shown, not journaled, or
-        every change of free capacity would write one entry per pending job. One per
-        pending job per pass: kept to a few look-ups each."""
-        state = self.state
-        jobs, details = state.jobs, state.wait_details
-        for action in waits:
-            job = jobs.get(action.job_id)
-            if job is None or job.state is not JobState.PENDING:
-                continue
-            reason = action.reason
-            if reason == details.get(job.job_id, job.reason):
-                continue
-            if _reason_kind(reason) == _reason_kind(job.reason):
-                state.refresh_reason(job.job_id, reason)
-                continue
-            await self._job_changed(
-                job.model_copy(update={"reason": reason}),
-                job.state,
-                Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=reason),
-            )
-
-    async def _place(self, job: JobRecord, action: Place) -> None:
-        now = self.clock()
-        attempt = job.attempt + 1
-        grants = tuple(NodeGrant(node=g.node, gpus=g.gpus) for g in action.grants)
-        running = job.model_copy(
-            update={
-                "state": JobState.RUNNING,
-                "attempt": attempt,
-                "grants": grants,
-                "started_at": now,
-                "finished_at": None,
-                "exit_code": None,
-                "signal": None,
-                "reason": action.cause,
-                "not_before": None,
-                # A new attempt may grow onto any node again.
-                "failed_nodes": (),
-                "prerun": "running" if job.prerun == "pending" else job.prerun,
-            }
-        )
-        await self._job_changed(
-            running,
-            job.state,
-            Cause(kind=CauseKind.PLACED, job_id=job.job_id, message=action.cause),
-        )
-        await self._send_launches(running)
-
-    async def _send_launches(self, job: JobRecord) -> None:
-        """Command every node of the job's attempt that has not confirmed its start."""
-        now = self.clock()
-        nodes = job.nodes
-        # An elastic job: the supervisor on the first node, worker hosts on the others
-        # (there from its launch, or added by a grow), each told the attempt's secret
-        # that signs the supervisor's worker starts.
-        remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
-        env = dict(job.spec.env)
-        if job.spec.elastic:
-            key = await self._cluster_key()
-            env[EXEC_SECRET_ENV] = secrets.exec_secret(key, job.job_id, job.attempt)
-        if self.credentials is not None:
-            key = await self._cluster_key()
-            env[secrets.JOB_TOKEN_ENV] = secrets.job_token(key, job.job_id, job.attempt)
-            if self.credentials.renew_s is not None:
-                env[secrets.JOB_RENEW_ENV] = f"{self.credentials.renew_s:g}"
-        for rank, grant in enumerate(job.grants):
-            if grant.pid is not None or grant.exited:
-                continue
-            await self._command(
-                grant.node,
-                Launch(
-                    command_id=_launch_id(job.job_id, job.attempt, grant.node),
-                    epoch=self.epoch,
-                    issued_at=now,
-                    job_id=job.job_id,
-                    attempt=job.attempt,
-                    gpus=grant.gpus,
-                    command=elastic.launch_command(
-                        job.spec, len(grant.gpus), rank=rank, remote=remote if rank == 0 else ()
-                    ),
-                    env=env,
-                    cwd=job.spec.cwd,
-                    expires_at=now + self.config.launch_ttl_s,
-                    node_rank=rank,
-                    nodes=nodes,
-                    blacklist=tuple(sorted(self.state.blacklist)),
-                    prerun=job.prerun == "running",
-                    tenant=job.tenant,
-                    memory_mb=job_limits(job.spec, len(grant.gpus))[0],
-                    cpus=job_limits(job.spec, len(grant.gpus))[1],
-                    fence_after_s=self.config.keep_disconnected_s
-                    if job.spec.on_disconnect == "keep"
-                    else None,
-                    gpu_milli=job.spec.gpu_milli,
-                    gpu_memory_mib=job.spec.gpu_memory_mib if job.spec.shared else None,
-                    shareable=job.spec.shareable,
-                ),
-            )
-
     @staticmethod
     def _notify(observers: list[Callable[..., None]], *args: object) -> None:
         for observer in observers:
@@ -1372,35 +1010,6 @@ class Brain:
         return os.getpid()
 
 
-def _decide(
-    snapshot: ClusterSnapshot,
-    now: float,
-    policy: Policy,
-    waits: bool,
-    explain: set[str],
-    ranking: Ranking,
-    ledger: KeptLedger,
-) -> tuple[Decisions, float]:
-    """decide(), and the CPU time it took: its own cost, not the time its thread
-    waited for the interpreter or a core (a decide() moved to a thread beside a busy
-    loop takes several times longer, and would stay there however cheap it was)."""
-    started = time.thread_time()
-    decisions = decide(
-        snapshot, now, policy, waits=waits, explain=explain, ranking=ranking, ledger=ledger
-    )
-    return decisions, time.thread_time() - started
-
-
-@functools.lru_cache(maxsize=4096)
-def _reason_kind(reason: str | None) -> str:
-    """A waiting reason without its figures: what changes of it are journaled.
-    Remembered: a pass asks for thousands, of a few distinct reasons."""
-    return _FIGURES.sub("#", reason or "")
-
-
-_FIGURES: Final = re.compile(r"\d+(?:\.\d+)?")
-
-
 def _same_to_policy(old: JobRecord, new: JobRecord) -> bool:
     """Whether decide() sees a running job the same after a change as before it: the
     same view (without the clock; grants are seen only as the GPUs they hold, not as
@@ -1410,79 +1019,6 @@ def _same_to_policy(old: JobRecord, new: JobRecord) -> bool:
         old.state is JobState.RUNNING
         and new.state is JobState.RUNNING
         and job_view(old, now=None) == job_view(new, now=None)
-    )
-
-
-def _still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:
-    """Whether a preemption decided on an earlier snapshot still stands: the victim runs
-    on the GPUs it was decided for, and the job it makes room for still waits."""
-    if job.state is not JobState.RUNNING:
-        return False
-    held = tuple((g.node, tuple(g.gpus)) for g in job.grants if g.gpus)
-    if held != tuple((g.node, tuple(g.gpus)) for g in action.grants):
-        return False
-    cause = action.cause
-    if isinstance(cause, MemoryPressure):
-        # Moved off its host's GPU: while the host runs there.
-        host = jobs.get(cause.host_job)
-        return host is not None and host.state is JobState.RUNNING
-    beneficiary = jobs.get(cause.for_job if isinstance(cause, QuotaReclaim) else cause.by_job)
-    return beneficiary is not None and beneficiary.state is JobState.PENDING
-
-
-class _FreeNow:
-    """Free GPUs of ready nodes as a pass's placements are applied: each node's read
-    from state when a placement first names it, less what placements took since."""
-
-    def __init__(self, state: BrainState) -> None:
-        self._state = state
-        self._free: dict[str, frozenset[int] | None] = {}
-
-    def _on(self, node: str) -> frozenset[int] | None:
-        if node not in self._free:
-            self._free[node] = self._state.free_on(node)
-        return self._free[node]
-
-    def fits(self, action: Place) -> bool:
-        """Every GPU the placement takes is free on a ready node (a share on a GPU
-        already shared takes none: `Place.takes`), and every node it names is ready."""
-        takes = action.grants if action.takes is None else action.takes
-        return all(self._on(g.node) is not None for g in action.grants) and all(
-            set(g.gpus) <= (self._on(g.node) or frozenset()) for g in takes
-        )
-
-    def take(self, grants: tuple[Grant, ...]) -> None:
-        for grant in grants:
-            free = self._on(grant.node)
-            if free is not None:
-                self._free[grant.node] = free - set(grant.gpus)
-
-
-def _preemption(action: Preempt) -> Preemption:
-    """The core's typed cause, as the journal keeps it."""
-    cause = action.cause
-    if isinstance(cause, MemoryPressure):
-        return Preemption(
-            reason="memory_pressure",
-            for_job=cause.host_job,
-            node=cause.node,
-            gpu=cause.gpu,
-            forecast_mem_mib=cause.forecast_mem_mib,
-            gpu_memory_mib=cause.gpu_memory_mib,
-        )
-    if isinstance(cause, QuotaReclaim):
-        return Preemption(
-            reason="quota_reclaim",
-            for_job=cause.for_job,
-            owner_queue=cause.owner_queue,
-            victim_queue=cause.victim_queue,
-        )
-    return Preemption(
-        reason="outranked",
-        for_job=cause.by_job,
-        order=cause.order,
-        winner_rank=cause.winner_rank,
-        victim_rank=cause.victim_rank,
     )
 
 
@@ -1519,7 +1055,14 @@ class _Shell:
         await self._brain._stop_parts(job, reason, except_node=except_node)
 
     async def send_launches(self, job: JobRecord) -> None:
-        await self._brain._send_launches(job)
+        await self._brain.launches.send(job)
+
+    @property
+    def writer(self) -> asyncio.Lock:
+        return self._brain._writer
+
+    def unit(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._brain._unit()
 
 
 class _BrainTenure:

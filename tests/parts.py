@@ -1,11 +1,15 @@
 """Fakes behind brain/writer.py's protocols, for the brain's parts tested without NATS.
 
 `Shell` stages each change as the brain would (a record applied to a real `BrainState`
-at the next sequence) and keeps what it was asked to send; `Clock` is a settable time.
+at the next sequence) and keeps what it was asked to send; its units of work hold its
+writer lock and are counted; `Clock` is a settable time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from brain.state import BrainState
@@ -53,6 +57,14 @@ class Shell:
     stops: list[Stop] = field(default_factory=list)
     launches: list[str] = field(default_factory=list)
     records: int = 0
+    writer: asyncio.Lock = field(default_factory=asyncio.Lock)
+    units: int = 0
+
+    @contextlib.asynccontextmanager
+    async def unit(self) -> AsyncIterator[None]:
+        async with self.writer:
+            self.units += 1
+            yield
 
     def apply(self, record: StateRecord) -> None:
         self.state.apply(record, self.state.last_seq + 1)

@@ -261,7 +261,7 @@ async def test_a_heartbeat_that_changes_nothing_journals_nothing(brain_factory, 
     # Let the join's own passes settle.
     await eventually(lambda: brain.ingest.counts.heartbeats >= 5)
     # The join's passes are done: nothing dirty, nothing queued.
-    await eventually(lambda: not brain._dirty and brain._inbox.empty())
+    await eventually(lambda: not brain.scheduler.dirty and brain._inbox.empty())
     seq_before, passes_before = brain.state.last_seq, passes[0]
     forwarded_before = brain.ingest.counts.heartbeats_forwarded
     received_before = brain.ingest.counts.heartbeats
@@ -591,34 +591,6 @@ async def test_a_subscription_drops_unread_while_it_does_not_accept(connect) -> 
     await sender.publish(subjects.node("n1", "telemetry"), batch)
     await eventually(lambda: len(got) == 1)
     assert receiver.dead_lettered["node.telemetry"] == 0
-
-
-def test_a_preemption_decided_on_a_moved_state_is_not_carried_out() -> None:
-    """decide() may run in a thread while the inbox goes on: a Preempt is applied only
-    if its victim still holds the GPUs it was decided on and the job it makes room for
-    still waits."""
-    from brain.core import Grant, Outranked, Preempt
-    from brain.service import _still_holds
-
-    def job(job_id: str, state: JobState, gpus: tuple[int, ...] = ()) -> JobRecord:
-        grants = (NodeGrant(node="n1", gpus=gpus, pid=9),) if gpus else ()
-        spec = JobSpec(command=("train",), gpus=max(1, len(gpus)))
-        return JobRecord(
-            job_id=job_id, tenant="t", spec=spec, state=state, submitted_at=0.0, grants=grants
-        )
-
-    victim = job("1", JobState.RUNNING, (0, 1))
-    waiting = job("2", JobState.PENDING)
-    preempt = Preempt("1", (Grant("n1", (0, 1)),), Outranked("2", "las", "band 1", "band 0"))
-    assert _still_holds(preempt, victim, {"1": victim, "2": waiting})
-    # The job it was for was cancelled meanwhile.
-    cancelled = waiting.model_copy(update={"state": JobState.CANCELLED})
-    assert not _still_holds(preempt, victim, {"1": victim, "2": cancelled})
-    # The victim was resized (or restarted) meanwhile: other GPUs than decided on.
-    moved = job("1", JobState.RUNNING, (0,))
-    assert not _still_holds(preempt, moved, {"1": moved, "2": waiting})
-    ended = victim.model_copy(update={"state": JobState.SUCCEEDED})
-    assert not _still_holds(preempt, ended, {"1": ended, "2": waiting})
 
 
 def test_a_repeated_heartbeat_is_taken_in_without_decoding() -> None:

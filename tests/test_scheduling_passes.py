@@ -1,5 +1,6 @@
-"""What makes a scheduling pass due (brain/service.py): a change decide() would see,
-not one it would not (a process that started where it was placed)."""
+"""What makes a scheduling pass due on a real brain (brain/service.py, brain/scheduler.py):
+a change decide() would see, not one it would not (a process that started where it was
+placed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-from brain import service
+from brain import scheduler as scheduling
 from brain.core import Wait
 from brain.service import _same_to_policy
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
@@ -76,15 +77,15 @@ async def test_a_started_process_makes_no_pass_due(brain_factory, agent_factory)
     job = running()
     async with brain._unit():
         await brain._job_changed(job, None, _cause(job))
-    assert brain._dirty  # a new job: news
+    assert brain.scheduler.dirty  # a new job: news
     async with brain._unit():
-        brain._dirty = False
+        brain.scheduler.dirty = False
         await brain._job_changed(with_grant(job, pid=4242), JobState.RUNNING, _cause(job))
-        assert not brain._dirty
+        assert not brain.scheduler.dirty
         await brain._job_changed(
             with_grant(job, pid=4242, gpus=(1,)), JobState.RUNNING, _cause(job)
         )
-        assert brain._dirty
+        assert brain.scheduler.dirty
 
 
 def _cause(job: JobRecord) -> Cause:
@@ -98,7 +99,7 @@ async def test_passes_say_why_new_jobs_wait_at_once_and_every_job_once_per_inter
     asks why only the jobs that became pending since wait: a new job is told at once,
     the others' reasons wait for the interval, which the pass owes; once it is due,
     the tick makes state dirty and a pass explains them all."""
-    monkeypatch.setattr(service, "EXPLAIN_WAITS_EVERY_S", 3600.0)  # "not yet", for now
+    monkeypatch.setattr(scheduling, "EXPLAIN_WAITS_EVERY_S", 3600.0)  # "not yet", for now
     brain = await brain_factory()
     await agent_factory("n1", gpus=2)
     await eventually(lambda: brain.state.nodes)
@@ -118,13 +119,14 @@ async def test_passes_say_why_new_jobs_wait_at_once_and_every_job_once_per_inter
     # Behind the first (fifo blocks the head of the line), said by the next pass...
     await eventually(lambda: "queued behind" in (brain.state.jobs[second].reason or ""))
     # ... which asked about the new job alone, and owes the rest.
-    await eventually(lambda: brain._waits_owed and not brain._dirty and brain._inbox.empty())
+    scheduler = brain.scheduler
+    await eventually(lambda: scheduler.waits_owed and not scheduler.dirty and brain._inbox.empty())
     assert [second] in waits_per_pass[explained:]
     assert all(first not in waits for waits in waits_per_pass[explained:])
 
-    brain._waits_due = brain.monotonic()  # the interval has passed
+    brain.scheduler.waits_due = brain.monotonic()  # the interval has passed
     await eventually(lambda: any(sorted(w) == sorted([first, second]) for w in waits_per_pass))
-    await eventually(lambda: not brain._waits_owed)
+    await eventually(lambda: not brain.scheduler.waits_owed)
 
 
 async def test_nothing_waiting_owes_no_explanation(brain_factory, agent_factory) -> None:
@@ -135,8 +137,9 @@ async def test_nothing_waiting_owes_no_explanation(brain_factory, agent_factory)
     await eventually(lambda: brain.state.nodes)
     passes = [0]
     brain.decision_observers.append(lambda _: passes.__setitem__(0, passes[0] + 1))
-    brain._waits_owed, brain._waits_due = True, brain.monotonic()  # jobs waited, then left
-    await eventually(lambda: not brain._waits_owed)
+    # Jobs waited, then left.
+    brain.scheduler.waits_owed, brain.scheduler.waits_due = True, brain.monotonic()
+    await eventually(lambda: not brain.scheduler.waits_owed)
     settled = passes[0]
     for _ in range(5):  # ticks run meanwhile: still no pass
         await asyncio.sleep(brain.config.tick_s)

@@ -1,0 +1,157 @@
+"""Submissions and cancellations: the brain's part that admits a job or refuses it,
+and ends one at its owner's word.
+
+A job is refused at submit, with what was wrong, when it could never run: its tenant
+is not in the tenant map, its spec is too large for the log, it asks more GPUs than the
+cluster has registered (up or not: a job must not be refused because nodes are briefly
+away), its queue is unknown under strict queues or could never grant its size, or no
+registered node could ever hold what it asks (GPU type, share, memory, CPUs). A
+submission with a known idempotency key is answered with the job it made, live or long
+finished, and makes nothing. An admitted job is journaled PENDING, and the next pass is
+prompt. This journals (brain/writer.py) and stops; it reads state and never writes it
+but through the writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from brain import queues as queue_config
+from brain.core import QueueQuota
+from brain.core.failures import FailurePolicy
+from brain.core.model import gpus_said
+from brain.core.shares import never_fits
+from brain.state import BrainState, job_demand
+from brain.tenants import check_tenant
+from brain.writer import Clock, JobRecords, Stops
+from schemas.api import SubmitRequest
+from schemas.errors import ApiError
+from schemas.jobs import MAX_SPEC_BYTES, JobRecord, JobState
+from schemas.state import Cause, CauseKind
+
+
+class Writes(JobRecords, Stops, Protocol):
+    pass
+
+
+class AdmissionSettings(Protocol):
+    """brain.service.BrainConfig is one."""
+
+    @property
+    def tenants(self) -> frozenset[str] | None: ...
+
+    @property
+    def queues(self) -> tuple[QueueQuota, ...]: ...
+
+    @property
+    def strict_queues(self) -> bool: ...
+
+    @property
+    def failures(self) -> FailurePolicy: ...
+
+
+class Submissions:
+    def __init__(
+        self,
+        state: Callable[[], BrainState],
+        writes: Writes,
+        settings: AdmissionSettings,
+        *,
+        clock: Clock,
+        job_record: Callable[[str], JobRecord | None],
+        submitted: Callable[[], None],
+    ) -> None:
+        """`job_record`: a job as it stands, from memory or, once finished and gone
+        from it, from the history; `submitted`: told of each job admitted."""
+        self._state = state
+        self._writes = writes
+        self._settings = settings
+        self._clock = clock
+        self._job_record = job_record
+        self._submitted = submitted
+
+    async def submit(self, tenant: str, request: SubmitRequest) -> JobRecord:
+        state, settings, spec = self._state(), self._settings, request.spec
+        check_tenant(settings.tenants, tenant)
+        if request.idempotency_key is not None:
+            known = state.job_for_key(tenant, request.idempotency_key)
+            if known is not None:
+                return known
+            away = state.job_away_for_key(tenant, request.idempotency_key)
+            if away is not None and (finished := self._job_record(away)) is not None:
+                return finished  # finished long ago: answered from the history
+        self._refuse_if_never_runs(state, request)
+        job = JobRecord(
+            job_id=state.next_job_id(),
+            tenant=tenant,
+            spec=spec,
+            state=JobState.PENDING,
+            submitted_at=self._clock(),
+            reason="submitted",
+            idempotency_key=request.idempotency_key,
+            prerun="pending" if settings.failures.wants_prerun(spec.queue, spec.gpus) else None,
+        )
+        await self._writes.job_changed(
+            job,
+            None,
+            Cause(
+                kind=CauseKind.SUBMITTED, message=f"submitted by tenant {tenant}", job_id=job.job_id
+            ),
+        )
+        self._submitted()
+        return job
+
+    def _refuse_if_never_runs(self, state: BrainState, request: SubmitRequest) -> None:
+        spec, settings = request.spec, self._settings
+        size = len(spec.model_dump_json())
+        if size > MAX_SPEC_BYTES:
+            env = sum(len(name) + len(value) for name, value in spec.env.items())
+            raise ApiError(
+                "invalid",
+                f"the job's spec is {size} bytes (its environment {env}), over the "
+                f"{MAX_SPEC_BYTES} a job may take: pass large data in files",
+            )
+        # Against every registered GPU, not only those up right now: a job must not be
+        # refused because nodes are briefly away (a NATS restart, a network blip).
+        total, largest = state.registered_gpus()
+        if state.nodes and spec.gpus > total:
+            nodes = len(state.nodes)
+            raise ApiError(
+                "invalid",
+                f"job asks for {gpus_said(spec.gpus)} but the cluster has {total} "
+                f"({nodes} node{'' if nodes == 1 else 's'}, at most {largest} on one node)",
+            )
+        if settings.strict_queues:
+            unlisted = queue_config.unlisted(settings.queues, spec.queue)
+            if unlisted is not None:
+                raise ApiError("invalid", unlisted)
+        never = queue_config.never_within(settings.queues, spec.queue, spec.gpu_range[0])
+        if never is not None:
+            raise ApiError("invalid", never)
+        demand = job_demand(spec)
+        if demand is not None:
+            never = never_fits(demand, spec.gpus, state.registered_views())
+            if never is not None:
+                raise ApiError("invalid", f"no node could ever run this job: {never}")
+
+    async def cancel(self, tenant: str, job_id: str) -> JobRecord:
+        job = self._job_record(job_id)
+        if job is None or job.tenant != tenant:
+            raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
+        if job.state.terminal:
+            raise ApiError("conflict", f"job {job_id} already ended {job.state.value}")
+        cancelled = job.model_copy(
+            update={
+                "state": JobState.CANCELLED,
+                "finished_at": self._clock(),
+                "reason": "cancelled by its owner",
+            }
+        )
+        await self._writes.job_changed(
+            cancelled,
+            job.state,
+            Cause(kind=CauseKind.CANCELLED, message=f"cancelled by tenant {tenant}", job_id=job_id),
+        )
+        await self._writes.stop_parts(job, "cancelled")
+        return cancelled

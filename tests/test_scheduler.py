@@ -1,0 +1,303 @@
+"""The scheduling pass without a server (brain/scheduler.py): decisions applied only
+where they still hold on state as it is by then, waits noted once per kind, and what
+makes the next pass due."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from brain import scheduler as scheduling
+from brain.attempts import Attempts
+from brain.core import (
+    DEFAULT_POLICY,
+    DEFAULT_SERVICE_PRIOR,
+    Decisions,
+    Grant,
+    Outranked,
+    Policy,
+    Preempt,
+    QueueQuota,
+    Resize,
+    ServiceDistribution,
+    Wait,
+    decide,
+)
+from brain.core.failures import DEFAULT_FAILURE_POLICY
+from brain.scheduler import Scheduler, still_holds
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.nodes import NodeState
+from schemas.state import Cause, CauseKind
+from tests.parts import Clock, Shell
+from tests.statelog import START_TS
+
+NOW = START_TS + 100.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    policy: Policy = DEFAULT_POLICY
+    queues: tuple[QueueQuota, ...] = ()
+    service_prior: ServiceDistribution = DEFAULT_SERVICE_PRIOR
+
+
+@dataclass
+class Resizes:
+    applied: list[tuple[str, Resize]] = field(default_factory=list)
+
+    async def apply_resize(self, job: JobRecord, action: Resize) -> None:
+        self.applied.append((job.job_id, action))
+
+
+@dataclass
+class Monotonic:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def part(shell: Shell, policy: Policy = DEFAULT_POLICY) -> tuple[Scheduler, Monotonic]:
+    monotonic = Monotonic()
+    attempts = Attempts(
+        lambda: shell.state, shell, _NoJoins(), policy=DEFAULT_FAILURE_POLICY, clock=shell.clock
+    )
+    scheduler = Scheduler(
+        lambda: shell.state,
+        shell,
+        attempts,
+        Resizes(),
+        Settings(policy=policy),
+        clock=shell.clock,
+        monotonic=monotonic,
+    )
+    return scheduler, monotonic
+
+
+class _NoJoins:
+    async def join_failed(self, job: JobRecord, node: str, why: str) -> bool:
+        return False
+
+    async def shed(self, job: JobRecord, node: str, why: str) -> bool:
+        return False
+
+
+def cluster(*nodes: str, gpus: int = 4) -> Shell:
+    shell = Shell(clock=Clock(NOW))
+    for node in nodes:
+        shell.add_node(node, gpus)
+    return shell
+
+
+def kinds(shell: Shell) -> list[CauseKind]:
+    return [cause.kind for cause in shell.causes]
+
+
+async def test_a_pass_places_a_waiting_job_and_sends_its_launches() -> None:
+    shell = cluster("n1")
+    shell.add_job(1, gpus=2)
+    scheduler, _ = part(shell)
+    shell.causes.clear()
+    await scheduler.run_pass()
+    job = shell.state.jobs["1"]
+    assert job.state is JobState.RUNNING and job.attempt == 1
+    assert [(g.node, len(g.gpus)) for g in job.grants] == [("n1", 2)]
+    assert job.started_at == NOW
+    assert kinds(shell) == [CauseKind.PLACED]
+    assert shell.causes[0].message == job.reason and "placed on n1" in job.reason
+    assert shell.launches == ["n1"]
+    assert not scheduler.dirty and shell.units == 1  # nothing waits: no second unit
+
+
+async def test_a_placement_whose_gpus_were_taken_meanwhile_is_decided_again() -> None:
+    """decide() may run in a thread while the inbox goes on: a job that took the GPUs
+    in between keeps them, and the next pass decides again."""
+    shell = cluster("n1", gpus=2)
+    shell.add_job(1, gpus=2)
+    scheduler, _ = part(shell)
+    decisions = decide(shell.state.snapshot(now=NOW), NOW)
+    assert decisions.placements
+    shell.add_job(2, gpus=2, node="n1")  # placed by a pass before this one applied
+    scheduler.dirty = False
+    shell.causes.clear()
+    async with shell.unit():
+        waits = await scheduler.apply(decisions)
+    assert waits == []
+    assert shell.state.jobs["1"].state is JobState.PENDING
+    assert shell.causes == [] and shell.launches == []
+    assert scheduler.dirty
+
+
+async def test_a_placement_on_a_node_lost_meanwhile_is_decided_again() -> None:
+    shell = cluster("n1")
+    shell.add_job(1, gpus=2)
+    scheduler, _ = part(shell)
+    decisions = decide(shell.state.snapshot(now=NOW), NOW)
+    await lose(shell, "n1")
+    scheduler.dirty = False
+    async with shell.unit():
+        await scheduler.apply(decisions)
+    assert shell.state.jobs["1"].state is JobState.PENDING
+    assert scheduler.dirty
+
+
+async def lose(shell: Shell, node: str) -> None:
+    lost = shell.state.nodes[node].model_copy(update={"state": NodeState.LOST})
+    cause = Cause(kind=CauseKind.NODE_LOST, node=node, message="silent")
+    await shell.node_changed(lost, NodeState.READY, cause)
+
+
+def _outranking(shell: Shell) -> Preempt:
+    """Job 1 runs on n1's two GPUs; job 2 waits and outranks it."""
+    shell.add_job(1, gpus=2, node="n1")
+    shell.add_job(2, gpus=2)
+    return Preempt("1", (Grant("n1", (0, 1)),), Outranked("2", "las", "band 1", "band 0"))
+
+
+@pytest.mark.parametrize(
+    ("name", "meanwhile", "requeued"),
+    [
+        ("it still holds", None, True),
+        ("the job it was for was cancelled", ("2", JobState.CANCELLED), False),
+        ("the victim ended", ("1", JobState.SUCCEEDED), False),
+    ],
+)
+async def test_a_preemption_is_applied_only_while_it_holds(
+    name: str, meanwhile: tuple[str, JobState] | None, requeued: bool
+) -> None:
+    shell = cluster("n1", gpus=2)
+    preempt = _outranking(shell)
+    scheduler, _ = part(shell)
+    if meanwhile is not None:
+        job_id, to = meanwhile
+        shell.put_job(shell.state.jobs[job_id].model_copy(update={"state": to}))
+    scheduler.dirty = False
+    async with shell.unit():
+        await scheduler.apply(decide_nothing_but(preempt))
+    victim = shell.state.jobs["1"]
+    assert (victim.state is JobState.PENDING) is requeued, name
+    assert scheduler.preemptions == int(requeued)
+    assert scheduler.dirty is not requeued  # a moved state: decide again
+    if requeued:
+        assert victim.attempt == 1 and victim.grants == ()
+        cause = shell.causes[-1]
+        assert cause.kind is CauseKind.PREEMPTED and cause.preemption is not None
+        assert cause.preemption.reason == "outranked" and cause.preemption.for_job == "2"
+        assert [(s.job_id, s.node) for s in shell.stops] == [("1", "n1")]
+
+
+async def test_a_victim_on_a_lost_node_is_never_preempted() -> None:
+    """Its stop could not arrive; it would run twice. Its node's loss frees it."""
+    shell = cluster("n1", gpus=2)
+    preempt = _outranking(shell)
+    scheduler, _ = part(shell)
+    await lose(shell, "n1")
+    async with shell.unit():
+        await scheduler.apply(decide_nothing_but(preempt))
+    assert shell.state.jobs["1"].state is JobState.RUNNING
+    assert scheduler.preemptions == 0 and shell.stops == []
+
+
+def decide_nothing_but(*actions: Preempt) -> Decisions:
+    return Decisions(actions=actions)
+
+
+async def test_a_waiting_reason_is_journaled_once_per_kind() -> None:
+    """A new kind of reason is a record; the same kind with other figures is shown,
+    not journaled (else every change of free capacity writes one per pending job)."""
+    shell = cluster("n1")
+    shell.add_job(1, gpus=8)
+    scheduler, _ = part(shell)
+    shell.causes.clear()
+    async with shell.unit():
+        await scheduler.note_waits([Wait("1", "needs 8 GPUs, 4 free")])
+    assert kinds(shell) == [CauseKind.WAITING]
+    assert shell.state.jobs["1"].reason == "needs 8 GPUs, 4 free"
+    async with shell.unit():
+        await scheduler.note_waits([Wait("1", "needs 8 GPUs, 3 free")])
+        await scheduler.note_waits([Wait("1", "needs 8 GPUs, 3 free")])
+    assert kinds(shell) == [CauseKind.WAITING]  # not journaled again
+    assert shell.state.reason_of(shell.state.jobs["1"]) == "needs 8 GPUs, 3 free"
+    async with shell.unit():
+        await scheduler.note_waits([Wait("1", "queued behind job 7")])
+    assert kinds(shell) == [CauseKind.WAITING, CauseKind.WAITING]
+
+
+async def test_a_pass_explains_every_wait_once_per_interval_and_owes_the_rest() -> None:
+    shell = cluster("n1")
+    shell.add_job(1, gpus=8)
+    scheduler, monotonic = part(shell)
+    seen: list[list[str]] = []
+    scheduler.observers.append(
+        lambda d: seen.append([a.job_id for a in d.actions if isinstance(a, Wait)])
+    )
+    await scheduler.run_pass()
+    assert seen == [["1"]] and not scheduler.waits_owed
+    shell.add_job(2, gpus=8)
+    scheduler.became_pending("2")
+    monotonic.now += 1.0
+    await scheduler.run_pass()
+    assert seen[-1] == ["2"]  # only the job new since the last pass
+    assert scheduler.waits_owed and not scheduler.due()
+    monotonic.now += scheduling.EXPLAIN_WAITS_EVERY_S
+    assert scheduler.due()  # owed and due: the tick makes state dirty
+    await scheduler.run_pass()
+    assert sorted(seen[-1]) == ["1", "2"] and not scheduler.waits_owed
+
+
+async def test_decide_asks_to_be_called_again_when_a_back_off_ends() -> None:
+    shell = cluster("n1")
+    job = shell.add_job(1, gpus=2)
+    shell.put_job(job.model_copy(update={"not_before": NOW + 30.0}))
+    scheduler, _ = part(shell)
+    await scheduler.run_pass()
+    assert shell.state.jobs["1"].state is JobState.PENDING
+    assert scheduler.wake_at == NOW + 30.0 and not scheduler.due()
+    shell.clock.now = NOW + 30.0
+    assert scheduler.due() and scheduler.wake_at is None
+    await scheduler.run_pass()
+    assert shell.state.jobs["1"].state is JobState.RUNNING
+
+
+async def test_a_slow_decide_runs_in_a_thread_to_the_same_effect() -> None:
+    shell = cluster("n1")
+    shell.add_job(1, gpus=2)
+    scheduler, _ = part(shell)
+    scheduler.last_decide_s = scheduling.DECIDE_IN_THREAD_AFTER_S * 2
+    await scheduler.run_pass()
+    assert shell.state.jobs["1"].state is JobState.RUNNING
+    assert scheduler.last_decide_s < scheduling.DECIDE_IN_THREAD_AFTER_S * 2
+
+
+async def test_a_submission_made_while_a_pass_plans_makes_the_next_one_prompt() -> None:
+    shell = cluster("n1")
+    scheduler, _ = part(shell)
+    scheduler.submitted.set()
+    await scheduler.run_pass()  # planned with it: nothing more is owed to it
+    assert not scheduler.submitted.is_set()
+
+
+def test_a_preemption_decided_on_a_moved_state_does_not_hold() -> None:
+    """A Preempt is applied only if its victim still holds the GPUs it was decided on
+    and the job it makes room for still waits."""
+
+    def job(job_id: str, state: JobState, gpus: tuple[int, ...] = ()) -> JobRecord:
+        grants = (NodeGrant(node="n1", gpus=gpus, pid=9),) if gpus else ()
+        spec = JobSpec(command=("train",), gpus=max(1, len(gpus)))
+        return JobRecord(
+            job_id=job_id, tenant="t", spec=spec, state=state, submitted_at=0.0, grants=grants
+        )
+
+    victim = job("1", JobState.RUNNING, (0, 1))
+    waiting = job("2", JobState.PENDING)
+    preempt = Preempt("1", (Grant("n1", (0, 1)),), Outranked("2", "las", "band 1", "band 0"))
+    assert still_holds(preempt, victim, {"1": victim, "2": waiting})
+    # The job it was for was cancelled meanwhile.
+    cancelled = waiting.model_copy(update={"state": JobState.CANCELLED})
+    assert not still_holds(preempt, victim, {"1": victim, "2": cancelled})
+    # The victim was resized (or restarted) meanwhile: other GPUs than decided on.
+    moved = job("1", JobState.RUNNING, (0,))
+    assert not still_holds(preempt, moved, {"1": moved, "2": waiting})
+    ended = victim.model_copy(update={"state": JobState.SUCCEEDED})
+    assert not still_holds(preempt, ended, {"1": ended, "2": waiting})
