@@ -81,7 +81,7 @@ from brain.reconciler import Reconciler
 from brain.replica import Replica, snapshot_due
 from brain.resizes import Resizes
 from brain.scheduler import Scheduler
-from brain.state import BrainState, current_size_s, job_view
+from brain.state import BrainState, accounted, job_view
 from brain.submissions import Submissions
 from brain.telemetry import LatestTelemetry
 from brain.tenants import job_event_refusal
@@ -796,8 +796,8 @@ class Brain:
                     self.journal.discard()  # left leading halfway: nothing may go out
 
     async def _job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
-        job = self._account(job)
         old = self.state.jobs.get(job.job_id)
+        job = accounted(old, job, self.clock())
         record = JobChanged(
             record_id=self._record_id(),
             ts=self.clock(),
@@ -813,42 +813,6 @@ class Brain:
             # Not, say, for a process that started where it was placed: decide() would
             # see nothing new, and a pass of 10,000 pending jobs costs tens of ms.
             self.scheduler.dirty = True
-
-    def _account(self, job: JobRecord) -> JobRecord:
-        """Fold a run that is ending into the job's service, and note when a job starts
-        waiting: every transition passes here, so no path can forget it."""
-        old = self.state.jobs.get(job.job_id)
-        now = self.clock()
-        update: dict[str, object] = {}
-        if (
-            old is not None
-            and old.state is JobState.RUNNING
-            and job.state is not JobState.RUNNING
-            and old.started_at is not None
-        ):
-            ran = max(0.0, now - old.started_at)
-            # GPU-seconds at the size it ran at last (earlier sizes are counted already).
-            at_size = current_size_s(old, now)
-            update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_size
-            update["executed_seconds"] = old.executed_seconds + ran
-        elif (
-            old is not None
-            and old.state is JobState.RUNNING
-            and job.state is JobState.RUNNING
-            and job.attempt == old.attempt
-            and job.gpu_count != old.gpu_count
-        ):
-            # An elastic job changed size within its run: count the size it leaves.
-            at_size = current_size_s(old, now)
-            update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_count
-            update["resized_at"] = now
-        if job.state is not JobState.RUNNING and job.resize is not None:
-            update["resize"] = None  # a run that ends takes its staged resize with it
-        if job.state is not JobState.RUNNING and job.last_resize_at is not None:
-            update["last_resize_at"] = update["last_resize_s"] = None  # a new run, new sizes
-        if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
-            update["pending_since"] = now
-        return job.model_copy(update=update) if update else job
 
     async def _node_changed(
         self, node: NodeRecord, previous: NodeState | None, cause: Cause

@@ -896,6 +896,43 @@ def executed_to(job: JobRecord, now: float | None) -> float:
     return job.executed_seconds + current_run_s(job, now)
 
 
+def accounted(old: JobRecord | None, job: JobRecord, now: float) -> JobRecord:
+    """`job` as it is journaled after `old`, at `now`: a run that ends folded into its
+    service, an elastic job's size that it leaves counted, a staged resize and the
+    run's sizes gone with the run, and when a job starts waiting. Every transition of
+    the live brain passes here, so no path can forget it."""
+    update: dict[str, object] = {}
+    if (
+        old is not None
+        and old.state is JobState.RUNNING
+        and job.state is not JobState.RUNNING
+        and old.started_at is not None
+    ):
+        ran = max(0.0, now - old.started_at)
+        # GPU-seconds at the size it ran at last (earlier sizes are counted already).
+        at_size = current_size_s(old, now)
+        update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_size
+        update["executed_seconds"] = old.executed_seconds + ran
+    elif (
+        old is not None
+        and old.state is JobState.RUNNING
+        and job.state is JobState.RUNNING
+        and job.attempt == old.attempt
+        and job.gpu_count != old.gpu_count
+    ):
+        # An elastic job changed size within its run: count the size it leaves.
+        at_size = current_size_s(old, now)
+        update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_count
+        update["resized_at"] = now
+    if job.state is not JobState.RUNNING and job.resize is not None:
+        update["resize"] = None  # a run that ends takes its staged resize with it
+    if job.state is not JobState.RUNNING and job.last_resize_at is not None:
+        update["last_resize_at"] = update["last_resize_s"] = None  # a new run, new sizes
+    if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
+        update["pending_since"] = now
+    return job.model_copy(update=update) if update else job
+
+
 def job_view(
     job: JobRecord,
     profile: UtilizationProfile | None = None,
