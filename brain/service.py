@@ -15,10 +15,9 @@ module only turns them into records and commands.
 commands. The rest is in parts it wires here, each behind the narrow protocols of
 brain/writer.py (`_Shell` implements them over the brain): the scheduling pass
 (brain/scheduler.py), launches (brain/launches.py), submissions and cancellations
-(brain/submissions.py), leadership
-(brain/leadership.py, with `_BrainTenure`), liveness of nodes (brain/liveness.py),
-attempts and failures (brain/attempts.py), the blacklist and pre-runs
-(brain/blacklist.py), resizes (brain/resizes.py) and the reconciler
+(brain/submissions.py), leadership (brain/leadership.py, with `_BrainTenure`), liveness
+of nodes (brain/liveness.py), attempts and failures (brain/attempts.py), the blacklist
+and pre-runs (brain/blacklist.py), resizes (brain/resizes.py) and the reconciler
 (brain/reconciler.py). The parts never import this module.
 """
 

@@ -1,5 +1,6 @@
-"""What the brain's parts need of the writer: narrow protocols, so each part (liveness,
-attempts, the blacklist, resizes, the reconciler) is tested without NATS.
+"""What the brain's parts need of the writer: narrow protocols, so each part (the
+scheduling pass, launches, submissions, liveness, attempts, the blacklist, resizes, the
+reconciler) is tested without NATS.
 
 `Brain` (brain/service.py) implements them all: a change staged here is applied to
 state at once and stored at the end of the writer's unit (brain/journal.py); a command
