@@ -258,7 +258,6 @@ class Scheduler:
     async def apply(self, decisions: Decisions) -> list[Wait]:
         """Apply every action but the waits, which are returned (noted apart), as the
         writer, within a unit."""
-        state = self._state()
         # Free GPUs now, for the placements: state may have moved while decide() ran (a
         # node lost or drained, a resize staged by an operator). Looked up by node as
         # placements name them (a pass places a few jobs on a cluster of thousands of
@@ -269,6 +268,7 @@ class Scheduler:
             if type(action) is Wait:  # most actions: noted together, below
                 waits.append(action)
                 continue
+            state = self._state()  # as it is now: an action before may have waited
             job = state.jobs.get(action.job_id)
             if isinstance(action, Preempt):
                 # Preemptions come first: the placements after them use the GPUs freed.
