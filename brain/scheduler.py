@@ -166,8 +166,8 @@ class Scheduler:
         self._newly_pending.add(job_id)
 
     def due(self) -> bool:
-        """At a tick: whether a pass is due though nothing changed (decide() asked to be
-        called again by now, or a pass owes why jobs wait). Sets `dirty` if so."""
+        """At a tick: make a pass due though nothing changed when decide() asked to be
+        called again by now, or a pass owes why jobs wait. Returns `dirty`."""
         if self.wake_at is not None and self._clock() >= self.wake_at:
             self.wake_at = None  # a retry back-off ending, say
             self.dirty = True
