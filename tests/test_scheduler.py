@@ -16,11 +16,13 @@ from brain.core import (
     Decisions,
     Grant,
     Outranked,
+    Place,
     Policy,
     Preempt,
     QueueQuota,
     Resize,
     ServiceDistribution,
+    SetServiceLevel,
     Wait,
     decide,
 )
@@ -58,7 +60,9 @@ class Monotonic:
         return self.now
 
 
-def part(shell: Shell, policy: Policy = DEFAULT_POLICY) -> tuple[Scheduler, Monotonic]:
+def part(
+    shell: Shell, policy: Policy = DEFAULT_POLICY, resizes: Resizes | None = None
+) -> tuple[Scheduler, Monotonic]:
     monotonic = Monotonic()
     attempts = Attempts(
         lambda: shell.state, shell, _NoJoins(), policy=DEFAULT_FAILURE_POLICY, clock=shell.clock
@@ -67,7 +71,7 @@ def part(shell: Shell, policy: Policy = DEFAULT_POLICY) -> tuple[Scheduler, Mono
         lambda: shell.state,
         shell,
         attempts,
-        Resizes(),
+        resizes or Resizes(),
         Settings(policy=policy),
         clock=shell.clock,
         monotonic=monotonic,
@@ -199,8 +203,57 @@ async def test_a_victim_on_a_lost_node_is_never_preempted() -> None:
     assert scheduler.preemptions == 0 and shell.stops == []
 
 
-def decide_nothing_but(*actions: Preempt) -> Decisions:
+def decide_nothing_but(*actions: Preempt | Resize | SetServiceLevel | Place) -> Decisions:
     return Decisions(actions=actions)
+
+
+async def test_a_band_change_is_journaled_only_when_it_changes_the_record() -> None:
+    shell = cluster("n1")
+    shell.add_job(1, gpus=2, node="n1")
+    scheduler, _ = part(shell)
+    moved = SetServiceLevel("1", 1, NOW, "las band 1: 3,250 GPU-s attained")
+    shell.causes.clear()
+    async with shell.unit():
+        await scheduler.apply(decide_nothing_but(moved))
+        await scheduler.apply(decide_nothing_but(moved))  # already there: nothing
+    job = shell.state.jobs["1"]
+    assert (job.service_level, job.service_level_since) == (1, NOW)
+    assert kinds(shell) == [CauseKind.SERVICE_LEVEL]
+    assert shell.causes[0].message == moved.cause
+
+
+@dataclass
+class GrowingResizes(Resizes):
+    """Applies a resize to state at once, as the real part stages a grow's GPUs."""
+
+    shell: Shell = field(default_factory=Shell)
+
+    async def apply_resize(self, job: JobRecord, action: Resize) -> None:
+        await super().apply_resize(job, action)
+        grants = tuple(NodeGrant(node=g.node, gpus=g.gpus) for g in action.grants)
+        self.shell.put_job(job.model_copy(update={"grants": grants}))
+
+
+async def test_placements_after_a_resize_read_the_free_gpus_it_left() -> None:
+    shell = cluster("n1", gpus=4)
+    shell.add_job(1, gpus=2, node="n1")
+    shell.add_job(2, gpus=1)
+    shell.add_job(3, gpus=1)
+    resizes = GrowingResizes(shell=shell)
+    scheduler, _ = part(shell, resizes=resizes)
+    grow = Resize("1", (Grant("n1", (0, 1, 2)),), "grows onto GPU 2")
+    decided = decide_nothing_but(
+        Place("2", (Grant("n1", (3,)),), "placed on n1[3]"),
+        grow,
+        Place("3", (Grant("n1", (2,)),), "placed on n1[2]"),  # decided before the grow
+    )
+    scheduler.dirty = False
+    async with shell.unit():
+        await scheduler.apply(decided)
+    assert resizes.applied == [("1", grow)]
+    assert shell.state.jobs["2"].state is JobState.RUNNING
+    assert shell.state.jobs["3"].state is JobState.PENDING  # GPU 2 is job 1's now
+    assert scheduler.dirty
 
 
 async def test_a_waiting_reason_is_journaled_once_per_kind() -> None:
