@@ -17,8 +17,8 @@ from typing import Protocol
 from brain import elastic, secrets
 from brain.attempts import launch_id
 from brain.state import BrainState
-from brain.writer import Clock
-from schemas.commands import Launch, NodeCommand
+from brain.writer import Clock, NodeCommands
+from schemas.commands import Launch
 from schemas.jobs import JobRecord, job_limits
 from schemas.workers import EXEC_SECRET_ENV
 
@@ -40,21 +40,11 @@ class JobTokens(Protocol):
     def renew_s(self) -> float | None: ...
 
 
-class Commanding(Protocol):
-    """Commands to nodes, stamped with the leader's epoch (a part of brain/writer.py's
-    `Commands`)."""
-
-    @property
-    def epoch(self) -> int: ...
-
-    async def command(self, node: str, command: NodeCommand) -> None: ...
-
-
 class Launches:
     def __init__(
         self,
         state: Callable[[], BrainState],
-        commands: Commanding,
+        commands: NodeCommands,
         settings: LaunchSettings,
         *,
         clock: Clock,

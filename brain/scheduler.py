@@ -125,8 +125,9 @@ class Scheduler:
         monotonic: Clock,
         profiles: Callable[[], Mapping[str, UtilizationProfile]] = dict,
         progress: Callable[[], Mapping[str, ObservedProgress]] = dict,
-        observers: list[Callable[[Decisions], None]] | None = None,
+        decided: Callable[[Decisions], None] = lambda decisions: None,
     ) -> None:
+        """`decided` is told each pass's decisions, before they are applied."""
         self._state = state
         self._writes = writes
         self._requeues = requeues
@@ -136,8 +137,7 @@ class Scheduler:
         self._monotonic = monotonic
         self._profiles = profiles
         self._progress = progress
-        # Read-only: they run in the brain's loop and must not block or raise.
-        self.observers = observers if observers is not None else []
+        self._decided = decided
         # State changed since the last pass began: one more pass is due.
         self.dirty = True
         # A job was submitted since the last pass began: the next one is prompt.
@@ -148,7 +148,6 @@ class Scheduler:
         # left it out owes it (`EXPLAIN_WAITS_EVERY_S`).
         self.waits_due = 0.0
         self.waits_owed = False
-        self.preemptions = 0
         # CPU time of the last decide(): where the next one runs.
         self.last_decide_s = 0.0
         # Jobs that became pending since the last pass was planned: the next is asked
@@ -165,15 +164,14 @@ class Scheduler:
         """A job (new, requeued or retried) waits now: the next pass says why."""
         self._newly_pending.add(job_id)
 
-    def due(self) -> bool:
-        """At a tick: make a pass due though nothing changed when decide() asked to be
-        called again by now, or a pass owes why jobs wait. Returns `dirty`."""
+    def due(self) -> None:
+        """At a tick: make a pass due (`dirty`) though nothing changed, when decide()
+        asked to be called again by now or a pass owes why jobs wait."""
         if self.wake_at is not None and self._clock() >= self.wake_at:
             self.wake_at = None  # a retry back-off ending, say
             self.dirty = True
         if self.waits_owed and self._monotonic() >= self.waits_due:
             self.dirty = True
-        return self.dirty
 
     async def run_pass(self) -> None:
         """One pass: snapshot, decide(), the decisions applied, then the waits noted."""
@@ -216,11 +214,7 @@ class Scheduler:
                 snapshot, now, policy, explain, newly_pending, self._ranking, self._ledger
             )
         self.wake_at = decisions.wake_at
-        for observer in self.observers:
-            try:
-                observer(decisions)
-            except Exception:
-                log.exception("observer %r failed", observer)
+        self._decided(decisions)
         async with self._writes.unit():
             waits = await self.apply(decisions)
         # The placements are stored and their Launches sent: now why the rest wait
@@ -318,7 +312,6 @@ class Scheduler:
                 preemption=preemption(action),
             ),
         )
-        self.preemptions += 1
         return True
 
     async def _set_service_level(self, job: JobRecord, action: SetServiceLevel) -> None:

@@ -322,15 +322,6 @@ class Brain:
             clock=clock,
             monotonic=monotonic,
         )
-        self.submissions = Submissions(
-            lambda: self.state,
-            shell,
-            self.config,
-            clock=clock,
-            job_record=self.job_record,
-            # Its pass need not wait out the last one's rest.
-            submitted=lambda: self.scheduler.submitted.set(),
-        )
         # The scheduling pass; when passes run is `_schedule_forever`'s.
         self.scheduler = Scheduler(
             lambda: self.state,
@@ -342,7 +333,16 @@ class Brain:
             monotonic=monotonic,
             profiles=lambda: self.profiles.current(refresh=False),
             progress=self.progress.current,
-            observers=self.decision_observers,
+            decided=lambda decisions: self._notify(self.decision_observers, decisions),
+        )
+        self.submissions = Submissions(
+            lambda: self.state,
+            shell,
+            self.config,
+            clock=clock,
+            job_record=self.job_record,
+            # Its pass need not wait out the last one's rest.
+            submitted=self.scheduler.submitted.set,
         )
 
     @property

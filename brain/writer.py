@@ -48,12 +48,16 @@ class Stops(Protocol):
     ) -> None: ...
 
 
-class Commands(Stops, Protocol):
-    """Every command to nodes, stamped with the leader's epoch."""
+class NodeCommands(Protocol):
+    """A command to a node, stamped with the leader's epoch."""
 
     @property
     def epoch(self) -> int: ...
 
     async def command(self, node: str, command: NodeCommand) -> None: ...
+
+
+class Commands(NodeCommands, Stops, Protocol):
+    """Every command to nodes: stops, launches (brain/launches.py) and the rest."""
 
     async def send_launches(self, job: JobRecord) -> None: ...
