@@ -38,6 +38,7 @@ from brain.core.model import (
     JobView,
     NodeView,
     QueueQuota,
+    Service,
     UtilizationProfile,
 )
 from brain.core.ordering import job_sequence
@@ -869,31 +870,27 @@ def _finish_order(job: JobRecord) -> tuple[float, tuple[int, str]]:
     return finished, job_sequence(job.job_id)
 
 
-def current_run_s(job: JobRecord, now: float | None) -> float:
-    """Seconds of the run in progress, or 0 when none is (or no clock was given)."""
-    if now is None or job.state is not JobState.RUNNING or job.started_at is None:
-        return 0.0
-    return max(0.0, now - job.started_at)
-
-
-def current_size_s(job: JobRecord, now: float | None) -> float:
-    """Seconds the run in progress has held its current GPUs (an elastic job's size
-    changes within a run; the service before that is in `attained_gpu_seconds`)."""
-    run_s = current_run_s(job, now)
-    if run_s == 0.0 or job.resized_at is None or now is None:
-        return run_s
-    return min(run_s, max(0.0, now - job.resized_at))
+def service_of(job: JobRecord) -> Service:
+    """The job's service as the core's model has it (`brain.core.model.Service`): what
+    its record has closed, and the run in progress, which has held its GPUs since it
+    began or since its last resize within the run."""
+    started = job.started_at
+    if job.state is not JobState.RUNNING or started is None:
+        return Service(job.attained_gpu_seconds, job.executed_seconds)
+    resized = job.resized_at
+    since = started if resized is None else max(started, resized)
+    return Service(job.attained_gpu_seconds, job.executed_seconds, started, since, job.gpu_size)
 
 
 def attained_to(job: JobRecord, now: float | None) -> float:
     """GPU-seconds of service to `now`, the run in progress included (the record's
-    `attained_gpu_seconds` counts only what ended or was resized before)."""
-    return job.attained_gpu_seconds + current_size_s(job, now) * job.gpu_size
+    `attained_gpu_seconds` counts only what ended or was resized before; no clock: that)."""
+    return job.attained_gpu_seconds if now is None else service_of(job).attained_to(now)
 
 
 def executed_to(job: JobRecord, now: float | None) -> float:
     """Seconds run to `now`, the run in progress included."""
-    return job.executed_seconds + current_run_s(job, now)
+    return job.executed_seconds if now is None else service_of(job).executed_to(now)
 
 
 def accounted(old: JobRecord | None, job: JobRecord, now: float) -> JobRecord:
@@ -902,27 +899,19 @@ def accounted(old: JobRecord | None, job: JobRecord, now: float) -> JobRecord:
     run's sizes gone with the run, and when a job starts waiting. Every transition of
     the live brain passes here, so no path can forget it."""
     update: dict[str, object] = {}
-    if (
-        old is not None
-        and old.state is JobState.RUNNING
-        and job.state is not JobState.RUNNING
-        and old.started_at is not None
-    ):
-        ran = max(0.0, now - old.started_at)
-        # GPU-seconds at the size it ran at last (earlier sizes are counted already).
-        at_size = current_size_s(old, now)
-        update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_size
-        update["executed_seconds"] = old.executed_seconds + ran
+    service = service_of(old) if old is not None else Service()
+    if service.run_since is not None and job.state is not JobState.RUNNING:
+        ended = service.ended(now)
+        update["attained_gpu_seconds"] = ended.attained_gpu_s
+        update["executed_seconds"] = ended.executed_s
     elif (
         old is not None
-        and old.state is JobState.RUNNING
-        and job.state is JobState.RUNNING
+        and service.run_since is not None
         and job.attempt == old.attempt
         and job.gpu_count != old.gpu_count
     ):
         # An elastic job changed size within its run: count the size it leaves.
-        at_size = current_size_s(old, now)
-        update["attained_gpu_seconds"] = old.attained_gpu_seconds + at_size * old.gpu_count
+        update["attained_gpu_seconds"] = service.resized(now, job.gpu_size).attained_gpu_s
         update["resized_at"] = now
     if job.state is not JobState.RUNNING and job.resize is not None:
         update["resize"] = None  # a run that ends takes its staged resize with it

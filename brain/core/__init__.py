@@ -25,6 +25,7 @@ from brain.core.model import (
     QueueQuota,
     QuotaReclaim,
     Resize,
+    Service,
     SetServiceLevel,
     Wait,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "QuotaReclaim",
     "Ranking",
     "Resize",
+    "Service",
     "ServiceDistribution",
     "SetServiceLevel",
     "UnknownPlugin",

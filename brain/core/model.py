@@ -119,6 +119,58 @@ class Measured:
 
 
 @record
+class Service:
+    """What a job has run: one model of service for the live brain's job records
+    (`brain.state.service_of`) and the simulator's jobs, so that both reckon it alike.
+
+    `attained_gpu_s` and `executed_s` are closed: the runs that ended, and the sizes an
+    elastic job left within its run. The run in progress, if any, began at `run_since`
+    and has held `size` GPUs (a share: its fraction of one) since `size_since`, which is
+    later than `run_since` once the job resized in this run. `attained_to(now)` and
+    `executed_to(now)` add the run in progress; a clock at or behind `size_since` adds
+    nothing (service never goes back). Each transition returns the next value."""
+
+    attained_gpu_s: float = 0.0
+    executed_s: float = 0.0
+    run_since: float | None = None
+    size_since: float | None = None
+    size: float = 0.0
+
+    def attained_to(self, now: float) -> float:
+        """GPU-seconds to `now` (Tiresias' attained service), the run in progress included."""
+        since = self.size_since
+        if since is None or now <= since:
+            return self.attained_gpu_s
+        return self.attained_gpu_s + (now - since) * self.size
+
+    def executed_to(self, now: float) -> float:
+        """Wall seconds run to `now`, over every run."""
+        since = self.run_since
+        if since is None or now <= since:
+            return self.executed_s
+        return self.executed_s + (now - since)
+
+    def started(self, now: float, size: float) -> Service:
+        """A run begins at `now` on `size` GPUs."""
+        if self.run_since is not None:
+            raise ValueError(f"a run began at {self.run_since} and has not ended")
+        return Service(self.attained_gpu_s, self.executed_s, now, now, size)
+
+    def resized(self, now: float, size: float) -> Service:
+        """The run in progress holds `size` GPUs from `now`: the size it leaves is counted."""
+        since = self.run_since
+        if since is None:
+            raise ValueError("resized, but no run is in progress")
+        return Service(self.attained_to(now), self.executed_s, since, max(now, since), size)
+
+    def ended(self, now: float) -> Service:
+        """The run in progress ends at `now`: folded into what is closed."""
+        if self.run_since is None:
+            return self
+        return Service(self.attained_to(now), self.executed_to(now))
+
+
+@record
 class JobView:
     job_id: str
     gpus: int
@@ -135,7 +187,7 @@ class JobView:
     # recording an unchanged reason.
     waiting_reason: str | None = None
     # GPUs x seconds the job has run so far, over all its runs (Tiresias' attained
-    # service). The shell accumulates it; it is never reset.
+    # service): its `Service.attained_to` the snapshot's clock. It is never reset.
     attained_gpu_seconds: float = 0.0
     # When the job last became pending (submission, or its last preemption); None
     # means `submitted_at`. Drives the starvation guard and the locality back-off.
@@ -152,7 +204,8 @@ class JobView:
     # How fast `progress_fraction` grows while the job runs (fraction per second),
     # measured from its recent progress reports; None when unknown.
     progress_rate_per_s: float | None = None
-    # Seconds the job has actually run (wall clock, all runs); 0 when unknown.
+    # Seconds the job has actually run (wall clock, all runs: `Service.executed_to`);
+    # 0 when unknown.
     executed_seconds: float = 0.0
     # Network-bound jobs keep strict consolidation: no locality relaxation.
     network_sensitive: bool = False

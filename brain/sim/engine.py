@@ -41,6 +41,7 @@ from brain.core import (
     Preempt,
     QueueQuota,
     Resize,
+    Service,
     ServiceDistribution,
     SetServiceLevel,
     Wait,
@@ -211,11 +212,10 @@ class _Job:
     spec: TraceJob
     phase: _Phase = _Phase.PENDING
     grants: tuple[Grant, ...] = ()
-    run_started_at: float | None = None
+    # What it has run, as the core's model reckons it for the live brain too.
+    service: Service = field(default_factory=Service)
     pending_since: float = 0.0
     remaining_s: float = 0.0
-    attained_gpu_seconds: float = 0.0
-    executed_s: float = 0.0
     queued_s: float = 0.0
     service_level: int = 0
     service_level_since: float | None = None
@@ -371,9 +371,9 @@ class _Replay:
             # The first progress report is an event for the brain, as on the bus.
             warmup = self.config.progress_report_after_s
             candidates.extend(
-                self.now + warmup - job.executed_s
-                for job in self.running.values()
-                if job.executed_s < warmup
+                self.now + warmup - ran
+                for ran in (job.service.executed_to(self.now) for job in self.running.values())
+                if ran < warmup
             )
         return min(candidates) if candidates else None
 
@@ -381,8 +381,6 @@ class _Replay:
         elapsed = to - self.now
         if elapsed > 0:
             for job in self.running.values():
-                job.attained_gpu_seconds += job.size * elapsed
-                job.executed_s += elapsed
                 stalled = min(job.stall_s, elapsed)
                 job.stall_s -= stalled
                 if job.curve is None:
@@ -401,18 +399,21 @@ class _Replay:
             del self.running[job.spec.job_id]
             job.phase = _Phase.DONE
             job.finished_at = self.now
+            job.service = job.service.ended(self.now)
             self.finished += 1
             if self.learn_error and job.spec.duration_s > 0:
                 # What a shell sees: the run time over the total its reports implied.
-                self.errors = self.errors.with_sample(job.executed_s * self._progress_rate(job))
+                self.errors = self.errors.with_sample(
+                    job.service.executed_s * self._progress_rate(job)
+                )
                 self.error_view = self.errors.compressed(ERROR_POINTS)
             if self.learn_service:
                 # Learn the service distribution online, as the live brain does.
-                self.learned = self.learned.with_sample(job.attained_gpu_seconds)
+                self.learned = self.learned.with_sample(job.service.attained_gpu_s)
                 if self.learn_classes:
                     size_class = gpu_class(job.spec.gpus)
                     own = self.learned_by_class.get(size_class, NO_SAMPLES)
-                    self.learned_by_class[size_class] = own.with_sample(job.attained_gpu_seconds)
+                    self.learned_by_class[size_class] = own.with_sample(job.service.attained_gpu_s)
                 if not self.learn_censored:
                     self.distribution = self.learned
                     self._record_index()
@@ -430,22 +431,17 @@ class _Replay:
         if since <= 0 or since < self.finished // 64:
             return
         self.learned_at = self.finished
+        now = self.now
         unfinished = [
-            job
+            (job.spec.gpus, attained)
             for job in (*self.running.values(), *self.pending.values())
-            if job.attained_gpu_seconds > 0.0
+            if (attained := job.service.attained_to(now)) > 0.0
         ]
         if self.learn_censored:
-            self.distribution = self.learned.with_censored(
-                job.attained_gpu_seconds for job in unfinished
-            )
+            self.distribution = self.learned.with_censored(attained for _, attained in unfinished)
             self._record_index()
         if self.learn_classes:
-            censored = (
-                [(job.spec.gpus, job.attained_gpu_seconds) for job in unfinished]
-                if self.learn_censored
-                else []
-            )
+            censored = unfinished if self.learn_censored else []
             self.service_by_class = by_size_class(
                 self.learned_by_class, censored, self.distribution
             )
@@ -544,13 +540,13 @@ class _Replay:
             tenant=spec.tenant,
             priority=spec.priority or 0,
             grants=job.grants,
-            started_at=job.run_started_at,
-            attained_gpu_seconds=job.attained_gpu_seconds,
+            started_at=job.service.run_since,
+            attained_gpu_seconds=job.service.attained_to(self.now),
             pending_since=job.pending_since,
             service_level=job.service_level,
             service_level_since=job.service_level_since,
             declared_duration_s=spec.duration_s if self.reveal_durations else None,
-            executed_seconds=job.executed_s,
+            executed_seconds=job.service.executed_to(self.now),
             progress_fraction=progress,
             progress_rate_per_s=None if progress is None else self._progress_rate(job),
             min_gpus=spec.min_gpus,
@@ -569,7 +565,8 @@ class _Replay:
     def _progress(self, job: _Job) -> float | None:
         """Fraction of its work the job reports done. Work lost to a preemption shows
         as progress lost, as when a job restores an older checkpoint."""
-        if not self.report_progress or job.executed_s < self.config.progress_report_after_s:
+        warmup = self.config.progress_report_after_s
+        if not self.report_progress or job.service.executed_to(self.now) < warmup:
             return None
         if job.spec.duration_s <= 0:
             return 1.0
@@ -637,7 +634,7 @@ class _Replay:
             job.stall_s += self.config.start_cost_s
         job.phase = _Phase.RUNNING
         job.grants = action.grants
-        job.run_started_at = self.now
+        job.service = job.service.started(self.now, job.size)
         job.view = None
         self._set_speed(job)
         self.busy += job.size
@@ -700,6 +697,7 @@ class _Replay:
             self.free[node].discard(gpu)
         self.busy += len(wanted) - len(held)
         job.grants = action.grants
+        job.service = job.service.resized(self.now, len(wanted))
         job.resizes += 1
         shrink_cost = self.config.shrink_cost_s
         shrank = len(wanted) < len(held)
@@ -723,7 +721,7 @@ class _Replay:
         self._release(job)
         job.phase = _Phase.PENDING
         job.grants = ()
-        job.run_started_at = None
+        job.service = job.service.ended(self.now)
         job.pending_since = self.now
         job.preemptions += 1
         # Work since the last checkpoint and the restart are lost: charged on resume.
@@ -826,11 +824,11 @@ def simulate(
             submitted_at=job.spec.submit_time,
             first_started_at=job.first_started_at,
             finished_at=job.finished_at,
-            executed_s=job.executed_s,
+            executed_s=job.service.executed_to(replay.now),
             queued_s=job.queued_s,
             preemptions=job.preemptions,
             resizes=job.resizes,
-            gpu_seconds=job.attained_gpu_seconds,
+            gpu_seconds=job.service.attained_to(replay.now),
             resize_gpu_seconds=job.resize_gpu_seconds,
         )
         for job in replay.jobs
