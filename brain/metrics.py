@@ -32,7 +32,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from brain.core.model import Decisions, MemoryPressure, Preempt, QueueQuota, QuotaReclaim
+from brain.core.model import (
+    Decisions,
+    MemoryPressure,
+    Preempt,
+    QueueQuota,
+    QuotaReclaim,
+    Resize,
+)
 from brain.queues import queue_status
 from brain.telemetry import GpuReading, LatestTelemetry
 from schemas import subjects
@@ -424,6 +431,12 @@ class BrainMetrics:
             ["cause"],
             registry=registry,
         )
+        self.resizes = Counter(
+            "alnair_scheduler_resizes",
+            "Resizes of elastic jobs the policy core decided, by cause.",
+            ["cause"],
+            registry=registry,
+        )
         self.transitions = Counter(
             "alnair_job_transitions",
             "Job state changes journaled, by new state and cause.",
@@ -501,6 +514,8 @@ class BrainMetrics:
                     else "outranked"
                 )
                 self.preemptions.labels(cause=cause).inc()
+            elif isinstance(action, Resize):
+                self.resizes.labels(cause=action.cause.kind).inc()
 
     def on_record(self, record: StateRecord, seq: int) -> None:
         if isinstance(record, NodeEventRecorded):

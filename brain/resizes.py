@@ -166,7 +166,7 @@ class Resizes:
             # The size it leaves did not earn its keep: not grown back on this evidence.
             size = placement_size(current)
             job = job.model_copy(update={"gain_ceiling": size, "gain_ceiling_at": self._clock()})
-        await self.stage_resize(job, target, action.cause)
+        await self.stage_resize(job, target, action.reason)
 
     async def stage_resize(
         self, job: JobRecord, target: elastic.Placement, cause: str, *, lost: str | None = None

@@ -322,7 +322,7 @@ class Scheduler:
                 update={"service_level": action.level, "service_level_since": action.since}
             ),
             job.state,
-            Cause(kind=CauseKind.SERVICE_LEVEL, job_id=job.job_id, message=action.cause),
+            Cause(kind=CauseKind.SERVICE_LEVEL, job_id=job.job_id, message=action.reason),
         )
 
     async def _place(self, job: JobRecord, action: Place) -> None:

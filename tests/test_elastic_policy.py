@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from brain.core import (
     ClusterSnapshot,
     Decisions,
+    Evacuated,
     Grant,
     InvalidPolicy,
     JobView,
@@ -402,8 +403,8 @@ def test_elastic_cases(case: Case) -> None:
     assert {p.job_id for p in decisions.preemptions} == case.preempted
     assert {w.job_id for w in decisions.waits} == case.waiting
     for job_id, word in (case.cause or {}).items():
-        causes = [r.cause for r in decisions.resizes if r.job_id == job_id]
-        causes += [p.cause for p in decisions.placements if p.job_id == job_id]
+        causes = [r.reason for r in decisions.resizes if r.job_id == job_id]
+        causes += [p.reason for p in decisions.placements if p.job_id == job_id]
         assert causes and all(word in c for c in causes), causes
 
 
@@ -430,9 +431,11 @@ def test_shrinks_come_before_placements_and_grows_after() -> None:
     # Job 2 waits for one node (no locality relaxation): it takes four of job 1's.
     actions = decide(world, 100.0, replace(ELASTIC, relax_locality_after_s=1e9)).actions
     kinds = [
-        f"{type(a).__name__}:{a.cause.split()[0]}" for a in actions if isinstance(a, Place | Resize)
+        type(a.cause).__name__ if isinstance(a, Resize) else a.reason.split()[0]
+        for a in actions
+        if isinstance(a, Place | Resize)
     ]
-    assert kinds == ["Resize:shrunk", "Place:placed", "Resize:grown"]
+    assert kinds == ["ShrunkFor", "placed", "Grown"]
 
 
 def test_none_decides_exactly_as_if_the_jobs_were_rigid() -> None:
@@ -715,7 +718,8 @@ def test_an_elastic_job_leaves_gpus_drained_under_it_in_place(
     (resize,) = decisions.resizes
     assert {g.node: g.gpus for g in resize.grants} == kept and not resize.retreat
     size = sum(len(gpus) for gpus in kept.values())
-    assert resize.cause == (
+    assert isinstance(resize.cause, Evacuated)
+    assert resize.reason == (
         f"shrunk from 4 to {size} GPUs off {left}, no longer schedulable (drained, faulty "
         "or gone): it runs on in place"
     )
@@ -770,7 +774,7 @@ def test_sizes_stay_within_min_and_max(world: World, policy: Policy) -> None:
         assert job.min_gpus is not None and job.max_gpus is not None
         assert job.min_gpus <= resize.size <= max(job.max_gpus, job.held_gpus)
         assert resize.size != job.held_gpus or resize.grants != job.grants
-        assert resize.cause
+        assert resize.reason
     # Every pending job is placed or told why it waits, exactly once.
     answered = [p.job_id for p in decisions.placements] + [w.job_id for w in decisions.waits]
     assert sorted(answered) == sorted(j.job_id for j in world.snapshot.pending)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from brain.core import (
+    BandCrossed,
     ClusterSnapshot,
     Decisions,
     Grant,
@@ -424,7 +425,7 @@ def test_las_reports_band_changes_and_when_to_wake() -> None:
     snapshot = cluster(node("n0", busy=(0, 1)), running_jobs=(job,))
     decisions = decide(snapshot, 1000, Policy(order="las"))
     assert decisions.level_changes == (
-        SetServiceLevel("j", 1, 1000, "attained 3250 GPU-s >= 3250: band 0 -> 1"),
+        SetServiceLevel("j", 1, 1000, BandCrossed(3250.0, 3250.0, 0, 1)),
     )
     # Next threshold: 7200 GPU-s, at 2 GPUs: (7200 - 3250) / 2 seconds from now.
     assert decisions.wake_at == pytest.approx(1000 + 3950 / 2)

@@ -14,8 +14,10 @@ from brain.attempts import Attempts
 from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
+    BandCrossed,
     Decisions,
     Grant,
+    Grown,
     Outranked,
     Place,
     Policy,
@@ -215,7 +217,7 @@ async def test_a_band_change_is_journaled_only_when_it_changes_the_record() -> N
     shell = cluster("n1")
     shell.add_job(1, gpus=2, node="n1")
     scheduler, _ = part(shell)
-    moved = SetServiceLevel("1", 1, NOW, "las band 1: 3,250 GPU-s attained")
+    moved = SetServiceLevel("1", 1, NOW, BandCrossed(3_250.0, 3_250.0, 0, 1))
     shell.causes.clear()
     async with shell.unit():
         await scheduler.apply(decide_nothing_but(moved))
@@ -223,7 +225,7 @@ async def test_a_band_change_is_journaled_only_when_it_changes_the_record() -> N
     job = shell.state.jobs["1"]
     assert (job.service_level, job.service_level_since) == (1, NOW)
     assert kinds(shell) == [CauseKind.SERVICE_LEVEL]
-    assert shell.causes[0].message == moved.cause
+    assert shell.causes[0].message == "attained 3250 GPU-s >= 3250: band 0 -> 1"
 
 
 @dataclass
@@ -245,7 +247,7 @@ async def test_placements_after_a_resize_read_the_free_gpus_it_left() -> None:
     shell.add_job(3, gpus=1)
     resizes = GrowingResizes(shell=shell)
     scheduler, _ = part(shell, resizes=resizes)
-    grow = Resize("1", (Grant("n1", (0, 1, 2)),), "grows onto GPU 2")
+    grow = Resize("1", (Grant("n1", (0, 1, 2)),), Grown(2, 3, 0.4, 2, 4, "concave prior"))
     decided = decide_nothing_but(
         Place("2", (Grant("n1", (3,)),), "placed on n1[3]"),
         grow,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from brain.core import ClusterSnapshot, Decisions, Grant, Policy, Resize, decide
+from brain.core import ClusterSnapshot, Decisions, Grant, Policy, Resize, Retreated, decide
 from brain.sim import SimConfig, SimulationError, TraceJob, cli, parse_cluster, simulate, summarize
 from brain.sim.engine import SpeedCurve
 from brain.sim.pollux import (
@@ -183,7 +183,7 @@ def test_a_resize_outside_the_range_is_a_simulation_error(monkeypatch: pytest.Mo
             return decide(snapshot, now, policy, waits=waits)
         (running,) = snapshot.running
         shrunk = (Grant(running.grants[0].node, running.grants[0].gpus[:1]),)
-        return Decisions((Resize("1", shrunk, "below its minimum"),))
+        return Decisions((Resize("1", shrunk, Retreated(2, 1, 2.0, 1.0, 0.5)),))
 
     monkeypatch.setattr("brain.sim.engine.decide", broken)
     policy = Policy(order="fifo", elasticity="marginal-gain")

@@ -79,12 +79,17 @@ from typing import Final
 from brain.core.model import (
     Action,
     ClusterSnapshot,
+    Evacuated,
     Grant,
+    Grown,
     JobView,
     Measured,
+    Moved,
     Place,
     Placed,
     Resize,
+    Retreated,
+    ShrunkFor,
 )
 from brain.core.ordering import job_sequence
 from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
@@ -793,13 +798,12 @@ class ElasticStage:
             if sized.before == 0 or len(sized.held) == sized.before:
                 if sized.before and sorted(sized.held) != sorted(_gpus(sized.job.grants)):
                     # Same size on other GPUs (given back and taken in one cycle).
-                    cause = f"moved to other GPUs, still {sized.before} ({self._basis(sized.job)})"
+                    cause = Moved(sized.before, self._basis(sized.job))
                     grows.append(Resize(job_id, _as_grants(sized.held), cause))
                 continue
             grants = _as_grants(sized.held)
             if len(sized.held) < sized.before:
-                retreat = sized.shrunk_for is None and not sized.evacuated
-                shrinks.append(Resize(job_id, grants, self._shrink_cause(sized), retreat=retreat))
+                shrinks.append(Resize(job_id, grants, self._shrink_cause(sized)))
             else:
                 grows.append(Resize(job_id, grants, self._grow_cause(sized)))
         return shrinks, rewritten, grows
@@ -828,37 +832,25 @@ class ElasticStage:
             return "no throughput observed yet: concave prior"
         return f"throughput observed at {', '.join(map(str, sizes))} GPUs"
 
-    def _shrink_cause(self, sized: _Sized) -> str:
+    def _shrink_cause(self, sized: _Sized) -> Evacuated | Retreated | ShrunkFor:
         job = sized.job
         before, after = sized.before, len(sized.held)
         if sized.evacuated:
-            left = ", ".join(f"{node}:{gpu}" for node, gpu in sorted(sized.evacuated))
-            return (
-                f"shrunk from {before} to {after} GPUs off {left}, no longer schedulable "
-                "(drained, faulty or gone): it runs on in place"
-            )
+            return Evacuated(before, after, tuple(sorted(sized.evacuated)))
         if sized.shrunk_for is None:
-            return (
-                f"shrunk from {before} to {after} GPUs: the last {before - after} did not "
-                f"earn their keep (observed {self._rate(job, after):.4g}/s at {after}, "
-                f"{self._rate(job, before):.4g}/s at {before}: less than "
-                f"{self.min_gain:.0%} of an average GPU each); they go to other jobs"
+            return Retreated(
+                before, after, self._rate(job, before), self._rate(job, after), self.min_gain
             )
         loss = 1.0 - self._rate(job, after) / max(self._rate(job, before), 1e-12)
-        return (
-            f"shrunk from {before} to {after} GPUs for job {sized.shrunk_for} "
-            f"(estimated throughput -{loss:.0%}, the lowest loss among jobs above their "
-            f"share; it asked for {job.gpus}, min {self.least(job)}; {self._basis(job)})"
+        return ShrunkFor(
+            before, after, sized.shrunk_for, loss, job.gpus, self.least(job), self._basis(job)
         )
 
-    def _grow_cause(self, sized: _Sized) -> str:
+    def _grow_cause(self, sized: _Sized) -> Grown:
         job = sized.job
         before, after = sized.before, len(sized.held)
         gain = self._rate(job, after) / max(self._rate(job, before), 1e-12) - 1.0
-        return (
-            f"grown from {before} to {after} GPUs (estimated throughput {gain:+.0%}; "
-            f"asked for {job.gpus}, max {self.most(job)}; {self._basis(job)})"
-        )
+        return Grown(before, after, gain, job.gpus, self.most(job), self._basis(job))
 
 
 def running_views(snapshot: ClusterSnapshot) -> ClusterSnapshot:

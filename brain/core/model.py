@@ -347,7 +347,8 @@ class Placed:
 @record
 class Place:
     """Start a pending job on these GPUs (a gang: every grant or none). `cause` is what
-    the shell records; `why`, when the core built it, the typed value it describes."""
+    the shell records; `why`, when the core built it, the typed value it describes.
+    Every action says why in `reason`; all but `Wait` keep the typed cause too."""
 
     job_id: str
     grants: tuple[Grant, ...]
@@ -358,6 +359,10 @@ class Place:
     # already shared takes none (brain/core/shares.py). None: all of them. Not in the
     # repr: a whole-GPU placement reads as it always did.
     takes: tuple[Grant, ...] | None = field(default=None, repr=False)
+
+    @property
+    def reason(self) -> str:
+        return self.cause
 
 
 @record
@@ -444,6 +449,23 @@ class Preempt:
 
 
 @record
+class BandCrossed:
+    """The job's attained service put it in another LAS band."""
+
+    attained_gpu_s: float
+    # The threshold of the band it is in now (0 for the first band).
+    threshold_gpu_s: float
+    before: int
+    after: int
+
+    def describe(self) -> str:
+        return (
+            f"attained {self.attained_gpu_s:.0f} GPU-s >= {self.threshold_gpu_s:.0f}: "
+            f"band {self.before} -> {self.after}"
+        )
+
+
+@record
 class SetServiceLevel:
     """The job moved to another LAS band; the shell stores `level` and `since` on the
     job and reports them back in its `JobView`."""
@@ -451,7 +473,116 @@ class SetServiceLevel:
     job_id: str
     level: int
     since: float
-    cause: str
+    cause: BandCrossed
+
+    @property
+    def reason(self) -> str:
+        return self.cause.describe()
+
+
+@record
+class Grown:
+    """The elasticity stage grew the job: the GPUs added are estimated to pay."""
+
+    before: int
+    after: int
+    # Estimated throughput at `after` over that at `before`, less one.
+    gain: float
+    asked: int
+    most: int
+    # What the estimate rests on (the sizes throughput was observed at, or the prior).
+    basis: str
+
+    kind = "grow"
+
+    def describe(self) -> str:
+        return (
+            f"grown from {self.before} to {self.after} GPUs (estimated throughput "
+            f"{self.gain:+.0%}; asked for {self.asked}, max {self.most}; {self.basis})"
+        )
+
+
+@record
+class ShrunkFor:
+    """Shrunk to make room for another job: of the jobs above their share, the one whose
+    estimated throughput loses least."""
+
+    before: int
+    after: int
+    for_job: str
+    # Estimated throughput lost, as a fraction of that at `before`.
+    loss: float
+    asked: int
+    least: int
+    basis: str
+
+    kind = "shrink_for"
+
+    def describe(self) -> str:
+        return (
+            f"shrunk from {self.before} to {self.after} GPUs for job {self.for_job} "
+            f"(estimated throughput -{self.loss:.0%}, the lowest loss among jobs above their "
+            f"share; it asked for {self.asked}, min {self.least}; {self.basis})"
+        )
+
+
+@record
+class Retreated:
+    """Shrunk because its last GPUs did not earn their keep (observed throughput): the
+    shell records the size left as the job's `gain_ceiling`."""
+
+    before: int
+    after: int
+    rate_before: float
+    rate_after: float
+    # Each GPU above must add this share of an average GPU's throughput.
+    min_gain: float
+
+    kind = "retreat"
+
+    def describe(self) -> str:
+        return (
+            f"shrunk from {self.before} to {self.after} GPUs: the last "
+            f"{self.before - self.after} did not earn their keep (observed "
+            f"{self.rate_after:.4g}/s at {self.after}, {self.rate_before:.4g}/s at "
+            f"{self.before}: less than {self.min_gain:.0%} of an average GPU each); they go "
+            "to other jobs"
+        )
+
+
+@record
+class Evacuated:
+    """Shrunk off GPUs that are no longer schedulable (drained, faulty or gone)."""
+
+    before: int
+    after: int
+    # (node, GPU) of each GPU it left.
+    left: tuple[tuple[str, int], ...]
+
+    kind = "evacuate"
+
+    def describe(self) -> str:
+        left = ", ".join(f"{node}:{gpu}" for node, gpu in self.left)
+        return (
+            f"shrunk from {self.before} to {self.after} GPUs off {left}, no longer "
+            "schedulable (drained, faulty or gone): it runs on in place"
+        )
+
+
+@record
+class Moved:
+    """The same size on other GPUs (given back and taken within one cycle)."""
+
+    size: int
+    basis: str
+
+    kind = "move"
+
+    def describe(self) -> str:
+        return f"moved to other GPUs, still {self.size} ({self.basis})"
+
+
+ResizeCause = Grown | ShrunkFor | Retreated | Evacuated | Moved
 
 
 @record
@@ -462,10 +593,16 @@ class Resize:
 
     job_id: str
     grants: tuple[Grant, ...]
-    cause: str
-    # A retreat: the GPUs given back did not earn their keep. The shell records the
-    # size left as the job's `gain_ceiling`.
-    retreat: bool = False
+    cause: ResizeCause
+
+    @property
+    def reason(self) -> str:
+        return self.cause.describe()
+
+    @property
+    def retreat(self) -> bool:
+        """The GPUs given back did not earn their keep (`Retreated`)."""
+        return isinstance(self.cause, Retreated)
 
     @property
     def size(self) -> int:

@@ -25,7 +25,7 @@ from brain.core.distribution import (
     ServiceDistribution,
     gpu_class,
 )
-from brain.core.model import Grant, JobView, SetServiceLevel
+from brain.core.model import BandCrossed, Grant, JobView, SetServiceLevel
 from brain.core.sharing import GPU_MILLI
 
 # Attained service is accumulated in floating point; a job that reaches a threshold
@@ -151,10 +151,7 @@ def _band(job: JobView, context: OrderContext) -> _Band:
         since = job.submitted_at if job.service_level_since is None else job.service_level_since
         return _Band(level, since, None)
     crossed = thresholds[level - 1] if level > 0 else 0.0
-    cause = (
-        f"attained {job.attained_gpu_seconds:.0f} GPU-s >= {crossed:.0f}: "
-        f"band {job.service_level} -> {level}"
-    )
+    cause = BandCrossed(job.attained_gpu_seconds, crossed, job.service_level, level)
     return _Band(level, context.now, SetServiceLevel(job.job_id, level, context.now, cause))
 
 
