@@ -639,6 +639,13 @@ def test_a_colocated_share_moves_off_before_the_gpu_runs_out_of_memory() -> None
     assert move.job_id == "newer"
     assert isinstance(move.cause, MemoryPressure)
     assert move.reason.startswith("memory pressure: GPU 0 of n, shared with job host")
+    # Started together: the later job moves, by the job order every order breaks ties by
+    # (job 10 after job 9, although "10" < "9" as text).
+    nine = share("9", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
+    ten = share("10", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
+    tied = ClusterSnapshot(nodes, (), (_host(20.0, 76_000), ten, nine))
+    (move,) = decide(tied, 100.0).preemptions
+    assert move.job_id == "10"
 
 
 def test_a_host_with_shares_beside_it_is_no_victim() -> None:

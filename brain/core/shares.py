@@ -37,6 +37,7 @@ from brain.core.model import (
     Preempt,
     gpus_said,
 )
+from brain.core.ordering import job_sequence
 from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
 from brain.core.sharing import (
     GPU_MILLI,
@@ -222,7 +223,8 @@ def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
                 here = [g for g in guests.get((grant.node, gpu), ()) if g.job_id not in moved]
                 if not here or not total or forecast < MEMORY_PRESSURE * total:
                     continue
-                last = max(here, key=lambda g: (g.started_at or 0.0, g.job_id))
+                # The last to start moves (ties: the later job, as every order breaks them).
+                last = max(here, key=lambda g: (g.started_at or 0.0, job_sequence(g.job_id)))
                 moved.add(last.job_id)
                 cause = MemoryPressure(host.job_id, grant.node, gpu, forecast, total)
                 moves.append(Preempt(last.job_id, last.grants, cause))
