@@ -29,6 +29,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Final, Protocol
 
 from brain.core import (
+    ELASTICITIES,
     ORDERINGS,
     ClusterSnapshot,
     Decisions,
@@ -247,7 +248,8 @@ class Scheduler:
         order = ORDERINGS.get(policy.order)
         if order is None or order.reads_running_service:
             return True
-        return policy.elasticity != "none" and state.live_elastic > 0
+        elasticity = ELASTICITIES.get(policy.elasticity)
+        return elasticity is not None and elasticity.sizes_jobs and state.live_elastic > 0
 
     async def apply(self, decisions: Decisions) -> list[Wait]:
         """Apply every action but the waits, which are returned (noted apart), as the

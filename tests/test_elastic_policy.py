@@ -30,11 +30,14 @@ from brain.core import (
 )
 from brain.core.elastic import (
     ELASTICITIES,
+    RIGID,
+    ElasticStage,
     estimate_throughput,
     is_resize_round,
     next_resize_round,
     prior_speedup,
 )
+from brain.core.placement import FreeGpus
 
 ELASTIC = Policy(order="las", elasticity="marginal-gain")
 ONE_NODE = replace(ELASTIC, elastic_may_spread=False)  # --elastic-one-node
@@ -124,6 +127,31 @@ def test_prior_is_concave() -> None:
 
 
 # -- configuration --------------------------------------------------------------------
+
+
+def test_none_and_a_cycle_without_elastic_jobs_get_the_identity_stage() -> None:
+    """Elasticity is one plugin among the others: `decide` drives whatever stage it
+    starts, and "none" (or a snapshot with no elastic job) starts the identity."""
+    elastic_world = snapshot(node("n0"), pending_jobs=(elastic("1", 2, 1, 4),))
+    rigid_world = snapshot(node("n0"), pending_jobs=(pending("1", 2),))
+    settings = {
+        "may_spread": True,
+        "min_gain": 0.25,
+        "now": 0.0,
+        "resize_interval_s": 0.0,
+        "payback": 4.0,
+        "reprobe_s": 1800.0,
+    }
+    assert ELASTICITIES["none"].start(elastic_world, **settings) is RIGID
+    assert ELASTICITIES["marginal-gain"].start(rigid_world, **settings) is RIGID
+    stage = ELASTICITIES["marginal-gain"].start(elastic_world, **settings)
+    assert isinstance(stage, ElasticStage) and stage.resizes
+    assert not ELASTICITIES["none"].sizes_jobs and ELASTICITIES["linear"].sizes_jobs
+    # The identity takes and places every job at what it asked, and changes nothing.
+    job = elastic("1", 2, 1, 4)
+    assert (RIGID.need(job), RIGID.size(job), RIGID.resizes) == (2, 2, False)
+    assert RIGID.views(elastic_world) is elastic_world
+    assert RIGID.finish(FreeGpus(elastic_world.nodes), [], set()) == ([], [], [])
 
 
 def test_unknown_elasticity_and_bad_gain_are_rejected() -> None:

@@ -19,7 +19,9 @@ ordering, placement and preemption run are plugins named in the `Policy`:
                 whole-GPU budget in 3, and shares are victims a GPU at a time, for
                 the first whole-GPU job their GPUs would make room for
                 (`_make_room_in_shares`);
-5. elasticity — with an `ELASTICITIES` plugin other than "none" (brain/core/elastic.py):
+5. elasticity — the `ELASTICITIES` plugin's stage (brain/core/elastic.py, `Sizing`;
+                "none" and a cycle without an elastic job: the identity); one that
+                resizes:
                 elastic jobs count at their minimum in 3, get targets toward what
                 they asked for in rank order (less attained service first within a
                 rank class), shrink toward them before anyone is preempted, and idle
@@ -39,7 +41,7 @@ from typing import Final
 
 from brain.core.collector import collector_paused
 from brain.core.distribution import DEFAULT_SERVICE_PRIOR
-from brain.core.elastic import ELASTICITIES, ElasticStage, running_views, service_bucket
+from brain.core.elastic import ELASTICITIES, RIGID, Sizing, service_bucket
 from brain.core.model import (
     Action,
     ClusterSnapshot,
@@ -54,7 +56,6 @@ from brain.core.model import (
     Preempt,
     PreemptCause,
     QuotaReclaim,
-    Resize,
     Wait,
     gpus_said,
 )
@@ -250,7 +251,8 @@ class _Cycle:
     preemptions: list[Preempt] = field(default_factory=list)
     wakes: list[float] = field(default_factory=list)
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
-    elastic: ElasticStage | None = None
+    # The elasticity stage (brain/core/elastic.py); the identity unless it resizes.
+    elastic: Sizing = RIGID
     shares: SharePlacer | None = None
     # Retried jobs that may go back to the nodes they failed on (`_avoidance_stage`).
     unavoided: AbstractSet[str] = frozenset()
@@ -414,7 +416,7 @@ def _select(
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
     blocked_by: str | None = None
-    elastic = cycle.elastic
+    need_of, select = cycle.elastic.need, cycle.elastic.select
     actions = cycle.actions
     policy = cycle.policy
     pinned, held_standing = Standing.PINNED, Standing.HELD
@@ -423,7 +425,7 @@ def _select(
     outside = cycle.outside
     for entry in entries:
         job = entry.ranked.job
-        need = 0 if sharing and job.shared else job.gpus if elastic is None else elastic.need(job)
+        need = 0 if sharing and job.shared else need_of(job)
         if job.grants:
             # What it holds outside the schedulable GPUs is not in `capacity`.
             takes = max(0, need - outside[job.job_id]) if job.job_id in outside else need
@@ -433,20 +435,17 @@ def _select(
                 # it shrank for, which waits for them): if its rank says it must go,
                 # it goes once the resize has settled, not in the pass after staging.
                 budget = max(0, budget - takes)
-                if elastic is not None:
-                    elastic.select(job, need)
+                select(job, need)
             elif takes <= budget or entry.standing is pinned:
                 budget -= takes
-                if elastic is not None:
-                    elastic.select(job, need)
+                select(job, need)
             else:
                 victims.append(entry)
             continue
         held = entry.standing is held_standing
         if need <= budget and blocked_by is None and need <= capacity and not held:
             budget -= need
-            if elastic is not None:
-                elastic.select(job, need)
+            select(job, need)
             to_place.append(entry)
             continue
         if explain or (also and job.job_id in also):
@@ -545,7 +544,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     total_free, give = ledger.total_free, ledger.give
     policy = cycle.policy
     now, relax = cycle.now, policy.relax_locality_after_s
-    victim_ids = {v.job.job_id for v in victims} if elastic is not None else set()
+    resizes, size_of, reclaim_one = elastic.resizes, elastic.size, elastic.reclaim_one
+    victim_ids = {v.job.job_id for v in victims} if resizes else set()
     sharing = cycle.sharing
     # The GPUs given back by victims, with where each victim stood: a share needs none
     # of the budget the victims were selected out by, so it takes (and releases) the
@@ -557,7 +557,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     for entry in to_place:
         job = entry.ranked.job
         may_spread = not job.network_sensitive and now - job.waiting_since() >= relax
-        asked = (job.gpus if elastic is None else elastic.size(job), may_spread)
+        asked = (size_of(job), may_spread)
         request = requests.get(asked)
         if request is None:
             request = requests[asked] = PlacementRequest(*asked)
@@ -565,20 +565,16 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         # left to release, release them first (below) rather than ask for a reason
         # nobody will read.
         doomed = (
-            elastic is None
+            not resizes
             and not (sharing and job.shared)
             and total_free() < request.gpus
             and next_victim < left
         )
-        rank = _rank_of(entry, elastic) if sharing and job.shared else None
+        rank = _rank_of(entry, resizes) if sharing and job.shared else None
         hidden = _NOTHING_HIDDEN if rank is None else _released_ahead(released_at, rank)
         result = None if doomed else _try_place(cycle, request, job, hidden)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
-        while (
-            not isinstance(result, Fit)
-            and elastic is not None
-            and elastic.reclaim_one(ledger, job.job_id, victim_ids)
-        ):
+        while not isinstance(result, Fit) and reclaim_one(ledger, job.job_id, victim_ids):
             result = _try_place(cycle, request, job, hidden)
         # Linear in the victims released: no placement can fit a gang while fewer GPUs
         # than it needs are free, so it is tried again only once enough are (and then
@@ -587,21 +583,21 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         while (
             not isinstance(result, Fit)
             and next_victim < left
-            and (rank is None or _rank_of(unreleased[next_victim], elastic) > rank)
+            and (rank is None or _rank_of(unreleased[next_victim], resizes) > rank)
         ):
             victim = unreleased[next_victim]
             next_victim += 1
             give(victim.ranked.job.grants)
             released.append(victim)
             if sharing:
-                at = _rank_of(victim, elastic)
+                at = _rank_of(victim, resizes)
                 released_at.update(((g.node, gpu), at) for g in victim.job.grants for gpu in g.gpus)
             stale = total_free() < request.gpus
             if not stale:
                 result = _try_place(cycle, request, job, hidden)
         if stale or result is None:
             result = _try_place(cycle, request, job, hidden)
-        if not isinstance(result, Fit) and elastic is not None and job.elastic:
+        if not isinstance(result, Fit) and resizes and job.elastic:
             # What is left, down to its minimum.
             result = elastic.place(job, ledger, partial=True)
         if isinstance(result, Fit):
@@ -614,9 +610,10 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     return released
 
 
-def _rank_of(entry: _Entry, elastic: ElasticStage | None) -> tuple[object, ...]:
-    """Where a job stands in the cycle's selection order (smaller first)."""
-    return entry.sort_key if elastic is None else _elastic_key(entry)
+def _rank_of(entry: _Entry, resizes: bool) -> tuple[object, ...]:
+    """Where a job stands in the cycle's selection order (smaller first); a stage that
+    resizes jobs ranks by attained service within a rank class (`_elastic_key`)."""
+    return _elastic_key(entry) if resizes else entry.sort_key
 
 
 _NOTHING_HIDDEN: Final[frozenset[tuple[str, int]]] = frozenset()
@@ -669,7 +666,7 @@ def _try_place(
     a share, the `hidden` GPUs: `_released_ahead`)."""
     if job.demand is not None:
         return cycle.sharer().place(job, cycle.ledger, job.avoid_nodes, hidden)
-    if cycle.elastic is not None and job.elastic:
+    if job.elastic and cycle.elastic.resizes:
         return cycle.elastic.place(job, cycle.ledger, partial=False)
     if not job.avoid_nodes:
         return cycle.place(request, cycle.ledger)
@@ -989,20 +986,11 @@ def _check_sizes(jobs: Sequence[JobView]) -> None:
 # them out of the interpreter's loop.
 _GPUS: Final = attrgetter("gpus")
 _DEMAND: Final = attrgetter("demand")
-_MIN_GPUS: Final = attrgetter("min_gpus")
 
 
 def _demands(jobs: Sequence[JobView]) -> set[Demand]:
     """The demands the jobs make (one walk; most jobs make none)."""
     return set(map(_DEMAND, jobs)) - {None}
-
-
-def any_elastic(snapshot: ClusterSnapshot) -> bool:
-    """Does any job of the snapshot run or wait elastically (`JobView.elastic`: it has a
-    minimum size)? Without one, the elasticity stage changes nothing, and does not run."""
-    return any(
-        bool(set(map(_MIN_GPUS, jobs)) - {None}) for jobs in (snapshot.running, snapshot.pending)
-    )
 
 
 def _decide(
@@ -1030,24 +1018,22 @@ def _decide(
         service_by_class=snapshot.service_by_class,
     )
     snapshot, backoff_waits, backoff_wakes = _retry_stage(snapshot, now)
-    estimate = ELASTICITIES.get(policy.elasticity)
-    snapshot, unavoided = _avoidance_stage(snapshot, sizes_elastic=estimate is not None)
-    if policy.elasticity not in ELASTICITIES:
+    elasticity = ELASTICITIES.get(policy.elasticity)
+    if elasticity is None:
         policy.validate()
-    stage: ElasticStage | None = None
-    # Elasticity is the identity for a cluster without elastic jobs.
-    if estimate is not None and any_elastic(snapshot):
-        stage = ElasticStage.start(
-            estimate,
-            snapshot,
-            may_spread=policy.elastic_may_spread,
-            min_gain=policy.elastic_min_gain,
-            now=now,
-            resize_interval_s=policy.elastic_resize_interval_s,
-            payback=policy.elastic_payback,
-            reprobe_s=policy.elastic_reprobe_s,
-        )
-        snapshot = running_views(snapshot)
+        raise AssertionError("unreachable: validate() raises for an unknown plugin")
+    snapshot, unavoided = _avoidance_stage(snapshot, sizes_elastic=elasticity.sizes_jobs)
+    # The identity (`Rigid`) for "none", and for a cluster without elastic jobs.
+    stage = elasticity.start(
+        snapshot,
+        may_spread=policy.elastic_may_spread,
+        min_gain=policy.elastic_min_gain,
+        now=now,
+        resize_interval_s=policy.elastic_resize_interval_s,
+        payback=policy.elastic_payback,
+        reprobe_s=policy.elastic_reprobe_s,
+    )
+    snapshot = stage.views(snapshot)
     jobs = (*snapshot.running, *snapshot.pending)
     _check_sizes(jobs)
     if ranking is None:
@@ -1072,7 +1058,7 @@ def _decide(
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
     entries = _entries(by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands))
-    if stage is not None:
+    if stage.resizes:
         entries.sort(key=_elastic_key)
         stage.set_ranks(
             [e.job.job_id for e in entries],
@@ -1081,22 +1067,18 @@ def _decide(
     to_place, victims = _select(
         cycle, entries, ordered.head_of_line_blocking, ledger.total_capacity()
     )
-    if stage is not None:
-        stage.plan(ledger.total_capacity())
+    stage.plan(ledger.total_capacity())
     released = _place_all(cycle, to_place, victims)
     _settle_victims(cycle, released)
     if cycle.sharing:
         # Shares on a shareable job's GPU that is running out of memory move off it.
         cycle.preemptions.extend(memory_pressure(snapshot))
         _make_room_in_shares(cycle, entries)
-    shrinks: list[Resize] = []
-    grows: list[Resize] = []
-    if stage is not None:
-        excluded = {v.job.job_id for v in victims}
-        shrinks, cycle.actions, grows = stage.finish(ledger, cycle.actions, excluded, cycle.outside)
-        if stage.next_round is not None:
-            cycle.wakes.append(stage.next_round)
-        cycle.wakes.extend(stage.wakes)
+    excluded = {v.job.job_id for v in victims} if stage.resizes else set()
+    shrinks, cycle.actions, grows = stage.finish(ledger, cycle.actions, excluded, cycle.outside)
+    if stage.next_round is not None:
+        cycle.wakes.append(stage.next_round)
+    cycle.wakes.extend(stage.wakes)
     wakes = [*cycle.wakes, *_starvation_wakes(entries, policy)]
     wakes += backoff_wakes
     if ordered.wake_at is not None:

@@ -54,8 +54,10 @@ keep two similar jobs from swapping GPUs at every step.
 Gains and losses come from each job's throughput per world size (`JobView.throughput`,
 observed), interpolated between observed sizes and extrapolated with a concave
 speedup prior (never steeper than the last observed slope). The plugin
-(`ELASTICITIES`) is that throughput estimate; "none" turns the stage off, and elastic
-jobs then run at the size they asked for, exactly as rigid ones.
+(`ELASTICITIES`, an `Elasticity` each) is that throughput estimate. `decide` sees its
+stage through `Sizing`; "none" is the identity (`Rigid`, which also sizes every cycle
+without an elastic job): elastic jobs then run at the size they asked for, exactly as
+rigid ones.
 
 Locality: with `elastic_may_spread` on (the default of the live brain and of the
 simulator, as Pollux) a job may span nodes only when it asked for more than a node or
@@ -74,7 +76,8 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final
+from operator import attrgetter
+from typing import ClassVar, Final, Protocol
 
 from brain.core.model import (
     Action,
@@ -209,11 +212,185 @@ def linear_throughput(job: JobView, size: int) -> float:
     return float(size)
 
 
-# "none": no elasticity stage (elastic jobs run at their asked size, as rigid ones).
-ELASTICITIES: Final[dict[str, Estimator | None]] = {
-    "none": None,
-    "marginal-gain": estimate_throughput,
-    "linear": linear_throughput,
+class Sizing(Protocol):
+    """The elasticity stage as `decide` drives it, around its rigid pipeline (the
+    module's docstring, 1-7): what each job takes in selection and is placed at, the
+    GPUs elastic jobs give back before anyone is preempted, and the resizes after the
+    placements. `Rigid` is the identity; `ElasticStage` sizes elastic jobs."""
+
+    @property
+    def resizes(self) -> bool:
+        """Whether it may size a job other than at what it asked (reclaim its GPUs,
+        place it smaller, grow it), and so ranks by attained service within a rank
+        class. False: every job takes, and is placed at, exactly its `gpus`."""
+        ...
+
+    @property
+    def next_round(self) -> float | None:
+        """When its next resize round starts (`decide` wakes then), if it waits for one."""
+        ...
+
+    @property
+    def wakes(self) -> Sequence[float]:
+        """When a job it holds still may move again (`decide` wakes then)."""
+        ...
+
+    def views(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        """The snapshot as the rest of the cycle must see it (`running_views`)."""
+        ...
+
+    def need(self, job: JobView) -> int:
+        """GPUs the job takes in selection."""
+        ...
+
+    def select(self, job: JobView, size: int) -> None:
+        """Selection kept the job, taking `size` GPUs."""
+        ...
+
+    def set_ranks(
+        self, job_ids: Sequence[str], share_class: dict[str, tuple[float, ...]] | None = None
+    ) -> None:
+        """Every job in selection order, and what entitles each to GPUs above its minimum."""
+        ...
+
+    def plan(self, capacity: int) -> None:
+        """After selection: the sizes the selected jobs are placed at."""
+        ...
+
+    def size(self, job: JobView) -> int:
+        """The size to place a selected job at."""
+        ...
+
+    def reclaim_one(self, ledger: FreeGpus, for_job: str, exclude: set[str]) -> bool:
+        """Give back GPUs one elastic job holds above its target, for `for_job`; False
+        when none can."""
+        ...
+
+    def place(self, job: JobView, ledger: FreeGpus, *, partial: bool) -> PlacementResult:
+        """Place an elastic job at its target (`partial`: or at what is left, down to its
+        minimum); only asked while `resizes`."""
+        ...
+
+    def finish(
+        self,
+        ledger: FreeGpus,
+        actions: Sequence[Action],
+        exclude: set[str],
+        outside: Iterable[str] = (),
+    ) -> tuple[list[Resize], list[Action], list[Resize]]:
+        """After the placements: (shrinks, the actions with elastic placements at their
+        final size, grows)."""
+        ...
+
+
+_GPUS: Final = attrgetter("gpus")
+
+
+class Rigid:
+    """The identity stage: "none", and any cycle without an elastic job. Every job
+    takes and is placed at its `gpus`; nothing is reclaimed, resized or woken for."""
+
+    __slots__ = ()
+
+    resizes: Final = False
+    next_round: Final = None
+    wakes: Final[tuple[float, ...]] = ()
+    # `gpus`, at C speed: selection asks it of every job of the cycle.
+    need: Final = staticmethod(_GPUS)
+    size: Final = staticmethod(_GPUS)
+
+    def views(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        return snapshot
+
+    def select(self, job: JobView, size: int) -> None:
+        pass
+
+    def set_ranks(
+        self, job_ids: Sequence[str], share_class: dict[str, tuple[float, ...]] | None = None
+    ) -> None:
+        pass
+
+    def plan(self, capacity: int) -> None:
+        pass
+
+    def reclaim_one(self, ledger: FreeGpus, for_job: str, exclude: set[str]) -> bool:
+        return False
+
+    def place(self, job: JobView, ledger: FreeGpus, *, partial: bool) -> PlacementResult:
+        raise AssertionError(f"job {job.job_id}: the identity stage sizes no job")
+
+    def finish(
+        self,
+        ledger: FreeGpus,
+        actions: Sequence[Action],
+        exclude: set[str],
+        outside: Iterable[str] = (),
+    ) -> tuple[list[Resize], list[Action], list[Resize]]:
+        return [], list(actions), []
+
+
+RIGID: Final = Rigid()
+
+_MIN_GPUS: Final = attrgetter("min_gpus")
+
+
+def any_elastic(snapshot: ClusterSnapshot) -> bool:
+    """Does any job of the snapshot run or wait elastically (`JobView.elastic`: it has a
+    minimum size)? Without one, every stage is the identity."""
+    return any(
+        bool(set(map(_MIN_GPUS, jobs)) - {None}) for jobs in (snapshot.running, snapshot.pending)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Elasticity:
+    """An elasticity plugin (`Policy.elasticity` names it): the throughput estimate its
+    stage sizes elastic jobs by; None for "none", whose stage is the identity."""
+
+    name: str
+    estimate: Estimator | None
+
+    @property
+    def sizes_jobs(self) -> bool:
+        """Whether its stage sizes elastic jobs (when the cycle has one): they then need
+        only their minimum to run, and it reads what the identity does not: their
+        throughput reports (`JobView.throughput`) and running jobs' attained service."""
+        return self.estimate is not None
+
+    def start(
+        self,
+        snapshot: ClusterSnapshot,
+        *,
+        may_spread: bool,
+        min_gain: float,
+        now: float,
+        resize_interval_s: float,
+        payback: float,
+        reprobe_s: float,
+    ) -> Sizing:
+        """The cycle's stage: the identity without an estimate or an elastic job."""
+        if self.estimate is None or not any_elastic(snapshot):
+            return RIGID
+        return ElasticStage.start(
+            self.estimate,
+            snapshot,
+            may_spread=may_spread,
+            min_gain=min_gain,
+            now=now,
+            resize_interval_s=resize_interval_s,
+            payback=payback,
+            reprobe_s=reprobe_s,
+        )
+
+
+ELASTICITIES: Final[dict[str, Elasticity]] = {
+    e.name: e
+    for e in (
+        # Elastic jobs run at their asked size, as rigid ones.
+        Elasticity("none", None),
+        Elasticity("marginal-gain", estimate_throughput),
+        Elasticity("linear", linear_throughput),
+    )
 }
 
 
@@ -254,7 +431,10 @@ class _Sized:
 
 @dataclass(slots=True)
 class ElasticStage:
-    """One cycle's elastic bookkeeping; built by `decide`, never escapes it."""
+    """One cycle's elastic bookkeeping (a `Sizing` that resizes); built by `decide`,
+    never escapes it."""
+
+    resizes: ClassVar[bool] = True
 
     estimate: Estimator
     may_spread: bool
@@ -313,6 +493,9 @@ class ElasticStage:
         for sized_job in sized.values():
             stage.settle(sized_job.job, now, payback)
         return stage
+
+    def views(self, snapshot: ClusterSnapshot) -> ClusterSnapshot:
+        return running_views(snapshot)
 
     def settle(self, job: JobView, now: float, payback: float) -> None:
         """Hold a running job still this cycle unless it may move by itself: not

@@ -30,6 +30,7 @@ from typing import Protocol, cast, runtime_checkable
 from brain.core import (
     DEFAULT_ERROR_PRIOR,
     DEFAULT_SERVICE_PRIOR,
+    ELASTICITIES,
     ClusterSnapshot,
     Decisions,
     Grant,
@@ -752,6 +753,8 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
     cluster = config.cluster
     names = tuple(f"node{i:03d}" for i in range(cluster.nodes))
     per_switch = cluster.nodes_per_switch or cluster.nodes
+    # Validated by `simulate`: the policy names a known plugin.
+    sizes_jobs = ELASTICITIES[config.policy.elasticity].sizes_jobs
     return _Replay(
         config=config,
         # In the core's submission order (time, then job id), so that pending jobs
@@ -767,7 +770,7 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
         report_progress=reads(config.policy.order, "progress"),
         learn_error=reads(config.policy.order, "progress_error"),
         learn_classes=config.learn_service and reads(config.policy.order, "class_distribution"),
-        report_throughput=config.policy.elasticity != "none",
+        report_throughput=sizes_jobs,
         distribution=config.service_prior,
         learn_service=config.learn_service and reads(config.policy.order, "distribution"),
         learned=config.service_prior,
@@ -779,7 +782,7 @@ def _new_replay(trace: Sequence[TraceJob], config: SimConfig) -> _Replay:
             config.policy.order == "fifo"
             and not config.queues
             and config.policy.starvation_guard_s is None
-            and config.policy.elasticity == "none"
+            and not sizes_jobs
         ),
     )
 
