@@ -21,7 +21,7 @@ from brain.census import CensusCache
 from brain.core.ordering import job_sequence
 from brain.port import BrainPort
 from brain.queues import queue_status
-from brain.state import attained_to, executed_to
+from brain.state import served
 from schemas import subjects
 from schemas.api import (
     OPERATOR_TENANT,
@@ -277,11 +277,11 @@ class ApiServer:
         # The latest changes with their causes, from the history: a projection of the
         # log that the brain keeps current as it journals.
         changes, truncated = brain.history.job_changes(job.job_id, request.limit)
-        now = brain.clock()
+        attained, executed = served(job, brain.clock())
         return WhyReply(
             job=job,
-            attained_gpu_seconds=attained_to(job, now),
-            executed_seconds=executed_to(job, now),
+            attained_gpu_seconds=attained,
+            executed_seconds=executed,
             order=brain.config.policy.order,
             decisions=tuple(
                 WhyEntry(

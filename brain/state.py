@@ -424,7 +424,7 @@ class BrainState:
         """(GPUs asked, service so far) of every job not finished that has run: the
         running ones' to `now`, the preempted ones' as recorded."""
         unfinished = [
-            (job.spec.gpus, attained_to(job, now)) for job in self.jobs_in(JobState.RUNNING)
+            (job.spec.gpus, served(job, now)[0]) for job in self.jobs_in(JobState.RUNNING)
         ]
         unfinished += [
             (job.spec.gpus, job.attained_gpu_seconds)
@@ -882,15 +882,14 @@ def service_of(job: JobRecord) -> Service:
     return Service(job.attained_gpu_seconds, job.executed_seconds, started, since, job.gpu_size)
 
 
-def attained_to(job: JobRecord, now: float | None) -> float:
-    """GPU-seconds of service to `now`, the run in progress included (the record's
-    `attained_gpu_seconds` counts only what ended or was resized before; no clock: that)."""
-    return job.attained_gpu_seconds if now is None else service_of(job).attained_to(now)
-
-
-def executed_to(job: JobRecord, now: float | None) -> float:
-    """Seconds run to `now`, the run in progress included."""
-    return job.executed_seconds if now is None else service_of(job).executed_to(now)
+def served(job: JobRecord, now: float | None) -> tuple[float, float]:
+    """(GPU-seconds of service, seconds run) to `now`, the run in progress included; the
+    record's `attained_gpu_seconds` and `executed_seconds` count only what ended or was
+    resized before, and are all there is without a clock."""
+    if now is None or job.state is not JobState.RUNNING:
+        return job.attained_gpu_seconds, job.executed_seconds
+    service = service_of(job)
+    return service.attained_to(now), service.executed_to(now)
 
 
 def accounted(old: JobRecord | None, job: JobRecord, now: float) -> JobRecord:
@@ -931,6 +930,7 @@ def job_view(
 ) -> JobView:
     low, high = job.spec.gpu_range
     progress = progress or ObservedProgress()
+    attained, executed = served(job, now)
     return JobView(
         job_id=job.job_id,
         # A pre-run takes one GPU for its trial.
@@ -947,8 +947,8 @@ def job_view(
         not_before=job.not_before,
         # A running elastic job does not grow onto its barred nodes either.
         avoid_nodes=frozenset(job.avoid_nodes) | job.barred_nodes,
-        attained_gpu_seconds=attained_to(job, now),
-        executed_seconds=executed_to(job, now),
+        attained_gpu_seconds=attained,
+        executed_seconds=executed,
         pending_since=job.pending_since,
         service_level=job.service_level,
         service_level_since=job.service_level_since,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from brain.state import accounted, attained_to
+from brain.state import accounted, served
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 
 START = 1_000.0
@@ -62,7 +62,7 @@ def test_a_run_that_ends_is_folded_into_the_jobs_service(
 ) -> None:
     after = accounted(old, ended(old, to), NOW)
     assert (after.attained_gpu_seconds, after.executed_seconds) == (attained, executed), name
-    assert after.attained_gpu_seconds == attained_to(old, NOW)  # what the snapshot saw
+    assert after.attained_gpu_seconds == served(old, NOW)[0]  # what the snapshot saw
 
 
 def test_an_elastic_job_counts_the_size_it_leaves_within_its_run() -> None:

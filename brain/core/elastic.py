@@ -274,7 +274,7 @@ class Sizing(Protocol):
     def finish(
         self,
         ledger: FreeGpus,
-        actions: Sequence[Action],
+        actions: list[Action],
         exclude: set[str],
         outside: Iterable[str] = (),
     ) -> tuple[list[Resize], list[Action], list[Resize]]:
@@ -322,11 +322,11 @@ class Rigid:
     def finish(
         self,
         ledger: FreeGpus,
-        actions: Sequence[Action],
+        actions: list[Action],
         exclude: set[str],
         outside: Iterable[str] = (),
     ) -> tuple[list[Resize], list[Action], list[Resize]]:
-        return [], list(actions), []
+        return [], actions, []
 
 
 RIGID: Final = Rigid()
