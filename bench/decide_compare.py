@@ -6,10 +6,11 @@ For a speed-up that must change no decision: builds seeded synthetic snapshots
 (bench/decide_scale.py's generator at small sizes, with and without quotas, some jobs
 retried away from nodes or waiting long), runs every order under both preemption
 plugins, with and without the starvation guard and a locality back-off, with every
-`Wait` and without (`waits=False`, as the simulator decides), in this
-checkout and in `--before` (a subprocess whose import path starts there), and compares
-a digest of every action (its full repr, causes included) and the wake time. Prints the
-cases that differ; exits 1 if any does.
+`Wait` and without (`waits=False`, as the simulator decides), in this checkout and in
+`--before` (a subprocess whose import path starts there), and compares a digest of every
+action and the wake time. An action is digested by its kind, job, GPUs, band and the text
+of its reason, not by its repr: a change to what an action holds then compares by what
+it decides and says. Prints the cases that differ; exits 1 if any does.
 """
 
 from __future__ import annotations
@@ -60,13 +61,22 @@ def _digests(seeds: int) -> dict[str, str]:
                             # With every `Wait`, and without (the simulator's cycles).
                             for waits in (True, False):
                                 decisions = decide(snapshot, NOW, policy, waits=waits)
-                                text = repr((decisions.actions, decisions.wake_at))
+                                text = repr(
+                                    ([_said(a) for a in decisions.actions], decisions.wake_at)
+                                )
                                 case = (
                                     f"{seed}/{shape.label}/{label}/{order}/{preemption}/"
                                     f"{guard}/{'waits' if waits else 'no-waits'}"
                                 )
                                 digests[case] = hashlib.sha256(text.encode()).hexdigest()
     return digests
+
+
+def _said(action: object) -> tuple[object, ...]:
+    """What an action decides and says, whatever its class holds beside: its kind, job,
+    GPUs (and those it takes), band and the text of its reason."""
+    fields = ("job_id", "grants", "takes", "level", "since", "reason")
+    return (type(action).__name__, *(getattr(action, name, None) for name in fields))
 
 
 def _run(root: Path, seeds: int) -> dict[str, str]:

@@ -261,7 +261,7 @@ def test_decide_waits_out_back_off_and_avoids_failed_nodes() -> None:
     assert Wait("1", "waiting out its retry back-off") in decisions.waits
     assert decisions.wake_at == 50.0
     (place,) = decisions.placements
-    assert place == Place("2", (Grant("n2", (0, 1)),), place.cause)
+    assert place == Place("2", (Grant("n2", (0, 1)),), place.why)
     later = decide(ClusterSnapshot(nodes=nodes, pending=(backing_off,)), 60.0)
     assert [p.job_id for p in later.placements] == ["1"]
     n2_busy = (nodes[0], NodeView("n2", (0, 1), frozenset()))

@@ -20,6 +20,7 @@ from brain.core import (
     Grown,
     Outranked,
     Place,
+    Placed,
     Policy,
     Preempt,
     QueueQuota,
@@ -249,9 +250,10 @@ async def test_placements_after_a_resize_read_the_free_gpus_it_left() -> None:
     scheduler, _ = part(shell, resizes=resizes)
     grow = Resize("1", (Grant("n1", (0, 1, 2)),), Grown(2, 3, 0.4, 2, 4, "concave prior"))
     decided = decide_nothing_but(
-        Place("2", (Grant("n1", (3,)),), "placed on n1[3]"),
+        Place("2", (Grant("n1", (3,)),), Placed((Grant("n1", (3,)),), ("fifo",))),
         grow,
-        Place("3", (Grant("n1", (2,)),), "placed on n1[2]"),  # decided before the grow
+        # Decided before the grow:
+        Place("3", (Grant("n1", (2,)),), Placed((Grant("n1", (2,)),), ("fifo",))),
     )
     scheduler.dirty = False
     async with shell.unit():

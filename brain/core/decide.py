@@ -653,7 +653,7 @@ def _placed(
     if noted is None:
         noted = notes[said] = _place_notes(entry, cycle.policy)
     why = Placed(grants, noted, extra)
-    cycle.actions.append(Place(job.job_id, grants, why.describe(), why, fit.takes))
+    cycle.actions.append(Place(job.job_id, grants, why, fit.takes))
 
 
 def _try_place(

@@ -89,7 +89,6 @@ from brain.core.model import (
     Measured,
     Moved,
     Place,
-    Placed,
     Resize,
     Retreated,
     ShrunkFor,
@@ -1005,9 +1004,8 @@ class ElasticStage:
             note = f"elastic: {size}"
         if target != len(sized.held) and not sized.grown:
             note += f" (target {target})"
-        why = action.why or Placed(action.grants, (action.cause,))
-        why = replace(why, grants=grants, extra=(*why.extra, note))
-        return replace(action, grants=grants, cause=why.describe(), why=why)
+        why = replace(action.why, grants=grants, extra=(*action.why.extra, note))
+        return replace(action, grants=grants, why=why)
 
     def _basis(self, job: JobView) -> str:
         sizes = [n for n, _ in _observed(job)]

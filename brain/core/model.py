@@ -346,15 +346,14 @@ class Placed:
 
 @record
 class Place:
-    """Start a pending job on these GPUs (a gang: every grant or none). `cause` is what
-    the shell records; `why`, when the core built it, the typed value it describes.
-    Every action says why in `reason`; all but `Wait` keep the typed cause too."""
+    """Start a pending job on these GPUs (a gang: every grant or none), for the typed
+    reason `why`. Every action says why in `reason`; all but `Wait` keep the typed
+    cause too. The text is built when asked for, not by the cycle: a cycle places
+    thousands of jobs, and the simulator reads none of their reasons."""
 
     job_id: str
     grants: tuple[Grant, ...]
-    cause: str
-    # Not compared: two placements are the same decision when they say the same.
-    why: Placed | None = field(default=None, compare=False)
+    why: Placed
     # The GPUs it takes from those free, when not all of `grants`: a share on a GPU
     # already shared takes none (brain/core/shares.py). None: all of them. Not in the
     # repr: a whole-GPU placement reads as it always did.
@@ -362,7 +361,12 @@ class Place:
 
     @property
     def reason(self) -> str:
-        return self.cause
+        return self.why.describe()
+
+    @property
+    def cause(self) -> str:
+        """What the shell records: `reason`."""
+        return self.why.describe()
 
 
 @record
