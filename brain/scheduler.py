@@ -20,9 +20,7 @@ writes it but through the writer's protocols (brain/writer.py).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -354,25 +352,25 @@ class Scheduler:
         await self._writes.send_launches(running)
 
     async def note_waits(self, waits: list[Wait]) -> None:
-        """Why each waiting job waits, as the writer, within a unit. A new kind of
-        reason is journaled; the same reason with new figures (GPUs left, a blocker's
-        id) is shown, not journaled, or every change of free capacity would write one
-        entry per pending job. One per pending job per pass: kept to a few look-ups
-        each."""
+        """Why each waiting job waits, as the writer, within a unit. A wait of a new
+        kind is journaled, with its kind (`JobRecord.wait_kind`); one of the kind the
+        record has, with new figures (GPUs left), is shown, not journaled, or every
+        change of free capacity would write one entry per pending job. One per pending
+        job per pass: a look-up and a comparison each, and no text built but for the
+        waits journaled."""
         state = self._state()
-        jobs, details = state.jobs, state.wait_details
+        jobs = state.jobs
         for action in waits:
             job = jobs.get(action.job_id)
             if job is None or job.state is not JobState.PENDING:
                 continue
-            reason = action.reason
-            if reason == details.get(job.job_id, job.reason):
+            cause = action.cause
+            if cause.kind == job.wait_kind:
+                state.refresh_wait(job.job_id, cause)
                 continue
-            if reason_kind(reason) == reason_kind(job.reason):
-                state.refresh_reason(job.job_id, reason)
-                continue
+            reason = cause.describe()
             await self._writes.job_changed(
-                job.model_copy(update={"reason": reason}),
+                job.model_copy(update={"reason": reason, "wait_kind": cause.kind}),
                 job.state,
                 Cause(kind=CauseKind.WAITING, job_id=job.job_id, message=reason),
             )
@@ -395,16 +393,6 @@ def timed_decide(
         snapshot, now, policy, waits=waits, explain=explain, ranking=ranking, ledger=ledger
     )
     return decisions, time.thread_time() - started
-
-
-@functools.lru_cache(maxsize=4096)
-def reason_kind(reason: str | None) -> str:
-    """A waiting reason without its figures: what changes of it are journaled.
-    Remembered: a pass asks for thousands, of a few distinct reasons."""
-    return _FIGURES.sub("#", reason or "")
-
-
-_FIGURES: Final = re.compile(r"\d+(?:\.\d+)?")
 
 
 def still_holds(action: Preempt, job: JobRecord, jobs: Mapping[str, JobRecord]) -> bool:

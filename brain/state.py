@@ -40,6 +40,7 @@ from brain.core.model import (
     QueueQuota,
     Service,
     UtilizationProfile,
+    WaitCause,
 )
 from brain.core.ordering import job_sequence
 from brain.progress import ObservedProgress
@@ -107,9 +108,9 @@ class BrainState:
     finished: OrderedDict[str, None] = field(default_factory=OrderedDict)
     finished_away: dict[JobState, int] = field(default_factory=dict)
     keys_away: OrderedDict[tuple[str, str], str] = field(default_factory=OrderedDict)
-    # Pending jobs' waiting reasons with today's figures (`refresh_reason`), in memory
-    # only: their records keep the reason of the last change of kind, as the log does.
-    wait_details: dict[str, str] = field(default_factory=dict, compare=False)
+    # Pending jobs' waits with today's figures (`refresh_wait`), in memory only: their
+    # records keep the reason of the last change of kind, as the log does.
+    wait_details: dict[str, WaitCause] = field(default_factory=dict, compare=False)
     # Elastic jobs pending or running: without one, an elasticity stage does not run.
     live_elastic: int = field(default=0, compare=False)
     # What the finished jobs in memory asked, counted: the recent workload that sharing
@@ -244,24 +245,27 @@ class BrainState:
             self.blacklist = {e.uri: e for e in record.entries}
         self.last_seq = max(self.last_seq, seq)
 
-    def refresh_reason(self, job_id: str, reason: str) -> None:
+    def refresh_wait(self, job_id: str, cause: WaitCause) -> None:
         """Show a pending job's waiting reason with today's figures. Not journaled, and
         not in its record (which keeps the reason of the last change of kind, as the
         log does): the only state a replica may see differently; the next leader's
-        first pass refreshes its own."""
+        first pass refreshes its own. Kept typed: the text is built when someone reads
+        it, not by every pass."""
         if job_id in self.by_state[JobState.PENDING]:
-            self.wait_details[job_id] = reason
+            self.wait_details[job_id] = cause
 
     def reason_of(self, job: JobRecord) -> str | None:
         """Why the job waits, with today's figures (else as its record says)."""
-        return self.wait_details.get(job.job_id, job.reason)
+        detail = self.wait_details.get(job.job_id)
+        return job.reason if detail is None else detail.describe()
 
     def shown(self, job: JobRecord) -> JobRecord:
         """The record as callers see it: with its waiting reason's figures of now."""
         detail = self.wait_details.get(job.job_id)
-        if detail is None or detail == job.reason:
+        if detail is None:
             return job
-        return job.model_copy(update={"reason": detail})
+        reason = detail.describe()
+        return job if reason == job.reason else job.model_copy(update={"reason": reason})
 
     def _saw_event(self, event_id: str) -> None:
         self.seen_events[event_id] = None
@@ -895,8 +899,9 @@ def served(job: JobRecord, now: float | None) -> tuple[float, float]:
 def accounted(old: JobRecord | None, job: JobRecord, now: float) -> JobRecord:
     """`job` as it is journaled after `old`, at `now`: a run that ends folded into its
     service, an elastic job's size that it leaves counted, a staged resize and the
-    run's sizes gone with the run, and when a job starts waiting. Every transition of
-    the live brain passes here, so no path can forget it."""
+    run's sizes gone with the run, when a job starts waiting, and a wait's kind gone
+    with the wait's reason. Every transition of the live brain passes here, so no path
+    can forget it."""
     update: dict[str, object] = {}
     service = service_of(old) if old is not None else Service()
     if service.run_since is not None and job.state is not JobState.RUNNING:
@@ -918,6 +923,13 @@ def accounted(old: JobRecord | None, job: JobRecord, now: float) -> JobRecord:
         update["last_resize_at"] = update["last_resize_s"] = None  # a new run, new sizes
     if job.state is JobState.PENDING and (old is None or old.state is not JobState.PENDING):
         update["pending_since"] = now
+    if job.wait_kind is not None and (
+        job.state is not JobState.PENDING
+        or (old is not None and job.reason != old.reason and job.wait_kind == old.wait_kind)
+    ):
+        # Its reason is no longer the wait whose kind it kept (a wait of another kind
+        # comes with its own: `Scheduler.note_waits`).
+        update["wait_kind"] = None
     return job.model_copy(update=update) if update else job
 
 
@@ -942,7 +954,6 @@ def job_view(
         # Not a node where an elastic job's worker host idles with no GPU.
         grants=tuple(Grant(g.node, g.gpus) for g in job.grants if g.gpus),
         started_at=job.started_at,
-        waiting_reason=job.reason if job.state is JobState.PENDING else None,
         profile=profile,
         not_before=job.not_before,
         # A running elastic job does not grow onto its barred nodes either.

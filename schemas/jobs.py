@@ -420,6 +420,11 @@ class JobRecord(BaseModel):
     signal: int | None = None
     # Why the job is in its state: the last cause's message, or why it waits.
     reason: str | None = None
+    # When `reason` is why the job waits, the kind of that wait (brain/core/model.py's
+    # wait causes: "ranked_out", "fixed_quota", ...): a wait of another kind is
+    # journaled, one of the same kind with other figures is shown, not journaled. Any
+    # change that gives another reason clears it (brain/service.py).
+    wait_kind: str | None = None
     idempotency_key: str | None = None
     # Service accounting for the queue orders (Tiresias): GPUs x seconds and seconds
     # run over all finished runs (the current run is added when it ends), when the

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from brain.core import ClusterSnapshot, Grant, JobView, NodeView, Place, Wait, decide
+from brain.core import BackingOff, ClusterSnapshot, Grant, JobView, NodeView, Place, Wait, decide
 from brain.core.decide import AVOIDANCE_RELEASED, Policy
 from brain.core.failures import (
     AttemptEnd,
@@ -258,7 +258,7 @@ def test_decide_waits_out_back_off_and_avoids_failed_nodes() -> None:
     backing_off = JobView("1", 1, 0.0, not_before=50.0)
     avoiding = JobView("2", 2, 1.0, avoid_nodes=frozenset({"n1"}))
     decisions = decide(ClusterSnapshot(nodes=nodes, pending=(backing_off, avoiding)), 10.0)
-    assert Wait("1", "waiting out its retry back-off") in decisions.waits
+    assert Wait("1", BackingOff()) in decisions.waits
     assert decisions.wake_at == 50.0
     (place,) = decisions.placements
     assert place == Place("2", (Grant("n2", (0, 1)),), place.why)

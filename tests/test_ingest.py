@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from brain.core.model import UtilizationProfile
+from brain.core.model import RankedOut, UtilizationProfile
 from brain.ingest import NodeIngest
 from brain.state import BrainState, job_view, node_view
 from schemas import subjects
@@ -544,17 +544,17 @@ def test_a_waiting_reason_s_new_figures_are_shown_without_a_new_record() -> None
     state.apply(_job_on("1", "", (0, 1, 2, 3, 4), JobState.PENDING), 2)
     record = state.jobs["1"]
     view = state.snapshot().pending[0]
-    state.refresh_reason("1", "needs 5 GPUs; 4 left after higher-ranked jobs")
+    state.refresh_wait("1", RankedOut(5, False, 4, "fifo"))
     assert state.jobs["1"] is record
     assert state.snapshot().pending[0] is view
-    assert state.reason_of(record) == "needs 5 GPUs; 4 left after higher-ranked jobs"
-    assert state.shown(record).reason == "needs 5 GPUs; 4 left after higher-ranked jobs"
+    assert state.reason_of(record) == "needs 5 GPUs; 4 left after higher-ranked jobs (fifo)"
+    assert state.shown(record).reason == "needs 5 GPUs; 4 left after higher-ranked jobs (fifo)"
     state.apply(_job_on("2", "", (0,), JobState.PENDING), 3)
     state.apply(_job_on("2", "a", (0,), JobState.RUNNING), 4)
     assert "2" not in state._pending_stale  # a standby, taking no snapshot, keeps nothing
     state.apply(_job_on("1", "a", (0, 1, 2, 3), JobState.RUNNING), 5)
     assert state.reason_of(state.jobs["1"]) == state.jobs["1"].reason
-    state.refresh_reason("1", "not pending: not shown")
+    state.refresh_wait("1", RankedOut(5, False, 3, "fifo"))  # not pending: not shown
     assert state.wait_details == {}
 
 

@@ -142,6 +142,10 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     )
     assert dead is not None and dead >= 1
     assert value(metrics["alnair_jobs"], "alnair_jobs", state="RUNNING") == 1
+    # The waiting job counted by the kind of its wait, which its record keeps.
+    kind = brain.state.jobs[waiting].wait_kind
+    assert kind == "ranked_out"
+    assert value(metrics["alnair_jobs_waiting"], "alnair_jobs_waiting", kind=kind) == 1
     # Ingest: heartbeats arrive, few are news, and nothing was shed at this load.
     beats = value(metrics["alnair_ingest_heartbeats"], "alnair_ingest_heartbeats_total")
     news = value(

@@ -74,10 +74,13 @@ class Reference:
         elif total >= gpus:
             return NoFit(
                 f"waiting for {gpus_said(gpus)} on {preferred} node(s) under one switch "
-                f"({total} free, but scattered)"
+                f"({total} free, but scattered)",
+                kind="scattered",
             )
         capacity = sum(self.capacity.values())
-        return NoFit(f"needs {gpus_said(gpus)}; {total} free of {capacity} schedulable")
+        return NoFit(
+            f"needs {gpus_said(gpus)}; {total} free of {capacity} schedulable", kind="too_few_free"
+        )
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,9 @@ from brain.core import (
     Placed,
     Policy,
     Preempt,
+    QueuedBehind,
     QueueQuota,
+    RankedOut,
     Resize,
     ServiceDistribution,
     SetServiceLevel,
@@ -32,6 +34,7 @@ from brain.core import (
 )
 from brain.core.failures import DEFAULT_FAILURE_POLICY
 from brain.scheduler import Scheduler, still_holds
+from brain.state import accounted
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.nodes import NodeState
 from schemas.state import Cause, CauseKind
@@ -265,24 +268,40 @@ async def test_placements_after_a_resize_read_the_free_gpus_it_left() -> None:
 
 
 async def test_a_waiting_reason_is_journaled_once_per_kind() -> None:
-    """A new kind of reason is a record; the same kind with other figures is shown,
-    not journaled (else every change of free capacity writes one per pending job)."""
+    """A new kind of wait is a record, with its kind; the same kind with other figures
+    is shown, not journaled (else every change of free capacity writes one per pending
+    job); a reason of another change clears the kind, so the next wait is journaled."""
     shell = cluster("n1")
     shell.add_job(1, gpus=8)
     scheduler, _ = part(shell)
     shell.causes.clear()
     async with shell.unit():
-        await scheduler.note_waits([Wait("1", "needs 8 GPUs, 4 free")])
+        await scheduler.note_waits([Wait("1", RankedOut(8, False, 4, "fifo"))])
     assert kinds(shell) == [CauseKind.WAITING]
-    assert shell.state.jobs["1"].reason == "needs 8 GPUs, 4 free"
+    job = shell.state.jobs["1"]
+    assert job.reason == "needs 8 GPUs; 4 left after higher-ranked jobs (fifo)"
+    assert job.wait_kind == "ranked_out"
     async with shell.unit():
-        await scheduler.note_waits([Wait("1", "needs 8 GPUs, 3 free")])
-        await scheduler.note_waits([Wait("1", "needs 8 GPUs, 3 free")])
+        await scheduler.note_waits([Wait("1", RankedOut(8, False, 3, "fifo"))])
+        await scheduler.note_waits([Wait("1", RankedOut(8, False, 3, "fifo"))])
     assert kinds(shell) == [CauseKind.WAITING]  # not journaled again
-    assert shell.state.reason_of(shell.state.jobs["1"]) == "needs 8 GPUs, 3 free"
+    assert shell.state.jobs["1"] is job
+    said = "needs 8 GPUs; 3 left after higher-ranked jobs (fifo)"
+    assert shell.state.reason_of(job) == said
+    assert shell.state.shown(job).reason == said
     async with shell.unit():
-        await scheduler.note_waits([Wait("1", "queued behind job 7")])
+        await scheduler.note_waits([Wait("1", QueuedBehind("fifo"))])
     assert kinds(shell) == [CauseKind.WAITING, CauseKind.WAITING]
+    assert shell.state.jobs["1"].wait_kind == "queued_behind"
+    # As the brain journals them (`accounted`): a change that gives another reason
+    # takes the kind away with the wait's; a wait of another kind brings its own.
+    old = shell.state.jobs["1"]
+    retried = accounted(old, old.model_copy(update={"reason": "retry scheduled"}), 1.0)
+    assert retried.wait_kind is None
+    waits = old.model_copy(update={"reason": "shares on ...", "wait_kind": "making_room"})
+    assert accounted(old, waits, 1.0).wait_kind == "making_room"
+    placed = old.model_copy(update={"state": JobState.RUNNING})
+    assert accounted(old, placed, 1.0).wait_kind is None
 
 
 async def test_a_pass_explains_every_wait_once_per_interval_and_owes_the_rest() -> None:

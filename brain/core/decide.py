@@ -44,20 +44,27 @@ from brain.core.distribution import DEFAULT_SERVICE_PRIOR
 from brain.core.elastic import ELASTICITIES, RIGID, Sizing, service_bucket
 from brain.core.model import (
     Action,
+    AtFixedQuota,
+    BackingOff,
     ClusterSnapshot,
     Decisions,
     Demand,
     Grant,
     JobView,
+    LargerThanCluster,
+    MakingRoom,
     NodeView,
     Outranked,
     Place,
     Placed,
     Preempt,
     PreemptCause,
+    QueuedBehind,
     QuotaReclaim,
+    RankedOut,
+    Unplaced,
     Wait,
-    gpus_said,
+    WaitCause,
 )
 from brain.core.ordering import (
     ORDERINGS,
@@ -415,13 +422,13 @@ def _select(
     hosts = cycle.hosts = hosting(running) if sharing else frozenset()
     to_place: list[_Entry] = []
     victims: list[_Entry] = []
-    blocked_by: str | None = None
+    blocked_by: QueuedBehind | None = None
     need_of, select = cycle.elastic.need, cycle.elastic.select
     actions = cycle.actions
     policy = cycle.policy
     pinned, held_standing = Standing.PINNED, Standing.HELD
     explain, also = cycle.waits, cycle.explain
-    reasons: dict[tuple[int, int, int, str, str | None], str] = {}
+    reasons: dict[tuple[int, int, int, str, QueuedBehind | None], WaitCause] = {}
     outside = cycle.outside
     for entry in entries:
         job = entry.ranked.job
@@ -466,11 +473,9 @@ def _select(
             and need <= capacity
             and not held
         ):
-            why = STARVING if entry.starving else policy.order
-            # Deliberately not naming the blocker: the head changes at every
-            # placement, and a reason that changes is journaled again for every
-            # waiting job (quadratic churn in the log).
-            blocked_by = f"an earlier job that does not fit yet ({why})"
+            # Not naming the blocker (`QueuedBehind`): the head changes at every
+            # placement.
+            blocked_by = QueuedBehind(STARVING if entry.starving else policy.order)
     return to_place, victims
 
 
@@ -479,52 +484,51 @@ def _wait(
     need: int,
     capacity: int,
     budget: int,
-    blocked_by: str | None,
+    blocked_by: QueuedBehind | None,
     cycle: _Cycle,
-    reasons: dict[tuple[int, int, int, str, str | None], str],
+    reasons: dict[tuple[int, int, int, str, QueuedBehind | None], WaitCause],
 ) -> Wait:
-    """A selected-out job's `Wait`; `reasons` keeps those built this cycle, by what
-    they say (bar a held job's queue, which has its own)."""
+    """A selected-out job's `Wait`; `reasons` keeps the causes built this cycle, by
+    what they are built from (bar a held job's queue, which has its own)."""
     job = entry.ranked.job
     held = entry.standing is Standing.HELD
     key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by)
-    reason = None if held else reasons.get(key)
-    if reason is None:
-        reason = _pending_wait_reason(
+    cause = None if held else reasons.get(key)
+    if cause is None:
+        cause = _pending_wait_cause(
             entry, need, capacity, budget, blocked_by, cycle.policy, len(cycle.share_gpus)
         )
-        assert reason is not None  # it does not fit: there is a reason
+        assert cause is not None  # it does not fit: there is a reason
         if not held:
-            reasons[key] = reason
-    return Wait(job.job_id, reason)
+            reasons[key] = cause
+    return Wait(job.job_id, cause)
 
 
-def _pending_wait_reason(
+def _pending_wait_cause(
     entry: _Entry,
     need: int,
     capacity: int,
     budget: int,
-    blocked_by: str | None,
+    blocked_by: QueuedBehind | None,
     policy: Policy,
     shared: int = 0,
-) -> str | None:
+) -> WaitCause | None:
     """Why a job that does not fit waits; `shared`: the GPUs that shares alone hold,
     which are not for whole-GPU jobs (`shares.shares_by_gpu`)."""
     job = entry.job
     # An elastic job (with an elasticity stage) needs its minimum.
-    needs = f"at least {gpus_said(need)}" if need != job.gpus else gpus_said(need)
+    at_least = need != job.gpus
     if entry.standing is Standing.HELD:
-        return f"queue {job.queue} is at its fixed quota (build jobs do not borrow)"
+        return AtFixedQuota(job.queue)
     if need > capacity:
-        return f"needs {needs}; the cluster has {capacity} schedulable"
+        return LargerThanCluster(need, at_least, capacity)
     if blocked_by is not None:
-        return f"queued behind {blocked_by}"
+        return blocked_by
     if need > budget:
         # An order whose rank says nothing more than its name (fifo) is named once.
         label = entry.ranked.label
         ranked = policy.order if label == policy.order else f"{label}, {policy.order}"
-        held = f" and the {gpus_said(shared)} that shares hold" if shared else ""
-        return f"needs {needs}; {max(budget, 0)} left after higher-ranked jobs ({ranked}){held}"
+        return RankedOut(need, at_least, max(budget, 0), ranked, shared)
     return None
 
 
@@ -604,7 +608,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             _placed(cycle, entry, result, notes)
             continue
         if cycle.explains(job.job_id):
-            cycle.actions.append(Wait(job.job_id, result.reason))
+            cycle.actions.append(Wait(job.job_id, Unplaced(result.kind, result.reason)))
         if not may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + relax)
     return released
@@ -673,7 +677,7 @@ def _try_place(
     result = cycle.place(request, cycle.ledger.excluding(job.avoid_nodes))
     if isinstance(result, NoFit):
         avoided = ", ".join(sorted(job.avoid_nodes))
-        return NoFit(f"{result.reason} (avoiding {avoided}, where it failed)")
+        return NoFit(f"{result.reason} (avoiding {avoided}, where it failed)", result.kind)
     return result
 
 
@@ -686,8 +690,8 @@ def _retry_stage(
     wakes: list[float] = []
     for job in snapshot.pending:
         if job.not_before is not None and job.not_before > now:
-            # A stable reason: the shell journals a wait only when its reason changes.
-            waits.append(Wait(job.job_id, "waiting out its retry back-off"))
+            # One kind, no figures: the shell journals a wait only when its kind changes.
+            waits.append(Wait(job.job_id, BackingOff()))
             wakes.append(job.not_before)
     if not waits:
         return snapshot, [], []
@@ -837,14 +841,11 @@ def _make_room_in_shares(cycle: _Cycle, entries: list[_Entry]) -> None:
                 cycle.preemptions.append(Preempt(share.job_id, share.grants, cause))
         if freed and cycle.explains(job.job_id):
             # Its wait said what it was short of; now it is what is being done about it.
-            reason = (
-                f"shares on {gpus_said(len(freed))} ranked behind it are preempted to make room"
-            )
             actions = cycle.actions
             at = next(
                 i for i, a in enumerate(actions) if type(a) is Wait and a.job_id == job.job_id
             )
-            actions[at] = Wait(job.job_id, reason)
+            actions[at] = Wait(job.job_id, MakingRoom(len(freed)))
         return
 
 

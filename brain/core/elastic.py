@@ -702,11 +702,12 @@ class ElasticStage:
             node = min(nodes, key=lambda n: (-ledger.free_on(n), n))
             return Fit((Grant(node, ledger.lowest(node, min(size, roomiest))),))
         if spans:
-            return NoFit(f"needs at least {least} GPUs; {free} free")
+            return NoFit(f"needs at least {least} GPUs; {free} free", kind="too_few_free")
         return NoFit(
             f"needs at least {least} GPUs on one node (an elastic job that fits a node "
             "runs on one); "
-            f"at most {roomiest} free on any node"
+            f"at most {roomiest} free on any node",
+            kind="node_too_small",
         )
 
     # -- reclaim ---------------------------------------------------------------------

@@ -183,9 +183,6 @@ class JobView:
     # Set for running jobs: the GPUs held, and when the current run began.
     grants: tuple[Grant, ...] = ()
     started_at: float | None = None
-    # The reason the job currently waits, as last recorded; lets the shell skip
-    # recording an unchanged reason.
-    waiting_reason: str | None = None
     # GPUs x seconds the job has run so far, over all its runs (Tiresias' attained
     # service): its `Service.attained_to` the snapshot's clock. It is never reset.
     attained_gpu_seconds: float = 0.0
@@ -371,10 +368,132 @@ class Place:
 
 @record
 class Wait:
-    """The job stays pending; `reason` tells its owner why."""
+    """The job stays pending, for the typed reason `cause`; `reason` tells its owner
+    why. The text is built when asked for: a cycle explains thousands of waits, and the
+    shell journals a wait only when its `kind` changes (the same kind with other
+    figures is shown, not journaled)."""
 
     job_id: str
-    reason: str
+    cause: WaitCause
+
+    @property
+    def reason(self) -> str:
+        return self.cause.describe()
+
+    @property
+    def kind(self) -> str:
+        return self.cause.kind
+
+
+@record
+class BackingOff:
+    """Retried after a failure, the job waits out its back-off."""
+
+    kind = "backing_off"
+
+    def describe(self) -> str:
+        return "waiting out its retry back-off"
+
+
+@record
+class AtFixedQuota:
+    """Its queue has a fixed quota (a `build` queue), all of it in use: it does not
+    borrow what other queues leave idle."""
+
+    queue: str
+
+    kind = "fixed_quota"
+
+    def describe(self) -> str:
+        return f"queue {self.queue} is at its fixed quota (build jobs do not borrow)"
+
+
+@record
+class LargerThanCluster:
+    """It needs more GPUs than the cluster has schedulable, free or not."""
+
+    need: int
+    # An elastic job's minimum (with an elasticity stage), not its whole size.
+    at_least: bool
+    capacity: int
+
+    kind = "larger_than_cluster"
+
+    def describe(self) -> str:
+        return (
+            f"needs {_needs(self.need, self.at_least)}; the cluster has {self.capacity} schedulable"
+        )
+
+
+@record
+class QueuedBehind:
+    """A job ahead of it that does not fit yet holds back every job behind it: an order
+    with head-of-line blocking (`fifo`), or a job past the starvation guard."""
+
+    # What holds them back: the order's name, or the starvation guard.
+    by: str
+
+    kind = "queued_behind"
+
+    def describe(self) -> str:
+        # Deliberately not naming the blocker: the head changes at every placement.
+        return f"queued behind an earlier job that does not fit yet ({self.by})"
+
+
+@record
+class RankedOut:
+    """Once every job ranked ahead of it has its GPUs, fewer are left than it needs."""
+
+    need: int
+    at_least: bool
+    left: int
+    # Its rank and the order's name: "las band 1, las"; the name alone for an order
+    # whose rank says nothing more (fifo).
+    ranked: str
+    # GPUs that shares alone hold, which are not for whole-GPU jobs.
+    shared: int = 0
+
+    kind = "ranked_out"
+
+    def describe(self) -> str:
+        held = f" and the {gpus_said(self.shared)} that shares hold" if self.shared else ""
+        return (
+            f"needs {_needs(self.need, self.at_least)}; {self.left} left after "
+            f"higher-ranked jobs ({self.ranked}){held}"
+        )
+
+
+@record
+class Unplaced:
+    """Selected to start, no placement fits it now: the placement plugin's reason
+    (`NoFit`), whose kind is the wait's."""
+
+    kind: str
+    text: str
+
+    def describe(self) -> str:
+        return self.text
+
+
+@record
+class MakingRoom:
+    """Shares ranked behind it are preempted, so that it starts on their GPUs."""
+
+    gpus: int
+
+    kind = "making_room"
+
+    def describe(self) -> str:
+        return f"shares on {gpus_said(self.gpus)} ranked behind it are preempted to make room"
+
+
+WaitCause = (
+    BackingOff | AtFixedQuota | LargerThanCluster | QueuedBehind | RankedOut | Unplaced | MakingRoom
+)
+
+
+def _needs(need: int, at_least: bool) -> str:
+    return f"at least {gpus_said(need)}" if at_least else gpus_said(need)
 
 
 @record

@@ -426,7 +426,12 @@ class Fit:
 
 @record
 class NoFit:
+    """Nothing fits the request now: why, in words, and the kind of reason it is, which
+    the wait it becomes takes (`Unplaced`): a change of kind is journaled, a change of
+    figures alone is not."""
+
     reason: str
+    kind: str
 
 
 PlacementResult = Fit | NoFit
@@ -476,9 +481,13 @@ def consolidate(request: PlacementRequest, free: FreeGpus) -> PlacementResult:
     if not request.may_spread and total >= gpus:
         return NoFit(
             f"waiting for {gpus_said(gpus)} on {preferred} node(s) under one switch "
-            f"({total} free, but scattered)"
+            f"({total} free, but scattered)",
+            kind="scattered",
         )
-    return NoFit(f"needs {gpus_said(gpus)}; {total} free of {free.total_capacity()} schedulable")
+    return NoFit(
+        f"needs {gpus_said(gpus)}; {total} free of {free.total_capacity()} schedulable",
+        kind="too_few_free",
+    )
 
 
 PLACEMENTS: Final[dict[str, Placement]] = {"consolidate": consolidate}

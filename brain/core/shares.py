@@ -434,7 +434,9 @@ class SharePlacer:
         takes nothing from the free ledger (`Fit.takes`); any other takes its GPUs."""
         demand = job.demand or Demand()
         if demand.gpu_types and not allowed_models(demand.gpu_types, self._models):
-            return NoFit(f"no schedulable GPU of type {'|'.join(demand.gpu_types)} now")
+            return NoFit(
+                f"no schedulable GPU of type {'|'.join(demand.gpu_types)} now", kind="no_gpu_type"
+            )
         cluster, views = self._cluster(job, ledger, avoid, hidden)
         outcome = self._plugin.choose(self._task(job), cluster)
         if isinstance(outcome, Unschedulable):
@@ -444,7 +446,7 @@ class SharePlacer:
                 reason += f" (avoiding {', '.join(sorted(avoid))}, where it failed)"
             if demand.fractional and self._shareable:
                 reason += "; " + self._not_beside(demand)
-            return NoFit(reason)
+            return NoFit(reason, kind="no_share_fits")
         view = views[outcome.node]
         gpus = tuple(sorted(view.gpus[p] for p in outcome.gpus))
         grants = (Grant(view.name, gpus),)
