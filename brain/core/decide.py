@@ -428,7 +428,7 @@ def _select(
     policy = cycle.policy
     pinned, held_standing = Standing.PINNED, Standing.HELD
     explain, also = cycle.waits, cycle.explain
-    reasons: dict[tuple[int, int, int, str, QueuedBehind | None], WaitCause] = {}
+    reasons: dict[tuple[int, int, int, str, bool], WaitCause] = {}
     outside = cycle.outside
     for entry in entries:
         job = entry.ranked.job
@@ -486,13 +486,15 @@ def _wait(
     budget: int,
     blocked_by: QueuedBehind | None,
     cycle: _Cycle,
-    reasons: dict[tuple[int, int, int, str, QueuedBehind | None], WaitCause],
+    reasons: dict[tuple[int, int, int, str, bool], WaitCause],
 ) -> Wait:
     """A selected-out job's `Wait`; `reasons` keeps the causes built this cycle, by
-    what they are built from (bar a held job's queue, which has its own)."""
+    what they are built from (bar a held job's queue, which has its own). A cycle has
+    one blocker at most, set once: whether it has been is all the key needs of it
+    (hashing the record would call its Python-level `__hash__` for every wait)."""
     job = entry.ranked.job
     held = entry.standing is Standing.HELD
-    key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by)
+    key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by is not None)
     cause = None if held else reasons.get(key)
     if cause is None:
         cause = _pending_wait_cause(
