@@ -376,6 +376,7 @@ class ApiServer:
             nodes=len(brain.state.nodes),
             gpus=brain.state.capacity(),
             census=await self.census(),
+            waiting=brain.state.waits_by_kind(),
         )
 
     async def census(self) -> GpuCensus:

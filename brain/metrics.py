@@ -51,6 +51,7 @@ from schemas.state import JobChanged, NodeEventRecorded, StateRecord
 
 if TYPE_CHECKING:
     from brain.service import Brain
+    from brain.state import BrainState
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ class _ClusterCollector(Collector):
         for job_state in JobState:
             jobs.add_metric([job_state.value], len(state.jobs_in(job_state)))
         yield jobs
-        yield _waiting(state.jobs_in(JobState.PENDING))
+        yield _waiting(state)
         nodes = GaugeMetricFamily("alnair_nodes", "Nodes by state.", labels=["state"])
         for node_state in NodeState:
             count = sum(1 for n in state.nodes.values() if n.state is node_state)
@@ -605,17 +606,13 @@ def _failure_class(job: JobRecord) -> str:
     return job.failures[-1].failure_class.value if job.failures else "unclassified"
 
 
-def _waiting(pending: list[JobRecord]) -> GaugeMetricFamily:
-    """Pending jobs by the kind of their wait (`JobRecord.wait_kind`): what an operator
-    asks first of a long queue. "unexplained": no pass has said why yet."""
-    counts: dict[str, int] = {}
-    for job in pending:
-        kind = job.wait_kind or "unexplained"
-        counts[kind] = counts.get(kind, 0) + 1
+def _waiting(state: BrainState) -> GaugeMetricFamily:
+    """Pending jobs by the kind of their wait (`BrainState.waits_by_kind`): what an
+    operator asks first of a long queue."""
     family = GaugeMetricFamily(
         "alnair_jobs_waiting", "Pending jobs by why they wait.", labels=["kind"]
     )
-    for kind, count in sorted(counts.items()):
+    for kind, count in sorted(state.waits_by_kind().items()):
         family.add_metric([kind], count)
     return family
 

@@ -390,6 +390,15 @@ class BrainState:
                 while len(self.keys_away) > KEYS_KEPT:
                     self.keys_away.popitem(last=False)
 
+    def waits_by_kind(self) -> dict[str, int]:
+        """Pending jobs by the kind of their wait, most first (ties by kind);
+        "unexplained": no pass has said why yet."""
+        counts: dict[str, int] = {}
+        for job_id in self.by_state[JobState.PENDING]:
+            kind = self.jobs[job_id].wait_kind or "unexplained"
+            counts[kind] = counts.get(kind, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
     def counts_by_state(self) -> dict[JobState, int]:
         """Jobs by state, those gone from memory included."""
         return {

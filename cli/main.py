@@ -580,6 +580,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         if reply.census is not None:
             print("\n".join(fmt.census_lines(reply.census)))
         print("jobs:    " + ", ".join(f"{k.lower()} {v}" for k, v in reply.jobs_by_state.items()))
+        if reply.waiting:
+            print("waiting: " + ", ".join(f"{kind} {n}" for kind, n in reply.waiting.items()))
         print("\n".join(nats.lines()))
         return 0
 

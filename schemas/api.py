@@ -313,6 +313,9 @@ class StatusReply(Message):
     nodes: int
     gpus: int
     census: GpuCensus | None = None  # None from a brain older than it
+    # Pending jobs by the kind of their wait (`JobRecord.wait_kind`; "unexplained": no
+    # pass has said yet), most first.
+    waiting: dict[str, int] = Field(default_factory=dict)
 
 
 REQUEST_TYPES: Final[dict[str, type[Message]]] = {

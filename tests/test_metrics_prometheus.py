@@ -146,6 +146,9 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     kind = brain.state.jobs[waiting].wait_kind
     assert kind == "ranked_out"
     assert value(metrics["alnair_jobs_waiting"], "alnair_jobs_waiting", kind=kind) == 1
+    # `alnair status` says it too.
+    code, status = await api.call("GET", "/v1/status")
+    assert code == 200 and status["waiting"] == {kind: 1}, status
     # Ingest: heartbeats arrive, few are news, and nothing was shed at this load.
     beats = value(metrics["alnair_ingest_heartbeats"], "alnair_ingest_heartbeats_total")
     news = value(
