@@ -380,10 +380,6 @@ class Wait:
     def reason(self) -> str:
         return self.cause.describe()
 
-    @property
-    def kind(self) -> str:
-        return self.cause.kind
-
 
 @record
 class BackingOff:
