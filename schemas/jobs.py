@@ -423,7 +423,7 @@ class JobRecord(BaseModel):
     # When `reason` is why the job waits, the kind of that wait (brain/core/model.py's
     # wait causes: "ranked_out", "fixed_quota", ...): a wait of another kind is
     # journaled, one of the same kind with other figures is shown, not journaled. Any
-    # change that gives another reason clears it (brain/service.py).
+    # change that gives another reason clears it (`brain.state.accounted`).
     wait_kind: str | None = None
     idempotency_key: str | None = None
     # Service accounting for the queue orders (Tiresias): GPUs x seconds and seconds
