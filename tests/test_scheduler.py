@@ -4,16 +4,20 @@ makes the next pass due."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brain import scheduler as scheduling
 from brain.attempts import Attempts
 from brain.core import (
     DEFAULT_POLICY,
     DEFAULT_SERVICE_PRIOR,
+    AtFixedQuota,
     BandCrossed,
     Decisions,
     Grant,
@@ -29,6 +33,7 @@ from brain.core import (
     Resize,
     ServiceDistribution,
     SetServiceLevel,
+    Unplaced,
     Wait,
     decide,
 )
@@ -302,6 +307,75 @@ async def test_a_waiting_reason_is_journaled_once_per_kind() -> None:
     assert accounted(old, waits, 1.0).wait_kind == "making_room"
     placed = old.model_copy(update={"state": JobState.RUNNING})
     assert accounted(old, placed, 1.0).wait_kind is None
+
+
+class _Journaling(Shell):
+    """`Shell` that journals every change through `accounted`, as brain/service.py does."""
+
+    async def job_changed(self, job: JobRecord, previous: JobState | None, cause: Cause) -> None:
+        old = self.state.jobs.get(job.job_id)
+        await super().job_changed(accounted(old, job, self.clock()), previous, cause)
+
+
+_WAITS = st.one_of(
+    st.builds(
+        RankedOut,
+        st.integers(1, 8),
+        st.booleans(),
+        st.integers(0, 8),
+        st.sampled_from(["fifo", "las band 0, las"]),
+        st.integers(0, 2),
+    ),
+    st.builds(QueuedBehind, st.sampled_from(["fifo", "starvation guard"])),
+    st.builds(AtFixedQuota, st.just("build")),
+    st.builds(Unplaced, st.sampled_from(["scattered", "too_few_free"]), st.sampled_from("ab")),
+)
+# Another change of a pending job: a reason of its own (a retry's, an operator's), or
+# the one it has.
+_OTHER = st.sampled_from(["retry scheduled", "requeued by an operator", None])
+_STEPS = st.lists(st.one_of(_WAITS, _OTHER), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_STEPS)
+def test_a_records_wait_kind_is_the_kind_of_its_reason(steps: list[object]) -> None:
+    """Whatever the sequence of waits and other changes: a record keeps a wait kind
+    exactly while its reason is the text of the last wait journaled, of that kind; a
+    wait of the kind the record keeps is not journaled, and is what callers are shown."""
+
+    async def run() -> None:
+        shell = _Journaling(clock=Clock(NOW))
+        shell.add_node("n1", 4)
+        shell.add_job(1, gpus=8)
+        scheduler, _ = part(shell)
+        journaled: tuple[str, str] | None = None  # (kind, text) of the last wait journaled
+        for step in steps:
+            job = shell.state.jobs["1"]
+            before = len(shell.causes)
+            if isinstance(step, RankedOut | QueuedBehind | AtFixedQuota | Unplaced):
+                async with shell.unit():
+                    await scheduler.note_waits([Wait("1", step)])
+                if step.kind == job.wait_kind:
+                    assert len(shell.causes) == before  # the same kind: shown only
+                else:
+                    assert kinds(shell)[before:] == [CauseKind.WAITING]
+                    journaled = (step.kind, step.describe())
+                assert shell.state.reason_of(shell.state.jobs["1"]) == step.describe()
+            else:
+                reason = job.reason if step is None else step
+                async with shell.unit():
+                    await shell.job_changed(
+                        job.model_copy(update={"reason": reason}),
+                        JobState.PENDING,
+                        Cause(kind=CauseKind.RETRY_SCHEDULED, job_id="1", message=str(reason)),
+                    )
+            # Both ways: a kind while its wait's text is the reason, and only then
+            # (else a wait of that kind would be journaled again, or not at all).
+            job = shell.state.jobs["1"]
+            still = journaled is not None and job.reason == journaled[1]
+            assert job.wait_kind == (journaled[0] if journaled and still else None)
+
+    asyncio.run(run())
 
 
 async def test_a_pass_explains_every_wait_once_per_interval_and_owes_the_rest() -> None:
