@@ -327,6 +327,7 @@ class Scheduler:
 
     async def _place(self, job: JobRecord, action: Place) -> None:
         attempt = job.attempt + 1
+        reason = action.reason  # built here, once: the record and its cause say it
         grants = tuple(NodeGrant(node=g.node, gpus=g.gpus) for g in action.grants)
         running = job.model_copy(
             update={
@@ -337,7 +338,7 @@ class Scheduler:
                 "finished_at": None,
                 "exit_code": None,
                 "signal": None,
-                "reason": action.cause,
+                "reason": reason,
                 "not_before": None,
                 # A new attempt may grow onto any node again.
                 "failed_nodes": (),
@@ -347,7 +348,7 @@ class Scheduler:
         await self._writes.job_changed(
             running,
             job.state,
-            Cause(kind=CauseKind.PLACED, job_id=job.job_id, message=action.cause),
+            Cause(kind=CauseKind.PLACED, job_id=job.job_id, message=reason),
         )
         await self._writes.send_launches(running)
 

@@ -309,7 +309,7 @@ def test_a_retried_job_goes_back_to_where_it_failed_only_when_nothing_else_could
     policy = Policy(elasticity="marginal-gain")
     (place,) = decide(ClusterSnapshot(nodes=nodes, pending=(avoiding,)), 60.0, policy).placements
     assert "+".join(g.node for g in place.grants) == placed_on
-    assert (AVOIDANCE_RELEASED in place.cause) == ("n1" in placed_on)
+    assert (AVOIDANCE_RELEASED in place.reason) == ("n1" in placed_on)
 
 
 def test_brain_flags_make_the_failure_policy() -> None:

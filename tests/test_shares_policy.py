@@ -183,7 +183,7 @@ def test_a_share_joins_a_running_share_and_a_whole_job_does_not() -> None:
     assert places(snapshot) == {"s": (Grant("n", (0,)),)}
     (place,) = decisions.placements
     assert isinstance(place, Place) and place.takes == ()
-    assert "a 0.5 share of its GPU, placed by fgd" in place.cause
+    assert "a 0.5 share of its GPU, placed by fgd" in place.reason
     assert any(isinstance(a, Wait) and a.job_id == "whole" for a in decisions.actions)
 
 
@@ -596,7 +596,7 @@ def test_a_share_is_colocated_with_a_shareable_job_that_leaves_room() -> None:
     decisions = decide(ClusterSnapshot(nodes, (guest,), (_host(20.0, 16_000),)), 100.0)
     (place,) = decisions.placements
     assert place.grants == (Grant("n", (0,)),) and place.takes == ()
-    assert "co-located with job host, whose profile leaves room" in place.cause
+    assert "co-located with job host, whose profile leaves room" in place.reason
     # Not beside a busy job, one that did not opt in, or without a memory limit.
     for running, pending in (
         (_host(80.0, 16_000), guest),

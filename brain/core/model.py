@@ -344,9 +344,9 @@ class Placed:
 @record
 class Place:
     """Start a pending job on these GPUs (a gang: every grant or none), for the typed
-    reason `why`. Every action says why in `reason`; all but `Wait` keep the typed
-    cause too. The text is built when asked for, not by the cycle: a cycle places
-    thousands of jobs, and the simulator reads none of their reasons."""
+    reason `why`. Every action keeps its typed cause and says it in `reason`, built
+    when asked for, not by the cycle: a cycle places thousands of jobs, and the
+    simulator reads none of their reasons."""
 
     job_id: str
     grants: tuple[Grant, ...]
@@ -358,11 +358,6 @@ class Place:
 
     @property
     def reason(self) -> str:
-        return self.why.describe()
-
-    @property
-    def cause(self) -> str:
-        """What the shell records: `reason`."""
         return self.why.describe()
 
 
