@@ -792,7 +792,7 @@ def test_starvation_guard_puts_a_long_waiter_first() -> None:
     assert early.wake_at is not None and early.wake_at <= 3600
     late = decide(snapshot, 3600, policy)
     assert set(placed(late)) == {"starved"}
-    assert "starvation guard" in late.placements[0].cause
+    assert "starvation guard" in late.placements[0].reason
     # The victim is told the guard put the starved job ahead: by las alone, a job in
     # band 2 is behind one in band 0.
     (preemption,) = late.preemptions
@@ -836,7 +836,7 @@ def test_every_place_and_wait_says_why() -> None:
     )
     for action in decide(snapshot, 3, Policy(order="las")).actions:
         if isinstance(action, Place):
-            assert action.cause.startswith("placed on n0[3]")
+            assert action.reason.startswith("placed on n0[3]")
         elif isinstance(action, Wait):
             assert "needs 2 GPUs" in action.reason
 
