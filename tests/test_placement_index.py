@@ -15,11 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brain.core import Grant, NodeView, Policy, decide
-from brain.core.model import gpus_said
+from brain.core.model import NoFit, gpus_said
 from brain.core.placement import (
     Fit,
     FreeGpus,
-    NoFit,
     PlacementRequest,
     PlacementResult,
     consolidate,

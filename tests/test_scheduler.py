@@ -22,6 +22,7 @@ from brain.core import (
     Decisions,
     Grant,
     Grown,
+    NoFit,
     Outranked,
     Place,
     Placed,
@@ -33,7 +34,6 @@ from brain.core import (
     Resize,
     ServiceDistribution,
     SetServiceLevel,
-    Unplaced,
     Wait,
     decide,
 )
@@ -328,7 +328,7 @@ _WAITS = st.one_of(
     ),
     st.builds(QueuedBehind, st.sampled_from(["fifo", "starvation guard"])),
     st.builds(AtFixedQuota, st.just("build")),
-    st.builds(Unplaced, st.sampled_from(["scattered", "too_few_free"]), st.sampled_from("ab")),
+    st.builds(NoFit, st.sampled_from("ab"), st.sampled_from(["scattered", "too_few_free"])),
 )
 # Another change of a pending job: a reason of its own (a retry's, an operator's), or
 # the one it has.
@@ -352,7 +352,7 @@ def test_a_records_wait_kind_is_the_kind_of_its_reason(steps: list[object]) -> N
         for step in steps:
             job = shell.state.jobs["1"]
             before = len(shell.causes)
-            if isinstance(step, RankedOut | QueuedBehind | AtFixedQuota | Unplaced):
+            if isinstance(step, RankedOut | QueuedBehind | AtFixedQuota | NoFit):
                 async with shell.unit():
                     await scheduler.note_waits([Wait("1", step)])
                 if step.kind == job.wait_kind:

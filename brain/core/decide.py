@@ -54,6 +54,7 @@ from brain.core.model import (
     LargerThanCluster,
     MakingRoom,
     NodeView,
+    NoFit,
     Outranked,
     Place,
     Placed,
@@ -62,7 +63,6 @@ from brain.core.model import (
     QueuedBehind,
     QuotaReclaim,
     RankedOut,
-    Unplaced,
     Wait,
     WaitCause,
 )
@@ -78,7 +78,6 @@ from brain.core.placement import (
     Fit,
     FreeGpus,
     KeptLedger,
-    NoFit,
     Placement,
     PlacementRequest,
     PlacementResult,
@@ -610,7 +609,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             _placed(cycle, entry, result, notes)
             continue
         if cycle.explains(job.job_id):
-            cycle.actions.append(Wait(job.job_id, Unplaced(result.kind, result.reason)))
+            cycle.actions.append(Wait(job.job_id, result))
         if not may_spread and not job.network_sensitive:
             cycle.wakes.append(job.waiting_since() + relax)
     return released

@@ -88,13 +88,14 @@ from brain.core.model import (
     JobView,
     Measured,
     Moved,
+    NoFit,
     Place,
     Resize,
     Retreated,
     ShrunkFor,
 )
 from brain.core.ordering import job_sequence
-from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
+from brain.core.placement import Fit, FreeGpus, PlacementResult
 
 # Estimated throughput of a job at a world size, in any unit consistent for that job
 # (only ratios between sizes of one job are used).

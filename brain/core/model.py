@@ -455,15 +455,18 @@ class RankedOut:
 
 
 @record
-class Unplaced:
-    """Selected to start, no placement fits it now: the placement plugin's reason
-    (`NoFit`), whose kind is the wait's."""
+class NoFit:
+    """Nothing fits the request now (a placement plugin's answer, brain/core/placement.py,
+    and the cause of the wait of a job selected to start that it leaves waiting): why,
+    in words, and the kind of reason it is, a plugin's own (`scattered`, `too_few_free`,
+    `node_too_small`, `no_gpu_type`, `no_share_fits`): a change of kind is journaled, a
+    change of figures alone is not."""
 
+    reason: str
     kind: str
-    text: str
 
     def describe(self) -> str:
-        return self.text
+        return self.reason
 
 
 @record
@@ -479,7 +482,7 @@ class MakingRoom:
 
 
 WaitCause = (
-    BackingOff | AtFixedQuota | LargerThanCluster | QueuedBehind | RankedOut | Unplaced | MakingRoom
+    BackingOff | AtFixedQuota | LargerThanCluster | QueuedBehind | RankedOut | NoFit | MakingRoom
 )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Final
 
-from brain.core.model import Grant, JobView, NodeView, gpus_said
+from brain.core.model import Grant, JobView, NodeView, NoFit, gpus_said
 from brain.core.record import record
 
 
@@ -422,16 +422,6 @@ class Fit:
     # What to take from the free ledger, when not every GPU of `grants`: a share on a
     # GPU already shared takes nothing (brain/core/shares.py). None: all of them.
     takes: tuple[Grant, ...] | None = None
-
-
-@record
-class NoFit:
-    """Nothing fits the request now: why, in words, and the kind of reason it is, which
-    the wait it becomes takes (`Unplaced`): a change of kind is journaled, a change of
-    figures alone is not."""
-
-    reason: str
-    kind: str
 
 
 PlacementResult = Fit | NoFit

@@ -34,11 +34,12 @@ from brain.core.model import (
     JobView,
     MemoryPressure,
     NodeView,
+    NoFit,
     Preempt,
     gpus_said,
 )
 from brain.core.ordering import job_sequence
-from brain.core.placement import Fit, FreeGpus, NoFit, PlacementResult
+from brain.core.placement import Fit, FreeGpus, PlacementResult
 from brain.core.sharing import (
     GPU_MILLI,
     SHARING_PLUGINS,
