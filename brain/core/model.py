@@ -456,11 +456,11 @@ class RankedOut:
 
 @record
 class NoFit:
-    """Nothing fits the request now (a placement plugin's answer, brain/core/placement.py,
-    and the cause of the wait of a job selected to start that it leaves waiting): why,
-    in words, and the kind of reason it is, a plugin's own (`scattered`, `too_few_free`,
-    `node_too_small`, `no_gpu_type`, `no_share_fits`): a change of kind is journaled, a
-    change of figures alone is not."""
+    """Nothing fits the request now: a placement plugin's answer (brain/core/placement.py),
+    and so the cause of the wait of a job that selection kept but no placement fits. Why,
+    in words, and the kind of reason it is, the plugin's own (`scattered`,
+    `too_few_free`, `node_too_small`, `no_gpu_type`, `no_share_fits`): a change of kind
+    is journaled, a change of figures alone is not."""
 
     reason: str
     kind: str
