@@ -36,7 +36,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Final
 
 from brain.core.collector import collector_paused
@@ -83,7 +83,14 @@ from brain.core.placement import (
     PlacementResult,
 )
 from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
-from brain.core.quota import Standing, quota_of, smallest_ask, standings_in_order
+from brain.core.quota import (
+    OVER_EITHER,
+    QuotaWalk,
+    Standing,
+    quota_of,
+    smallest_ask,
+    standings_in_order,
+)
 from brain.core.ranking import Ranking, rank_order
 from brain.core.shares import (
     SharePlacer,
@@ -215,8 +222,9 @@ DEFAULT_POLICY = Policy()
 @dataclass(slots=True)
 class _Entry:
     """One job in the cycle, with everything its rank depends on. Not frozen only
-    because frozen dataclasses are slow to build, and one is built per job per cycle;
-    nothing mutates it. (A named tuple built with `tuple.__new__` was cheaper to build
+    because frozen dataclasses are slow to build, and one is built per job a cycle
+    decides on (and per job, where a stage sorts or indexes them: `_flat`); nothing
+    mutates it. (A named tuple built with `tuple.__new__` was cheaper to build
     and dearer to read: 1.4 % more instructions a `las` cycle, by callgrind.)"""
 
     ranked: Ranked
@@ -320,7 +328,23 @@ def _standings(
     return result
 
 
-def _entries(
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """A run of the selection order whose jobs share their standing, hold and whether
+    they starve: the selection walks these, and builds an `_Entry` only for a job it
+    decides on (to place, a victim, short of GPUs), not for each of the thousands that
+    merely wait."""
+
+    standing: Standing
+    hold: int
+    starving: bool
+    ranked: list[Ranked]
+
+    def entries(self) -> list[_Entry]:
+        return [_Entry(r, self.standing, self.starving, self.hold) for r in self.ranked]
+
+
+def _selection_order(
     by_rank: list[Ranked],
     snapshot: ClusterSnapshot,
     jobs: Sequence[JobView],
@@ -328,9 +352,9 @@ def _entries(
     policy: Policy,
     hold: Preemption,
     smallest: int,
-) -> list[_Entry]:
+) -> list[_Group]:
     """Every job in selection order: by (standing, hold, starving first and longest
-    waiting first among them, rank, submission, id).
+    waiting first among them, rank, submission, id), as runs of one class each.
 
     `by_rank` is every job by (rank, submission, id) (brain/core/ranking.py); standings
     and the selection order are stable partitions of it, so that a cycle sorts its jobs
@@ -339,45 +363,91 @@ def _entries(
     of a guarantee (`quota.smallest_ask`)."""
     uniform = UNIFORM_HOLDS.get(hold)
     holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
-    standing_of = _standings(by_rank, holds, snapshot, jobs, smallest)
     guard = policy.starvation_guard_s
     if guard is None and min(holds, default=0) == max(holds, default=0):
-        return _by_standing(by_rank, holds[0] if holds else 0, standing_of)
+        return _by_standing(by_rank, holds[0] if holds else 0, snapshot, jobs, smallest)
+    standing_of = _standings(by_rank, holds, snapshot, jobs, smallest)
     over = Standing.OVER_QUOTA
     standing_list = standing_of or [over] * len(by_rank)
-    groups: dict[tuple[int, int, bool], list[_Entry]] = {}
+    groups: dict[tuple[int, int, bool], list[Ranked]] = {}
     for item, held, standing in zip(by_rank, holds, standing_list, strict=True):
         job = item.job
         starving = guard is not None and not job.grants and now - job.waiting_since() >= guard
-        entry = _Entry(item, standing, starving, held)
         group = groups.get((standing, held, not starving))
         if group is None:
-            groups[(standing, held, not starving)] = [entry]
+            groups[(standing, held, not starving)] = [item]
         else:
-            group.append(entry)
-    entries: list[_Entry] = []
+            group.append(item)
+    runs: list[_Group] = []
     for key in sorted(groups):
         group = groups[key]
         if not key[2]:
             # Starving jobs: the longest waiting first (stable: then by rank).
-            group.sort(key=lambda e: e.job.waiting_since())
-        entries.extend(group)
-    return entries
+            group.sort(key=lambda r: r.job.waiting_since())
+        runs.append(_Group(Standing(key[0]), key[1], not key[2], group))
+    return runs
 
 
 def _by_standing(
-    by_rank: list[Ranked], hold: int, standing_of: list[Standing] | None
-) -> list[_Entry]:
-    """`_entries` when every job has the same hold and nobody can starve (no guard):
-    the rank order, partitioned by standing alone (with no quotas, one partition)."""
-    if standing_of is None:
-        over = Standing.OVER_QUOTA
-        return [_Entry(item, over, False, hold) for item in by_rank]
-    partitions: list[list[_Entry]] = [[] for _ in Standing]
+    by_rank: list[Ranked],
+    hold: int,
+    snapshot: ClusterSnapshot,
+    jobs: Sequence[JobView],
+    smallest: int,
+) -> list[_Group]:
+    """`_selection_order` when every job has the same hold and nobody can starve (no guard):
+    the rank order, partitioned by standing alone (with no quotas, one partition), in
+    one walk: the quota walk's, as far as a guarantee has room, then each job's queue
+    and grants (`QuotaWalk.rest`), or nothing at all where no queue is of `build` jobs."""
+    queues = quota_of(snapshot.queues)
+    if not queues:
+        return [_Group(Standing.OVER_QUOTA, hold, False, by_rank)]
+    walk = QuotaWalk(queues, jobs, smallest)
+    walked = walk.standings(map(_JOB, by_rank))
+    partitions: list[list[Ranked]] = [[] for _ in Standing]
     appends = [partition.append for partition in partitions]
-    for item, standing in zip(by_rank, standing_of, strict=True):
-        appends[standing](_Entry(item, standing, False, hold))
-    return [entry for partition in partitions for entry in partition]
+    for item, standing in zip(by_rank, walked, strict=False):
+        appends[standing](item)
+    rest = by_rank[len(walked) :]
+    if not walk.builds:
+        partitions[Standing.OVER_QUOTA] += rest
+    else:
+        # `QuotaWalk.rest`, looked up here: a call per job costs as much as the walk.
+        by_queue = walk.rest_by_queue
+        for item in rest:
+            job = item.job
+            appends[by_queue.get(job.queue, OVER_EITHER)[not job.grants]](item)
+    return [
+        _Group(standing, hold, False, partition)
+        for standing, partition in zip(Standing, partitions, strict=True)
+        if partition
+    ]
+
+
+_JOB: Final = itemgetter(0)  # Ranked.job
+
+
+def _flat(groups: list[_Group]) -> list[_Entry]:
+    """The selection order job by job, for the stages that index or sort it (elastic
+    jobs' ranks, making room among shares)."""
+    return [entry for group in groups for entry in group.entries()]
+
+
+def _regrouped(entries: list[_Entry]) -> list[_Group]:
+    """Entries (in an order that keeps each class together) back as runs."""
+    groups: list[_Group] = []
+    for entry in entries:
+        last = groups[-1] if groups else None
+        if (
+            last is None
+            or last.standing is not entry.standing
+            or last.hold != entry.hold
+            or last.starving != entry.starving
+        ):
+            groups.append(_Group(entry.standing, entry.hold, entry.starving, [entry.ranked]))
+        else:
+            last.ranked.append(entry.ranked)
+    return groups
 
 
 _ElasticKey = tuple[
@@ -402,7 +472,7 @@ def _share_class(entry: _Entry, rank_entitles: bool) -> tuple[float, ...]:
 
 
 def _select(
-    cycle: _Cycle, entries: list[_Entry], head_of_line_blocking: bool, capacity: int
+    cycle: _Cycle, groups: list[_Group], head_of_line_blocking: bool, capacity: int
 ) -> tuple[list[_Entry], list[_Entry]]:
     """Walk the ranking and keep what fits by GPU count: (pending to place, victims).
 
@@ -425,61 +495,71 @@ def _select(
     need_of, select = cycle.elastic.need, cycle.elastic.select
     actions = cycle.actions
     policy = cycle.policy
-    pinned, held_standing = Standing.PINNED, Standing.HELD
     explain, also = cycle.waits, cycle.explain
     reasons: dict[tuple[int, int, int, str, bool], WaitCause] = {}
     outside = cycle.outside
-    for entry in entries:
-        job = entry.ranked.job
-        need = 0 if sharing and job.shared else need_of(job)
-        if job.grants:
-            # What it holds outside the schedulable GPUs is not in `capacity`.
-            takes = max(0, need - outside[job.job_id]) if job.job_id in outside else need
-            if job.resizing or (sharing and (job.shared or job.job_id in hosts)):
-                # Never victims: shares, whole-GPU jobs with shares beside them, and a
-                # job mid-resize, whose GPUs are spoken for (a shrink's, for the job
-                # it shrank for, which waits for them): if its rank says it must go,
-                # it goes once the resize has settled, not in the pass after staging.
-                budget = max(0, budget - takes)
+    for group in groups:
+        standing, starving, hold = group.standing, group.starving, group.hold
+        pinned = standing is Standing.PINNED
+        held = standing is Standing.HELD
+        for ranked in group.ranked:
+            job = ranked.job
+            need = 0 if sharing and job.shared else need_of(job)
+            if job.grants:
+                # What it holds outside the schedulable GPUs is not in `capacity`.
+                takes = (
+                    max(0, need - outside[job.job_id])
+                    if outside and job.job_id in outside
+                    else need
+                )
+                if job.resizing or (sharing and (job.shared or job.job_id in hosts)):
+                    # Never victims: shares, whole-GPU jobs with shares beside them, and
+                    # a job mid-resize, whose GPUs are spoken for (a shrink's, for the
+                    # job it shrank for, which waits for them): if its rank says it must
+                    # go, it goes once the resize has settled, not in the pass after
+                    # staging.
+                    budget = max(0, budget - takes)
+                    select(job, need)
+                elif takes <= budget or pinned:
+                    budget -= takes
+                    select(job, need)
+                else:
+                    victims.append(_Entry(ranked, standing, starving, hold))
+                continue
+            if need <= budget and blocked_by is None and need <= capacity and not held:
+                budget -= need
                 select(job, need)
-            elif takes <= budget or entry.standing is pinned:
-                budget -= takes
-                select(job, need)
-            else:
-                victims.append(entry)
-            continue
-        held = entry.standing is held_standing
-        if need <= budget and blocked_by is None and need <= capacity and not held:
-            budget -= need
-            select(job, need)
-            to_place.append(entry)
-            continue
-        if explain or (also and job.job_id in also):
-            actions.append(_wait(entry, need, capacity, budget, blocked_by, cycle, reasons))
-        if (
-            short is not None
-            and blocked_by is None
-            and need <= capacity
-            and not held
-            and job.demand is None
-        ):
-            short.append((entry, budget, need))
-        # A starving job that cannot start yet reserves the GPUs that free up: no
-        # job behind it may backfill them, or it could wait forever.
-        if (
-            (head_of_line_blocking or entry.starving)
-            and blocked_by is None
-            and need <= capacity
-            and not held
-        ):
-            # Not naming the blocker (`QueuedBehind`): the head changes at every
-            # placement.
-            blocked_by = QueuedBehind(STARVING if entry.starving else policy.order)
+                to_place.append(_Entry(ranked, standing, starving, hold))
+                continue
+            if explain or (also and job.job_id in also):
+                actions.append(
+                    _wait(group, ranked, need, capacity, budget, blocked_by, cycle, reasons)
+                )
+            if (
+                short is not None
+                and blocked_by is None
+                and need <= capacity
+                and not held
+                and job.demand is None
+            ):
+                short.append((_Entry(ranked, standing, starving, hold), budget, need))
+            # A starving job that cannot start yet reserves the GPUs that free up: no
+            # job behind it may backfill them, or it could wait forever.
+            if (
+                (head_of_line_blocking or starving)
+                and blocked_by is None
+                and need <= capacity
+                and not held
+            ):
+                # Not naming the blocker (`QueuedBehind`): the head changes at every
+                # placement.
+                blocked_by = QueuedBehind(STARVING if starving else policy.order)
     return to_place, victims
 
 
 def _wait(
-    entry: _Entry,
+    group: _Group,
+    ranked: Ranked,
     need: int,
     capacity: int,
     budget: int,
@@ -487,15 +567,17 @@ def _wait(
     cycle: _Cycle,
     reasons: dict[tuple[int, int, int, str, bool], WaitCause],
 ) -> Wait:
-    """A selected-out job's `Wait`; `reasons` keeps the causes built this cycle, by
-    what they are built from (bar a held job's queue, which has its own). A cycle has
-    one blocker at most, set once: whether it has been is all the key needs of it
-    (hashing the record would call its Python-level `__hash__` for every wait)."""
-    job = entry.ranked.job
-    held = entry.standing is Standing.HELD
-    key = (need, job.gpus, budget if budget > 0 else 0, entry.ranked.label, blocked_by is not None)
+    """A selected-out job's `Wait` (`ranked`, of `group`); `reasons` keeps the causes
+    built this cycle, by what they are built from (bar a held job's queue, which has its
+    own). A cycle has one blocker at most, set once: whether it has been is all the key
+    needs of it (hashing the record would call its Python-level `__hash__` for every
+    wait)."""
+    job = ranked.job
+    held = group.standing is Standing.HELD
+    key = (need, job.gpus, budget if budget > 0 else 0, ranked.label, blocked_by is not None)
     cause = None if held else reasons.get(key)
     if cause is None:
+        entry = _Entry(ranked, group.standing, group.starving, group.hold)
         cause = _pending_wait_cause(
             entry, need, capacity, budget, blocked_by, cycle.policy, len(cycle.share_gpus)
         )
@@ -910,11 +992,17 @@ def _ledger_behind(
     return ledger.excluding(job.avoid_nodes, more)
 
 
-def _starvation_wakes(entries: list[_Entry], policy: Policy) -> list[float]:
+def _starvation_wakes(groups: list[_Group], policy: Policy) -> list[float]:
     guard = policy.starvation_guard_s
     if guard is None:
         return []
-    return [e.job.waiting_since() + guard for e in entries if not e.job.running and not e.starving]
+    return [
+        r.job.waiting_since() + guard
+        for group in groups
+        if not group.starving
+        for r in group.ranked
+        if not r.job.running
+    ]
 
 
 def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
@@ -1059,15 +1147,19 @@ def _decide(
         outside=ledger.held_outside(snapshot.running),
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
-    entries = _entries(by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands))
+    groups = _selection_order(by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands))
+    # The stages that index or sort the selection order job by job, and only they, have
+    # it as entries: most cycles (no elastic job, no share, no guard) never do.
+    entries = _flat(groups) if stage.resizes or cycle.sharing else []
     if stage.resizes:
         entries.sort(key=_elastic_key)
         stage.set_ranks(
             [e.job.job_id for e in entries],
             {e.job.job_id: _share_class(e, ordered.rank_entitles) for e in entries},
         )
+        groups = _regrouped(entries)
     to_place, victims = _select(
-        cycle, entries, ordered.head_of_line_blocking, ledger.total_capacity()
+        cycle, groups, ordered.head_of_line_blocking, ledger.total_capacity()
     )
     stage.plan(ledger.total_capacity())
     released = _place_all(cycle, to_place, victims)
@@ -1081,7 +1173,7 @@ def _decide(
     if stage.next_round is not None:
         cycle.wakes.append(stage.next_round)
     cycle.wakes.extend(stage.wakes)
-    wakes = [*cycle.wakes, *_starvation_wakes(entries, policy)]
+    wakes = [*cycle.wakes, *_starvation_wakes(groups, policy)]
     wakes += backoff_wakes
     if ordered.wake_at is not None:
         wakes.append(ordered.wake_at)

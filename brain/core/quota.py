@@ -11,7 +11,7 @@ This module decides standings only; the pipeline in `decide` turns them into ran
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from enum import IntEnum
 from operator import attrgetter
 from typing import Final
@@ -84,50 +84,83 @@ def standings_in_order(
     `unordered`: the same jobs in any order, for the walk that needs no order (what
     pinned jobs use), when the caller has them laid out in memory as they were built;
     `smallest`: the least any of them asks (`smallest_ask`), when the caller knows it."""
-    if not queues:
-        # The common case in a single-tenant cluster (and in Tiresias' traces).
-        return [Standing.OVER_QUOTA] * len(jobs_by_rank)
-    every = jobs_by_rank if unordered is None else unordered
-    builds = {name for name, quota in queues.items() if quota.job_class == "build"}
-    used = _pinned_use(every, builds)
-    # Thousandths left of each guarantee. No job asks less than the smallest share (a
-    # GPU, where none is shared), so once no queue has that left, no job further down
-    # is within its quota: the rest of the walk (most of it, in a busy cluster) reads
-    # only each job's queue and grants.
-    if smallest is None:
-        smallest = smallest_ask(set(map(_DEMAND, every)))
-    room = {
-        name: quota.guaranteed_gpus * MILLI - used.get(name, 0) for name, quota in queues.items()
-    }
-    open_queues = sum(1 for left in room.values() if left >= smallest)
-    result: list[Standing] = []
-    append = result.append
-    walked = 0
-    for job in jobs_by_rank:
-        if not open_queues:
-            break
-        walked += 1
-        quota = queues.get(job.queue)
-        if quota is None:
-            # No guarantee to be within.
-            append(Standing.OVER_QUOTA)
-        elif job.grants and quota.job_class == "build":
-            append(Standing.PINNED)
-        elif (ask := job.gpus * MILLI if job.demand is None else charge(job)) <= room[job.queue]:
-            left = room[job.queue] = room[job.queue] - ask
+    walk = QuotaWalk(queues, jobs_by_rank if unordered is None else unordered, smallest)
+    result = walk.standings(iter(jobs_by_rank))
+    rest = walk.rest
+    result += [rest(job) for job in jobs_by_rank[len(result) :]]
+    return result
+
+
+class QuotaWalk:
+    """The walk behind `standings_in_order`, for a caller that partitions jobs by
+    standing as it goes: `standings` reads jobs, best-ranked first, only as far as a
+    guarantee has room left (the first few thousand of a busy cluster's jobs); `rest`
+    is the standing of every job after those, which its queue and grants alone decide."""
+
+    def __init__(
+        self, queues: dict[str, QueueQuota], every: Iterable[JobView], smallest: int | None
+    ) -> None:
+        self._queues = queues
+        self.builds = frozenset(
+            name for name, quota in queues.items() if quota.job_class == "build"
+        )
+        # `rest` as a table: a queue's (standing while running, while waiting), for a
+        # caller that looks it up job by job; a queue not here is over quota either way.
+        self.rest_by_queue: dict[str, tuple[Standing, Standing]] = {
+            name: (Standing.PINNED, Standing.HELD) for name in self.builds
+        }
+        self._every = every
+        self._smallest = smallest
+
+    def standings(self, jobs_by_rank: Iterator[JobView]) -> list[Standing]:
+        """The standings of the jobs `jobs_by_rank` yields, as far as any guarantee has
+        room: it stops reading there (or where they end)."""
+        queues = self._queues
+        if not queues:
+            # The common case in a single-tenant cluster (and in Tiresias' traces).
+            return []
+        every = self._every
+        used = _pinned_use(every, set(self.builds))
+        # Thousandths left of each guarantee. No job asks less than the smallest share (a
+        # GPU, where none is shared), so once no queue has that left, no job further
+        # down is within its quota.
+        smallest = self._smallest
+        if smallest is None:
+            smallest = smallest_ask(set(map(_DEMAND, every)))
+        room = {
+            name: quota.guaranteed_gpus * MILLI - used.get(name, 0)
+            for name, quota in queues.items()
+        }
+        open_queues = sum(1 for left in room.values() if left >= smallest)
+        result: list[Standing] = []
+        append = result.append
+        for job in jobs_by_rank if open_queues else ():
+            quota = queues.get(job.queue)
+            if quota is None:
+                # No guarantee to be within.
+                append(Standing.OVER_QUOTA)
+                continue
+            build = quota.job_class == "build"
+            if job.grants and build:
+                append(Standing.PINNED)
+                continue
+            left = room[job.queue] - (job.gpus * MILLI if job.demand is None else charge(job))
+            if left < 0:
+                append(Standing.HELD if build else Standing.OVER_QUOTA)
+                continue
+            room[job.queue] = left
+            append(Standing.IN_QUOTA)
             if left < smallest:
                 open_queues -= 1
-            append(Standing.IN_QUOTA)
-        elif quota.job_class == "build":
-            append(Standing.HELD)
-        else:
-            append(Standing.OVER_QUOTA)
-    rest = jobs_by_rank[walked:]
-    if not builds:
-        result += [Standing.OVER_QUOTA] * len(rest)
-    else:
-        pinned, held, over = Standing.PINNED, Standing.HELD, Standing.OVER_QUOTA
-        result += [
-            (pinned if job.grants else held) if job.queue in builds else over for job in rest
-        ]
-    return result
+                if not open_queues:
+                    break
+        return result
+
+    def rest(self, job: JobView) -> Standing:
+        """The standing of a job after the walk: a `build` job is pinned while it runs,
+        held while it waits; any other is over quota."""
+        return self.rest_by_queue.get(job.queue, OVER_EITHER)[not job.grants]
+
+
+# `QuotaWalk.rest_by_queue` of a queue without a fixed quota.
+OVER_EITHER: Final = (Standing.OVER_QUOTA, Standing.OVER_QUOTA)
