@@ -36,7 +36,8 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
-from operator import attrgetter, itemgetter
+from itertools import compress
+from operator import attrgetter, itemgetter, not_
 from typing import Final
 
 from brain.core.collector import collector_paused
@@ -84,7 +85,6 @@ from brain.core.placement import (
 )
 from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
 from brain.core.quota import (
-    OVER_EITHER,
     QuotaWalk,
     Standing,
     quota_of,
@@ -397,8 +397,8 @@ def _by_standing(
 ) -> list[_Group]:
     """`_selection_order` when every job has the same hold and nobody can starve (no guard):
     the rank order, partitioned by standing alone (with no quotas, one partition), in
-    one walk: the quota walk's, as far as a guarantee has room, then each job's queue
-    and grants (`QuotaWalk.rest`), or nothing at all where no queue is of `build` jobs."""
+    one walk: the quota walk's, as far as a guarantee has room; after it, every job is
+    over quota but those of `build` queues (`QuotaWalk.rest`)."""
     queues = quota_of(snapshot.queues)
     if not queues:
         return [_Group(Standing.OVER_QUOTA, hold, False, by_rank)]
@@ -409,14 +409,16 @@ def _by_standing(
     for item, standing in zip(by_rank, walked, strict=False):
         appends[standing](item)
     rest = by_rank[len(walked) :]
-    if not walk.builds:
-        partitions[Standing.OVER_QUOTA] += rest
+    over = partitions[Standing.OVER_QUOTA]
+    if not walk.of_builds:
+        over += rest
     else:
-        # `QuotaWalk.rest`, looked up here: a call per job costs as much as the walk.
-        by_queue = walk.rest_by_queue
-        for item in rest:
-            job = item.job
-            appends[by_queue.get(job.queue, OVER_EITHER)[not job.grants]](item)
+        # Over quota but for the few jobs of `build` queues: found by identity, without
+        # a read of any job's view (a walk in rank order reads memory out of order).
+        builds = list(map(walk.of_builds.__contains__, map(id, map(_JOB, rest))))
+        over += compress(rest, map(not_, builds))
+        for item in compress(rest, builds):
+            appends[walk.rest(item.job)](item)
     return [
         _Group(standing, hold, False, partition)
         for standing, partition in zip(Standing, partitions, strict=True)

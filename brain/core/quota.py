@@ -12,6 +12,7 @@ This module decides standings only; the pipeline in `decide` turns them into ran
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from enum import IntEnum
 from operator import attrgetter
 from typing import Final
@@ -47,16 +48,22 @@ def smallest_ask(demands: Iterable[Demand | None]) -> int:
     return min((d.gpu_milli for d in demands if d is not None and d.fractional), default=MILLI)
 
 
-def _pinned_use(jobs: Iterable[JobView], builds: set[str]) -> dict[str, int]:
+def _pinned_use(
+    jobs: Iterable[JobView], builds: AbstractSet[str]
+) -> tuple[dict[str, int], set[int]]:
     """What running jobs of `build` queues use of their guarantees, by queue: they are
     pinned whatever their rank, so they use it before any pending job of their queue
-    is considered."""
+    is considered. And the jobs of `build` queues, by `id`: the only ones whose standing
+    after the walk is not over quota (`QuotaWalk.rest`)."""
     used: dict[str, int] = {}
+    members: set[int] = set()
     if builds:
         for job in jobs:
-            if job.grants and job.queue in builds:
-                used[job.queue] = used.get(job.queue, 0) + charge(job)
-    return used
+            if job.queue in builds:
+                members.add(id(job))
+                if job.grants:
+                    used[job.queue] = used.get(job.queue, 0) + charge(job)
+    return used, members
 
 
 def quota_of(queues: Iterable[QueueQuota]) -> dict[str, QueueQuota]:
@@ -95,19 +102,19 @@ class QuotaWalk:
     """The walk behind `standings_in_order`, for a caller that partitions jobs by
     standing as it goes: `standings` reads jobs, best-ranked first, only as far as a
     guarantee has room left (the first few thousand of a busy cluster's jobs); `rest`
-    is the standing of every job after those, which its queue and grants alone decide."""
+    is the standing of every job after those, which its queue and grants alone decide:
+    over quota, but for the jobs of `build` queues (`of_builds`, by `id`)."""
 
     def __init__(
         self, queues: dict[str, QueueQuota], every: Iterable[JobView], smallest: int | None
     ) -> None:
         self._queues = queues
-        self.builds = frozenset(
-            name for name, quota in queues.items() if quota.job_class == "build"
-        )
-        # `rest` as a table: a queue's (standing while running, while waiting), for a
-        # caller that looks it up job by job; a queue not here is over quota either way.
-        self.rest_by_queue: dict[str, tuple[Standing, Standing]] = {
-            name: (Standing.PINNED, Standing.HELD) for name in self.builds
+        builds = frozenset(name for name, quota in queues.items() if quota.job_class == "build")
+        self._used, self.of_builds = _pinned_use(every, builds)
+        # `rest` as a table: a queue's (standing while running, while waiting); a queue
+        # not here is over quota either way.
+        self._rest_by_queue: dict[str, tuple[Standing, Standing]] = {
+            name: (Standing.PINNED, Standing.HELD) for name in builds
         }
         self._every = every
         self._smallest = smallest
@@ -119,8 +126,7 @@ class QuotaWalk:
         if not queues:
             # The common case in a single-tenant cluster (and in Tiresias' traces).
             return []
-        every = self._every
-        used = _pinned_use(every, set(self.builds))
+        every, used = self._every, self._used
         # Thousandths left of each guarantee. No job asks less than the smallest share (a
         # GPU, where none is shared), so once no queue has that left, no job further
         # down is within its quota.
@@ -159,8 +165,7 @@ class QuotaWalk:
     def rest(self, job: JobView) -> Standing:
         """The standing of a job after the walk: a `build` job is pinned while it runs,
         held while it waits; any other is over quota."""
-        return self.rest_by_queue.get(job.queue, OVER_EITHER)[not job.grants]
+        return self._rest_by_queue.get(job.queue, _OVER_EITHER)[not job.grants]
 
 
-# `QuotaWalk.rest_by_queue` of a queue without a fixed quota.
-OVER_EITHER: Final = (Standing.OVER_QUOTA, Standing.OVER_QUOTA)
+_OVER_EITHER: Final = (Standing.OVER_QUOTA, Standing.OVER_QUOTA)
