@@ -473,6 +473,13 @@ def _share_class(entry: _Entry, rank_entitles: bool) -> tuple[float, ...]:
     return (key[0], key[1], *(entry.ranked.rank[:1] if rank_entitles else ()))
 
 
+# What a wait's cause is built from: the GPUs it needs now and asked for, the budget
+# left (none below 0), its rank's label, and whether a blocker is set. A cycle has one
+# blocker at most, set once: whether it has been is all the key needs of it (hashing
+# the record would call its Python-level `__hash__` for every wait).
+_WaitKey = tuple[int, int, int, str, bool]
+
+
 def _select(
     cycle: _Cycle, groups: list[_Group], head_of_line_blocking: bool, capacity: int
 ) -> tuple[list[_Entry], list[_Entry]]:
@@ -498,7 +505,7 @@ def _select(
     actions = cycle.actions
     policy = cycle.policy
     explain, also = cycle.waits, cycle.explain
-    reasons: dict[tuple[int, int, int, str, bool], WaitCause] = {}
+    reasons: dict[_WaitKey, WaitCause] = {}
     outside = cycle.outside
     for group in groups:
         standing, starving, hold = group.standing, group.starving, group.hold
@@ -534,9 +541,20 @@ def _select(
                 to_place.append(_Entry(ranked, standing, starving, hold))
                 continue
             if explain or (also and job.job_id in also):
-                actions.append(
-                    _wait(group, ranked, need, capacity, budget, blocked_by, cycle, reasons)
+                # Most waits of a cycle repeat a cause built for a job before them.
+                key = (
+                    need,
+                    job.gpus,
+                    budget if budget > 0 else 0,
+                    ranked.label,
+                    blocked_by is not None,
                 )
+                cause = None if held else reasons.get(key)
+                if cause is None:
+                    cause = _wait_cause(group, ranked, need, budget, capacity, blocked_by, cycle)
+                    if not held:
+                        reasons[key] = cause
+                actions.append(Wait(job.job_id, cause))
             if (
                 short is not None
                 and blocked_by is None
@@ -559,34 +577,22 @@ def _select(
     return to_place, victims
 
 
-def _wait(
+def _wait_cause(
     group: _Group,
     ranked: Ranked,
     need: int,
-    capacity: int,
     budget: int,
+    capacity: int,
     blocked_by: QueuedBehind | None,
     cycle: _Cycle,
-    reasons: dict[tuple[int, int, int, str, bool], WaitCause],
-) -> Wait:
-    """A selected-out job's `Wait` (`ranked`, of `group`); `reasons` keeps the causes
-    built this cycle, by what they are built from (bar a held job's queue, which has its
-    own). A cycle has one blocker at most, set once: whether it has been is all the key
-    needs of it (hashing the record would call its Python-level `__hash__` for every
-    wait)."""
-    job = ranked.job
-    held = group.standing is Standing.HELD
-    key = (need, job.gpus, budget if budget > 0 else 0, ranked.label, blocked_by is not None)
-    cause = None if held else reasons.get(key)
-    if cause is None:
-        entry = _Entry(ranked, group.standing, group.starving, group.hold)
-        cause = _pending_wait_cause(
-            entry, need, capacity, budget, blocked_by, cycle.policy, len(cycle.share_gpus)
-        )
-        assert cause is not None  # it does not fit: there is a reason
-        if not held:
-            reasons[key] = cause
-    return Wait(job.job_id, cause)
+) -> WaitCause:
+    """Why a selected-out job (`ranked`, of `group`) waits."""
+    entry = _Entry(ranked, group.standing, group.starving, group.hold)
+    cause = _pending_wait_cause(
+        entry, need, capacity, budget, blocked_by, cycle.policy, len(cycle.share_gpus)
+    )
+    assert cause is not None  # it does not fit: there is a reason
+    return cause
 
 
 def _pending_wait_cause(
