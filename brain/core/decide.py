@@ -7,7 +7,7 @@ ordering, placement and preemption run are plugins named in the `Policy`:
 0. retries    — a job retried after a failure waits out its back-off, and avoids the
                 nodes it failed on while any other node could ever run it;
 1. ordering   — rank every runnable job, pending and running (`ORDERINGS`);
-2. admission  — each job's standing against its queue's quota (`quota.standings_in_order`);
+2. admission  — each job's standing against its queue's quota (`quota.QuotaWalk`);
 3. selection  — walk jobs by (standing, preemption hold, starvation, rank) and keep
                 those that fit in the cluster's GPUs, as Tiresias' simulator does: a
                 running job that no longer fits is a preemption candidate;
