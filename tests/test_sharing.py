@@ -6,6 +6,7 @@ Pure: small clusters built in the test, no bus, no clock.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -28,7 +29,15 @@ from brain.core.sharing import (
     Unschedulable,
 )
 from brain.sim import cli
-from brain.sim.sharing import check_types, draw, inflate, load_nodes, load_tasks, replay
+from brain.sim.sharing import (
+    check_types,
+    draw,
+    inflate,
+    load_nodes,
+    load_tasks,
+    replay,
+    unallocated_floor,
+)
 from brain.sim.trace import TraceError
 
 PLUGINS = sorted(SHARING_PLUGINS)
@@ -445,6 +454,69 @@ def test_inflation_stops_at_capacity_and_reads_each_checkpoint() -> None:
     result = inflate(nodes, arrivals, Fgd(TaskMix.of(shapes)), checkpoints=(0.5, 1.0))
     assert [p.arrived for p in result.points] == [0.5, 1.0]
     assert all(0.0 <= p.unallocated <= 1.0 for p in result.points)
+
+
+@pytest.mark.parametrize(
+    ("shares", "gpus", "every_share_placed", "any_placement"),
+    [
+        # Two 0.8 shares strand 0.2 each with nothing to fill them; leaving one out
+        # costs 0.8, more than the 0.2 it spares, so the bound trades a fraction of it.
+        ((800, 800), 2, 400, 400),
+        # Two 0.2 shares fill both holes.
+        ((800, 800, 200, 200), 2, 0, 0),
+        # A 0.3 share fits no 0.2 hole (the best placement leaves 0.3: the bound with
+        # shares left out, relaxed to fractions, is lower).
+        ((800, 800, 300, 100), 2, 300, 240),
+        # On one GPU with more asked than it has, a 0.6 share strands 0.4 placed, or is
+        # left out: at best 0.4 either way, which the fractional bound halves.
+        ((600, 500), 1, 400, 200),
+    ],
+)
+def test_the_floor_bounds_what_shapes_strand(
+    shares: tuple[int, ...], gpus: int, every_share_placed: int, any_placement: int
+) -> None:
+    arrivals = [task(f"t{i}", milli=m) for i, m in enumerate(shares)]
+    floor = unallocated_floor(arrivals, gpus * GPU_MILLI)
+    assert (floor.every_share_placed, floor.any_placement) == (every_share_placed, any_placement)
+
+
+def _least_unallocated(arrivals: list[SharedTask], gpus: int) -> tuple[int, int | None]:
+    """By brute force over every placement (each task on a GPU, or left out): the least
+    unallocated capacity, and the least with every share over half a GPU placed."""
+    best, best_placed = gpus * GPU_MILLI, None
+    for choice in itertools.product(range(gpus + 1), repeat=len(arrivals)):
+        used = [0] * gpus
+        fits = True
+        for where, t in zip(choice, arrivals, strict=True):
+            if where < gpus:
+                used[where] += t.gpu_milli
+                fits = fits and used[where] <= GPU_MILLI
+        if not fits:
+            continue
+        unallocated = gpus * GPU_MILLI - sum(used)
+        best = min(best, unallocated)
+        big_placed = all(
+            where < gpus
+            for where, t in zip(choice, arrivals, strict=True)
+            if 2 * t.gpu_milli > GPU_MILLI
+        )
+        if big_placed:
+            best_placed = unallocated if best_placed is None else min(best_placed, unallocated)
+    return best, best_placed
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.sampled_from([100, 200, 300, 400, 500, 600, 700, 810, 900, 1000]), max_size=5),
+    st.integers(1, 3),
+)
+def test_no_placement_leaves_less_than_the_floor(shares: list[int], gpus: int) -> None:
+    arrivals = [task(f"t{i}", milli=m) for i, m in enumerate(shares)]
+    floor = unallocated_floor(arrivals, gpus * GPU_MILLI)
+    least, least_placed = _least_unallocated(arrivals, gpus)
+    assert floor.any_placement <= least
+    if least_placed is not None:
+        assert floor.every_share_placed <= least_placed
 
 
 def test_alnair_sim_replays_a_node_and_task_list(

@@ -320,5 +320,57 @@ def inflate(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class UnallocatedFloor:
+    """What the shapes of some arrivals strand, in thousandths of a GPU
+    (`unallocated_floor`)."""
+
+    # With every share of more than half a GPU placed.
+    every_share_placed: int
+    # With any placement at all, one that leaves some of those shares unplaced too.
+    any_placement: int
+
+
+def unallocated_floor(arrivals: Sequence[SharedTask], gpu_capacity_milli: int) -> UnallocatedFloor:
+    """Lower bounds on the GPU capacity left unallocated once `arrivals` have all come
+    and none left (`inflate` at its last checkpoint): what the trace's shapes strand,
+    whatever the plugin, for reading a plugin's unallocated share against.
+
+    Two shares of more than half a GPU never share one: each placed one leaves its
+    GPU's remainder (its hole) to shares no larger than it. Bounding what those can fill
+    (for any size t, the holes up to t take only shares up to t) gives the capacity
+    stranded with every such share placed. A placement may strand less only by leaving
+    such shares unplaced, which costs their whole size (arrived work beyond the capacity
+    aside); the bound is the least of the two over any choice of shares to leave,
+    relaxed to fractions. Everything else (nodes, CPUs, memory, GPU types, whole-GPU
+    gangs) is left out, which can only lower it."""
+    shares = [t.gpu_milli for t in arrivals if t.gpus == 1 and t.gpu_milli < GPU_MILLI]
+    holes = sorted(GPU_MILLI - s for s in shares if 2 * s > GPU_MILLI)
+    small = sorted(s for s in shares if 2 * s <= GPU_MILLI)
+    stranded = 0
+    holes_upto = fill_upto = 0
+    at = 0
+    for hole in holes:
+        holes_upto += hole
+        while at < len(small) and small[at] <= hole:
+            fill_upto += small[at]
+            at += 1
+        stranded = max(stranded, holes_upto - fill_upto)
+    # Unallocated is the capacity not asked for plus what was asked and left unplaced.
+    # Leave shares unplaced, the largest holes first (the most stranding spared for the
+    # least work left): stranding falls by each hole, what is left unplaced rises by
+    # each share, and the bound is where the two meet.
+    placed = stranded
+    left = gpu_capacity_milli - sum(t.shape.gpu_milli_total for t in arrivals)
+    for hole in reversed(holes):
+        share = GPU_MILLI - hole
+        if stranded - hole <= left + share:
+            part = (stranded - left) / (hole + share)
+            return UnallocatedFloor(placed, max(0, int(stranded - part * hole)))
+        stranded -= hole
+        left += share
+    return UnallocatedFloor(placed, max(0, stranded, left))
+
+
 def mix_of(tasks: Sequence[TraceTask]) -> TaskMix:
     return TaskMix.of(t.task for t in tasks)
