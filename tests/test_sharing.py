@@ -459,9 +459,11 @@ def test_inflation_stops_at_capacity_and_reads_each_checkpoint() -> None:
 @pytest.mark.parametrize(
     ("shares", "gpus", "every_share_placed", "any_placement"),
     [
-        # Two 0.8 shares strand 0.2 each with nothing to fill them; leaving one out
-        # costs 0.8, more than the 0.2 it spares, so the bound trades a fraction of it.
+        # Two 0.8 shares strand 0.2 each with nothing to fill them: leaving one out
+        # costs 0.8, more than the 0.2 it spares.
         ((800, 800), 2, 400, 400),
+        # On three GPUs, whatever the placement, the 1.4 GPUs nobody asked for.
+        ((800, 800), 3, 1400, 1400),
         # Two 0.2 shares fill both holes.
         ((800, 800, 200, 200), 2, 0, 0),
         # A 0.3 share fits no 0.2 hole (the best placement leaves 0.3: the bound with

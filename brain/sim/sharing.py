@@ -360,8 +360,11 @@ def unallocated_floor(arrivals: Sequence[SharedTask], gpu_capacity_milli: int) -
     # Leave shares unplaced, the largest holes first (the most stranding spared for the
     # least work left): stranding falls by each hole, what is left unplaced rises by
     # each share, and the bound is where the two meet.
-    placed = stranded
     left = gpu_capacity_milli - sum(t.shape.gpu_milli_total for t in arrivals)
+    placed = max(stranded, left)
+    if left >= stranded:
+        # Less arrived than there is room for: leaving shares out only adds to it.
+        return UnallocatedFloor(placed, placed)
     for hole in reversed(holes):
         share = GPU_MILLI - hole
         if stranded - hole <= left + share:
