@@ -483,10 +483,11 @@ _WaitKey = tuple[int, int, int, str, bool]
 def _select(
     cycle: _Cycle, groups: list[_Group], head_of_line_blocking: bool, capacity: int
 ) -> tuple[list[_Entry], list[_Entry]]:
-    """Walk the ranking and keep what fits by GPU count: (pending to place, victims).
+    """Walk the selection order, run by run, and keep what fits by GPU count: (pending
+    to place, victims), each an `_Entry`.
 
     One pass, and most of it over jobs that wait: once the GPUs run out, a job costs
-    its `Wait` and nothing more (reasons that repeat are built once)."""
+    its `Wait` and nothing more (a cause that repeats is built once, and no `_Entry`)."""
     # GPUs that shares hold are not for whole-GPU jobs; a share needs no whole GPU of
     # the budget (its placement says whether it fits), and is no victim here: a GPU's
     # shares make room for a better-ranked whole-GPU job together, after the placements
