@@ -872,11 +872,12 @@ def _preempt_cause(
 
 
 def _cause(victim: _Entry, winner: _Entry, policy: Policy) -> PreemptCause:
+    ahead = winner.ranked
     if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
-        return QuotaReclaim(winner.job.queue, winner.job.job_id, victim.job.queue)
+        return QuotaReclaim(ahead.job.queue, ahead.job.job_id, victim.ranked.job.queue)
     # A starving winner is ahead by the guard, whatever the order says of the two.
-    ahead = f"{winner.ranked.label} ({STARVING})" if winner.starving else winner.ranked.label
-    return Outranked(winner.job.job_id, policy.order, victim.ranked.label, ahead)
+    label = f"{ahead.label} ({STARVING})" if winner.starving else ahead.label
+    return Outranked(ahead.job.job_id, policy.order, victim.ranked.label, label)
 
 
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
@@ -884,10 +885,11 @@ def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
     winners = _winners_by_gpu(cycle) if released else {}
     ledger = cycle.ledger
     preemptions = cycle.preemptions
+    outside = cycle.outside
     for victim in reversed(released):
         job = victim.ranked.job
         # Of what it holds, only its schedulable GPUs were given back (`FreeGpus.give`).
-        held = ledger.within(job.grants) if job.job_id in cycle.outside else job.grants
+        held = ledger.within(job.grants) if outside and job.job_id in outside else job.grants
         if ledger.all_free(held):
             ledger.take(held)
             continue
