@@ -552,7 +552,7 @@ def _select(
                 )
                 cause = None if held else reasons.get(key)
                 if cause is None:
-                    cause = _wait_cause(group, ranked, need, budget, capacity, blocked_by, cycle)
+                    cause = _wait_cause(group, ranked, need, capacity, budget, blocked_by, cycle)
                     if not held:
                         reasons[key] = cause
                 actions.append(Wait(job.job_id, cause))
@@ -582,8 +582,8 @@ def _wait_cause(
     group: _Group,
     ranked: Ranked,
     need: int,
-    budget: int,
     capacity: int,
+    budget: int,
     blocked_by: QueuedBehind | None,
     cycle: _Cycle,
 ) -> WaitCause:
@@ -1160,7 +1160,7 @@ def _decide(
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
     groups = _selection_order(by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands))
     # The stages that index or sort the selection order job by job, and only they, have
-    # it as entries: most cycles (no elastic job, no share, no guard) never do.
+    # it as entries: most cycles (no stage that resizes, no share) never do.
     entries = _flat(groups) if stage.resizes or cycle.sharing else []
     if stage.resizes:
         entries.sort(key=_elastic_key)

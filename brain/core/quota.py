@@ -106,33 +106,32 @@ class QuotaWalk:
     over quota, but for the jobs of `build` queues (`of_builds`, by `id`)."""
 
     def __init__(
-        self, queues: dict[str, QueueQuota], every: Iterable[JobView], smallest: int | None
+        self, queues: dict[str, QueueQuota], every: Sequence[JobView], smallest: int | None
     ) -> None:
+        """`every`: the jobs in any order (the walks that need none read them as they lie
+        in memory); `smallest`: the least any of them asks (`smallest_ask`), if known."""
         self._queues = queues
         builds = frozenset(name for name, quota in queues.items() if quota.job_class == "build")
         self._used, self.of_builds = _pinned_use(every, builds)
+        # No job asks less than the smallest share (a GPU, where none is shared), so once
+        # no queue has that left, no job further down is within its quota.
+        if smallest is None:
+            smallest = smallest_ask(set(map(_DEMAND, every))) if queues else MILLI
+        self._smallest = smallest
         # `rest` as a table: a queue's (standing while running, while waiting); a queue
         # not here is over quota either way.
         self._rest_by_queue: dict[str, tuple[Standing, Standing]] = {
             name: (Standing.PINNED, Standing.HELD) for name in builds
         }
-        self._every = every
-        self._smallest = smallest
 
     def standings(self, jobs_by_rank: Iterator[JobView]) -> list[Standing]:
         """The standings of the jobs `jobs_by_rank` yields, as far as any guarantee has
         room: it stops reading there (or where they end)."""
-        queues = self._queues
+        queues, used, smallest = self._queues, self._used, self._smallest
         if not queues:
             # The common case in a single-tenant cluster (and in Tiresias' traces).
             return []
-        every, used = self._every, self._used
-        # Thousandths left of each guarantee. No job asks less than the smallest share (a
-        # GPU, where none is shared), so once no queue has that left, no job further
-        # down is within its quota.
-        smallest = self._smallest
-        if smallest is None:
-            smallest = smallest_ask(set(map(_DEMAND, every)))
+        # Thousandths left of each guarantee.
         room = {
             name: quota.guaranteed_gpus * MILLI - used.get(name, 0)
             for name, quota in queues.items()
