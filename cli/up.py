@@ -42,7 +42,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         "--share-placement",
         default="fgd",
         help="how jobs asking a share of a GPU, a GPU type, CPUs or memory are placed: fgd, "
-        "best-fit, dot-product, gpu-packing or random (default fgd; docs/sharing.md)",
+        "fgd-paper, best-fit, dot-product, gpu-packing or random (default fgd; "
+        "docs/sharing.md)",
     )
     p.add_argument(
         "--elasticity",

@@ -32,6 +32,7 @@ from brain.core.model import (
     Wait,
 )
 from brain.core.shares import host_room, model_matches, never_fits
+from brain.core.sharing import SHARING_PLUGINS
 from schemas.jobs import JobSpec, share_request
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -278,7 +279,7 @@ def test_a_node_that_does_not_say_its_cpus_takes_no_cpu_request() -> None:
     assert places(ClusterSnapshot(nodes, (plain,))) == {"p": (Grant("quiet", (0,)),)}
 
 
-@pytest.mark.parametrize("plugin", ["fgd", "best-fit", "dot-product", "gpu-packing", "random"])
+@pytest.mark.parametrize("plugin", sorted(SHARING_PLUGINS))
 def test_every_sharing_plugin_places_live_jobs(plugin: str) -> None:
     policy = Policy(share_placement=plugin).validate()
     jobs = tuple(share(f"j{i}", 250) for i in range(8))

@@ -27,6 +27,7 @@ from brain.core.sharing import (
     SharingPlugin,
     TaskMix,
     Unschedulable,
+    type_pressure,
 )
 from brain.sim import cli
 from brain.sim.sharing import (
@@ -183,6 +184,88 @@ def test_fgd_keeps_whole_gpus_whole_where_a_share_fits_a_shared_one() -> None:
     small = placed(cluster.place(tasks[1], fgd))
     assert small.gpus == big.gpus
     placed(cluster.place(tasks[2], fgd))
+
+
+@pytest.mark.parametrize(
+    ("plugin_name", "chosen"),
+    [
+        # The paper's measure: either node could take one more task of each shape,
+        # so the gradients tie and the tighter node (a) wins.
+        ("fgd-paper", "a"),
+        # fgd: on a, 8 cores would be left for 2 GPUs, short of the mix's 4.5 cores
+        # per GPU (0.22 of a GPU unbacked); on b, 40 cores back both.
+        ("fgd", "b"),
+    ],
+)
+def test_fgd_sends_a_cpu_hungry_task_where_the_cpu_left_backs_the_gpus_left(
+    plugin_name: str, chosen: str
+) -> None:
+    hungry, light = task("hungry", cpu=8_000, mem=0), task("light", cpu=1_000, mem=0)
+    cluster = SharedCluster([node("a", 3, cpu=16_000), node("b", 3, cpu=48_000)])
+    plugin = plugin_for(plugin_name, [hungry, light])
+    assert cluster.nodes[placed(cluster.place(hungry, plugin)).node].name == chosen
+
+
+def test_fgd_unbacked_gpus_are_what_the_mean_cpu_per_gpu_leaves_without_cpu() -> None:
+    # Mix: 8 and 1 cores per GPU, equally often: 4.5 cores per GPU on average.
+    fgd = Fgd(TaskMix.of([task("hungry", cpu=8_000, mem=0), task("light", cpu=1_000, mem=0)]))
+    paper = Fgd(fgd._mix, paper=True)
+    state = ("T4", 8_000, 65_536, [GPU_MILLI, GPU_MILLI], [16_384, 16_384])
+    # 8 cores back 8 / 4.5 = 1.78 of the 2 idle GPUs.
+    assert fgd.fragmentation(*state) - paper.fragmentation(*state) == pytest.approx(
+        2_000 - 8_000 / 4.5
+    )
+    rich = ("T4", 9_000, 65_536, [GPU_MILLI, GPU_MILLI], [16_384, 16_384])
+    assert fgd.fragmentation(*rich) == paper.fragmentation(*rich)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "tasks", "expected"),
+    [
+        # No shape names a type: no model is needed by any in particular.
+        ([node("t", 2, "T4"), node("g", 6, "G2")], [task("any")], {"T4": 0.0, "G2": 0.0}),
+        # A quarter of the GPUs asked are T4-only; filling 8 GPUs, that is 2 GPUs, the
+        # T4s' 2: all of them.
+        (
+            [node("t", 2, "T4"), node("g", 6, "G2")],
+            [task("t4", types=("T4",)), *(task(f"any{i}") for i in range(3))],
+            {"T4": 1.0, "G2": 0.0},
+        ),
+        # Half the GPUs asked may run on T4 or P100 (4 of 8): spread over their 4 GPUs
+        # by number, each model's GPUs are all needed; more than there is counts 1.
+        (
+            [node("t", 1, "T4"), node("p", 3, "P100"), node("g", 4, "G2")],
+            [task("tp", types=("T4", "P100")), task("any")],
+            {"T4": 1.0, "P100": 1.0, "G2": 0.0},
+        ),
+        # A share asks its thousandths: a 0.5 share T4-only beside a whole GPU of
+        # any model is a third of the GPUs asked; 2 of 6 GPUs, on the T4s' 4: half.
+        (
+            [node("t", 4, "T4"), node("g", 2, "G2")],
+            [task("half", milli=500, types=("T4",)), task("any")],
+            {"T4": 0.5, "G2": 0.0},
+        ),
+    ],
+)
+def test_type_pressure_is_the_share_of_a_models_gpus_that_constrained_shapes_need(
+    nodes: list[SharedNode], tasks: list[SharedTask], expected: dict[str, float]
+) -> None:
+    assert type_pressure(TaskMix.of(tasks), nodes) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("plugin_name", "chosen"), [("fgd-paper", "t"), ("fgd", "g")])
+def test_fgd_leaves_the_gpus_of_a_needed_model_to_tasks_that_may_run_nowhere_else(
+    plugin_name: str, chosen: str
+) -> None:
+    # Mix: T4-only 1-GPU tasks (2 in 8), 1-GPU tasks of any model (5), a 4-GPU task (1).
+    # The paper's measure keeps the 4-GPU node whole for the rare 4-GPU shape: on t the
+    # gradient is -125 (a GPU the 4-GPU shape could never use is taken), on g +125.
+    # fgd adds that T4-only tasks need 0.55 of the T4s' GPUs (+545 on t): the task
+    # that may run anywhere leaves them.
+    t4_only, free_to_go, four = task("t4", types=("T4",)), task("any"), task("four", 4)
+    cluster = SharedCluster([node("t", 2, "T4"), node("g", 4, "G2")])
+    plugin = plugin_for(plugin_name, [t4_only] * 2 + [free_to_go] * 5 + [four])
+    assert cluster.nodes[placed(cluster.place(free_to_go, plugin)).node].name == chosen
 
 
 def test_best_fit_measures_what_is_left_in_amounts_so_a_large_node_stays_whole() -> None:

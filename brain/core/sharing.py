@@ -21,7 +21,11 @@ Plugins (objects behind `SharingPlugin.choose`) decide where a task goes:
   "Beware of Fragmentation"): the free GPU share of a node counts as *fragment* for a
   task shape when that shape could not use it there; a node's expected fragmentation
   weighs each shape by its share of the workload (`TaskMix`). A task goes where the
-  cluster's expected fragmentation grows least (steepest descent).
+  cluster's expected fragmentation grows least (steepest descent). Two terms the
+  paper's measure leaves out are added: free GPUs that the node's free CPU and memory
+  could not back at the workload's mean CPU and memory per GPU, and the GPUs of models
+  that type-constrained shapes need (`type_pressure`).
+- `fgd-paper`: the paper's measure alone.
 - `best-fit`: the node (and GPU) left with the least free resources, normalised.
 - `dot-product`: Tetris' alignment of the task's demand with the node's free vector.
 - `gpu-packing`: a share goes to a GPU already in use, then to a node already in use,
@@ -627,26 +631,104 @@ class _FragmentWeights:
 TIE_BREAK: Final = 1e-6
 
 
+def type_pressure(mix: TaskMix, nodes: Sequence[SharedNode]) -> dict[str, float]:
+    """For each GPU model, the share of its GPUs that the mix's type-constrained shapes
+    need, at most 1. Each constrained shape's GPU demand, scaled as if the mix filled the
+    cluster's GPUs, is spread over the GPUs of the models it allows in proportion to
+    their number; shapes that allow any model need no model in particular."""
+    capacity: Counter[str] = Counter()
+    for node in nodes:
+        capacity[node.model] += node.gpus
+    asked = sum(p * s.gpu_milli_total for s, p in mix.shapes)
+    need = dict.fromkeys(capacity, 0.0)
+    if not asked:
+        return need
+    for shape, p in mix.shapes:
+        if not shape.gpu_types or not shape.gpus:
+            continue
+        allowed = [m for m in capacity if capacity[m] and shape.allows(m)]
+        room = sum(capacity[m] for m in allowed)
+        if not room:
+            continue
+        # GPUs of the cluster this shape asks, over the GPUs it may use.
+        share = p * shape.gpu_milli_total / asked * capacity.total() / room
+        for model in allowed:
+            need[model] += share
+    return {model: min(1.0, need[model]) for model in capacity}
+
+
 class Fgd(ScoringPlugin):
     """Fragmentation gradient descent: the node and GPU where the expected fragmentation
-    (thousandths of GPU, over the mix's shapes) grows least."""
+    (thousandths of GPU, over the mix's shapes) grows least.
+
+    The paper's measure (`paper=True`, plugin `fgd-paper`) asks, for one arriving task of
+    each shape, which free GPU shares it could not use. Two costs are beyond it, and
+    `fgd` adds both, in the same thousandths of a GPU:
+
+    - **Unbacked GPUs.** It judges each free GPU against the node's whole free CPU and
+      memory, as if one task were to come; the next tasks share them. A node's free GPUs
+      beyond what its free CPU and memory back at the mix's mean CPU and memory per GPU
+      (of the shapes asking GPUs) count as fragment: tasks that need more CPU than a
+      node has per GPU go to nodes rich in CPU.
+    - **Scarce types.** Taking a GPU of a model that constrained shapes need
+      (`type_pressure`) costs that pressure for each thousandth taken: a task that may
+      go anywhere leaves such GPUs to those that may not.
+
+    Both are derived from the mix and the cluster; neither has a weight to tune."""
 
     name = "fgd"
 
-    def __init__(self, mix: TaskMix) -> None:
+    def __init__(self, mix: TaskMix, *, paper: bool = False) -> None:
         super().__init__()
         self._weights = _FragmentWeights(mix)
+        self.paper = paper
+        if paper:
+            self.name = "fgd-paper"
+        self._mix = mix
+        asked = sum(p * s.gpu_milli_total for s, p in mix.shapes)
+        gpu_shapes = [(s, p) for s, p in mix.shapes if s.gpus]
+        # CPU (milli) and memory (MiB) per thousandth of a GPU asked, over the mix.
+        self._cpu_per_milli = sum(p * s.cpu_milli for s, p in gpu_shapes) / asked if asked else 0.0
+        self._mem_per_milli = sum(p * s.memory_mib for s, p in gpu_shapes) / asked if asked else 0.0
+        self._pressure: dict[str, float] = {}
+        self._pressure_of: SharedCluster | None = None
 
     def fragmentation(
-        self, model: str, cpu_free: int, mem_free: int, free: Sequence[int], gmem: Sequence[int]
+        self,
+        model: str,
+        cpu_free: int,
+        mem_free: int,
+        free: Sequence[int],
+        gmem: Sequence[int],
+        pressure: float = 0.0,
     ) -> float:
-        """Expected fragmentation of a node in this state, in thousandths of a GPU."""
+        """Expected fragmentation of a node in this state, in thousandths of a GPU;
+        `pressure`: its model's (`type_pressure`), ignored by the paper's measure."""
         weights = self._weights
         node = weights.node_key(model, cpu_free, mem_free)
         whole = sum(1 for f in free if f >= GPU_MILLI)
-        return sum(
+        fragment = sum(
             f * weights.gpu_weight(node, whole, f, m) for f, m in zip(free, gmem, strict=True) if f
         )
+        if self.paper:
+            return fragment
+        total = sum(free)
+        backed = float(total)
+        if self._cpu_per_milli:
+            backed = min(backed, cpu_free / self._cpu_per_milli)
+        if self._mem_per_milli:
+            backed = min(backed, mem_free / self._mem_per_milli)
+        # Free GPUs count against a scarce model's pressure: taking them costs it.
+        return fragment + (total - max(0.0, backed)) - pressure * total
+
+    def pressure(self, cluster: SharedCluster, i: int) -> float:
+        """Node i's model's `type_pressure` (worked out once per cluster)."""
+        if self.paper:
+            return 0.0
+        if cluster is not self._pressure_of:
+            self._pressure_of = cluster
+            self._pressure = type_pressure(self._mix, cluster.nodes)
+        return self._pressure.get(cluster.nodes[i].model, 0.0)
 
     def node_fragmentation(self, cluster: SharedCluster, i: int) -> float:
         return self.fragmentation(
@@ -655,6 +737,7 @@ class Fgd(ScoringPlugin):
             cluster.mem_free[i],
             cluster.gpu_free[i],
             cluster.gpu_mem_free[i],
+            self.pressure(cluster, i),
         )
 
     def _after(
@@ -671,6 +754,7 @@ class Fgd(ScoringPlugin):
             cluster.mem_free[i] - shape.memory_mib,
             free,
             gmem,
+            self.pressure(cluster, i),
         )
 
     def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
@@ -698,8 +782,9 @@ class Fgd(ScoringPlugin):
 
 
 def cluster_fragmentation(cluster: SharedCluster, mix: TaskMix) -> float:
-    """The cluster's expected fragmentation under this mix, in GPUs."""
-    fgd = Fgd(mix)
+    """The cluster's expected fragmentation under this mix, in GPUs, as the FGD paper
+    measures it (`fgd-paper`)."""
+    fgd = Fgd(mix, paper=True)
     return sum(fgd.node_fragmentation(cluster, i) for i in range(len(cluster.nodes))) / GPU_MILLI
 
 
@@ -707,6 +792,7 @@ def cluster_fragmentation(cluster: SharedCluster, mix: TaskMix) -> float:
 # (read by random).
 SHARING_PLUGINS: Final[dict[str, Callable[[TaskMix, int], SharingPlugin]]] = {
     "fgd": lambda mix, seed: Fgd(mix),
+    "fgd-paper": lambda mix, seed: Fgd(mix, paper=True),
     "best-fit": lambda mix, seed: BestFit(),
     "dot-product": lambda mix, seed: DotProduct(),
     "gpu-packing": lambda mix, seed: GpuPacking(),
