@@ -279,6 +279,24 @@ def test_a_node_that_does_not_say_its_cpus_takes_no_cpu_request() -> None:
     assert places(ClusterSnapshot(nodes, (plain,))) == {"p": (Grant("quiet", (0,)),)}
 
 
+@pytest.mark.parametrize(("plugin", "chosen"), [("fgd-paper", "h"), ("fgd", "a")])
+def test_live_fgd_leaves_the_gpus_of_a_model_that_jobs_asking_for_it_need(
+    plugin: str, chosen: str
+) -> None:
+    """The workload (jobs that finished lately here) asks H100s by name for a quarter of
+    its GPUs, and now and then 4 GPUs of any model. A job that may run anywhere: by the
+    paper's measure it takes an H100 to keep the A100 node whole for a 4-GPU job; fgd
+    weighs that H100-only jobs need more than half the H100s, and takes an A100."""
+    nodes = (node("h", 2), node("a", 4, model=A100))
+    anywhere = JobView("anywhere", 1, 0.0, demand=Demand(cpu_milli=1_000))
+    h100_only = Ask(1, Demand(gpu_types=("H100",)))
+    snapshot = ClusterSnapshot(
+        nodes, (anywhere,), recent_asks=((h100_only, 2), (Ask(1), 4), (Ask(4), 1))
+    )
+    ((grant,),) = places(snapshot, Policy(share_placement=plugin).validate()).values()
+    assert grant.node == chosen
+
+
 @pytest.mark.parametrize("plugin", sorted(SHARING_PLUGINS))
 def test_every_sharing_plugin_places_live_jobs(plugin: str) -> None:
     policy = Policy(share_placement=plugin).validate()
