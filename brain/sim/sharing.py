@@ -17,9 +17,11 @@ Two replays:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Final
 
@@ -331,48 +333,123 @@ class UnallocatedFloor:
     any_placement: int
 
 
+# A dual feasible function (Fekete and Schepers, "New classes of fast lower bounds for
+# bin packing problems", Math. Programming 91, 2001): a map of item sizes, here in
+# thousandths of a GPU, such that whatever fits on one GPU maps to at most one GPU.
+Dff = Callable[[Fraction], Fraction]
+
+
+def _u(k: int) -> Dff:
+    """u^(k): x if (k+1)x is whole, else floor((k+1)x)/k (their Theorem 2)."""
+
+    def u(x: Fraction) -> Fraction:
+        scaled = (k + 1) * x
+        return x if scaled.denominator == 1 else Fraction(math.floor(scaled), k)
+
+    return u
+
+
+def _big(epsilon: Fraction) -> Dff:
+    """U^(epsilon), epsilon at most 1/2: 1 above 1 - epsilon, 0 below epsilon, x
+    between (their Theorem 3)."""
+
+    def u(x: Fraction) -> Fraction:
+        return Fraction(1) if x > 1 - epsilon else Fraction(0) if x < epsilon else x
+
+    return u
+
+
+def _dual_feasible(sizes: Sequence[Fraction]) -> list[Dff]:
+    """The functions the floor tries: U^(epsilon) at every threshold where it treats
+    these sizes differently, u^(k) for k up to 12, and each u^(k) after each U^(epsilon)
+    (a composition of such functions is one)."""
+    half = Fraction(1, 2)
+    thresholds = {Fraction(0)}
+    for size in sizes:
+        for epsilon in (size, 1 - size + Fraction(1, GPU_MILLI)):
+            if 0 < epsilon <= half:
+                thresholds.add(epsilon)
+    bigs = [_big(e) for e in sorted(thresholds)]
+    us = [_u(k) for k in range(1, 13)]
+    return [*bigs, *us, *(_then(big, u) for u in us for big in bigs)]
+
+
+def _then(first: Dff, second: Dff) -> Dff:
+    def composed(x: Fraction) -> Fraction:
+        return second(first(x))
+
+    return composed
+
+
+def _most_placed(
+    u: Dff, sizes: dict[Fraction, int], gpus: int, forced: Fraction | None = None
+) -> Fraction | None:
+    """The most GPU capacity any placement can fill on `gpus` GPUs, by `u`: the items
+    placed need at least the sum of u over them in GPUs, so the most is a fractional
+    knapsack, the items with most size per GPU they need first. `forced` (a size):
+    items above it are all placed; None if, by `u`, they cannot all be."""
+    room = Fraction(gpus)
+    placed = Fraction(0)
+    free: list[tuple[Fraction, Fraction, Fraction, int]] = []
+    for size, count in sizes.items():
+        need = u(size)
+        if forced is not None and size > forced:
+            room -= need * count
+            placed += size * count
+        elif need == 0:
+            placed += size * count
+        else:
+            free.append((size / need, size, need, count))
+    if room < 0:
+        return None
+    for _, size, need, count in sorted(free, reverse=True):
+        if room <= 0:
+            break
+        take = min(Fraction(count), room / need)
+        placed += size * take
+        room -= need * take
+    return placed
+
+
 def unallocated_floor(arrivals: Sequence[SharedTask], gpu_capacity_milli: int) -> UnallocatedFloor:
     """Lower bounds on the GPU capacity left unallocated once `arrivals` have all come
     and none left (`inflate` at its last checkpoint): what the trace's shapes strand,
     whatever the plugin, for reading a plugin's unallocated share against.
 
-    Two shares of more than half a GPU never share one: each placed one leaves its
-    GPU's remainder (its hole) to shares no larger than it. Bounding what those can fill
-    (for any size t, the holes up to t take only shares up to t) gives the capacity
-    stranded with every such share placed. A placement may strand less only by leaving
-    such shares unplaced, which costs their whole size (arrived work beyond the capacity
-    aside); the bound is the least of the two over any choice of shares to leave,
-    relaxed to fractions. Everything else (nodes, CPUs, memory, GPU types, whole-GPU
-    gangs) is left out, which can only lower it."""
-    shares = [t.gpu_milli for t in arrivals if t.gpus == 1 and t.gpu_milli < GPU_MILLI]
-    holes = sorted(GPU_MILLI - s for s in shares if 2 * s > GPU_MILLI)
-    small = sorted(s for s in shares if 2 * s <= GPU_MILLI)
-    stranded = 0
-    holes_upto = fill_upto = 0
-    at = 0
-    for hole in holes:
-        holes_upto += hole
-        while at < len(small) and small[at] <= hole:
-            fill_upto += small[at]
-            at += 1
-        stranded = max(stranded, holes_upto - fill_upto)
-    # Unallocated is the capacity not asked for plus what was asked and left unplaced.
-    # Leave shares unplaced, the largest holes first (the most stranding spared for the
-    # least work left): stranding falls by each hole, what is left unplaced rises by
-    # each share, and the bound is where the two meet.
-    left = gpu_capacity_milli - sum(t.shape.gpu_milli_total for t in arrivals)
-    placed = max(stranded, left)
-    if left >= stranded:
-        # Less arrived than there is room for: leaving shares out only adds to it.
-        return UnallocatedFloor(placed, placed)
-    for hole in reversed(holes):
-        share = GPU_MILLI - hole
-        if stranded - hole <= left + share:
-            part = (stranded - left) / (hole + share)
-            return UnallocatedFloor(placed, max(0, int(stranded - part * hole)))
-        stranded -= hole
-        left += share
-    return UnallocatedFloor(placed, max(0, stranded, left))
+    Each GPU holds items summing to at most one GPU: a share, or one GPU of a whole-GPU
+    task. For a dual feasible function u (whatever fits on one GPU maps to at most
+    one), the items placed need at least the sum of u over them in GPUs; so the most a
+    placement can fill is a fractional knapsack by u (`_most_placed`), and the least it
+    leaves unallocated is the capacity less that. Every u gives a bound; the floor is
+    the best over a family of them (`_dual_feasible`). The first figure holds for the
+    placements that place every share of more than half a GPU (two of which never share
+    a GPU, each leaving its remainder to smaller ones), the second for any placement.
+    Nodes, CPUs, memory, GPU types and whole-GPU gangs are left out, which can only
+    lower it."""
+    gpus = gpu_capacity_milli // GPU_MILLI
+    sizes: dict[Fraction, int] = {}
+    for task in arrivals:
+        shape = task.shape
+        if not shape.gpus:
+            continue
+        size = Fraction(shape.gpu_milli, GPU_MILLI) if shape.fractional else Fraction(1)
+        sizes[size] = sizes.get(size, 0) + (1 if shape.fractional else shape.gpus)
+    functions = _dual_feasible(list(sizes))
+    anyhow = Fraction(gpus)
+    every: Fraction | None = Fraction(gpus)
+    for u in functions:
+        most = _most_placed(u, sizes, gpus)
+        assert most is not None  # nothing forced
+        anyhow = min(anyhow, most)
+        most = _most_placed(u, sizes, gpus, forced=Fraction(1, 2))
+        # None: no placement places every such share; what holds for any holds then.
+        every = None if most is None or every is None else min(every, most)
+    if every is None:
+        every = anyhow
+    return UnallocatedFloor(
+        max(0, math.ceil(gpu_capacity_milli - every * GPU_MILLI)),
+        max(0, math.ceil(gpu_capacity_milli - anyhow * GPU_MILLI)),
+    )
 
 
 def mix_of(tasks: Sequence[TraceTask]) -> TaskMix:
