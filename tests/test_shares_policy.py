@@ -279,6 +279,32 @@ def test_a_node_that_does_not_say_its_cpus_takes_no_cpu_request() -> None:
     assert places(ClusterSnapshot(nodes, (plain,))) == {"p": (Grant("quiet", (0,)),)}
 
 
+@pytest.mark.parametrize("plugin", sorted(SHARING_PLUGINS))
+def test_a_share_sees_what_the_cycle_placed_before_it(plugin: str) -> None:
+    """The sharing ledger is kept across a cycle's jobs and redone only where something
+    changed; whatever the plugin, each job sees what the cycle did before it."""
+    policy = Policy(order="fifo", share_placement=plugin).validate()
+    # A whole GPU that a job without a demand took (the free ledger said so): the 0.7
+    # share finds neither the 0.5 share's GPU nor that one.
+    first, whole, later = share("s1", 500), JobView("w", 1, 5.0), share("s2longer", 700)
+    assert first.submitted_at < whole.submitted_at < later.submitted_at
+    two = (node("a", 1), node("b", 1))
+    placed = places(ClusterSnapshot(two, (first, whole, later)), policy)
+    assert set(placed) == {"s1", "w"} and placed["s1"][0].node != placed["w"][0].node
+    # A share placed (the jobs held): a second 0.5 joins it, a third finds no room.
+    halves = (first, whole, share("s3longer", 500), share("s4longerstill", 500))
+    placed = places(ClusterSnapshot(two, halves), policy)
+    assert set(placed) == {"s1", "w", "s3longer"} and placed["s3longer"] == placed["s1"]
+    # Whether the job may join a shareable job's GPU: not a share without a memory
+    # limit (it waits), then one with a limit, beside the host.
+    beside = ClusterSnapshot(
+        (node("n", 1, held=frozenset({0})),),
+        (share("u", 500), share("limited", 500, 20_000)),
+        (_host(20.0, 16_000),),
+    )
+    assert places(beside, policy) == {"limited": (Grant("n", (0,)),)}
+
+
 @pytest.mark.parametrize(("plugin", "chosen"), [("fgd-paper", "h"), ("fgd", "a")])
 def test_live_fgd_leaves_the_gpus_of_a_model_that_jobs_asking_for_it_need(
     plugin: str, chosen: str

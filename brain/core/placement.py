@@ -102,6 +102,10 @@ class FreeGpus:
         by_name = {n.name: n for n in nodes}
         # The nodes taken from or given to since it was built (`KeptLedger` restores them).
         self._touched: set[str] = set()
+        # Every change, the node's name in the order they came (`changed_since`), for a
+        # reader that keeps its own view of the ledger; `epoch` moves on at `reset`.
+        self._log: list[str] = []
+        self.epoch = 0
         self._free: dict[str, list[int]] = {name: sorted(n.free) for name, n in by_name.items()}
         # Each node's schedulable GPUs: a running job may hold others (drained since, or
         # faulty), which are never given to the ledger (`give`).
@@ -206,6 +210,7 @@ class FreeGpus:
         Runs twice for every preemption a cycle makes (the victim's GPUs given, a
         winner's taken): `_Buckets.move` is written out here."""
         self._touched.add(node)
+        self._log.append(node)
         if before == after:
             return
         delta = after - before
@@ -240,6 +245,14 @@ class FreeGpus:
         """The nodes taken from or given to since it was built or last reset."""
         return self._touched
 
+    def changes(self) -> int:
+        """How many changes this epoch has seen: a mark for `changed_since`."""
+        return len(self._log)
+
+    def changed_since(self, mark: int) -> list[str]:
+        """The nodes changed (with repeats) since `changes()` said `mark`, this epoch."""
+        return self._log[mark:]
+
     def reset(self, views: Iterable[NodeView]) -> None:
         """Set these nodes' free GPUs to their views' (the same nodes: the same GPUs and
         switch as when built), and forget what was touched."""
@@ -249,6 +262,8 @@ class FreeGpus:
             free[view.name] = sorted(view.free)
             self._changed(view.name, before, len(view.free))
         self._touched.clear()
+        self._log.clear()
+        self.epoch += 1
 
     def _nodes_of(self, switch: str) -> _Buckets:
         """The switch's nodes by free GPUs (built now if a change dropped them)."""

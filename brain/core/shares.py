@@ -3,11 +3,12 @@ CPUs, memory) through the sharing ledger and its plugins (brain/core/sharing.py)
 
 The decision cycle keeps whole GPUs in `FreeGpus` (brain/core/placement.py). A GPU
 that jobs share is held there, not free, while any share of it is held; its free
-share and memory are reckoned here from the jobs holding it. For each job with a
-demand, `SharePlacer` builds a `SharedCluster` from the cycle's free ledger, the
-shares held and the CPUs and memory reserved (by running jobs and by those placed
-earlier in the cycle), and asks the policy's sharing plugin. A job with a demand runs
-on one node. Jobs without one never come here: whole-GPU placement is unchanged.
+share and memory are reckoned here from the jobs holding it. `SharePlacer` keeps a
+`SharedCluster` for the cycle, reckoned from the cycle's free ledger, the shares held
+and the CPUs and memory reserved (by running jobs and by those placed earlier in the
+cycle), and redoes only the nodes that changed before each job with a demand; it asks
+the policy's sharing plugin. A job with a demand runs on one node. Jobs without one
+never come here: whole-GPU placement is unchanged.
 
 A shared GPU serves one tenant (MPS serves one Unix user at a time, and confined jobs
 run as their tenant's user): each GPU that shares or a shareable job with room hold is
@@ -232,6 +233,21 @@ def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
     return moves
 
 
+class _KeptCluster:
+    """`SharePlacer`'s sharing ledger across a cycle's jobs, and what it was built from:
+    the free ledger (and its epoch), its change mark, whether it was set for a guest
+    share, and the nodes changed since that the free ledger does not say."""
+
+    def __init__(self, cluster: SharedCluster, ledger: FreeGpus, epoch: int, guest: bool) -> None:
+        self.cluster = cluster
+        self.ledger = ledger
+        self.epoch = epoch
+        self.guest = guest
+        self.mark = 0
+        self.dirty: set[str] = set()
+        self.position = {node.name: i for i, node in enumerate(cluster.nodes)}
+
+
 class SharePlacer:
     """Places one cycle's jobs with a demand; built when the cycle meets the first."""
 
@@ -267,6 +283,12 @@ class SharePlacer:
             j.job_id for j in snapshot.running if j.shareable and not j.shared and j.grants
         )
         self._plugin: SharingPlugin = SHARING_PLUGINS[plugin](self._mix(snapshot), seed)
+        # The held jobs on each node, in `_held`'s order, and the nodes with a host.
+        self._held_on: dict[str, list[tuple[Demand, tuple[Grant, ...], str | None]]] = {}
+        for held in self._held:
+            self._hold(held)
+        self._host_nodes = {node for node, _ in self._hosts}
+        self._kept: _KeptCluster | None = None
 
     def _mix(self, snapshot: ClusterSnapshot) -> TaskMix:
         """The workload fgd weighs fragment against, as the FGD authors take it from
@@ -321,7 +343,15 @@ class SharePlacer:
 
     def placed(self, job: JobView, grants: tuple[Grant, ...]) -> None:
         if job.demand is not None:
-            self._held.append((job.demand, grants, job.tenant))
+            held = (job.demand, grants, job.tenant)
+            self._held.append(held)
+            self._hold(held)
+            if self._kept is not None:
+                self._kept.dirty.update(g.node for g in grants)
+
+    def _hold(self, held: tuple[Demand, tuple[Grant, ...], str | None]) -> None:
+        for node in dict.fromkeys(g.node for g in held[1]):
+            self._held_on.setdefault(node, []).append(held)
 
     def colocated_with(self, grants: tuple[Grant, ...]) -> str | None:
         """`co-located with job 3 (reckoned to use 0.2 of the GPU and 9000 MiB)` when
@@ -336,33 +366,61 @@ class SharePlacer:
                     )
         return None
 
-    def _reserve(
-        self, ledger: FreeGpus, index: dict[str, int], cpu: list[int], mem: list[int]
-    ) -> tuple[dict[tuple[str, int], tuple[int, int]], dict[tuple[str, int], str | None]]:
-        """Take what held jobs reserve from `cpu` and `mem` (per node of `index`);
-        the thousandths and MiB of each shared GPU, and the tenant it serves (one per
-        GPU: the ledger kept it so)."""
-        shares: dict[tuple[str, int], tuple[int, int]] = {}
-        serves: dict[tuple[str, int], str | None] = {}
-        for demand, grants, tenant in self._held:
-            whole_released = not demand.fractional and ledger.all_free(grants)
-            if whole_released:
+    def _node_state(
+        self, view: NodeView, ledger: FreeGpus, guest: bool, hidden: AbstractSet[int]
+    ) -> tuple[int, int, list[int], list[int], dict[int, str | None]]:
+        """What node `view` offers a job now, as `SharedCluster.set_free` takes it: the
+        CPUs and memory that held jobs leave, each GPU's free thousandths and memory,
+        and the tenant each bound GPU serves. `guest`: the job is a share with a memory
+        limit (only such a share may join a shareable job's GPU); `hidden`: free GPUs
+        not for it."""
+        name = view.name
+        cpu, mem = view.cpu_milli or 0, view.memory_mib or 0
+        # The thousandths and MiB of each shared GPU, and the tenant it serves (one per
+        # GPU: the ledger kept it so).
+        shares: dict[int, tuple[int, int]] = {}
+        serves: dict[int, str | None] = {}
+        for demand, grants, tenant in self._held_on.get(name, ()):
+            if not demand.fractional and ledger.all_free(grants):
                 continue  # a victim released in this cycle: it reserves nothing now
             for grant in grants:
-                i = index.get(grant.node)
-                if i is None:
+                if grant.node != name:
                     continue
-                cpu[i] -= demand.cpu_milli
-                mem[i] -= demand.memory_mib
+                cpu -= demand.cpu_milli
+                mem -= demand.memory_mib
                 if demand.fractional:
                     for gpu in grant.gpus:
-                        serves[(grant.node, gpu)] = tenant
-                        milli, memory = shares.get((grant.node, gpu), (0, 0))
-                        shares[(grant.node, gpu)] = (
-                            milli + demand.gpu_milli,
-                            memory + demand.gpu_memory_mib,
-                        )
-        return shares, serves
+                        serves[gpu] = tenant
+                        milli, memory = shares.get(gpu, (0, 0))
+                        shares[gpu] = (milli + demand.gpu_milli, memory + demand.gpu_memory_mib)
+        free = set(ledger.lowest(name, ledger.free_on(name))) - hidden
+        gpu_free: list[int] = []
+        gpu_mem: list[int] = []
+        # The tenant each GPU serves, by its shareable job or its shares.
+        bound: dict[int, str | None] = {}
+        for position, gpu in enumerate(view.gpus):
+            held = shares.get(gpu)
+            host = self._hosts.get((name, gpu))
+            if gpu in serves:
+                bound[position] = serves[gpu]
+            if host is not None:
+                bound[position] = host[3]
+                # A shareable job's GPU: room only for a share with a memory limit.
+                guests = held or (0, 0)
+                gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]) if guest else 0)
+                gpu_mem.append(
+                    max(0, int(view.gpu_memory_mib - host[2]) - guests[1]) if guest else 0
+                )
+            elif gpu in free:
+                gpu_free.append(GPU_MILLI)
+                gpu_mem.append(view.gpu_memory_mib)
+            elif held is not None and (name, gpu) not in self._whole:
+                gpu_free.append(max(0, GPU_MILLI - held[0]))
+                gpu_mem.append(max(0, view.gpu_memory_mib - held[1]))
+            else:
+                gpu_free.append(0)
+                gpu_mem.append(0)
+        return max(0, cpu), max(0, mem), gpu_free, gpu_mem, bound
 
     def _cluster(
         self,
@@ -370,9 +428,51 @@ class SharePlacer:
         ledger: FreeGpus,
         avoid: frozenset[str],
         hidden: AbstractSet[tuple[str, int]],
-    ) -> tuple[SharedCluster, list[NodeView]]:
-        views = [n for n in self._nodes if n.name not in avoid]
-        index = {view.name: i for i, view in enumerate(views)}
+    ) -> tuple[SharedCluster, Sequence[NodeView]]:
+        """The sharing ledger as it stands for this job. The cycle's common case (no
+        node to avoid, no GPU hidden) keeps one and redoes only the nodes changed since
+        the last job: those the free ledger changed, those a job was placed on, and
+        those of shareable jobs when whether the job may join them changed. So the
+        plugin's scores of the other nodes stand (`ScoringPlugin.scores`), and a job
+        costs what changed, not the cluster."""
+        # Only a share with a memory limit may join a shareable job's GPU.
+        guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
+        if avoid or hidden:
+            views = [n for n in self._nodes if n.name not in avoid]
+            return self._built(views, ledger, guest, hidden), views
+        kept = self._kept
+        if kept is None or kept.ledger is not ledger or kept.epoch != ledger.epoch:
+            cluster = self._built(self._nodes, ledger, guest, frozenset())
+            kept = self._kept = _KeptCluster(cluster, ledger, ledger.epoch, guest)
+        else:
+            dirty = kept.dirty
+            dirty.update(ledger.changed_since(kept.mark))
+            if guest != kept.guest:
+                dirty |= self._host_nodes
+            # A held whole-GPU job reserves nothing once all its GPUs are free: a change
+            # on one of its nodes is one on each.
+            for node in list(dirty):
+                for _, grants, _ in self._held_on.get(node, ()):
+                    dirty.update(g.node for g in grants)
+            position = kept.position
+            for node in dirty:
+                i = position.get(node)
+                if i is not None:
+                    kept.cluster.set_free(
+                        i, *self._node_state(self._nodes[i], ledger, guest, frozenset())
+                    )
+            dirty.clear()
+            kept.guest = guest
+        kept.mark = ledger.changes()
+        return kept.cluster, self._nodes
+
+    def _built(
+        self,
+        views: Sequence[NodeView],
+        ledger: FreeGpus,
+        guest: bool,
+        hidden: AbstractSet[tuple[str, int]],
+    ) -> SharedCluster:
         cluster = SharedCluster(
             [
                 SharedNode(
@@ -386,42 +486,10 @@ class SharePlacer:
                 for v in views
             ]
         )
-        cpu = [v.cpu_milli or 0 for v in views]
-        mem = [v.memory_mib or 0 for v in views]
-        shares, serves = self._reserve(ledger, index, cpu, mem)
-        # Only a share with a memory limit may join a shareable job's GPU.
-        guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
         for i, view in enumerate(views):
-            free = set(ledger.lowest(view.name, ledger.free_on(view.name)))
-            if hidden:
-                free -= {gpu for node, gpu in hidden if node == view.name}
-            gpu_free, gpu_mem = [], []
-            # The tenant each GPU serves, by its shareable job or its shares.
-            bound: dict[int, str | None] = {}
-            for position, gpu in enumerate(view.gpus):
-                held = shares.get((view.name, gpu))
-                host = self._hosts.get((view.name, gpu))
-                if (view.name, gpu) in serves:
-                    bound[position] = serves[(view.name, gpu)]
-                if host is not None:
-                    bound[position] = host[3]
-                    # A shareable job's GPU: room only for a share with a memory limit.
-                    guests = held or (0, 0)
-                    gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]) if guest else 0)
-                    gpu_mem.append(
-                        max(0, int(view.gpu_memory_mib - host[2]) - guests[1]) if guest else 0
-                    )
-                elif gpu in free:
-                    gpu_free.append(GPU_MILLI)
-                    gpu_mem.append(view.gpu_memory_mib)
-                elif held is not None and (view.name, gpu) not in self._whole:
-                    gpu_free.append(max(0, GPU_MILLI - held[0]))
-                    gpu_mem.append(max(0, view.gpu_memory_mib - held[1]))
-                else:
-                    gpu_free.append(0)
-                    gpu_mem.append(0)
-            cluster.set_free(i, max(0, cpu[i]), max(0, mem[i]), gpu_free, gpu_mem, bound)
-        return cluster, views
+            here = {gpu for node, gpu in hidden if node == view.name} if hidden else frozenset()
+            cluster.set_free(i, *self._node_state(view, ledger, guest, here))
+        return cluster
 
     def place(
         self,
