@@ -193,6 +193,29 @@ class SharedCluster:
         # Placements applied and not yet released (a multiset: equal tasks may share a
         # placement), so that a release of one that is not held changes nothing.
         self._held: Counter[SharePlacement] = Counter()
+        # Each node's make, all a plugin reads of it beyond what is free (`state`), and
+        # its state as of its version.
+        self._make = [(n.model, n.cpu_milli, n.memory_mib, n.gpus, n.gpu_memory_mib) for n in nodes]
+        self._states: list[tuple[int, tuple[object, ...]] | None] = [None] * len(self.nodes)
+
+    def state(self, i: int) -> tuple[object, ...]:
+        """All a plugin's score of node i may read besides the task's shape: the node's
+        make (not its name) and what is free on it now, GPU by GPU, with the tenant
+        each GPU serves. Nodes alike score alike (`ScoringPlugin.scores`)."""
+        kept = self._states[i]
+        if kept is not None and kept[0] == self.version[i]:
+            return kept[1]
+        state = (
+            self._make[i],
+            self.cpu_free[i],
+            self.mem_free[i],
+            tuple(self.gpu_free[i]),
+            tuple(self.gpu_mem_free[i]),
+            tuple(self.gpu_binds[i]),
+            tuple(self.gpu_tenant[i]),
+        )
+        self._states[i] = (self.version[i], state)
+        return state
 
     def set_free(
         self,
@@ -405,11 +428,18 @@ def tightest(cluster: SharedCluster, shape: TaskShape, i: int, gpus: list[int]) 
 Scored = tuple[float, tuple[int, ...]] | None
 
 
+# Scores a plugin remembers by node state, per shape, before it forgets them all.
+STATES_KEPT: Final = 100_000
+
+
 class ScoringPlugin:
     """A plugin that scores each node alone; the lowest score wins (ties: lower index).
 
-    Scores depend only on the task's shape and the node's state, so one is remembered
-    per (shape, node) until the node changes: a task rescans the cluster cheaply.
+    Scores depend only on the task's shape and the node's state (`SharedCluster.state`),
+    so one is remembered per (shape, node) until the node changes, and per (shape,
+    state): a task rescans the cluster cheaply, and a shape first seen is scored once
+    for each state its nodes are in (a cluster of few node makes, mostly idle, has few),
+    not once per node.
     """
 
     name = "scoring"
@@ -417,6 +447,7 @@ class ScoringPlugin:
     def __init__(self) -> None:
         self._bound: SharedCluster | None = None
         self._memo: dict[TaskShape, list[tuple[int, Scored]]] = {}
+        self._by_state: dict[TaskShape, dict[tuple[object, ...], Scored]] = {}
 
     def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
         raise NotImplementedError
@@ -425,16 +456,24 @@ class ScoringPlugin:
         """(node version, score) of every node for this shape, None where it does not
         fit; refreshed only for nodes that changed since last asked."""
         if cluster is not self._bound:
-            self._bound, self._memo = cluster, {}
+            self._bound, self._memo, self._by_state = cluster, {}, {}
         memo = self._memo.get(shape)
         if memo is None:
             memo = self._memo[shape] = [(-1, None)] * len(cluster.nodes)
+        by_state = self._by_state.get(shape)
+        if by_state is None or len(by_state) > STATES_KEPT:
+            by_state = self._by_state[shape] = {}
         version = cluster.version
         for i in range(len(memo)):
             if memo[i][0] != version[i]:
-                scored = None
-                if cluster.fits(shape, i):
-                    scored = self.score(shape, cluster, i, cluster.fitting_gpus(shape, i))
+                state = cluster.state(i)
+                if state in by_state:
+                    scored = by_state[state]
+                else:
+                    scored = None
+                    if cluster.fits(shape, i):
+                        scored = self.score(shape, cluster, i, cluster.fitting_gpus(shape, i))
+                    by_state[state] = scored
                 memo[i] = (version[i], scored)
         return memo
 
