@@ -20,6 +20,7 @@ from brain.core.sharing import (
     Fgd,
     InvalidShare,
     OverCommitted,
+    ScoringPlugin,
     SharedCluster,
     SharedNode,
     SharedTask,
@@ -409,6 +410,33 @@ steps = st.lists(st.one_of(task_strategy, st.integers(0, 50)), min_size=1, max_s
 
 
 @pytest.mark.parametrize("plugin_name", PLUGINS)
+def test_nodes_alike_but_for_the_tenant_their_gpus_serve_score_apart(plugin_name: str) -> None:
+    # Scores are remembered by node state: x and y differ only in whose shares they hold.
+    b_half = task("b", milli=500, tenant="b")
+    a_half, a_quarter = task("a", milli=500, tenant="a"), task("a2", milli=250, tenant="a")
+    cluster = SharedCluster([node("x"), node("y")])
+    cluster.apply(SharePlacement(b_half, 0, (0,)))
+    cluster.apply(SharePlacement(a_half, 1, (0,)))
+    plugin = plugin_for(plugin_name, [b_half, a_half, a_quarter])
+    assert placed(cluster.place(a_quarter, plugin)).node == 1
+
+
+def _best_now(
+    plugin_name: str, tasks: list[SharedTask], task: SharedTask, cluster: SharedCluster
+) -> tuple[int, tuple[int, ...]] | None:
+    """The lowest score (ties: the lower index) of a fresh plugin over every node."""
+    fresh = plugin_for(plugin_name, tasks)
+    assert isinstance(fresh, ScoringPlugin)
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    for i in range(len(cluster.nodes)):
+        if cluster.fits(task.shape, i):
+            scored = fresh.score(task.shape, cluster, i, cluster.fitting_gpus(task.shape, i))
+            if scored is not None and (best is None or scored[0] < best[0]):
+                best = (scored[0], i, scored[1])
+    return None if best is None else (best[1], best[2])
+
+
+@pytest.mark.parametrize("plugin_name", PLUGINS)
 @settings(max_examples=40, deadline=None)
 @given(ops=steps)
 def test_no_gpu_over_committed_whatever_the_sequence(
@@ -428,6 +456,10 @@ def test_no_gpu_over_committed_whatever_the_sequence(
             if held:
                 cluster.release(held.pop(op % len(held)))
         else:
+            if isinstance(plugin, ScoringPlugin):
+                # What its heap, kept across changes, says is best: what a fresh
+                # plugin scoring every node now says.
+                assert plugin.best(op.shape, cluster) == _best_now(plugin_name, tasks, op, cluster)
             outcome = cluster.place(op, plugin)
             if isinstance(outcome, SharePlacement):
                 held.append(outcome)

@@ -40,6 +40,7 @@ places jobs that ask a share, a GPU type, CPUs or memory through it
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -197,6 +198,16 @@ class SharedCluster:
         # its state as of its version.
         self._make = [(n.model, n.cpu_milli, n.memory_mib, n.gpus, n.gpu_memory_mib) for n in nodes]
         self._states: list[tuple[int, tuple[object, ...]] | None] = [None] * len(self.nodes)
+        # Every change of a node, its index in the order they came (`changed_since`).
+        self._log: list[int] = []
+
+    def changes(self) -> int:
+        """How many node changes this ledger has seen: a mark for `changed_since`."""
+        return len(self._log)
+
+    def changed_since(self, mark: int) -> list[int]:
+        """The nodes changed (with repeats) since `changes()` said `mark`."""
+        return self._log[mark:]
 
     def state(self, i: int) -> tuple[object, ...]:
         """All a plugin's score of node i may read besides the task's shape: the node's
@@ -251,6 +262,7 @@ class SharedCluster:
         self.gpu_free[i] = list(gpu_free)
         self.gpu_mem_free[i] = list(gpu_mem)
         self.version[i] += 1
+        self._log.append(i)
 
     def fits(self, shape: TaskShape, i: int, *, any_tenant: bool = False) -> bool:
         """Whether node i can take a task of this shape now (on some GPUs); with
@@ -322,6 +334,7 @@ class SharedCluster:
         self.gpu_allocated_milli += shape.gpu_milli_total
         self._held[placement] += 1
         self.version[i] += 1
+        self._log.append(i)
 
     def release(self, placement: SharePlacement) -> None:
         shape, i = placement.task.shape, placement.node
@@ -344,6 +357,7 @@ class SharedCluster:
                 self._unbind(i, g)
         self.gpu_allocated_milli -= shape.gpu_milli_total
         self.version[i] += 1
+        self._log.append(i)
 
     def _bind(self, i: int, g: int, tenant: str | None) -> None:
         if not self.gpu_binds[i][g]:
@@ -436,10 +450,12 @@ class ScoringPlugin:
     """A plugin that scores each node alone; the lowest score wins (ties: lower index).
 
     Scores depend only on the task's shape and the node's state (`SharedCluster.state`),
-    so one is remembered per (shape, node) until the node changes, and per (shape,
-    state): a task rescans the cluster cheaply, and a shape first seen is scored once
-    for each state its nodes are in (a cluster of few node makes, mostly idle, has few),
-    not once per node.
+    so one is remembered per (shape, state): a shape first seen is scored once for
+    each state its nodes are in (a cluster of few node makes, mostly idle, has few), not
+    once per node. `choose` keeps a heap of scores per shape and brings it up to date
+    with the nodes changed since (`best`): after the first, a task costs what changed,
+    not the cluster. `scores` lists every node's, kept per (shape, node) until the node
+    changes, for a plugin that reads them all.
     """
 
     name = "scoring"
@@ -448,43 +464,96 @@ class ScoringPlugin:
         self._bound: SharedCluster | None = None
         self._memo: dict[TaskShape, list[tuple[int, Scored]]] = {}
         self._by_state: dict[TaskShape, dict[tuple[object, ...], Scored]] = {}
+        self._ranked: dict[TaskShape, _Ranked] = {}
 
     def score(self, shape: TaskShape, cluster: SharedCluster, i: int, gpus: list[int]) -> Scored:
         raise NotImplementedError
 
-    def scores(self, shape: TaskShape, cluster: SharedCluster) -> list[tuple[int, Scored]]:
-        """(node version, score) of every node for this shape, None where it does not
-        fit; refreshed only for nodes that changed since last asked."""
+    def _bind(self, cluster: SharedCluster) -> None:
         if cluster is not self._bound:
-            self._bound, self._memo, self._by_state = cluster, {}, {}
-        memo = self._memo.get(shape)
-        if memo is None:
-            memo = self._memo[shape] = [(-1, None)] * len(cluster.nodes)
+            self._bound, self._memo, self._by_state, self._ranked = cluster, {}, {}, {}
+
+    def _states(self, shape: TaskShape) -> dict[tuple[object, ...], Scored]:
         by_state = self._by_state.get(shape)
         if by_state is None or len(by_state) > STATES_KEPT:
             by_state = self._by_state[shape] = {}
+        return by_state
+
+    def _scored(
+        self,
+        shape: TaskShape,
+        cluster: SharedCluster,
+        i: int,
+        by_state: dict[tuple[object, ...], Scored],
+    ) -> Scored:
+        state = cluster.state(i)
+        if state in by_state:
+            return by_state[state]
+        scored = None
+        if cluster.fits(shape, i):
+            scored = self.score(shape, cluster, i, cluster.fitting_gpus(shape, i))
+        by_state[state] = scored
+        return scored
+
+    def scores(self, shape: TaskShape, cluster: SharedCluster) -> list[tuple[int, Scored]]:
+        """(node version, score) of every node for this shape, None where it does not
+        fit; refreshed only for nodes that changed since last asked."""
+        self._bind(cluster)
+        memo = self._memo.get(shape)
+        if memo is None:
+            memo = self._memo[shape] = [(-1, None)] * len(cluster.nodes)
+        by_state = self._states(shape)
         version = cluster.version
         for i in range(len(memo)):
             if memo[i][0] != version[i]:
-                state = cluster.state(i)
-                if state in by_state:
-                    scored = by_state[state]
-                else:
-                    scored = None
-                    if cluster.fits(shape, i):
-                        scored = self.score(shape, cluster, i, cluster.fitting_gpus(shape, i))
-                    by_state[state] = scored
-                memo[i] = (version[i], scored)
+                memo[i] = (version[i], self._scored(shape, cluster, i, by_state))
         return memo
 
+    def best(self, shape: TaskShape, cluster: SharedCluster) -> tuple[int, tuple[int, ...]] | None:
+        """The node with the lowest score for this shape (ties: the lower index) and the
+        GPUs it would take; None where none fits. A heap of scores per shape, brought up
+        to date with the nodes changed since the shape was last asked: a task costs what
+        changed, not the cluster."""
+        self._bind(cluster)
+        by_state = self._states(shape)
+        version = cluster.version
+        ranked = self._ranked.get(shape)
+        if ranked is None or len(ranked.heap) > 4 * len(cluster.nodes):
+            heap: list[tuple[float, int, int, tuple[int, ...]]] = []
+            for i in range(len(cluster.nodes)):
+                scored = self._scored(shape, cluster, i, by_state)
+                if scored is not None:
+                    heap.append((scored[0], i, version[i], scored[1]))
+            heapq.heapify(heap)
+            ranked = self._ranked[shape] = _Ranked(heap, cluster.changes())
+        else:
+            heap = ranked.heap
+            for i in set(cluster.changed_since(ranked.mark)):
+                scored = self._scored(shape, cluster, i, by_state)
+                if scored is not None:
+                    heapq.heappush(heap, (scored[0], i, version[i], scored[1]))
+            ranked.mark = cluster.changes()
+        # An entry from before its node last changed says nothing now.
+        while heap and heap[0][2] != version[heap[0][1]]:
+            heapq.heappop(heap)
+        return (heap[0][1], heap[0][3]) if heap else None
+
     def choose(self, task: SharedTask, cluster: SharedCluster) -> SharePlacement | Unschedulable:
-        best: tuple[float, int, tuple[int, ...]] | None = None
-        for i, (_, scored) in enumerate(self.scores(task.shape, cluster)):
-            if scored is not None and (best is None or scored[0] < best[0]):
-                best = (scored[0], i, scored[1])
+        best = self.best(task.shape, cluster)
         if best is None:
             return no_fit(task, cluster)
-        return SharePlacement(task, best[1], best[2])
+        return SharePlacement(task, best[0], best[1])
+
+
+class _Ranked:
+    """A shape's heap of (score, node, node version, GPUs), and the change mark it is
+    up to date with."""
+
+    __slots__ = ("heap", "mark")
+
+    def __init__(self, heap: list[tuple[float, int, int, tuple[int, ...]]], mark: int) -> None:
+        self.heap = heap
+        self.mark = mark
 
 
 def _remaining(cluster: SharedCluster, shape: TaskShape, i: int) -> float:
