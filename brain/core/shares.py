@@ -433,8 +433,8 @@ class SharePlacer:
         node to avoid, no GPU hidden) keeps one and redoes only the nodes changed since
         the last job: those the free ledger changed, those a job was placed on, and
         those of shareable jobs when whether the job may join them changed. So the
-        plugin's scores of the other nodes stand (`ScoringPlugin.scores`), and a job
-        costs what changed, not the cluster."""
+        plugin's scores of the other nodes stand (`ScoringPlugin`), and a job costs
+        what changed, not the cluster."""
         # Only a share with a memory limit may join a shareable job's GPU.
         guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
         if avoid or hidden:

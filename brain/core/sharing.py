@@ -212,7 +212,7 @@ class SharedCluster:
     def state(self, i: int) -> tuple[object, ...]:
         """All a plugin's score of node i may read besides the task's shape: the node's
         make (not its name) and what is free on it now, GPU by GPU, with the tenant
-        each GPU serves. Nodes alike score alike (`ScoringPlugin.scores`)."""
+        each GPU serves. Nodes alike score alike (`ScoringPlugin`)."""
         kept = self._states[i]
         if kept is not None and kept[0] == self.version[i]:
             return kept[1]
