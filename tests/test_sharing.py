@@ -209,8 +209,8 @@ def test_fgd_sends_a_cpu_hungry_task_where_the_cpu_left_backs_the_gpus_left(
 
 def test_fgd_unbacked_gpus_are_what_the_mean_cpu_per_gpu_leaves_without_cpu() -> None:
     # Mix: 8 and 1 cores per GPU, equally often: 4.5 cores per GPU on average.
-    fgd = Fgd(TaskMix.of([task("hungry", cpu=8_000, mem=0), task("light", cpu=1_000, mem=0)]))
-    paper = Fgd(fgd._mix, paper=True)
+    mix = TaskMix.of([task("hungry", cpu=8_000, mem=0), task("light", cpu=1_000, mem=0)])
+    fgd, paper = Fgd(mix), Fgd(mix, paper=True)
     state = ("T4", 8_000, 65_536, [GPU_MILLI, GPU_MILLI], [16_384, 16_384])
     # 8 cores back 8 / 4.5 = 1.78 of the 2 idle GPUs.
     assert fgd.fragmentation(*state) - paper.fragmentation(*state) == pytest.approx(
