@@ -18,7 +18,6 @@ placed and the ratio to the baseline, and writes bench/results/share-scale-<stam
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from bench.recording import record  # noqa: E402
 from brain.core import ClusterSnapshot, Decisions, JobView, NodeView, Policy, decide  # noqa: E402
 from brain.core.model import Demand  # noqa: E402
 from brain.core.sharing import GPU_MILLI, SHARING_PLUGINS, SharedTask  # noqa: E402
-from brain.sim.sharing import load_nodes, load_tasks  # noqa: E402
+from brain.sim.sharing import draw, load_nodes, load_tasks  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data" / "alibaba-gpu-2023"
 NOW = 1_000.0
@@ -66,16 +65,11 @@ def _job(i: int, task: SharedTask) -> JobView:
 
 
 def pending(load: float, seed: int, capacity_gpus: int) -> tuple[JobView, ...]:
-    """Jobs drawn from the trace's tasks until their GPUs reach `load` of capacity."""
+    """Jobs drawn from the trace's tasks (as the sharing bench draws them) until their
+    GPUs reach `load` of capacity."""
     tasks = [t.task for t in load_tasks(DATA / "openb_pod_list_default.csv") if t.task.gpus]
-    rng = random.Random(seed)
-    jobs: list[JobView] = []
-    asked = 0
-    while asked < load * capacity_gpus * GPU_MILLI:
-        task = tasks[rng.randrange(len(tasks))]
-        jobs.append(_job(len(jobs), task))
-        asked += task.shape.gpu_milli_total
-    return tuple(jobs)
+    drawn = draw(tasks, int(load * capacity_gpus * GPU_MILLI), seed)
+    return tuple(_job(i, task) for i, task in enumerate(drawn))
 
 
 def timed(snapshot: ClusterSnapshot, policy: Policy, repeat: int) -> tuple[float, Decisions]:
@@ -103,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
     print(f"{len(nodes):,} nodes, {capacity:,} GPUs (Alibaba's GPU-sharing trace), one decide")
     header = ("load", "path", "jobs", "placed", "CPU s", "ms per job", "x baseline")
-    print("  ".join(f"{h:>12}" for h in header))
+    print("  ".join(f"{h:>21}" if h == "path" else f"{h:>12}" for h in header))
     for load in args.load:
         jobs = pending(load, args.seed, capacity)
         plain = tuple(JobView(j.job_id, 1, j.submitted_at) for j in jobs)
@@ -118,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = seconds / base_s if base_s > 0 else float("inf")
             per_job = seconds / len(jobs) * 1_000
             print(
-                f"{load:>12.2f}  {path:>12}  {len(jobs):>12,}  {placed:>12,}  "
+                f"{load:>12.2f}  {path:>21}  {len(jobs):>12,}  {placed:>12,}  "
                 f"{seconds:>12.3f}  {per_job:>12.3f}  {ratio:>12.1f}"
             )
             rows.append(

@@ -619,7 +619,7 @@ def _least_unallocated(arrivals: list[SharedTask], gpus: int) -> tuple[int, int 
         big_placed = all(
             where < gpus
             for where, t in zip(choice, arrivals, strict=True)
-            if 2 * t.gpu_milli > GPU_MILLI
+            if GPU_MILLI > t.gpu_milli > GPU_MILLI // 2
         )
         if big_placed:
             best_placed = unallocated if best_placed is None else min(best_placed, unallocated)

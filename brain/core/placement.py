@@ -100,10 +100,9 @@ class FreeGpus:
 
     def __init__(self, nodes: Iterable[NodeView]) -> None:
         by_name = {n.name: n for n in nodes}
-        # The nodes taken from or given to since it was built (`KeptLedger` restores them).
-        self._touched: set[str] = set()
-        # Every change, the node's name in the order they came (`changed_since`), for a
-        # reader that keeps its own view of the ledger; `epoch` moves on at `reset`.
+        # Every change since it was built or reset, the node's name in the order they
+        # came: what `KeptLedger` restores (`touched`), and what a reader that keeps its
+        # own view of the ledger redoes (`changed_since`); `epoch` moves on at `reset`.
         self._log: list[str] = []
         self.epoch = 0
         self._free: dict[str, list[int]] = {name: sorted(n.free) for name, n in by_name.items()}
@@ -209,7 +208,6 @@ class FreeGpus:
 
         Runs twice for every preemption a cycle makes (the victim's GPUs given, a
         winner's taken): `_Buckets.move` is written out here."""
-        self._touched.add(node)
         self._log.append(node)
         if before == after:
             return
@@ -243,7 +241,7 @@ class FreeGpus:
 
     def touched(self) -> AbstractSet[str]:
         """The nodes taken from or given to since it was built or last reset."""
-        return self._touched
+        return set(self._log)
 
     def changes(self) -> int:
         """How many changes this epoch has seen: a mark for `changed_since`."""
@@ -261,7 +259,6 @@ class FreeGpus:
             before = len(free[view.name])
             free[view.name] = sorted(view.free)
             self._changed(view.name, before, len(view.free))
-        self._touched.clear()
         self._log.clear()
         self.epoch += 1
 

@@ -449,11 +449,8 @@ class SharePlacer:
             dirty.update(ledger.changed_since(kept.mark))
             if guest != kept.guest:
                 dirty |= self._host_nodes
-            # A held whole-GPU job reserves nothing once all its GPUs are free: a change
-            # on one of its nodes is one on each.
-            for node in list(dirty):
-                for _, grants, _ in self._held_on.get(node, ()):
-                    dirty.update(g.node for g in grants)
+            # (A held job that reserves nothing once its GPUs are free runs on one node,
+            # as every job with a demand does: a change there is the ledger's.)
             position = kept.position
             for node in dirty:
                 i = position.get(node)

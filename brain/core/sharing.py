@@ -830,7 +830,8 @@ class Fgd(ScoringPlugin):
         return fragment + (total - max(0.0, backed)) - pressure * total
 
     def pressure(self, cluster: SharedCluster, i: int) -> float:
-        """Node i's model's `type_pressure` (worked out once per cluster)."""
+        """Node i's model's `type_pressure` (worked out once per cluster, whoever asks:
+        `score` may be called on a cluster the plugin has not scored before)."""
         if self.paper:
             return 0.0
         if cluster is not self._pressure_of:

@@ -382,18 +382,19 @@ def _then(first: Dff, second: Dff) -> Dff:
 
 
 def _most_placed(
-    u: Dff, sizes: dict[Fraction, int], gpus: int, forced: Fraction | None = None
+    u: Dff, sizes: dict[Fraction, int], gpus: int, *, big_shares_placed: bool = False
 ) -> Fraction | None:
     """The most GPU capacity any placement can fill on `gpus` GPUs, by `u`: the items
     placed need at least the sum of u over them in GPUs, so the most is a fractional
-    knapsack, the items with most size per GPU they need first. `forced` (a size):
-    items above it are all placed; None if, by `u`, they cannot all be."""
+    knapsack, the items with most size per GPU they need first. `big_shares_placed`:
+    every share of more than half a GPU is placed (whole GPUs need not be); None if,
+    by `u`, they cannot all be."""
     room = Fraction(gpus)
     placed = Fraction(0)
     free: list[tuple[Fraction, Fraction, Fraction, int]] = []
     for size, count in sizes.items():
         need = u(size)
-        if forced is not None and size > forced:
+        if big_shares_placed and Fraction(1, 2) < size < 1:
             room -= need * count
             placed += size * count
         elif need == 0:
@@ -439,9 +440,9 @@ def unallocated_floor(arrivals: Sequence[SharedTask], gpu_capacity_milli: int) -
     every: Fraction | None = Fraction(gpus)
     for u in functions:
         most = _most_placed(u, sizes, gpus)
-        assert most is not None  # nothing forced
+        assert most is not None  # nothing is forced
         anyhow = min(anyhow, most)
-        most = _most_placed(u, sizes, gpus, forced=Fraction(1, 2))
+        most = _most_placed(u, sizes, gpus, big_shares_placed=True)
         # None: no placement places every such share; what holds for any holds then.
         every = None if most is None or every is None else min(every, most)
     if every is None:
