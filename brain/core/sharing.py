@@ -459,6 +459,9 @@ class ScoringPlugin:
     """
 
     name = "scoring"
+    # Whether scores are remembered by node state: not worth the state's hash where a
+    # score costs less (`random`).
+    remember_states = True
 
     def __init__(self) -> None:
         self._bound: SharedCluster | None = None
@@ -486,13 +489,14 @@ class ScoringPlugin:
         i: int,
         by_state: dict[tuple[object, ...], Scored],
     ) -> Scored:
-        state = cluster.state(i)
-        if state in by_state:
+        state = cluster.state(i) if self.remember_states else None
+        if state is not None and state in by_state:
             return by_state[state]
         scored = None
         if cluster.fits(shape, i):
             scored = self.score(shape, cluster, i, cluster.fitting_gpus(shape, i))
-        by_state[state] = scored
+        if state is not None:
+            by_state[state] = scored
         return scored
 
     def scores(self, shape: TaskShape, cluster: SharedCluster) -> list[tuple[int, Scored]]:
@@ -621,6 +625,7 @@ class RandomFit(ScoringPlugin):
     a share goes to a random GPU that fits. (It scores only to remember which nodes fit.)"""
 
     name = "random"
+    remember_states = False
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
