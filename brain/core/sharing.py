@@ -452,10 +452,10 @@ class ScoringPlugin:
     Scores depend only on the task's shape and the node's state (`SharedCluster.state`),
     so one is remembered per (shape, state), unless `remember_states` is off: a shape
     first seen is scored once for each state its nodes are in (a cluster of few node
-    makes, mostly idle, has few), not once per node. `choose` keeps a heap of scores per shape and brings it up to date
-    with the nodes changed since (`best`): after the first, a task costs what changed,
-    not the cluster. `scores` lists every node's, kept per (shape, node) until the node
-    changes, for a plugin that reads them all.
+    makes, mostly idle, has few), not once per node. `choose` keeps a heap of scores
+    per shape and brings it up to date with the nodes changed since (`best`): after the
+    first, a task costs what changed, not the cluster. `scores` lists every node's,
+    kept per (shape, node) until the node changes, for a plugin that reads them all.
     """
 
     name = "scoring"
