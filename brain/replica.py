@@ -229,7 +229,9 @@ class Replica:
 
         The snapshot is taken at once (an immutable copy); encoding it runs in a thread.
         """
-        snapshot = self.state.to_snapshot(taken_at=taken_at, epoch=epoch)
+        return await self._store(self.state.to_snapshot(taken_at=taken_at, epoch=epoch))
+
+    async def _store(self, snapshot: BrainSnapshot) -> int:
         encoded = await asyncio.to_thread(encode_snapshot, snapshot)
         manifest = await self.snapshots.write(encoded)
         self.snapshot_seq = max(self.snapshot_seq, snapshot.last_seq)
@@ -244,18 +246,24 @@ class Replica:
         return snapshot.last_seq
 
     def write_snapshot_soon(self, *, taken_at: float, epoch: int) -> bool:
-        """Take a snapshot of the fold (when the background task first runs, on the
-        loop's next turn) and store it, unless one is being stored already; True if one
-        was started. A failure is logged, and a call
-        SNAPSHOT_RETRY_S later tries again."""
+        """Take a snapshot of the fold now and store it in the background, unless one is
+        being stored already; True if one was started. A failure is logged, and a call
+        SNAPSHOT_RETRY_S later tries again.
+
+        The caller has every record applied to the fold stored (the writer, just after a
+        commit). The copy is taken here, not when the task first runs: by then the writer
+        may have applied records the log has not stored yet (and may never store, if the
+        append fails), and a snapshot covering them would make a brain that loads it
+        skip the records the log holds at those sequences."""
         if self._writing is not None and not self._writing.done():
             return False
         if time.monotonic() < self._retry_snapshot_at:
             return False
+        snapshot = self.state.to_snapshot(taken_at=taken_at, epoch=epoch)
 
         async def write() -> None:
             try:
-                await self.write_snapshot(taken_at=taken_at, epoch=epoch)
+                await self._store(snapshot)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -1,15 +1,21 @@
 """The leader's journal on its own, without a server: an in-memory log behind the
-same narrow protocol the bus serves."""
+same narrow protocol the bus serves; and the snapshots taken beside it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
+from brain.history import History
 from brain.journal import Journal
+from brain.replica import Replica
+from brain.snapshots import EncodedSnapshot
 from brain.state import BrainState
 from schemas.commands import Stop
 from schemas.errors import SequenceConflict
@@ -139,3 +145,47 @@ async def test_stored_records_reach_the_history_even_when_their_commands_fail() 
     # The record is in the log: its projection and observers have it, and the log
     # is not ahead of state (nothing to load again).
     assert history.rows == [1] and seen == [1] and not made.tainted
+
+
+class SlowLog(MemoryLog):
+    """An append that waits for the stream's acknowledgement (the loop turns meanwhile)
+    and then is refused."""
+
+    async def append_many(
+        self, stream: str, entries: list[tuple[str, BaseModel, str]], *, after: int
+    ) -> int:
+        await asyncio.sleep(0.01)
+        raise TimeoutError("no acknowledgement")
+
+
+@dataclass
+class MemorySnapshots:
+    written: list[int] = field(default_factory=list)
+
+    async def write(self, encoded: EncodedSnapshot) -> SimpleNamespace:
+        self.written.append(encoded.last_seq)
+        return SimpleNamespace(last_seq=encoded.last_seq, jobs=0, size=0, raw_size=0, chunks=())
+
+
+class Spawner:
+    def spawn(self, coroutine: Coroutine[Any, Any, None], *, name: str) -> asyncio.Task[None]:
+        return asyncio.ensure_future(coroutine)
+
+
+async def test_a_snapshot_covers_only_what_was_stored_when_it_was_asked_for() -> None:
+    """The writer asks for a snapshot right after a commit; the next unit stages a
+    record, whose append waits and then fails. The snapshot stored in the background
+    must not cover that record: a brain loading it would skip whatever the log holds
+    at its sequence."""
+    replica = Replica(Spawner(), History(None))  # type: ignore[arg-type]
+    snapshots = replica.snapshots = MemorySnapshots()  # type: ignore[assignment]
+    made = Journal(SlowLog(), MemoryHistory(), lambda: replica.state, [])
+
+    assert replica.write_snapshot_soon(taken_at=0.0, epoch=1)
+    made.stage(node_record("a", 8), "alnair.state.node.a")
+    with pytest.raises(TimeoutError):
+        await made.commit()
+    await replica.snapshot_written()
+
+    assert made.tainted and replica.state.last_seq == 1
+    assert snapshots.written == [0]
