@@ -30,7 +30,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -493,11 +493,10 @@ class Brain:
             task.cancel()
         if others:
             await asyncio.wait(others, timeout=3.0)
+        waiting: list[Item] = []
         while not self._inbox.empty():
-            item = self._inbox.get_nowait()
-            if item.done is not None and not item.done.done():
-                error = ApiError("unavailable", f"brain stepped down: {reason}")
-                item.done.set_exception(error)
+            waiting.append(self._inbox.get_nowait())
+        _refuse(waiting, f"brain stepped down: {reason}")
         self.journal.discard()  # staged by a unit cut short: never stored
         if self.journal.tainted:
             # State ran ahead of the log (a group not stored): read it all again.
@@ -653,12 +652,15 @@ class Brain:
             try:
                 async with self._unit():
                     outcomes = [await self._outcome(item) for item in batch]
+            except asyncio.CancelledError:
+                # Leadership ended mid-group (`_end` cancels this loop): the group is
+                # discarded, and its callers, off the inbox already, hear so now.
+                _refuse(batch, "brain stepped down mid-group")
+                raise
             except Exception as error:
                 # The group was not stored (or not known to be): nobody is acknowledged,
                 # and state, ahead of the log, is loaded again after stepping down.
-                for item in batch:
-                    if item.done is not None and not item.done.done():
-                        item.done.set_exception(ApiError("unavailable", "brain lost leadership"))
+                _refuse(batch, "brain lost leadership")
                 reason = f"the log did not take a group of {len(batch)} items: {error!r}"
                 self.bus.spawn(self._stop_leading(reason), name="step-down")
                 return
@@ -971,6 +973,15 @@ class Brain:
     @property
     def pid(self) -> int:
         return os.getpid()
+
+
+def _refuse(items: Iterable[Item], reason: str) -> None:
+    """Answer every caller of these items still waiting: unavailable, for `reason`
+    (its records, if any, were not stored, or not known to be: a retry with the same
+    idempotency key finds out which)."""
+    for item in items:
+        if item.done is not None and not item.done.done():
+            item.done.set_exception(ApiError("unavailable", reason))
 
 
 def _same_to_policy(old: JobRecord, new: JobRecord) -> bool:

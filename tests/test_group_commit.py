@@ -157,6 +157,36 @@ async def test_a_group_the_log_refuses_acknowledges_nobody(
     assert len({r.job.job_id for r in retried}) == 5
 
 
+async def test_callers_of_a_group_cut_short_by_a_step_down_are_answered(
+    brain_factory: Callable[..., Awaitable[Brain]],
+) -> None:
+    """Leadership ends while a group's append waits for the stream (the lease lost,
+    say): stepping down cancels the inbox loop with the group in hand, off the inbox.
+    Its caller hears `unavailable` at once, not never, and the job is not kept."""
+    brain = await brain_factory()
+    await submit(brain, "before")
+    bus = brain.journal.bus
+    appending = asyncio.Event()
+
+    async def never_acknowledged(*args: object, **kwargs: object) -> int:
+        appending.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    bus.append_many = never_acknowledged  # type: ignore[method-assign]
+    try:
+        caller = asyncio.ensure_future(submit(brain, "cut-short"))
+        await asyncio.wait_for(appending.wait(), 10.0)
+        await brain.leadership.stop_leading("test: the lease was lost")
+        with pytest.raises(ApiError) as refused:
+            await asyncio.wait_for(caller, 5.0)
+        assert refused.value.code == "unavailable"
+    finally:
+        del bus.append_many  # the bus's own again
+    await eventually(lambda: brain.leading.is_set(), timeout_s=30)
+    assert not any(j.spec.name == "cut-short" for j in brain.state.jobs.values())
+
+
 async def refuse_a_group(brain: Brain, connect: Callable[[str], Awaitable[Bus]]) -> None:
     """A node `intruder` appended behind the leader's back: its next group (submitting
     job "lost") is refused, nobody is told the job exists, and it steps down to read
