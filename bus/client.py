@@ -50,6 +50,7 @@ from schemas.base import decode, encode
 from schemas.dlq import DLQ_PAYLOAD_PREVIEW_BYTES, DeadLetter
 from schemas.errors import (
     BrainUnavailable,
+    BusClosed,
     BusDenied,
     BusError,
     BusTimeout,
@@ -1015,6 +1016,8 @@ class Bus:
             msg = asking.result()
         except nats.errors.NoRespondersError:
             raise BrainUnavailable(subject) from None
+        except nats.errors.ConnectionClosedError:
+            raise BusClosed(subject) from None
         except (
             nats.errors.TimeoutError,
             # Our server is away: no answer yet, as with a timeout (the caller may retry).

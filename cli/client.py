@@ -19,6 +19,7 @@ from schemas.base import Message
 from schemas.errors import (
     ApiError,
     BrainUnavailable,
+    BusClosed,
     BusDenied,
     BusError,
     BusTimeout,
@@ -103,7 +104,8 @@ async def submit(
     """
     key = idempotency_key or uuid.uuid4().hex
     request = SubmitRequest(spec=spec, idempotency_key=key)
-    deadline = time.monotonic() + retry_for_s
+    started = time.monotonic()
+    deadline = started + retry_for_s
     delay = 0.1
     while True:
         try:
@@ -111,6 +113,10 @@ async def submit(
             return reply.job
         except (BrainUnavailable, BusTimeout) as error:
             retryable: Exception = error
+        except BusClosed as error:
+            # No try can follow on this connection: the answer is as undefined as at
+            # the deadline, and the key says how to find it.
+            raise NoDefiniteAnswer(key, time.monotonic() - started, error) from error
         except ApiError as error:
             if error.code != "unavailable":
                 raise

@@ -45,6 +45,15 @@ class BusTimeout(BusError, TimeoutError):
         self.subject = subject
 
 
+class BusClosed(BusError):
+    """The connection to NATS is closed for good (it gave up reconnecting): nothing
+    more can be asked on it."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"the connection to NATS is closed; no answer on {subject}")
+        self.subject = subject
+
+
 class MessageTooLarge(BusError):
     """A message over the server's payload limit, refused before it is sent: sent, the
     server would close the connection ("Maximum Payload Violation")."""

@@ -20,7 +20,7 @@ from cli.client import submit as client_submit
 from schemas import subjects
 from schemas.api import JOB_RESULT, ErrorReply, JobReply, SubmitRequest
 from schemas.base import encode
-from schemas.errors import ApiError, MessageTooLarge, SequenceConflict
+from schemas.errors import ApiError, MessageTooLarge, NoDefiniteAnswer, SequenceConflict
 from schemas.jobs import MAX_SPEC_BYTES, JobSpec
 from schemas.state import (
     STATE_RECORD,
@@ -266,6 +266,20 @@ async def test_a_reply_lost_with_the_leader_is_given_by_the_next_one(
         if isinstance(item, JobChanged) and item.previous is None
     ]
     assert created == [job.job_id]
+
+
+async def test_a_submission_on_a_closed_connection_gives_its_key(connect) -> None:
+    """The CLI's connection gives up reconnecting (three tries) when no server comes
+    back: `alnair submit` says it has no definite answer and names the key to find
+    out with, at once, not a traceback (nor 120 s of retries that cannot be sent)."""
+    client = await connect("client")
+    await client.nc.close()
+    spec = JobSpec(name="closed", command=("sleep", "1"), gpus=1)
+    with pytest.raises(NoDefiniteAnswer) as unknown:
+        await client_submit(client, TENANT, spec, idempotency_key="k-closed", retry_for_s=90)
+    assert unknown.value.key == "k-closed"
+    assert "--idempotency-key k-closed" in str(unknown.value)
+    assert "closed" in str(unknown.value)
 
 
 def _padded(record_id: str, size: int) -> BlacklistChanged:
