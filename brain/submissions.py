@@ -79,8 +79,17 @@ class Submissions:
             if known is not None:
                 return known
             away = state.job_away_for_key(tenant, request.idempotency_key)
-            if away is not None and (finished := self._job_record(away)) is not None:
-                return finished  # finished long ago: answered from the history
+            if away is not None:
+                # Finished long ago: answered from the history. The key is that job's,
+                # whether or not the history can say so now: never a second job for it.
+                finished = self._job_record(away)
+                if finished is None:
+                    raise ApiError(
+                        "unavailable",
+                        f"the job submitted with this idempotency key ({away}) has finished "
+                        "and its record could not be read from the history; try again",
+                    )
+                return finished
         self._refuse_if_never_runs(state, request)
         job = JobRecord(
             job_id=state.next_job_id(),

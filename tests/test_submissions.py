@@ -84,6 +84,19 @@ async def test_a_known_key_is_answered_with_its_job_and_makes_nothing() -> None:
     assert other.job_id != first.job_id
 
 
+async def test_a_key_whose_job_left_memory_never_makes_a_second_one() -> None:
+    """A finished job gone from memory is answered from the history; when the history
+    cannot give its record (a read that failed), the caller is told to try again, and
+    no job is made for a key that already has one."""
+    p = part()
+    p.shell.state.keys_away[("team", "k-old")] = "7"
+    jobs_before = dict(p.shell.state.jobs)
+    with pytest.raises(ApiError) as refused:
+        await p.submissions.submit("team", request("k-old"))
+    assert refused.value.code == "unavailable" and "(7)" in str(refused.value)
+    assert p.shell.state.jobs == jobs_before and p.shell.causes == [] and p.prompted == []
+
+
 @pytest.mark.parametrize(
     ("name", "settings", "tenant", "spec", "code", "says"),
     [
