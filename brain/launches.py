@@ -16,10 +16,12 @@ from typing import Protocol
 
 from brain import elastic, secrets
 from brain.attempts import launch_id
-from brain.state import BrainState
+from brain.core.sharing import share_memory_mib
+from brain.state import BrainState, node_gpu_memory_mib
 from brain.writer import Clock, NodeCommands
 from schemas.commands import Launch
 from schemas.jobs import JobRecord, job_limits
+from schemas.nodes import NodeRecord
 from schemas.workers import EXEC_SECRET_ENV
 
 
@@ -76,11 +78,13 @@ class Launches:
             env[secrets.JOB_TOKEN_ENV] = secrets.job_token(key, job.job_id, job.attempt)
             if self._tokens.renew_s is not None:
                 env[secrets.JOB_RENEW_ENV] = f"{self._tokens.renew_s:g}"
-        blacklist = tuple(sorted(self._state().blacklist))
+        state = self._state()
+        blacklist = tuple(sorted(state.blacklist))
         for rank, grant in enumerate(job.grants):
             if grant.pid is not None or grant.exited:
                 continue
             memory_mb, cpus = job_limits(job.spec, len(grant.gpus))
+            node = state.nodes.get(grant.node)
             await self._commands.command(
                 grant.node,
                 Launch(
@@ -107,7 +111,18 @@ class Launches:
                     if job.spec.on_disconnect == "keep"
                     else None,
                     gpu_milli=job.spec.gpu_milli,
-                    gpu_memory_mib=job.spec.gpu_memory_mib if job.spec.shared else None,
+                    gpu_memory_mib=_share_memory(job, node),
                     shareable=job.spec.shareable,
                 ),
             )
+
+
+def _share_memory(job: JobRecord, node: NodeRecord | None) -> int | None:
+    """A share's GPU memory limit, the one placement reckoned with: its own, or its
+    share of the GPU's memory (`share_memory_mib`). None for any other job."""
+    spec = job.spec
+    if not spec.shared or spec.gpu_milli is None:
+        return None
+    gpu_mib = node_gpu_memory_mib(node) if node is not None else 0
+    limit = share_memory_mib(spec.gpu_milli, spec.gpu_memory_mib or 0, gpu_mib)
+    return limit if limit > 0 else None

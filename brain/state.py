@@ -854,10 +854,16 @@ def node_view(record: NodeRecord, gpus: tuple[int, ...], free: frozenset[int]) -
         gpus=gpus,
         free=free,
         model=record.gpus[0].model if record.gpus else "",
-        gpu_memory_mib=min((g.memory_mib for g in record.gpus), default=0),
+        gpu_memory_mib=node_gpu_memory_mib(record),
         cpu_milli=record.cpu_milli,
         memory_mib=record.memory_mib,
     )
+
+
+def node_gpu_memory_mib(record: NodeRecord) -> int:
+    """The memory of the node's smallest GPU: what placement reckons each of its GPUs
+    has (a node's GPUs are one model)."""
+    return min((g.memory_mib for g in record.gpus), default=0)
 
 
 def job_ask(job: JobRecord) -> Ask:

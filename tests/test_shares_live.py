@@ -30,36 +30,39 @@ SHOW_ENV = (
 )
 
 
-def half_gpu_job(out: Path, stop: Path) -> JobSpec:
+def half_gpu_job(out: Path, stop: Path, memory_mib: int | None = 20480) -> JobSpec:
     return JobSpec(
         command=(sys.executable, "-c", SHOW_ENV, str(out), str(stop)),
         gpus=1,
         gpu_milli=500,
-        gpu_memory_mib=20480,
+        gpu_memory_mib=memory_mib,
     )
 
 
 async def test_two_half_gpu_jobs_share_one_gpu_with_mps_limits(
     brain_factory, agent_factory, tmp_path, caplog
 ) -> None:
+    """The second asks no memory limit: it is given its share of the GPU's memory, so
+    that the first's limit holds beside it."""
     brain = await brain_factory()
     agent = await agent_factory("n1", gpus=1, model="H100")
     await eventually(lambda: "n1" in brain.state.nodes)
+    half = brain.state.nodes["n1"].gpus[0].memory_mib // 2
     stop = tmp_path / "stop"
     first = await submit(brain.api, half_gpu_job(tmp_path / "a.json", stop))
-    second = await submit(brain.api, half_gpu_job(tmp_path / "b.json", stop))
+    second = await submit(brain.api, half_gpu_job(tmp_path / "b.json", stop, memory_mib=None))
     await eventually(lambda: (tmp_path / "a.json").exists() and (tmp_path / "b.json").exists())
     for job_id in (first, second):
         job = brain.state.jobs[job_id]
         assert job.state is JobState.RUNNING
         assert [(g.node, g.gpus) for g in job.grants] == [("n1", (0,))]
         assert job.reason is not None and "a 0.5 share of its GPU" in job.reason
-    for name in ("a.json", "b.json"):
+    for name, limit in (("a.json", 20480), ("b.json", half)):
         env = json.loads((tmp_path / name).read_text())
         assert env == {
             "CUDA_VISIBLE_DEVICES": "0",
             "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20480M",
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={limit}M",
             "ALNAIR_GPU_SHARE": "0.5",
             "ALNAIR_GPU_SHARE_ENFORCED": "0",
         }

@@ -32,7 +32,7 @@ from brain.core.model import (
     Wait,
 )
 from brain.core.shares import host_room, model_matches, never_fits
-from brain.core.sharing import SHARING_PLUGINS
+from brain.core.sharing import SHARING_PLUGINS, share_memory_mib
 from schemas.jobs import JobSpec, share_request
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -411,7 +411,10 @@ def _check(running: dict[str, JobView]) -> None:
     for key, held in shares.items():
         host_milli, host_mib = hosts.get(key, (0, 0.0))
         assert host_milli + sum(d.gpu_milli for d in held) <= 1000
-        assert host_mib + sum(d.gpu_memory_mib for d in held) <= CAPACITY[key[0]].gpu_memory_mib
+        # A share without a limit holds its share of the GPU's memory (what MPS is told).
+        total = CAPACITY[key[0]].gpu_memory_mib
+        limits = sum(share_memory_mib(d.gpu_milli, d.gpu_memory_mib, total) for d in held)
+        assert host_mib + limits <= total
         if key in hosts:
             assert all(d.gpu_memory_mib > 0 for d in held), "a share with no limit on a host"
         assert len(tenants_on[key]) == 1, f"GPU {key} serves tenants {tenants_on[key]}"

@@ -28,6 +28,7 @@ from brain.core.sharing import (
     SharingPlugin,
     TaskMix,
     Unschedulable,
+    share_memory_mib,
     type_pressure,
 )
 from brain.sim import cli
@@ -303,6 +304,23 @@ def test_the_ledger_refuses_an_over_commit() -> None:
         cluster.apply(SharePlacement(task("z", types=("A100",)), 0, (0,)))
 
 
+def test_a_share_without_a_limit_holds_its_share_of_the_gpus_memory() -> None:
+    """MPS limits a share that asked no memory to its share of the GPU's: beside a 0.5
+    share without a limit, a share whose limit is over the other half does not fit
+    (its limit could not hold), and three thirds still fill a GPU."""
+    cluster = SharedCluster([node("a")])
+    held = SharePlacement(task("s", milli=500), 0, (0,))
+    cluster.apply(held)
+    assert cluster.gpu_mem_free[0][0] == 8_192
+    assert cluster.fitting_gpus(task("over", milli=400, gpu_mem=10_000).shape, 0) == []
+    assert cluster.fitting_gpus(task("under", milli=400, gpu_mem=8_000).shape, 0) == [0]
+    cluster.release(held)
+    assert cluster.gpu_mem_free[0][0] == 16_384
+    for name, milli in (("a", 333), ("b", 333), ("c", 334)):
+        cluster.apply(SharePlacement(task(name, milli=milli), 0, (0,)))
+    assert (cluster.gpu_free[0][0], cluster.gpu_mem_free[0][0]) == (0, 2)
+
+
 def test_a_task_that_cannot_be_described_names_its_field() -> None:
     with pytest.raises(InvalidShare, match="gpu_milli"):
         task("x", 2, 500)
@@ -382,7 +400,14 @@ def assert_consistent(cluster: SharedCluster, held: list[SharePlacement]) -> Non
             assert cluster.gpu_free[i][g] == GPU_MILLI - share
             whole = [t for t in on_gpu if t.gpu_milli == GPU_MILLI]
             assert len(whole) <= 1 and (not whole or len(on_gpu) == 1)
-            memory = n.gpu_memory_mib if whole else sum(t.gpu_memory_mib for t in on_gpu)
+            memory = (
+                n.gpu_memory_mib
+                if whole
+                else sum(
+                    share_memory_mib(t.gpu_milli, t.gpu_memory_mib, n.gpu_memory_mib)
+                    for t in on_gpu
+                )
+            )
             assert memory <= n.gpu_memory_mib
             assert cluster.gpu_mem_free[i][g] == n.gpu_memory_mib - memory
             for t in on_gpu:

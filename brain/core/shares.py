@@ -51,6 +51,7 @@ from brain.core.sharing import (
     TaskMix,
     TaskShape,
     Unschedulable,
+    share_memory_mib,
 )
 
 _MODEL_WORDS: Final = re.compile(r"[\s\-_/]+")
@@ -392,7 +393,10 @@ class SharePlacer:
                     for gpu in grant.gpus:
                         serves[gpu] = tenant
                         milli, memory = shares.get(gpu, (0, 0))
-                        shares[gpu] = (milli + demand.gpu_milli, memory + demand.gpu_memory_mib)
+                        memory += share_memory_mib(
+                            demand.gpu_milli, demand.gpu_memory_mib, view.gpu_memory_mib
+                        )
+                        shares[gpu] = (milli + demand.gpu_milli, memory)
         free = set(ledger.lowest(name, ledger.free_on(name))) - hidden
         gpu_free: list[int] = []
         gpu_mem: list[int] = []

@@ -52,6 +52,14 @@ from schemas.errors import AlnairError
 GPU_MILLI: Final = 1000
 
 
+def share_memory_mib(gpu_milli: int, limit_mib: int, gpu_mib: int) -> int:
+    """The GPU memory a share of `gpu_milli` thousandths holds on a GPU of `gpu_mib`: its
+    limit, or, without one, its share of the GPU's memory. Rounded down, so that shares
+    that fit a GPU together never ask more memory than it has; every share then holds a
+    limit (the agent gives it to MPS), and limits on one GPU never sum past it."""
+    return limit_mib if limit_mib > 0 else gpu_milli * gpu_mib // GPU_MILLI
+
+
 class InvalidShare(AlnairError, ValueError):
     """A task or node that cannot be described: names the field."""
 
@@ -287,7 +295,8 @@ class SharedCluster:
         free = self.gpu_free[i]
         mem = self.gpu_mem_free[i]
         if shape.fractional:
-            need, need_mem = shape.gpu_milli, shape.gpu_memory_mib
+            need = shape.gpu_milli
+            need_mem = share_memory_mib(need, shape.gpu_memory_mib, self.nodes[i].gpu_memory_mib)
             fitting = [g for g in range(len(free)) if free[g] >= need and mem[g] >= need_mem]
             if any_tenant or not fitting or not self.closed_to_some(shape.tenant):
                 return fitting
@@ -325,10 +334,11 @@ class SharedCluster:
         self.cpu_free[i] -= shape.cpu_milli
         self.mem_free[i] -= shape.memory_mib
         whole = not shape.fractional
+        held = share_memory_mib(shape.gpu_milli, shape.gpu_memory_mib, self.nodes[i].gpu_memory_mib)
         for g in placement.gpus:
             self.gpu_free[i][g] -= shape.gpu_milli
             # A whole GPU is the task's, memory and all.
-            self.gpu_mem_free[i][g] = 0 if whole else self.gpu_mem_free[i][g] - shape.gpu_memory_mib
+            self.gpu_mem_free[i][g] = 0 if whole else self.gpu_mem_free[i][g] - held
             if not whole:
                 self._bind(i, g, shape.tenant)
         self.gpu_allocated_milli += shape.gpu_milli_total
@@ -348,11 +358,11 @@ class SharedCluster:
         self.cpu_free[i] += shape.cpu_milli
         self.mem_free[i] += shape.memory_mib
         whole = not shape.fractional
+        held = share_memory_mib(shape.gpu_milli, shape.gpu_memory_mib, node.gpu_memory_mib)
         for g in placement.gpus:
             self.gpu_free[i][g] += shape.gpu_milli
-            self.gpu_mem_free[i][g] = (
-                node.gpu_memory_mib if whole else self.gpu_mem_free[i][g] + shape.gpu_memory_mib
-            )
+            free_mem = self.gpu_mem_free[i][g]
+            self.gpu_mem_free[i][g] = node.gpu_memory_mib if whole else free_mem + held
             if not whole:
                 self._unbind(i, g)
         self.gpu_allocated_milli -= shape.gpu_milli_total
