@@ -12,6 +12,7 @@ import itertools
 import json
 import re
 import shutil
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ import pytest
 
 from brain.core import QueueQuota
 from brain.service import Brain
+from schemas.jobs import JobState
 from tests.conftest import eventually
 from tests.httpkit import TOKENS, Api, api_factory
+from tests.test_shares_live import PLAY
 
 __all__ = ["api_factory"]
 
@@ -176,3 +179,45 @@ async def test_dashboard_shows_the_job_and_the_gpus(
     path.write_bytes(base64.b64decode(shot["data"]))
     print(f"dashboard screenshot: {path}")
     assert path.stat().st_size > 10_000
+
+
+async def test_dashboard_names_the_jobs_sharing_a_gpu(
+    brain_factory: Callable[..., Awaitable[Brain]],
+    agent_factory: Callable[..., Awaitable[Any]],
+    api_factory: Callable[..., Awaitable[Api]],
+    tmp_path: Path,
+) -> None:
+    """A shareable job holds its GPU whole and a share joins it: the GPU's cell names
+    both, the host and the guest with its share."""
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip(f"no Chromium found (looked for {', '.join(CHROMIUM_NAMES)} on PATH)")
+    brain = await brain_factory()
+    await agent_factory("gpu-node-1", gpus=1, model="H100")
+    api = await api_factory(brain)
+    await eventually(lambda: "gpu-node-1" in brain.telemetry)
+
+    async def submitted(spec: dict[str, Any]) -> str:
+        return str((await api.call("POST", "/v1/jobs", json={"spec": spec}))[1]["job"]["job_id"])
+
+    # Uses 20 % of its GPU and 16,000 MiB: room for a share once its profile says so.
+    play = [sys.executable, "-c", PLAY, "16000", str(tmp_path / "never"), "16000"]
+    host = await submitted({"command": play, "gpus": 1, "shareable": True})
+    await eventually(lambda: host in brain.profiles.current(), timeout_s=30)
+    guest = await submitted(
+        {"command": ["sleep", "120"], "gpus": 1, "gpu_milli": 250, "gpu_memory_mib": 20000}
+    )
+    await eventually(lambda: brain.state.jobs[guest].state is JobState.RUNNING)
+
+    async with chromium(binary, tmp_path / "chromium-profile") as browser:
+        await browser.call("Page.enable")
+        await browser.call("Page.navigate", url=f"{api.url}/#token={TOKENS['operator']}")
+        cell = "Array.from(document.querySelectorAll('.gpu-cell .job')).map(s => s.textContent)"
+
+        async def named() -> list[str] | None:
+            jobs = json.loads(await browser.evaluate(f"JSON.stringify({cell})") or "[]")
+            return jobs if jobs and f"{guest} 0.25" in jobs[0] else None
+
+        assert await eventually(named, timeout_s=60, interval_s=0.25) == [
+            f"job {host}, {guest} 0.25"
+        ]

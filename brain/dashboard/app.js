@@ -106,9 +106,12 @@ function drawNodes(nodes, holders, of) {
       const sample = latest.get(gpu.index);
       const util = sample ? sample.util_gpu_pct : 0;
       const share = shared.get(gpu.index);
-      const job = share
+      // A shareable job holds its GPU whole beside its guests' shares: both are named.
+      const host = holders.get(`${record.name}/${gpu.index}`);
+      const guests = share
         ? share.jobs.map((u) => `${u.job_id} ${u.gpu_milli / 1000}`).join(", ")
-        : holders.get(`${record.name}/${gpu.index}`);
+        : null;
+      const job = [host, guests].filter(Boolean).join(", ");
       const sick = gpu.health !== "healthy" || drained.has(gpu.index);
       const title =
         `${record.name} GPU ${gpu.index} ${gpu.model}\n` +
@@ -300,8 +303,10 @@ async function refresh() {
     `brain ${status.brain_host} · epoch ${status.epoch} · ${status.nodes} nodes · ` +
     `${status.gpus} schedulable GPUs · ${status.policy}`;
   const running = jobs.jobs.filter((j) => j.state === "RUNNING");
+  // Who holds each GPU whole (a share is named with its GPU's shares, from the node).
   const holders = new Map();
   for (const job of running) {
+    if (job.spec.gpu_milli != null) continue;
     for (const grant of job.grants) {
       for (const gpu of grant.gpus) holders.set(`${grant.node}/${gpu}`, job.job_id);
     }
