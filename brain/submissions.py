@@ -148,6 +148,9 @@ class Submissions:
         job = self._job_record(job_id)
         if job is None or job.tenant != tenant:
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
+        if job.state is JobState.CANCELLED:
+            # Asked again (a retry whose first answer was lost): what it asked for holds.
+            return job
         if job.state.terminal:
             raise ApiError("conflict", f"job {job_id} already ended {job.state.value}")
         cancelled = job.model_copy(
@@ -163,4 +166,5 @@ class Submissions:
             Cause(kind=CauseKind.CANCELLED, message=f"cancelled by tenant {tenant}", job_id=job_id),
         )
         await self._writes.stop_parts(job, "cancelled")
-        return cancelled
+        # As stored (its service accounted up to the cancellation), as a retry sees it.
+        return self._job_record(job_id) or cancelled

@@ -95,13 +95,9 @@ async def test_submit_show_list_cancel_as_over_nats(
 
     status, body = await api.call("DELETE", f"/v1/jobs/{job_id}")
     assert status == 200 and body["job"]["state"] == "CANCELLED"
-    status, body = await api.call("POST", f"/v1/jobs/{job_id}/cancel")
-    assert status == 409 and body == {
-        "v": 1,
-        "ok": False,
-        "code": "conflict",
-        "error": f"job {job_id} already ended CANCELLED",
-    }
+    # Again (a retry whose answer was lost): the same cancelled job.
+    status, again = await api.call("POST", f"/v1/jobs/{job_id}/cancel")
+    assert status == 200 and again["job"] == body["job"]
 
 
 async def test_tokens_are_required_and_name_the_tenant(

@@ -171,9 +171,15 @@ async def test_a_cancellation_ends_the_job_and_stops_its_parts() -> None:
     assert cancelled.state is JobState.CANCELLED and cancelled.finished_at == NOW
     assert p.shell.state.jobs["7"].state is JobState.CANCELLED
     assert [(s.job_id, s.node, s.attempt) for s in p.shell.stops] == [("7", "n1", running.attempt)]
-    with pytest.raises(ApiError) as again:
-        await p.submissions.cancel("default", "7")
-    assert again.value.code == "conflict" and "already ended CANCELLED" in again.value.message
+    # Asked again (a retry whose answer was lost): the same job, and nothing more done.
+    again = await p.submissions.cancel("default", "7")
+    assert again == p.shell.state.jobs["7"] and len(p.shell.stops) == 1
+    assert [c.kind for c in p.shell.causes] == [CauseKind.CANCELLED]
+    finished = p.shell.add_job(8, gpus=1, node="n1")
+    p.shell.state.jobs["8"] = finished.model_copy(update={"state": JobState.SUCCEEDED})
+    with pytest.raises(ApiError) as ended:
+        await p.submissions.cancel("default", "8")
+    assert ended.value.code == "conflict" and "already ended SUCCEEDED" in ended.value.message
 
 
 async def test_only_its_tenant_may_cancel_a_job() -> None:
