@@ -56,7 +56,9 @@ class History:
         # The last sequence written or handed to the writer.
         self.last_seq_seen = self.last_seq()
         if path is not None:
-            self._writer = _Writer(path)
+            # A file left with a hole (a group whose write failed before a restart) is
+            # filled again from the hole on.
+            self._writer = _Writer(path, failed_from=self._first_hole())
 
     def _ensure_tables(self) -> None:
         db = self.db
@@ -118,9 +120,36 @@ class History:
             db.execute("ALTER TABLE attempts ADD COLUMN failure_class TEXT")
 
     def last_seq(self) -> int:
+        """The last sequence the history holds every entry up to: before a group whose
+        write failed (the writer keeps the first such sequence until it is written),
+        else the last it holds."""
         self.flush()
         row = self.db.execute("SELECT MAX(seq) FROM events").fetchone()
-        return int(row[0]) if row and row[0] is not None else 0
+        last = int(row[0]) if row and row[0] is not None else 0
+        failed_from = self._writer.failed_from if self._writer is not None else None
+        return last if failed_from is None else min(last, failed_from - 1)
+
+    def rewind(self) -> int:
+        """Before a replay into the history: `last_seq`, and entries after it count as
+        not yet handed over (`last_seq_seen`), so that the replay writes them again."""
+        self.last_seq_seen = self.last_seq()
+        return self.last_seq_seen
+
+    def _first_hole(self) -> int | None:
+        """The first sequence missing below the last the file holds (the log has every
+        entry from 1 on), or None."""
+        low, high, count = self.db.execute(
+            "SELECT MIN(seq), MAX(seq), COUNT(*) FROM events"
+        ).fetchone()
+        if not count or (low == 1 and count == high):
+            return None
+        if low > 1:
+            return 1
+        row = self.db.execute(
+            "SELECT MIN(seq) + 1 FROM events AS e "
+            "WHERE NOT EXISTS (SELECT 1 FROM events WHERE seq = e.seq + 1)"
+        ).fetchone()
+        return int(row[0])
 
     def record_many(self, entries: Iterable[tuple[StateRecord, int]]) -> None:
         """Log entries with their sequences, in one transaction.
@@ -202,10 +231,13 @@ class History:
 
 class _Writer:
     """A thread writing rows to the history's file, a transaction per group handed
-    over, in order. A group that fails is logged and dropped (the log has its records,
-    and a brain that finds the history behind fills it again)."""
+    over, in order. A group that fails is logged and dropped: the log has its records,
+    and `failed_from` keeps its first sequence until a group from there on is written,
+    so the history says it is behind from there (`History.last_seq`) and a brain that
+    loads fills it again."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, failed_from: int | None = None) -> None:
+        self.failed_from = failed_from
         # Opened here, so that a file that cannot be opened says so at once; used only
         # by the thread.
         self._conn = sqlite3.connect(path, check_same_thread=False)
@@ -237,11 +269,16 @@ class _Writer:
                     if rows is None:
                         return
                     rows.write(self._conn)
+                    if self.failed_from is not None and rows.first_seq <= self.failed_from:
+                        self.failed_from = None  # filled again from the first failed on
                 except Exception:
                     assert rows is not None
+                    if self.failed_from is None or rows.first_seq < self.failed_from:
+                        self.failed_from = rows.first_seq
                     log.exception(
-                        "history write failed for seq %d to %d; the log has them",
-                        rows.events[0][0],
+                        "history write failed for seq %d to %d; the log has them, and a "
+                        "brain that loads writes them again",
+                        rows.first_seq,
                         rows.last_seq,
                     )
                 finally:
@@ -301,6 +338,7 @@ class _Rows:
     events: list[Row] = field(default_factory=list)
     jobs: list[Row] = field(default_factory=list)
     attempts: list[tuple[str, Row]] = field(default_factory=list)
+    first_seq: int = 0
     last_seq: int = 0
 
     def write(self, conn: sqlite3.Connection) -> None:
@@ -313,6 +351,7 @@ class _Rows:
                 conn.execute(statement, row)
 
     def add(self, record: StateRecord, seq: int) -> None:
+        self.first_seq = seq if not self.events else min(self.first_seq, seq)
         self.last_seq = max(self.last_seq, seq)
         self.events.append(
             (

@@ -90,7 +90,7 @@ class Replica:
             loaded = time.monotonic()
             # The history may be behind the snapshot (a new or lost sqlite file): fill it
             # from the log, folding into state only what the snapshot lacks.
-            start = min(self.history.last_seq(), self.state.last_seq) + 1
+            start = min(self.history.rewind(), self.state.last_seq) + 1
             replayed = await self._replay(start)
             gc.freeze()
         self.replayed_at_load = replayed
@@ -111,7 +111,15 @@ class Replica:
         await self.load()
 
     async def catch_up(self) -> int:
-        return await self._replay(self.state.last_seq + 1)
+        """Replay what state lacks, and what the history lacks (a group whose write
+        failed: `History.last_seq`), from the earlier of the two. A history that cannot
+        be read is left as it is: it is a projection, and a takeover does not wait on it."""
+        try:
+            written = self.history.rewind()
+        except Exception:
+            log.exception("reading the history failed; what it lacks is not written now")
+            written = self.state.last_seq
+        return await self._replay(min(written, self.state.last_seq) + 1)
 
     async def _replay(self, start: int) -> int:
         count = 0

@@ -1,15 +1,20 @@
 """The brain's sqlite history (brain/history.py) as `alnair history` reads it: one row per
-attempt, closed however the attempt ended. No server."""
+attempt, closed however the attempt ended; and a group it failed to write is written
+again. No server."""
 
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import pytest
 
+from brain import history as history_module
 from brain.history import History
 from schemas.api import AttemptRow
 from schemas.jobs import AttemptFailure, FailureClass, JobState
 from schemas.state import Cause, CauseKind, JobChanged
-from tests.statelog import START_TS, live_job_record
+from tests.statelog import START_TS, live_job_record, node_record
 
 RUNNING = live_job_record(1, gpus=2, node="n1")
 
@@ -82,3 +87,35 @@ def test_a_closed_attempt_is_not_reopened_or_rewritten_by_a_replay() -> None:
     history.record_many([(later, 3)])
     (row,) = history.attempts("1")
     assert (row["state"], row["ended_at"]) == ("PREEMPTED", START_TS + 10)
+
+
+def test_a_group_whose_write_failed_is_written_again_from_where_it_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The history's thread drops a group it could not write (the log has it). The
+    history then says it holds everything only up to before that group, also when the
+    file is opened again after a restart, so that a brain replaying the log into it
+    from there fills the hole; once it has, it says it holds everything again."""
+    path = tmp_path / "history.db"
+    history = History(path)
+    real_write = history_module._Rows.write
+
+    def fails_at_seq_4(rows: history_module._Rows, conn: sqlite3.Connection) -> None:
+        if rows.events[0][0] == 4:
+            raise sqlite3.OperationalError("database or disk is full")
+        real_write(rows, conn)
+
+    monkeypatch.setattr(history_module._Rows, "write", fails_at_seq_4)
+    history.record_many((node_record(f"n{seq}", 8), seq) for seq in (1, 2, 3))
+    history.record_many((node_record(f"n{seq}", 8), seq) for seq in (4, 5))
+    history.record_many((node_record(f"n{seq}", 8), seq) for seq in (6, 7))
+    assert history.last_seq() == 3
+    monkeypatch.setattr(history_module._Rows, "write", real_write)
+    history.close()
+
+    again = History(path)
+    assert again.last_seq() == 3 and again.rewind() == 3 and again.last_seq_seen == 3
+    again.record_many((node_record(f"n{seq}", 8), seq) for seq in range(4, 8))
+    assert again.last_seq() == 7
+    assert [row["seq"] for row in again.db.table("events").rows] == list(range(1, 8))
+    again.close()
