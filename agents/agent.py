@@ -126,7 +126,11 @@ class Agent:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._heartbeat_seq = 0
         self.launcher = Launcher(
-            config.data_dir / "logs", self._on_exit, clock=clock, confinement=config.confinement
+            config.data_dir / "logs",
+            self._on_exit,
+            clock=clock,
+            confinement=config.confinement,
+            gpu_memory_mib=self._gpu_memory_mib,
         )
         # Attempts started here whose exit is not yet stored: what a crash leaves behind.
         self.ledger = ProcessLedger(config.data_dir / "processes")
@@ -671,6 +675,10 @@ class Agent:
         await self.launcher.stop(
             command.job_id, command.attempt, reason=command.reason, grace_s=command.grace_s
         )
+
+    def _gpu_memory_mib(self, index: int) -> int | None:
+        """The memory of this node's GPU `index` (None: no such GPU)."""
+        return next((g.memory_mib for g in self.backend.inventory() if g.index == index), None)
 
     async def _on_exit(self, job: JobProcess, status: ExitStatus) -> None:
         how = f"code {status.exit_code}" if status.signal is None else f"signal {status.signal}"

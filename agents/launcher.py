@@ -166,8 +166,12 @@ class Launcher:
         base_env: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.time,
         confinement: Confinement | None = None,
+        gpu_memory_mib: Callable[[int], int | None] | None = None,
     ) -> None:
+        """`gpu_memory_mib`: a GPU's memory by index (None: not known), for the shares'
+        memory limits on it."""
         self.log_dir = log_dir
+        self._gpu_memory_mib = gpu_memory_mib
         self._confinement = confinement
         self._on_exit = on_exit
         self._base_env = dict(os.environ if base_env is None else base_env)
@@ -323,16 +327,31 @@ class Launcher:
 
     def _holders(self, request: LaunchRequest) -> list[JobProcess]:
         """Running processes in the way of this launch: any on its GPUs, unless it is a
-        share and they are shares that fit in one GPU with it, or a shareable job the
-        brain put it beside."""
+        share and they are shares that fit in one GPU with it, shares and memory limits
+        alike, or a shareable job the brain put it beside."""
         holders = [p for p in self.running() if set(p.gpus) & set(request.gpus)]
         if request.gpu_milli is None or any(
             p.gpu_milli is None and not p.shareable for p in holders
         ):
             return holders
-        if sum(p.gpu_milli or 0 for p in holders) + request.gpu_milli <= 1000:
-            return []
-        return holders
+        if sum(p.gpu_milli or 0 for p in holders) + request.gpu_milli > 1000:
+            return holders
+        return [] if self._limits_fit(request, holders) else holders
+
+    def _limits_fit(self, request: LaunchRequest, holders: list[JobProcess]) -> bool:
+        """Whether the memory limits of the shares on this share's GPU, with its own,
+        fit the GPU (MPS holds each to its limit; together they must not promise more
+        than there is). The brain places by the same reckoning: this only catches a
+        launch that came before the share it replaces has gone."""
+        limit, known = request.gpu_memory_mib, self._gpu_memory_mib
+        if limit is None or known is None:
+            return True
+        for gpu in request.gpus:
+            total = known(gpu)
+            shares = [p for p in holders if gpu in p.gpus and p.gpu_milli is not None]
+            if total and sum(p.gpu_memory_mib or 0 for p in shares) + limit > total:
+                return False
+        return True
 
     def shares(self) -> list[JobProcess]:
         """Running jobs that hold a share of a GPU."""

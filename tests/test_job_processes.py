@@ -327,3 +327,40 @@ async def test_one_clusters_attempt_ending_leaves_anothers_of_the_same_name(
         await first.remove()
         for tree in trees:
             tree.remove_empty()
+
+
+async def test_a_share_whose_memory_limit_does_not_fit_beside_the_others_waits(
+    tmp_path: Path,
+) -> None:
+    """Shares run together on a GPU while their shares and their memory limits fit it;
+    one whose limit would promise more memory than the GPU has beside the others is
+    refused (retryably) rather than started: the brain placed it for after a share
+    that is still there."""
+
+    async def on_exit(job: JobProcess, status: ExitStatus) -> None:
+        pass
+
+    launcher = Launcher(tmp_path / "logs", on_exit, gpu_memory_mib={0: 16_384}.get)
+
+    def share(job_id: str, milli: int, memory_mib: int) -> LaunchRequest:
+        return LaunchRequest(
+            job_id=job_id,
+            attempt=1,
+            gpus=(0,),
+            command=SLEEP,
+            env={"ALNAIR_JOB_ID": job_id, "ALNAIR_ATTEMPT": "1", "ALNAIR_NODE": "n1"},
+            cwd=None,
+            gpu_milli=milli,
+            gpu_memory_mib=memory_mib,
+        )
+
+    try:
+        await launcher.launch(share("1", 500, 10_000))
+        with pytest.raises(launcher_module.LaunchError) as refused:
+            await launcher.launch(share("2", 400, 8_000), gpu_wait_s=0.1)
+        assert refused.value.retryable and "held by job 1 attempt 1" in str(refused.value)
+        await launcher.launch(share("3", 400, 6_000))
+        assert sorted(p.job_id for p in launcher.running()) == ["1", "3"]
+    finally:
+        await launcher.stop_all(reason="test over", grace_s=5.0)
+        await launcher.wait_idle()
