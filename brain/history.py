@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import sqlite_utils
 
@@ -53,12 +53,12 @@ class History:
             self.db = sqlite_utils.Database(memory=True)
         self._ensure_tables()
         self._writer: _Writer | None = None
-        # The last sequence written or handed to the writer.
-        self.last_seq_seen = self.last_seq()
         if path is not None:
             # A file left with a hole (a group whose write failed before a restart) is
             # filled again from the hole on.
             self._writer = _Writer(path, failed_from=self._first_hole())
+        # The last sequence written or handed to the writer.
+        self.last_seq_seen = self.last_seq()
 
     def _ensure_tables(self) -> None:
         db = self.db
@@ -338,8 +338,12 @@ class _Rows:
     events: list[Row] = field(default_factory=list)
     jobs: list[Row] = field(default_factory=list)
     attempts: list[tuple[str, Row]] = field(default_factory=list)
-    first_seq: int = 0
     last_seq: int = 0
+
+    @property
+    def first_seq(self) -> int:
+        """The first entry's sequence (entries come in log order)."""
+        return cast(int, self.events[0][0])
 
     def write(self, conn: sqlite3.Connection) -> None:
         """In one transaction."""
@@ -351,7 +355,6 @@ class _Rows:
                 conn.execute(statement, row)
 
     def add(self, record: StateRecord, seq: int) -> None:
-        self.first_seq = seq if not self.events else min(self.first_seq, seq)
         self.last_seq = max(self.last_seq, seq)
         self.events.append(
             (

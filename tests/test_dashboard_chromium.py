@@ -106,6 +106,22 @@ async def chromium(binary: str, profile_dir: Path) -> AsyncIterator[DevTools]:
         await process.wait()
 
 
+def chromium_or_skip() -> str:
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip(f"no Chromium found (looked for {', '.join(CHROMIUM_NAMES)} on PATH)")
+    return binary
+
+
+@contextlib.asynccontextmanager
+async def dashboard(binary: str, api: Api, tmp_path: Path) -> AsyncIterator[DevTools]:
+    """Chromium on the API's dashboard, signed in as the operator."""
+    async with chromium(binary, tmp_path / "chromium-profile") as browser:
+        await browser.call("Page.enable")
+        await browser.call("Page.navigate", url=f"{api.url}/#token={TOKENS['operator']}")
+        yield browser
+
+
 PAGE_STATE = """JSON.stringify({
   text: document.body.innerText,
   cells: document.querySelectorAll('.gpu-cell').length,
@@ -128,9 +144,7 @@ async def test_dashboard_shows_the_job_and_the_gpus(
     api_factory: Callable[..., Awaitable[Api]],
     tmp_path: Path,
 ) -> None:
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip(f"no Chromium found (looked for {', '.join(CHROMIUM_NAMES)} on PATH)")
+    binary = chromium_or_skip()
     brain = await brain_factory(queues=(QueueQuota("research", 1),))
     await agent_factory("gpu-node-1", gpus=4, model="H100")
     api = await api_factory(brain)
@@ -141,9 +155,7 @@ async def test_dashboard_shows_the_job_and_the_gpus(
     await api.call("POST", "/v1/jobs", "bob", json=waiting)
     await eventually(lambda: brain.state.jobs[job_id].state.value == "RUNNING")
 
-    async with chromium(binary, tmp_path / "chromium-profile") as browser:
-        await browser.call("Page.enable")
-        await browser.call("Page.navigate", url=f"{api.url}/#token={TOKENS['operator']}")
+    async with dashboard(binary, api, tmp_path) as browser:
 
         async def shows_everything() -> dict[str, Any] | None:
             state = json.loads(await browser.evaluate(PAGE_STATE) or "{}")
@@ -189,9 +201,7 @@ async def test_dashboard_names_the_jobs_sharing_a_gpu(
 ) -> None:
     """A shareable job holds its GPU whole and a share joins it: the GPU's cell names
     both, the host and the guest with its share."""
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip(f"no Chromium found (looked for {', '.join(CHROMIUM_NAMES)} on PATH)")
+    binary = chromium_or_skip()
     brain = await brain_factory()
     await agent_factory("gpu-node-1", gpus=1, model="H100")
     api = await api_factory(brain)
@@ -209,9 +219,7 @@ async def test_dashboard_names_the_jobs_sharing_a_gpu(
     )
     await eventually(lambda: brain.state.jobs[guest].state is JobState.RUNNING)
 
-    async with chromium(binary, tmp_path / "chromium-profile") as browser:
-        await browser.call("Page.enable")
-        await browser.call("Page.navigate", url=f"{api.url}/#token={TOKENS['operator']}")
+    async with dashboard(binary, api, tmp_path) as browser:
         cell = "Array.from(document.querySelectorAll('.gpu-cell .job')).map(s => s.textContent)"
 
         async def named() -> list[str] | None:
