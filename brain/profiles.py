@@ -36,7 +36,7 @@ from brain.core.model import UtilizationProfile
 from schemas.jobs import JobRecord, JobState
 from schemas.profiles import JobProfile
 from schemas.state import JobChanged, StateRecord
-from schemas.telemetry import GpuSample, TelemetryBatch
+from schemas.telemetry import GpuSample, GpuShares, ShareUse, TelemetryBatch
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +301,16 @@ def analyse(
     )
 
 
+def _own(sample: GpuSample, job_id: str, shares: Sequence[ShareUse]) -> GpuSample:
+    """A GPU's sample as one of its jobs' own: its memory less what the GPU's other
+    shares use, as its agent last reported them. A host's profile is then its own, for
+    the room beside it (`host_room`) and the pressure on it (`memory_pressure`)."""
+    others = sum(s.memory_used_mib or 0.0 for s in shares if s.job_id != job_id)
+    if not others:
+        return sample
+    return sample.model_copy(update={"mem_used_mib": max(0.0, sample.mem_used_mib - others)})
+
+
 def _pct(value: float) -> float:
     return round(min(100.0, max(0.0, value)), 2)
 
@@ -381,6 +391,9 @@ class _Track:
     fresh_samples: bool = False
     # The (node, GPU) pairs the attempt holds, as last followed.
     held: tuple[tuple[str, int], ...] = ()
+    # Other jobs' shares may run on its GPUs (it is shareable, or a share itself): its
+    # samples' memory is the GPU's less theirs (`_own`).
+    beside: bool = False
 
     def add(self, node: str, ts: float, samples: Sequence[GpuSample], window_s: float) -> None:
         for sample in samples:
@@ -434,8 +447,10 @@ class Profiler:
         store: ProfileStore,
         settings: ProfileSettings | None = None,
         clock: Callable[[], float] = time.time,
+        shares: Callable[[str], Sequence[GpuShares]] = lambda node: (),
     ) -> None:
         self._running_jobs = running_jobs
+        self._shares = shares
         self.store = store
         self.settings = settings or ProfileSettings()
         self.clock = clock
@@ -468,10 +483,16 @@ class Profiler:
         if not held:
             return
         by_track: dict[str, list[GpuSample]] = {}
+        shared: dict[int, tuple[ShareUse, ...]] | None = None
         for sample in batch.samples:
             track = held.get(sample.index)
-            if track is not None:
-                by_track.setdefault(track.job_id, []).append(sample)
+            if track is None:
+                continue
+            if track.beside:
+                if shared is None:
+                    shared = {gpu.index: gpu.jobs for gpu in self._shares(batch.node)}
+                sample = _own(sample, track.job_id, shared.get(sample.index, ()))
+            by_track.setdefault(track.job_id, []).append(sample)
         for job_id, samples in by_track.items():
             track = self._tracks[job_id]
             track.add(batch.node, batch.ts, samples, self.settings.window_s)
@@ -564,6 +585,7 @@ class Profiler:
             self._tracks[job.job_id] = track
             self._queue(track)
         track.gpus = job.gpu_count
+        track.beside = job.spec.shareable or job.spec.gpu_milli is not None
         held = tuple((grant.node, gpu) for grant in job.grants for gpu in grant.gpus)
         if held != track.held:
             self._let_go(track)

@@ -452,6 +452,7 @@ def preemption(action: Preempt) -> Preemption:
             gpu=cause.gpu,
             forecast_mem_mib=cause.forecast_mem_mib,
             gpu_memory_mib=cause.gpu_memory_mib,
+            guest_memory_mib=cause.guest_memory_mib,
         )
     if isinstance(cause, QuotaReclaim):
         return Preemption(

@@ -265,6 +265,7 @@ class Brain:
             lambda: self.state.jobs_in(JobState.RUNNING),
             store=ProfileStore(profiles_path(self.config.history_path)),
             clock=clock,
+            shares=self.shares,
         )
         self.telemetry_observers.append(self.profiles.observe)
         self.record_observers.append(self.profiles.on_record)

@@ -77,11 +77,13 @@ class Preemption(BaseModel):
     order: str | None = None
     winner_rank: str | None = None
     victim_rank: str | None = None
-    # memory_pressure: the GPU, its forecast memory and what it has (MiB).
+    # memory_pressure: the GPU, the host's own forecast memory, what the GPU has and
+    # what the shares on it may use, this one's included (MiB).
     node: str | None = None
     gpu: int | None = Field(default=None, ge=0)
     forecast_mem_mib: float | None = Field(default=None, ge=0)
     gpu_memory_mib: int | None = Field(default=None, ge=0)
+    guest_memory_mib: int | None = Field(default=None, ge=0)
 
 
 class Cause(BaseModel):

@@ -32,7 +32,7 @@ from brain.profiles import (
 )
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.state import Cause, CauseKind, JobChanged
-from schemas.telemetry import GpuSample, TelemetryBatch
+from schemas.telemetry import GpuSample, GpuShares, ShareUse, TelemetryBatch
 from tests.data.telemetry.record import load
 
 # -- the numbers ------------------------------------------------------------------------
@@ -328,6 +328,57 @@ def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
     change({"state": JobState.SUCCEEDED, "finished_at": 4.0}, 4)
     assert "7" not in profiler._tracks
     assert profiler._holders == {}
+
+
+def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests() -> None:
+    """On a shareable job's GPU, the GPU's memory less what its shares use (as the
+    node's heartbeat says) is the host's: its guests neither fill the room it leaves
+    nor press it to move them."""
+    host = _job((0, 1)).model_copy(
+        update={"spec": JobSpec(command=("train",), gpus=2, shareable=True)}
+    )
+    share = JobRecord(
+        job_id="8",
+        tenant="alice",
+        spec=JobSpec(command=("infer",), gpus=1, gpu_milli=250, gpu_memory_mib=20_000),
+        state=JobState.RUNNING,
+        attempt=1,
+        submitted_at=0.0,
+        started_at=0.0,
+        grants=(NodeGrant(node="rec", gpus=(1,)),),
+    )
+    shares = (
+        GpuShares(
+            index=1,
+            jobs=(ShareUse(job_id="8", attempt=1, gpu_milli=250, memory_used_mib=12_000.0),),
+            enforcement="accounted",
+        ),
+    )
+    profiler = Profiler(
+        lambda: [host, share],
+        store=ProfileStore(None),
+        clock=lambda: 100.0,
+        shares=lambda node: shares if node == "rec" else (),
+    )
+    for ts in range(20):
+        samples = tuple(
+            GpuSample(
+                index=i,
+                util_gpu_pct=20.0,
+                util_mem_pct=10.0,
+                mem_used_mib=used,
+                mem_total_mib=81_920.0,
+                power_w=100.0,
+                temp_c=40.0,
+                sm_clock_mhz=1500.0,
+                mem_clock_mhz=1500.0,
+            )
+            for i, used in ((0, 16_000.0), (1, 28_000.0))
+        )
+        profiler.observe(TelemetryBatch(node="rec", ts=float(ts), samples=samples))
+    profile = profiler.current()["7"]
+    assert profile.mem_peak_mib == 16_000.0
+    assert profile.forecast_mem_mib == pytest.approx(16_000.0)
 
 
 @settings(max_examples=200, deadline=None)

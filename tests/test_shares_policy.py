@@ -679,19 +679,33 @@ def test_a_colocated_share_moves_off_before_the_gpu_runs_out_of_memory() -> None
     nodes = (node("n", 1, held=frozenset({0})), node("m", 1))
     older = share("older", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
     newer = share("newer", 250, 10_000, grants=(Grant("n", (0,)),), started_at=2.0)
+    # The host's own memory (its profile leaves its guests out) beside what its guests'
+    # limits hold (20,000 of 81,920 MiB): under 90 % of the 61,920 they leave.
     calm = ClusterSnapshot(nodes, (), (_host(20.0, 50_000), older, newer))
     assert not decide(calm, 100.0).preemptions
-    # The host's GPU (its profile counts every process on it) nears its 81920 MiB.
-    pressed = ClusterSnapshot(nodes, (), (_host(20.0, 76_000), older, newer))
+    # Over it: the later share moves, and that leaves the host room enough.
+    pressed = ClusterSnapshot(nodes, (), (_host(20.0, 60_000), older, newer))
     (move,) = decide(pressed, 100.0).preemptions
     assert move.job_id == "newer"
     assert isinstance(move.cause, MemoryPressure)
-    assert move.reason.startswith("memory pressure: GPU 0 of n, shared with job host")
+    assert move.reason == (
+        "memory pressure: GPU 0 of n, shared with job host, is forecast to use 60000 MiB "
+        "besides the 20000 its shares may use, of 81920 MiB; moved off before it runs out "
+        "of memory"
+    )
+    # Grown further, both move, the latest first, in one decision.
+    grown = ClusterSnapshot(nodes, (), (_host(20.0, 76_000), older, newer))
+    moves = decide(grown, 100.0).preemptions
+    assert [p.job_id for p in moves] == ["newer", "older"]
+    assert [p.cause.guest_memory_mib for p in moves if isinstance(p.cause, MemoryPressure)] == [
+        20_000,
+        10_000,
+    ]
     # Started together: the later job moves, by the job order every order breaks ties by
     # (job 10 after job 9, although "10" < "9" as text).
     nine = share("9", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
     ten = share("10", 250, 10_000, grants=(Grant("n", (0,)),), started_at=1.0)
-    tied = ClusterSnapshot(nodes, (), (_host(20.0, 76_000), ten, nine))
+    tied = ClusterSnapshot(nodes, (), (_host(20.0, 60_000), ten, nine))
     (move,) = decide(tied, 100.0).preemptions
     assert move.job_id == "10"
 

@@ -531,20 +531,23 @@ class Outranked:
 @record
 class MemoryPressure:
     """A share co-located on a shareable job's GPU is moved off before the GPU runs out
-    of memory: the GPU's forecast memory (the host job's profile, which counts every
-    process on its GPU) neared what the GPU has."""
+    of memory: the host's own forecast memory (its profile leaves its guests out) neared
+    what the guests' memory (`guest_memory_mib`, theirs as reckoned when it was moved,
+    this share's included) leaves of the GPU's."""
 
     host_job: str
     node: str
     gpu: int
     forecast_mem_mib: float
     gpu_memory_mib: int
+    guest_memory_mib: int
 
     def describe(self) -> str:
         return (
             f"memory pressure: GPU {self.gpu} of {self.node}, shared with job "
-            f"{self.host_job}, is forecast to use {self.forecast_mem_mib:.0f} of "
-            f"{self.gpu_memory_mib} MiB; moved off before it runs out of memory"
+            f"{self.host_job}, is forecast to use {self.forecast_mem_mib:.0f} MiB besides "
+            f"the {self.guest_memory_mib} its shares may use, of {self.gpu_memory_mib} MiB; "
+            "moved off before it runs out of memory"
         )
 
 

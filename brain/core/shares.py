@@ -202,9 +202,15 @@ def host_room(job: JobView) -> tuple[int, float] | None:
 
 
 def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
-    """Shares to move off co-located GPUs before they run out of memory: per GPU of a
-    running shareable job whose forecast memory (its profile counts every process on
-    its GPUs) reaches `MEMORY_PRESSURE` of the GPU's, the share that came last."""
+    """Shares to move off co-located GPUs before they run out of memory.
+
+    A host's profile is its own memory (brain/profiles.py leaves its guests' out), and
+    each guest may use its `share_memory_mib`: what admission reckoned it at, and what
+    MPS holds it to. Per GPU of a running shareable job, while the host's peak or
+    forecast reaches `MEMORY_PRESSURE` of what its guests leave of the GPU, the guest
+    that came last moves (ties: the later job, as every order breaks them). Moving
+    below admission's reckoning (1 / `HOST_MEMORY_MARGIN` of the same) keeps a guest
+    from coming back to a GPU it would be moved off again."""
     hosts = [j for j in snapshot.running if j.shareable and not j.shared and j.profile]
     if not hosts:
         return []
@@ -224,14 +230,24 @@ def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
             total = memory.get(grant.node, 0)
             for gpu in grant.gpus:
                 here = [g for g in guests.get((grant.node, gpu), ()) if g.job_id not in moved]
-                if not here or not total or forecast < MEMORY_PRESSURE * total:
+                if not here or not total:
                     continue
-                # The last to start moves (ties: the later job, as every order breaks them).
-                last = max(here, key=lambda g: (g.started_at or 0.0, job_sequence(g.job_id)))
-                moved.add(last.job_id)
-                cause = MemoryPressure(host.job_id, grant.node, gpu, forecast, total)
-                moves.append(Preempt(last.job_id, last.grants, cause))
+                here.sort(key=lambda g: (g.started_at or 0.0, job_sequence(g.job_id)))
+                held = {g.job_id: _share_memory(g, total) for g in here}
+                beside = sum(held.values())
+                while here and forecast >= MEMORY_PRESSURE * (total - beside):
+                    last = here.pop()
+                    moved.add(last.job_id)
+                    cause = MemoryPressure(host.job_id, grant.node, gpu, forecast, total, beside)
+                    moves.append(Preempt(last.job_id, last.grants, cause))
+                    beside -= held[last.job_id]
     return moves
+
+
+def _share_memory(job: JobView, gpu_mib: int) -> int:
+    """The GPU memory a running share holds (`share_memory_mib`)."""
+    assert job.demand is not None
+    return share_memory_mib(job.demand.gpu_milli, job.demand.gpu_memory_mib, gpu_mib)
 
 
 class _KeptCluster:
