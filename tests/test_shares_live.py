@@ -1,6 +1,7 @@
 """Shared GPUs end to end with simulated GPUs: a real nats-server, a brain, simulated
 agents and real processes. Two half-GPU jobs share one GPU and get their MPS limits;
-a GPU type no node has is refused at submission; a share over its GPU memory limit is
+a GPU type no node has is refused at submission, and one larger than a node
+runs on several; a share over its GPU memory limit is
 stopped by its agent and classified as its own failure. (No MPS daemon runs here:
 simulated GPUs account for shares and say nothing is enforced.)"""
 
@@ -105,6 +106,14 @@ async def test_a_type_no_node_has_is_refused_at_submit(brain_factory, agent_fact
     )
     job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
     assert job.state is JobState.SUCCEEDED
+    # Whole GPUs of a type, more than one node has, asking no CPUs or memory: on as many
+    # nodes of the type as it takes.
+    await agent_factory("n2", gpus=2, model="A100")
+    await eventually(lambda: "n2" in brain.state.nodes)
+    job_id = await submit(brain.api, JobSpec(command=("true",), gpus=4, gpu_types=("A100",)))
+    job = await eventually(lambda: (j := brain.state.jobs[job_id]).state.terminal and j)
+    assert job.state is JobState.SUCCEEDED
+    assert sorted((g.node, g.gpus) for g in job.grants) == [("n1", (0, 1)), ("n2", (0, 1))]
 
 
 async def test_an_unconfined_agent_says_the_memory_and_cpus_it_does_not_enforce(

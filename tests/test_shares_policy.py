@@ -31,7 +31,7 @@ from brain.core.model import (
     UtilizationProfile,
     Wait,
 )
-from brain.core.shares import host_room, model_matches, never_fits
+from brain.core.shares import host_room, model_matches, never_fits, spreads
 from brain.core.sharing import SHARING_PLUGINS, share_memory_mib
 from schemas.jobs import JobSpec, share_request
 
@@ -138,6 +138,13 @@ def test_gpu_types_match_words_of_the_model() -> None:
         (Demand(gpu_types=("A100",), memory_mib=100_000), 1, "memory_mib:"),
         (Demand(gpu_types=("H100",), memory_mib=100_000), 1, None),
         (Demand(gpu_milli=250, gpu_memory_mib=20_480), 1, None),
+        # Whole GPUs asking nothing of a node's CPUs or memory go on several nodes:
+        # the type's nodes together have enough, or they do not.
+        (Demand(gpu_types=("A100", "H100")), 10, None),
+        (Demand(gpu_types=("H100",)), 16, "gpus: asks 16 GPUs; the nodes that fit the rest have 8"),
+        (Demand(gpu_types=("A100",)), 4, "gpus: asks 4 GPUs; the nodes that fit the rest have 2"),
+        (Demand(gpu_memory_mib=100_000), 4, "gpu_memory_mib: asks 100000 MiB per GPU"),
+        (Demand(gpu_types=("H100",), cpu_milli=1000), 16, "gpus: asks 16 GPUs (a job that"),
     ],
 )
 def test_what_no_node_could_ever_run_is_refused(
@@ -258,6 +265,29 @@ def test_types_cpus_and_memory_choose_the_node() -> None:
     nowhere = JobView("x", 1, 2.0, demand=Demand(gpu_types=("V100",)))
     (wait,) = decide(ClusterSnapshot(nodes, (nowhere,)), 100.0).waits
     assert "no schedulable GPU of type V100" in wait.reason
+
+
+def test_a_typed_job_larger_than_a_node_goes_on_several_of_its_type() -> None:
+    """Whole GPUs of a type, asking no CPUs or memory, are placed as a job without a
+    demand where no one node has room: on the fewest nodes of that type."""
+    nodes = (
+        node("a0", 8, model=A100),
+        node("h0", 8),
+        node("h1", 8),
+        node("h2", 8, held=frozenset(range(6))),
+    )
+    big = JobView("big", 16, 0.0, demand=Demand(gpu_types=("H100",)))
+    (place,) = decide(ClusterSnapshot(nodes, (big,)), 100.0).placements
+    assert place.grants == (Grant("h0", tuple(range(8))), Grant("h1", tuple(range(8))))
+    assert "16 whole GPUs, type H100, placed by consolidate" in place.reason
+    # One node that has room is the sharing placement's, as before.
+    small = JobView("small", 2, 0.0, demand=Demand(gpu_types=("H100",)))
+    assert places(ClusterSnapshot(nodes, (small,))) == {"small": (Grant("h2", (6, 7)),)}
+    # Not enough of the type free: it waits, saying so; the A100s are not for it.
+    (wait,) = decide(ClusterSnapshot(nodes, (replace(big, gpus=20),)), 100.0).waits
+    assert wait.reason.endswith(
+        "needs 20 GPUs; 18 free of 24 schedulable on nodes with GPUs of type H100"
+    )
 
 
 def test_a_share_that_waits_is_told_only_what_it_asked_for() -> None:
@@ -385,7 +415,7 @@ def _check(running: dict[str, JobView]) -> None:
     ram: dict[str, int] = defaultdict(int)
     for job in running.values():
         demand = job.demand
-        assert len(job.grants) == 1 or demand is None
+        assert len(job.grants) == 1 or demand is None or spreads(demand, job.gpus)
         for grant in job.grants:
             view = CAPACITY[grant.node]
             if demand is not None:

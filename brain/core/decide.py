@@ -99,6 +99,7 @@ from brain.core.shares import (
     memory_pressure,
     never_fits,
     shares_by_gpu,
+    spreads,
 )
 from brain.core.sharing import SHARING_PLUGINS
 from schemas.errors import AlnairError
@@ -740,7 +741,9 @@ def _placed(
         sharer = cycle.sharer()
         sharer.placed(job, grants)
         colocated = sharer.colocated_with(grants)
-        extra = (describe_demand(job, cycle.policy.share_placement),)
+        # On several nodes, it was placed as a job without a demand is (`_try_place`).
+        plugin = cycle.policy.share_placement if len(grants) == 1 else cycle.policy.placement
+        extra = (describe_demand(job, plugin),)
         extra += (colocated,) if colocated is not None else ()
     if job.job_id in cycle.unavoided:
         extra += (AVOIDANCE_RELEASED,)
@@ -761,7 +764,26 @@ def _try_place(
     """Place on the cycle's ledger, minus the nodes a retried job must avoid (and, for
     a share, the `hidden` GPUs: `_released_ahead`)."""
     if job.demand is not None:
-        return cycle.sharer().place(job, cycle.ledger, job.avoid_nodes, hidden)
+        sharer = cycle.sharer()
+        result = sharer.place(job, cycle.ledger, job.avoid_nodes, hidden)
+        if (
+            isinstance(result, Fit)
+            or result.kind != "no_share_fits"
+            or not spreads(job.demand, job.gpus)
+        ):
+            return result
+        # On no one node: on several, as a job without a demand, of the nodes that fit.
+        types = job.demand.gpu_types
+        wider = cycle.place(
+            request, cycle.ledger.excluding(sharer.unfit(job.demand) | job.avoid_nodes)
+        )
+        if isinstance(wider, Fit):
+            return wider
+        where = f"GPUs of type {'|'.join(types)}" if types else "enough GPU memory"
+        reason = f"{wider.reason} on nodes with {where}"
+        if job.avoid_nodes:
+            reason += f" (avoiding {', '.join(sorted(job.avoid_nodes))}, where it failed)"
+        return NoFit(reason, wider.kind)
     if job.elastic and cycle.elastic.resizes:
         return cycle.elastic.place(job, cycle.ledger, partial=False)
     if not job.avoid_nodes:

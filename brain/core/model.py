@@ -47,8 +47,10 @@ class NodeView:
 class Demand:
     """What a job asks beyond whole GPUs: a share of one GPU (`gpu_milli` < 1000), GPU
     memory per GPU, allowed GPU models, CPUs and memory on its node. A job with a
-    demand is placed on one node through the sharing ledger (brain/core/shares.py);
-    one without (None) keeps the whole-GPU placement."""
+    demand is placed through the sharing ledger (brain/core/shares.py), on one node;
+    one that asks whole GPUs and no CPUs or memory (`shares.spreads`) may, where no one
+    node has room, go on several, as the whole-GPU placement puts a job without a
+    demand (None), on the nodes whose GPUs satisfy it."""
 
     gpu_milli: int = 1000
     gpu_memory_mib: int = 0

@@ -77,6 +77,13 @@ def allowed_models(types: Sequence[str], models: Iterable[str]) -> frozenset[str
     return frozenset(m for m in models if any(model_matches(m, t) for t in types))
 
 
+def spreads(demand: Demand, gpus: int) -> bool:
+    """Whether a job with this demand may run on several nodes: whole GPUs, more than
+    one, and nothing asked of a node's CPUs or memory (how a job's would divide among
+    its nodes is not said). Its GPU types and GPU memory then narrow the nodes."""
+    return gpus > 1 and not demand.fractional and not demand.cpu_milli and not demand.memory_mib
+
+
 def _gpus_asked(demand: Demand, gpus: int) -> str:
     if demand.fractional:
         return f"{demand.gpu_milli / GPU_MILLI:g} of a GPU"
@@ -119,6 +126,20 @@ def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | No
                 f"gpu_types: no node has GPUs of type {'|'.join(demand.gpu_types)} "
                 f"(models here: {', '.join(models) or 'none'})"
             )
+    if spreads(demand, gpus):
+        # Whole GPUs on as many nodes as it takes, of those whose GPUs satisfy it.
+        if demand.gpu_memory_mib:
+            most = max(n.gpu_memory_mib for n in candidates)
+            candidates = [n for n in candidates if n.gpu_memory_mib >= demand.gpu_memory_mib]
+            if not candidates:
+                return (
+                    f"gpu_memory_mib: asks {demand.gpu_memory_mib} MiB per GPU; the most a "
+                    f"node that fits the rest has is {most} MiB per GPU"
+                )
+        held = sum(len(n.gpus) for n in candidates)
+        if held < gpus:
+            return f"gpus: asks {gpus_said(gpus)}; the nodes that fit the rest have {held} in all"
+        return None
     need = 1 if demand.fractional else gpus
     # (field, asked, what a node has, how to say an amount of it)
     checks: tuple[tuple[str, int, Callable[[NodeView], int], Callable[[int], str]], ...] = (
@@ -138,7 +159,11 @@ def never_fits(demand: Demand, gpus: int, nodes: Sequence[NodeView]) -> str | No
         most = max(has(n) for n in candidates)
         candidates = [n for n in candidates if has(n) >= asked]
         if not candidates:
-            alone = " (a job with a demand runs on one node)" if name == "gpus" else ""
+            alone = (
+                " (a job that asks CPUs or memory, or a share, runs on one node)"
+                if name == "gpus"
+                else ""
+            )
             return (
                 f"{name}: asks {amount(asked)}{alone}; the most a node that fits the rest "
                 f"has is {amount(most)}"
@@ -306,6 +331,7 @@ class SharePlacer:
             self._hold(held)
         self._host_nodes = {node for node, _ in self._hosts}
         self._kept: _KeptCluster | None = None
+        self._unfit: dict[tuple[tuple[str, ...], int], frozenset[str]] = {}
 
     def _mix(self, snapshot: ClusterSnapshot) -> TaskMix:
         """The workload fgd weighs fragment against, as the FGD authors take it from
@@ -357,6 +383,20 @@ class SharePlacer:
             f"{COLOCATE_MAX_UTIL_PCT:g} % leaves none, and its memory is reckoned at "
             f"{HOST_MEMORY_MARGIN:g} x its peak or forecast"
         )
+
+    def unfit(self, demand: Demand) -> frozenset[str]:
+        """The nodes whose GPUs a job with this demand may not have: of another type,
+        or with less memory than it asks per GPU (kept per demand for the cycle)."""
+        key = (demand.gpu_types, demand.gpu_memory_mib)
+        found = self._unfit.get(key)
+        if found is None:
+            found = self._unfit[key] = frozenset(
+                n.name
+                for n in self._nodes
+                if n.gpu_memory_mib < demand.gpu_memory_mib
+                or (demand.gpu_types and not allowed_models(demand.gpu_types, (n.model,)))
+            )
+        return found
 
     def placed(self, job: JobView, grants: tuple[Grant, ...]) -> None:
         if job.demand is not None:
