@@ -216,7 +216,7 @@ class ApiServer:
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
         if isinstance(request, GetJobRequest | HistoryRequest | WhyRequest):
-            return self._about_job(tenant, request, operator=operator)
+            return await self._about_job(tenant, request, operator=operator)
         if isinstance(request, ListJobsRequest):
             jobs, older = self._jobs(tenant, request, operator=operator)
             profiles = brain.profiles.live_profiles(j.job_id for j in jobs)
@@ -262,21 +262,21 @@ class ApiServer:
         )
         return QueuesReply(queues=tuple(statuses), strict=config.strict_queues)
 
-    def _about_job(
+    async def _about_job(
         self, tenant: str, request: GetJobRequest | HistoryRequest | WhyRequest, *, operator: bool
     ) -> JobReply | HistoryReply | WhyReply:
         """One job: its record, its attempts, or why it is where it is. A tenant is
         answered only about its own jobs."""
         brain = self.brain
-        job = self._own_job(tenant, request.job_id, operator=operator)
+        job = await self._own_job(tenant, request.job_id, operator=operator)
         if isinstance(request, GetJobRequest):
             return JobReply(job=job, profile=brain.profiles.job_profile(job.job_id))
         if isinstance(request, HistoryRequest):
-            rows = brain.history.attempts(job.job_id)
+            rows = await brain.history.read_attempts(job.job_id)
             return HistoryReply(job=job, attempts=tuple(AttemptRow(**row) for row in rows))
         # The latest changes with their causes, from the history: a projection of the
         # log that the brain keeps current as it journals.
-        changes, truncated = brain.history.job_changes(job.job_id, request.limit)
+        changes, truncated = await brain.history.read_job_changes(job.job_id, request.limit)
         attained, executed = served(job, brain.clock())
         return WhyReply(
             job=job,
@@ -299,8 +299,8 @@ class ApiServer:
             truncated=truncated,
         )
 
-    def _own_job(self, tenant: str, job_id: str, *, operator: bool = False) -> JobRecord:
-        job = self.brain.job_record(job_id)
+    async def _own_job(self, tenant: str, job_id: str, *, operator: bool = False) -> JobRecord:
+        job = await self.brain.job_record(job_id)
         if job is None or (job.tenant != tenant and not operator):
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
         return job

@@ -10,20 +10,25 @@ goes on (on the loop that sends Launches, a group's transaction took 0.2-0.3 ms,
 now and then up to 16 ms: sqlite checkpoints its write-ahead log in the connection that
 commits). Groups are
 written in the order handed over, one transaction each. A read waits until what was
-handed over before it is written, so a query sees every record stored before it.
+handed over before it is written, so a query sees every record stored before it: the
+brain's queries (`read`) run on that thread, queued behind those groups, so that the loop
+waits neither for the writes nor for the query.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 import sqlite_utils
 
@@ -40,6 +45,8 @@ from schemas.state import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class History:
@@ -174,26 +181,21 @@ class History:
         if self._writer is not None:
             self._writer.flush()
 
+    async def read(self, query: Callable[[sqlite3.Connection], T]) -> T:
+        """`query`'s answer from the history as every group handed over before it left
+        it, without holding up the loop: in a file, on the writer's thread, after those
+        groups (in memory, at once)."""
+        if self._writer is None:
+            return query(self.db.conn)
+        return await asyncio.wrap_future(self._writer.read(query))
+
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
         """Every attempt of a job, oldest first, with the columns `AttemptRow` names."""
         self.flush()
-        columns = {c.name for c in self.db.table("attempts").columns}
-        rows = self.db.table("attempts").rows_where("job_id = ?", [job_id], order_by="attempt")
-        return [
-            {
-                "attempt": r["attempt"],
-                "nodes": r["nodes"] or "",
-                "gpus": r["gpus"] or "",
-                "started_at": r["started_at"],
-                "ended_at": r["ended_at"],
-                "state": r["state"] or "",
-                "exit_code": r["exit_code"],
-                "signal": r["signal"],
-                "failure_class": r["failure_class"] if "failure_class" in columns else None,
-                "reason": r["reason"],
-            }
-            for r in rows
-        ]
+        return _attempts(job_id, self.db.conn)
+
+    async def read_attempts(self, job_id: str) -> list[dict[str, Any]]:
+        return await self.read(partial(_attempts, job_id))
 
     def job_events(self, job_id: str) -> list[dict[str, Any]]:
         self.flush()
@@ -204,29 +206,88 @@ class History:
         and whether older ones were left out. Node events about the job are not
         included: each one the brain acted on has a job record of its own."""
         self.flush()
-        rows = self.db.execute(
-            "SELECT seq, body FROM events WHERE job_id = ? AND state IS NOT NULL "
-            "ORDER BY seq DESC LIMIT ?",
-            [job_id, limit + 1],
-        ).fetchall()
-        changes = [(int(seq), JobChanged.model_validate_json(body)) for seq, body in rows]
-        return changes[:limit][::-1], len(changes) > limit
+        return _job_changes(job_id, limit, self.db.conn)
+
+    async def read_job_changes(
+        self, job_id: str, limit: int
+    ) -> tuple[list[tuple[int, JobChanged]], bool]:
+        return await self.read(partial(_job_changes, job_id, limit))
 
     def last_job(self, job_id: str) -> JobRecord | None:
         """The job as its latest record left it (for a finished job no longer in the
         brain's memory), or None if the history has no record of it."""
         self.flush()
-        row = self.db.execute(
-            "SELECT body FROM events WHERE job_id = ? AND state IS NOT NULL "
-            "ORDER BY seq DESC LIMIT 1",
-            [job_id],
-        ).fetchone()
-        return JobChanged.model_validate_json(row[0]).job if row is not None else None
+        return _last_job(job_id, self.db.conn)
+
+    async def read_last_job(self, job_id: str) -> JobRecord | None:
+        return await self.read(partial(_last_job, job_id))
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self.db.close()
+
+
+def _attempts(job_id: str, conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT attempt, nodes, gpus, started_at, ended_at, state, exit_code, signal, "
+        "failure_class, reason FROM attempts WHERE job_id = ? ORDER BY attempt",
+        [job_id],
+    ).fetchall()
+    return [
+        {
+            "attempt": attempt,
+            "nodes": nodes or "",
+            "gpus": gpus or "",
+            "started_at": started_at,
+            "ended_at": ended_at,
+            "state": state or "",
+            "exit_code": exit_code,
+            "signal": signal,
+            "failure_class": failure_class,
+            "reason": reason,
+        }
+        for (
+            attempt,
+            nodes,
+            gpus,
+            started_at,
+            ended_at,
+            state,
+            exit_code,
+            signal,
+            failure_class,
+            reason,
+        ) in rows
+    ]
+
+
+def _job_changes(
+    job_id: str, limit: int, conn: sqlite3.Connection
+) -> tuple[list[tuple[int, JobChanged]], bool]:
+    rows = conn.execute(
+        "SELECT seq, body FROM events WHERE job_id = ? AND state IS NOT NULL "
+        "ORDER BY seq DESC LIMIT ?",
+        [job_id, limit + 1],
+    ).fetchall()
+    changes = [(int(seq), JobChanged.model_validate_json(body)) for seq, body in rows]
+    return changes[:limit][::-1], len(changes) > limit
+
+
+def _last_job(job_id: str, conn: sqlite3.Connection) -> JobRecord | None:
+    row = conn.execute(
+        "SELECT body FROM events WHERE job_id = ? AND state IS NOT NULL ORDER BY seq DESC LIMIT 1",
+        [job_id],
+    ).fetchone()
+    return JobChanged.model_validate_json(row[0]).job if row is not None else None
+
+
+@dataclass
+class _Read:
+    """A query for the writer's thread, and where its answer goes."""
+
+    query: Callable[[sqlite3.Connection], Any]
+    answer: Future[Any] = field(default_factory=Future)
 
 
 class _Writer:
@@ -242,7 +303,10 @@ class _Writer:
         # by the thread.
         self._conn = sqlite3.connect(path, check_same_thread=False)
         self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._queue: queue.Queue[_Rows | None] = queue.Queue()
+        self._queue: queue.Queue[_Rows | _Read | None] = queue.Queue()
+        # Set, under the lock, once the thread takes nothing more: a read then fails.
+        self._closing = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="history-writer", daemon=True)
         self._thread.start()
 
@@ -250,6 +314,16 @@ class _Writer:
         if not self._thread.is_alive():
             raise RuntimeError("the history is closed")
         self._queue.put(rows)
+
+    def read(self, query: Callable[[sqlite3.Connection], T]) -> Future[T]:
+        """Run `query` on this thread's connection once what was put before it is
+        written."""
+        item = _Read(query)
+        with self._closing:
+            if self._closed:
+                raise RuntimeError("the history is closed")
+            self._queue.put(item)
+        return item.answer
 
     def flush(self) -> None:
         if self._thread.is_alive():
@@ -265,6 +339,9 @@ class _Writer:
         try:
             while True:
                 rows = self._queue.get()
+                if isinstance(rows, _Read):
+                    self._answer(rows)
+                    continue
                 try:
                     if rows is None:
                         return
@@ -285,6 +362,23 @@ class _Writer:
                     self._queue.task_done()
         finally:
             self._conn.close()
+            # A read put after the close: answered, not left waiting.
+            with self._closing:
+                self._closed = True
+            while not self._queue.empty():
+                item = self._queue.get_nowait()
+                if isinstance(item, _Read) and item.answer.set_running_or_notify_cancel():
+                    item.answer.set_exception(RuntimeError("the history is closed"))
+                self._queue.task_done()
+
+    def _answer(self, read: _Read) -> None:
+        try:
+            if read.answer.set_running_or_notify_cancel():
+                read.answer.set_result(read.query(self._conn))
+        except Exception as error:  # the asker's to handle, not the writer's
+            read.answer.set_exception(error)
+        finally:
+            self._queue.task_done()
 
 
 _INSERT_EVENT: Final = (

@@ -952,14 +952,14 @@ class Brain:
 
     # -- views -----------------------------------------------------------------------
 
-    def job_record(self, job_id: str) -> JobRecord | None:
+    async def job_record(self, job_id: str) -> JobRecord | None:
         """The job as it stands: from memory, or, for a finished job no longer held
         there, from the history (a projection of the log)."""
         job = self.state.jobs.get(job_id)
         if job is not None:
             return self.state.shown(job)
         try:
-            return self.history.last_job(job_id)
+            return await self.history.read_last_job(job_id)
         except Exception:
             log.exception("reading job %s from the history failed", job_id)
             return None

@@ -14,7 +14,7 @@ but through the writer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from brain import queues as queue_config
@@ -59,7 +59,7 @@ class Submissions:
         settings: AdmissionSettings,
         *,
         clock: Clock,
-        job_record: Callable[[str], JobRecord | None],
+        job_record: Callable[[str], Awaitable[JobRecord | None]],
         submitted: Callable[[], None],
     ) -> None:
         """`job_record`: a job as it stands, from memory or, once finished and gone
@@ -82,7 +82,7 @@ class Submissions:
             if away is not None:
                 # Finished long ago: answered from the history. The key is that job's,
                 # whether or not the history can say so now: never a second job for it.
-                finished = self._job_record(away)
+                finished = await self._job_record(away)
                 if finished is None:
                     raise ApiError(
                         "unavailable",
@@ -145,7 +145,7 @@ class Submissions:
                 raise ApiError("invalid", f"no node could ever run this job: {never}")
 
     async def cancel(self, tenant: str, job_id: str) -> JobRecord:
-        job = self._job_record(job_id)
+        job = await self._job_record(job_id)
         if job is None or job.tenant != tenant:
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
         if job.state is JobState.CANCELLED:
@@ -167,4 +167,4 @@ class Submissions:
         )
         await self._writes.stop_parts(job, "cancelled")
         # As stored (its service accounted up to the cancellation), as a retry sees it.
-        return self._job_record(job_id) or cancelled
+        return await self._job_record(job_id) or cancelled

@@ -1,10 +1,12 @@
 """The brain's sqlite history (brain/history.py) as `alnair history` reads it: one row per
 attempt, closed however the attempt ended; and a group it failed to write is written
-again. No server."""
+again; the brain's reads wait behind the writes, off its loop. No server."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,46 @@ def test_a_group_whose_write_failed_is_written_again_from_where_it_failed(
     assert again.last_seq() == 7
     assert [row["seq"] for row in again.db.table("events").rows] == list(range(1, 8))
     again.close()
+
+
+async def test_the_brain_s_reads_run_behind_the_writes_handed_over_before_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read (`History.read`) is answered on the writer's thread once every group
+    handed over before it is written: it sees them, and the loop waited for neither the
+    writes nor the query. A query that fails fails its asker alone; once the history is
+    closed, a read is refused rather than left waiting."""
+    history = History(tmp_path / "history.db")
+    real_write = history_module._Rows.write
+    started, go = threading.Event(), threading.Event()
+
+    def slow_write(rows: history_module._Rows, conn: sqlite3.Connection) -> None:
+        started.set()
+        assert go.wait(10)
+        real_write(rows, conn)
+
+    monkeypatch.setattr(history_module._Rows, "write", slow_write)
+    ended = requeued(CauseKind.PREEMPTED, "outranked by job 4 under las")
+    history.record_many([(RUNNING, 1), (ended, 2)])
+    assert started.wait(10)
+    reading = asyncio.ensure_future(history.read_last_job("1"))
+    attempts = asyncio.ensure_future(history.read_attempts("1"))
+    await asyncio.sleep(0.05)
+    assert not reading.done()  # behind the write, which the loop did not wait for
+    go.set()
+    job = await reading
+    assert job is not None and job.state is JobState.PENDING
+    (row,) = await attempts
+    assert row["state"] == "PREEMPTED"
+    changes, truncated = await history.read_job_changes("1", limit=1)
+    assert [seq for seq, _ in changes] == [2] and truncated
+
+    def broken(conn: sqlite3.Connection) -> None:
+        conn.execute("SELECT nothing FROM nowhere")
+
+    with pytest.raises(sqlite3.OperationalError):
+        await history.read(broken)
+    assert await history.read_last_job("2") is None
+    history.close()
+    with pytest.raises(RuntimeError, match="the history is closed"):
+        await history.read_last_job("1")

@@ -42,7 +42,7 @@ def part(settings: Settings | None = None) -> Part:
     shell.add_node("n2", 4)
     prompted: list[None] = []
 
-    def job_record(job_id: str) -> JobRecord | None:
+    async def job_record(job_id: str) -> JobRecord | None:
         return shell.state.jobs.get(job_id)
 
     submissions = Submissions(
