@@ -56,9 +56,10 @@ from brain.core.sharing import (
 
 _MODEL_WORDS: Final = re.compile(r"[\s\-_/]+")
 # Co-location (`JobSpec.shareable`): a running whole-GPU job whose profile's p95 and
-# forecast utilisation are at most this lets shares with a memory limit use the rest of
-# its GPUs. It is reckoned to need its utilisation's share of the GPU and this margin
-# over its peak (or forecast) memory.
+# forecast utilisation are at most this lets shares use the rest of its GPUs (each
+# holding its memory limit, or its share of the GPU's memory: `share_memory_mib`). It
+# is reckoned to need its utilisation's share of the GPU and this margin over its peak
+# (or forecast) memory.
 COLOCATE_MAX_UTIL_PCT: Final = 50.0
 HOST_MEMORY_MARGIN: Final = 1.25
 # A co-located GPU forecast to use this share of its memory moves a share off it.
@@ -371,10 +372,8 @@ class SharePlacer:
             tenant=tenant,
         )
 
-    def _not_beside(self, demand: Demand) -> str:
+    def _not_beside(self) -> str:
         """Why a share that fits nowhere is not beside the running shareable jobs."""
-        if demand.gpu_memory_mib <= 0:
-            return "a share without a GPU memory limit never joins a shareable job's GPU"
         shown = self._shareable[:3]
         more = f" and {len(self._shareable) - 3} more" if len(self._shareable) > 3 else ""
         jobs = f"job{'s' if len(self._shareable) > 1 else ''} {', '.join(shown)}{more}"
@@ -428,9 +427,8 @@ class SharePlacer:
     ) -> tuple[int, int, list[int], list[int], dict[int, str | None]]:
         """What node `view` offers a job now, as `SharedCluster.set_free` takes it: the
         CPUs and memory that held jobs leave, each GPU's free thousandths and memory,
-        and the tenant each bound GPU serves. `guest`: the job is a share with a memory
-        limit (only such a share may join a shareable job's GPU); `hidden`: free GPUs
-        not for it."""
+        and the tenant each bound GPU serves. `guest`: the job is a share (only a share
+        may join a shareable job's GPU); `hidden`: free GPUs not for it."""
         name = view.name
         cpu, mem = view.cpu_milli or 0, view.memory_mib or 0
         # The thousandths and MiB of each shared GPU, and the tenant it serves (one per
@@ -465,7 +463,7 @@ class SharePlacer:
                 bound[position] = serves[gpu]
             if host is not None:
                 bound[position] = host[3]
-                # A shareable job's GPU: room only for a share with a memory limit.
+                # A shareable job's GPU: room only for a share.
                 guests = held or (0, 0)
                 gpu_free.append(max(0, GPU_MILLI - host[1] - guests[0]) if guest else 0)
                 gpu_mem.append(
@@ -495,8 +493,8 @@ class SharePlacer:
         those of shareable jobs when whether the job may join them changed. So the
         plugin's scores of the other nodes stand (`ScoringPlugin`), and a job costs
         what changed, not the cluster."""
-        # Only a share with a memory limit may join a shareable job's GPU.
-        guest = job.shared and job.demand is not None and job.demand.gpu_memory_mib > 0
+        # Only a share may join a shareable job's GPU.
+        guest = job.shared
         if avoid or hidden:
             views = [n for n in self._nodes if n.name not in avoid]
             return self._built(views, ledger, guest, hidden), views
@@ -571,7 +569,7 @@ class SharePlacer:
             if avoid:
                 reason += f" (avoiding {', '.join(sorted(avoid))}, where it failed)"
             if demand.fractional and self._shareable:
-                reason += "; " + self._not_beside(demand)
+                reason += "; " + self._not_beside()
             return NoFit(reason, kind="no_share_fits")
         view = views[outcome.node]
         gpus = tuple(sorted(view.gpus[p] for p in outcome.gpus))
