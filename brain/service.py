@@ -30,7 +30,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -60,7 +60,15 @@ from brain.credentials import DEFAULT_TTL_S as DEFAULT_JOB_CREDENTIAL_TTL_S
 from brain.credentials import JobCredentials, load_signer
 from brain.hearing import Hearing
 from brain.history import History
-from brain.inbox import ApiCall, EventArrived, HeartbeatNews, Item, Tick, WriteRequest
+from brain.inbox import (
+    ApiCall,
+    EventArrived,
+    GroupLoop,
+    HeartbeatNews,
+    Item,
+    Tick,
+    WriteRequest,
+)
 from brain.ingest import (
     SHED_TELEMETRY_INBOX,
     SHED_TELEMETRY_LAG_S,
@@ -135,10 +143,6 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # else (4 % of the loop at most), rather than a stall of tens of ms at every tick and
 # pass of a large cluster.
 PROFILES_EVERY_S: Final = 0.05
-# Inbox items handled as one unit, their records stored as one group: enough to carry
-# a burst of submissions in a few round trips, few enough that the first caller in a
-# group is not kept waiting long for the last.
-GROUP_MAX: Final = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,15 +229,18 @@ class Brain:
         self.ingest_bus: Bus = bus
         # (node, job, attempt) -> when a stop for it was last sent (the reconciler's).
         self._stops_sent: dict[tuple[str, str, int], float] = {}
-        self._inbox: asyncio.Queue[Item] = asyncio.Queue()
+        self._inbox = GroupLoop(
+            handle=self._handle,
+            unit=self._unit,
+            tainted=lambda: self.journal.tainted,
+            after_group=self._after_group,
+        )
         # State and the log have one writer at a time: an inbox item being handled, or
         # a scheduling pass applying its decisions (decide() itself runs outside it).
         self._writer = asyncio.Lock()
         self._pass_wanted = asyncio.Event()
         # When the next pass may start (brain/pacing.py).
         self._pacer = PassPacer(since=monotonic())
-        # Set while the inbox loop waits for an item with none queued.
-        self._inbox_idle = asyncio.Event()
         # How late the last tick woke up: how far behind the event loop runs.
         self._loop_lag_s = 0.0
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
@@ -494,10 +501,7 @@ class Brain:
             task.cancel()
         if others:
             await asyncio.wait(others, timeout=3.0)
-        waiting: list[Item] = []
-        while not self._inbox.empty():
-            waiting.append(self._inbox.get_nowait())
-        _refuse(waiting, f"brain stepped down: {reason}")
+        self._inbox.refuse_waiting(f"brain stepped down: {reason}")
         self.journal.discard()  # staged by a unit cut short: never stored
         if self.journal.tainted:
             # State ran ahead of the log (a group not stored): read it all again.
@@ -603,9 +607,7 @@ class Brain:
         return True
 
     async def submit_item(self, item: Item) -> object:
-        item.done = asyncio.get_running_loop().create_future()
-        await self._inbox.put(item)
-        return await item.done
+        return await self._inbox.submit(item)
 
     async def call(self, tenant: str, request: WriteRequest, *, operator: bool = False) -> object:
         """Handle an API request that writes, as the writer; answered once stored."""
@@ -635,57 +637,21 @@ class Brain:
     def _takes_telemetry(self) -> bool:
         """False while the brain is behind: telemetry is what it sheds first."""
         return (
-            self._loop_lag_s <= SHED_TELEMETRY_LAG_S and self._inbox.qsize() < SHED_TELEMETRY_INBOX
+            self._loop_lag_s <= SHED_TELEMETRY_LAG_S
+            and self._inbox.queue.qsize() < SHED_TELEMETRY_INBOX
         )
 
     async def _run(self) -> None:
-        """Handle the inbox in order, in groups: what is queued when the loop comes
-        round (up to GROUP_MAX items) is handled as one unit, its records committed as
-        one group, and only then is each caller answered. Scheduling happens in
-        `_schedule_forever`, off this path."""
-        while True:
-            if self._inbox.empty():
-                self._inbox_idle.set()
-            batch = [await self._inbox.get()]
-            self._inbox_idle.clear()
-            while len(batch) < GROUP_MAX and not self._inbox.empty():
-                batch.append(self._inbox.get_nowait())
-            try:
-                async with self._unit():
-                    outcomes = [await self._outcome(item) for item in batch]
-            except asyncio.CancelledError:
-                # Leadership ended mid-group (`_end` cancels this loop): the group is
-                # discarded, and its callers, off the inbox already, hear so now.
-                _refuse(batch, "brain stepped down mid-group")
-                raise
-            except Exception as error:
-                # The group was not stored (or not known to be): nobody is acknowledged,
-                # and state, ahead of the log, is loaded again after stepping down.
-                _refuse(batch, "brain lost leadership")
-                reason = f"the log did not take a group of {len(batch)} items: {error!r}"
-                self.bus.spawn(self._stop_leading(reason), name="step-down")
-                return
-            for item, (result, failure) in zip(batch, outcomes, strict=True):
-                if item.done is None or item.done.done():
-                    continue
-                if failure is None:
-                    item.done.set_result(result)
-                else:
-                    item.done.set_exception(failure)
-            if self.scheduler.dirty:
-                self._pass_wanted.set()
+        """The inbox, in groups (brain/inbox.py); scheduling happens in
+        `_schedule_forever`, off this path. A group the log did not take ends leading:
+        state, ahead of the log, is loaded again after stepping down."""
+        error = await self._inbox.run()
+        reason = f"the log did not take a group of inbox items: {error!r}"
+        self.bus.spawn(self._stop_leading(reason), name="step-down")
 
-    async def _outcome(self, item: Item) -> tuple[object, BaseException | None]:
-        """Handle one item of a group: its result, or what it failed with."""
-        try:
-            return await self._handle(item), None
-        except ApiError as error:
-            return None, error
-        except Exception as error:
-            if self.journal.tainted:
-                raise  # a commit within the unit failed: the whole group is lost
-            log.exception("brain failed handling %s", type(item).__name__)
-            return None, error
+    def _after_group(self) -> None:
+        if self.scheduler.dirty:
+            self._pass_wanted.set()
 
     async def _schedule_forever(self) -> None:
         """Scheduling passes, coalesced: at most one runs at a time, and the next starts
@@ -695,7 +661,7 @@ class Brain:
             await self._pass_wanted.wait()
             await self._rest()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._inbox_idle.wait(), PASS_WAITS_FOR_INBOX_S)
+                await asyncio.wait_for(self._inbox.idle.wait(), PASS_WAITS_FOR_INBOX_S)
             self._pass_wanted.clear()
             began = self.monotonic()
             try:
@@ -974,15 +940,6 @@ class Brain:
     @property
     def pid(self) -> int:
         return os.getpid()
-
-
-def _refuse(items: Iterable[Item], reason: str) -> None:
-    """Answer every caller of these items still waiting: unavailable, for `reason`
-    (its records, if any, were not stored, or not known to be: a retry with the same
-    idempotency key finds out which)."""
-    for item in items:
-        if item.done is not None and not item.done.done():
-            item.done.set_exception(ApiError("unavailable", reason))
 
 
 def _same_to_policy(old: JobRecord, new: JobRecord) -> bool:
