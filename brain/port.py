@@ -3,20 +3,43 @@ the service (brain/service.py `Brain` is the one implementation)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from brain.core import Policy, QueueQuota
-from brain.history import History
 from brain.inbox import WriteRequest
-from brain.leader import Lease
-from brain.profiles import Profiler
 from brain.state import BrainState
 from brain.telemetry import LatestTelemetry
 from bus.client import Bus
 from schemas.api import BrainInfo
 from schemas.jobs import JobRecord
+from schemas.profiles import JobProfile
+from schemas.state import JobChanged
 from schemas.telemetry import GpuShares
+
+
+class HistoryReads(Protocol):
+    """The history's queries the API makes (brain/history.py), off the brain's loop."""
+
+    async def read_attempts(self, job_id: str) -> list[dict[str, Any]]: ...
+
+    async def read_job_changes(
+        self, job_id: str, limit: int
+    ) -> tuple[list[tuple[int, JobChanged]], bool]: ...
+
+
+class ProfileReads(Protocol):
+    """Jobs' utilisation profiles as they stand (brain/profiles.py)."""
+
+    def job_profile(self, job_id: str) -> JobProfile | None: ...
+
+    def live_profiles(self, job_ids: Iterable[str]) -> tuple[JobProfile, ...]: ...
+
+
+class BrainsSeen(Protocol):
+    """The brains announced in the lease bucket (brain/leader.py)."""
+
+    async def brains(self, *, timeout_s: float = ...) -> list[BrainInfo]: ...
 
 
 class BrainConfigView(Protocol):
@@ -35,9 +58,6 @@ class BrainPort(Protocol):
     `call`, handled by the writer in order and answered once stored."""
 
     bus: Bus
-    history: History
-    lease: Lease
-    profiles: Profiler
     epoch: int
     instance: str
     host: str
@@ -47,6 +67,15 @@ class BrainPort(Protocol):
 
     @property
     def config(self) -> BrainConfigView: ...
+
+    @property
+    def history(self) -> HistoryReads: ...
+
+    @property
+    def lease(self) -> BrainsSeen: ...
+
+    @property
+    def profiles(self) -> ProfileReads: ...
 
     @property
     def state(self) -> BrainState: ...
