@@ -21,7 +21,7 @@ from brain.census import CensusCache
 from brain.core.ordering import job_sequence
 from brain.port import BrainPort
 from brain.queues import queue_status
-from brain.state import served
+from brain.state import served, share_memory_limit
 from schemas import subjects
 from schemas.api import (
     OPERATOR_TENANT,
@@ -270,7 +270,12 @@ class ApiServer:
         brain = self.brain
         job = await self._own_job(tenant, request.job_id, operator=operator)
         if isinstance(request, GetJobRequest):
-            return JobReply(job=job, profile=brain.profiles.job_profile(job.job_id))
+            node = brain.state.nodes.get(job.grants[0].node) if job.grants else None
+            return JobReply(
+                job=job,
+                profile=brain.profiles.job_profile(job.job_id),
+                gpu_memory_limit_mib=share_memory_limit(job, node),
+            )
         if isinstance(request, HistoryRequest):
             rows = await brain.history.read_attempts(job.job_id)
             return HistoryReply(job=job, attempts=tuple(AttemptRow(**row) for row in rows))

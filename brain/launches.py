@@ -16,12 +16,10 @@ from typing import Protocol
 
 from brain import elastic, secrets
 from brain.attempts import launch_id
-from brain.core.sharing import share_memory_mib
-from brain.state import BrainState, node_gpu_memory_mib
+from brain.state import BrainState, share_memory_limit
 from brain.writer import Clock, NodeCommands
 from schemas.commands import Launch
 from schemas.jobs import JobRecord, job_limits
-from schemas.nodes import NodeRecord
 from schemas.workers import EXEC_SECRET_ENV
 
 
@@ -111,18 +109,7 @@ class Launches:
                     if job.spec.on_disconnect == "keep"
                     else None,
                     gpu_milli=job.spec.gpu_milli,
-                    gpu_memory_mib=_share_memory(job, node),
+                    gpu_memory_mib=share_memory_limit(job, node),
                     shareable=job.spec.shareable,
                 ),
             )
-
-
-def _share_memory(job: JobRecord, node: NodeRecord | None) -> int | None:
-    """A share's GPU memory limit, the one placement reckoned with: its own, or its
-    share of the GPU's memory (`share_memory_mib`). None for any other job."""
-    spec = job.spec
-    if not spec.shared or spec.gpu_milli is None:
-        return None
-    gpu_mib = node_gpu_memory_mib(node) if node is not None else 0
-    limit = share_memory_mib(spec.gpu_milli, spec.gpu_memory_mib or 0, gpu_mib)
-    return limit if limit > 0 else None

@@ -43,6 +43,7 @@ from brain.core.model import (
     WaitCause,
 )
 from brain.core.ordering import job_sequence
+from brain.core.sharing import share_memory_mib
 from brain.progress import ObservedProgress
 from schemas.events import InputError
 from schemas.jobs import JobRecord, JobSpec, JobState
@@ -864,6 +865,18 @@ def node_gpu_memory_mib(record: NodeRecord) -> int:
     """The memory of the node's smallest GPU: what placement reckons each of its GPUs
     has (a node's GPUs are one model)."""
     return min((g.memory_mib for g in record.gpus), default=0)
+
+
+def share_memory_limit(job: JobRecord, node: NodeRecord | None) -> int | None:
+    """A share's GPU memory limit, the one placement reckoned with and MPS holds it to:
+    its own, or its share of its node's GPU memory (`share_memory_mib`); None for a
+    whole-GPU job, or a share with no limit of its own and no node yet."""
+    spec = job.spec
+    if not spec.shared or spec.gpu_milli is None:
+        return None
+    gpu_mib = node_gpu_memory_mib(node) if node is not None else 0
+    limit = share_memory_mib(spec.gpu_milli, spec.gpu_memory_mib or 0, gpu_mib)
+    return limit if limit > 0 else None
 
 
 def job_ask(job: JobRecord) -> Ask:

@@ -439,6 +439,9 @@ async def cmd_job(args: argparse.Namespace) -> int:
             shown = job_json(reply.job)
             # Its GPU utilisation profile (mean, p95, memory peak, period, forecast).
             shown["profile"] = reply.profile.model_dump(mode="json") if reply.profile else None
+            if reply.job.spec.shared:
+                # What MPS holds a share to (a share that asked none: its part of the GPU).
+                shown["gpu_memory_limit_mib"] = reply.gpu_memory_limit_mib
             print(json.dumps(shown, indent=2))
         return 0
 

@@ -141,6 +141,10 @@ class JobReply(Message):
     job: JobRecord
     # Its GPU utilisation profile, once the brain has telemetry for it.
     profile: JobProfile | None = None
+    # A share's GPU memory limit, which MPS holds it to: its own, or, without one, its
+    # share of its node's GPU memory (None: a whole-GPU job, or a share without a limit
+    # of its own not placed yet).
+    gpu_memory_limit_mib: int | None = Field(default=None, ge=0)
 
 
 class JobsReply(Message):

@@ -15,7 +15,14 @@ import pytest
 
 from agents.mps import NOT_ENFORCED
 from brain.core.decide import Policy
-from schemas.api import ErrorReply, SubmitRequest, WhyReply, WhyRequest
+from schemas.api import (
+    ErrorReply,
+    GetJobRequest,
+    JobReply,
+    SubmitRequest,
+    WhyReply,
+    WhyRequest,
+)
 from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
 from schemas.state import CauseKind, JobChanged, StateRecord
 from tests.conftest import eventually
@@ -68,6 +75,10 @@ async def test_two_half_gpu_jobs_share_one_gpu_with_mps_limits(
             "ALNAIR_GPU_SHARE_ENFORCED": "0",
         }
     assert NOT_ENFORCED in caplog.text
+    # `alnair job` shows the limit each is held to, the one it asked or its part.
+    for job_id, limit in ((first, 20480), (second, half)):
+        reply = await brain.api.handle("default", GetJobRequest(job_id=job_id))
+        assert isinstance(reply, JobReply) and reply.gpu_memory_limit_mib == limit
     (shared,) = agent.share_report()
     assert shared.index == 0 and shared.enforcement == "accounted"
     assert sorted(u.job_id for u in shared.jobs) == sorted((first, second))
