@@ -59,9 +59,11 @@ class Journal:
     staged: list[tuple[str, StateRecord, int]] = field(default_factory=list)
     outbox: list[tuple[str, BaseModel, str]] = field(default_factory=list)
     tainted: bool = False
-    # Counters for /metrics and benches: groups committed, records in them.
+    # Counters for /metrics and benches: groups committed, records in them, and
+    # commands that did not go out.
     groups: int = 0
     records: int = 0
+    commands_unsent: int = 0
 
     def stage(self, record: StateRecord, subject: str) -> int:
         """Apply `record` now; it is stored at the next commit. Returns its sequence."""
@@ -81,7 +83,14 @@ class Journal:
 
     async def commit(self) -> None:
         """Store what is staged, then send what is queued. Raises what the append
-        raised (SequenceConflict, BusTimeout, ...) with the journal tainted."""
+        raised (SequenceConflict, BusTimeout, ...) with the journal tainted.
+
+        Commands that do not go out (the bus retries them for half a minute) fail
+        nothing: the records they follow are stored, so the callers who staged them are
+        answered, and each kind of command is sent again or undone where it is
+        watched: a launch no node confirms is requeued after its TTL (brain/liveness.py),
+        a job a node runs that the brain does not hold is stopped by the reconciler, a
+        resize that is not confirmed rolls back (brain/resizes.py)."""
         staged, self.staged = self.staged, []
         outbox, self.outbox = self.outbox, []
         if staged:
@@ -102,6 +111,14 @@ class Journal:
             # observers come after, off the path from a placement to its Launch.
             if outbox:
                 await self.bus.publish_many_durable(outbox)
+        except Exception as error:
+            self.commands_unsent += len(outbox)
+            log.warning(
+                "%d command(s) did not go out (%r); what they follow is stored, and "
+                "they are sent again or undone where they are watched",
+                len(outbox),
+                error,
+            )
         finally:
             if staged:
                 self._project(staged)

@@ -307,6 +307,12 @@ class _ClusterCollector(Collector):
             "alnair_journal_records", "State records committed to the log.", value=journal.records
         )
         yield CounterMetricFamily(
+            "alnair_journal_commands_unsent",
+            "Commands that did not go out after their records were stored (sent again or "
+            "undone where they are watched).",
+            value=journal.commands_unsent,
+        )
+        yield CounterMetricFamily(
             "alnair_heartbeats_dropped",
             "Heartbeats dropped unread because the brain fell far behind (should stay 0).",
             value=dropped[subjects.ALL_HEARTBEATS],
