@@ -16,10 +16,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from brain.core.failures import (
+    BLACK_HOLE,
     AttemptEnd,
     Classification,
     FailurePolicy,
     GiveUp,
+    black_hole,
     classify,
     decide_retry,
     fault_action,
@@ -293,6 +295,7 @@ class Attempts:
             )
             await self._writes.job_changed(ended, job.state, cause)
             await self._writes.stop_parts(job, f"failed: {classification.reason}", except_node=node)
+            await self._drain_black_holes(failure)
             return
         pending = job.model_copy(
             update={
@@ -315,6 +318,50 @@ class Attempts:
         )
         await self._writes.job_changed(pending, job.state, cause)
         await self._writes.stop_parts(job, f"retrying elsewhere: {classification.reason}")
+        await self._drain_black_holes(failure)
+
+    async def _drain_black_holes(self, failure: AttemptFailure) -> None:
+        """Drain the nodes an infrastructure failure is blamed on that have become
+        black holes (`black_hole`), as long as the rule has drained fewer than its share
+        of the cluster: past it the failures are likelier the cluster's than a node's,
+        and are only logged."""
+        if failure.failure_class is not FailureClass.INFRASTRUCTURE:
+            return
+        state, policy, now = self._state(), self._policy, self._clock()
+        for name in failure.nodes if failure.at_fault is None else failure.at_fault:
+            node = state.nodes.get(name)
+            if node is None or node.drain_reason is not None:
+                continue
+            reason = black_hole(
+                state.node_failures.get(name, ()), now, policy, forgiven_at=node.resumed_at
+            )
+            if reason is None:
+                continue
+            most = max(1, int(policy.black_hole_max_share * len(state.nodes)))
+            holes = sum(
+                1
+                for n in state.nodes.values()
+                if n.drain_reason is not None and n.drain_reason.startswith(BLACK_HOLE)
+            )
+            if holes >= most:
+                log.warning(
+                    "node %s looks like a black hole (%s), but %d node(s) are drained as "
+                    "such already, the most this rule drains: left in service",
+                    name,
+                    reason,
+                    holes,
+                )
+                continue
+            await self._writes.node_changed(
+                node.model_copy(
+                    update={
+                        "state": NodeState.DRAINED if node.state is NodeState.READY else node.state,
+                        "drain_reason": reason,
+                    }
+                ),
+                node.state,
+                Cause(kind=CauseKind.NODE_DRAINED, node=name, message=reason),
+            )
 
     async def gpu_fault(self, event: GpuFault) -> None:
         """Critical faults drain the GPU or the node; jobs on it fail as infrastructure."""

@@ -30,6 +30,7 @@ from brain.core.distribution import (
     by_size_class,
     gpu_class,
 )
+from brain.core.failures import NodeFailure
 from brain.core.model import (
     Ask,
     ClusterSnapshot,
@@ -46,7 +47,7 @@ from brain.core.ordering import job_sequence
 from brain.core.sharing import share_memory_mib
 from brain.progress import ObservedProgress
 from schemas.events import InputError
-from schemas.jobs import JobRecord, JobSpec, JobState
+from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobSpec, JobState
 from schemas.nodes import NodeRecord, NodeState
 from schemas.state import (
     BlacklistChanged,
@@ -70,6 +71,8 @@ CENSORED_REFRESH_S: Final = 60.0
 # Finished jobs kept in memory, newest: `alnair jobs` lists them (and the live ones);
 # older ones are read from the history. About 7 KB each.
 FINISHED_KEPT: Final = 2_000
+# The latest infrastructure failures kept per node (`BrainState.node_failures`).
+NODE_FAILURES_KEPT: Final = 16
 # Idempotency keys of finished jobs no longer in memory, newest: a submission retried
 # with one of these is answered with its job (read from the history), not run again.
 KEYS_KEPT: Final = 50_000
@@ -114,6 +117,11 @@ class BrainState:
     wait_details: dict[str, WaitCause] = field(default_factory=dict, compare=False)
     # Elastic jobs pending or running: without one, an elasticity stage does not run.
     live_elastic: int = field(default=0, compare=False)
+    # The latest infrastructure failures blamed on each node (`AttemptFailure.at_fault`),
+    # oldest first, from the job records as they are applied: what the black-hole rule
+    # reads (brain/core/failures.py). Rebuilt from the jobs a snapshot holds, so a
+    # brain loaded from one may know fewer (those of jobs gone from memory).
+    node_failures: dict[str, deque[NodeFailure]] = field(default_factory=dict, compare=False)
     # What the finished jobs in memory asked, counted: the recent workload that sharing
     # placement weighs (`ClusterSnapshot.recent_asks`).
     _asks: Counter[Ask] = field(default_factory=Counter, init=False, repr=False, compare=False)
@@ -268,6 +276,17 @@ class BrainState:
         reason = detail.describe()
         return job if reason == job.reason else job.model_copy(update={"reason": reason})
 
+    def _blame(self, job_id: str, failures: Iterable[AttemptFailure]) -> None:
+        for failure in failures:
+            if failure.failure_class is not FailureClass.INFRASTRUCTURE:
+                continue
+            blamed = NodeFailure(failure.at, job_id, failure.reason)
+            for node in failure.nodes if failure.at_fault is None else failure.at_fault:
+                kept = self.node_failures.get(node)
+                if kept is None:
+                    kept = self.node_failures[node] = deque(maxlen=NODE_FAILURES_KEPT)
+                kept.append(blamed)
+
     def _saw_event(self, event_id: str) -> None:
         self.seen_events[event_id] = None
         while len(self.seen_events) > SEEN_EVENTS:
@@ -283,6 +302,9 @@ class BrainState:
             # Once per job, and only from an entry not applied before.
             self._learn_service(job.attained_gpu_seconds, job.spec.gpus)
         self._index(previous, job)
+        known = len(previous.failures) if previous is not None else 0
+        if len(job.failures) > known:
+            self._blame(job.job_id, job.failures[known:])
         self.jobs[job.job_id] = job
         if job.job_id.isdigit():
             self.last_job_number = max(self.last_job_number, int(job.job_id))

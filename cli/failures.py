@@ -87,6 +87,22 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
         f"(default {d.blacklist_after_jobs})",
     )
     g.add_argument(
+        "--black-hole-after",
+        type=int,
+        default=d.black_hole_after,
+        metavar="N",
+        help="drain a node once infrastructure failures of two or more jobs were blamed on it "
+        f"in N separate incidents within --black-hole-window (default {d.black_hole_after}; "
+        "0: never)",
+    )
+    g.add_argument(
+        "--black-hole-window",
+        type=float,
+        default=d.black_hole_window_s,
+        metavar="S",
+        help=f"the black-hole rule's window (default {d.black_hole_window_s:g}s)",
+    )
+    g.add_argument(
         "--prerun",
         action="append",
         default=[],
@@ -132,6 +148,8 @@ def policy_of(args: argparse.Namespace) -> FailurePolicy:
         prerun_queues=tuple(check_name("queue", q) for q in args.prerun),
         prerun_min_gpus=args.prerun_min_gpus,
         prerun_s=args.prerun_seconds,
+        black_hole_after=args.black_hole_after,
+        black_hole_window_s=args.black_hole_window,
     ).validate()
 
 

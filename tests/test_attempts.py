@@ -370,3 +370,48 @@ async def test_requeue_keeps_the_attempt_count_and_stops_every_part() -> None:
         (previous,),
     )
     assert sorted(s.node for s in shell.stops) == ["n1", "n2"]
+
+
+async def test_a_node_where_job_after_job_fails_is_drained_as_a_black_hole() -> None:
+    """Three jobs fail on n1 for reasons not their own, minutes apart: n1 is drained,
+    saying why; the failures of one incident, or on a node resumed since, do not count;
+    and the rule drains no more than its share of the cluster."""
+    shell = Shell()
+    for name in ("n1", "n2", "n3"):
+        shell.add_node(name)
+    clock = Clock(START_TS)
+    policy = dataclasses.replace(POLICY, black_hole_max_share=0.5)
+    made = Attempts(lambda: shell.state, shell, Joins(), policy=policy, clock=clock)
+    lost = Classification(FailureClass.INFRASTRUCTURE, "NCCL watchdog timeout")
+
+    async def fail(number: int, node: str, at: float) -> None:
+        clock.now = at
+        job = shell.add_job(number, node=node)
+        await made.fail_attempt(job, node, lost)
+
+    # One incident of two jobs, then a second: not yet.
+    await fail(1, "n1", START_TS + 10)
+    await fail(2, "n1", START_TS + 20)
+    await fail(3, "n1", START_TS + 600)
+    assert shell.state.nodes["n1"].state is NodeState.READY
+    await fail(4, "n1", START_TS + 1200)
+    drained = shell.state.nodes["n1"]
+    assert drained.state is NodeState.DRAINED
+    assert drained.drain_reason == (
+        "black hole: 3 infrastructure failures within 60 min, of jobs 1, 2, 3, 4; "
+        "last: NCCL watchdog timeout"
+    )
+    assert shell.causes[-1].kind is CauseKind.NODE_DRAINED and shell.causes[-1].node == "n1"
+    # n2 looks the same, but one node of three is this rule's most (half, rounded down).
+    for number, at in ((5, 1300), (6, 1900), (7, 2500)):
+        await fail(number, "n2", START_TS + at)
+    assert shell.state.nodes["n2"].state is NodeState.READY
+    # Resumed, n1's old failures are forgiven: one more does not drain it again.
+    resumed = drained.model_copy(
+        update={"state": NodeState.READY, "drain_reason": None, "resumed_at": START_TS + 2600}
+    )
+    await shell.node_changed(
+        resumed, NodeState.DRAINED, Cause(kind=CauseKind.NODE_RESUMED, message="resumed")
+    )
+    await fail(8, "n1", START_TS + 2700)
+    assert shell.state.nodes["n1"].state is NodeState.READY

@@ -11,10 +11,13 @@ import pytest
 from brain.core import BackingOff, ClusterSnapshot, Grant, JobView, NodeView, Place, Wait, decide
 from brain.core.decide import AVOIDANCE_RELEASED, Policy
 from brain.core.failures import (
+    BLACK_HOLE,
     AttemptEnd,
     FailurePolicy,
     GiveUp,
+    NodeFailure,
     Retry,
+    black_hole,
     classify,
     decide_retry,
     fault_action,
@@ -323,11 +326,13 @@ def test_brain_flags_make_the_failure_policy() -> None:
         *("--infra-retries", "2", "--backoff", "0.5", "--backoff-max", "8"),
         *("--user-retries", "1", "--user-retries", "dev=3", "--blacklist-after", "5"),
         *("--prerun", "big", "--prerun-min-gpus", "8", "--prerun-seconds", "60"),
+        *("--black-hole-after", "5", "--black-hole-window", "600"),
     )
     assert (made.infrastructure_retries, made.backoff_s(1), made.backoff_s(9)) == (2, 0.5, 8.0)
     assert (made.user_retries_for("dev"), made.user_retries_for("other")) == (3, 1)
     assert made.blacklist_after_jobs == 5
     assert made.wants_prerun("big", 8) and not made.wants_prerun("big", 4)
+    assert (made.black_hole_after, made.black_hole_window_s) == (5, 600.0)
     for flags, words in [
         (("--user-retries", "dev=many"), "--user-retries takes N or QUEUE=N"),
         (("--user-retries", "=2"), "--user-retries takes N or QUEUE=N"),
@@ -336,6 +341,75 @@ def test_brain_flags_make_the_failure_policy() -> None:
         (("--blacklist-after", "0"), "blacklist_after_jobs must be at least 1"),
         (("--prerun-min-gpus", "1"), "prerun_min_gpus must be at least 2"),
         (("--prerun", "no spaces"), "queue"),
+        (("--black-hole-window", "0"), "black_hole_window_s must be positive"),
     ]:
         with pytest.raises(AlnairError, match=re.escape(words)):
             policy(*flags)
+
+
+# -- black holes ---------------------------------------------------------------------------
+
+HOLE = FailurePolicy(black_hole_after=3, black_hole_window_s=3600.0)
+
+
+def blamed(*failures: tuple[float, str]) -> list[NodeFailure]:
+    return [NodeFailure(at, job, f"job {job} failed at {at:g}") for at, job in failures]
+
+
+@pytest.mark.parametrize(
+    ("failures", "now", "forgiven_at", "hole"),
+    [
+        pytest.param(blamed((0, "1"), (600, "2"), (1200, "3")), 1300, None, True, id="three"),
+        pytest.param(blamed((0, "1"), (600, "2")), 1300, None, False, id="two incidents"),
+        # A node lost (or a switch port down) takes every job there at once: one incident.
+        pytest.param(
+            blamed((0, "1"), (1, "2"), (2, "3"), (30, "4")), 1300, None, False, id="one incident"
+        ),
+        pytest.param(
+            blamed((0, "1"), (1, "2"), (600, "3"), (1200, "4")), 1300, None, True, id="grouped"
+        ),
+        # Only within the window (an hour: the first is past it) ...
+        pytest.param(blamed((300, "1"), (600, "2"), (1200, "3")), 4000, None, False, id="window"),
+        # ... and since the node was last resumed.
+        pytest.param(
+            blamed((2000, "1"), (2600, "2"), (3200, "3")), 4000, 2100.0, False, id="forgiven"
+        ),
+        # One job's failures are not a node's (it avoids the node after the first).
+        pytest.param(
+            blamed((1000, "1"), (2000, "1"), (3000, "1")), 4000, None, False, id="one job"
+        ),
+    ],
+)
+def test_a_node_is_a_black_hole_after_separate_incidents_of_several_jobs(
+    failures: list[NodeFailure], now: float, forgiven_at: float | None, hole: bool
+) -> None:
+    reason = black_hole(failures, now, HOLE, forgiven_at=forgiven_at)
+    assert (reason is not None) is hole
+    if reason is not None:
+        assert reason.startswith(BLACK_HOLE)
+
+
+def test_a_black_hole_says_which_jobs_failed_there_and_the_last_reason() -> None:
+    failures = blamed(*((i * 100.0, str(10 - i)) for i in range(7)))
+    reason = black_hole(failures, 700.0, HOLE)
+    assert reason == (
+        "black hole: 7 infrastructure failures within 60 min, of jobs 4, 5, 6, 7, 8 and 2 "
+        "more; last: job 4 failed at 600"
+    )
+    assert black_hole(failures, 700.0, replace(HOLE, black_hole_after=0)) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("black_hole_after", -1, "black_hole_after cannot be negative"),
+        ("black_hole_window_s", 0.0, "black_hole_window_s must be positive"),
+        ("black_hole_max_share", 0.0, "black_hole_max_share must be in (0, 1]"),
+        ("black_hole_max_share", 1.5, "black_hole_max_share must be in (0, 1]"),
+    ],
+)
+def test_black_hole_settings_that_make_no_sense_are_refused(
+    field: str, value: float, named: str
+) -> None:
+    with pytest.raises(AlnairError, match=re.escape(named)):
+        replace(FailurePolicy(), **{field: value}).validate()

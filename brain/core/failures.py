@@ -15,6 +15,8 @@ it reported) and gets back a class with its reason, then a `Retry` or a `GiveUp`
   blacklisted (then the job can skip it).
 
 The XID catalogue says which GPU faults take a GPU, or its whole node, out of service.
+A node on which job after job fails for reasons not their own, with no fault to show for
+it (a bad link, a driver that hangs), is a black hole (`black_hole`): it is drained too.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
 
+from brain.core.ordering import job_sequence
 from schemas.errors import AlnairError
 from schemas.jobs import (
     BAD_INPUT_EXIT_CODE,
@@ -261,6 +264,13 @@ class FailurePolicy:
     prerun_queues: tuple[str, ...] = ()
     prerun_min_gpus: int = 2
     prerun_s: float = 30.0
+    # A node is a black hole (drained) once infrastructure failures blamed on it came in
+    # this many separate incidents within the window (0: never); the rule drains at
+    # most this share of the cluster's nodes (at least one), so that a cluster-wide
+    # outage does not drain every node.
+    black_hole_after: int = 3
+    black_hole_window_s: float = 3600.0
+    black_hole_max_share: float = 0.1
 
     def validate(self) -> FailurePolicy:
         """Refuse settings that make no sense, naming the setting."""
@@ -289,6 +299,18 @@ class FailurePolicy:
             )
         if self.prerun_s <= 0:
             raise InvalidFailurePolicy(f"prerun_s must be positive (got {self.prerun_s:g})")
+        if self.black_hole_after < 0:
+            raise InvalidFailurePolicy(
+                f"black_hole_after cannot be negative (got {self.black_hole_after}; 0: never)"
+            )
+        if not self.black_hole_window_s > 0:
+            raise InvalidFailurePolicy(
+                f"black_hole_window_s must be positive (got {self.black_hole_window_s:g})"
+            )
+        if not 0 < self.black_hole_max_share <= 1:
+            raise InvalidFailurePolicy(
+                f"black_hole_max_share must be in (0, 1] (got {self.black_hole_max_share:g})"
+            )
         return self
 
     def user_retries_for(self, queue: str) -> int:
@@ -380,4 +402,59 @@ def decide_retry(
         tuple(avoid),
         f"infrastructure failure {same} of {policy.infrastructure_retries} retries: retry in "
         f"{delay:g}s, avoiding {', '.join(avoid) or 'no node'}",
+    )
+
+
+# --- black holes -------------------------------------------------------------------------
+
+# How a black hole's drain reason begins (`black_hole`): the rule counts the nodes it
+# drained by it.
+BLACK_HOLE: Final = "black hole: "
+# Failures blamed on a node within this many seconds of each other are one incident: a
+# node lost, or a switch port down, takes every job there at once.
+INCIDENT_S: Final = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFailure:
+    """An infrastructure failure blamed on a node (`AttemptFailure.at_fault`)."""
+
+    at: float
+    job_id: str
+    reason: str
+
+
+def black_hole(
+    failures: Sequence[NodeFailure],
+    now: float,
+    policy: FailurePolicy,
+    *,
+    forgiven_at: float | None = None,
+) -> str | None:
+    """Why a node is a black hole, or None. It is one when the infrastructure failures
+    blamed on it since the window began (and since an operator last resumed it) came in
+    `black_hole_after` separate incidents (`INCIDENT_S` apart), of two jobs or more:
+    a job that failed there avoids it, so the failures are of job after job. A single
+    incident, however many jobs it took, is a node lost or a GPU fault, which are
+    handled as such."""
+    if policy.black_hole_after <= 0:
+        return None
+    since = now - policy.black_hole_window_s
+    if forgiven_at is not None:
+        since = max(since, forgiven_at)
+    recent = sorted((f for f in failures if f.at > since), key=lambda f: f.at)
+    incidents = 0
+    last_at = float("-inf")
+    for failure in recent:
+        if failure.at - last_at > INCIDENT_S:
+            incidents += 1
+        last_at = failure.at
+    jobs = sorted({f.job_id for f in recent}, key=job_sequence)
+    if incidents < policy.black_hole_after or len(jobs) < 2:
+        return None
+    shown = ", ".join(jobs[:5]) + (f" and {len(jobs) - 5} more" if len(jobs) > 5 else "")
+    window = f"{policy.black_hole_window_s / 60:g} min"
+    return (
+        f"{BLACK_HOLE}{incidents} infrastructure failures within {window}, of jobs {shown}; "
+        f"last: {recent[-1].reason}"
     )
