@@ -25,14 +25,14 @@ import statistics
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from operator import mul
 from pathlib import Path
 from typing import Final
 
 import sqlite_utils
 
-from brain.core.model import UtilizationProfile
+from brain.core.model import GpuMemory, UtilizationProfile
 from schemas.jobs import JobRecord, JobState
 from schemas.profiles import JobProfile
 from schemas.state import JobChanged, StateRecord
@@ -311,6 +311,40 @@ def _own(sample: GpuSample, job_id: str, shares: Sequence[ShareUse]) -> GpuSampl
     return sample.model_copy(update={"mem_used_mib": max(0.0, sample.mem_used_mib - others)})
 
 
+def gpu_memory(
+    per_gpu: Mapping[tuple[str, int], _GpuTotals],
+    settings: ProfileSettings,
+    period_s: float | None,
+    gpu_mib: float,
+) -> tuple[GpuMemory, ...]:
+    """A shareable job's memory on each of its GPUs: its peak, and its forecast as
+    `analyse` makes the busiest GPU's (with the job's period, if it has one; never past
+    what the GPU has)."""
+    found: list[GpuMemory] = []
+    for (node, index), totals in sorted(per_gpu.items()):
+        if totals.memory is None or not len(totals.memory):
+            continue
+        _, mem, step = regular(totals.memory.readings(), settings.max_points)
+        period = round(period_s / step) if period_s is not None and step > 0 else None
+        horizon = max(1, math.ceil(settings.horizon_s / step)) if step > 0 else 1
+        ahead = forecast(mem, period=period, horizon=horizon) or (0.0,)
+        cap = gpu_mib or math.inf
+        found.append(
+            GpuMemory(node, index, totals.mem_peak_mib, round(min(max(0.0, max(ahead)), cap), 1))
+        )
+    return tuple(found)
+
+
+def _follow_memory(gpu: _GpuTotals, ts: float, mem_mib: float, window_s: float) -> None:
+    gpu.mem_peak_mib = max(gpu.mem_peak_mib, mem_mib)
+    if gpu.memory is None:
+        gpu.memory = _Window()
+    last = gpu.memory.last_ts()
+    if last is None or ts > last:
+        gpu.memory.append(ts, 0.0, mem_mib)
+        gpu.memory.drop_before(ts - window_s)
+
+
 def _pct(value: float) -> float:
     return round(min(100.0, max(0.0, value)), 2)
 
@@ -365,6 +399,10 @@ class _Window:
 class _GpuTotals:
     util_sum: float = 0.0
     samples: int = 0
+    # A shareable job's own memory on this GPU: its peak, and its readings over the
+    # window (`UtilizationProfile.gpu_memory`); None for other jobs.
+    mem_peak_mib: float = 0.0
+    memory: _Window | None = None
 
 
 @dataclass
@@ -394,6 +432,8 @@ class _Track:
     # Other jobs' shares may run on its GPUs (it is shareable, or a share itself): its
     # samples' memory is the GPU's less theirs (`_own`).
     beside: bool = False
+    # A shareable job: its memory is followed per GPU too (`_GpuTotals.memory`).
+    hosts: bool = False
 
     def add(self, node: str, ts: float, samples: Sequence[GpuSample], window_s: float) -> None:
         for sample in samples:
@@ -405,6 +445,8 @@ class _Track:
             gpu = self.per_gpu.setdefault((node, sample.index), _GpuTotals())
             gpu.util_sum += util
             gpu.samples += 1
+            if self.hosts:
+                _follow_memory(gpu, ts, sample.mem_used_mib, window_s)
         self.first_ts = ts if self.first_ts is None else min(self.first_ts, ts)
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
         self.fresh_samples = True
@@ -586,6 +628,7 @@ class Profiler:
             self._queue(track)
         track.gpus = job.gpu_count
         track.beside = job.spec.shareable or job.spec.gpu_milli is not None
+        track.hosts = job.spec.shareable
         held = tuple((grant.node, gpu) for grant in job.grants for gpu in grant.gpus)
         if held != track.held:
             self._let_go(track)
@@ -669,6 +712,13 @@ class Profiler:
         before = track.profile
         was_underused = before is not None and before.underused
         profile = analyse(track.readings.readings(), track.totals(), self.settings)
+        if track.hosts:
+            profile = replace(
+                profile,
+                gpu_memory=gpu_memory(
+                    track.per_gpu, self.settings, profile.period_s, track.mem_total_mib
+                ),
+            )
         self._news = self._news or _matters_to_policy(before, profile)
         track.profile = self._profiles[track.job_id] = profile
         self._handed_out = None
@@ -729,7 +779,15 @@ def _matters_to_policy(before: UtilizationProfile | None, after: UtilizationProf
         return True
     was = max(before.mem_peak_mib, before.forecast_mem_mib)
     now = max(after.mem_peak_mib, after.forecast_mem_mib)
-    return abs(now - was) > MEMORY_NEWS_SHARE * max(was, 1.0)
+    if abs(now - was) > MEMORY_NEWS_SHARE * max(was, 1.0):
+        return True
+    # A shareable job's memory on any one GPU (what co-location reckons with there).
+    for gpu in after.gpu_memory:
+        was = before.memory_on(gpu.node, gpu.gpu)
+        now = max(gpu.peak_mib, gpu.forecast_mib)
+        if abs(now - was) > MEMORY_NEWS_SHARE * max(was, 1.0):
+            return True
+    return False
 
 
 # -- storage ----------------------------------------------------------------------------

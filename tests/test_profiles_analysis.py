@@ -333,7 +333,8 @@ def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
 def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests() -> None:
     """On a shareable job's GPU, the GPU's memory less what its shares use (as the
     node's heartbeat says) is the host's: its guests neither fill the room it leaves
-    nor press it to move them."""
+    nor press it to move them. Its memory is followed per GPU as well as on its
+    busiest."""
     host = _job((0, 1)).model_copy(
         update={"spec": JobSpec(command=("train",), gpus=2, shareable=True)}
     )
@@ -373,12 +374,14 @@ def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests() -> None:
                 sm_clock_mhz=1500.0,
                 mem_clock_mhz=1500.0,
             )
-            for i, used in ((0, 16_000.0), (1, 28_000.0))
+            for i, used in ((0, 40_000.0), (1, 28_000.0))
         )
         profiler.observe(TelemetryBatch(node="rec", ts=float(ts), samples=samples))
     profile = profiler.current()["7"]
-    assert profile.mem_peak_mib == 16_000.0
-    assert profile.forecast_mem_mib == pytest.approx(16_000.0)
+    assert profile.mem_peak_mib == 40_000.0  # GPU 0, the busiest
+    assert profile.memory_on("rec", 0) == pytest.approx(40_000.0)
+    assert profile.memory_on("rec", 1) == pytest.approx(16_000.0)
+    assert [(g.gpu, g.peak_mib) for g in profile.gpu_memory] == [(0, 40_000.0), (1, 16_000.0)]
 
 
 @settings(max_examples=200, deadline=None)

@@ -20,6 +20,7 @@ from brain.core.model import (
     Ask,
     ClusterSnapshot,
     Demand,
+    GpuMemory,
     Grant,
     JobView,
     MemoryPressure,
@@ -743,6 +744,30 @@ def test_a_colocated_share_moves_off_before_the_gpu_runs_out_of_memory() -> None
     tied = ClusterSnapshot(nodes, (), (_host(20.0, 60_000), ten, nine))
     (move,) = decide(tied, 100.0).preemptions
     assert move.job_id == "10"
+
+
+def test_a_host_on_several_gpus_is_reckoned_with_per_gpu() -> None:
+    """A shareable job on two GPUs uses 70,000 MiB of one and 10,000 of the other: a
+    share fits beside it on the second only, and the first growing moves nothing off
+    the second."""
+    nodes = (node("n", 2, held=frozenset({0, 1})), node("m", 1))
+    busy, calm = GpuMemory("n", 0, 70_000, 70_000), GpuMemory("n", 1, 10_000, 10_000)
+    host = replace(
+        _host(20.0, 70_000),
+        gpus=2,
+        grants=(Grant("n", (0, 1)),),
+        profile=UtilizationProfile(20.0, 20.0, 70_000, None, 20.0, 70_000, gpu_memory=(busy, calm)),
+    )
+    placed = places(ClusterSnapshot(nodes[:1], (share("guest", 250, 20_000),), (host,)))
+    assert placed == {"guest": (Grant("n", (1,)),)}
+    guest = share("guest", 250, 20_000, grants=(Grant("n", (1,)),), started_at=1.0)
+    assert not decide(ClusterSnapshot(nodes, (), (host, guest)), 100.0).preemptions
+    # Its second GPU grows toward what the guest leaves: the guest moves.
+    grown = GpuMemory("n", 1, 10_000, 60_000)
+    assert host.profile is not None
+    pressed = replace(host, profile=replace(host.profile, gpu_memory=(busy, grown)))
+    (move,) = decide(ClusterSnapshot(nodes, (), (pressed, guest)), 100.0).preemptions
+    assert move.job_id == "guest" and "forecast to use 60000 MiB" in move.reason
 
 
 def test_a_host_with_shares_beside_it_is_no_victim() -> None:

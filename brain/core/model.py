@@ -82,6 +82,16 @@ class QueueQuota:
 
 
 @record
+class GpuMemory:
+    """A job's memory on one of its GPUs (MiB): its peak and its forecast."""
+
+    node: str
+    gpu: int
+    peak_mib: float
+    forecast_mib: float
+
+
+@record
 class UtilizationProfile:
     """What a running job does with the GPUs it holds, from its telemetry (brain/profiles.py).
 
@@ -100,6 +110,18 @@ class UtilizationProfile:
     underused: bool = False
     # GPUs among those held whose mean utilisation is below the "barely used" line.
     idle_gpus: int = 0
+    # Per GPU, for a job that shares may run beside (`JobSpec.shareable`): its memory on
+    # each of its GPUs, which co-location reckons with (brain/core/shares.py). Empty:
+    # only its busiest GPU's (above) is known.
+    gpu_memory: tuple[GpuMemory, ...] = ()
+
+    def memory_on(self, node: str, gpu: int) -> float:
+        """What the job is reckoned to use of one of its GPUs' memory: its peak or its
+        forecast, whichever is higher, of that GPU where known, else of its busiest."""
+        for known in self.gpu_memory:
+            if known.gpu == gpu and known.node == node:
+                return max(known.peak_mib, known.forecast_mib)
+        return max(self.mem_peak_mib, self.forecast_mem_mib)
 
 
 @record

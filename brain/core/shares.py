@@ -214,29 +214,35 @@ def hosting(jobs: Sequence[JobView]) -> frozenset[str]:
     )
 
 
-def host_room(job: JobView) -> tuple[int, float] | None:
-    """What a running shareable job is reckoned to need of each of its GPUs (thousandths,
-    MiB) when its profile leaves room for shares beside it; None when it does not."""
+def host_room(job: JobView, at: tuple[str, int] | None = None) -> tuple[int, float] | None:
+    """What a running shareable job is reckoned to need of its GPU `at` (node, index;
+    None: of its busiest), in thousandths and MiB, when its profile leaves room for
+    shares beside it; None when it does not."""
     profile = job.profile
     if not job.shareable or job.shared or not job.grants or profile is None:
         return None
     util = max(profile.p95_util_pct, profile.forecast_util_pct)
     if util > COLOCATE_MAX_UTIL_PCT:
         return None
-    memory = max(profile.mem_peak_mib, profile.forecast_mem_mib) * HOST_MEMORY_MARGIN
-    return min(GPU_MILLI, math.ceil(util * GPU_MILLI / 100)), memory
+    used = (
+        profile.memory_on(*at)
+        if at is not None
+        else max(profile.mem_peak_mib, profile.forecast_mem_mib)
+    )
+    return min(GPU_MILLI, math.ceil(util * GPU_MILLI / 100)), used * HOST_MEMORY_MARGIN
 
 
 def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
     """Shares to move off co-located GPUs before they run out of memory.
 
-    A host's profile is its own memory (brain/profiles.py leaves its guests' out), and
-    each guest may use its `share_memory_mib`: what admission reckoned it at, and what
-    MPS holds it to. Per GPU of a running shareable job, while the host's peak or
-    forecast reaches `MEMORY_PRESSURE` of what its guests leave of the GPU, the guest
-    that came last moves (ties: the later job, as every order breaks them). Moving
-    below admission's reckoning (1 / `HOST_MEMORY_MARGIN` of the same) keeps a guest
-    from coming back to a GPU it would be moved off again."""
+    A host's profile is its own memory on each of its GPUs (brain/profiles.py leaves
+    its guests' out; `UtilizationProfile.memory_on`), and each guest may use its
+    `share_memory_mib`: what admission reckoned it at, and what MPS holds it to. Per
+    GPU of a running shareable job, while the host's peak or forecast there reaches
+    `MEMORY_PRESSURE` of what its guests leave of the GPU, the guest that came last
+    moves (ties: the later job, as every order breaks them). Moving below admission's
+    reckoning (1 / `HOST_MEMORY_MARGIN` of the same) keeps a guest from coming back to
+    a GPU it would be moved off again."""
     hosts = [j for j in snapshot.running if j.shareable and not j.shared and j.profile]
     if not hosts:
         return []
@@ -251,10 +257,10 @@ def memory_pressure(snapshot: ClusterSnapshot) -> list[Preempt]:
     moved: set[str] = set()
     for host in hosts:
         assert host.profile is not None
-        forecast = max(host.profile.forecast_mem_mib, host.profile.mem_peak_mib)
         for grant in host.grants:
             total = memory.get(grant.node, 0)
             for gpu in grant.gpus:
+                forecast = host.profile.memory_on(grant.node, gpu)
                 here = [g for g in guests.get((grant.node, gpu), ()) if g.job_id not in moved]
                 if not here or not total:
                     continue
@@ -316,11 +322,13 @@ class SharePlacer:
         # thousandths and MiB it is reckoned to need, its tenant: its guests' too).
         self._hosts: dict[tuple[str, int], tuple[str, int, float, str | None]] = {}
         for job in snapshot.running:
-            room = host_room(job)
-            if room is not None:
-                for grant in job.grants:
-                    for gpu in grant.gpus:
-                        self._hosts[(grant.node, gpu)] = (job.job_id, *room, job.tenant)
+            if host_room(job) is None:
+                continue
+            for grant in job.grants:
+                for gpu in grant.gpus:
+                    room = host_room(job, (grant.node, gpu))
+                    assert room is not None
+                    self._hosts[(grant.node, gpu)] = (job.job_id, *room, job.tenant)
         # Running shareable jobs, to say why a share that waits is not beside them.
         self._shareable = sorted(
             j.job_id for j in snapshot.running if j.shareable and not j.shared and j.grants
