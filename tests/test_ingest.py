@@ -261,7 +261,7 @@ async def test_a_heartbeat_that_changes_nothing_journals_nothing(brain_factory, 
     # Let the join's own passes settle.
     await eventually(lambda: brain.ingest.counts.heartbeats >= 5)
     # The join's passes are done: nothing dirty, nothing queued.
-    await eventually(lambda: not brain.scheduler.dirty and brain._inbox.empty())
+    await eventually(lambda: not brain.scheduler.dirty and brain._inbox.queue.empty())
     seq_before, passes_before = brain.state.last_seq, passes[0]
     forwarded_before = brain.ingest.counts.heartbeats_forwarded
     received_before = brain.ingest.counts.heartbeats
