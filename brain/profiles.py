@@ -635,8 +635,8 @@ class Profiler:
             track.held = held
             for node, gpu in held:
                 on_node = self._holders.setdefault(node, {})
-                # A GPU's telemetry is its whole-GPU job's (shares beside a shareable
-                # job are in it); of shares alone, the first's.
+                # A GPU's telemetry is filed under its whole-GPU job (its shares' use
+                # taken off: `_own`); of shares alone, under the first's.
                 if job.spec.gpu_milli is None or gpu not in on_node:
                     on_node[gpu] = track
 

@@ -186,8 +186,8 @@ class JobSpec(BaseModel):
     @property
     def constrained(self) -> bool:
         """Asks something beyond whole GPUs: a share, a GPU type or memory, CPUs or
-        memory on the node. Such a job is placed on one node, through the sharing
-        ledger (docs/sharing.md)."""
+        memory on the node. Such a job is placed through the sharing ledger, on one
+        node unless it asks whole GPUs and no CPUs or memory (docs/sharing.md)."""
         return (
             self.gpu_milli is not None
             or self.gpu_memory_mib is not None

@@ -15,7 +15,8 @@ ordering, placement and preemption run are plugins named in the `Policy`:
                 victims worst-ranked first, only as far as a placement needs; a victim
                 whose GPUs nobody took keeps running. A job asking a share of a GPU, a
                 GPU type, CPUs or memory is placed on one node by the policy's sharing
-                plugin instead (brain/core/shares.py); a share needs none of the
+                plugin instead (brain/core/shares.py; whole GPUs of a type, asking no
+                CPUs or memory, on several where none has room); a share needs none of the
                 whole-GPU budget in 3, and shares are victims a GPU at a time, for
                 the first whole-GPU job their GPUs would make room for
                 (`_make_room_in_shares`);

@@ -7,8 +7,9 @@ share and memory are reckoned here from the jobs holding it. `SharePlacer` keeps
 `SharedCluster` for the cycle, reckoned from the cycle's free ledger, the shares held
 and the CPUs and memory reserved (by running jobs and by those placed earlier in the
 cycle), and redoes only the nodes that changed before each job with a demand; it asks
-the policy's sharing plugin. A job with a demand runs on one node. Jobs without one
-never come here: whole-GPU placement is unchanged.
+the policy's sharing plugin. A job with a demand runs on one node, but for whole GPUs
+asking no CPUs or memory (`spreads`), which the whole-GPU placement puts on several
+nodes of the kind it asks where none has room. Jobs without a demand never come here.
 
 A shared GPU serves one tenant (MPS serves one Unix user at a time, and confined jobs
 run as their tenant's user): each GPU that shares or a shareable job with room hold is
@@ -515,8 +516,8 @@ class SharePlacer:
             dirty.update(ledger.changed_since(kept.mark))
             if guest != kept.guest:
                 dirty |= self._host_nodes
-            # (A held job that reserves nothing once its GPUs are free runs on one node,
-            # as every job with a demand does: a change there is the ledger's.)
+            # (A held job that reserves nothing once its GPUs are free gave them back on
+            # every node it holds: a change there is the ledger's.)
             position = kept.position
             for node in dirty:
                 i = position.get(node)
