@@ -55,7 +55,14 @@ from schemas.commands import (
 from schemas.errors import InvalidMessage
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
 from schemas.jobs import BLACKLIST_FILE_ENV
-from schemas.telemetry import GpuShares, Heartbeat, RunningJob, ShareUse, TelemetryBatch
+from schemas.telemetry import (
+    GpuShares,
+    Heartbeat,
+    RunningJob,
+    ShareSample,
+    ShareUse,
+    TelemetryBatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +501,21 @@ class Agent:
 
     async def publish_telemetry(self) -> None:
         self.backend.set_busy(self.launcher.busy_gpus())
-        batch = TelemetryBatch(node=self.node, ts=self.clock(), samples=self.backend.sample())
+        samples = self.backend.sample()
+        # Each share's own use, read with the samples: the brain takes it off the GPU's
+        # for the job beside it (brain/profiles.py), so it must be of the same instant.
+        shares: list[ShareSample] = []
+        read: dict[int, dict[int, float]] = {}
+        for process in self.launcher.shares():
+            for gpu in process.gpus:
+                on_gpu = read.get(gpu)
+                if on_gpu is None:
+                    on_gpu = read[gpu] = self.backend.process_memory(gpu)
+                used = sum(on_gpu[pid] for pid in process.owns(on_gpu))
+                shares.append(ShareSample(index=gpu, job_id=process.job_id, memory_used_mib=used))
+        batch = TelemetryBatch(
+            node=self.node, ts=self.clock(), samples=samples, shares=tuple(shares)
+        )
         await self.bus.publish(subjects.node(self.node, "telemetry"), batch)
 
     # -- commands --------------------------------------------------------------------

@@ -36,7 +36,7 @@ from brain.core.model import GpuMemory, UtilizationProfile
 from schemas.jobs import JobRecord, JobState
 from schemas.profiles import JobProfile
 from schemas.state import JobChanged, StateRecord
-from schemas.telemetry import GpuSample, GpuShares, ShareUse, TelemetryBatch
+from schemas.telemetry import GpuSample, GpuShares, TelemetryBatch
 
 log = logging.getLogger(__name__)
 
@@ -301,11 +301,11 @@ def analyse(
     )
 
 
-def _own(sample: GpuSample, job_id: str, shares: Sequence[ShareUse]) -> GpuSample:
+def _own(sample: GpuSample, job_id: str, shares: Sequence[tuple[str, float]]) -> GpuSample:
     """A GPU's sample as one of its jobs' own: its memory less what the GPU's other
-    shares use, as its agent last reported them. A host's profile is then its own, for
-    the room beside it (`host_room`) and the pressure on it (`memory_pressure`)."""
-    others = sum(s.memory_used_mib or 0.0 for s in shares if s.job_id != job_id)
+    shares use (`Profiler._share_use`). A host's profile is then its own, for the room
+    beside it (`host_room`) and the pressure on it (`memory_pressure`)."""
+    others = sum(used for share, used in shares if share != job_id)
     if not others:
         return sample
     return sample.model_copy(update={"mem_used_mib": max(0.0, sample.mem_used_mib - others)})
@@ -525,14 +525,14 @@ class Profiler:
         if not held:
             return
         by_track: dict[str, list[GpuSample]] = {}
-        shared: dict[int, tuple[ShareUse, ...]] | None = None
+        shared: dict[int, list[tuple[str, float]]] | None = None
         for sample in batch.samples:
             track = held.get(sample.index)
             if track is None:
                 continue
             if track.beside:
                 if shared is None:
-                    shared = {gpu.index: gpu.jobs for gpu in self._shares(batch.node)}
+                    shared = self._share_use(batch)
                 sample = _own(sample, track.job_id, shared.get(sample.index, ()))
             by_track.setdefault(track.job_id, []).append(sample)
         for job_id, samples in by_track.items():
@@ -541,6 +541,19 @@ class Profiler:
             if job_id in self._parked:
                 self._parked.discard(job_id)
                 self._queue(track)
+
+    def _share_use(self, batch: TelemetryBatch) -> dict[int, list[tuple[str, float]]]:
+        """What each share on the node's GPUs uses of its GPU's memory (job, MiB): as
+        read with the batch, or, from an agent that does not send it, as its last
+        heartbeat said (a second or two older than the samples)."""
+        use: dict[int, list[tuple[str, float]]] = {}
+        if batch.shares is not None:
+            for share in batch.shares:
+                use.setdefault(share.index, []).append((share.job_id, share.memory_used_mib))
+            return use
+        for gpu in self._shares(batch.node):
+            use[gpu.index] = [(u.job_id, u.memory_used_mib or 0.0) for u in gpu.jobs]
+        return use
 
     def resync(self) -> None:
         """Follow the running jobs afresh at the next look (state was loaded or followed

@@ -45,12 +45,27 @@ class GpuSample(BaseModel):
     ecc_dbe_total: int | None = Field(default=None, ge=0, le=2**64 - 1)
 
 
+class ShareSample(BaseModel):
+    """The GPU memory one share's processes use on a GPU, read with its batch's samples."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0, le=255)
+    job_id: str = Field(min_length=1, max_length=64)
+    memory_used_mib: float = Field(ge=0)
+
+
 class TelemetryBatch(Message):
     """Every GPU of one node at one instant: one message per node per interval."""
 
     node: NodeName
     ts: float
     samples: tuple[GpuSample, ...] = Field(max_length=256)
+    # What each share on the node's shared GPUs uses of its GPU's memory, read at the
+    # same instant (per process: NVML, or what simulated jobs declare): what a job's
+    # profile takes off its GPU's for the shares beside it. None: an agent that does
+    # not say (the brain then takes the heartbeat's `ShareUse.memory_used_mib`).
+    shares: tuple[ShareSample, ...] | None = Field(default=None, max_length=1024)
 
 
 class RunningJob(BaseModel):

@@ -32,7 +32,7 @@ from brain.profiles import (
 )
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.state import Cause, CauseKind, JobChanged
-from schemas.telemetry import GpuSample, GpuShares, ShareUse, TelemetryBatch
+from schemas.telemetry import GpuSample, GpuShares, ShareSample, ShareUse, TelemetryBatch
 from tests.data.telemetry.record import load
 
 # -- the numbers ------------------------------------------------------------------------
@@ -330,11 +330,14 @@ def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
     assert profiler._holders == {}
 
 
-def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests() -> None:
-    """On a shareable job's GPU, the GPU's memory less what its shares use (as the
-    node's heartbeat says) is the host's: its guests neither fill the room it leaves
-    nor press it to move them. Its memory is followed per GPU as well as on its
-    busiest."""
+@pytest.mark.parametrize("said", ["with the samples", "by the last heartbeat"])
+def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests(said: str) -> None:
+    """On a shareable job's GPU, the GPU's memory less what its shares use is the
+    host's: its guests neither fill the room it leaves nor press it to move them. The
+    shares' use comes with the samples, read at the same instant (a guest growing
+    between two heartbeats never shows in its host's peak); from an agent that does not
+    send it, from the node's last heartbeat. Its memory is followed per GPU as well as
+    on its busiest."""
     host = _job((0, 1)).model_copy(
         update={"spec": JobSpec(command=("train",), gpus=2, shareable=True)}
     )
@@ -348,13 +351,12 @@ def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests() -> None:
         started_at=0.0,
         grants=(NodeGrant(node="rec", gpus=(1,)),),
     )
-    shares = (
-        GpuShares(
-            index=1,
-            jobs=(ShareUse(job_id="8", attempt=1, gpu_milli=250, memory_used_mib=12_000.0),),
-            enforcement="accounted",
-        ),
+    with_samples = said == "with the samples"
+    # The heartbeat's figure lags: with the samples sent, it says the guest uses none.
+    beat = ShareUse(
+        job_id="8", attempt=1, gpu_milli=250, memory_used_mib=0.0 if with_samples else 12_000.0
     )
+    shares = (GpuShares(index=1, jobs=(beat,), enforcement="accounted"),)
     profiler = Profiler(
         lambda: [host, share],
         store=ProfileStore(None),
@@ -362,6 +364,8 @@ def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests() -> None:
         shares=lambda node: shares if node == "rec" else (),
     )
     for ts in range(20):
+        # The guest grows to 12,000 MiB; the host uses 40,000 of GPU 0, 16,000 of GPU 1.
+        guest = 12_000.0 if not with_samples else min(12_000.0, ts * 1_000.0)
         samples = tuple(
             GpuSample(
                 index=i,
@@ -374,9 +378,10 @@ def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests() -> None:
                 sm_clock_mhz=1500.0,
                 mem_clock_mhz=1500.0,
             )
-            for i, used in ((0, 40_000.0), (1, 28_000.0))
+            for i, used in ((0, 40_000.0), (1, 16_000.0 + guest))
         )
-        profiler.observe(TelemetryBatch(node="rec", ts=float(ts), samples=samples))
+        sent = (ShareSample(index=1, job_id="8", memory_used_mib=guest),) if with_samples else None
+        profiler.observe(TelemetryBatch(node="rec", ts=float(ts), samples=samples, shares=sent))
     profile = profiler.current()["7"]
     assert profile.mem_peak_mib == 40_000.0  # GPU 0, the busiest
     assert profile.memory_on("rec", 0) == pytest.approx(40_000.0)

@@ -120,7 +120,9 @@ async def test_passes_say_why_new_jobs_wait_at_once_and_every_job_once_per_inter
     await eventually(lambda: "queued behind" in (brain.state.jobs[second].reason or ""))
     # ... which asked about the new job alone, and owes the rest.
     scheduler = brain.scheduler
-    await eventually(lambda: scheduler.waits_owed and not scheduler.dirty and brain._inbox.queue.empty())
+    await eventually(
+        lambda: scheduler.waits_owed and not scheduler.dirty and brain._inbox.queue.empty()
+    )
     assert [second] in waits_per_pass[explained:]
     assert all(first not in waits for waits in waits_per_pass[explained:])
 

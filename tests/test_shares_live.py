@@ -25,6 +25,7 @@ from schemas.api import (
 )
 from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
 from schemas.state import CauseKind, JobChanged, StateRecord
+from schemas.telemetry import TelemetryBatch
 from tests.conftest import eventually
 from tests.test_cluster_e2e import submit
 
@@ -83,8 +84,14 @@ async def test_two_half_gpu_jobs_share_one_gpu_with_mps_limits(
     assert shared.index == 0 and shared.enforcement == "accounted"
     assert sorted(u.job_id for u in shared.jobs) == sorted((first, second))
     assert sum(u.gpu_milli for u in shared.jobs) == 1000
-    # The brain hears it in the heartbeat, as `alnair nodes` and /metrics show it.
+    # The brain hears it in the heartbeat, as `alnair nodes` and /metrics show it, and
+    # each share's use with the telemetry (what profiles take off the GPU's).
     await eventually(lambda: len(brain.shares("n1")) == 1 and len(brain.shares("n1")[0].jobs) == 2)
+    batches: list[TelemetryBatch] = []
+    brain.telemetry_observers.append(batches.append)
+    batch = await eventually(lambda: next((b for b in batches if b.node == "n1"), None))
+    assert batch.shares is not None
+    assert sorted((s.index, s.job_id) for s in batch.shares) == sorted([(0, first), (0, second)])
     # A whole-GPU job waits: the GPU is shared.
     whole = await submit(brain.api, JobSpec(command=(sys.executable, "-c", "pass"), gpus=1))
     await eventually(lambda: brain.state.jobs[whole].reason not in (None, "submitted"))
