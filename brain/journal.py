@@ -89,8 +89,10 @@ class Journal:
         nothing: the records they follow are stored, so the callers who staged them are
         answered, and each kind of command is sent again or undone where it is
         watched: a launch no node confirms is requeued after its TTL (brain/liveness.py),
-        a job a node runs that the brain does not hold is stopped by the reconciler, a
-        resize that is not confirmed rolls back (brain/resizes.py)."""
+        a job a node runs that the brain does not hold is stopped by the reconciler, and
+        a node that counts other GPUs for an elastic attempt than its grant is regranted
+        by it (brain/reconciler.py), a resize that is not confirmed rolls back
+        (brain/resizes.py)."""
         staged, self.staged = self.staged, []
         outbox, self.outbox = self.outbox, []
         if staged:

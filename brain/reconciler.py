@@ -1,8 +1,10 @@
-"""The reconciler: stop what a node runs that the brain did not give it (any more).
+"""The reconciler: stop what a node runs that the brain did not give it (any more), and
+tell a node again which GPUs an elastic attempt holds there when it says otherwise.
 
-It reads the nodes' latest heartbeats (brain/ingest.py) and state, and sends stops
-(brain/writer.py `Stops`); it changes no state. A stop for the same process is not
-repeated more often than `RESTOP_AFTER_S`, counting stops sent for any reason.
+It reads the nodes' latest heartbeats (brain/ingest.py) and state, and sends stops and
+`Regrant`s (brain/writer.py `Stops`, `NodeCommands`); it changes no state. A stop for the
+same process is not repeated more often than `RESTOP_AFTER_S`, counting stops sent for
+any reason, nor is a regrant.
 
 A heartbeat is read until the node's next one, so the latest may be older than the
 node's report that a process exited (events and heartbeats travel apart): a process
@@ -19,7 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Protocol
 
 from brain.state import BrainState
-from brain.writer import Clock, Stops
+from brain.writer import Clock, NodeCommands, Stops
+from schemas.commands import Regrant
 from schemas.events import JobExited
 from schemas.jobs import JobRecord, JobState
 from schemas.telemetry import Heartbeat
@@ -49,19 +52,27 @@ class Reporting(Protocol):
         ...
 
 
+class Sends(Stops, NodeCommands, Protocol):
+    pass
+
+
 class Reconciler:
     def __init__(
         self,
         state: Callable[[], BrainState],
         nodes: Reporting,
-        stops: Stops,
+        stops: Sends,
         *,
         stops_sent: Mapping[tuple[str, str, int], float],
         monotonic: Clock,
+        clock: Clock,
     ) -> None:
         self._state = state
         self._nodes = nodes
         self._stops = stops
+        self._clock = clock
+        # (node, job, attempt) -> when a regrant for it was last sent (monotonic).
+        self._regrants_sent: dict[tuple[str, str, int], float] = {}
         # (node, job, attempt) -> when a stop for it was last sent (monotonic).
         self._stops_sent = stops_sent
         self._monotonic = monotonic
@@ -94,6 +105,8 @@ class Reconciler:
         changed = state.take_attempts_changed()
         if state is not self._swept or now >= self._next_sweep:
             self._swept, self._next_sweep = state, now + SWEEP_EVERY_S
+            if state.live_elastic:
+                await self._regrant_where_told_otherwise(state, now)
             beats = self._nodes.reporting(now)
         elif changed or self._suspects:
             beats = self._nodes.reporting(now, sorted(changed | self._suspects))
@@ -130,6 +143,59 @@ class Reconciler:
                 "stale: the brain no longer runs this attempt here",
                 running.attempt,
             )
+
+    async def _regrant_where_told_otherwise(self, state: BrainState, now: float) -> None:
+        """An elastic attempt's GPUs change within the attempt, and the node learns it
+        from a `Regrant` (brain/resizes.py); one that never arrived leaves the node
+        counting GPUs the job gave back as its own (a launch onto them is refused) or
+        not counting those it took. Where a node's heartbeat says an attempt with no
+        resize in flight holds other GPUs there than its grant, it is told again."""
+        jobs = [j for j in state.jobs_in(JobState.RUNNING) if j.spec.elastic and j.resize is None]
+        names = sorted({g.node for j in jobs for g in j.grants if g.pid is not None})
+        if not names:
+            return
+        beats = {beat.node: beat for beat in self._nodes.reporting(now, names)}
+        for job in jobs:
+            for grant in job.grants:
+                beat = beats.get(grant.node)
+                if grant.pid is None or beat is None:
+                    continue
+                said = next(
+                    (
+                        r.gpus
+                        for r in beat.running
+                        if r.job_id == job.job_id and r.attempt == job.attempt
+                    ),
+                    None,
+                )
+                if said is None or sorted(said) == sorted(grant.gpus):
+                    continue
+                key = (grant.node, job.job_id, job.attempt)
+                if now - self._regrants_sent.get(key, -RESTOP_AFTER_S) < RESTOP_AFTER_S:
+                    continue
+                self._regrants_sent[key] = now
+                log.warning(
+                    "node %s says job %s attempt %d holds GPUs %s there, not %s; telling it",
+                    grant.node,
+                    job.job_id,
+                    job.attempt,
+                    list(said),
+                    list(grant.gpus),
+                )
+                issued = self._clock()
+                await self._stops.command(
+                    grant.node,
+                    Regrant(
+                        command_id=f"regrant-sync-{job.job_id}-{job.attempt}-{grant.node}-"
+                        f"{issued:.3f}",
+                        epoch=self._stops.epoch,
+                        issued_at=issued,
+                        job_id=job.job_id,
+                        attempt=job.attempt,
+                        gpus=grant.gpus,
+                        reason="the brain's grant, told again",
+                    ),
+                )
 
 
 def _holds(job: JobRecord | None, node: str, attempt: int) -> bool:

@@ -290,6 +290,7 @@ class Brain:
             shell,
             stops_sent=self._stops_sent,
             monotonic=monotonic,
+            clock=clock,
         )
         self.blacklist = Blacklist(
             lambda: self.state, shell, policy=self.config.failures, clock=clock

@@ -1,5 +1,6 @@
 """The reconciler without a server: what a node runs that the brain does not hold is
-stopped, once per RESTOP_AFTER_S."""
+stopped, once per RESTOP_AFTER_S; an elastic attempt whose GPUs a node counts otherwise
+is regranted."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from brain.reconciler import RESTOP_AFTER_S, SWEEP_EVERY_S, Reconciler
+from schemas.commands import Regrant
 from schemas.events import JobExited
-from schemas.jobs import JobState
+from schemas.jobs import JobState, NodeGpus, StagedResize
 from schemas.telemetry import Heartbeat
 from tests.parts import Clock, Shell, heartbeat
 
@@ -32,7 +34,9 @@ def reconciler(
     shell: Shell, clock: Clock, stops_sent: dict[tuple[str, str, int], float]
 ) -> tuple[Reconciler, Nodes]:
     nodes = Nodes()
-    made = Reconciler(lambda: shell.state, nodes, shell, stops_sent=stops_sent, monotonic=clock)
+    made = Reconciler(
+        lambda: shell.state, nodes, shell, stops_sent=stops_sent, monotonic=clock, clock=clock
+    )
     return made, nodes
 
 
@@ -148,3 +152,55 @@ async def test_a_beat_older_than_its_nodes_exit_report_stops_nothing(
     await made.reconcile(beat)
 
     assert len(shell.stops) == (1 if stopped else 0)
+
+
+async def test_a_node_told_other_gpus_for_an_elastic_attempt_is_regranted() -> None:
+    """A shrink's `Regrant` that never arrived: the node still counts the GPUs the job
+    gave back. At the next sweep it is told the grant again, not more often than
+    RESTOP_AFTER_S; nothing is sent where it agrees, nor while a resize is in flight."""
+    shell, clock = Shell(), Clock(100.0)
+    shell.add_node("n1")
+    job = shell.add_job(1, gpus=2, node="n1")
+    elastic = job.spec.model_copy(update={"elastic": True, "min_gpus": 1, "max_gpus": 4})
+    shell.put_job(job.model_copy(update={"spec": elastic}))
+    made, nodes = reconciler(shell, clock, {})
+    stale = heartbeat("n1", ("1", 1))
+    stale = stale.model_copy(
+        update={"running": (stale.running[0].model_copy(update={"gpus": (0, 1, 2, 3)}),)}
+    )
+    nodes.beats = [stale]
+
+    await made.reconcile_all()
+    ((node, command),) = shell.commands
+    assert node == "n1" and isinstance(command, Regrant)
+    assert (command.job_id, command.attempt, command.gpus) == ("1", 1, (0, 1))
+    assert not shell.stops  # the attempt is the brain's: it is not stopped
+    clock.now += SWEEP_EVERY_S - 0.1
+    await made.reconcile_all()
+    assert len(shell.commands) == 1
+    clock.now += RESTOP_AFTER_S
+    await made.reconcile_all()
+    assert len(shell.commands) == 2
+    # While a resize is in flight, its own regrants speak for it.
+    staged = StagedResize(
+        command_id="resize-1",
+        node="n1",
+        before=(NodeGpus(node="n1", gpus=(0, 1)),),
+        after=(NodeGpus(node="n1", gpus=(0, 1, 2, 3)),),
+        staged_at=clock.now,
+        cause="test",
+    )
+    running = shell.state.jobs["1"]
+    shell.put_job(running.model_copy(update={"resize": staged}))
+    clock.now += SWEEP_EVERY_S + RESTOP_AFTER_S
+    await made.reconcile_all()
+    assert len(shell.commands) == 2
+    shell.put_job(running)
+    # Told: the node agrees.
+    nodes.beats = [heartbeat("n1", ("1", 1))]
+    nodes.beats[0] = nodes.beats[0].model_copy(
+        update={"running": (nodes.beats[0].running[0].model_copy(update={"gpus": (0, 1)}),)}
+    )
+    clock.now += SWEEP_EVERY_S + RESTOP_AFTER_S
+    await made.reconcile_all()
+    assert len(shell.commands) == 2
