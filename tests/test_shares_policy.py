@@ -284,6 +284,15 @@ def test_a_typed_job_larger_than_a_node_goes_on_several_of_its_type() -> None:
     # One node that has room is the sharing placement's, as before.
     small = JobView("small", 2, 0.0, demand=Demand(gpu_types=("H100",)))
     assert places(ClusterSnapshot(nodes, (small,))) == {"small": (Grant("h2", (6, 7)),)}
+    # Several in one cycle: each sees what the ones before it took.
+    wide = (node("a0", 8, model=A100), *(node(f"h{i}", 8) for i in range(4)))
+    bigs = tuple(replace(big, job_id=f"big{i}", submitted_at=float(i)) for i in range(3))
+    decisions = decide(ClusterSnapshot(wide, bigs), 100.0)
+    assert [[g.node for g in p.grants] for p in decisions.placements] == [
+        ["h0", "h1"],
+        ["h2", "h3"],
+    ]
+    assert [w.job_id for w in decisions.waits] == ["big2"]
     # Not enough of the type free: it waits, saying so; the A100s are not for it.
     (wait,) = decide(ClusterSnapshot(nodes, (replace(big, gpus=20),)), 100.0).waits
     assert wait.reason.endswith(

@@ -775,9 +775,8 @@ def _try_place(
             return result
         # On no one node: on several, as a job without a demand, of the nodes that fit.
         types = job.demand.gpu_types
-        wider = cycle.place(
-            request, cycle.ledger.excluding(sharer.unfit(job.demand) | job.avoid_nodes)
-        )
+        narrowed = sharer.narrowed(cycle.ledger, sharer.unfit(job.demand) | job.avoid_nodes)
+        wider = cycle.place(request, narrowed)
         if isinstance(wider, Fit):
             return wider
         where = f"GPUs of type {'|'.join(types)}" if types else "enough GPU memory"

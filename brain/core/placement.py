@@ -251,6 +251,19 @@ class FreeGpus:
         """The nodes changed (with repeats) since `changes()` said `mark`, this epoch."""
         return self._log[mark:]
 
+    def follow(self, source: FreeGpus, nodes: Iterable[str]) -> None:
+        """Take these nodes' free GPUs from `source` (the ledger this one was copied
+        from with `excluding`; its excluded nodes stay out): a copy kept across a cycle
+        catches up with what changed, not the cluster."""
+        free = self._free
+        for node in nodes:
+            mine = free.get(node)
+            if mine is None:
+                continue
+            before = len(mine)
+            free[node] = list(source._free[node])
+            self._changed(node, before, len(free[node]))
+
     def reset(self, views: Iterable[NodeView]) -> None:
         """Set these nodes' free GPUs to their views' (the same nodes: the same GPUs and
         switch as when built), and forget what was touched."""

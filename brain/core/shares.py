@@ -342,6 +342,8 @@ class SharePlacer:
         self._host_nodes = {node for node, _ in self._hosts}
         self._kept: _KeptCluster | None = None
         self._unfit: dict[tuple[tuple[str, ...], int], frozenset[str]] = {}
+        # `narrowed`'s copies: (copy, the ledger and its epoch, its change mark).
+        self._narrowed: dict[frozenset[str], tuple[FreeGpus, FreeGpus, int, int]] = {}
 
     def _mix(self, snapshot: ClusterSnapshot) -> TaskMix:
         """The workload fgd weighs fragment against, as the FGD authors take it from
@@ -391,6 +393,19 @@ class SharePlacer:
             f"{COLOCATE_MAX_UTIL_PCT:g} % leaves none, and its memory is reckoned at "
             f"{HOST_MEMORY_MARGIN:g} x its peak or forecast"
         )
+
+    def narrowed(self, ledger: FreeGpus, without: frozenset[str]) -> FreeGpus:
+        """The free ledger without these nodes, for a job placed as one without a
+        demand on the nodes that fit it (`spreads`): a copy kept for the cycle per set
+        left out, brought up to date with what `ledger` changed since (`follow`)."""
+        kept = self._narrowed.get(without)
+        if kept is not None and kept[1] is ledger and kept[2] == ledger.epoch:
+            copy, _, _, mark = kept
+            copy.follow(ledger, dict.fromkeys(ledger.changed_since(mark)))
+        else:
+            copy = ledger.excluding(without)
+        self._narrowed[without] = (copy, ledger, ledger.epoch, ledger.changes())
+        return copy
 
     def unfit(self, demand: Demand) -> frozenset[str]:
         """The nodes whose GPUs a job with this demand may not have: of another type,
