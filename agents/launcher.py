@@ -250,12 +250,14 @@ class Launcher:
                     cwd=cwd,
                     start_new_session=True,
                 )
-            except OSError as error:
+            except (OSError, ValueError) as error:
+                # ValueError: what the kernel cannot take (a NUL in an argument, the
+                # environment or the directory), which no retry mends.
                 if confined is not None:
                     await confined.finish()
+                why = error.strerror if isinstance(error, OSError) else None
                 raise LaunchError(
-                    request.job_id,
-                    f"cannot start {request.command[0]!r}: {error.strerror or error}",
+                    request.job_id, f"cannot start {request.command[0]!r}: {why or error}"
                 ) from error
         job = JobProcess(
             job_id=request.job_id,

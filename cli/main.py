@@ -173,7 +173,8 @@ def load_spec(args: argparse.Namespace) -> JobSpec:
         "queue": args.queue,
         "priority": args.priority,
         "env": _env_pairs(args.env),
-        "cwd": args.cwd or os.getcwd(),
+        # A relative --cwd is of the directory the command runs in (as sbatch's).
+        "cwd": os.path.abspath(args.cwd) if args.cwd else os.getcwd(),
         **_policy_hints(args),
         **_elastic_fields(args),
         **_share_fields(args),
@@ -259,6 +260,8 @@ def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
         data["command"] = shlex.split(data["command"])
     data = _yaml_fields(data, path)
     data.setdefault("cwd", str(path.resolve().parent))
+    if isinstance(data["cwd"], str) and data["cwd"] and not os.path.isabs(data["cwd"]):
+        data["cwd"] = str(path.resolve().parent / data["cwd"])  # of the job file's directory
     if args.gpus is not None:
         data["gpus"] = args.gpus
     if args.name:

@@ -249,6 +249,22 @@ class JobSpec(BaseModel):
     def _command_not_blank(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value[0].strip():
             raise ValueError("the program to run (first word of the command) is empty")
+        for i, word in enumerate(value):
+            if "\0" in word:
+                # The kernel takes C strings: no process could be started with it.
+                raise ValueError(f"word {i} of the command contains a NUL character")
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd_absolute(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if "\0" in value:
+            raise ValueError("the working directory contains a NUL character")
+        if not value.startswith("/"):
+            # Relative to what? The agent's own directory means nothing to the job.
+            raise ValueError(f"the working directory must be an absolute path, not {value!r}")
         return value
 
     @field_validator("env")
@@ -259,6 +275,8 @@ class JobSpec(BaseModel):
                 raise ValueError(f"invalid environment variable name {name!r}")
             if name.startswith(RESERVED_ENV_PREFIXES):
                 raise ValueError(f"environment variable {name} is set by Alnair itself")
+            if "\0" in value[name]:
+                raise ValueError(f"environment variable {name}'s value contains a NUL character")
         return value
 
 

@@ -364,3 +364,27 @@ async def test_a_share_whose_memory_limit_does_not_fit_beside_the_others_waits(
     finally:
         await launcher.stop_all(reason="test over", grace_s=5.0)
         await launcher.wait_idle()
+
+
+@pytest.mark.parametrize(
+    ("command", "env"),
+    [
+        pytest.param(("true", "a\0b"), {}, id="argument"),
+        pytest.param(("true",), {"A": "x\0y"}, id="environment"),
+    ],
+)
+async def test_what_the_kernel_cannot_start_fails_the_launch_for_good(
+    tmp_path: Path, command: tuple[str, ...], env: dict[str, str]
+) -> None:
+    """A NUL byte no process can be started with (a record from before the API
+    refused it): the launch fails, not retryable, rather than the agent's handler."""
+
+    async def on_exit(job: JobProcess, status: ExitStatus) -> None:
+        raise AssertionError("nothing ran")
+
+    launcher = Launcher(tmp_path / "logs", on_exit)
+    request = LaunchRequest(job_id="7", attempt=1, gpus=(0,), command=command, env=env, cwd=None)
+    with pytest.raises(launcher_module.LaunchError) as refused:
+        await launcher.launch(request)
+    assert not refused.value.retryable
+    assert "cannot start 'true': embedded null byte" in refused.value.reason

@@ -170,6 +170,13 @@ def test_oversized_is_rejected_before_parsing() -> None:
         ({"command": ["x"], "gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "0"}}, "set by Alnair"),
         ({"command": ["x"], "gpus": 1, "env": {"1BAD": "0"}}, "invalid environment"),
         ({"command": [" "], "gpus": 1}, "empty"),
+        # No process can be started with a NUL in its arguments, environment or
+        # directory: refused here, not retried at every launch.
+        ({"command": ["\0"], "gpus": 1}, "spec.command: word 0 of the command contains a NUL"),
+        ({"command": ["x", "a\0b"], "gpus": 1}, "word 1 of the command contains a NUL"),
+        ({"command": ["x"], "gpus": 1, "env": {"A": "x\0y"}}, "A's value contains a NUL"),
+        ({"command": ["x"], "gpus": 1, "cwd": "/tmp/\0"}, "spec.cwd"),
+        ({"command": ["x"], "gpus": 1, "cwd": "rel/dir"}, "must be an absolute path"),
     ],
 )
 def test_job_spec_rejects(fields: dict, fragment: str) -> None:
