@@ -142,6 +142,12 @@ async def test_invalid_requests_get_the_nats_apis_errors(
     cases: list[tuple[str, str, int, str]] = [
         ("GET", "/v1/jobs?limit=0", 400, "limit"),
         ("GET", "/v1/jobs?limit=ten", 400, "limit"),
+        # Digits to `str.isdigit`, not to `int`; and more than `int` reads from text.
+        ("GET", "/v1/jobs?limit=%C2%B2", 400, "limit"),
+        ("GET", "/v1/jobs?limit=" + "9" * 5000, 400, "limit"),
+        ("GET", "/v1/nodes?limit=%C2%B2", 400, "limit"),
+        ("GET", "/v1/jobs/1/why?limit=%C2%B2", 400, "limit"),
+        ("GET", "/v1/jobs/1/logs?attempt=%C2%B2", 400, "attempt"),
         ("GET", "/v1/jobs?state=SLEEPING", 400, "states"),
         ("POST", "/v1/jobs", 400, "invalid submit request"),  # no body
         ("GET", "/v1/events?since=0", 400, "since"),

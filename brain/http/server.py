@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 import socket
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -85,10 +86,21 @@ class InvalidAddress(AlnairError, ValueError):
     pass
 
 
+# A query value read as an integer: ASCII digits only (`str.isdigit` takes `²`, which
+# `int` refuses) and few enough that `int` does not refuse them either.
+_DECIMAL: Final = re.compile(r"-?[0-9]{1,18}")
+
+
+def _integer(value: str) -> int | str:
+    """A query value as an integer where it is one; else as given, for the request's
+    validation to refuse naming the field."""
+    return int(value) if _DECIMAL.fullmatch(value) else value
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """`HOST:PORT` (`[::1]:8470`, `:8470` for every interface) to a host and a port."""
     host, sep, port_text = address.rpartition(":")
-    if not sep or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+    if not sep or not _DECIMAL.fullmatch(port_text) or not 0 <= int(port_text) <= 65535:
         raise InvalidAddress(f"--http takes HOST:PORT (e.g. 127.0.0.1:8470), not {address!r}")
     return host.strip("[]") or "0.0.0.0", int(port_text)
 
@@ -329,7 +341,7 @@ class HttpServer:
             data["queues"] = queues
         if "limit" in request.query:
             limit = request.query["limit"]
-            data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
+            data["limit"] = _integer(limit)
         if "before" in request.query:
             data["before"] = request.query["before"]
         return await self._call(request, self._decode(ListJobsRequest, data, "jobs"))
@@ -351,7 +363,7 @@ class HttpServer:
         data: dict[str, Any] = {"job_id": request.match_info["job_id"]}
         if "limit" in request.query:
             limit = request.query["limit"]
-            data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
+            data["limit"] = _integer(limit)
         return await self._call(request, self._decode(WhyRequest, data, "why"))
 
     async def _logs(self, request: web.Request) -> web.Response:
@@ -363,7 +375,7 @@ class HttpServer:
         query = {
             k: request.query[k] for k in ("attempt", "offset", "max_bytes") if k in request.query
         }
-        numbers = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in query.items()}
+        numbers = {k: _integer(v) for k, v in query.items()}
         wanted = numbers.pop("attempt", None)
         if wanted is not None and (not isinstance(wanted, int) or wanted < 1):
             raise HttpRefusal(400, "invalid", f"invalid logs request: attempt {wanted!r}")
@@ -406,7 +418,7 @@ class HttpServer:
             data["after"] = request.query["after"]
         if "limit" in request.query:
             limit = request.query["limit"]
-            data["limit"] = int(limit) if limit.lstrip("-").isdigit() else limit
+            data["limit"] = _integer(limit)
         return await self._call(request, self._decode(ListNodesRequest, data, "nodes"))
 
     async def _queues(self, request: web.Request) -> web.Response:
