@@ -523,7 +523,10 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
         ("p1,4000,8192,,500,,LS,Running,0,100,0", "num_gpu"),
         ("p1,4000,8192,1,500,,LS,Running,50,10,0", "deletion_time"),
         ("p1,4000,8192,1,500,,LS,Running,soon,100,0", "creation_time"),
+        ("p1,4000,8192,1,500,,LS,Running,inf,,0", "creation_time"),
         ("p0,4000,8192,1,500,,LS,Running,0,100,0", "name"),
+        # One row without a time among timed ones: not replayed in file order silently.
+        ("p1,4000,8192,1,500,,LS,Running,,,0", "creation_time"),
     ],
 )
 def test_a_bad_task_row_is_refused_naming_file_line_and_field(
@@ -540,7 +543,12 @@ def test_a_bad_task_row_is_refused_naming_file_line_and_field(
 
 @pytest.mark.parametrize(
     ("row", "column"),
-    [("n2,8000,1024,x,T4", "gpu"), ("n2,8000,1024,2,", "model"), ("n0,8000,1024,1,T4", "sn")],
+    [
+        ("n2,8000,1024,x,T4", "gpu"),
+        ("n2,8000,1024,2,", "model"),
+        ("n0,8000,1024,1,T4", "sn"),
+        ("n2,8000,1024,99999999999999999999999,T4", "gpu"),
+    ],
 )
 def test_a_bad_node_row_is_refused_naming_file_line_and_field(
     tmp_path: Path, row: str, column: str
@@ -549,6 +557,12 @@ def test_a_bad_node_row_is_refused_naming_file_line_and_field(
     with pytest.raises(TraceError) as caught:
         load_nodes(path)
     assert (caught.value.line, caught.value.column) == (4, column)
+
+
+def test_a_node_list_without_a_gpu_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, "nodes.csv", "sn,cpu_milli,memory_mib,gpu,model\nn0,32000,65536,0,\n")
+    with pytest.raises(TraceError, match="no node of the node list has a GPU"):
+        load_nodes(path)
 
 
 def test_a_missing_column_and_an_unknown_gpu_type_are_refused(tmp_path: Path) -> None:

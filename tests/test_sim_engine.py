@@ -67,6 +67,11 @@ def test_load_trace_reads_tiresias_format(tmp_path: Path) -> None:
         (HEADER, "0,1,,1,m,5,0\n", "column 'submit_time': missing value"),
         (HEADER, "0,1,0,1,m,5,0\n0,1,0,1,m,5,0\n", "duplicate job id '0'"),
         (HEADER, "", "the trace has no jobs"),
+        # What would never finish replaying: a clock in seconds that stops moving.
+        (HEADER, "0,1,0,1,m,inf,0\n", "column 'duration': 'inf' is past 1e"),
+        (HEADER, "0,1,1e16,1,m,5,0\n", "column 'submit_time': '1e16' is past 1e"),
+        (HEADER, "0,1,0,1e400,m,5,0\n", "column 'iterations': '1e400' is past"),
+        (HEADER, "0,1,nan,1,m,5,0\n", "column 'submit_time': 'nan' must be >= 0"),
     ],
 )
 def test_bad_traces_name_the_row_and_column(
@@ -77,12 +82,37 @@ def test_bad_traces_name_the_row_and_column(
         load_trace(path)
 
 
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        pytest.param(b"job_id,num_gpu\n\xff\xfe,1\n", "trace.csv: not UTF-8 text", id="binary"),
+        pytest.param(
+            "job_id,num_gpu,submit_time,duration\n".encode("utf-16"),
+            "trace.csv: not UTF-8 text",
+            id="utf-16",
+        ),
+    ],
+)
+def test_a_trace_that_is_not_utf8_is_named(tmp_path: Path, raw: bytes, message: str) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_bytes(raw)
+    with pytest.raises(TraceError, match=message):
+        load_trace(path)
+
+
+def test_a_spreadsheet_s_byte_order_mark_is_not_part_of_the_first_column(tmp_path: Path) -> None:
+    path = tmp_path / "trace.csv"
+    path.write_text("\ufeffjob_id,num_gpu,submit_time,duration\n0,1,0,5\n", encoding="utf-8")
+    (job,) = load_trace(path)
+    assert job.job_id == "0"
+
+
 def test_missing_trace_file(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="cannot open"):
         load_trace(tmp_path / "nope.csv")
 
 
-@pytest.mark.parametrize("text", ["12", "0x4", "12x", "axb", "3x0"])
+@pytest.mark.parametrize("text", ["12", "0x4", "12x", "axb", "3x0", "99999999999x8", "2x9999"])
 def test_bad_cluster_shapes(text: str) -> None:
     with pytest.raises(TraceError, match="cluster"):
         parse_cluster(text)
@@ -394,3 +424,21 @@ def test_gittins_learns_from_unfinished_jobs_too() -> None:
     assert simulate(trace, SimConfig(policy, parse_cluster("1x2"))).learned_index == ()
     las = SimConfig(Policy(order="las"), parse_cluster("1x2"), index_probes_gpu_s=probes)
     assert simulate(trace, las).learned_index == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("duration\n50\nnan\n", "prior.csv:3: column 'duration': 'nan' must be >= 0"),
+        ("duration\n50\ninf\n", "prior.csv:3: column 'duration': 'inf' is past"),
+        ("duration\n", "no durations"),
+        ("seconds\n50\n", "missing column"),
+    ],
+)
+def test_a_service_prior_that_says_nothing_sound_is_refused(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    path = tmp_path / "prior.csv"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=message):
+        cli.load_prior(path)

@@ -41,7 +41,15 @@ from brain.sim.pollux import (
 )
 from brain.sim.report import PlotUnavailable, format_table, plot, preemption_causes, summarize
 from brain.sim.sharing import check_types, load_nodes, load_tasks, mix_of, replay
-from brain.sim.trace import ClusterSpec, TraceError, TraceJob, load_trace, parse_cluster
+from brain.sim.trace import (
+    ClusterSpec,
+    TraceError,
+    TraceJob,
+    csv_rows,
+    load_trace,
+    parse_cluster,
+    trace_number,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,23 +267,18 @@ def _thresholds(text: str) -> tuple[float, ...]:
 
 def load_prior(path: Path) -> ServiceDistribution:
     """Samples from a CSV's `duration` column, each with weight 1."""
-    import csv
-
-    try:
-        with open(path, newline="") as handle:
-            reader = csv.DictReader(handle)
-            if "duration" not in (reader.fieldnames or []):
-                raise TraceError("no 'duration' column", path=str(path), line=1)
-            samples = []
-            for row in reader:
-                try:
-                    samples.append(float(row["duration"]))
-                except (TypeError, ValueError):
-                    raise TraceError(
-                        "not a number", path=str(path), line=reader.line_num, column="duration"
-                    ) from None
-    except OSError as err:
-        raise TraceError(f"cannot open: {err.strerror}", path=str(path)) from None
+    samples = []
+    for line, row in csv_rows(path, ("duration",)):
+        raw = row["duration"]
+        try:
+            value = float(raw)
+        except ValueError:
+            raise TraceError(
+                f"{raw!r} is not a number", path=str(path), line=line, column="duration"
+            ) from None
+        samples.append(trace_number(value, raw, path=str(path), line=line, column="duration"))
+    if not samples:
+        raise TraceError("no durations: a prior needs one at least", path=str(path))
     return ServiceDistribution.from_samples(samples)
 
 
@@ -327,10 +330,12 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
 
 def _columns(path: Path) -> list[str]:
     try:
-        with open(path, newline="") as handle:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
             return next(csv.reader(handle), [])
     except OSError as err:
         raise TraceError(f"cannot open: {err.strerror}", path=str(path)) from None
+    except UnicodeDecodeError:
+        raise TraceError("not UTF-8 text; save it as UTF-8 CSV", path=str(path)) from None
 
 
 def load_workload(

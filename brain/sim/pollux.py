@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Final, Literal, TypeVar
 
 from brain.sim.engine import SpeedCurve
-from brain.sim.trace import TraceError, TraceJob
+from brain.sim.trace import TraceError, TraceJob, trace_number
 from workloads.goodput import statistical_gain
 
 POLLUX_COLUMNS: Final = ("name", "time", "application", "num_replicas", "batch_size")
@@ -247,19 +247,22 @@ class PolluxApp:
 
 def _read_rows(path: Path) -> list[dict[str, str]]:
     try:
-        with open(path, newline="") as handle:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
             return list(csv.DictReader(handle))
     except OSError as err:
         raise TraceError(f"cannot open: {err.strerror}", path=str(path)) from None
+    except UnicodeDecodeError:
+        raise TraceError("not UTF-8 text; save it as UTF-8 CSV", path=str(path)) from None
 
 
 def _floats(row: dict[str, str], columns: Sequence[str], path: Path, line: int) -> list[float]:
     out: list[float] = []
     for column in columns:
         try:
-            out.append(float(row[column]))
+            value = float(row[column])
         except (KeyError, TypeError, ValueError):
             raise TraceError("not a number", path=str(path), line=line, column=column) from None
+        out.append(trace_number(value, row[column], path=str(path), line=line, column=column))
     return out
 
 

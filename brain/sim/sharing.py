@@ -35,7 +35,7 @@ from brain.core.sharing import (
     SharingPlugin,
     TaskMix,
 )
-from brain.sim.trace import TraceError, csv_rows
+from brain.sim.trace import MAX_TRACE_NUMBER, TraceError, csv_rows, trace_number
 
 NODE_COLUMNS: Final = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
 TASK_COLUMNS: Final = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
@@ -58,7 +58,13 @@ class TraceTask:
     deleted_s: float | None
 
 
-def _whole(row: dict[str, str], column: str, path: str, line: int) -> int:
+# The most GPUs a node of a node list may have (an agent reports at most 256).
+MAX_NODE_GPUS: Final = 256
+
+
+def _whole(
+    row: dict[str, str], column: str, path: str, line: int, *, most: float = MAX_TRACE_NUMBER
+) -> int:
     raw = row.get(column, "")
     if raw == "":
         raise TraceError("missing value", path=path, line=line, column=column)
@@ -70,6 +76,8 @@ def _whole(row: dict[str, str], column: str, path: str, line: int) -> int:
         ) from None
     if value < 0:
         raise TraceError(f"{raw!r} must be >= 0", path=path, line=line, column=column)
+    if value > most:
+        raise TraceError(f"{raw!r} is more than {most:g}", path=path, line=line, column=column)
     return value
 
 
@@ -81,9 +89,7 @@ def _time(row: dict[str, str], column: str, path: str, line: int) -> float | Non
         value = float(raw)
     except ValueError:
         raise TraceError(f"{raw!r} is not a number", path=path, line=line, column=column) from None
-    if not value >= 0:
-        raise TraceError(f"{raw!r} must be >= 0", path=path, line=line, column=column)
-    return value
+    return trace_number(value, raw, path=path, line=line, column=column)
 
 
 def load_nodes(path: str | Path) -> tuple[SharedNode, ...]:
@@ -97,7 +103,7 @@ def load_nodes(path: str | Path) -> tuple[SharedNode, ...]:
         if sn in seen:
             raise TraceError(f"duplicate node {sn!r}", path=name, line=line, column="sn")
         seen.add(sn)
-        gpus = _whole(row, "gpu", name, line)
+        gpus = _whole(row, "gpu", name, line, most=MAX_NODE_GPUS)
         model = row["model"]
         if gpus and not model:
             raise TraceError("a node with GPUs needs a model", path=name, line=line, column="model")
@@ -113,6 +119,8 @@ def load_nodes(path: str | Path) -> tuple[SharedNode, ...]:
         )
     if not nodes:
         raise TraceError("the node list has no nodes", path=name)
+    if not any(n.gpus for n in nodes):
+        raise TraceError("no node of the node list has a GPU", path=name, column="gpu")
     return tuple(nodes)
 
 
@@ -154,6 +162,7 @@ def load_tasks(path: str | Path) -> tuple[TraceTask, ...]:
     name = str(path)
     tasks: list[TraceTask] = []
     seen: set[str] = set()
+    untimed: int | None = None  # the first line without a creation time
     for line, row in csv_rows(path, TASK_COLUMNS):
         task = _task(row, name, line)
         if task.task.name in seen:
@@ -161,9 +170,20 @@ def load_tasks(path: str | Path) -> tuple[TraceTask, ...]:
                 f"duplicate task {task.task.name!r}", path=name, line=line, column="name"
             )
         seen.add(task.task.name)
+        if task.created_s is None and untimed is None:
+            untimed = line
         tasks.append(task)
     if not tasks:
         raise TraceError("the task list has no tasks", path=name)
+    if untimed is not None and any(t.created_s is not None for t in tasks):
+        # Replayed in file order without departures, the times of the others would be
+        # dropped without a word.
+        raise TraceError(
+            "missing value (other rows have times: give every row one, or none)",
+            path=name,
+            line=untimed,
+            column="creation_time",
+        )
     return tuple(tasks)
 
 

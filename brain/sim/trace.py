@@ -14,6 +14,7 @@ on the requested GPUs. A bad row is reported with its line and column.
 from __future__ import annotations
 
 import csv
+import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -93,6 +94,10 @@ class ClusterSpec:
 _CLUSTER_PATTERN: Final = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
+# The most nodes `--cluster` may ask (the brain is measured at 20,000).
+MAX_CLUSTER_NODES: Final = 1_000_000
+
+
 def parse_cluster(text: str, *, nodes_per_switch: int | None = None) -> ClusterSpec:
     match = _CLUSTER_PATTERN.match(text)
     if match is None:
@@ -100,6 +105,11 @@ def parse_cluster(text: str, *, nodes_per_switch: int | None = None) -> ClusterS
     nodes, gpus = int(match.group(1)), int(match.group(2))
     if nodes <= 0 or gpus <= 0:
         raise TraceError(f"cluster {text!r} needs at least one node and one GPU per node")
+    if nodes > MAX_CLUSTER_NODES or gpus > 256:
+        raise TraceError(
+            f"cluster {text!r} is larger than a simulation takes "
+            f"(at most {MAX_CLUSTER_NODES:,} nodes of at most 256 GPUs)"
+        )
     if nodes_per_switch is not None and nodes_per_switch <= 0:
         raise TraceError(f"nodes per switch must be positive, not {nodes_per_switch}")
     return ClusterSpec(nodes, gpus, nodes_per_switch)
@@ -113,8 +123,27 @@ def _number(row: dict[str, str | None], column: str, path: str, line: int) -> fl
         value = float(raw)
     except ValueError:
         raise TraceError(f"{raw!r} is not a number", path=path, line=line, column=column) from None
-    if value < 0 or value != value:
+    return trace_number(value, raw, path=path, line=line, column=column)
+
+
+# The largest number a trace may give (times in seconds, durations, counts): beyond it a
+# clock in seconds no longer moves by a second (a time in nanoseconds, say, or `inf`),
+# and a replay would never end.
+MAX_TRACE_NUMBER: Final = 1e12
+
+
+def trace_number(value: float, raw: str, *, path: str, line: int, column: str) -> float:
+    """`value` (read from `raw`) if it is a finite number from 0 to `MAX_TRACE_NUMBER`;
+    else a TraceError naming the file, line and column."""
+    if not value >= 0:  # also NaN
         raise TraceError(f"{raw!r} must be >= 0", path=path, line=line, column=column)
+    if not math.isfinite(value) or value > MAX_TRACE_NUMBER:
+        raise TraceError(
+            f"{raw!r} is past {MAX_TRACE_NUMBER:g} (times are in seconds)",
+            path=path,
+            line=line,
+            column=column,
+        )
     return value
 
 
@@ -167,21 +196,28 @@ def csv_rows(path: str | Path, required: Sequence[str]) -> Iterator[tuple[int, d
     header has every `required` column; TraceError names the file (and line) otherwise."""
     name = str(path)
     try:
-        handle = open(path, newline="")  # noqa: SIM115 - closed below, errors mapped
+        # utf-8-sig: a spreadsheet's export starts with a byte-order mark.
+        handle = open(path, newline="", encoding="utf-8-sig")  # noqa: SIM115 - closed below
     except OSError as err:
         raise TraceError(f"cannot open: {err.strerror}", path=name) from None
     with handle:
         reader = csv.DictReader(handle)
-        columns = reader.fieldnames or []
-        missing = [c for c in required if c not in columns]
-        if missing:
-            raise TraceError(
-                f"missing column(s) {', '.join(missing)}; found {', '.join(columns) or 'none'}",
-                path=name,
-                line=1,
-            )
-        for row in reader:
-            yield reader.line_num, {k: (v or "").strip() for k, v in row.items() if k}
+        try:
+            columns = reader.fieldnames or []
+            missing = [c for c in required if c not in columns]
+            if missing:
+                raise TraceError(
+                    f"missing column(s) {', '.join(missing)}; found {', '.join(columns) or 'none'}",
+                    path=name,
+                    line=1,
+                )
+            for row in reader:
+                yield reader.line_num, {k: (v or "").strip() for k, v in row.items() if k}
+        except UnicodeDecodeError:
+            # (Decoded a chunk at a time: where in the file is not known.)
+            raise TraceError("not UTF-8 text; save it as UTF-8 CSV", path=name) from None
+        except csv.Error as err:
+            raise TraceError(f"not a CSV file: {err}", path=name, line=reader.line_num) from None
 
 
 def load_trace(path: str | Path) -> tuple[TraceJob, ...]:
