@@ -31,6 +31,7 @@ from schemas.base import check_name
 from schemas.errors import AlnairError, InvalidName
 from schemas.jobs import GPU_MILLI as MILLI
 from schemas.jobs import JobRecord
+from schemas.yamlfile import load_yaml, read_text
 
 JOB_CLASSES: Final[tuple[JobClass, ...]] = ("build", "train")
 KEYS: Final = ("name", "guaranteed_gpus", "class")
@@ -50,11 +51,11 @@ def load_queues(path: str | Path) -> tuple[QueueQuota, ...]:
     """The quotas of a queues file, in file order."""
     where = str(path)
     try:
-        text = Path(path).read_text()
+        text = read_text(path)
     except OSError as error:
         raise QueueConfigError(f"cannot read: {error.strerror or error}", where=where) from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as error:
         raise QueueConfigError(f"not valid YAML: {error}", where=where) from None
     if not isinstance(data, dict) or set(data) != {"queues"}:

@@ -9,11 +9,12 @@ from pathlib import Path
 from schemas.errors import ApiError
 from schemas.events import InputError, NodeEvent, ResizeCompleted
 from schemas.tenants import TenantMap, TenantMapError, parse_tenant_map
+from schemas.yamlfile import read_text
 
 
 def load_tenant_map(path: str | Path) -> TenantMap:
     try:
-        text = Path(path).read_text()
+        text = read_text(path)
     except OSError as error:
         raise TenantMapError(f"{path}: cannot read: {error.strerror or error}") from None
     return parse_tenant_map(text, where=str(path))

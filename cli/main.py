@@ -57,6 +57,7 @@ from schemas.state import (
     record_kinds,
     record_node,
 )
+from schemas.yamlfile import load_yaml, read_text
 
 log = logging.getLogger("alnair")
 
@@ -251,7 +252,9 @@ def _elastic_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(read_text(path))
+    except OSError as error:
+        raise UsageError(f"{path}: cannot read: {error.strerror or error}") from None
     except yaml.YAMLError as error:
         raise UsageError(f"{path}: not valid YAML: {error}") from None
     if not isinstance(data, dict):

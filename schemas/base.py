@@ -61,12 +61,16 @@ def describe_invalid(error: ValidationError, whole: str = "message") -> str:
     """What failed validation, field by field (the first five), for a person: `field:
     reason; ...`, `whole` naming a problem with no field."""
     parts = []
-    for item in error.errors()[:5]:
+    errors = error.errors()
+    # A list too short for want of the items that failed within it says nothing more.
+    within = {item["loc"][:i] for item in errors for i in range(len(item["loc"]))}
+    errors = [e for e in errors if not (e["type"] == "too_short" and e["loc"] in within)]
+    for item in errors[:5]:
         where = ".".join(str(p) for p in item["loc"]) or whole
         # A validator's own words, without pydantic's "Value error, " before them.
         said = item["msg"].removeprefix("Value error, ")
         parts.append(f"{where}: {said}")
-    more = error.error_count() - 5
+    more = len(errors) - 5
     if more > 0:
         parts.append(f"and {more} more")
     return "; ".join(parts)

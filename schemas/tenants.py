@@ -21,6 +21,7 @@ import yaml
 
 from schemas.base import check_name
 from schemas.errors import AlnairError, InvalidName
+from schemas.yamlfile import load_yaml
 
 # What useradd accepts on most distributions (and no leading dash).
 _UNIX_NAME: Final = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
@@ -53,6 +54,18 @@ class TenantMap:
 
 
 def _entry(tenant: object, value: object, where: str) -> TenantUser:
+    if not isinstance(tenant, str):
+        # YAML reads `no`, `on`, `1` as a boolean or a number, not as the name written.
+        raise TenantMapError(
+            f"{where}: tenant name {tenant!r} is not text (YAML reads it as "
+            f"{type(tenant).__name__}): quote it, as in 'no': {{user: ...}}"
+        )
+    for key in ("user", "group"):
+        if isinstance(value, dict) and key in value and not isinstance(value[key], str):
+            raise TenantMapError(
+                f"{where}: tenant {tenant}: {key} {value[key]!r} is not text (YAML reads "
+                f"it as {type(value[key]).__name__}): quote it"
+            )
     try:
         name = check_name("tenant", str(tenant))
     except InvalidName as error:
@@ -75,7 +88,7 @@ def _entry(tenant: object, value: object, where: str) -> TenantUser:
 
 def parse_tenant_map(text: str, *, where: str = "tenant map") -> TenantMap:
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as error:
         raise TenantMapError(f"{where}: not valid YAML: {error}") from None
     if (

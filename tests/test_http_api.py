@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from brain.http import HttpServer, TokenTable
+from brain.http.auth import TokenFileError
 from brain.service import Brain
 from bus.client import Bus
 from cli.client import call
@@ -394,3 +396,26 @@ async def test_a_node_listing_too_big_for_one_message_comes_in_pages(
         assert body["next_after"] is None
     status, body = await api.call("GET", "/v1/nodes?limit=0")
     assert status == 400 and "limit" in body["error"]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        # The second list would have replaced the first, and tenant a lost its access.
+        (
+            b"tokens:\n  - {token: aaaaaaaaaaaaaaaaaaaa, tenant: a}\n"
+            b"tokens:\n  - {token: bbbbbbbbbbbbbbbbbbbb, tenant: b}\n",
+            "key 'tokens' is given twice (first on line 1)",
+        ),
+        # The entry that failed, not also a list "with no item" that it left.
+        (b"tokens:\n  - {token: short, tenant: a}\n", "tokens.0.token: String should have"),
+        (b"\xff\xfe", "cannot read it: not UTF-8 text"),
+    ],
+)
+def test_a_bad_tokens_file_says_what_is_wrong(tmp_path: Path, content: bytes, says: str) -> None:
+    path = tmp_path / "tokens.yaml"
+    path.write_bytes(content)
+    with pytest.raises(TokenFileError) as refused:
+        TokenTable.load(path)
+    assert says in str(refused.value)
+    assert "Tuple should have at least 1 item" not in str(refused.value)

@@ -77,6 +77,12 @@ def test_a_queues_file_gives_the_quotas_in_order(tmp_path: Path) -> None:
             "queues:\n  - {name: a, guaranteed_gpus: 1}\n  - {name: a, guaranteed_gpus: 2}\n",
             "queue 'a' is configured twice",
         ),
+        # A key given twice: PyYAML would keep the last, and the first list would be lost.
+        ("queues:\n  - {name: a, guaranteed_gpus: 1}\nqueues: []\n", "key 'queues' is given twice"),
+        (
+            "queues:\n  - name: a\n    guaranteed_gpus: 4\n    guaranteed_gpus: 8\n",
+            "key 'guaranteed_gpus' is given twice (first on line 3)",
+        ),
     ],
 )
 def test_a_bad_queues_file_says_what_is_wrong(tmp_path: Path, text: str, says: str) -> None:

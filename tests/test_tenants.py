@@ -50,6 +50,20 @@ def test_the_tenant_map_reads_users_and_groups(tmp_path: Path) -> None:
         ("users:\n  a: {user: u}\n", "expected a 'tenants' mapping"),
         ("tenants: [a]\n", "expected a 'tenants' mapping"),
         ("tenants:\n  'a b': {user: u}\n", "a b"),
+        # A name given twice: the first is not dropped without a word.
+        (
+            "tenants:\n  alice: {user: bob}\n  alice: {user: carol}\n",
+            "key 'alice' is given twice (first on line 2)",
+        ),
+        # What YAML reads as another type than the name written.
+        (
+            "tenants:\n  no: {user: bob}\n",
+            "tenant name False is not text (YAML reads it as bool): quote it",
+        ),
+        (
+            "tenants:\n  a: {user: 0755}\n",
+            "tenant a: user 493 is not text (YAML reads it as int): quote it",
+        ),
     ],
 )
 def test_a_bad_tenant_map_says_where_and_what(text: str, says: str) -> None:
@@ -62,6 +76,10 @@ def test_a_bad_tenant_map_says_where_and_what(text: str, says: str) -> None:
 def test_an_unreadable_tenant_map_names_the_file(tmp_path: Path) -> None:
     with pytest.raises(TenantMapError, match=r"missing\.yaml: cannot read"):
         load_tenant_map(tmp_path / "missing.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe")
+    with pytest.raises(TenantMapError, match=r"binary\.yaml: cannot read: not UTF-8 text"):
+        load_tenant_map(binary)
 
 
 def test_a_brain_with_a_map_refuses_a_tenant_it_does_not_name() -> None:

@@ -26,6 +26,7 @@ from bus.auth import write_private
 from schemas.api import OPERATOR_TENANT
 from schemas.base import TenantName, describe_invalid
 from schemas.errors import AlnairError
+from schemas.yamlfile import load_yaml, read_text
 
 MIN_TOKEN_CHARS: Final = 16
 DEFAULT_TENANT: Final = "default"
@@ -69,7 +70,7 @@ class TokenTable:
     @classmethod
     def load(cls, path: Path) -> TokenTable:
         try:
-            data = yaml.safe_load(path.read_text())
+            data = load_yaml(read_text(path))
         except OSError as error:
             raise TokenFileError(path, f"cannot read it: {error.strerror or error}") from None
         except yaml.YAMLError as error:
