@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -104,7 +105,7 @@ from schemas.api import (
     SubmitRequest,
 )
 from schemas.commands import NodeCommand, Stop
-from schemas.errors import ApiError, HandBack
+from schemas.errors import AlnairError, ApiError, HandBack
 from schemas.events import (
     NODE_EVENT,
     CommandRejected,
@@ -189,6 +190,45 @@ class BrainConfig:
     # How long a job's NATS user lives before its connection must renew it; None:
     # for ever (brain/credentials.py).
     job_credential_ttl_s: float | None = DEFAULT_JOB_CREDENTIAL_TTL_S
+
+    def __post_init__(self) -> None:
+        """Refuse times that make no sense (NaN would never time out, a negative lease
+        would never hold), naming the setting and the `alnair brain` flag."""
+        seconds = {
+            "node_timeout_s": ("--node-timeout", self.node_timeout_s, False),
+            "fence_margin_s": ("--fence-margin", self.fence_margin_s, True),
+            "keep_disconnected_s": ("--keep-disconnected", self.keep_disconnected_s, False),
+            "tick_s": (None, self.tick_s, False),
+            "launch_ttl_s": ("--launch-ttl", self.launch_ttl_s, False),
+            "stop_grace_s": (None, self.stop_grace_s, True),
+            "lease_ttl_s": ("--lease-ttl", self.lease_ttl_s, False),
+            "resize_timeout_s": (None, self.resize_timeout_s, False),
+        }
+        if self.job_credential_ttl_s is not None:
+            seconds["job_credential_ttl_s"] = (
+                "--job-credential-ttl",
+                self.job_credential_ttl_s,
+                False,
+            )
+        for name, (flag, value, zero) in seconds.items():
+            if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+                said = f" ({flag})" if flag else ""
+                least = "at least 0" if zero else "more than 0"
+                raise InvalidBrainConfig(
+                    f"{name}{said} must be a number of seconds {least}, not {value:g}"
+                )
+        if self.snapshot_every < 1:
+            raise InvalidBrainConfig(
+                f"snapshot_every must be at least 1, not {self.snapshot_every}"
+            )
+
+
+class InvalidBrainConfig(AlnairError, ValueError):
+    """A brain setting that makes no sense; says which and why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"invalid brain setting: {reason}")
+        self.reason = reason
 
 
 class Brain:

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -194,9 +195,22 @@ def parse_mib(text: str, option: str) -> int:
         raise UsageError(f"{option} takes a size such as 20GiB or 512MiB, not {text!r}")
     unit = (match["unit"] or "M")[0].upper()
     mib = float(match["n"]) * _MIB_PER[unit]
+    if not mib < 2**53:  # past what a float counts exactly (inf, for 400 digits)
+        raise UsageError(f"{option} {text!r} is more memory than any machine has")
     if mib < 1 or (not mib.is_integer() and mib < 1024):
         raise UsageError(f"{option} {text!r} is less than a MiB or not a whole number of MiB")
     return round(mib)
+
+
+def positive_number(text: str) -> float:
+    """A finite number above 0 (not NaN, not inf), for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, not {text!r}")
+    return value
 
 
 def gpus_arg(text: str) -> int | float:
@@ -1138,7 +1152,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="job logs and state (default: $ALNAIR_HOME/agents/NODE)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="heartbeat interval, seconds")
     p.add_argument(
-        "--cpus", type=float, help="CPUs jobs may reserve here (default: those this machine has)"
+        "--cpus",
+        type=positive_number,
+        help="CPUs jobs may reserve here (default: those this machine has)",
     )
     p.add_argument(
         "--memory", metavar="SIZE", help="memory jobs may reserve here (default: all of it)"

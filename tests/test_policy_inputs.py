@@ -4,6 +4,7 @@ spec's policy hints, and the learned service distribution folded from the log.""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from pydantic import ValidationError
 
 from brain.core import DEFAULT_SERVICE_PRIOR, QueueQuota
 from brain.queues import QueueConfigError, load_queues, parse_quota, queue_status
+from brain.service import BrainConfig, InvalidBrainConfig
 from brain.sim import TraceError, cli, load_trace
 from brain.state import SERVICE_SAMPLES, BrainState, job_view
 from cli.format import queues_table
@@ -372,3 +374,46 @@ def test_a_refused_job_is_said_in_the_validators_words_without_pydantics() -> No
         load_spec(parser.parse_args([*args, "true"]))
     said = "invalid job in the command line: job: min_gpus 3 is above max_gpus 2"
     assert str(refused.value) == said
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "says"),
+    [
+        ("node_timeout_s", math.nan, "node_timeout_s (--node-timeout) must be a number"),
+        ("lease_ttl_s", -1.0, "lease_ttl_s (--lease-ttl) must be a number of seconds more than 0"),
+        ("fence_margin_s", math.inf, "fence_margin_s (--fence-margin)"),
+        ("job_credential_ttl_s", 0.0, "job_credential_ttl_s (--job-credential-ttl)"),
+        ("snapshot_every", 0, "snapshot_every must be at least 1"),
+    ],
+)
+def test_brain_settings_that_make_no_sense_are_refused_naming_the_flag(
+    setting: str, value: float, says: str
+) -> None:
+    with pytest.raises(InvalidBrainConfig) as refused:
+        BrainConfig(**{setting: value})
+    assert says in str(refused.value)
+    BrainConfig(fence_margin_s=0.0, job_credential_ttl_s=None)  # 0 and "never": fine
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("agent", "--node", "n1", "--gpus", "sim:1xH100", "--cpus", "nan"), "above 0"),
+        (("agent", "--node", "n1", "--gpus", "sim:1xH100", "--cpus", "inf"), "above 0"),
+    ],
+)
+def test_cli_numbers_that_make_no_sense_are_refused(
+    args: tuple[str, ...], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(list(args))
+    assert says in capsys.readouterr().err
+
+
+def test_a_size_past_what_a_float_counts_is_refused() -> None:
+    from cli.main import UsageError, parse_mib
+
+    with pytest.raises(UsageError, match="more memory than any machine has"):
+        parse_mib("9" * 400 + "TiB", "--gpu-memory")

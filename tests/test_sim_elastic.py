@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +25,7 @@ from brain.sim.pollux import (
     normalize_placement,
     packed,
 )
+from brain.sim.trace import TraceError
 
 POLLUX = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "pollux"
 APPS = POLLUX / "apps"
@@ -219,7 +221,7 @@ def test_cli_rejects_an_unknown_elasticity(
     assert cli.run(parse(*argv, "--policy", "las+greedy")) == 2
     assert "unknown elasticity policy 'greedy'" in capsys.readouterr().err
     assert cli.run(parse(*argv, "--shrink-cost", "-3")) == 2
-    assert "--shrink-cost cannot be negative (-3)" in capsys.readouterr().err
+    assert "--shrink-cost must be a number of seconds >= 0, not -3" in capsys.readouterr().err
     assert cli.run(parse("--trace", str(path), "--cluster", "2x4", "--apps", str(tmp_path))) == 2
     assert "no application directories" in capsys.readouterr().err
 
@@ -363,3 +365,19 @@ def test_cli_runs_the_adaptive_modes_and_rejects_an_unknown_one(
     assert "--batch: invalid choice: 'goodput'" in err and "adaptive" in err
     with pytest.raises(ValueError, match="batch must be one of"):
         PolluxScaling({}, 4, batch="goodput")  # type: ignore[arg-type]
+
+
+@needs_data
+@pytest.mark.parametrize(
+    ("row", "says"),
+    [
+        ("a,inf,cifar10,4,2048\n", "tiny.csv:2: column 'time': 'inf' is not a finite number"),
+        ("a,-5,cifar10,4,2048\n", "tiny.csv:2: column 'time': '-5' must be >= 0"),
+        ("a,0,cifar10,4,nan\n", "column 'batch_size': 'nan' is not a finite number"),
+        ("a,0,cifar10,4,512.7\n", "column 'batch_size': '512.7' is not a whole number >= 1"),
+        ("a,0,cifar10,0,2048\n", "column 'num_replicas': '0' is not a whole number >= 1"),
+    ],
+)
+def test_a_bad_pollux_row_is_refused_naming_its_column(tmp_path: Path, row: str, says: str) -> None:
+    with pytest.raises(TraceError, match=re.escape(says)):
+        load_pollux_workload(workload(tmp_path, row), load_apps(APPS), gpus_per_node=4)

@@ -331,7 +331,13 @@ def test_cli_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ("flags", "message"),
     [
         (("--policy", "priority"), "no `priority` column"),
-        (("--progress-error", "-1"), "--progress-error cannot be negative"),
+        (("--progress-error", "-1"), "--progress-error must be a number >= 0, not -1"),
+        # NaN passes every "< 0" test: each is refused by what it must be.
+        (("--progress-error", "nan"), "--progress-error must be a number >= 0, not nan"),
+        (("--preemption-cost", "inf"), "--preemption-cost must be a number of seconds >= 0"),
+        (("--gittins-quantum", "nan"), "the Gittins quantum must be positive, not nan"),
+        (("--starvation-guard", "nan"), "the starvation guard must be positive, not nan"),
+        (("--relax-locality-after", "nan"), "the locality relaxation cannot be negative"),
         (("--policy", "gittins", "--fixed-distribution"), "--fixed-distribution needs"),
     ],
 )

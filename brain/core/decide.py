@@ -33,6 +33,7 @@ Every action carries its cause.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -187,24 +188,37 @@ class Policy:
         for stage, name, known in plugins:
             if name not in known:
                 raise UnknownPlugin(stage, name, list(known))
+        # Each test passes only for a number in range: NaN fails every comparison, so
+        # `x <= 0` would have let it through.
         thresholds = self.las_thresholds_gpu_s
-        if any(t <= 0 for t in thresholds) or list(thresholds) != sorted(set(thresholds)):
+        if not all(0 < t < math.inf for t in thresholds) or list(thresholds) != sorted(
+            set(thresholds)
+        ):
             raise InvalidPolicy(f"las thresholds must be positive and rising: {thresholds}")
-        if self.gittins_quantum_gpu_s <= 0:
-            raise InvalidPolicy("the Gittins quantum must be positive")
-        if self.starvation_guard_s is not None and self.starvation_guard_s <= 0:
-            raise InvalidPolicy("the starvation guard must be positive")
-        if self.progress_probe_s < 0:
-            raise InvalidPolicy("the progress probe cannot be negative")
+        if not 0 < self.gittins_quantum_gpu_s < math.inf:
+            raise InvalidPolicy(
+                f"the Gittins quantum must be positive, not {self.gittins_quantum_gpu_s:g}"
+            )
+        guard = self.starvation_guard_s
+        if guard is not None and not 0 < guard <= math.inf:
+            raise InvalidPolicy(f"the starvation guard must be positive, not {guard:g}")
+        if not 0 <= self.relax_locality_after_s <= math.inf:
+            raise InvalidPolicy(
+                f"the locality relaxation cannot be negative, not {self.relax_locality_after_s:g}"
+            )
+        if not 0 <= self.progress_probe_s < math.inf:
+            raise InvalidPolicy(
+                f"the progress probe cannot be negative, not {self.progress_probe_s:g}"
+            )
         if self.elasticity not in ELASTICITIES:
             raise UnknownPlugin("elasticity", self.elasticity, list(ELASTICITIES))
         if not 0.0 <= self.elastic_min_gain <= 1.0:
             raise InvalidPolicy("the elastic minimum gain must be within 0..1")
-        if self.elastic_resize_interval_s < 0:
+        if not 0 <= self.elastic_resize_interval_s < math.inf:
             raise InvalidPolicy("the elastic resize interval cannot be negative")
-        if self.elastic_payback < 0:
+        if not 0 <= self.elastic_payback < math.inf:
             raise InvalidPolicy("the elastic payback factor cannot be negative")
-        if self.elastic_reprobe_s < 0:
+        if not 0 <= self.elastic_reprobe_s <= math.inf:
             raise InvalidPolicy("the elastic re-probe interval cannot be negative")
         return self
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -355,8 +356,10 @@ def _check_costs(args: argparse.Namespace) -> None:
         raise TraceError("--trace and --cluster are required (or --nodes and --tasks)")
     for flag in ("preemption_cost", "resize_cost", "shrink_cost", "start_cost"):
         value = getattr(args, flag)
-        if value is not None and value < 0:
-            raise TraceError(f"--{flag.replace('_', '-')} cannot be negative ({value:g})")
+        if value is not None and not 0 <= value < math.inf:
+            raise TraceError(
+                f"--{flag.replace('_', '-')} must be a number of seconds >= 0, not {value:g}"
+            )
 
 
 def run_shared(args: argparse.Namespace) -> int:
@@ -432,8 +435,8 @@ def run_jobs(args: argparse.Namespace) -> int:
             shrink_cost_s=args.shrink_cost,
             start_cost_s=args.start_cost,
         )
-        if args.progress_error < 0:
-            raise TraceError(f"--progress-error cannot be negative ({args.progress_error:g})")
+        if not 0 <= args.progress_error < math.inf:
+            raise TraceError(f"--progress-error must be a number >= 0, not {args.progress_error:g}")
         config = replace(config, progress_error=args.progress_error)
         if args.service_prior is not None:
             config = replace(config, service_prior=load_prior(args.service_prior))

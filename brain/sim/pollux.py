@@ -262,7 +262,11 @@ def _floats(row: dict[str, str], columns: Sequence[str], path: Path, line: int) 
             value = float(row[column])
         except (KeyError, TypeError, ValueError):
             raise TraceError("not a number", path=str(path), line=line, column=column) from None
-        out.append(trace_number(value, row[column], path=str(path), line=line, column=column))
+        if not math.isfinite(value):
+            raise TraceError(
+                f"{row[column]!r} is not a finite number", path=str(path), line=line, column=column
+            )
+        out.append(value)
     return out
 
 
@@ -625,10 +629,15 @@ def load_pollux_workload(
         submit, replicas, batch = _floats(
             row, ("time", "num_replicas", "batch_size"), Path(path), line
         )
-        if replicas < 1 or replicas != int(replicas) or batch < 1:
-            raise TraceError(
-                "must be a whole number >= 1", path=name, line=line, column="num_replicas"
-            )
+        trace_number(submit, row["time"], path=name, line=line, column="time")
+        for column, value in (("num_replicas", replicas), ("batch_size", batch)):
+            if value < 1 or value != int(value):
+                raise TraceError(
+                    f"{row[column]!r} is not a whole number >= 1",
+                    path=name,
+                    line=line,
+                    column=column,
+                )
         job = TraceJob(
             job_id=job_id,
             gpus=int(replicas),
