@@ -31,6 +31,7 @@ from schemas.api import (
 )
 from schemas.base import check_name
 from schemas.commands import InjectFault, InjectFaultReply
+from schemas.errors import AlnairError
 
 WithBus = Callable[[argparse.Namespace, Callable[[Any], Awaitable[int]]], Awaitable[int]]
 ClientArgs = Callable[[argparse.ArgumentParser], None]
@@ -192,6 +193,8 @@ async def _resume(args: argparse.Namespace, bus: Any) -> int:
 
 
 async def _blacklist(args: argparse.Namespace, bus: Any) -> int:
+    if args.action == "list" and args.uri is not None:
+        raise AlnairError(f"blacklist list takes no input, not {args.uri!r}")
     request = BlacklistRequest(action=args.action, uri=args.uri, reason=args.reason)
     tenant = args.tenant if args.action == "list" else OPERATOR_TENANT
     reply = await call(bus, tenant, "blacklist", request, BLACKLIST_RESULT)

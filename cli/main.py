@@ -213,6 +213,17 @@ def positive_number(text: str) -> float:
     return value
 
 
+def _sequence(text: str) -> int:
+    """A log sequence: 1 or more (the log's first entry is 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a sequence number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"sequences start at 1, not {value}")
+    return value
+
+
 def gpus_arg(text: str) -> int | float:
     """`--gpus 2` (whole GPUs) or `--gpus 0.25` (a share of one GPU)."""
     try:
@@ -228,7 +239,11 @@ def _share_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.gpu_memory is not None:
         fields["gpu_memory_mib"] = parse_mib(args.gpu_memory, "--gpu-memory")
     if args.gpu_type:
-        fields["gpu_types"] = [t for value in args.gpu_type for t in value.split(",") if t]
+        types = [t.strip() for value in args.gpu_type for t in value.split(",") if t.strip()]
+        if not types:
+            # Not "any type": that is what leaving the option out says.
+            raise UsageError(f"--gpu-type names no type: {','.join(args.gpu_type)!r}")
+        fields["gpu_types"] = types
     if args.cpus is not None:
         fields["cpus"] = args.cpus
     if args.memory is not None:
@@ -1077,7 +1092,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_event_kind,
         help="only this kind (cause or event kind; repeat for several)",
     )
-    p.add_argument("--since", type=int, default=1, metavar="SEQ", help="start at this sequence")
+    p.add_argument(
+        "--since", type=_sequence, default=1, metavar="SEQ", help="start at this sequence"
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(fn=cmd_events)
 

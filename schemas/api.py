@@ -6,9 +6,9 @@ an identity to its tenant's subjects, so the subject is the authenticated tenant
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from schemas.base import Message, NodeName, QueueName
 from schemas.jobs import MAX_GPUS_PER_JOB, FailureClass, JobRecord, JobSpec, JobState, NodeGrant
@@ -101,6 +101,20 @@ class ResizeRequest(Message):
     # A size pins the job there (the policy leaves it at that size, across attempts);
     # "auto" lifts the pin and hands the job's size back to the policy.
     gpus: Annotated[int, Field(ge=1, le=MAX_GPUS_PER_JOB)] | Literal["auto"]
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _size_or_auto(cls, value: Any) -> Any:
+        # One message for the union, not one per branch that refused it.
+        if value == "auto" or (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and 1 <= value <= MAX_GPUS_PER_JOB
+        ):
+            return value
+        raise ValueError(
+            f'a whole number of GPUs from 1 to {MAX_GPUS_PER_JOB}, or "auto"; not {value!r}'
+        )
 
 
 class HistoryRequest(Message):

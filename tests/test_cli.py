@@ -470,3 +470,23 @@ def test_a_local_secure_cluster_lends_each_tenant_its_own_seed(
         monkeypatch.delenv(variable, raising=False)
     assert resolve_nkey(None, tenant=tenant) == str(keys / seed)
     assert resolve_nkey("mine.nk", tenant=tenant) == "mine.nk"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["submit", "--gpus", "1", "--gpu-type", ",,", "--", "true"], "--gpu-type names no type"),
+        (["events", "--since", "-5"], "sequences start at 1, not -5"),
+    ],
+)
+def test_arguments_that_would_be_dropped_or_misread_are_refused(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cli.main import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code != 0
+    assert says in capsys.readouterr().err

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas import subjects
-from schemas.api import ErrorReply, JobReply, SubmitRequest
+from schemas.api import ErrorReply, JobReply, ResizeRequest, SubmitRequest
 from schemas.base import MAX_MESSAGE_BYTES, SCHEMA_VERSION, decode, encode
 from schemas.commands import NODE_COMMAND, Launch, Stop
 from schemas.dlq import DeadLetter
@@ -216,3 +216,13 @@ def test_decode_never_raises_anything_but_invalid_message(data: bytes) -> None:
     for kind in (TelemetryBatch, Heartbeat, NODE_EVENT, NODE_COMMAND, SubmitRequest):
         with contextlib.suppress(InvalidMessage):
             decode(data, kind)
+
+
+@pytest.mark.parametrize("gpus", [0, 5000, "big", True, 1.5, "4"])
+def test_a_resize_to_a_size_that_is_none_says_what_a_size_is(gpus: object) -> None:
+    payload = json.dumps({"v": 1, "job_id": "1", "gpus": gpus}).encode()
+    with pytest.raises(InvalidMessage) as caught:
+        decode(payload, ResizeRequest, strict=True)
+    assert caught.value.reason == (
+        f'gpus: a whole number of GPUs from 1 to 4096, or "auto"; not {gpus!r}'
+    )

@@ -448,3 +448,15 @@ def test_a_service_prior_that_says_nothing_sound_is_refused(
     path.write_text(text)
     with pytest.raises(TraceError, match=message):
         cli.load_prior(path)
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ("0,1,0,1.5,m,5,0\n", "column 'iterations': '1.5' is not a whole number"),
+        ("0,1,0,1,m,5,0,extra\n", "trace.csv:2: 8 fields, and the header names 7"),
+    ],
+)
+def test_what_a_trace_row_would_lose_is_refused(tmp_path: Path, rows: str, message: str) -> None:
+    with pytest.raises(TraceError, match=message):
+        load_trace(write_trace(tmp_path, rows))

@@ -177,7 +177,17 @@ def _parse_row(row: dict[str, str | None], path: str, line: int) -> TraceJob:
                 f"{priority_raw!r} is not a whole number", path=path, line=line, column="priority"
             ) from None
     iterations_raw = (row.get("iterations") or "").strip()
-    iterations = int(_number(row, "iterations", path, line)) if iterations_raw else None
+    iterations = None
+    if iterations_raw:
+        counted = _number(row, "iterations", path, line)
+        if counted != int(counted):
+            raise TraceError(
+                f"{iterations_raw!r} is not a whole number",
+                path=path,
+                line=line,
+                column="iterations",
+            )
+        iterations = int(counted)
     return TraceJob(
         job_id=job_id,
         gpus=int(gpus),
@@ -212,6 +222,13 @@ def csv_rows(path: str | Path, required: Sequence[str]) -> Iterator[tuple[int, d
                     line=1,
                 )
             for row in reader:
+                if None in row:  # the fields past the header's are kept under None
+                    raise TraceError(
+                        f"{len(columns) + len(row[None])} fields, and the header names "
+                        f"{len(columns)}",
+                        path=name,
+                        line=reader.line_num,
+                    )
                 yield reader.line_num, {k: (v or "").strip() for k, v in row.items() if k}
         except UnicodeDecodeError:
             # (Decoded a chunk at a time: where in the file is not known.)
