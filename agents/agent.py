@@ -56,6 +56,7 @@ from schemas.errors import InvalidMessage
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
 from schemas.jobs import BLACKLIST_FILE_ENV
 from schemas.telemetry import (
+    MAX_SHARE_SAMPLES,
     GpuShares,
     Heartbeat,
     RunningJob,
@@ -514,7 +515,11 @@ class Agent:
                 used = sum(on_gpu[pid] for pid in process.owns(on_gpu))
                 shares.append(ShareSample(index=gpu, job_id=process.job_id, memory_used_mib=used))
         batch = TelemetryBatch(
-            node=self.node, ts=self.clock(), samples=samples, shares=tuple(shares)
+            node=self.node,
+            ts=self.clock(),
+            samples=samples,
+            # More than a batch carries: none, and the brain reads the heartbeat's.
+            shares=tuple(shares) if len(shares) <= MAX_SHARE_SAMPLES else None,
         )
         await self.bus.publish(subjects.node(self.node, "telemetry"), batch)
 

@@ -11,7 +11,15 @@ from typing import Annotated, Any, Final, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from schemas.base import Message, NodeName, QueueName
-from schemas.jobs import MAX_GPUS_PER_JOB, FailureClass, JobRecord, JobSpec, JobState, NodeGrant
+from schemas.jobs import (
+    MAX_GPUS_PER_JOB,
+    FailureClass,
+    JobRecord,
+    JobSpec,
+    JobState,
+    NodeGrant,
+    unlaunchable,
+)
 from schemas.nodes import NodeStatus
 from schemas.profiles import JobProfile
 from schemas.state import BlacklistEntry, Cause
@@ -43,6 +51,14 @@ class SubmitRequest(Message):
     # A retry with the same key returns the job the first try created, so a client
     # that lost the reply (a brain failing over) can retry without a duplicate.
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=128)
+
+    @field_validator("spec")
+    @classmethod
+    def _launchable(cls, spec: JobSpec) -> JobSpec:
+        problem = unlaunchable(spec)
+        if problem is not None:
+            raise ValueError(problem)
+        return spec
 
 
 class CancelRequest(Message):

@@ -249,22 +249,6 @@ class JobSpec(BaseModel):
     def _command_not_blank(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value[0].strip():
             raise ValueError("the program to run (first word of the command) is empty")
-        for i, word in enumerate(value):
-            if "\0" in word:
-                # The kernel takes C strings: no process could be started with it.
-                raise ValueError(f"word {i} of the command contains a NUL character")
-        return value
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd_absolute(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        if "\0" in value:
-            raise ValueError("the working directory contains a NUL character")
-        if not value.startswith("/"):
-            # Relative to what? The agent's own directory means nothing to the job.
-            raise ValueError(f"the working directory must be an absolute path, not {value!r}")
         return value
 
     @field_validator("env")
@@ -275,9 +259,27 @@ class JobSpec(BaseModel):
                 raise ValueError(f"invalid environment variable name {name!r}")
             if name.startswith(RESERVED_ENV_PREFIXES):
                 raise ValueError(f"environment variable {name} is set by Alnair itself")
-            if "\0" in value[name]:
-                raise ValueError(f"environment variable {name}'s value contains a NUL character")
         return value
+
+
+def unlaunchable(spec: JobSpec) -> str | None:
+    """Why no process could be started as `spec` asks, naming the field; None if one
+    could. The kernel takes C strings, so a NUL byte in the command, the environment or
+    the directory can never be launched; a relative directory would be of the agent's.
+    Checked when a job is submitted (`SubmitRequest`), not on the records already
+    stored (which were accepted before and must still load)."""
+    for i, word in enumerate(spec.command):
+        if "\0" in word:
+            return f"command: word {i} contains a NUL character"
+    for name, value in spec.env.items():
+        if "\0" in value:
+            return f"env: {name}'s value contains a NUL character"
+    if spec.cwd is not None:
+        if "\0" in spec.cwd:
+            return "cwd: the working directory contains a NUL character"
+        if not spec.cwd.startswith("/"):
+            return f"cwd: the working directory must be an absolute path, not {spec.cwd!r}"
+    return None
 
 
 class NodeGrant(BaseModel):

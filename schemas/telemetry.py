@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -45,6 +45,11 @@ class GpuSample(BaseModel):
     ecc_dbe_total: int | None = Field(default=None, ge=0, le=2**64 - 1)
 
 
+# The most share samples a batch carries (about 80 bytes each); an agent running more
+# shares sends none, and the brain reads the heartbeat's instead.
+MAX_SHARE_SAMPLES: Final = 1024
+
+
 class ShareSample(BaseModel):
     """The GPU memory one share's processes use on a GPU, read with its batch's samples."""
 
@@ -65,7 +70,7 @@ class TelemetryBatch(Message):
     # same instant (per process: NVML, or what simulated jobs declare): what a job's
     # profile takes off its GPU's for the shares beside it. None: an agent that does
     # not say (the brain then takes the heartbeat's `ShareUse.memory_used_mib`).
-    shares: tuple[ShareSample, ...] | None = Field(default=None, max_length=1024)
+    shares: tuple[ShareSample, ...] | None = Field(default=None, max_length=MAX_SHARE_SAMPLES)
 
 
 class RunningJob(BaseModel):

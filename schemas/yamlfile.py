@@ -5,11 +5,14 @@ a whole list, was lost), and a file that is not UTF-8 says so."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import yaml
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode
+
+# The tag of a merge key (`<<: *anchor`): not a key of the mapping, so never a repeat.
+_MERGE: Final = "tag:yaml.org,2002:merge"
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -19,18 +22,21 @@ class _StrictLoader(yaml.SafeLoader):
 def _mapping(loader: _StrictLoader, node: MappingNode) -> dict[Any, Any]:
     first: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == _MERGE:
+            continue  # `<<: *anchor`: merged by construct_mapping, the mapping's own win
         key = loader.construct_object(key_node, deep=True)
         try:
-            line = first.setdefault(key, key_node.start_mark.line)
+            line = first.get(key)
         except TypeError:
             continue  # an unhashable key: construct_mapping refuses it, naming it
-        if line != key_node.start_mark.line:
+        if line is not None:
             raise ConstructorError(
                 "while reading a mapping",
                 node.start_mark,
                 f"key {key!r} is given twice (first on line {line + 1})",
                 key_node.start_mark,
             )
+        first[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=True)
 
 

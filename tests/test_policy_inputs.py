@@ -85,6 +85,7 @@ def test_a_queues_file_gives_the_quotas_in_order(tmp_path: Path) -> None:
             "queues:\n  - name: a\n    guaranteed_gpus: 4\n    guaranteed_gpus: 8\n",
             "key 'guaranteed_gpus' is given twice (first on line 3)",
         ),
+        ("queues: [{name: a, guaranteed_gpus: 8, guaranteed_gpus: 0}]\n", "given twice"),
     ],
 )
 def test_a_bad_queues_file_says_what_is_wrong(tmp_path: Path, text: str, says: str) -> None:
@@ -417,3 +418,16 @@ def test_a_size_past_what_a_float_counts_is_refused() -> None:
 
     with pytest.raises(UsageError, match="more memory than any machine has"):
         parse_mib("9" * 400 + "TiB", "--gpu-memory")
+
+
+def test_a_queues_file_may_share_settings_through_yaml_merge_keys(tmp_path: Path) -> None:
+    text = (
+        "queues:\n"
+        "  - &train {name: research, class: train, guaranteed_gpus: 8}\n"
+        "  - <<: *train\n"
+        "    name: prod\n"
+    )
+    assert [(q.name, q.guaranteed_gpus) for q in load_queues(write(tmp_path, text))] == [
+        ("research", 8),
+        ("prod", 8),
+    ]

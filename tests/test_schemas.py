@@ -171,11 +171,11 @@ def test_oversized_is_rejected_before_parsing() -> None:
         ({"command": ["x"], "gpus": 1, "env": {"1BAD": "0"}}, "invalid environment"),
         ({"command": [" "], "gpus": 1}, "empty"),
         # No process can be started with a NUL in its arguments, environment or
-        # directory: refused here, not retried at every launch.
-        ({"command": ["\0"], "gpus": 1}, "spec.command: word 0 of the command contains a NUL"),
-        ({"command": ["x", "a\0b"], "gpus": 1}, "word 1 of the command contains a NUL"),
-        ({"command": ["x"], "gpus": 1, "env": {"A": "x\0y"}}, "A's value contains a NUL"),
-        ({"command": ["x"], "gpus": 1, "cwd": "/tmp/\0"}, "spec.cwd"),
+        # directory: refused at submit, not retried at every launch.
+        ({"command": ["\0"], "gpus": 1}, "spec: command: word 0 contains a NUL character"),
+        ({"command": ["x", "a\0b"], "gpus": 1}, "command: word 1 contains a NUL"),
+        ({"command": ["x"], "gpus": 1, "env": {"A": "x\0y"}}, "env: A's value contains a NUL"),
+        ({"command": ["x"], "gpus": 1, "cwd": "/tmp/\0"}, "spec: cwd: the working directory"),
         ({"command": ["x"], "gpus": 1, "cwd": "rel/dir"}, "must be an absolute path"),
     ],
 )
@@ -226,3 +226,12 @@ def test_a_resize_to_a_size_that_is_none_says_what_a_size_is(gpus: object) -> No
     assert caught.value.reason == (
         f'gpus: a whole number of GPUs from 1 to 4096, or "auto"; not {gpus!r}'
     )
+
+
+def test_a_stored_job_that_submit_would_refuse_now_still_loads() -> None:
+    """A record accepted before submit refused a relative directory (or a NUL) is read
+    back from the log and snapshots as it is: losing it would lose the job."""
+    spec = JobSpec(command=("train",), gpus=1, cwd="work")
+    assert JobSpec.model_validate_json(spec.model_dump_json()).cwd == "work"
+    with pytest.raises(ValueError, match="cwd: the working directory must be an absolute"):
+        SubmitRequest(spec=spec)
