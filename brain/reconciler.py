@@ -150,7 +150,16 @@ class Reconciler:
         counting GPUs the job gave back as its own (a launch onto them is refused) or
         not counting those it took. Where a node's heartbeat says an attempt with no
         resize in flight holds other GPUs there than its grant, it is told again."""
-        jobs = [j for j in state.jobs_in(JobState.RUNNING) if j.spec.elastic and j.resize is None]
+        # Not while a resize is in flight (its own regrants speak for it), nor just after
+        # one committed (the node's heartbeat may predate the regrant the commit sent).
+        settled = self._clock() - RESTOP_AFTER_S
+        jobs = [
+            j
+            for j in state.jobs_in(JobState.RUNNING)
+            if j.spec.elastic
+            and j.resize is None
+            and (j.last_resize_at is None or j.last_resize_at < settled)
+        ]
         names = sorted({g.node for j in jobs for g in j.grants if g.pid is not None})
         if not names:
             return

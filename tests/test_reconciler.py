@@ -204,3 +204,21 @@ async def test_a_node_told_other_gpus_for_an_elastic_attempt_is_regranted() -> N
     clock.now += SWEEP_EVERY_S + RESTOP_AFTER_S
     await made.reconcile_all()
     assert len(shell.commands) == 2
+
+
+async def test_a_node_is_not_regranted_just_after_a_resize_committed() -> None:
+    """Its heartbeat may predate the Regrant the commit sent: wait one RESTOP_AFTER_S."""
+    shell, clock = Shell(), Clock(100.0)
+    shell.add_node("n1")
+    job = shell.add_job(1, gpus=2, node="n1")
+    elastic = job.spec.model_copy(update={"elastic": True, "min_gpus": 1, "max_gpus": 4})
+    shell.put_job(job.model_copy(update={"spec": elastic, "last_resize_at": clock.now - 1}))
+    made, nodes = reconciler(shell, clock, {})
+    stale = heartbeat("n1", ("1", 1))
+    running = stale.running[0].model_copy(update={"gpus": (0, 1, 2, 3)})
+    nodes.beats = [stale.model_copy(update={"running": (running,)})]
+    await made.reconcile_all()
+    assert shell.commands == []
+    clock.now += SWEEP_EVERY_S
+    await made.reconcile_all()
+    assert len(shell.commands) == 1
