@@ -278,6 +278,20 @@ def test_a_profile_is_computed_again_once_due_and_only_with_new_samples() -> Non
     assert profiler.current()["7"] is not second  # samples came: computed at once
 
 
+def gpu_sample(index: int, *, util: float, used: float, total: float) -> GpuSample:
+    return GpuSample(
+        index=index,
+        util_gpu_pct=util,
+        util_mem_pct=10.0,
+        mem_used_mib=used,
+        mem_total_mib=total,
+        power_w=100.0,
+        temp_c=40.0,
+        sm_clock_mhz=1500.0,
+        mem_clock_mhz=1500.0,
+    )
+
+
 def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
     """The profiler follows each job record as it comes: an elastic job's GPUs move
     within an attempt, a new attempt starts a new track, an ended one is let go; what
@@ -297,20 +311,7 @@ def test_a_job_s_telemetry_follows_its_gpus_as_its_records_change() -> None:
         return changed
 
     def beat(node: str, ts: float) -> None:
-        samples = tuple(
-            GpuSample(
-                index=i,
-                util_gpu_pct=50.0,
-                util_mem_pct=10.0,
-                mem_used_mib=100.0,
-                mem_total_mib=1000.0,
-                power_w=100.0,
-                temp_c=40.0,
-                sm_clock_mhz=1500.0,
-                mem_clock_mhz=1500.0,
-            )
-            for i in (0, 1)
-        )
+        samples = tuple(gpu_sample(i, util=50.0, used=100.0, total=1000.0) for i in (0, 1))
         profiler.observe(TelemetryBatch(node=node, ts=ts, samples=samples))
 
     beat("rec", 1.0)
@@ -367,17 +368,7 @@ def test_a_shareable_job_s_profile_is_its_own_memory_not_its_guests(said: str) -
         # The guest grows to 12,000 MiB; the host uses 40,000 of GPU 0, 16,000 of GPU 1.
         guest = 12_000.0 if not with_samples else min(12_000.0, ts * 1_000.0)
         samples = tuple(
-            GpuSample(
-                index=i,
-                util_gpu_pct=20.0,
-                util_mem_pct=10.0,
-                mem_used_mib=used,
-                mem_total_mib=81_920.0,
-                power_w=100.0,
-                temp_c=40.0,
-                sm_clock_mhz=1500.0,
-                mem_clock_mhz=1500.0,
-            )
+            gpu_sample(i, util=20.0, used=used, total=81_920.0)
             for i, used in ((0, 40_000.0), (1, 16_000.0 + guest))
         )
         sent = (ShareSample(index=1, job_id="8", memory_used_mib=guest),) if with_samples else None
