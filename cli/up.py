@@ -119,6 +119,17 @@ def _at_least_one(text: str) -> int:
     return count
 
 
+def _port(text: str) -> int:
+    """A TCP port, or 0 for a free one."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0: a free one)")
+    return port
+
+
 def add_up_parser(sub: Any) -> None:
     p = sub.add_parser("up", help="start the one-machine cluster: NATS, a brain, agents")
     p.add_argument(
@@ -135,7 +146,7 @@ def add_up_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=0,
         help="NATS port (default: a free one); with --cluster, the first server's, the "
         "others' follow it",

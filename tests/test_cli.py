@@ -212,7 +212,10 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
 @pytest.mark.parametrize(
     ("flags", "words"),
     [
-        (["--elastic-resize-interval", "-1"], "the elastic resize interval cannot be negative"),
+        (
+            ["--elastic-resize-interval", "-1"],
+            "the elastic resize interval must be a number >= 0, not -1",
+        ),
         (["--elasticity", "bogus"], "unknown elasticity policy 'bogus'; known: linear"),
     ],
 )
@@ -374,7 +377,7 @@ def test_an_event_kind_that_does_not_exist_is_refused_with_the_kinds_there_are(
     [
         (["--policy", "bogus"], "unknown order policy 'bogus'"),
         (["--elasticity", "wild"], "unknown elasticity policy 'wild'"),
-        (["--elastic-payback", "-1"], "elastic payback factor cannot be negative"),
+        (["--elastic-payback", "-1"], "elastic payback factor must be a number >= 0, not -1"),
         (["--gpus", "sim:0xH100"], "simulated GPU count must be 1..64, not 0"),
     ],
 )
@@ -490,3 +493,11 @@ def test_arguments_that_would_be_dropped_or_misread_are_refused(
         code = exit_.code
     assert code != 0
     assert says in capsys.readouterr().err
+
+
+def test_up_refuses_a_port_that_is_none(capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--port", "99999"])
+    assert "'99999' is not a port (0..65535; 0: a free one)" in capsys.readouterr().err

@@ -34,6 +34,7 @@ Every action carries its cause.
 from __future__ import annotations
 
 import math
+import sys
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -214,12 +215,15 @@ class Policy:
             raise UnknownPlugin("elasticity", self.elasticity, list(ELASTICITIES))
         if not 0.0 <= self.elastic_min_gain <= 1.0:
             raise InvalidPolicy("the elastic minimum gain must be within 0..1")
-        if not 0 <= self.elastic_resize_interval_s < math.inf:
-            raise InvalidPolicy("the elastic resize interval cannot be negative")
-        if not 0 <= self.elastic_payback < math.inf:
-            raise InvalidPolicy("the elastic payback factor cannot be negative")
-        if not 0 <= self.elastic_reprobe_s <= math.inf:
-            raise InvalidPolicy("the elastic re-probe interval cannot be negative")
+        # (what, value, the most it may be: a re-probe may be never, inf)
+        ranges = (
+            ("the elastic resize interval", self.elastic_resize_interval_s, sys.float_info.max),
+            ("the elastic payback factor", self.elastic_payback, sys.float_info.max),
+            ("the elastic re-probe interval", self.elastic_reprobe_s, math.inf),
+        )
+        for what, value, most in ranges:
+            if not 0 <= value <= most:
+                raise InvalidPolicy(f"{what} must be a number >= 0, not {value:g}")
         return self
 
     def describe(self) -> str:
