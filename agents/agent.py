@@ -446,11 +446,17 @@ class Agent:
 
     def _gpu_memory_of(self, process: JobProcess) -> float:
         """GPU memory (MiB) the job's processes (`JobProcess.owns`) use on its GPUs."""
-        used = 0.0
-        for gpu in process.gpus:
-            on_gpu = self.backend.process_memory(gpu)
-            used += sum(on_gpu[pid] for pid in process.owns(on_gpu))
-        return used
+        return sum(self._gpu_memory_on(process, gpu, {}) for gpu in process.gpus)
+
+    def _gpu_memory_on(
+        self, process: JobProcess, gpu: int, read: dict[int, dict[int, float]]
+    ) -> float:
+        """What the job's processes use of one GPU's memory (MiB); `read` keeps each
+        GPU's processes as read (`GpuBackend.process_memory`) for the next job."""
+        on_gpu = read.get(gpu)
+        if on_gpu is None:
+            on_gpu = read[gpu] = self.backend.process_memory(gpu)
+        return sum(on_gpu[pid] for pid in process.owns(on_gpu))
 
     async def watch_shares(self) -> None:
         """Restart MPS daemons that died; stop a share over its GPU memory limit; let
@@ -505,15 +511,16 @@ class Agent:
         samples = self.backend.sample()
         # Each share's own use, read with the samples: the brain takes it off the GPU's
         # for the job beside it (brain/profiles.py), so it must be of the same instant.
-        shares: list[ShareSample] = []
-        read: dict[int, dict[int, float]] = {}
-        for process in self.launcher.shares():
-            for gpu in process.gpus:
-                on_gpu = read.get(gpu)
-                if on_gpu is None:
-                    on_gpu = read[gpu] = self.backend.process_memory(gpu)
-                used = sum(on_gpu[pid] for pid in process.owns(on_gpu))
-                shares.append(ShareSample(index=gpu, job_id=process.job_id, memory_used_mib=used))
+        read: dict[int, dict[int, float]] = {}  # each GPU's processes, read once
+        shares = [
+            ShareSample(
+                index=gpu,
+                job_id=process.job_id,
+                memory_used_mib=self._gpu_memory_on(process, gpu, read),
+            )
+            for process in self.launcher.shares()
+            for gpu in process.gpus
+        ]
         batch = TelemetryBatch(
             node=self.node,
             ts=self.clock(),

@@ -189,37 +189,25 @@ class History:
             return query(self.db.conn)
         return await asyncio.wrap_future(self._writer.read(query))
 
-    def attempts(self, job_id: str) -> list[dict[str, Any]]:
-        """Every attempt of a job, oldest first, with the columns `AttemptRow` names."""
-        self.flush()
-        return _attempts(job_id, self.db.conn)
-
     async def read_attempts(self, job_id: str) -> list[dict[str, Any]]:
+        """Every attempt of a job, oldest first, with the columns `AttemptRow` names."""
         return await self.read(partial(_attempts, job_id))
 
     def job_events(self, job_id: str) -> list[dict[str, Any]]:
         self.flush()
         return list(self.db.table("events").rows_where("job_id = ?", [job_id], order_by="seq"))
 
-    def job_changes(self, job_id: str, limit: int) -> tuple[list[tuple[int, JobChanged]], bool]:
-        """The job's latest `limit` state records (oldest first) with their sequences,
-        and whether older ones were left out. Node events about the job are not
-        included: each one the brain acted on has a job record of its own."""
-        self.flush()
-        return _job_changes(job_id, limit, self.db.conn)
-
     async def read_job_changes(
         self, job_id: str, limit: int
     ) -> tuple[list[tuple[int, JobChanged]], bool]:
+        """The job's latest `limit` state records (oldest first) with their sequences,
+        and whether older ones were left out. Node events about the job are not
+        included: each one the brain acted on has a job record of its own."""
         return await self.read(partial(_job_changes, job_id, limit))
 
-    def last_job(self, job_id: str) -> JobRecord | None:
+    async def read_last_job(self, job_id: str) -> JobRecord | None:
         """The job as its latest record left it (for a finished job no longer in the
         brain's memory), or None if the history has no record of it."""
-        self.flush()
-        return _last_job(job_id, self.db.conn)
-
-    async def read_last_job(self, job_id: str) -> JobRecord | None:
         return await self.read(partial(_last_job, job_id))
 
     def close(self) -> None:
@@ -229,37 +217,17 @@ class History:
 
 
 def _attempts(job_id: str, conn: sqlite3.Connection) -> list[dict[str, Any]]:
-    rows = conn.execute(
+    cursor = conn.execute(
         "SELECT attempt, nodes, gpus, started_at, ended_at, state, exit_code, signal, "
         "failure_class, reason FROM attempts WHERE job_id = ? ORDER BY attempt",
         [job_id],
-    ).fetchall()
-    return [
-        {
-            "attempt": attempt,
-            "nodes": nodes or "",
-            "gpus": gpus or "",
-            "started_at": started_at,
-            "ended_at": ended_at,
-            "state": state or "",
-            "exit_code": exit_code,
-            "signal": signal,
-            "failure_class": failure_class,
-            "reason": reason,
-        }
-        for (
-            attempt,
-            nodes,
-            gpus,
-            started_at,
-            ended_at,
-            state,
-            exit_code,
-            signal,
-            failure_class,
-            reason,
-        ) in rows
-    ]
+    )
+    names = [column[0] for column in cursor.description]
+    rows = [dict(zip(names, row, strict=True)) for row in cursor]
+    for row in rows:  # an attempt not started or ended yet has no text there
+        for text in ("nodes", "gpus", "state"):
+            row[text] = row[text] or ""
+    return rows
 
 
 def _job_changes(

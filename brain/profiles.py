@@ -279,9 +279,8 @@ def analyse(
         if step > 0
         else None
     )
-    horizon = max(1, math.ceil(settings.horizon_s / step)) if step > 0 else 1
+    horizon = _horizon(settings, step)
     next_util = forecast(util, period=period_steps, horizon=horizon) or (0.0,)
-    next_mem = forecast(mem, period=period_steps, horizon=horizon) or (0.0,)
     idle = sum(
         1
         for mean_util, count in totals.per_gpu
@@ -293,9 +292,7 @@ def analyse(
         mem_peak_mib=totals.mem_peak_mib,
         period_s=None if period_steps is None else round(period_steps * step, 3),
         forecast_util_pct=_pct(statistics.fmean(next_util)),
-        # Memory is planned for its peak: a GPU that runs out fails the job. A trend
-        # stops at what the GPU has (a step up extrapolates past it).
-        forecast_mem_mib=round(min(max(0.0, max(next_mem)), totals.mem_total_mib or math.inf), 1),
+        forecast_mem_mib=_memory_ahead(mem, period_steps, horizon, totals.mem_total_mib),
         underused=idle > 0,
         idle_gpus=idle,
     )
@@ -311,6 +308,21 @@ def _own(sample: GpuSample, job_id: str, shares: Sequence[tuple[str, float]]) ->
     return sample.model_copy(update={"mem_used_mib": max(0.0, sample.mem_used_mib - others)})
 
 
+def _horizon(settings: ProfileSettings, step: float) -> int:
+    """The forecast's horizon in steps of a regular series."""
+    return max(1, math.ceil(settings.horizon_s / step)) if step > 0 else 1
+
+
+def _memory_ahead(
+    mem: Sequence[float], period_steps: float | None, horizon: int, gpu_mib: float
+) -> float:
+    """The most memory forecast over the horizon. Memory is planned for its peak: a GPU
+    that runs out fails the job. A trend stops at what the GPU has (a step up
+    extrapolates past it)."""
+    ahead = forecast(mem, period=period_steps, horizon=horizon) or (0.0,)
+    return round(min(max(0.0, max(ahead)), gpu_mib or math.inf), 1)
+
+
 def gpu_memory(
     per_gpu: Mapping[tuple[str, int], _GpuTotals],
     settings: ProfileSettings,
@@ -318,20 +330,15 @@ def gpu_memory(
     gpu_mib: float,
 ) -> tuple[GpuMemory, ...]:
     """A shareable job's memory on each of its GPUs: its peak, and its forecast as
-    `analyse` makes the busiest GPU's (with the job's period, if it has one; never past
-    what the GPU has)."""
+    `analyse` makes the busiest GPU's (with the job's period, if it has one)."""
     found: list[GpuMemory] = []
     for (node, index), totals in sorted(per_gpu.items()):
         if totals.memory is None or not len(totals.memory):
             continue
         _, mem, step = regular(totals.memory.readings(), settings.max_points)
-        period = round(period_s / step) if period_s is not None and step > 0 else None
-        horizon = max(1, math.ceil(settings.horizon_s / step)) if step > 0 else 1
-        ahead = forecast(mem, period=period, horizon=horizon) or (0.0,)
-        cap = gpu_mib or math.inf
-        found.append(
-            GpuMemory(node, index, totals.mem_peak_mib, round(min(max(0.0, max(ahead)), cap), 1))
-        )
+        period = period_s / step if period_s is not None and step > 0 else None
+        ahead = _memory_ahead(mem, period, _horizon(settings, step), gpu_mib)
+        found.append(GpuMemory(node, index, totals.mem_peak_mib, ahead))
     return tuple(found)
 
 
@@ -790,17 +797,18 @@ def _matters_to_policy(before: UtilizationProfile | None, after: UtilizationProf
         after.period_s is None,
     ):
         return True
-    was = max(before.mem_peak_mib, before.forecast_mem_mib)
-    now = max(after.mem_peak_mib, after.forecast_mem_mib)
-    if abs(now - was) > MEMORY_NEWS_SHARE * max(was, 1.0):
-        return True
-    # A shareable job's memory on any one GPU (what co-location reckons with there).
-    for gpu in after.gpu_memory:
-        was = before.memory_on(gpu.node, gpu.gpu)
-        now = max(gpu.peak_mib, gpu.forecast_mib)
-        if abs(now - was) > MEMORY_NEWS_SHARE * max(was, 1.0):
-            return True
-    return False
+    # Its busiest GPU's memory, or a shareable job's on any one GPU (what co-location
+    # reckons with there).
+    pairs = [
+        (
+            max(before.mem_peak_mib, before.forecast_mem_mib),
+            max(after.mem_peak_mib, after.forecast_mem_mib),
+        )
+    ]
+    pairs += [
+        (before.memory_on(g.node, g.gpu), max(g.peak_mib, g.forecast_mib)) for g in after.gpu_memory
+    ]
+    return any(abs(now - was) > MEMORY_NEWS_SHARE * max(was, 1.0) for was, now in pairs)
 
 
 # -- storage ----------------------------------------------------------------------------

@@ -164,6 +164,9 @@ class Reconciler:
         if not names:
             return
         beats = {beat.node: beat for beat in self._nodes.reporting(now, names)}
+        sent = self._regrants_sent
+        for key in [k for k, at in sent.items() if now - at >= RESTOP_AFTER_S]:
+            del sent[key]  # what may be sent again need not be remembered
         for job in jobs:
             for grant in job.grants:
                 beat = beats.get(grant.node)
@@ -180,9 +183,9 @@ class Reconciler:
                 if said is None or sorted(said) == sorted(grant.gpus):
                     continue
                 key = (grant.node, job.job_id, job.attempt)
-                if now - self._regrants_sent.get(key, -RESTOP_AFTER_S) < RESTOP_AFTER_S:
+                if key in sent:
                     continue
-                self._regrants_sent[key] = now
+                sent[key] = now
                 log.warning(
                     "node %s says job %s attempt %d holds GPUs %s there, not %s; telling it",
                     grant.node,

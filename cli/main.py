@@ -9,7 +9,6 @@ import dataclasses
 import difflib
 import json
 import logging
-import math
 import os
 import re
 import shlex
@@ -26,6 +25,7 @@ from pydantic import ValidationError
 from bus.auth import inbox_prefix_for_seed
 from cli import confine, failures, why
 from cli import format as fmt
+from cli.arguments import positive_number, whole_number
 from cli.client import call, open_bus, submit
 from cli.config import alnair_home, resolve_nats, resolve_nkey, resolve_tls
 from schemas import subjects
@@ -202,26 +202,8 @@ def parse_mib(text: str, option: str) -> int:
     return round(mib)
 
 
-def positive_number(text: str) -> float:
-    """A finite number above 0 (not NaN, not inf), for argparse."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number above 0, not {text!r}")
-    return value
-
-
-def _sequence(text: str) -> int:
-    """A log sequence: 1 or more (the log's first entry is 1)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a sequence number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"sequences start at 1, not {value}")
-    return value
+# A log sequence: the log's first entry is 1.
+_sequence = whole_number(1, None, "a log sequence (1 or more)")
 
 
 def gpus_arg(text: str) -> int | float:

@@ -25,6 +25,7 @@ from typing import Any
 from agents.gpu import open_backend, probe_nvml
 from brain.core import DEFAULT_POLICY, Policy
 from bus.server import EmbeddedCluster, EmbeddedNats, check_cluster_size, dies_with_parent
+from cli.arguments import whole_number
 from cli.config import ClusterInfo, TlsSettings, alnair_home, read_cluster, remove_cluster_file
 from schemas.api import OPERATOR_TENANT
 from schemas.errors import AlnairError
@@ -109,25 +110,8 @@ def policy_of(args: argparse.Namespace) -> Policy:
     ).validate()
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
-    return count
-
-
-def _port(text: str) -> int:
-    """A TCP port, or 0 for a free one."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0..65535; 0: a free one)")
-    return port
+_at_least_one = whole_number(1, None, "a whole number of 1 or more")
+_port = whole_number(0, 65535, "a port (0..65535; 0: a free one)")
 
 
 def add_up_parser(sub: Any) -> None:

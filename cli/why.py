@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from brain.core.ordering import ORDERINGS
 from cli import format as fmt
+from cli.arguments import whole_number
 from cli.client import call
 from schemas.api import WHY_RESULT, WhyEntry, WhyReply, WhyRequest
 from schemas.state import CauseKind
@@ -113,10 +114,7 @@ async def _why(args: argparse.Namespace, bus: Any) -> int:
     return 0
 
 
-def _limit(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
-        raise argparse.ArgumentTypeError(f"a whole number from 1 to {MAX_LIMIT}, not {text!r}")
-    return int(text)
+_limit = whole_number(1, MAX_LIMIT, f"a whole number from 1 to {MAX_LIMIT}")
 
 
 def add_command(sub: Any, client_args: ClientArgs, with_bus: WithBus) -> None:

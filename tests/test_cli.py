@@ -479,7 +479,7 @@ def test_a_local_secure_cluster_lends_each_tenant_its_own_seed(
     ("argv", "says"),
     [
         (["submit", "--gpus", "1", "--gpu-type", ",,", "--", "true"], "--gpu-type names no type"),
-        (["events", "--since", "-5"], "sequences start at 1, not -5"),
+        (["events", "--since", "-5"], "'-5' is not a log sequence (1 or more)"),
     ],
 )
 def test_arguments_that_would_be_dropped_or_misread_are_refused(

@@ -67,27 +67,27 @@ def requeued(kind: CauseKind, message: str, *, failed: bool = False) -> JobChang
         ),
     ],
 )
-def test_an_attempt_that_went_back_to_pending_is_closed(
+async def test_an_attempt_that_went_back_to_pending_is_closed(
     ended: JobChanged, state: str, reason: str
 ) -> None:
     # Before, an attempt preempted or stopped by its node read RUNNING, with no end,
     # in `alnair history` for ever.
     history = History(None)
     history.record_many([(RUNNING, 1), (ended, 2)])
-    (row,) = history.attempts("1")
+    (row,) = await history.read_attempts("1")
     assert (row["attempt"], row["nodes"], row["state"]) == (1, "n1", state)
     assert (row["ended_at"], row["reason"]) == (START_TS + 10, reason)
     assert row["started_at"] == RUNNING.job.started_at
     assert AttemptRow(**row).state == state  # as the API answers it
 
 
-def test_a_closed_attempt_is_not_reopened_or_rewritten_by_a_replay() -> None:
+async def test_a_closed_attempt_is_not_reopened_or_rewritten_by_a_replay() -> None:
     history = History(None)
     preempted = requeued(CauseKind.PREEMPTED, "outranked by job 4 under las")
     history.record_many([(RUNNING, 1), (preempted, 2)])
     later = preempted.model_copy(update={"ts": START_TS + 99, "record_id": "again"})
     history.record_many([(later, 3)])
-    (row,) = history.attempts("1")
+    (row,) = await history.read_attempts("1")
     assert (row["state"], row["ended_at"]) == ("PREEMPTED", START_TS + 10)
 
 

@@ -165,7 +165,7 @@ async def test_an_old_single_object_snapshot_is_still_read(
     assert brain.state.jobs == state.jobs
 
 
-def test_history_written_in_batches_keeps_every_entry_and_each_jobs_latest_state() -> None:
+async def test_history_written_in_batches_keeps_every_entry_and_each_jobs_latest_state() -> None:
     entries = list(finished_job_records(3))
     running = entries[4]  # job 2 started (attempt 1)
     failure = AttemptFailure(
@@ -183,7 +183,7 @@ def test_history_written_in_batches_keeps_every_entry_and_each_jobs_latest_state
     # Within one batch, a job's later entry wins: job 2 is running its second attempt.
     jobs = batched.db.execute("SELECT job_id, state, attempt FROM jobs ORDER BY 1").fetchall()
     assert jobs == [("1", "SUCCEEDED", 1), ("2", "RUNNING", 2), ("3", "SUCCEEDED", 1)]
-    attempts = batched.attempts("2")
+    attempts = await batched.read_attempts("2")
     assert [(a["attempt"], a["state"], a["failure_class"]) for a in attempts] == [
         (1, "FAILED", "infrastructure"),
         (2, "RUNNING", None),
@@ -191,7 +191,7 @@ def test_history_written_in_batches_keeps_every_entry_and_each_jobs_latest_state
     assert batched.last_seq() == batched.last_seq_seen == len(entries)
 
 
-def test_a_history_file_is_written_by_its_thread_in_order_and_read_after_it(
+async def test_a_history_file_is_written_by_its_thread_in_order_and_read_after_it(
     tmp_path, caplog
 ) -> None:
     """A history in a file is written off the caller's thread, a transaction per group
@@ -205,7 +205,8 @@ def test_a_history_file_is_written_by_its_thread_in_order_and_read_after_it(
     assert history.last_seq_seen == len(entries)
     assert history.last_seq() == len(entries)
     assert [r["state"] for r in history.job_events("40")] == ["PENDING", "RUNNING", "SUCCEEDED"]
-    assert history.last_job("17") is not None and history.last_job("17").state.terminal
+    seventeen = await history.read_last_job("17")
+    assert seventeen is not None and seventeen.state.terminal
 
     history.db.execute("DROP TABLE attempts")  # the next group's transaction fails
     history.record_many([(entries[40], 121)])  # job 1 starts: an attempt row

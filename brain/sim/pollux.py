@@ -30,7 +30,6 @@ No policy code lives here; the engine asks `PolluxScaling` for speeds.
 from __future__ import annotations
 
 import bisect
-import csv
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Final, Literal, TypeVar
 
 from brain.sim.engine import SpeedCurve
-from brain.sim.trace import TraceError, TraceJob, trace_number
+from brain.sim.trace import TraceError, TraceJob, csv_rows, trace_number
 from workloads.goodput import statistical_gain
 
 POLLUX_COLUMNS: Final = ("name", "time", "application", "num_replicas", "batch_size")
@@ -246,13 +245,7 @@ class PolluxApp:
 
 
 def _read_rows(path: Path) -> list[dict[str, str]]:
-    try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:
-            return list(csv.DictReader(handle))
-    except OSError as err:
-        raise TraceError(f"cannot open: {err.strerror}", path=str(path)) from None
-    except UnicodeDecodeError:
-        raise TraceError("not UTF-8 text; save it as UTF-8 CSV", path=str(path)) from None
+    return [row for _, row in csv_rows(path, ())]
 
 
 def _floats(row: dict[str, str], columns: Sequence[str], path: Path, line: int) -> list[float]:
