@@ -19,6 +19,7 @@ from nats.aio.subscription import Subscription
 
 from brain.census import CensusCache
 from brain.core.ordering import job_sequence
+from brain.history import FinishedQuery
 from brain.port import BrainPort
 from brain.queues import queue_status
 from brain.state import served, share_memory_limit
@@ -79,6 +80,11 @@ Reply = (
 # reach the inbox together and share a group commit. Past this many, the callback
 # waits for one to finish (and NATS buffers the rest, as for any slow consumer).
 IN_FLIGHT_MAX: Final = 1024
+
+# A listing's page holds at most this many finished jobs gone from the brain's memory,
+# each parsed from its last record in the history (on its writer's thread), however
+# large the `limit` asked: the reply's `next_before` goes on from there.
+HISTORY_PAGE: Final = 1_000
 
 
 def _fitting(costs: Iterable[int], room: int) -> int:
@@ -218,7 +224,7 @@ class ApiServer:
         if isinstance(request, GetJobRequest | HistoryRequest | WhyRequest):
             return await self._about_job(tenant, request, operator=operator)
         if isinstance(request, ListJobsRequest):
-            jobs, older = self._jobs(tenant, request, operator=operator)
+            jobs, older = await self._jobs(tenant, request, operator=operator)
             profiles = brain.profiles.live_profiles(j.job_id for j in jobs)
             return JobsReply(
                 jobs=jobs, profiles=profiles, next_before=jobs[0].job_id if older else None
@@ -310,17 +316,20 @@ class ApiServer:
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
         return job
 
-    def _jobs(
+    async def _jobs(
         self, tenant: str, request: ListJobsRequest, *, operator: bool = False
     ) -> tuple[tuple[JobRecord, ...], bool]:
         """The newest `limit` jobs that match, oldest first (by job id: the order the log
-        took them in), and whether older ones match too."""
+        took them in), and whether older ones match too: those in memory, and the
+        finished ones gone from it, read from the history (at most `HISTORY_PAGE` of
+        them a page)."""
+        state = self.brain.state
         wanted = set(request.states) if request.states else None
         queues = set(request.queues) if request.queues else None
         before = None if request.before is None else job_sequence(request.before)
         jobs = [
             j
-            for j in self.brain.state.jobs.values()
+            for j in state.jobs.values()
             if (operator or j.tenant == tenant)
             and (wanted is None or j.state in wanted)
             and (queues is None or j.spec.queue in queues)
@@ -328,7 +337,76 @@ class ApiServer:
         ]
         jobs.sort(key=lambda j: job_sequence(j.job_id))
         page = jobs[-request.limit :]
-        return tuple(map(self.brain.state.shown, page)), len(page) < len(jobs)
+        older = len(page) < len(jobs)
+        gone = tuple(
+            s
+            for s in (request.states or JobState)
+            if s.terminal and state.finished_away.get(s, 0) > 0
+        )
+        if gone:
+            page, older = await self._with_finished(
+                page, older, tenant if not operator else None, request, gone
+            )
+        return tuple(map(state.shown, page)), older
+
+    async def _with_finished(
+        self,
+        page: list[JobRecord],
+        older: bool,
+        tenant: str | None,
+        request: ListJobsRequest,
+        states: tuple[JobState, ...],
+    ) -> tuple[list[JobRecord], bool]:
+        """`page` (the newest jobs in memory, oldest first; `older`: more match there)
+        merged with the newest finished jobs in `states` that are gone from memory, the
+        newest `request.limit` of them all, and whether older ones match too."""
+        history = self.brain.history
+        take = min(request.limit, HISTORY_PAGE)
+        query = FinishedQuery(
+            states=states,
+            tenant=tenant,
+            queues=request.queues,
+            before=request.before,
+            # One more than it may take: whether any is left out.
+            limit=take + 1,
+            # Those in memory are in `page` or left out of it: the finished ones. (Live
+            # ones are not finished in the history either, which follows the log.)
+            skip=frozenset(self.brain.state.finished),
+        )
+        try:
+            away = await history.read_finished_ids(query)
+        except Exception:
+            log.exception("listing finished jobs from the history failed")
+            return page, older
+        # Newest first, from either; the history's stop at `take` (the next of them is
+        # newer than any it did not return).
+        merged = sorted(
+            [(job_sequence(j.job_id), j) for j in page]
+            + [(job_sequence(i), i) for i in away if i not in self.brain.state.jobs],
+            key=lambda pair: pair[0],
+            reverse=True,
+        )
+        chosen: list[JobRecord | str] = []
+        read = 0
+        for _, item in merged:
+            if len(chosen) == request.limit or (isinstance(item, str) and read == take):
+                older = True
+                break
+            chosen.append(item)
+            read += isinstance(item, str)
+        wanted = [item for item in chosen if isinstance(item, str)]
+        found: dict[str, JobRecord] = {}
+        try:
+            if wanted:
+                found = {j.job_id: j for j in await history.read_last_jobs(wanted)}
+        except Exception:
+            log.exception("reading finished jobs from the history failed")
+        kept = [
+            item if isinstance(item, JobRecord) else found[item]
+            for item in reversed(chosen)
+            if isinstance(item, JobRecord) or item in found
+        ]
+        return kept, older
 
     def _nodes(self, after: str | None, limit: int) -> tuple[tuple[NodeStatus, ...], bool]:
         """The first `limit` nodes by name after `after`, and whether more follow. Only

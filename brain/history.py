@@ -125,6 +125,8 @@ class History:
             )
         elif "failure_class" not in {c.name for c in db.table("attempts").columns}:
             db.execute("ALTER TABLE attempts ADD COLUMN failure_class TEXT")
+        # Listings walk jobs newest first by number (`_finished_ids`).
+        db.execute(f"CREATE INDEX IF NOT EXISTS jobs_by_number ON jobs({_BY_NUMBER})")
 
     def last_seq(self) -> int:
         """The last sequence the history holds every entry up to: before a group whose
@@ -210,6 +212,14 @@ class History:
         brain's memory), or None if the history has no record of it."""
         return await self.read(partial(_last_job, job_id))
 
+    async def read_finished_ids(self, query: FinishedQuery) -> list[str]:
+        """The ids of the newest finished jobs `query` matches, newest first."""
+        return await self.read(partial(_finished_ids, query))
+
+    async def read_last_jobs(self, job_ids: Iterable[str]) -> list[JobRecord]:
+        """`read_last_job` of each of `job_ids` the history has, in their order."""
+        return await self.read(partial(_last_jobs, tuple(job_ids)))
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -248,6 +258,77 @@ def _last_job(job_id: str, conn: sqlite3.Connection) -> JobRecord | None:
         [job_id],
     ).fetchone()
     return JobChanged.model_validate_json(row[0]).job if row is not None else None
+
+
+def _last_jobs(job_ids: tuple[str, ...], conn: sqlite3.Connection) -> list[JobRecord]:
+    jobs = (_last_job(job_id, conn) for job_id in job_ids)
+    return [job for job in jobs if job is not None]
+
+
+# Job ids as numbers without parsing them: brain-made ids are decimal, without leading
+# zeros, so a shorter one is smaller.
+_BY_NUMBER: Final = "length(job_id), job_id"
+
+
+@dataclass(frozen=True)
+class FinishedQuery:
+    """Finished jobs to list from the history (the brain's memory holds only the
+    latest ones): in `states` (terminal ones), of `tenant` (None: any), of `queues`
+    (None: any), numbered below `before` (None: the newest), at most `limit`, none of
+    `skip` (the jobs the caller answers from memory)."""
+
+    states: tuple[JobState, ...]
+    tenant: str | None
+    queues: tuple[str, ...] | None
+    before: str | None
+    limit: int
+    skip: frozenset[str] = frozenset()
+
+
+def _finished_ids(query: FinishedQuery, conn: sqlite3.Connection) -> list[str]:
+    """Numbered ids only (`_BY_NUMBER`): every id a brain gives is. The jobs table's rows
+    are walked newest first by `jobs_by_number`; a batch that was mostly `skip` is
+    followed by the next."""
+    where = [
+        f"state IN ({', '.join('?' * len(query.states))})",
+        "job_id != ''",
+        "job_id NOT GLOB '*[^0-9]*'",
+        "substr(job_id, 1, 1) != '0'",
+    ]
+    params: list[Any] = [state.value for state in query.states]
+    if query.tenant is not None:
+        where.append("tenant = ?")
+        params.append(query.tenant)
+    if query.queues is not None:
+        where.append(f"queue IN ({', '.join('?' * len(query.queues))})")
+        params.extend(query.queues)
+    batch = query.limit + len(query.skip)
+    found: list[str] = []
+    before = query.before
+    if before is not None and not before.isdigit():
+        before = None  # a name that is not a number sorts after every number
+    elif before is not None:
+        before = str(int(before))
+    while len(found) < query.limit:
+        bound = (
+            ["(length(job_id) < ? OR (length(job_id) = ? AND job_id < ?))"]
+            if before is not None
+            else []
+        )
+        bound_params = [len(before), len(before), before] if before is not None else []
+        rows = [
+            row[0]
+            for row in conn.execute(
+                f"SELECT job_id FROM jobs WHERE {' AND '.join(where + bound)} "
+                "ORDER BY length(job_id) DESC, job_id DESC LIMIT ?",
+                [*params, *bound_params, batch],
+            )
+        ]
+        found.extend(job_id for job_id in rows if job_id not in query.skip)
+        if len(rows) < batch:
+            break
+        before = rows[-1]
+    return found[: query.limit]
 
 
 @dataclass

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from brain.core import Policy, QueueQuota
+from brain.history import FinishedQuery
 from brain.inbox import WriteRequest
 from brain.state import BrainState
 from brain.telemetry import LatestTelemetry
@@ -26,6 +27,10 @@ class HistoryReads(Protocol):
     async def read_job_changes(
         self, job_id: str, limit: int
     ) -> tuple[list[tuple[int, JobChanged]], bool]: ...
+
+    async def read_finished_ids(self, query: FinishedQuery) -> list[str]: ...
+
+    async def read_last_jobs(self, job_ids: Iterable[str]) -> list[JobRecord]: ...
 
 
 class ProfileReads(Protocol):

@@ -16,16 +16,20 @@ from brain.state import FINISHED_KEPT, BrainState
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
+    JOBS_RESULT,
+    OPERATOR_TENANT,
     STATUS_RESULT,
     CancelRequest,
     ErrorReply,
     GetJobRequest,
     JobReply,
+    JobsReply,
+    ListJobsRequest,
     StatusRequest,
     SubmitRequest,
 )
 from schemas.jobs import JobSpec, JobState
-from tests.statelog import append_records, finished_job_records
+from tests.statelog import append_records, finished_job_records, live_job_record
 
 JOBS = FINISHED_KEPT + 300
 
@@ -96,3 +100,73 @@ async def test_a_finished_job_gone_from_memory_is_still_answered(
     assert isinstance(cancelled, ErrorReply) and cancelled.code == "conflict", cancelled
     status = await ask(brain, "status", StatusRequest(), STATUS_RESULT)
     assert status.jobs_by_state[JobState.SUCCEEDED.value] == JOBS  # type: ignore[attr-defined]
+
+
+async def listed(brain: Brain, request: ListJobsRequest, tenant: str = "default") -> JobsReply:
+    reply = await brain.bus.request(subjects.api(tenant, "jobs"), request, JOBS_RESULT)
+    assert isinstance(reply, JobsReply), reply
+    return reply
+
+
+async def every_job(brain: Brain, request: ListJobsRequest) -> list[str]:
+    """Page by page, newest first, as `alnair jobs` does: the ids, oldest first."""
+    ids: list[str] = []
+    while True:
+        reply = await listed(brain, request)
+        ids[:0] = [job.job_id for job in reply.jobs]
+        if reply.next_before is None:
+            return ids
+        assert reply.jobs and reply.next_before == reply.jobs[0].job_id
+        request = request.model_copy(update={"before": reply.next_before})
+
+
+async def test_listings_go_on_into_the_finished_jobs_gone_from_memory(
+    brain_factory: Callable[..., Awaitable[Brain]], connect
+) -> None:
+    """Job 1 still waits; jobs 2..JOBS+1 finished, the oldest of them gone from memory:
+    a listing merges both in job order, page by page, and filters both alike."""
+    setup = await connect("setup")
+    await append_records(setup, [live_job_record(1, gpus=1)])
+    await append_records(setup, finished_job_records(JOBS, first=2))
+    brain = await brain_factory()
+    gone = JOBS - FINISHED_KEPT
+    assert "1" in brain.state.jobs and "2" not in brain.state.jobs
+
+    everything = await every_job(brain, ListJobsRequest(limit=100_000))
+    assert everything == [str(n) for n in range(1, JOBS + 2)]
+    # Around where memory's finished jobs begin: the newest 5 below it, from both.
+    first_kept = gone + 2
+    reply = await listed(brain, ListJobsRequest(limit=5, before=str(first_kept + 2)))
+    assert [j.job_id for j in reply.jobs] == [str(n) for n in range(first_kept - 3, first_kept + 2)]
+    assert reply.next_before == str(first_kept - 3)
+    assert all(j.state is JobState.SUCCEEDED for j in reply.jobs)
+    assert reply.jobs[0].spec.name == f"train-{first_kept - 3}"  # the whole record
+    # Below the oldest finished job: the waiting one, and nothing older.
+    reply = await listed(brain, ListJobsRequest(before="3"))
+    assert [j.job_id for j in reply.jobs] == ["1", "2"] and reply.next_before is None
+    # States and queues filter the history as they filter memory.
+    succeeded = await every_job(brain, ListJobsRequest(states=(JobState.SUCCEEDED,)))
+    assert succeeded == [str(n) for n in range(2, JOBS + 2)]
+    pending = await listed(brain, ListJobsRequest(states=(JobState.PENDING,)))
+    assert [j.job_id for j in pending.jobs] == ["1"] and pending.next_before is None
+    elsewhere = await listed(brain, ListJobsRequest(queues=("elsewhere",)))
+    assert elsewhere.jobs == () and elsewhere.next_before is None
+    # A tenant sees only its own, an operator every tenant's.
+    other = await listed(brain, ListJobsRequest(before="100"), tenant="bob")
+    assert other.jobs == () and other.next_before is None
+    ops = await listed(brain, ListJobsRequest(limit=3, before="100"), tenant=OPERATOR_TENANT)
+    assert [j.job_id for j in ops.jobs] == ["97", "98", "99"]
+
+
+async def test_a_page_reads_at_most_so_many_jobs_from_the_history(
+    brain_factory: Callable[..., Awaitable[Brain]], connect, monkeypatch
+) -> None:
+    monkeypatch.setattr("brain.api.HISTORY_PAGE", 7)
+    await append_records(await connect("setup"), finished_job_records(JOBS))
+    brain = await brain_factory()
+    below = str(JOBS - FINISHED_KEPT + 5)  # four in memory, then the history
+    reply = await listed(brain, ListJobsRequest(limit=100, before=below))
+    assert len(reply.jobs) == 4 + 7 and reply.next_before == reply.jobs[0].job_id
+    assert await every_job(brain, ListJobsRequest(limit=100_000)) == [
+        str(n) for n in range(1, JOBS + 1)
+    ]
