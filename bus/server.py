@@ -193,6 +193,11 @@ class EmbeddedNats:
         return (self.url,)
 
     @property
+    def servers(self) -> tuple[EmbeddedNats, ...]:
+        """As EmbeddedCluster's: its processes."""
+        return (self,)
+
+    @property
     def generated_config(self) -> Path | None:
         """Where this server's own configuration goes, if it needs one."""
         plain = (self.name, self.cluster, self.tls, self.monitor_port) == (None,) * 4
@@ -245,15 +250,22 @@ class EmbeddedNats:
         cmd += ["-a", self.host, "-p", str(self.port), "-js", "-sd", str(self.data_dir)]
         return cmd + list(self.extra_args)
 
-    def start(self, *, timeout_s: float = 15.0) -> None:
+    @property
+    def log_path(self) -> Path:
+        return self.log_file or self.data_dir / "nats-server.log"
+
+    def spawn(self) -> None:
+        """Start the process and return at once (`start` waits until it listens). With
+        `die_with_parent`, call it from the main thread."""
         if self.port == 0:
             self.port = free_port(self.host)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         generated = self.generated_config
         if generated is not None:
             write_private(generated, self.render_config())  # a route password, maybe
-        log_path = self.log_file or self.data_dir / "nats-server.log"
-        self._log = log_path.open("ab")
+        if self._log is not None:  # a process that exited (`restart`)
+            self._log.close()
+        self._log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             self.command(),
             stdout=self._log,
@@ -262,19 +274,45 @@ class EmbeddedNats:
             start_new_session=True,
             preexec_fn=dies_with_parent() if self.die_with_parent else None,
         )
+
+    def _listening(self) -> bool:
+        """Whether the spawned server listens yet; an error if it exited."""
+        assert self.process is not None
+        if self.process.poll() is not None:
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            raise BusError(
+                f"nats-server exited with {self.process.returncode} at start "
+                f"(port {self.port}); its log ends:\n{tail}"
+            )
+        return port_open(self.host, self.port)
+
+    def start(self, *, timeout_s: float = 15.0) -> None:
+        self.spawn()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise BusError(
-                    f"nats-server exited with {self.process.returncode} at start "
-                    f"(port {self.port}); its log ends:\n{tail}"
-                )
-            if port_open(self.host, self.port):
+            if self._listening():
                 return
             time.sleep(0.05)
         self.stop()
         raise BusError(f"nats-server did not listen on {self.host}:{self.port} in {timeout_s}s")
+
+    def exited(self) -> int | None:
+        """The exit status of a server that was started and has exited since (not
+        stopped: `stop` forgets the process); None while it runs or was never started."""
+        return None if self.process is None else self.process.poll()
+
+    async def restart(self, *, timeout_s: float = 15.0) -> None:
+        """Start a server that exited again, on its port and store, without blocking the
+        loop while it comes up (spawned from the loop's thread: see `die_with_parent`)."""
+        self.spawn()
+        deadline = time.monotonic() + timeout_s
+        while not self._listening():
+            if time.monotonic() > deadline:
+                await asyncio.to_thread(self.stop)
+                raise BusError(
+                    f"nats-server did not listen on {self.host}:{self.port} in {timeout_s}s"
+                )
+            await asyncio.sleep(0.05)
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
         process, self.process = self.process, None
@@ -359,6 +397,10 @@ class EmbeddedCluster:
     @property
     def urls(self) -> tuple[str, ...]:
         return tuple(node.url for node in self.nodes)
+
+    @property
+    def servers(self) -> tuple[EmbeddedNats, ...]:
+        return tuple(self.nodes)
 
     def node(self, name: str) -> EmbeddedNats:
         for node in self.nodes:

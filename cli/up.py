@@ -2,7 +2,7 @@
 
 Starts the embedded nats-server, then a brain and the node agents as child processes,
 as they would run across machines; forwards their output with a prefix, restarts a
-child that dies, and takes everything down in order (agents, brain, NATS) on Ctrl-C.
+child or a NATS server that dies, and takes everything down in order (agents, brain, NATS) on Ctrl-C.
 Writes the cluster file other `alnair` commands find it by.
 """
 
@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from agents.gpu import open_backend, probe_nvml
 from brain.core import DEFAULT_POLICY, Policy
@@ -28,7 +28,7 @@ from bus.server import EmbeddedCluster, EmbeddedNats, check_cluster_size, dies_w
 from cli.arguments import whole_number
 from cli.config import ClusterInfo, TlsSettings, alnair_home, read_cluster, remove_cluster_file
 from schemas.api import OPERATOR_TENANT
-from schemas.errors import AlnairError
+from schemas.errors import AlnairError, BusError
 
 DEFAULT_SIM_GPUS = "sim:8xH100"
 DEFAULT_HTTP = "127.0.0.1:8470"
@@ -259,6 +259,38 @@ async def _supervise(child: Child, env: dict[str, str], stopping: asyncio.Event)
         print(f"alnair up: {child.name} exited with {code}; restarting in {delay:.0f}s")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), timeout=delay)
+
+
+# How often `up` looks whether a NATS server it started has exited.
+NATS_CHECK_S: Final = 1.0
+
+
+async def _supervise_nats(servers: tuple[EmbeddedNats, ...], stopping: asyncio.Event) -> None:
+    """Start again, on its port and store, a NATS server that exits, as a brain or an
+    agent is (its clients reconnect; a cluster's member catches up with the others);
+    with the same back-off between tries."""
+    restarts = dict.fromkeys((server.port for server in servers), 0)
+    while not stopping.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), timeout=NATS_CHECK_S)
+        for server in servers:
+            code = server.exited()
+            if code is None or stopping.is_set():
+                continue
+            name = server.name or "nats-server"
+            restarts[server.port] += 1
+            delay = min(30.0, 2.0 ** min(restarts[server.port], 5))
+            print(f"alnair up: {name} exited with {code}; restarting in {delay:.0f}s", flush=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), timeout=delay)
+            if stopping.is_set():
+                return
+            try:
+                await server.restart()
+            except BusError as error:
+                print(f"alnair up: {name} did not start again: {error}", flush=True)
+            else:
+                print(f"alnair up: {name} is back on {server.url}", flush=True)
 
 
 async def _terminate(children: list[Child], timeout_s: float) -> None:
@@ -559,6 +591,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopping.set)
     supervisors = [asyncio.ensure_future(_supervise(c, env, stopping)) for c in (*brains, *agents)]
+    nats_supervisor = asyncio.ensure_future(_supervise_nats(server.servers, stopping))
     try:
         gpus = await _wait_ready(
             server.urls,
@@ -588,6 +621,10 @@ async def cmd_up(args: argparse.Namespace) -> int:
         for task in supervisors:
             with contextlib.suppress(Exception):
                 await task
+        # Not restarting a server while it is stopped.
+        nats_supervisor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await nats_supervisor
         await server.astop()
         remove_cluster_file(home, os.getpid())
     return 0

@@ -160,6 +160,18 @@ async def eventually(
         await asyncio.sleep(interval_s)
 
 
+def pids_running(needle: str) -> list[str]:
+    """PIDs of processes whose command line holds `needle` (a path unique to this test)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if needle in cmdline:
+                    found.append(entry.name)
+    return found
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 

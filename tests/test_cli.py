@@ -20,7 +20,7 @@ from cli.format import gpus_text, grants_text, queues_table
 from cli.main import build_parser, main
 from schemas.api import QueueStatus, WhyReply
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
-from tests.conftest import REPO, eventually
+from tests.conftest import REPO, eventually, pids_running
 
 CLI = [sys.executable, "-m", "cli"]
 
@@ -197,6 +197,21 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
         gpus = next(line for line in out.splitlines() if line.startswith("gpus:"))
         assert "drained 0, on lost nodes 0" in gpus, out
         assert any(line.startswith("util:") for line in out.splitlines()), out
+
+        # The NATS server, killed, is started again on its port and store, as a brain or
+        # an agent would be; the cluster goes on with what it had stored.
+        store = Path(cli_env["ALNAIR_HOME"]) / "nats"
+        (server,) = pids_running(f"-sd {store}")
+        os.kill(int(server), signal.SIGKILL)
+        await eventually(
+            lambda: any("nats-server is back" in line for line in output), timeout_s=60
+        )
+        assert any("nats-server exited with -9" in line for line in output)
+        job = await eventually(succeeded, timeout_s=60, interval_s=0.5)
+        code, out, err = await alnair("submit", "--gpus", "1", "--", "true", env=cli_env)
+        assert code == 0, err
+        job_id = out.split()[2]
+        await eventually(succeeded, timeout_s=60, interval_s=0.5)
     finally:
         if follower is not None and follower.returncode is None:
             follower.kill()

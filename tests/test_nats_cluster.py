@@ -32,7 +32,7 @@ from cli.nats_status import NatsReport, ReplicaState
 from schemas import subjects
 from schemas.errors import BusError
 from tests.chaos_harness import burst, wait_all_finished
-from tests.conftest import eventually
+from tests.conftest import eventually, pids_running
 
 REPLICAS = 3
 
@@ -309,7 +309,7 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
         leader = re.search(r"STATE:\s+3 copies: (nats-\d) leader", out)
         assert leader is not None, out
         conf = home / "nats-cluster" / leader.group(1) / "nats-server.conf"
-        victims = [int(pid) for pid in _pids_running(str(conf))]
+        victims = [int(pid) for pid in pids_running(str(conf))]
         assert len(victims) == 1
         os.kill(victims[0], signal.SIGKILL)
         await run_job("after")
@@ -322,7 +322,18 @@ async def test_up_cluster_secure_tls_survives_a_server(tmp_path: Path) -> None:
             return out if code == 0 else None
 
         out = await eventually(status, timeout_s=60, interval_s=1.0)
-        assert "(DOWN)" in out, out
+        # `up` starts the killed server again, and it rejoins the cluster.
+        name = leader.group(1)
+        await eventually(lambda: any(f"{name} is back" in line for line in output), timeout_s=60)
+        assert any(f"{name} exited with -9" in line for line in output)
+
+        async def all_up() -> str | None:
+            out = await status()
+            return out if out is not None and "(DOWN)" not in out else None
+
+        out = await eventually(all_up, timeout_s=60, interval_s=1.0)
+        assert out.count("tls://127.0.0.1:") == 3, out
+        await run_job("rejoined")
     except BaseException:
         # What the brain and agents said (they log to `up`'s output): pytest shows it.
         print("".join(output))
@@ -349,15 +360,3 @@ def _no_user(name: str) -> bool:
     except KeyError:
         return True
     return False
-
-
-def _pids_running(needle: str) -> list[str]:
-    """PIDs of processes whose command line holds `needle` (a path unique to this test)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                if needle in cmdline:
-                    found.append(entry.name)
-    return found
