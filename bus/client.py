@@ -263,7 +263,10 @@ class Bus:
         forever = options.max_reconnect_attempts < 0
         unreachable = _Unreachable(options.name, options.servers) if forever else None
 
+        handshake = _FirstHandshake()
+
         async def on_error(error: Exception) -> None:
+            handshake.saw(error)
             if made and made[0]._handled(error):
                 return
             if unreachable is None or not unreachable.said(error):
@@ -298,11 +301,9 @@ class Bus:
                 # before it reconnects, rather than the expired one presented.
                 kwargs["disconnected_cb"] = _reload_on_disconnect(options, context, closing)
         try:
-            nc = await nats.connect(**kwargs)
+            nc = await handshake.connect(kwargs, again=forever)
         except (TimeoutError, OSError, nats.errors.NoServersError) as error:
-            raise BusError(
-                f"cannot connect to NATS at {', '.join(options.servers)}: {error or 'timeout'}"
-            ) from error
+            raise _cannot_connect(options, error) from error
         bus = cls(nc, component=options.name, replicas=replicas)
         bus.options = options
         made.append(bus)
@@ -1094,6 +1095,65 @@ def tls_context(options: ConnectOptions) -> ssl.SSLContext:
     return context
 
 
+TLS_HINT: Final = (
+    " (TLS: is the CA given (--tls-ca, $ALNAIR_TLS_CA) the one that signed the servers'"
+    " certificates, and a client certificate given where the servers verify clients?)"
+)
+# How long a first connection whose TLS handshake failed is given to go on by itself
+# before it is taken for hung (`_FirstHandshake`), and how long a component waits after.
+HANDSHAKE_GRACE_S: Final = 0.5
+HANDSHAKE_RETRY_S: Final = 2.0
+
+
+def _cannot_connect(options: ConnectOptions, error: Exception) -> BusError:
+    hint = TLS_HINT if isinstance(error, ssl.SSLError) else ""
+    return BusError(
+        f"cannot connect to NATS at {', '.join(options.servers)}: {error or 'timeout'}{hint}"
+    )
+
+
+class _FirstHandshake:
+    """A first connection past a failed TLS handshake. nats-py, after one fails on a
+    first connection, waits for ever for the dropped socket to close (nats-io/nats.py
+    #718) rather than try the next server or raise: a CLI or a job's SDK given the
+    wrong CA hung, and a component whose server failed a handshake (restarting, say)
+    never connected. The attempt is given up once that error has been seen and it has
+    not gone on; a component (`again`) tries anew, anyone else is told why."""
+
+    def __init__(self) -> None:
+        self.failed = asyncio.Event()
+        self.error: ssl.SSLError | None = None
+
+    def saw(self, error: Exception) -> None:
+        """Any error the connection reports (those after a first connection, too:
+        nothing waits on them then)."""
+        if isinstance(error, ssl.SSLError):
+            self.error = error
+            self.failed.set()
+
+    async def connect(self, kwargs: dict[str, Any], *, again: bool) -> NatsClient:
+        while True:
+            self.failed.clear()
+            attempt = asyncio.ensure_future(nats.connect(**kwargs))
+            failed = asyncio.ensure_future(self.failed.wait())
+            try:
+                await asyncio.wait({attempt, failed}, return_when=asyncio.FIRST_COMPLETED)
+                if not attempt.done():
+                    await asyncio.wait({attempt}, timeout=HANDSHAKE_GRACE_S)
+            finally:
+                failed.cancel()
+                if not attempt.done():
+                    attempt.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await attempt
+            if not attempt.cancelled():
+                return attempt.result()
+            assert self.error is not None
+            if not again:
+                raise self.error
+            await asyncio.sleep(HANDSHAKE_RETRY_S)
+
+
 class _Unreachable:
     """Says, at most every `UNREACHABLE_LOG_EVERY_S`, that no server answers: nats-py
     retries a first connection and a lost one for ever, through the error callback, and
@@ -1122,7 +1182,7 @@ class _Unreachable:
 
 async def _log_error(error: Exception) -> None:
     if isinstance(error, ssl.SSLError):
-        # nats-py keeps retrying; say why, or a wrong certificate looks like a hang.
+        # Retried (`_FirstHandshake`); say why, or a wrong certificate looks like a hang.
         log.warning("nats: TLS handshake failed: %s", error)
     else:
         log.debug("nats: %r", error)

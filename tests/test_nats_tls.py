@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from pathlib import Path
 
@@ -142,3 +143,56 @@ async def test_certificates_made_again_keep_the_ca_and_every_clients_files(
         server.stop()
     rotated = write_tls_files(directory, hosts=("nats-1.example",))
     assert rotated.ca.read_bytes() != before[first.ca]
+
+
+async def test_a_failed_handshake_is_named_not_waited_on_for_ever(
+    tls_server: EmbeddedNats, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    """nats-py waits for ever after a first connection's failed TLS handshake
+    (nats-io/nats.py#718): a CLI or a job's SDK with the wrong CA hung. Each is told."""
+    other = write_tls_files(tmp_path / "other")
+    for wrong in (
+        {"tls_ca": None, "tls_cert": None, "tls_key": None},  # trusts no CA of ours
+        {"tls_ca": str(other.ca)},  # trusts another
+        {"tls_cert": None, "tls_key": None},  # has no certificate for a verifying server
+    ):
+        options = tls_options(tls_server, tls_files, max_reconnect_attempts=1, **wrong)
+        with pytest.raises(BusError, match=r"\[SSL: .*\(TLS: is the CA given"):
+            # The deadline only keeps a regression from hanging the suite.
+            await asyncio.wait_for(Bus.connect(options), timeout=60)
+
+
+async def test_a_component_connects_once_its_server_shakes_hands(
+    tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    """A component (trying for ever) whose server first presents a certificate it does
+    not trust connects once the server comes back with one it does."""
+    other = write_tls_files(tmp_path / "other", hosts=("nats.example",))
+    server = EmbeddedNats(data_dir=tmp_path / "nats", tls=other)
+    server.start()
+    try:
+        failed = asyncio.Event()
+        connecting = asyncio.ensure_future(Bus.connect(tls_options(server, tls_files)))
+        handler = _SeeingHandshakes(failed)
+        logging.getLogger("bus.client").addHandler(handler)
+        try:
+            await asyncio.wait_for(failed.wait(), timeout=60)
+        finally:
+            logging.getLogger("bus.client").removeHandler(handler)
+        server.stop()
+        server.tls = tls_files
+        server.start()
+        bus = await asyncio.wait_for(connecting, timeout=60)
+        await bus.close()
+    finally:
+        server.stop()
+
+
+class _SeeingHandshakes(logging.Handler):
+    def __init__(self, failed: asyncio.Event) -> None:
+        super().__init__()
+        self.failed = failed
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "TLS handshake failed" in record.getMessage():
+            self.failed.set()
