@@ -676,6 +676,8 @@ def _matches(record: StateRecord, args: argparse.Namespace) -> bool:
 
 
 async def cmd_events(args: argparse.Namespace) -> int:
+    import nats.js.errors
+
     async def run(bus: Any) -> int:
         async for item, seq, subject in bus.read(
             subjects.STREAM_STATE, STATE_RECORD, start_seq=args.since, follow=args.follow
@@ -700,6 +702,11 @@ async def cmd_events(args: argparse.Namespace) -> int:
             "JetStream did not answer reading the STATE log. If the cluster runs with "
             "--secure, only the operator identity may read it: "
             "--nkey $ALNAIR_HOME/keys/operator-operator.nk"
+        ) from None
+    except nats.js.errors.NotFoundError:
+        raise UsageError(
+            "there is no STATE log on this NATS: no brain has led this cluster yet "
+            "(`make up` / `alnair up`, or `alnair brain`), or --nats names another one"
         ) from None
 
 
