@@ -444,9 +444,9 @@ class Agent:
             for gpu, jobs in sorted(by_gpu.items())
         )
 
-    def _gpu_memory_of(self, process: JobProcess) -> float:
+    def _gpu_memory_of(self, process: JobProcess, read: dict[int, dict[int, float]]) -> float:
         """GPU memory (MiB) the job's processes (`JobProcess.owns`) use on its GPUs."""
-        return sum(self._gpu_memory_on(process, gpu, {}) for gpu in process.gpus)
+        return sum(self._gpu_memory_on(process, gpu, read) for gpu in process.gpus)
 
     def _gpu_memory_on(
         self, process: JobProcess, gpu: int, read: dict[int, dict[int, float]]
@@ -462,8 +462,9 @@ class Agent:
         """Restart MPS daemons that died; stop a share over its GPU memory limit; let
         daemons of GPUs no share runs on any more go."""
         await self.shares.check()
+        read: dict[int, dict[int, float]] = {}  # each GPU's processes, read once
         for process in self.launcher.shares():
-            used = self._gpu_memory_of(process)
+            used = self._gpu_memory_of(process, read)
             process.gpu_memory_used_mib = used
             limit = process.gpu_memory_mib
             if limit is None or used <= limit or process.stop_reason is not None:
