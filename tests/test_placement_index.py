@@ -265,3 +265,19 @@ def test_a_job_asking_for_no_gpu_is_refused_by_name() -> None:
     )
     with pytest.raises(InvalidSnapshot, match="job 7 asks for 0 GPUs"):
         decide(snapshot, 1.0)
+
+
+def test_taking_gpus_that_are_not_free_is_refused() -> None:
+    ledger = FreeGpus([NodeView("a", (0, 1, 2, 3), frozenset({2}), "s")])
+    # One GPU free, another asked for: the single-GPU comparison, not a sorted copy.
+    with pytest.raises(ValueError, match="not all free"):
+        ledger.take((Grant("a", (1,)),))
+    ledger.give((Grant("a", (0,)),))
+    with pytest.raises(ValueError, match="not all free"):
+        ledger.take((Grant("a", (0, 1)),))
+    # A GPU given to a node with none free, and taken back, leaves it as it was.
+    ledger.take((Grant("a", (0, 2)),))
+    ledger.give((Grant("a", (3,)),))
+    assert ledger.free_on("a") == 1 and ledger.best_fit(1) == "a"
+    ledger.take((Grant("a", (3,)),))
+    assert ledger.free_on("a") == 0 and ledger.best_fit(1) is None

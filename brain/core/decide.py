@@ -39,8 +39,7 @@ from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
-from itertools import compress
-from operator import attrgetter, itemgetter, not_
+from operator import attrgetter, itemgetter
 from typing import Final
 
 from brain.core.collector import collector_paused
@@ -382,8 +381,11 @@ def _selection_order(
     snapshot order, for walks that need no order; `smallest` the least any of them takes
     of a guarantee (`quota.smallest_ask`)."""
     uniform = UNIFORM_HOLDS.get(hold)
-    holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
     guard = policy.starvation_guard_s
+    if guard is None and uniform is not None:
+        # Every job holds alike: no list of holds to build and scan.
+        return _by_standing(by_rank, uniform if by_rank else 0, snapshot, jobs, smallest)
+    holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
     if guard is None and min(holds, default=0) == max(holds, default=0):
         return _by_standing(by_rank, holds[0] if holds else 0, snapshot, jobs, smallest)
     standing_of = _standings(by_rank, holds, snapshot, jobs, smallest)
@@ -433,12 +435,17 @@ def _by_standing(
     if not walk.of_builds:
         over += rest
     else:
-        # Over quota but for the few jobs of `build` queues: found by identity, without
-        # a read of any job's view (a walk in rank order reads memory out of order).
-        builds = list(map(walk.of_builds.__contains__, map(id, map(_JOB, rest))))
-        over += compress(rest, map(not_, builds))
-        for item in compress(rest, builds):
-            appends[walk.rest(item.job)](item)
+        # Over quota but for the few jobs of `build` queues. One walk in the interpreter,
+        # whose specialised reads cost less than chained `map`s over the jobs; finding
+        # them by identity instead (no read of a view out of order) allocated an int per
+        # job for its `id`, and took as long by the clock.
+        builds, rest_of, add_over = walk.of_builds, walk.rest, over.append
+        for item in rest:
+            job = item[0]  # Ranked.job
+            if job.queue in builds:
+                appends[rest_of(job)](item)
+            else:
+                add_over(item)
     return [
         _Group(standing, hold, False, partition)
         for standing, partition in zip(Standing, partitions, strict=True)
@@ -496,7 +503,8 @@ def _share_class(entry: _Entry, rank_entitles: bool) -> tuple[float, ...]:
 # What a wait's cause is built from: the GPUs it needs now and asked for, the budget
 # left (none below 0), its rank's label, and whether a blocker is set. A cycle has one
 # blocker at most, set once: whether it has been is all the key needs of it (hashing
-# the record would call its Python-level `__hash__` for every wait).
+# the record would call its Python-level `__hash__` for every wait). A held job's cause
+# is keyed by its queue alone (`AtFixedQuota`).
 _WaitKey = tuple[int, int, int, str, bool]
 
 
@@ -526,7 +534,7 @@ def _select(
     actions = cycle.actions
     policy = cycle.policy
     explain, also = cycle.waits, cycle.explain
-    reasons: dict[_WaitKey, WaitCause] = {}
+    reasons: dict[_WaitKey | str, WaitCause] = {}
     outside = cycle.outside
     for group in groups:
         standing, starving, hold = group.standing, group.starving, group.hold
@@ -562,19 +570,24 @@ def _select(
                 to_place.append(_Entry(ranked, standing, starving, hold))
                 continue
             if explain or (also and job.job_id in also):
-                # Most waits of a cycle repeat a cause built for a job before them.
+                # Most waits of a cycle repeat a cause built for a job before them; a
+                # held job's is its queue's alone (`AtFixedQuota`).
                 key = (
-                    need,
-                    job.gpus,
-                    budget if budget > 0 else 0,
-                    ranked.label,
-                    blocked_by is not None,
+                    job.queue
+                    if held
+                    else (
+                        need,
+                        job.gpus,
+                        budget if budget > 0 else 0,
+                        ranked.label,
+                        blocked_by is not None,
+                    )
                 )
-                cause = None if held else reasons.get(key)
+                cause = reasons.get(key)
                 if cause is None:
-                    cause = _wait_cause(group, ranked, need, capacity, budget, blocked_by, cycle)
-                    if not held:
-                        reasons[key] = cause
+                    cause = reasons[key] = _wait_cause(
+                        group, ranked, need, capacity, budget, blocked_by, cycle
+                    )
                 actions.append(Wait(job.job_id, cause))
             if (
                 short is not None
@@ -672,7 +685,9 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     notes: dict[tuple[str, bool, Standing, str], tuple[str, ...]] = {}
     for entry in to_place:
         job = entry.ranked.job
-        may_spread = not job.network_sensitive and now - job.waiting_since() >= relax
+        # `job.waiting_since()`, inline.
+        since = job.submitted_at if job.pending_since is None else job.pending_since
+        may_spread = not job.network_sensitive and now - since >= relax
         asked = (size_of(job), may_spread)
         request = requests.get(asked)
         if request is None:
@@ -690,7 +705,9 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         hidden = _NOTHING_HIDDEN if rank is None else _released_ahead(released_at, rank)
         result = None if doomed else _try_place(cycle, request, job, hidden)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
-        while not isinstance(result, Fit) and reclaim_one(ledger, job.job_id, victim_ids):
+        while (
+            resizes and not isinstance(result, Fit) and reclaim_one(ledger, job.job_id, victim_ids)
+        ):
             result = _try_place(cycle, request, job, hidden)
         # Linear in the victims released: no placement can fit a gang while fewer GPUs
         # than it needs are free, so it is tried again only once enough are (and then
@@ -722,7 +739,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         if cycle.explains(job.job_id):
             cycle.actions.append(Wait(job.job_id, result))
         if not may_spread and not job.network_sensitive:
-            cycle.wakes.append(job.waiting_since() + relax)
+            cycle.wakes.append(since + relax)
     return released
 
 
@@ -802,7 +819,7 @@ def _try_place(
         if job.avoid_nodes:
             reason += f" (avoiding {', '.join(sorted(job.avoid_nodes))}, where it failed)"
         return NoFit(reason, wider.kind)
-    if job.elastic and cycle.elastic.resizes:
+    if cycle.elastic.resizes and job.elastic:
         return cycle.elastic.place(job, cycle.ledger, partial=False)
     if not job.avoid_nodes:
         return cycle.place(request, cycle.ledger)
@@ -841,7 +858,7 @@ def _avoidance_stage(
     demand, none of them that satisfies it. Avoiding them would then keep it waiting
     for ever (a one-node cluster; a gang as large as the cluster), so it may go back.
     Returns the snapshot with those jobs' views avoiding nothing, and their ids."""
-    if not any(job.avoid_nodes for job in snapshot.pending):
+    if not any(map(_AVOID_NODES, snapshot.pending)):
         return snapshot, frozenset()
     released: list[str] = []
     pending: list[JobView] = []
@@ -1115,23 +1132,22 @@ def decide(
     return decisions
 
 
-def _check_sizes(jobs: Sequence[JobView]) -> None:
-    """Every job asks for a GPU or more. In snapshot order, before ranking: a pass in
-    the order the jobs were built reads memory in order, one in rank order does not."""
-    if jobs and min(map(_GPUS, jobs)) < 1:
-        bad = next(job for job in jobs if job.gpus < 1)
-        raise InvalidSnapshot(f"job {bad.job_id} asks for {bad.gpus} GPUs")
+def _checked_demands(jobs: Sequence[JobView]) -> set[Demand]:
+    """The demands the jobs make (most make none), checking that every job asks for a
+    GPU or more. One walk, in snapshot order, before ranking: a pass in the order the
+    jobs were built reads memory in order, one in rank order does not; and one loop in
+    the interpreter, whose specialised reads cost less than a `map` with an
+    `attrgetter` for each of the two."""
+    demands: set[Demand] = set()
+    for job in jobs:
+        if job.gpus < 1:
+            raise InvalidSnapshot(f"job {job.job_id} asks for {job.gpus} GPUs")
+        if job.demand is not None:
+            demands.add(job.demand)
+    return demands
 
 
-# The walks below run over every job of every cycle: `map` with an `attrgetter` keeps
-# them out of the interpreter's loop.
-_GPUS: Final = attrgetter("gpus")
-_DEMAND: Final = attrgetter("demand")
-
-
-def _demands(jobs: Sequence[JobView]) -> set[Demand]:
-    """The demands the jobs make (one walk; most jobs make none)."""
-    return set(map(_DEMAND, jobs)) - {None}
+_AVOID_NODES: Final = attrgetter("avoid_nodes")
 
 
 def _decide(
@@ -1176,14 +1192,13 @@ def _decide(
     )
     snapshot = stage.views(snapshot)
     jobs = (*snapshot.running, *snapshot.pending)
-    _check_sizes(jobs)
+    demands = _checked_demands(jobs)
     if ranking is None:
         ordered = order(jobs, context)
         by_rank = rank_order(ordered.ranked)
     else:
         ordered, by_rank = ranking.rank(order, jobs, context)
     ledger = FreeGpus(snapshot.nodes) if kept is None else kept.for_nodes(snapshot.nodes)
-    demands = _demands(jobs)
     cycle = _Cycle(
         snapshot,
         now,

@@ -263,7 +263,7 @@ class Sizing(Protocol):
 
     def reclaim_one(self, ledger: FreeGpus, for_job: str, exclude: set[str]) -> bool:
         """Give back GPUs one elastic job holds above its target, for `for_job`; False
-        when none can."""
+        when none can. Only asked while `resizes`."""
         ...
 
     def place(self, job: JobView, ledger: FreeGpus, *, partial: bool) -> PlacementResult:

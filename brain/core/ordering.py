@@ -289,8 +289,9 @@ def las_tiresias(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
 
 
 class _GittinsIndices:
-    """Each (size class, attained service)'s rank prefix and label, worked out once a
-    cycle: many jobs share a service (every new job has none)."""
+    """What each (size class, attained service) makes of a job's rank, worked out once a
+    cycle: many jobs share a service (every new job has none). Without size classes the
+    key is the service alone: a float hashes for less than a tuple, once per job."""
 
     def __init__(self, context: OrderContext, *, tiresias: bool, by_class: bool) -> None:
         self._context = context
@@ -298,12 +299,14 @@ class _GittinsIndices:
         self._by_class = by_class
         self.classes = context.service_by_class if by_class else None
         self._compact: dict[int, ServiceDistribution] = {}
-        self.seen: dict[tuple[int, float], tuple[float, float, str]] = {}
+        self.seen: dict[float | tuple[int, float], _Known] = {}
+        # One float per band, shared by every rank that begins with it: sorting by rank
+        # compares equal first keys by identity, not value.
+        self._levels = [float(level) for level in range(len(context.las_thresholds_gpu_s) + 1)]
 
-    def add(
-        self, size_class: int, gpus: int, attained: float, level: int
-    ) -> tuple[float, float, str]:
+    def add(self, key: float | tuple[int, float], gpus: int, attained: float) -> _Known:
         context = self._context
+        level = bisect.bisect_right(context.las_thresholds_gpu_s, attained + SERVICE_EPSILON)
         distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
         if self.classes is not None:
             distribution = self.classes.of(gpus) or distribution
@@ -316,12 +319,21 @@ class _GittinsIndices:
             index = _exact_index(small, attained)
         else:
             index = distribution.gittins_index(attained, quantum)
-        known = self.seen[(size_class, attained)] = (
-            float(level),
-            -index,
+        first, score = self._levels[level], -index
+        known = self.seen[key] = (
+            level,
+            first,
+            score,
             f"band {level} gittins {index:.3g}",
+            (first, score, 1.0, attained),
         )
         return known
+
+
+# What `_GittinsIndices` knows of a service: its LAS band, the band and the negated
+# index that begin the rank, the label, and the whole rank of a job that is not running
+# in its band (every job of that service ranks alike then: one tuple for them all).
+_Known = tuple[int, float, float, str, tuple[float, ...]]
 
 
 def _gittins(
@@ -337,26 +349,28 @@ def _gittins(
     indices = _GittinsIndices(context, tiresias=tiresias, by_class=by_class)
     by_size = indices.classes is not None
     # This loop runs once per job per cycle: `_band` and `_within_band` are inlined,
-    # and look-ups hoisted.
-    band_of, add, new = bisect.bisect_right, ranked.append, tuple.__new__
+    # and look-ups hoisted; a job's band comes with its service's index (`_Known`).
+    add, new = ranked.append, tuple.__new__
     get = indices.seen.get
     for job in jobs:
         attained = job.attained_gpu_seconds
-        level = band_of(thresholds, attained + SERVICE_EPSILON)
+        key = (gpu_class(job.gpus), attained) if by_size else attained
+        known = get(key)
+        if known is None:
+            known = indices.add(key, job.gpus, attained)
+        level = known[0]
+        grants = job.grants
         if job.service_level != level:
             band = _band(job, context)
             if band.change is not None:
                 changes.append(band.change)
             since = band.since
-        else:
+        elif grants:
             since = job.submitted_at if job.service_level_since is None else job.service_level_since
-        size_class = gpu_class(job.gpus) if by_size else 0
-        known = get((size_class, attained))
-        if known is None:
-            known = indices.add(size_class, job.gpus, attained, level)
-        grants = job.grants
+        else:
+            since = now  # only a running job's rank reads when it entered its band
         if tiresias:
-            rank: tuple[float, ...] = (known[0], known[1], -job.submitted_at)
+            rank: tuple[float, ...] = (known[1], known[2], -job.submitted_at)
         elif grants and since < now:
             # Equal indices (every job past the largest sample has 0): as `las` within
             # a band (`_within_band`), so an old huge job does not hold its GPUs for
@@ -364,11 +378,11 @@ def _gittins(
             started = job.started_at
             if started is None or started < since:
                 started = since
-            rank = (known[0], known[1], 0.0, started)
+            rank = (known[1], known[2], 0.0, started)
         else:
-            rank = (known[0], known[1], 1.0, attained)
+            rank = known[4]
         # `Ranked(...)`, without the named tuple's Python-level constructor.
-        add(new(Ranked, (job, rank, known[2])))
+        add(new(Ranked, (job, rank, known[3])))
         # A job in the last band crosses nothing (`crossing` would say None).
         if grants and level < last:
             wake = crossing(job, grants, thresholds, now)

@@ -196,11 +196,18 @@ class FreeGpus:
         return outside
 
     def all_free(self, grants: Iterable[Grant]) -> bool:
-        """Whether every GPU of these grants is still free in this ledger."""
+        """Whether every GPU of these grants is still free in this ledger.
+
+        Asked of every victim a cycle releases, and most are not: plain loops, as a
+        generator left early is closed with an exception (a frame object and a
+        traceback each)."""
         for grant in grants:
             free = self._free.get(grant.node)
-            if free is None or any(gpu not in free for gpu in grant.gpus):
+            if free is None:
                 return False
+            for gpu in grant.gpus:
+                if gpu not in free:
+                    return False
         return True
 
     def _changed(self, node: str, before: int, after: int) -> None:
@@ -284,42 +291,57 @@ class FreeGpus:
         return buckets
 
     def take(self, grants: Iterable[Grant]) -> None:
+        free_of = self._free
         for grant in grants:
-            free = self._free[grant.node]
+            node, gpus = grant.node, grant.gpus
+            free = free_of[node]
             before = len(free)
-            if len(grant.gpus) == before:
-                # The whole node's free GPUs (the common gang): check, then clear.
-                if sorted(grant.gpus) != free:
-                    raise ValueError(f"GPUs {grant.gpus} of {grant.node} are not all free")
+            if len(gpus) == before:
+                # The whole node's free GPUs (the common gang): check, then clear. (One
+                # GPU, the commonest, needs no sorted copy to compare.)
+                whole = gpus[0] == free[0] if before == 1 else sorted(gpus) == free
+                if not whole:
+                    raise ValueError(f"GPUs {gpus} of {node} are not all free")
                 free.clear()
             else:
-                for gpu in grant.gpus:
+                for gpu in gpus:
                     free.remove(gpu)
-            self._changed(grant.node, before, len(free))
+            self._changed(node, before, len(free))
 
     def give(self, grants: Iterable[Grant]) -> None:
-        """Free these GPUs; those that are not schedulable (`within`) stay out."""
+        """Free these GPUs; those that are not schedulable (`within`) stay out.
+
+        Runs for every victim a cycle releases: one GPU given to a node with none free
+        (the commonest) is appended, not sorted."""
+        free_of, schedulable_of = self._free, self._gpus
         for grant in grants:
-            free = self._free.get(grant.node)
+            node = grant.node
+            free = free_of.get(node)
             if free is None:
                 continue
             gpus = grant.gpus
-            if not self._gpus[grant.node].issuperset(gpus):
-                gpus = tuple(gpu for gpu in gpus if gpu in self._gpus[grant.node])
+            schedulable = schedulable_of[node]
+            if not schedulable.issuperset(gpus):
+                gpus = tuple(gpu for gpu in gpus if gpu in schedulable)
             before = len(free)
             if before:
-                free = self._free[grant.node] = sorted({*free, *gpus})
+                free = free_of[node] = sorted({*free, *gpus})
+            elif len(gpus) == 1:
+                free.append(gpus[0])
             else:
                 free.extend(sorted(set(gpus)))
-            self._changed(grant.node, before, len(free))
+            self._changed(node, before, len(free))
 
     def lowest(self, node: str, count: int) -> tuple[int, ...]:
         return tuple(self._free[node][:count])
 
     def best_fit(self, gpus: int) -> str | None:
         """The node with the fewest free GPUs that has at least `gpus` (ties: by name),
-        or None."""
-        return self._all.best_fit(gpus)
+        or None. Asked for every placement: `_Buckets.best_fit`, written out here."""
+        for row in self._all._names[max(gpus, 1) :]:
+            if row:
+                return row[0]
+        return None
 
     def most_free(self) -> int:
         """The most GPUs free on any one node."""
@@ -331,12 +353,15 @@ class FreeGpus:
         buckets = self._all if switch is None else self._nodes_of(switch)
         grants: list[Grant] = []
         needed = gpus
-        for node in buckets.roomiest_first():
-            if needed == 0:
-                break
-            take = min(needed, len(self._free[node]))
-            grants.append(Grant(node, self.lowest(node, take)))
-            needed -= take
+        # `buckets.roomiest_first()`, written out: a generator left early is closed
+        # with an exception (a frame object and a traceback), at every gang placed.
+        for row in reversed(buckets._names):
+            for node in row:
+                if needed == 0:
+                    return tuple(grants)
+                take = min(needed, len(self._free[node]))
+                grants.append(Grant(node, self.lowest(node, take)))
+                needed -= take
         return tuple(grants) if needed == 0 else None
 
     def fewest_nodes_in_a_switch(self, gpus: int) -> tuple[Grant, ...] | None:

@@ -50,20 +50,20 @@ def smallest_ask(demands: Iterable[Demand | None]) -> int:
 
 def _pinned_use(
     jobs: Iterable[JobView], builds: AbstractSet[str]
-) -> tuple[dict[str, int], set[int]]:
+) -> tuple[dict[str, int], frozenset[str]]:
     """What running jobs of `build` queues use of their guarantees, by queue: they are
     pinned whatever their rank, so they use it before any pending job of their queue
-    is considered. And the jobs of `build` queues, by `id`: the only ones whose standing
-    after the walk is not over quota (`QuotaWalk.rest`)."""
+    is considered. And the `build` queues that have jobs: theirs are the only jobs
+    whose standing after the walk is not over quota (`QuotaWalk.rest`)."""
     used: dict[str, int] = {}
-    members: set[int] = set()
+    seen: set[str] = set()
     if builds:
         for job in jobs:
             if job.queue in builds:
-                members.add(id(job))
+                seen.add(job.queue)
                 if job.grants:
                     used[job.queue] = used.get(job.queue, 0) + charge(job)
-    return used, members
+    return used, frozenset(seen)
 
 
 def quota_of(queues: Iterable[QueueQuota]) -> dict[str, QueueQuota]:
@@ -103,7 +103,8 @@ class QuotaWalk:
     standing as it goes: `standings` reads jobs, best-ranked first, only as far as a
     guarantee has room left (the first few thousand of a busy cluster's jobs); `rest`
     is the standing of every job after those, which its queue and grants alone decide:
-    over quota, but for the jobs of `build` queues (`of_builds`, by `id`)."""
+    over quota, but for the jobs of `build` queues (`of_builds`, the queues that have
+    any)."""
 
     def __init__(
         self, queues: dict[str, QueueQuota], every: Sequence[JobView], smallest: int | None
