@@ -2,7 +2,8 @@
 
 Starts the embedded nats-server, then a brain and the node agents as child processes,
 as they would run across machines; forwards their output with a prefix, restarts a
-child or a NATS server that dies, and takes everything down in order (agents, brain, NATS) on Ctrl-C.
+child or a NATS server that dies, and takes everything down in order (agents, brain,
+NATS) on Ctrl-C.
 Writes the cluster file other `alnair` commands find it by.
 """
 
