@@ -310,18 +310,16 @@ def _finished_ids(query: FinishedQuery, conn: sqlite3.Connection) -> list[str]:
     elif before is not None:
         before = str(int(before))
     while len(found) < query.limit:
-        bound = (
-            ["(length(job_id) < ? OR (length(job_id) = ? AND job_id < ?))"]
-            if before is not None
-            else []
-        )
-        bound_params = [len(before), len(before), before] if before is not None else []
+        clauses, values = list(where), list(params)
+        if before is not None:
+            clauses.append("(length(job_id) < ? OR (length(job_id) = ? AND job_id < ?))")
+            values += [len(before), len(before), before]
         rows = [
             row[0]
             for row in conn.execute(
-                f"SELECT job_id FROM jobs WHERE {' AND '.join(where + bound)} "
+                f"SELECT job_id FROM jobs WHERE {' AND '.join(clauses)} "
                 "ORDER BY length(job_id) DESC, job_id DESC LIMIT ?",
-                [*params, *bound_params, batch],
+                [*values, batch],
             )
         ]
         found.extend(job_id for job_id in rows if job_id not in query.skip)

@@ -294,7 +294,10 @@ class EmbeddedNats:
                 return
             time.sleep(0.05)
         self.stop()
-        raise BusError(f"nats-server did not listen on {self.host}:{self.port} in {timeout_s}s")
+        raise self._not_listening(timeout_s)
+
+    def _not_listening(self, timeout_s: float) -> BusError:
+        return BusError(f"nats-server did not listen on {self.host}:{self.port} in {timeout_s}s")
 
     def exited(self) -> int | None:
         """The exit status of a server that was started and has exited since (not
@@ -309,9 +312,7 @@ class EmbeddedNats:
         while not self._listening():
             if time.monotonic() > deadline:
                 await asyncio.to_thread(self.stop)
-                raise BusError(
-                    f"nats-server did not listen on {self.host}:{self.port} in {timeout_s}s"
-                )
+                raise self._not_listening(timeout_s)
             await asyncio.sleep(0.05)
 
     def stop(self, *, timeout_s: float = 10.0) -> None:
