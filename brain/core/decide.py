@@ -284,6 +284,12 @@ class _Cycle:
     preemptions: list[Preempt] = field(default_factory=list)
     wakes: list[float] = field(default_factory=list)
     placed: list[tuple[_Entry, tuple[Grant, ...]]] = field(default_factory=list)
+    # The GPUs of the victims released so far, by node, each with its victim's place in
+    # the released list; and each released victim's winner, the first placement to take
+    # one of its GPUs (None: none has). Kept as placements take GPUs (`_placed`), so that
+    # no victim's cause has to look through every placement of the cycle.
+    claims: dict[str, dict[int, int]] = field(default_factory=dict)
+    winners: list[_Entry | None] = field(default_factory=list)
     # The elasticity stage (brain/core/elastic.py); the identity unless it resizes.
     elastic: Sizing = RIGID
     shares: SharePlacer | None = None
@@ -721,6 +727,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
             victim = unreleased[next_victim]
             next_victim += 1
             give(victim.ranked.job.grants)
+            _claim(cycle, victim, len(released))
             released.append(victim)
             if sharing:
                 at = _rank_of(victim, resizes)
@@ -741,6 +748,32 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         if not may_spread and not job.network_sensitive:
             cycle.wakes.append(since + relax)
     return released
+
+
+def _claim(cycle: _Cycle, victim: _Entry, position: int) -> None:
+    """Note the GPUs of a victim just released (`position` in the released list), for
+    the placement that takes one of them first: its winner (`_Cycle.winners`)."""
+    claims = cycle.claims
+    for grant in victim.ranked.job.grants:
+        on_node = claims.get(grant.node)
+        if on_node is None:
+            on_node = claims[grant.node] = {}
+        for gpu in grant.gpus:
+            on_node[gpu] = position
+    cycle.winners.append(None)
+
+
+def _won(cycle: _Cycle, entry: _Entry, grants: tuple[Grant, ...]) -> None:
+    """A placement took these GPUs: it is the winner of the victims whose GPUs they were,
+    unless one placed before it took another of theirs."""
+    claims, winners = cycle.claims, cycle.winners
+    for grant in grants:
+        on_node = claims.get(grant.node)
+        if on_node:
+            for gpu in grant.gpus:
+                position = on_node.pop(gpu, None)
+                if position is not None and winners[position] is None:
+                    winners[position] = entry
 
 
 def _rank_of(entry: _Entry, resizes: bool) -> tuple[object, ...]:
@@ -772,6 +805,8 @@ def _placed(
     grants = fit.grants
     cycle.ledger.take(grants if fit.takes is None else fit.takes)
     cycle.placed.append((entry, grants))
+    if cycle.claims:
+        _won(cycle, entry, grants)
     extra: tuple[str, ...] = ()
     if job.demand is not None:
         sharer = cycle.sharer()
@@ -895,39 +930,6 @@ def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _winners_by_gpu(cycle: _Cycle) -> dict[str, dict[int, int]]:
-    """Each GPU placed in this cycle, by node, and the index in `cycle.placed` of the
-    first placement that took it: one pass over the placements, for every victim's
-    cause."""
-    taken: dict[str, dict[int, int]] = {}
-    for index, (_, grants) in enumerate(cycle.placed):
-        for grant in grants:
-            on_node = taken.get(grant.node)
-            if on_node is None:
-                on_node = taken[grant.node] = {}
-            for gpu in grant.gpus:
-                on_node.setdefault(gpu, index)
-    return taken
-
-
-def _preempt_cause(
-    victim: _Entry, cycle: _Cycle, winners: dict[str, dict[int, int]]
-) -> PreemptCause:
-    # The first placement that took one of the victim's GPUs; else the cycle's first.
-    placed = cycle.placed
-    first = len(placed)
-    for grant in victim.ranked.job.grants:
-        on_node = winners.get(grant.node)
-        if on_node is None:
-            continue
-        for gpu in grant.gpus:
-            index = on_node.get(gpu, first)
-            if index < first:
-                first = index
-    winner = placed[first if first < len(placed) else 0][0] if placed else victim
-    return _cause(victim, winner, cycle.policy)
-
-
 def _cause(victim: _Entry, winner: _Entry, policy: Policy) -> PreemptCause:
     ahead = winner.ranked
     if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
@@ -938,19 +940,23 @@ def _cause(victim: _Entry, winner: _Entry, policy: Policy) -> PreemptCause:
 
 
 def _settle_victims(cycle: _Cycle, released: list[_Entry]) -> None:
-    # Best-ranked victims first: if their GPUs are still free, they simply keep them.
-    winners = _winners_by_gpu(cycle) if released else {}
+    # Best-ranked victims first: if their GPUs are still free, they simply keep them. A
+    # victim with a winner has not: a GPU placed in the cycle is not given back in it.
     ledger = cycle.ledger
     preemptions = cycle.preemptions
     outside = cycle.outside
-    for victim in reversed(released):
+    placed = cycle.placed
+    for victim, winner in zip(reversed(released), reversed(cycle.winners), strict=True):
         job = victim.ranked.job
-        # Of what it holds, only its schedulable GPUs were given back (`FreeGpus.give`).
-        held = ledger.within(job.grants) if outside and job.job_id in outside else job.grants
-        if ledger.all_free(held):
-            ledger.take(held)
-            continue
-        preemptions.append(Preempt(job.job_id, job.grants, _preempt_cause(victim, cycle, winners)))
+        if winner is None:
+            # Of what it holds, only its schedulable GPUs were given back (`FreeGpus.give`).
+            held = ledger.within(job.grants) if outside and job.job_id in outside else job.grants
+            if ledger.all_free(held):
+                ledger.take(held)
+                continue
+            # Not free, and no placement took them: the cycle's first is its cause.
+            winner = placed[0][0] if placed else victim
+        preemptions.append(Preempt(job.job_id, job.grants, _cause(victim, winner, cycle.policy)))
 
 
 def _make_room_in_shares(cycle: _Cycle, entries: list[_Entry]) -> None:
