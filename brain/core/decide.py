@@ -695,6 +695,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     policy = cycle.policy
     now, relax = cycle.now, policy.relax_locality_after_s
     resizes, size_of, reclaim_one = elastic.resizes, elastic.size, elastic.reclaim_one
+    # The identity stage sizes a job at its `gpus`: read, not asked of it (`_select`).
+    rigid = elastic is RIGID
     victim_ids = {v.job.job_id for v in victims} if resizes else set()
     sharing = cycle.sharing
     # The GPUs given back by victims, with where each victim stood: a share needs none
@@ -709,7 +711,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         # `job.waiting_since()`, inline.
         since = job.submitted_at if job.pending_since is None else job.pending_since
         may_spread = not job.network_sensitive and now - since >= relax
-        asked = (size_of(job), may_spread)
+        asked = (job.gpus if rigid else size_of(job), may_spread)
         request = requests.get(asked)
         if request is None:
             request = requests[asked] = PlacementRequest(*asked)
@@ -945,9 +947,15 @@ def _place_notes(entry: _Entry, policy: Policy) -> tuple[str, ...]:
     return tuple(notes)
 
 
+# Read for every victim (`_cause`): a member of an enum read off its class is a lookup
+# through the metaclass, a module's constant a specialised read.
+_OVER_QUOTA: Final = Standing.OVER_QUOTA
+_IN_QUOTA: Final = Standing.IN_QUOTA
+
+
 def _cause(victim: _Entry, winner: _Entry, policy: Policy) -> PreemptCause:
     ahead = winner.ranked
-    if victim.standing is Standing.OVER_QUOTA and winner.standing is Standing.IN_QUOTA:
+    if victim.standing is _OVER_QUOTA and winner.standing is _IN_QUOTA:
         return QuotaReclaim(ahead.job.queue, ahead.job.job_id, victim.ranked.job.queue)
     # A starving winner is ahead by the guard, whatever the order says of the two.
     label = f"{ahead.label} ({STARVING})" if winner.starving else ahead.label
