@@ -333,14 +333,21 @@ class FreeGpus:
             self._changed(node, before, len(free))
 
     def lowest(self, node: str, count: int) -> tuple[int, ...]:
-        return tuple(self._free[node][:count])
+        free = self._free[node]
+        # One GPU, the commonest ask, without a slice and a call to `tuple`.
+        return (free[0],) if count == 1 and free else tuple(free[:count])
 
     def best_fit(self, gpus: int) -> str | None:
         """The node with the fewest free GPUs that has at least `gpus` (ties: by name),
-        or None. Asked for every placement: `_Buckets.best_fit`, written out here."""
-        for row in self._all._names[max(gpus, 1) :]:
+        or None. Asked for every placement: `_Buckets.best_fit`, written out here, by
+        index rather than over a slice of the rows (a list built at every placement)."""
+        rows = self._all._names
+        count = gpus if gpus > 1 else 1
+        while count < len(rows):
+            row = rows[count]
             if row:
                 return row[0]
+            count += 1
         return None
 
     def most_free(self) -> int:
@@ -351,16 +358,19 @@ class FreeGpus:
         """`gpus` GPUs on the fewest nodes (of one switch, or anywhere): the roomiest
         nodes first, ties by name, the lowest GPUs of each; None if they are not free."""
         buckets = self._all if switch is None else self._nodes_of(switch)
+        free_of = self._free
         grants: list[Grant] = []
         needed = gpus
         # `buckets.roomiest_first()`, written out: a generator left early is closed
-        # with an exception (a frame object and a traceback), at every gang placed.
+        # with an exception (a frame object and a traceback), at every gang placed. So
+        # is `lowest`, and `min`: calls, for each node of each gang.
         for row in reversed(buckets._names):
             for node in row:
                 if needed == 0:
                     return tuple(grants)
-                take = min(needed, len(self._free[node]))
-                grants.append(Grant(node, self.lowest(node, take)))
+                free = free_of[node]
+                take = needed if needed < len(free) else len(free)
+                grants.append(Grant(node, tuple(free[:take])))
                 needed -= take
         return tuple(grants) if needed == 0 else None
 
