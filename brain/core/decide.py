@@ -697,6 +697,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     resizes, size_of, reclaim_one = elastic.resizes, elastic.size, elastic.reclaim_one
     # The identity stage sizes a job at its `gpus`: read, not asked of it (`_select`).
     rigid = elastic is RIGID
+    place = cycle.place
     victim_ids = {v.job.job_id for v in victims} if resizes else set()
     sharing = cycle.sharing
     # The GPUs given back by victims, with where each victim stood: a share needs none
@@ -726,7 +727,12 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         )
         rank = _rank_of(entry, resizes) if sharing and job.shared else None
         hidden = _NOTHING_HIDDEN if rank is None else _released_ahead(released_at, rank)
-        result = None if doomed else _try_place(cycle, request, job, hidden)
+        # Most jobs are placed by the plugin on the cycle's ledger itself: `_try_place`,
+        # written out for them (a call for each attempt).
+        plain = not resizes and job.demand is None and not job.avoid_nodes
+        result: PlacementResult | None = None
+        if not doomed:
+            result = place(request, ledger) if plain else _try_place(cycle, request, job, hidden)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
             resizes and not isinstance(result, Fit) and reclaim_one(ledger, job.job_id, victim_ids)
@@ -751,7 +757,9 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
                 released_at.update(((g.node, gpu), at) for g in victim.job.grants for gpu in g.gpus)
             stale = total_free() < request.gpus
             if not stale:
-                result = _try_place(cycle, request, job, hidden)
+                result = (
+                    place(request, ledger) if plain else _try_place(cycle, request, job, hidden)
+                )
         if stale or result is None:
             result = _try_place(cycle, request, job, hidden)
         if not isinstance(result, Fit) and resizes and job.elastic:
