@@ -788,19 +788,6 @@ def _claim(cycle: _Cycle, victim: _Entry, position: int) -> None:
     cycle.winners.append(None)
 
 
-def _won(cycle: _Cycle, entry: _Entry, grants: tuple[Grant, ...]) -> None:
-    """A placement took these GPUs: it is the winner of the victims whose GPUs they were,
-    unless one placed before it took another of theirs."""
-    claims, winners = cycle.claims, cycle.winners
-    for grant in grants:
-        on_node = claims.get(grant.node)
-        if on_node:
-            for gpu in grant.gpus:
-                position = on_node.pop(gpu, None)
-                if position is not None and winners[position] is None:
-                    winners[position] = entry
-
-
 def _rank_of(entry: _Entry, resizes: bool) -> tuple[object, ...]:
     """Where a job stands in the cycle's selection order (smaller first); a stage that
     resizes jobs ranks by attained service within a rank class (`_elastic_key`)."""
@@ -830,8 +817,18 @@ def _placed(
     grants = fit.grants
     cycle.ledger.take(grants if fit.takes is None else fit.takes)
     cycle.placed.append((entry, grants))
-    if cycle.claims:
-        _won(cycle, entry, grants)
+    claims = cycle.claims
+    if claims:
+        # It is the winner of the victims whose GPUs these were (`_claim`), unless one
+        # placed before it took another of theirs.
+        winners = cycle.winners
+        for grant in grants:
+            on_node = claims.get(grant.node)
+            if on_node:
+                for gpu in grant.gpus:
+                    position = on_node.pop(gpu, None)
+                    if position is not None and winners[position] is None:
+                        winners[position] = entry
     extra: tuple[str, ...] = ()
     if job.demand is not None:
         sharer = cycle.sharer()
