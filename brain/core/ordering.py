@@ -302,32 +302,43 @@ class _GittinsIndices:
         self.seen: dict[float | tuple[int, float], _Known] = {}
         # One float per band, shared by every rank that begins with it: sorting by rank
         # compares equal first keys by identity, not value.
-        self._levels = [float(level) for level in range(len(context.las_thresholds_gpu_s) + 1)]
+        bands = range(len(context.las_thresholds_gpu_s) + 1)
+        self._levels = [float(level) for level in bands]
+        # Each band's label but for the index: formatting the band's number again for
+        # each of thousands of services cost a third as much as the index.
+        self._labels = [f"band {level} gittins %.3g" for level in bands]
+        # `gittins`'s index, by an indexer made for the cycle (`gittins_indexer`).
+        self._plain: Callable[[float], float] | None = None
+        if not tiresias and not by_class:
+            quantum = context.gittins_quantum_gpu_s
+            self._plain = context.distribution.gittins_indexer(quantum)
 
     def add(self, key: float | tuple[int, float], gpus: int, attained: float) -> _Known:
         context = self._context
         level = bisect.bisect_right(context.las_thresholds_gpu_s, attained + SERVICE_EPSILON)
-        distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
-        if self.classes is not None:
-            distribution = self.classes.of(gpus) or distribution
-        if self._tiresias:
-            index = distribution.gittins_index_tiresias(attained, quantum)
-        elif self._by_class:
-            small = self._compact.get(id(distribution))
-            if small is None:
-                small = self._compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
-            index = _exact_index(small, attained)
-        else:
-            index = distribution.gittins_index(attained, quantum)
+        index = self._plain(attained) if self._plain is not None else self._index(gpus, attained)
         first, score = self._levels[level], -index
         known = self.seen[key] = (
             level,
             first,
             score,
-            f"band {level} gittins {index:.3g}",
+            self._labels[level] % index,
             (first, score, 1.0, attained),
         )
         return known
+
+    def _index(self, gpus: int, attained: float) -> float:
+        """The index of `gittins-tiresias` and `gittins-size`."""
+        context = self._context
+        distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
+        if self.classes is not None:
+            distribution = self.classes.of(gpus) or distribution
+        if self._tiresias:
+            return distribution.gittins_index_tiresias(attained, quantum)
+        small = self._compact.get(id(distribution))
+        if small is None:
+            small = self._compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
+        return _exact_index(small, attained)
 
 
 # What `_GittinsIndices` knows of a service: its LAS band, the band and the negated
