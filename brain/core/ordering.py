@@ -253,10 +253,14 @@ def _las(
     labels = [f"las band {level}" for level in range(last + 1)]
     levels = [float(level) for level in range(last + 1)]
     wakes: list[float] = []
-    # This loop runs once per job per cycle: `_band` is inlined, and look-ups hoisted.
-    band_of, add, new = bisect.bisect_right, ranked.append, tuple.__new__
+    # This loop runs once per job per cycle: `_band` is inlined, and so is `within` when
+    # it is `_within_band` (`las`), and look-ups hoisted (not `ranked.append`: Python
+    # 3.11 specialises that call as a method, not bound).
+    band_of, new = bisect.bisect_right, tuple.__new__
+    inline = within is _within_band
     for job in jobs:
-        level = band_of(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
+        attained = job.attained_gpu_seconds
+        level = band_of(thresholds, attained + SERVICE_EPSILON)
         if level == job.service_level:
             since = job.submitted_at if job.service_level_since is None else job.service_level_since
         else:
@@ -264,8 +268,15 @@ def _las(
             if band.change is not None:
                 changes.append(band.change)
             since = band.since
+        if not inline:
+            rank = within(job, levels[level], since, now)
+        elif job.grants and since < now:
+            started = job.started_at if job.started_at is not None else since
+            rank = (levels[level], 0.0, started if started > since else since)
+        else:
+            rank = (levels[level], 1.0, attained)
         # `Ranked(...)`, without the named tuple's Python-level constructor.
-        add(new(Ranked, (job, within(job, levels[level], since, now), labels[level])))
+        ranked.append(new(Ranked, (job, rank, labels[level])))
         if level < last and job.grants:
             wake = crossing(job, job.grants, thresholds, now)
             if wake is not None:
@@ -364,8 +375,9 @@ def _gittins(
     indices = _GittinsIndices(context, tiresias=tiresias, by_class=by_class)
     by_size = indices.classes is not None
     # This loop runs once per job per cycle: `_band` and `_within_band` are inlined,
-    # and look-ups hoisted; a job's band comes with its service's index (`_Known`).
-    add, new = ranked.append, tuple.__new__
+    # and look-ups hoisted (not `ranked.append`: Python 3.11 specialises that call as
+    # a method, not bound); a job's band comes with its service's index (`_Known`).
+    new = tuple.__new__
     get = indices.seen.get
     for job in jobs:
         attained = job.attained_gpu_seconds
@@ -397,7 +409,7 @@ def _gittins(
         else:
             rank = known[4]
         # `Ranked(...)`, without the named tuple's Python-level constructor.
-        add(new(Ranked, (job, rank, known[3])))
+        ranked.append(new(Ranked, (job, rank, known[3])))
         # A job in the last band crosses nothing (`crossing` would say None).
         if grants and level < last:
             wake = crossing(job, grants, thresholds, now)
