@@ -444,14 +444,16 @@ def _by_standing(
         # Over quota but for the few jobs of `build` queues. One walk in the interpreter,
         # whose specialised reads cost less than chained `map`s over the jobs; finding
         # them by identity instead (no read of a view out of order) allocated an int per
-        # job for its `id`, and took as long by the clock.
-        builds, rest_of, add_over = walk.of_builds, walk.rest, over.append
+        # job for its `id`, and took as long by the clock. `QuotaWalk.rest`, inline: its
+        # table, read here, rather than a call for each job of a `build` queue. (And
+        # `over.append` as a method: Python 3.11 specialises that call, not a bound one.)
+        rest_by_queue = walk.rest_by_queue
         for item in rest:
             job = item[0]  # Ranked.job
-            if job.queue in builds:
-                appends[rest_of(job)](item)
+            if job.queue in rest_by_queue:
+                appends[rest_by_queue[job.queue][not job.grants]](item)
             else:
-                add_over(item)
+                over.append(item)
     return [
         _Group(standing, hold, False, partition)
         for standing, partition in zip(Standing, partitions, strict=True)
@@ -1117,7 +1119,8 @@ def _placed_crossings(cycle: _Cycle, crossing: Crossing) -> list[float]:
     times: list[float | None] = []
     for entry, grants in cycle.placed:
         job = entry.ranked.job
-        if job.elastic:
+        # `JobView.elastic`, inline: this runs for every job a cycle starts.
+        if job.min_gpus is not None:
             # Its size is what it was granted, not what it asked for.
             times.append(crossing(job, grants, thresholds, now))
             continue

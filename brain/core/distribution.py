@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import add
@@ -191,6 +191,36 @@ class ServiceDistribution:
         if expected_service <= 0.0:
             return math.inf
         return finishing_w / expected_service
+
+    def gittins_indexer(self, quantum: float) -> Callable[[float], float]:
+        """`gittins_index` at `quantum`, for many services in turn: the tail sums are
+        worked out once, so that each index is two bisections and a few operations (a
+        `gittins` cycle asks for one per distinct service among its jobs, thousands).
+        The same operations in the same order as `gittins_index`: the same floats."""
+        values = self.values
+        if not values:
+            return lambda attained: 0.0
+        total_w, total_v = self.cumulative_weight[-1], self.cumulative_weighted_value[-1]
+        # What lies above the first `at` samples: `tail_w[at]`, `tail_v[at]`.
+        tail_w = [total_w - below for below in (0.0, *self.cumulative_weight)]
+        tail_v = [total_v - below for below in (0.0, *self.cumulative_weighted_value)]
+        right = bisect.bisect_right
+
+        def index(attained: float) -> float:
+            at = right(values, attained)
+            above_w = tail_w[at]
+            if above_w <= 0.0:
+                return 0.0
+            beyond = right(values, attained + quantum)
+            beyond_w = tail_w[beyond]
+            finishing_w = above_w - beyond_w
+            finishing_service = (tail_v[at] - tail_v[beyond]) - attained * finishing_w
+            expected_service = finishing_service + quantum * beyond_w
+            if expected_service <= 0.0:
+                return math.inf
+            return finishing_w / expected_service
+
+        return index
 
     def scaled_gittins_remaining(self, scale: float, done: float) -> float | None:
         """The reciprocal of the Gittins index of a job whose total is `scale` x a

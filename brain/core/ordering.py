@@ -172,8 +172,12 @@ def next_band_crossing(
 
 def _accruing(job: JobView, grants: Sequence[Grant]) -> float:
     """GPU-seconds of service a second on `grants`: their GPUs, or a share's share."""
-    gpus = sum(len(g.gpus) for g in grants)
-    # Once for every job a cycle starts: `JobView.shared` and `gpu_size`, inline.
+    # Once for every running job a cycle ranks, and every job it starts: a loop, not
+    # `sum` over a generator, whose frame cost more than the rest (most hold one grant).
+    gpus = 0
+    for grant in grants:
+        gpus += len(grant.gpus)
+    # `JobView.shared` and `gpu_size`, inline.
     demand = job.demand
     if gpus and demand is not None and demand.fractional:
         return demand.gpu_milli / GPU_MILLI
@@ -249,10 +253,14 @@ def _las(
     labels = [f"las band {level}" for level in range(last + 1)]
     levels = [float(level) for level in range(last + 1)]
     wakes: list[float] = []
-    # This loop runs once per job per cycle: `_band` is inlined, and look-ups hoisted.
-    band_of, add, new = bisect.bisect_right, ranked.append, tuple.__new__
+    # This loop runs once per job per cycle: `_band` is inlined, and so is `within` when
+    # it is `_within_band` (`las`), and look-ups hoisted (not `ranked.append`: Python
+    # 3.11 specialises that call as a method, not bound).
+    band_of, new = bisect.bisect_right, tuple.__new__
+    inline = within is _within_band
     for job in jobs:
-        level = band_of(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
+        attained = job.attained_gpu_seconds
+        level = band_of(thresholds, attained + SERVICE_EPSILON)
         if level == job.service_level:
             since = job.submitted_at if job.service_level_since is None else job.service_level_since
         else:
@@ -260,8 +268,15 @@ def _las(
             if band.change is not None:
                 changes.append(band.change)
             since = band.since
+        if not inline:
+            rank = within(job, levels[level], since, now)
+        elif job.grants and since < now:
+            started = job.started_at if job.started_at is not None else since
+            rank = (levels[level], 0.0, started if started > since else since)
+        else:
+            rank = (levels[level], 1.0, attained)
         # `Ranked(...)`, without the named tuple's Python-level constructor.
-        add(new(Ranked, (job, within(job, levels[level], since, now), labels[level])))
+        ranked.append(new(Ranked, (job, rank, labels[level])))
         if level < last and job.grants:
             wake = crossing(job, job.grants, thresholds, now)
             if wake is not None:
@@ -302,32 +317,43 @@ class _GittinsIndices:
         self.seen: dict[float | tuple[int, float], _Known] = {}
         # One float per band, shared by every rank that begins with it: sorting by rank
         # compares equal first keys by identity, not value.
-        self._levels = [float(level) for level in range(len(context.las_thresholds_gpu_s) + 1)]
+        bands = range(len(context.las_thresholds_gpu_s) + 1)
+        self._levels = [float(level) for level in bands]
+        # Each band's label but for the index: formatting the band's number again for
+        # each of thousands of services cost a third as much as the index.
+        self._labels = [f"band {level} gittins %.3g" for level in bands]
+        # `gittins`'s index, by an indexer made for the cycle (`gittins_indexer`).
+        self._plain: Callable[[float], float] | None = None
+        if not tiresias and not by_class:
+            quantum = context.gittins_quantum_gpu_s
+            self._plain = context.distribution.gittins_indexer(quantum)
 
     def add(self, key: float | tuple[int, float], gpus: int, attained: float) -> _Known:
         context = self._context
         level = bisect.bisect_right(context.las_thresholds_gpu_s, attained + SERVICE_EPSILON)
-        distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
-        if self.classes is not None:
-            distribution = self.classes.of(gpus) or distribution
-        if self._tiresias:
-            index = distribution.gittins_index_tiresias(attained, quantum)
-        elif self._by_class:
-            small = self._compact.get(id(distribution))
-            if small is None:
-                small = self._compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
-            index = _exact_index(small, attained)
-        else:
-            index = distribution.gittins_index(attained, quantum)
+        index = self._plain(attained) if self._plain is not None else self._index(gpus, attained)
         first, score = self._levels[level], -index
         known = self.seen[key] = (
             level,
             first,
             score,
-            f"band {level} gittins {index:.3g}",
+            self._labels[level] % index,
             (first, score, 1.0, attained),
         )
         return known
+
+    def _index(self, gpus: int, attained: float) -> float:
+        """The index of `gittins-tiresias` and `gittins-size`."""
+        context = self._context
+        distribution, quantum = context.distribution, context.gittins_quantum_gpu_s
+        if self.classes is not None:
+            distribution = self.classes.of(gpus) or distribution
+        if self._tiresias:
+            return distribution.gittins_index_tiresias(attained, quantum)
+        small = self._compact.get(id(distribution))
+        if small is None:
+            small = self._compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
+        return _exact_index(small, attained)
 
 
 # What `_GittinsIndices` knows of a service: its LAS band, the band and the negated
@@ -349,8 +375,9 @@ def _gittins(
     indices = _GittinsIndices(context, tiresias=tiresias, by_class=by_class)
     by_size = indices.classes is not None
     # This loop runs once per job per cycle: `_band` and `_within_band` are inlined,
-    # and look-ups hoisted; a job's band comes with its service's index (`_Known`).
-    add, new = ranked.append, tuple.__new__
+    # and look-ups hoisted (not `ranked.append`: Python 3.11 specialises that call as
+    # a method, not bound); a job's band comes with its service's index (`_Known`).
+    new = tuple.__new__
     get = indices.seen.get
     for job in jobs:
         attained = job.attained_gpu_seconds
@@ -382,7 +409,7 @@ def _gittins(
         else:
             rank = known[4]
         # `Ranked(...)`, without the named tuple's Python-level constructor.
-        add(new(Ranked, (job, rank, known[3])))
+        ranked.append(new(Ranked, (job, rank, known[3])))
         # A job in the last band crosses nothing (`crossing` would say None).
         if grants and level < last:
             wake = crossing(job, grants, thresholds, now)

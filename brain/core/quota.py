@@ -120,8 +120,9 @@ class QuotaWalk:
             smallest = smallest_ask(set(map(_DEMAND, every))) if queues else MILLI
         self._smallest = smallest
         # `rest` as a table: a queue's (standing while running, while waiting); a queue
-        # not here is over quota either way.
-        self._rest_by_queue: dict[str, tuple[Standing, Standing]] = {
+        # not here is over quota either way. Public for a caller that partitions
+        # thousands of jobs after the walk: a look-up each, not a call.
+        self.rest_by_queue: dict[str, tuple[Standing, Standing]] = {
             name: (Standing.PINNED, Standing.HELD) for name in builds
         }
 
@@ -165,7 +166,7 @@ class QuotaWalk:
     def rest(self, job: JobView) -> Standing:
         """The standing of a job after the walk: a `build` job is pinned while it runs,
         held while it waits; any other is over quota."""
-        return self._rest_by_queue.get(job.queue, _OVER_EITHER)[not job.grants]
+        return self.rest_by_queue.get(job.queue, _OVER_EITHER)[not job.grants]
 
 
 _OVER_EITHER: Final = (Standing.OVER_QUOTA, Standing.OVER_QUOTA)
