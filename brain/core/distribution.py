@@ -166,37 +166,15 @@ class ServiceDistribution:
         """P(S <= a + q | S > a) / E[min(S, a + q) - a | S > a]; higher runs first.
 
         A job past every sample is given 0, the lowest rank, as Tiresias does: the
-        distribution says nothing about it except that it is very long.
-
-        Two tail sums, each two look-ups in the running totals, written out: it is
-        asked for every running job of every cycle (their attained service differs,
-        and grows between cycles)."""
-        values = self.values
-        if not values:
-            return 0.0
-        weights, weighted = self.cumulative_weight, self.cumulative_weighted_value
-        at = bisect.bisect_right(values, attained)
-        total_w = weights[-1]
-        above_w = total_w - (weights[at - 1] if at else 0.0)
-        if above_w <= 0.0:
-            return 0.0
-        total_v = weighted[-1]
-        above_v = total_v - (weighted[at - 1] if at else 0.0)
-        beyond = bisect.bisect_right(values, attained + quantum)
-        beyond_w = total_w - (weights[beyond - 1] if beyond else 0.0)
-        beyond_v = total_v - (weighted[beyond - 1] if beyond else 0.0)
-        finishing_w = above_w - beyond_w
-        finishing_service = (above_v - beyond_v) - attained * finishing_w
-        expected_service = finishing_service + quantum * beyond_w
-        if expected_service <= 0.0:
-            return math.inf
-        return finishing_w / expected_service
+        distribution says nothing about it except that it is very long. For many
+        services at one quantum (a cycle's), `gittins_indexer` works the tail sums
+        out once."""
+        return self.gittins_indexer(quantum)(attained)
 
     def gittins_indexer(self, quantum: float) -> Callable[[float], float]:
         """`gittins_index` at `quantum`, for many services in turn: the tail sums are
         worked out once, so that each index is two bisections and a few operations (a
-        `gittins` cycle asks for one per distinct service among its jobs, thousands).
-        The same operations in the same order as `gittins_index`: the same floats."""
+        `gittins` cycle asks for one per distinct service among its jobs, thousands)."""
         values = self.values
         if not values:
             return lambda attained: 0.0

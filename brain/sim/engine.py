@@ -450,10 +450,8 @@ class _Replay:
     def _record_index(self) -> None:
         probes = self.config.index_probes_gpu_s
         if probes:
-            quantum = self.config.policy.gittins_quantum_gpu_s
-            self.learned_index.append(
-                (self.finished, tuple(self.distribution.gittins_index(a, quantum) for a in probes))
-            )
+            index = self.distribution.gittins_indexer(self.config.policy.gittins_quantum_gpu_s)
+            self.learned_index.append((self.finished, tuple(map(index, probes))))
 
     def measure(self) -> None:
         """Throughput reports that arrived by now become what the policy sees."""
