@@ -21,6 +21,13 @@ scale all three by 5 and 20.
 
 `--profile ORDER@SIZE` runs that case once under cProfile and prints the top functions
 by cumulative and by own time instead.
+
+`--instructions ORDER@SIZE ...` counts instead what one decide executes, with valgrind's
+cachegrind: the instructions of a process that builds the snapshot and decides once, less
+those of one that only builds it (`PYTHONHASHSEED=0`). The count does not move with what
+else the machine runs, as the times do; `--before DIR` counts the same cases in another
+checkout in the same run and prints the ratio. Each 5k case takes a few minutes. Results:
+bench/results/decide-instructions-<stamp>.json.
 """
 
 from __future__ import annotations
@@ -29,9 +36,13 @@ import argparse
 import bisect
 import cProfile
 import multiprocessing
+import os
 import pstats
 import random
+import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -332,6 +343,89 @@ def profile(case: str) -> None:
     stats.sort_stats("tottime").print_stats(15)
 
 
+# One process of `count_instructions`: build the case's snapshot, decide `decides` times.
+_DECIDE_ONLY: Final = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from bench.decide_scale import NOW, SIZES_BY_LABEL, _policy, build_snapshot
+from brain.core import decide
+order, label, decides = sys.argv[2], sys.argv[3], int(sys.argv[4])
+snapshot, policy = build_snapshot(SIZES_BY_LABEL[label]), _policy(order)
+for _ in range(decides):
+    decide(snapshot, NOW, policy)
+"""
+_REFS: Final = re.compile(r"I\s+refs:\s+([\d,]+)")
+
+
+def count_instructions(checkout: Path, case: str) -> int:
+    """Instructions of one decide of `case` (ORDER@SIZE) in `checkout`, by cachegrind:
+    a process that decides once, less one that only builds the snapshot."""
+    order, _, label = case.partition("@")
+    counts = []
+    for decides in (0, 1):
+        done = subprocess.run(
+            [
+                "valgrind",
+                "--tool=cachegrind",
+                "--cache-sim=no",
+                "--cachegrind-out-file=/dev/null",
+                sys.executable,
+                "-c",
+                _DECIDE_ONLY,
+                str(checkout),
+                order,
+                label,
+                str(decides),
+            ],
+            cwd=checkout,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+            capture_output=True,
+            text=True,
+        )
+        found = _REFS.search(done.stderr)
+        if done.returncode != 0 or found is None:
+            raise SystemExit(f"cachegrind of {case} in {checkout} failed:\n{done.stderr[-2000:]}")
+        counts.append(int(found.group(1).replace(",", "")))
+    return counts[1] - counts[0]
+
+
+def instructions(cases: list[str], before: Path | None, note: str) -> int:
+    for case in cases:
+        order, _, label = case.partition("@")
+        if order not in ORDERS or label not in SIZES_BY_LABEL:
+            raise SystemExit(
+                f"--instructions: {case!r} is not ORDER@SIZE: ORDER one of {', '.join(ORDERS)};"
+                f" SIZE one of {', '.join(SIZES_BY_LABEL)}"
+            )
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (cachegrind) on the PATH")
+    if before is not None and not (before / "bench" / "decide_scale.py").is_file():
+        raise SystemExit(f"--before {before}: no bench/decide_scale.py there (not a checkout)")
+    rows = []
+    for case in cases:
+        count = count_instructions(REPO, case)
+        then = None if before is None else count_instructions(before, case)
+        rows.append(
+            {
+                "case": case,
+                "instructions_m": round(count / 1e6, 1),
+                "before_instructions_m": None if then is None else round(then / 1e6, 1),
+                "ratio": None if then is None else round(count / then, 4),
+            }
+        )
+        said = f"  {case}: {count / 1e6:,.0f} M"
+        if then is not None:
+            said += f", before {then / 1e6:,.0f} M, ratio {count / then:.3f}"
+        print(said, flush=True)
+    json_path, _ = record(
+        "decide-instructions",
+        {"before": None if before is None else str(before), "note": note},
+        rows,
+    )
+    print(f"results: {json_path.relative_to(REPO)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES_BY_LABEL), nargs="+", default=["1k", "5k"])
@@ -339,11 +433,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per decide")
     parser.add_argument("--profile", metavar="ORDER@SIZE")
+    parser.add_argument(
+        "--instructions", metavar="ORDER@SIZE", nargs="+", help="count one decide's instructions"
+    )
+    parser.add_argument(
+        "--before", type=Path, metavar="DIR", help="with --instructions: count another checkout too"
+    )
     parser.add_argument("--note", default="", help="free text stored with the results")
     args = parser.parse_args(argv)
     if args.profile:
         profile(args.profile)
         return 0
+    if args.instructions:
+        return instructions(args.instructions, args.before, args.note)
+    if args.before is not None:
+        parser.error("--before goes with --instructions")
     results: list[Result] = []
     for label in args.size:
         for order in args.order:
