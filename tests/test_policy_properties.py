@@ -15,8 +15,10 @@ from brain.core import (
     Grant,
     JobView,
     NodeView,
+    Outranked,
     Policy,
     QueueQuota,
+    QuotaReclaim,
     decide,
 )
 
@@ -160,6 +162,27 @@ def test_gangs_are_all_or_nothing(world: World, policy: Policy) -> None:
     victims = [p.job_id for p in decisions.preemptions]
     assert len(victims) == len(set(victims))
     assert set(victims) <= {j.job_id for j in world.snapshot.running}
+
+
+# One world in twenty preempts: more examples than the others, for a few dozen that do.
+@settings(max_examples=600, deadline=None)
+@given(worlds(), policies)
+def test_a_preemption_names_the_first_job_placed_on_its_gpus(world: World, policy: Policy) -> None:
+    """A victim's cause names the first placement, in rank order, that took one of its
+    GPUs (the cycle's first placement if none did: it was released for that one)."""
+    decisions = decide(world.snapshot, world.now, policy)
+    placed = [
+        (place.job_id, {(g.node, gpu) for g in place.grants for gpu in g.gpus})
+        for place in decisions.placements
+    ]
+    for preemption in decisions.preemptions:
+        cause = preemption.cause
+        named = cause.by_job if isinstance(cause, Outranked) else cause.for_job
+        assert isinstance(cause, Outranked | QuotaReclaim)
+        gpus = {(g.node, gpu) for g in preemption.grants for gpu in g.gpus}
+        takers = [job_id for job_id, taken in placed if taken & gpus]
+        assert placed
+        assert named == (takers[0] if takers else placed[0][0])
 
 
 @settings(max_examples=150, deadline=None)
