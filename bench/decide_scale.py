@@ -26,7 +26,9 @@ by cumulative and by own time instead.
 cachegrind: the instructions of a process that builds the snapshot and decides once, less
 those of one that only builds it (`PYTHONHASHSEED=0`). The count does not move with what
 else the machine runs, as the times do; `--before DIR` counts the same cases in another
-checkout in the same run and prints the ratio. Each 5k case takes a few minutes. Results:
+checkout in the same run and prints the ratio. The same code counts a few per cent apart
+from one directory to another (the paths are strings the interpreter hashes and stores):
+read a ratio within 5 % as no change. Each 5k case takes a few minutes. Results:
 bench/results/decide-instructions-<stamp>.json.
 """
 

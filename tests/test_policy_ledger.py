@@ -27,7 +27,8 @@ def _observed(ledger: FreeGpus) -> tuple[object, ...]:
         [ledger.best_fit(k) for k in range(1, 10)],
         [ledger.gather(k) for k in (1, 3, 8, 12, 20)],
         [ledger.fewest_nodes_in_a_switch(k) for k in (1, 3, 8, 12, 20)],
-        list(ledger._all.roomiest_first()),
+        # Every free GPU, gathered: each node with some, roomiest first.
+        ledger.gather(ledger.total_free()) if ledger.total_free() else (),
     )
 
 

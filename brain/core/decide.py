@@ -537,12 +537,10 @@ def _select(
     victims: list[_Entry] = []
     blocked_by: QueuedBehind | None = None
     need_of, select = cycle.elastic.need, cycle.elastic.select
-    # The identity stage sizes every job at its `gpus` and notes no selection: with it
-    # (and no share, which needs none of the budget), a job's need is read, not asked
-    # of the stage, and nothing is told it (a call or two for each job: 1.3 % of a
-    # gittins cycle's instructions at 5,000 nodes).
-    rigid = cycle.elastic is RIGID
-    plain = rigid and not sharing
+    # A stage that does not resize takes every job at its `gpus` and is told nothing
+    # (`Sizing.resizes`): a job's need is read, not asked (a call or two for each job:
+    # 1.3 % of a gittins cycle's instructions at 5,000 nodes).
+    rigid = not cycle.elastic.resizes
     actions = cycle.actions
     policy = cycle.policy
     explain, also = cycle.waits, cycle.explain
@@ -554,7 +552,7 @@ def _select(
         held = standing is Standing.HELD
         for ranked in group.ranked:
             job = ranked.job
-            need = job.gpus if plain else 0 if sharing and job.shared else need_of(job)
+            need = 0 if sharing and job.shared else job.gpus if rigid else need_of(job)
             if job.grants:
                 # What it holds outside the schedulable GPUs is not in `capacity`.
                 takes = (
@@ -697,9 +695,6 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
     policy = cycle.policy
     now, relax = cycle.now, policy.relax_locality_after_s
     resizes, size_of, reclaim_one = elastic.resizes, elastic.size, elastic.reclaim_one
-    # The identity stage sizes a job at its `gpus`: read, not asked of it (`_select`).
-    rigid = elastic is RIGID
-    place = cycle.place
     victim_ids = {v.job.job_id for v in victims} if resizes else set()
     sharing = cycle.sharing
     # The GPUs given back by victims, with where each victim stood: a share needs none
@@ -714,7 +709,8 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         # `job.waiting_since()`, inline.
         since = job.submitted_at if job.pending_since is None else job.pending_since
         may_spread = not job.network_sensitive and now - since >= relax
-        asked = (job.gpus if rigid else size_of(job), may_spread)
+        # A stage that does not resize places a job at its `gpus` (`Sizing.resizes`).
+        asked = (size_of(job) if resizes else job.gpus, may_spread)
         request = requests.get(asked)
         if request is None:
             request = requests[asked] = PlacementRequest(*asked)
@@ -729,12 +725,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
         )
         rank = _rank_of(entry, resizes) if sharing and job.shared else None
         hidden = _NOTHING_HIDDEN if rank is None else _released_ahead(released_at, rank)
-        # Most jobs are placed by the plugin on the cycle's ledger itself: `_try_place`,
-        # written out for them (a call for each attempt).
-        plain = not resizes and job.demand is None and not job.avoid_nodes
-        result: PlacementResult | None = None
-        if not doomed:
-            result = place(request, ledger) if plain else _try_place(cycle, request, job, hidden)
+        result = None if doomed else _try_place(cycle, request, job, hidden)
         # Take the GPUs elastic jobs hold above their targets before preempting anyone.
         while (
             resizes and not isinstance(result, Fit) and reclaim_one(ledger, job.job_id, victim_ids)
@@ -759,9 +750,7 @@ def _place_all(cycle: _Cycle, to_place: list[_Entry], victims: list[_Entry]) -> 
                 released_at.update(((g.node, gpu), at) for g in victim.job.grants for gpu in g.gpus)
             stale = total_free() < request.gpus
             if not stale:
-                result = (
-                    place(request, ledger) if plain else _try_place(cycle, request, job, hidden)
-                )
+                result = _try_place(cycle, request, job, hidden)
         if stale or result is None:
             result = _try_place(cycle, request, job, hidden)
         if not isinstance(result, Fit) and resizes and job.elastic:

@@ -222,7 +222,8 @@ class Sizing(Protocol):
     def resizes(self) -> bool:
         """Whether it may size a job other than at what it asked (reclaim its GPUs,
         place it smaller, grow it), and so ranks by attained service within a rank
-        class. False: every job takes, and is placed at, exactly its `gpus`."""
+        class. False: every job takes, and is placed at, exactly its `gpus`, and
+        `decide` asks it neither `need`, `select` nor `size` of a whole-GPU job."""
         ...
 
     @property

@@ -253,14 +253,11 @@ def _las(
     labels = [f"las band {level}" for level in range(last + 1)]
     levels = [float(level) for level in range(last + 1)]
     wakes: list[float] = []
-    # This loop runs once per job per cycle: `_band` is inlined, and so is `within` when
-    # it is `_within_band` (`las`), and look-ups hoisted (not `ranked.append`: Python
-    # 3.11 specialises that call as a method, not bound).
+    # This loop runs once per job per cycle: `_band` is inlined, and look-ups hoisted
+    # (not `ranked.append`: Python 3.11 specialises that call as a method, not bound).
     band_of, new = bisect.bisect_right, tuple.__new__
-    inline = within is _within_band
     for job in jobs:
-        attained = job.attained_gpu_seconds
-        level = band_of(thresholds, attained + SERVICE_EPSILON)
+        level = band_of(thresholds, job.attained_gpu_seconds + SERVICE_EPSILON)
         if level == job.service_level:
             since = job.submitted_at if job.service_level_since is None else job.service_level_since
         else:
@@ -268,15 +265,8 @@ def _las(
             if band.change is not None:
                 changes.append(band.change)
             since = band.since
-        if not inline:
-            rank = within(job, levels[level], since, now)
-        elif job.grants and since < now:
-            started = job.started_at if job.started_at is not None else since
-            rank = (levels[level], 0.0, started if started > since else since)
-        else:
-            rank = (levels[level], 1.0, attained)
         # `Ranked(...)`, without the named tuple's Python-level constructor.
-        ranked.append(new(Ranked, (job, rank, labels[level])))
+        ranked.append(new(Ranked, (job, within(job, levels[level], since, now), labels[level])))
         if level < last and job.grants:
             wake = crossing(job, job.grants, thresholds, now)
             if wake is not None:

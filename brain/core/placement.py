@@ -13,7 +13,7 @@ consolidation. The pipeline decides `may_spread`; the plugin only obeys it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Final
 
@@ -48,32 +48,11 @@ class _Buckets:
             self._names.append([])
         return self._names[count]
 
-    def move(self, name: str, before: int, after: int) -> None:
-        if before == after:
-            return
-        if before > 0:
-            row = self._names[before]
-            del row[bisect.bisect_left(row, name)]
-        if after > 0:
-            bisect.insort(self._row(after), name)
-
-    def best_fit(self, gpus: int) -> str | None:
-        """The node with the fewest free GPUs that still has `gpus` (ties: by name)."""
-        for row in self._names[max(gpus, 1) :]:
-            if row:
-                return row[0]
-        return None
-
     def most_free(self) -> int:
         for count in range(len(self._names) - 1, 0, -1):
             if self._names[count]:
                 return count
         return 0
-
-    def roomiest_first(self) -> Iterator[str]:
-        """Nodes with free GPUs, most free first, ties by name."""
-        for row in reversed(self._names):
-            yield from row
 
     def nodes_for(self, gpus: int) -> int:
         """How many nodes, roomiest first, it takes to gather `gpus` free GPUs; 0 when
@@ -223,7 +202,7 @@ class FreeGpus:
         """Keep the indexes after `node` went from `before` to `after` free GPUs.
 
         Runs twice for every preemption a cycle makes (the victim's GPUs given, a
-        winner's taken): `_Buckets.move` is written out here."""
+        winner's taken): the move between `_Buckets` rows, written out here."""
         self._log.append(node)
         if before == after:
             return
@@ -348,8 +327,8 @@ class FreeGpus:
 
     def best_fit(self, gpus: int) -> str | None:
         """The node with the fewest free GPUs that has at least `gpus` (ties: by name),
-        or None. Asked for every placement: `_Buckets.best_fit`, written out here, by
-        index rather than over a slice of the rows (a list built at every placement)."""
+        or None. Asked for every placement: the buckets' rows walked by index, not over a
+        slice of them (a list built at every placement)."""
         rows = self._all._names
         count = gpus if gpus > 1 else 1
         while count < len(rows):
@@ -370,9 +349,9 @@ class FreeGpus:
         free_of = self._free
         grants: list[Grant] = []
         needed = gpus
-        # `buckets.roomiest_first()`, written out: a generator left early is closed
-        # with an exception (a frame object and a traceback), at every gang placed. So
-        # is `lowest`, and `min`: calls, for each node of each gang.
+        # Roomiest first, ties by name: the rows walked in plain loops, as a generator
+        # left early is closed with an exception (a frame object and a traceback), at
+        # every gang placed; and without `lowest` or `min`, calls for each node.
         for row in reversed(buckets._names):
             for node in row:
                 if needed == 0:
