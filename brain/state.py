@@ -52,6 +52,7 @@ from schemas.nodes import NodeRecord, NodeState
 from schemas.state import (
     BlacklistChanged,
     BlacklistEntry,
+    BlamedFailure,
     BrainSnapshot,
     JobChanged,
     NodeChanged,
@@ -119,8 +120,8 @@ class BrainState:
     live_elastic: int = field(default=0, compare=False)
     # The latest infrastructure failures blamed on each node (`AttemptFailure.at_fault`),
     # oldest first, from the job records as they are applied: what the black-hole rule
-    # reads (brain/core/failures.py). Rebuilt from the jobs a snapshot holds, so a
-    # brain loaded from one may know fewer (those of jobs gone from memory).
+    # reads (brain/core/failures.py). Kept in snapshots, so a brain loaded from one
+    # knows those of jobs gone from memory too.
     node_failures: dict[str, deque[NodeFailure]] = field(default_factory=dict, compare=False)
     # What the finished jobs in memory asked, counted: the recent workload that sharing
     # placement weighs (`ClusterSnapshot.recent_asks`).
@@ -514,6 +515,14 @@ class BrainState:
         state.nodes = {node.name: node for node in snapshot.nodes}
         state.blacklist = {e.uri: e for e in snapshot.blacklist}
         state.input_failures = {uri: set(jobs) for uri, jobs in snapshot.input_failures.items()}
+        if snapshot.node_failures is not None:  # else as its jobs' records tell
+            state.node_failures = {
+                node: deque(
+                    (NodeFailure(f.at, f.job_id, f.reason) for f in failures),
+                    maxlen=NODE_FAILURES_KEPT,
+                )
+                for node, failures in snapshot.node_failures.items()
+            }
         return state
 
     def to_snapshot(self, *, taken_at: float, epoch: int) -> BrainSnapshot:
@@ -531,6 +540,10 @@ class BrainState:
             finished=tuple(self.finished),
             finished_away={state.value: n for state, n in self.finished_away.items()},
             keys_away=tuple((t, k, j) for (t, k), j in self.keys_away.items()),
+            node_failures={
+                node: tuple(BlamedFailure(at=f.at, job_id=f.job_id, reason=f.reason) for f in kept)
+                for node, kept in self.node_failures.items()
+            },
         )
 
     def job_for_key(self, tenant: str, key: str) -> JobRecord | None:

@@ -139,6 +139,16 @@ class BlacklistEntry(BaseModel):
     added_by: str
 
 
+class BlamedFailure(BaseModel):
+    """An infrastructure failure blamed on a node, as the black-hole rule keeps it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    at: float
+    job_id: str
+    reason: str
+
+
 class BlacklistChanged(Message):
     """The whole input blacklist after a change (last entry wins, like job records)."""
 
@@ -174,6 +184,10 @@ class BrainSnapshot(Message):
     finished: tuple[str, ...] = ()
     finished_away: dict[str, int] = Field(default_factory=dict)
     keys_away: tuple[tuple[str, str, str], ...] = ()
+    # The latest infrastructure failures blamed on each node, oldest first (what the
+    # black-hole rule reads; kept whether or not their jobs are still in memory). None
+    # in a snapshot from before they were kept: rebuilt from its jobs then.
+    node_failures: dict[str, tuple[BlamedFailure, ...]] | None = None
 
 
 SNAPSHOT_ENCODING: Final = "jsonl+zlib"

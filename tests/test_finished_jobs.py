@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+from brain.core.failures import NodeFailure
 from brain.core.model import Ask
 from brain.service import Brain
 from brain.state import FINISHED_KEPT, BrainState
@@ -28,7 +29,8 @@ from schemas.api import (
     StatusRequest,
     SubmitRequest,
 )
-from schemas.jobs import JobSpec, JobState
+from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
+from schemas.state import Cause, CauseKind, JobChanged
 from tests.statelog import append_records, finished_job_records, live_job_record
 
 JOBS = FINISHED_KEPT + 300
@@ -65,6 +67,56 @@ def test_a_brain_from_a_snapshot_holds_what_a_full_replay_holds() -> None:
     assert restored.keys_away == replayed.keys_away
     assert list(restored.service_samples) == list(replayed.service_samples)
     assert restored.snapshot().recent_asks == replayed.snapshot().recent_asks
+
+
+def failed_on(node: str, number: int, at: float) -> JobChanged:
+    """Job `number` failed for good by an infrastructure failure blamed on `node`."""
+    running = live_job_record(number, gpus=1, node=node)
+    failure = AttemptFailure(
+        attempt=1,
+        failure_class=FailureClass.INFRASTRUCTURE,
+        reason="NCCL watchdog timeout",
+        nodes=(node,),
+        at_fault=(node,),
+        at=at,
+    )
+    job = running.job.model_copy(
+        update={"state": JobState.FAILED, "finished_at": at, "failures": (failure,)}
+    )
+    cause = Cause(kind=CauseKind.EXITED, message="failed", job_id=job.job_id)
+    return running.model_copy(
+        update={
+            "record_id": f"failed-{number}",
+            "job": job,
+            "previous": JobState.RUNNING,
+            "cause": cause,
+        }
+    )
+
+
+def test_failures_blamed_on_a_node_outlive_their_jobs_across_a_snapshot() -> None:
+    # Two jobs failed on n7, then enough others finished that both left memory: the
+    # black-hole rule must still count them on a brain loaded from a snapshot.
+    replayed = BrainState()
+    for number, at in ((1, 100.0), (2, 500.0)):
+        replayed.apply(live_job_record(number, gpus=1, node="n7"), replayed.last_seq + 1)
+        replayed.apply(failed_on("n7", number, at), replayed.last_seq + 1)
+    folded(JOBS, first=3, into=replayed)
+    assert "1" not in replayed.jobs and "2" not in replayed.jobs
+    snapshot = replayed.to_snapshot(taken_at=1.0, epoch=1)
+
+    restored = BrainState.from_snapshot(snapshot)
+    assert (
+        list(restored.node_failures["n7"])
+        == list(replayed.node_failures["n7"])
+        == [
+            NodeFailure(100.0, "1", "NCCL watchdog timeout"),
+            NodeFailure(500.0, "2", "NCCL watchdog timeout"),
+        ]
+    )
+    # A snapshot from before they were kept has only its jobs to go by.
+    older = BrainState.from_snapshot(snapshot.model_copy(update={"node_failures": None}))
+    assert "n7" not in older.node_failures
 
 
 def test_the_recent_workload_is_what_the_finished_jobs_in_memory_asked() -> None:
