@@ -9,8 +9,9 @@ service spread over every LAS band; pending jobs, most of them new (no service: 
 outrank the long-running jobs under LAS and Gittins, which therefore preempt); three
 configured queues (two `train` with guarantees, one `build`) beside the unconfigured
 default. Each job's recorded LAS band matches its service, as the shell keeps it, so a
-cycle changes no band. Times `decide()` (the median of `--repeat` runs, wall clock and
-CPU time of the process: on a shared machine the CPU time is the steadier; a case whose
+cycle changes no band. Times `decide()` as the brain's pass calls it, with the cyclic
+collector paused until its decisions are freed (the median of `--repeat` runs, wall clock
+and CPU time of the process: on a shared machine the CPU time is the steadier; a case whose
 first run passes `--timeout` seconds is killed and reported as such) and, by turns with it,
 `decide(..., waits=False)` (CPU time: a pass that explains no one, as the simulator's every
 pass and most of the live brain's), counts its placements, preemptions and waits, prints a
@@ -58,7 +59,6 @@ if str(REPO) not in sys.path:
 from bench.recording import record  # noqa: E402
 from brain.core import (  # noqa: E402
     ClusterSnapshot,
-    Decisions,
     Grant,
     JobView,
     NodeView,
@@ -66,6 +66,7 @@ from brain.core import (  # noqa: E402
     QueueQuota,
     decide,
 )
+from brain.core.collector import collector_paused  # noqa: E402
 
 GPUS_PER_NODE: Final = 8
 NODES_PER_SWITCH: Final = 32
@@ -230,19 +231,21 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
     times: list[float] = []
     cpu: list[float] = []
     quiet: list[float] = []
-    decisions = Decisions()
+    counts = (0, 0, 0)
     for _ in range(repeat):
-        # The last run's decisions are freed before the clock starts, not in the
-        # assignment of the next: freeing 100,000 actions is not this decide's work.
-        del decisions
-        started, started_cpu = time.perf_counter(), time.process_time()
-        decisions = decide(snapshot, NOW, policy)
-        times.append(time.perf_counter() - started)
-        cpu.append(time.process_time() - started_cpu)
-        started_cpu = time.process_time()
-        quiet_decisions = decide(snapshot, NOW, policy, waits=False)
-        quiet.append(time.process_time() - started_cpu)
-        del quiet_decisions
+        # As the brain's pass calls it: the cyclic collector paused until the decisions
+        # are freed (brain/scheduler.py), which is not this decide's work either.
+        with collector_paused():
+            started, started_cpu = time.perf_counter(), time.process_time()
+            decisions = decide(snapshot, NOW, policy)
+            times.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - started_cpu)
+            counts = (len(decisions.placements), len(decisions.preemptions), len(decisions.waits))
+            del decisions
+            started_cpu = time.process_time()
+            quiet_decisions = decide(snapshot, NOW, policy, waits=False)
+            quiet.append(time.process_time() - started_cpu)
+            del quiet_decisions
     conn.send(  # type: ignore[attr-defined]
         Result(
             size.label,
@@ -254,9 +257,7 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
             statistics.median(times),
             statistics.median(cpu),
             statistics.median(quiet),
-            len(decisions.placements),
-            len(decisions.preemptions),
-            len(decisions.waits),
+            *counts,
             False,
         )
     )
@@ -337,9 +338,10 @@ def profile(case: str) -> None:
     order, _, label = case.partition("@")
     snapshot = build_snapshot(SIZES_BY_LABEL[label or "1k"])
     profiler = cProfile.Profile()
-    profiler.enable()
-    decide(snapshot, NOW, _policy(order))
-    profiler.disable()
+    with collector_paused():
+        profiler.enable()
+        decide(snapshot, NOW, _policy(order))
+        profiler.disable()
     stats = pstats.Stats(profiler)
     stats.sort_stats("cumulative").print_stats(25)
     stats.sort_stats("tottime").print_stats(15)
@@ -351,10 +353,12 @@ import sys
 sys.path.insert(0, sys.argv[1])
 from bench.decide_scale import NOW, SIZES_BY_LABEL, _policy, build_snapshot
 from brain.core import decide
+from brain.core.collector import collector_paused
 order, label, decides = sys.argv[2], sys.argv[3], int(sys.argv[4])
 snapshot, policy = build_snapshot(SIZES_BY_LABEL[label]), _policy(order)
 for _ in range(decides):
-    decide(snapshot, NOW, policy)
+    with collector_paused():
+        decide(snapshot, NOW, policy)
 """
 _REFS: Final = re.compile(r"I\s+refs:\s+([\d,]+)")
 

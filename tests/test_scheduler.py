@@ -5,6 +5,7 @@ makes the next pass due."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -425,6 +426,30 @@ async def test_a_slow_decide_runs_in_a_thread_to_the_same_effect() -> None:
     await scheduler.run_pass()
     assert shell.state.jobs["1"].state is JobState.RUNNING
     assert scheduler.last_decide_s < scheduling.DECIDE_IN_THREAD_AFTER_S * 2
+
+
+@pytest.mark.parametrize("in_thread", [False, True])
+async def test_the_collector_sleeps_through_a_pass_and_wakes_after_it(in_thread: bool) -> None:
+    """A pass's decisions are applied and freed with the cyclic collector paused, so
+    it never walks them; it runs again after the pass, and after one that failed."""
+    assert gc.isenabled()
+    shell = cluster("n1")
+    shell.add_job(1, gpus=2)
+    during: list[bool] = []
+    scheduler, _ = part(shell, decided=lambda decisions: during.append(gc.isenabled()))
+    if in_thread:
+        scheduler.last_decide_s = scheduling.DECIDE_IN_THREAD_AFTER_S * 2
+    await scheduler.run_pass()
+    assert during == [False] and gc.isenabled()
+    assert shell.state.jobs["1"].state is JobState.RUNNING
+
+    def fails(decisions: Decisions) -> None:
+        raise RuntimeError("an observer failed")
+
+    scheduler, _ = part(shell, decided=fails)
+    with pytest.raises(RuntimeError, match="an observer failed"):
+        await scheduler.run_pass()
+    assert gc.isenabled()
 
 
 async def test_a_submission_made_while_a_pass_plans_makes_the_next_one_prompt() -> None:

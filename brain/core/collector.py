@@ -1,8 +1,11 @@
 """Pausing Python's cyclic garbage collector around work that allocates many
-long-lived or acyclic objects (a decision cycle, loading the state log).
+long-lived or acyclic objects (a decision cycle and the pass that applies its
+decisions, loading the state log).
 
-The collector is process-wide: a pause here pauses it for every thread. What runs
-inside must create no reference cycles worth collecting, and should be short.
+The collector is process-wide: a pause here pauses it for every thread and task. What
+runs inside must create no reference cycles worth collecting, and should be bounded
+(a pass, a load); what it made and freed by then is never walked, what it made and
+kept is walked once, at the first collection after.
 """
 
 from __future__ import annotations

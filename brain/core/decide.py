@@ -1150,7 +1150,10 @@ def decide(
     a cycle allocates a few objects per job, nearly all freed by reference counting
     as it goes, and at 14,000 jobs the collections those allocations trigger
     (generation 2 walks the whole snapshot) were a third to a half of its time. It
-    creates no reference cycles, so nothing is left for the collector to find."""
+    creates no reference cycles, so nothing is left for the collector to find. The
+    decisions it returns are walked by the first collection after it, unless the
+    caller keeps the collector paused until it has freed them (the brain's pass
+    does: brain/scheduler.py)."""
     with collector_paused():
         decisions = _decide(snapshot, now, policy, waits, explain, ranking, ledger)
     if ledger is not None:
