@@ -269,29 +269,33 @@ NATS_CHECK_S: Final = 1.0
 async def _supervise_nats(servers: tuple[EmbeddedNats, ...], stopping: asyncio.Event) -> None:
     """Start again, on its port and store, a NATS server that exits, as a brain or an
     agent is (its clients reconnect; a cluster's member catches up with the others);
-    with the same back-off between tries."""
-    restarts = dict.fromkeys((server.port for server in servers), 0)
+    with the same back-off between tries. Each server on its own: one waiting out its
+    back-off, or slow to start, holds up no other."""
+    await asyncio.gather(*(_supervise_server(server, stopping) for server in servers))
+
+
+async def _supervise_server(server: EmbeddedNats, stopping: asyncio.Event) -> None:
+    name = server.name or "nats-server"
+    restarts = 0
     while not stopping.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopping.wait(), timeout=NATS_CHECK_S)
-        for server in servers:
-            code = server.exited()
-            if code is None or stopping.is_set():
-                continue
-            name = server.name or "nats-server"
-            restarts[server.port] += 1
-            delay = min(30.0, 2.0 ** min(restarts[server.port], 5))
-            print(f"alnair up: {name} exited with {code}; restarting in {delay:.0f}s", flush=True)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), timeout=delay)
-            if stopping.is_set():
-                return
-            try:
-                await server.restart()
-            except BusError as error:
-                print(f"alnair up: {name} did not start again: {error}", flush=True)
-            else:
-                print(f"alnair up: {name} is back on {server.url}", flush=True)
+        code = server.exited()
+        if code is None or stopping.is_set():
+            continue
+        restarts += 1
+        delay = min(30.0, 2.0 ** min(restarts, 5))
+        print(f"alnair up: {name} exited with {code}; restarting in {delay:.0f}s", flush=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), timeout=delay)
+        if stopping.is_set():
+            return
+        try:
+            await server.restart()
+        except BusError as error:
+            print(f"alnair up: {name} did not start again: {error}", flush=True)
+        else:
+            print(f"alnair up: {name} is back on {server.url}", flush=True)
 
 
 async def _terminate(children: list[Child], timeout_s: float) -> None:

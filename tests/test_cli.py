@@ -519,3 +519,38 @@ def test_up_refuses_a_port_that_is_none(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--port", "99999"])
     assert "'99999' is not a port (0..65535; 0: a free one)" in capsys.readouterr().err
+
+
+class _DeadServer:
+    """A NATS server of `alnair up` that has exited; `stuck` ones hang in restart."""
+
+    def __init__(self, name: str, *, stuck: bool) -> None:
+        self.name, self.port, self.url = name, 0, f"nats://{name}"
+        self.stuck, self.up, self.unstick = stuck, False, asyncio.Event()
+
+    def exited(self) -> int | None:
+        return None if self.up else -9
+
+    async def restart(self) -> None:
+        if self.stuck:
+            await self.unstick.wait()
+        self.up = True
+
+
+async def test_up_starts_each_dead_nats_server_again_on_its_own(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two servers of a local cluster exit: one that hangs as it starts holds up no
+    other's start."""
+    monkeypatch.setattr(up, "NATS_CHECK_S", 0.01)
+    stuck, other = _DeadServer("n1", stuck=True), _DeadServer("n2", stuck=False)
+    stopping = asyncio.Event()
+    supervisor = asyncio.ensure_future(up._supervise_nats((stuck, other), stopping))  # type: ignore[arg-type]
+    await eventually(lambda: other.up, timeout_s=30)
+    assert not stuck.up  # still starting
+    stuck.unstick.set()
+    await eventually(lambda: stuck.up, timeout_s=30)
+    stopping.set()
+    await asyncio.wait_for(supervisor, timeout=30)
+    out = capsys.readouterr().out
+    assert "n1 exited with -9; restarting in 2s" in out and "n2 is back on nats://n2" in out
