@@ -198,7 +198,7 @@ class Scheduler:
             )
         # A pass at scale decides on tens of thousands of jobs, each decision an object
         # the cyclic collector tracks (about 160,000 at 5,000 nodes): collected as they
-        # were made, the first allocation after decide() would walk them all, 8-10 % of
+        # were made, the first allocation after decide() would walk them all, 5-11 % of
         # its time. Paused until they are applied and freed (by reference counts: they
         # hold no cycles), the collector never sees them.
         with collector_paused():
