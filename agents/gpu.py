@@ -14,6 +14,7 @@ import re
 import shutil
 import tempfile
 import uuid
+import weakref
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -85,7 +86,15 @@ class SimulatedGpus:
 
     kind: Literal["sim"] = "sim"
 
-    def __init__(self, node: str, count: int, model: str, *, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        node: str,
+        count: int,
+        model: str,
+        *,
+        seed: int | None = None,
+        memory_dir: Path | None = None,
+    ) -> None:
         if model not in SIM_MODELS:
             raise GpuBackendError(
                 f"unknown simulated GPU model {model!r}; known: {', '.join(SIM_MODELS)}"
@@ -108,8 +117,16 @@ class SimulatedGpus:
         self._rng = random.Random(seed if seed is not None else zlib.crc32(node.encode()))
         self._ticks = 0
         # Where simulated jobs write the GPU memory they use (a file per pid, in MiB):
-        # a process on a simulated GPU allocates nothing there, so it says.
+        # a process on a simulated GPU allocates nothing there, so it says. Made when a
+        # job first needs it: `memory_dir` (the agent's own: what a killed agent left
+        # there is cleared now), else a temporary directory. Removed by `close`, and a
+        # temporary one also when the backend is collected or the process exits, so a
+        # backend nobody closed leaves nothing behind.
+        self._memory_root = memory_dir
         self._memory_dir: Path | None = None
+        self._remove_memory: weakref.finalize[[str, bool], SimulatedGpus] | None = None
+        if memory_dir is not None:
+            shutil.rmtree(memory_dir, ignore_errors=True)
 
     def inventory(self) -> tuple[GpuInfo, ...]:
         return self._gpus
@@ -121,7 +138,13 @@ class SimulatedGpus:
         if not gpus:
             return {}
         if self._memory_dir is None:
-            self._memory_dir = Path(tempfile.mkdtemp(prefix="alnair-sim-gpu-memory-"))
+            if self._memory_root is not None:
+                self._memory_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self._memory_dir = self._memory_root
+            else:
+                made = tempfile.mkdtemp(prefix="alnair-sim-gpu-memory-")
+                self._memory_dir = Path(made)
+                self._remove_memory = weakref.finalize(self, shutil.rmtree, made, True)
         where = self._memory_dir / f"gpu{gpus[0]}"
         where.mkdir(exist_ok=True)
         return {SIM_GPU_MEMORY_ENV: str(where)}
@@ -198,6 +221,9 @@ class SimulatedGpus:
         )
 
     def close(self) -> None:
+        if self._remove_memory is not None:
+            self._remove_memory.detach()
+            self._remove_memory = None
         if self._memory_dir is not None:
             shutil.rmtree(self._memory_dir, ignore_errors=True)
             self._memory_dir = None
@@ -333,8 +359,9 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def open_backend(spec: str, *, node: str) -> GpuBackend:
-    """`nvml` or `sim:<count>x<model>`; errors say what was wrong with the spec."""
+def open_backend(spec: str, *, node: str, data_dir: Path | None = None) -> GpuBackend:
+    """`nvml` or `sim:<count>x<model>`; errors say what was wrong with the spec.
+    Simulated GPUs keep what their jobs say they use under `data_dir` (the agent's)."""
     if spec == "nvml":
         return NvmlGpus()
     match = _SIM_SPEC.match(spec)
@@ -342,7 +369,8 @@ def open_backend(spec: str, *, node: str) -> GpuBackend:
         raise GpuBackendError(
             f"--gpus must be 'nvml' or 'sim:<count>x<model>' (e.g. sim:8xH100), not {spec!r}"
         )
-    return SimulatedGpus(node, int(match["count"]), match["model"])
+    memory_dir = data_dir / "sim-gpu-memory" if data_dir is not None else None
+    return SimulatedGpus(node, int(match["count"]), match["model"], memory_dir=memory_dir)
 
 
 def probe_nvml() -> tuple[int, str]:

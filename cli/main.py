@@ -819,9 +819,9 @@ async def cmd_agent(args: argparse.Namespace) -> int:
     from bus.client import Bus, ConnectOptions
 
     check_name("node", args.node)
-    backend = open_backend(args.gpus, node=args.node)
-    servers = resolve_nats(args.nats)
     data_dir = Path(args.data_dir) if args.data_dir else alnair_home() / "agents" / args.node
+    backend = open_backend(args.gpus, node=args.node, data_dir=data_dir)
+    servers = resolve_nats(args.nats)
     config = AgentConfig(
         node=args.node,
         data_dir=data_dir,

@@ -139,6 +139,7 @@ async def agent_factory(
         for agent in reversed(agents):
             with contextlib.suppress(Exception):
                 await agent.stop(stop_jobs=True)
+            agent.backend.close()
         for pid in orphans:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ not another's."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pwd
 import shutil
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from agents.agent import Agent, AgentConfig
-from agents.gpu import SimulatedGpus
+from agents.gpu import SIM_GPU_MEMORY_ENV, SimulatedGpus, open_backend
 from agents.mps import Accounted, MpsDaemons, MpsError, ShareUser, out_of_reach, share_env
 from brain.core.decide import Policy
 from cli.client import submit
@@ -176,6 +177,30 @@ async def test_simulated_gpus_are_accounted_not_enforced(caplog: pytest.LogCaptu
     with pytest.raises(MpsError, match="one Unix user at a time"):
         await accounted.prepare(0, "GPU-x", other, alone=False)
     await accounted.prepare(0, "GPU-x", other, alone=True)
+
+
+def test_simulated_gpus_leave_no_memory_directory_behind(tmp_path: Path) -> None:
+    """Where simulated jobs say what memory they use: a temporary directory removed
+    by `close`, or when a backend nobody closed is collected; or the agent's own,
+    cleared of what a killed agent left there."""
+    for closes in (True, False):
+        gpus = SimulatedGpus("n1", 2, "H100")
+        made = Path(gpus.job_env((0,))[SIM_GPU_MEMORY_ENV]).parent
+        assert made.is_dir()
+        if closes:
+            gpus.close()
+        del gpus
+        gc.collect()
+        assert not made.exists()
+
+    own = tmp_path / "sim-gpu-memory"
+    (own / "gpu0").mkdir(parents=True)
+    (own / "gpu0" / "123456").write_text("500")  # a process gone with a killed agent
+    gpus = open_backend("sim:2xH100", node="n1", data_dir=tmp_path)
+    assert not own.exists()
+    assert gpus.job_env((1,)) == {SIM_GPU_MEMORY_ENV: str(own / "gpu1")}
+    gpus.close()
+    assert not own.exists()
 
 
 USER_A = ShareUser("a", 60_001, 60_001)

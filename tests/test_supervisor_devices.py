@@ -4,13 +4,16 @@ and sheds of lost nodes, one superseding another."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
+
+import pytest
 
 from schemas.commands import Resize
 from schemas.jobs import NodeGpus
 from tests.conftest import eventually
 from workloads import devices
-from workloads.supervisor import Supervisor, SupervisorConfig
+from workloads.supervisor import Supervisor, SupervisorConfig, parse_args, run
 
 
 def supervisor_of(tmp_path: Path, np: int, **config: object) -> Supervisor:
@@ -76,3 +79,22 @@ async def test_a_shed_of_more_lost_nodes_supersedes_the_one_before(tmp_path: Pat
     assert supervisor.slots == 2
     for task in list(supervisor._tasks):
         task.cancel()
+
+
+async def test_a_supervisor_removes_the_work_directory_it_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without `--work-dir` a supervisor makes its own (host list, GPU claims), and
+    removes it when it ends; one it was given is left as it is."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(Supervisor, "horovodrun_command", lambda self: ["true"])
+    sizes = ["--job-id", "7", "--np", "1", "--min-np", "1", "--max-np", "1"]
+    made = parse_args([*sizes, "--", "train"])
+    assert made.own_work_dir and made.work_dir.parent == tmp_path
+    assert await run(made) == 0
+    assert not made.work_dir.exists()
+
+    given = parse_args([*sizes, f"--work-dir={tmp_path / 'mine'}", "--", "train"])
+    assert not given.own_work_dir
+    assert await run(given) == 0
+    assert (tmp_path / "mine" / "hosts").exists()

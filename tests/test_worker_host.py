@@ -28,8 +28,11 @@ SECRET = "the-attempts-secret"
 
 @pytest.fixture
 def worker_host(nats_server: object, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    scratch = tmp_path / "tmp"  # where it makes its work directory
+    scratch.mkdir()
     env = {
         **os.environ,
+        "TMPDIR": str(scratch),
         "ALNAIR_JOB_ID": "wh1",
         "ALNAIR_NODE": "n2",
         "ALNAIR_NATS": nats_server.url,  # type: ignore[attr-defined]
@@ -47,6 +50,8 @@ def worker_host(nats_server: object, tmp_path: Path) -> Iterator[subprocess.Pope
     yield host
     host.terminate()
     host.wait(timeout=30)
+    if host.returncode == 0:  # stopped, not killed: its work directory went with it
+        assert not list(scratch.iterdir())
 
 
 async def ask(bus: Bus, request: ExecRequest) -> ExecState | None:

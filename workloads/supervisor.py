@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -103,6 +104,8 @@ class SupervisorConfig:
     # The job's GPUs at launch (the agent's CUDA_VISIBLE_DEVICES); empty: no device
     # map, workers see whatever the environment says.
     gpus: tuple[int, ...] = ()
+    # `work_dir` was made for this supervisor (no `--work-dir`): removed when it ends.
+    own_work_dir: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_np <= self.np <= self.max_np:
@@ -738,6 +741,7 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
         parser.error("--job-id (or ALNAIR_JOB_ID) is required")
     # Job ids repeat across clusters (and a retried attempt may overlap a dying one):
     # a fresh directory per supervisor, never one named by the job id alone.
+    own_work_dir = args.work_dir is None
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix=f"alnair-{args.job_id}-"))
     return SupervisorConfig(
         job_id=args.job_id,
@@ -754,6 +758,7 @@ def parse_args(argv: Sequence[str]) -> SupervisorConfig:
         progress_interval_s=args.progress_interval,
         gpus=devices.launch_gpus(),
         remote=tuple(remote),
+        own_work_dir=own_work_dir,
     )
 
 
@@ -781,6 +786,8 @@ async def run(config: SupervisorConfig) -> int:
         if bus is not None:
             with contextlib.suppress(Exception):
                 await bus.close()
+        if config.own_work_dir:
+            shutil.rmtree(config.work_dir, ignore_errors=True)
     if code != 0 and supervisor.first_error is not None:
         # The log's last line is what the brain shows as the failure's reason.
         print(

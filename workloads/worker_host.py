@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -249,6 +250,7 @@ async def run() -> int:
         await host.stop()
         with contextlib.suppress(Exception):
             await bus.close()
+        shutil.rmtree(work_dir, ignore_errors=True)
     return 0
 
 
