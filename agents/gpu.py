@@ -122,8 +122,7 @@ class SimulatedGpus:
         # there is cleared now), else a temporary directory. Removed by `close`, and a
         # temporary one also when the backend is collected or the process exits, so a
         # backend nobody closed leaves nothing behind.
-        self._memory_root = memory_dir
-        self._memory_dir: Path | None = None
+        self._memory_dir = memory_dir
         self._remove_memory: weakref.finalize[[str, bool], SimulatedGpus] | None = None
         if memory_dir is not None:
             shutil.rmtree(memory_dir, ignore_errors=True)
@@ -138,13 +137,11 @@ class SimulatedGpus:
         if not gpus:
             return {}
         if self._memory_dir is None:
-            if self._memory_root is not None:
-                self._memory_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-                self._memory_dir = self._memory_root
-            else:
-                made = tempfile.mkdtemp(prefix="alnair-sim-gpu-memory-")
-                self._memory_dir = Path(made)
-                self._remove_memory = weakref.finalize(self, shutil.rmtree, made, True)
+            made = tempfile.mkdtemp(prefix="alnair-sim-gpu-memory-")
+            self._memory_dir = Path(made)
+            self._remove_memory = weakref.finalize(self, shutil.rmtree, made, True)
+        else:
+            self._memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         where = self._memory_dir / f"gpu{gpus[0]}"
         where.mkdir(exist_ok=True)
         return {SIM_GPU_MEMORY_ENV: str(where)}

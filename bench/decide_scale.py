@@ -24,8 +24,9 @@ scale all three by 5 and 20.
 by cumulative and by own time instead.
 
 `--instructions ORDER@SIZE ...` counts instead what one decide executes, with valgrind's
-cachegrind: the instructions of a process that builds the snapshot and decides once, less
-those of one that only builds it (`PYTHONHASHSEED=0`). The count does not move with what
+cachegrind: the instructions of a process that builds the snapshot and decides once (as
+the pass calls it, the decisions freed before the collector runs again), less those of one
+that only builds it (`PYTHONHASHSEED=0`). The count does not move with what
 else the machine runs, as the times do; `--before DIR` counts the same cases in another
 checkout in the same run and prints the ratio. The same code counts a few per cent apart
 from one directory to another (the paths are strings the interpreter hashes and stores):
