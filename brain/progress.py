@@ -7,11 +7,15 @@ the mean's relative standard error once `MIN_REPORTS` came, so that the policy d
 nothing on a difference within the noise), the fraction of its steps done and how fast
 that grows (for jobs that say how many steps they mean to take), and whether the
 supervisor of its current run has spoken yet (it listens for Resize commands before its
-workers start, so a report means a resize will be heard). The brain passes these into
-the snapshot, as it does utilisation profiles.
+workers start, so a report means a resize will be heard). And, across jobs, how wrong
+their reports turned out to be (`errors`): each job that succeeded after reporting a
+rate ran for some multiple of the total that rate implied (`BeliefErrors`, which
+`progress-gittins` weighs beliefs by). The brain passes these into the snapshot, as it
+does utilisation profiles.
 
 None of it is in the STATE log: reports are lossy and frequent, and a new leader learns
-them again from the next ones. It never changes the brain's state.
+them again from the next ones (the errors from the next jobs to finish: until then it
+ranks by the prior). It never changes the brain's state.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
+from brain.core import BeliefErrors
 from brain.core.model import Measured
 from schemas.jobs import JobState
 from schemas.progress import Progress
@@ -96,6 +101,7 @@ def _blend(old: float | None, new: float) -> float:
 class ProgressTracker:
     def __init__(self) -> None:
         self._jobs: dict[str, _Track] = {}
+        self.errors = BeliefErrors()
 
     def observe(self, report: Progress) -> bool:
         """Fold in one report; True when it tells the policy something new (the job's
@@ -146,12 +152,18 @@ class ProgressTracker:
         self._jobs.pop(job_id, None)
 
     def on_record(self, record: StateRecord, seq: int) -> None:
-        """A record observer: a new run has not reported yet; an ended job is forgotten.
-        Throughput per size outlives a run (the job's code and data are the same)."""
+        """A record observer: a new run has not reported yet; an ended job is forgotten,
+        and one that succeeded after reporting its rate of progress teaches how far such
+        rates are off. Throughput per size outlives a run (the job's code and data are
+        the same)."""
         if not isinstance(record, JobChanged):
             return
         job = record.job
         if job.state.terminal:
+            track = self._jobs.get(job.job_id)
+            if job.state is JobState.SUCCEEDED and track is not None and track.rate_per_s:
+                # Only a success ran its whole work; a failed or cancelled run did not.
+                self.errors.learn(job.executed_seconds, track.rate_per_s)
             self.forget(job.job_id)
             return
         track = self._jobs.get(job.job_id)

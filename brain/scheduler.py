@@ -125,9 +125,11 @@ class Scheduler:
         monotonic: Clock,
         profiles: Callable[[], Mapping[str, UtilizationProfile]] = dict,
         progress: Callable[[], Mapping[str, ObservedProgress]] = dict,
+        errors: Callable[[], ServiceDistribution | None] = lambda: None,
         decided: Callable[[Decisions], None] = lambda decisions: None,
     ) -> None:
-        """`decided` is told each pass's decisions, before they are applied."""
+        """`progress` and `errors` are what jobs' progress reports told (brain/progress.py);
+        `decided` is told each pass's decisions, before they are applied."""
         self._state = state
         self._writes = writes
         self._requeues = requeues
@@ -137,6 +139,7 @@ class Scheduler:
         self._monotonic = monotonic
         self._profiles = profiles
         self._progress = progress
+        self._errors = errors
         self._decided = decided
         # State changed since the last pass began: one more pass is due.
         self.dirty = True
@@ -195,6 +198,9 @@ class Scheduler:
                 else None,
                 running_service=self._reads_running_service(state),
                 by_class=reads(settings.policy.order, "class_distribution"),
+                error_distribution=self._errors()
+                if reads(settings.policy.order, "progress_error")
+                else None,
             )
         # A pass at scale decides on tens of thousands of jobs, each decision an object
         # the cyclic collector tracks (about 160,000 at 5,000 nodes): collected as they

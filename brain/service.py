@@ -382,6 +382,7 @@ class Brain:
             monotonic=monotonic,
             profiles=lambda: self.profiles.current(refresh=False),
             progress=self.progress.current,
+            errors=lambda: self.progress.errors.view,
             decided=lambda decisions: self._notify(self.decision_observers, decisions),
         )
         self.submissions = Submissions(

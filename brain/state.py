@@ -642,6 +642,7 @@ class BrainState:
         progress: Mapping[str, ObservedProgress] | None = None,
         running_service: bool = True,
         by_class: bool = False,
+        error_distribution: ServiceDistribution | None = None,
     ) -> ClusterSnapshot:
         """The frozen view `decide` sees; `profiles` (job id -> profile) come from the
         brain's telemetry, which the log does not hold; `now` adds the current run to
@@ -649,7 +650,9 @@ class BrainState:
         prior: no learned distribution, for the orders that do not read it);
         `progress` (job id -> what its reports said) comes from its supervisor;
         `by_class`: the distribution of each size class too (`service_by_class`, for the
-        orders that read it), which needs `service_prior` and `now`.
+        orders that read it), which needs `service_prior` and `now`;
+        `error_distribution`: how far finished jobs' progress reports were off
+        (brain/progress.py), for the orders that read it.
 
         `running_service` False: running jobs' service and run time are as of their
         records (for a policy that reads neither), so their views are reused from pass
@@ -679,6 +682,7 @@ class BrainState:
                 if by_class and service_prior is not None and now is not None
                 else None
             ),
+            error_distribution=error_distribution,
         )
 
     def _running_job_views(

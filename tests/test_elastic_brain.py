@@ -57,6 +57,7 @@ from schemas.state import CauseKind, JobChanged, NodeEventRecorded, StateRecord
 from schemas.telemetry import GpuInfo, Heartbeat
 from tests.conftest import elastic_train_spec, eventually
 from tests.httpkit import api_factory
+from tests.statelog import live_job_record
 
 REPO = Path(__file__).resolve().parent.parent
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
@@ -822,6 +823,41 @@ def test_progress_tracker_prefers_goodput_from_a_job_that_adapts_its_batch() -> 
     # Goodput where reported (a bigger batch's samples are worth less), else samples/s.
     seen = tracker.current()["8"].throughput
     assert [(p.size, p.rate) for p in seen] == [(2, 300.0), (4, 2000.0)]
+
+
+def test_progress_tracker_learns_how_far_a_succeeded_jobs_reports_were_off() -> None:
+    """A job that succeeded after reporting its rate of progress ran some multiple of
+    the total that rate implied: what `progress-gittins` weighs the next beliefs by. A
+    failed or cancelled run, or one that never reported a rate, teaches nothing."""
+    tracker = ProgressTracker()
+
+    def reported(job_id: str, *, steps_a_second: int) -> None:
+        for ts in (1.0, 2.0):
+            tracker.observe(
+                Progress(
+                    job_id=job_id,
+                    ts=ts,
+                    step=int(ts) * steps_a_second,
+                    world_size=1,
+                    samples_per_s=10.0,
+                    loss=0.1,
+                    slots=1,
+                    total_steps=1000,
+                )
+            )
+
+    def ended(job_id: str, state: JobState, executed_s: float) -> JobChanged:
+        record = live_job_record(int(job_id), gpus=1, node="n1")
+        job = record.job.model_copy(update={"state": state, "executed_seconds": executed_s})
+        return record.model_copy(update={"job": job})
+
+    reported("1", steps_a_second=10)  # 1/100 of its work a second: 100 s in all
+    tracker.on_record(ended("1", JobState.SUCCEEDED, 250.0), 1)
+    assert tracker.errors.latest == pytest.approx((2.5,))
+    reported("2", steps_a_second=10)
+    tracker.on_record(ended("2", JobState.FAILED, 50.0), 2)
+    tracker.on_record(ended("3", JobState.SUCCEEDED, 50.0), 3)  # never reported
+    assert tracker.errors.learned == 1 and tracker.current() == {}
 
 
 @contextlib.asynccontextmanager

@@ -4,13 +4,19 @@ service, LAS bands, and preemption applied to real processes."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+import pytest
 
 from brain.core import ClusterSnapshot, Policy
 from brain.state import BrainState
+from bus.client import Bus
 from cli import why as why_cli
+from schemas import subjects
 from schemas.api import JobReply, SubmitRequest, WhyReply, WhyRequest
 from schemas.jobs import JobSpec, JobState
+from schemas.progress import Progress
 from schemas.state import CauseKind
 from tests.conftest import eventually
 
@@ -171,3 +177,38 @@ async def test_gittins_learns_finished_jobs_service_and_a_standby_rebuilds_it(
     assert list(standby.state.service_samples) == list(brain.state.service_samples)
     rebuilt = standby.state.snapshot().service_distribution
     assert rebuilt is not None and rebuilt.values == learned.values
+
+
+async def test_the_brain_learns_how_far_succeeded_jobs_progress_reports_were_off(
+    brain_factory, agent_factory, connect: Callable[[str], Awaitable[Bus]]
+) -> None:
+    """As the simulator does: a job that succeeds after reporting its rate of progress
+    teaches how far such reports are off, which `progress-gittins` reads."""
+    brain = await brain_factory(policy=Policy(order="progress-gittins"))
+    agent = await agent_factory("n1", gpus=1)
+    supervisor = await connect("supervisor")
+    await eventually(lambda: brain.state.nodes)
+    spec = JobSpec(command=(sys.executable, "-c", "import time; time.sleep(1.5)"), gpus=1)
+    submitted = await brain.api.handle("default", SubmitRequest(spec=spec))
+    assert isinstance(submitted, JobReply)
+    job_id = submitted.job.job_id
+    await eventually(lambda: agent.launcher.find(job_id))
+    # Its reports: a hundredth of its work a second, so 100 s in all.
+    for step, ts in ((10, 1.0), (20, 2.0)):
+        report = Progress(
+            job_id=job_id,
+            ts=ts,
+            step=step,
+            world_size=1,
+            samples_per_s=10.0,
+            loss=0.1,
+            slots=1,
+            total_steps=1000,
+        )
+        await supervisor.publish(subjects.job(job_id, "progress"), report)
+    await eventually(lambda: brain.progress.current().get(job_id))
+    job = await eventually(
+        lambda: (j := brain.state.jobs[job_id]).state is JobState.SUCCEEDED and j
+    )
+    assert brain.progress.errors.latest == pytest.approx((job.executed_seconds / 100.0,))
+    assert job.executed_seconds >= 1.5

@@ -4,6 +4,7 @@ job's size class, and the exact Gittins index). Table-driven; no bus."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from brain.core import (
     DEFAULT_ERROR_PRIOR,
     ORDERINGS,
+    BeliefErrors,
     ClusterSnapshot,
     Grant,
     JobView,
@@ -20,7 +22,7 @@ from brain.core import (
     decide,
     reads,
 )
-from brain.core.distribution import ServiceByClass, gpu_class
+from brain.core.distribution import ERROR_POINTS, ServiceByClass, gpu_class
 from brain.core.ordering import OrderContext
 from brain.sim import SimConfig, parse_cluster, simulate
 from brain.sim.trace import TraceJob
@@ -250,6 +252,38 @@ def test_decide_hands_the_order_what_the_snapshot_learned() -> None:
     assert {p.job_id for p in decisions.placements} == {"mid"}
     exact = replace(snapshot, error_distribution=EXACT)
     assert decide(exact, 1000.0, Policy(order="progress-gittins")).preemptions == ()
+
+
+def test_belief_errors_learn_what_finished_jobs_were_off_by() -> None:
+    errors = BeliefErrors(keep=3)
+    assert errors.view is DEFAULT_ERROR_PRIOR and errors.learned == 0
+    # Ran 200 s; its reports said a hundredth of the work a second: off by 2x.
+    errors.learn(200.0, 0.01)
+    assert errors.latest == (2.0,) and errors.learned == 1
+    assert 2.0 in errors.view.values
+    assert errors.view.cumulative_weight[-1] == pytest.approx(
+        DEFAULT_ERROR_PRIOR.cumulative_weight[-1] + 1.0
+    )
+    # No run, or no rate: nothing learned.
+    for executed_s, rate in ((0.0, 0.01), (200.0, 0.0), (200.0, math.inf)):
+        errors.learn(executed_s, rate)
+    assert errors.learned == 1
+    # The latest `keep` to twice as many: past 6, built again from the latest 3.
+    for ratio in (1.0, 3.0, 0.5, 1.5, 4.0):
+        errors.learn(100.0, ratio / 100.0)
+    assert errors.learned == 6
+    errors.learn(100.0, 0.025)
+    assert errors.latest == pytest.approx((1.5, 4.0, 2.5)) and errors.learned == 3
+    assert len(errors.view.values) == len(DEFAULT_ERROR_PRIOR.values) + 3
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        BeliefErrors(keep=0)
+
+
+def test_belief_errors_are_compressed_for_the_order() -> None:
+    errors = BeliefErrors()
+    for i in range(1, 1001):
+        errors.learn(100.0, i / 1000.0)
+    assert len(errors.view.values) <= ERROR_POINTS < errors.learned
 
 
 def test_the_error_prior_is_centred_on_right() -> None:

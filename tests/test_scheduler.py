@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pytest
@@ -39,6 +39,7 @@ from brain.core import (
     decide,
 )
 from brain.core.failures import DEFAULT_FAILURE_POLICY
+from brain.progress import ObservedProgress
 from brain.scheduler import Scheduler, still_holds
 from brain.state import accounted
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
@@ -78,6 +79,9 @@ def part(
     policy: Policy = DEFAULT_POLICY,
     resizes: Resizes | None = None,
     decided: Callable[[Decisions], None] = lambda decisions: None,
+    *,
+    progress: Mapping[str, ObservedProgress] | None = None,
+    errors: ServiceDistribution | None = None,
 ) -> tuple[Scheduler, Monotonic]:
     monotonic = Monotonic()
     attempts = Attempts(
@@ -91,6 +95,8 @@ def part(
         Settings(policy=policy),
         clock=shell.clock,
         monotonic=monotonic,
+        progress=lambda: progress or {},
+        errors=lambda: errors,
         decided=decided,
     )
     return scheduler, monotonic
@@ -450,6 +456,40 @@ async def test_the_collector_sleeps_through_a_pass_and_wakes_after_it(in_thread:
     with pytest.raises(RuntimeError, match="an observer failed"):
         await scheduler.run_pass()
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize(
+    ("ratios", "preempted"),
+    [
+        # Finished jobs ran half or twice what their reports implied: job 1, 900 s into
+        # the 1,000 it believes, has shown it needs 2,000 (1,100 to go); job 2, 400 s
+        # in, is likely done at 500. It goes first.
+        ((0.5, 2.0), True),
+        # They ran what they implied: job 1 has 100 s to go, job 2 600.
+        ((1.0,) * 20, False),
+    ],
+)
+async def test_a_pass_weighs_beliefs_by_what_finished_jobs_were_off_by(
+    ratios: tuple[float, ...], preempted: bool
+) -> None:
+    """Under `progress-gittins` the pass hands decide() the errors the brain learned
+    from finished jobs' reports (brain/progress.py), not the prior."""
+    shell = cluster("n1", gpus=1)
+    shell.add_job(1, node="n1")
+    shell.add_job(2)
+    believed = 1 / 1000.0
+    scheduler, _ = part(
+        shell,
+        Policy(order="progress-gittins"),
+        progress={
+            "1": ObservedProgress(progress_fraction=0.9, progress_rate_per_s=believed),
+            "2": ObservedProgress(progress_fraction=0.4, progress_rate_per_s=believed),
+        },
+        errors=ServiceDistribution.from_samples(ratios),
+    )
+    await scheduler.run_pass()
+    assert (shell.state.jobs["1"].state is JobState.PENDING) is preempted
+    assert (shell.state.jobs["2"].state is JobState.RUNNING) is preempted
 
 
 async def test_a_submission_made_while_a_pass_plans_makes_the_next_one_prompt() -> None:

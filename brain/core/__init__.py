@@ -4,6 +4,7 @@ from brain.core.decide import DEFAULT_POLICY, InvalidPolicy, Policy, UnknownPlug
 from brain.core.distribution import (
     DEFAULT_ERROR_PRIOR,
     DEFAULT_SERVICE_PRIOR,
+    BeliefErrors,
     ServiceDistribution,
 )
 from brain.core.elastic import ELASTICITIES
@@ -69,6 +70,7 @@ __all__ = [
     "AtFixedQuota",
     "BackingOff",
     "BandCrossed",
+    "BeliefErrors",
     "ClusterSnapshot",
     "Decisions",
     "Evacuated",

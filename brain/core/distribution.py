@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import add
+from typing import Final
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,3 +388,54 @@ NO_SAMPLES = ServiceDistribution((), (), ())
 # reports' step / total steps): a weak prior, log-uniform from a quarter to four
 # times, that the ratios of finished jobs soon outweigh.
 DEFAULT_ERROR_PRIOR = ServiceDistribution.log_uniform_prior(0.25, 4.0, points=16, total_weight=4.0)
+# What `progress-gittins` reads of the learned errors: compressed to this many samples
+# (each job's rank is linear in them).
+ERROR_POINTS: Final = 64
+# The latest finished jobs' errors learned from (`BeliefErrors`): memory stays bounded
+# and the distribution follows the jobs the cluster runs now.
+ERROR_SAMPLES: Final = 10_000
+
+
+class BeliefErrors:
+    """What finished jobs' progress reports turned out to be off by, learned online on
+    `DEFAULT_ERROR_PRIOR`, as the live brain (brain/progress.py) and the simulator both
+    learn it. A job's error is the time it ran over the total its reports implied: they
+    said a fraction `rate_per_s` of the work was done each second, so the whole would
+    take 1 / rate. `view` is what `progress-gittins` ranks by
+    (`ClusterSnapshot.error_distribution`).
+
+    Kept: the latest `keep` errors to twice as many. Each is added to the distribution
+    as it comes (linear in the samples, in C); once it holds twice `keep`, it is built
+    again from the latest `keep` alone."""
+
+    def __init__(self, keep: int = ERROR_SAMPLES) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        self._keep = keep
+        self._latest: deque[float] = deque(maxlen=keep)
+        self._learned = DEFAULT_ERROR_PRIOR
+        self.view = DEFAULT_ERROR_PRIOR
+
+    def learn(self, executed_s: float, rate_per_s: float) -> None:
+        """A job finished after running `executed_s` seconds; its reports last said it
+        did `rate_per_s` of its work a second. A ratio that is not a positive number
+        (no run, no rate) teaches nothing."""
+        ratio = executed_s * rate_per_s
+        if not (ratio > 0.0 and math.isfinite(ratio)):
+            return
+        self._latest.append(ratio)
+        if self._learned.observed >= 2 * self._keep:
+            self._learned = DEFAULT_ERROR_PRIOR.with_samples(self._latest)
+        else:
+            self._learned = self._learned.with_sample(ratio)
+        self.view = self._learned.compressed(ERROR_POINTS)
+
+    @property
+    def learned(self) -> int:
+        """How many finished jobs' errors the distribution holds."""
+        return self._learned.observed
+
+    @property
+    def latest(self) -> tuple[float, ...]:
+        """The latest errors learned, oldest first (`keep` at most)."""
+        return tuple(self._latest)

@@ -28,9 +28,9 @@ from enum import Enum
 from typing import Protocol, cast, runtime_checkable
 
 from brain.core import (
-    DEFAULT_ERROR_PRIOR,
     DEFAULT_SERVICE_PRIOR,
     ELASTICITIES,
+    BeliefErrors,
     ClusterSnapshot,
     Decisions,
     Grant,
@@ -56,9 +56,6 @@ from schemas.errors import AlnairError
 
 # Work left below this many seconds is done: time is floating point.
 _DONE_EPSILON = 1e-6
-# The learned progress-error distribution is handed to the order compressed to this
-# many samples: each job's rank is linear in them.
-ERROR_POINTS = 64
 ProgressCallback = Callable[[int, int], None]
 
 
@@ -329,11 +326,9 @@ class _Replay:
     learned_by_class: dict[int, ServiceDistribution] = field(default_factory=dict)
     service_by_class: ServiceByClass | None = None
     # For an order that reads `progress_error`: every finished job's actual total over
-    # the total its progress reports believed, on a weak prior, and the compressed
-    # copy the order ranks by (`ERROR_POINTS` samples at most).
+    # the total its progress reports believed, learned as the live brain learns it.
     learn_error: bool = False
-    errors: ServiceDistribution = DEFAULT_ERROR_PRIOR
-    error_view: ServiceDistribution = DEFAULT_ERROR_PRIOR
+    errors: BeliefErrors = field(default_factory=BeliefErrors)
     # The scaling model's speed may change as work goes on (`CurvedScaling`): asked
     # once, as a runtime Protocol check is slow and a start asks it every time.
     curved: bool = False
@@ -403,11 +398,8 @@ class _Replay:
             job.service = job.service.ended(self.now)
             self.finished += 1
             if self.learn_error and job.spec.duration_s > 0:
-                # What a shell sees: the run time over the total its reports implied.
-                self.errors = self.errors.with_sample(
-                    job.service.executed_s * self._progress_rate(job)
-                )
-                self.error_view = self.errors.compressed(ERROR_POINTS)
+                # What a shell sees: the run time, and the rate its reports showed.
+                self.errors.learn(job.service.executed_s, self._progress_rate(job))
             if self.learn_service:
                 # Learn the service distribution online, as the live brain does.
                 self.learned = self.learned.with_sample(job.service.attained_gpu_s)
@@ -499,7 +491,7 @@ class _Replay:
             running=tuple(self._view(job) for job in self.running.values()),
             queues=self.config.queues,
             service_distribution=self.distribution,
-            error_distribution=self.error_view if self.learn_error else None,
+            error_distribution=self.errors.view if self.learn_error else None,
             service_by_class=self.service_by_class,
         )
 
