@@ -18,6 +18,7 @@ from cli import format as fmt
 from cli.arguments import whole_number
 from cli.client import call
 from schemas.api import WHY_RESULT, WhyEntry, WhyReply, WhyRequest
+from schemas.jobs import JobState
 from schemas.state import CauseKind
 
 WithBus = Callable[[argparse.Namespace, Callable[[Any], Awaitable[int]]], Awaitable[int]]
@@ -73,6 +74,11 @@ def _summary(reply: WhyReply) -> list[str]:
     if spec.elastic:
         low, high = spec.gpu_range
         size = f"elastic {low}..{high} GPUs"
+        # The header says what it asked to start at; the policy may have moved it since.
+        if job.state is JobState.RUNNING:
+            size += f", on {sum(len(g.gpus) for g in job.grants if not g.exited)} now"
+        elif job.state.terminal and job.grants:
+            size += f", on {sum(len(g.gpus) for g in job.grants)} at the end"
         if job.pinned_gpus is None:
             hints.append(f"{size}, sized by the policy")
         else:

@@ -329,6 +329,31 @@ def test_why_says_what_the_job_asked_for(fields: dict[str, object], says: str) -
 
 
 @pytest.mark.parametrize(
+    ("state", "grants", "says"),
+    [
+        (JobState.PENDING, (), "elastic 1..4 GPUs, sized by the policy"),
+        (JobState.RUNNING, ((0, 1, 2), (0,)), "elastic 1..4 GPUs, on 4 now, sized by the policy"),
+        (JobState.SUCCEEDED, ((0, 1, 2),), "elastic 1..4 GPUs, on 3 at the end, sized by"),
+    ],
+)
+def test_why_says_how_many_gpus_an_elastic_job_holds_beside_what_it_asked(
+    state: JobState, grants: tuple[tuple[int, ...], ...], says: str
+) -> None:
+    job = JobRecord(
+        job_id="4",
+        tenant="default",
+        spec=JobSpec(command=("sleep", "30"), gpus=2, elastic=True, min_gpus=1, max_gpus=4),
+        state=state,
+        submitted_at=0.0,
+        grants=tuple(NodeGrant(node=f"n{i}", gpus=gpus) for i, gpus in enumerate(grants)),
+    )
+    lines = why.render(WhyReply(job=job, decisions=())).splitlines()
+    assert lines[0].startswith("job 4 (job), queue default, 2 GPUs: ")
+    (hints,) = (line for line in lines if "hints:" in line)
+    assert says in hints
+
+
+@pytest.mark.parametrize(
     ("order", "says"),
     [
         ("las", "; LAS band 1"),
