@@ -8,6 +8,7 @@ fallback when NVML fails.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import re
@@ -23,6 +24,8 @@ from typing import Any, Final, Literal, Protocol
 
 from schemas.errors import AlnairError
 from schemas.telemetry import GpuHealth, GpuInfo, GpuSample
+
+log = logging.getLogger(__name__)
 
 
 class GpuBackendError(AlnairError):
@@ -121,7 +124,10 @@ class SimulatedGpus:
         # job first needs it: `memory_dir` (the agent's own: what a killed agent left
         # there is cleared now), else a temporary directory. Removed by `close`, and a
         # temporary one also when the backend is collected or the process exits, so a
-        # backend nobody closed leaves nothing behind.
+        # backend nobody closed leaves nothing behind. Jobs confined to their tenant's
+        # user write there too: each GPU's directory takes files from anyone but lists
+        # to no one and lets no one remove another's (mode 1733, as /tmp), and a file
+        # counts only for a process of its own owner (`declared`).
         self._memory_dir = memory_dir
         self._remove_memory: weakref.finalize[[str, bool], SimulatedGpus] | None = None
         if memory_dir is not None:
@@ -141,14 +147,18 @@ class SimulatedGpus:
             self._memory_dir = Path(made)
             self._remove_memory = weakref.finalize(self, shutil.rmtree, made, True)
         else:
-            self._memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._memory_dir.mkdir(parents=True, exist_ok=True)
+        self._memory_dir.chmod(0o711)  # passed through, never listed
         where = self._memory_dir / f"gpu{gpus[0]}"
         where.mkdir(exist_ok=True)
+        where.chmod(0o1733)  # mkdir's mode is cut by the umask
         return {SIM_GPU_MEMORY_ENV: str(where)}
 
     def declared(self, index: int) -> dict[int, tuple[float, float | None]]:
         """What processes wrote to `$ALNAIR_SIM_GPU_MEMORY_DIR/<pid>`: the GPU memory
-        they use (MiB) and, optionally after it, their utilisation (percent)."""
+        they use (MiB) and, optionally after it, their utilisation (percent). A file
+        counts only if its owner runs the process it names (or is root): a job may
+        speak for its own processes, not make another tenant's look over its limit."""
         if self._memory_dir is None:
             return {}
         said: dict[int, tuple[float, float | None]] = {}
@@ -157,8 +167,24 @@ class SimulatedGpus:
         except OSError:
             return {}
         for entry in entries:
-            if not entry.name.isdigit() or not Path(f"/proc/{entry.name}").exists():
+            try:
+                owner = entry.stat().st_uid
+                runs_as = Path(f"/proc/{entry.name}").stat().st_uid
+            except OSError:
+                runs_as = None
+            if not entry.name.isdigit() or runs_as is None:
                 entry.unlink(missing_ok=True)  # its process has gone: so has its memory
+                continue
+            if owner not in (0, runs_as):
+                log.warning(
+                    "simulated GPU %d: user %d wrote the memory of process %s, which "
+                    "runs as user %d: not counted",
+                    index,
+                    owner,
+                    entry.name,
+                    runs_as,
+                )
+                entry.unlink(missing_ok=True)
                 continue
             try:
                 words = entry.read_text().split()
