@@ -127,6 +127,8 @@ class History:
             db.execute("ALTER TABLE attempts ADD COLUMN failure_class TEXT")
         # Listings walk jobs newest first by number (`_finished_ids`).
         db.execute(f"CREATE INDEX IF NOT EXISTS jobs_by_number ON jobs({_BY_NUMBER})")
+        # `floor`: the first sequence this history holds every entry from (`begin_at`).
+        db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER)")
 
     def last_seq(self) -> int:
         """The last sequence the history holds every entry up to: before a group whose
@@ -144,21 +146,40 @@ class History:
         self.last_seq_seen = self.last_seq()
         return self.last_seq_seen
 
+    def floor(self) -> int:
+        """The first sequence the history holds every entry from: 1, unless it was
+        filled from a log whose earlier entries were compacted away (`begin_at`)."""
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'floor'").fetchone()
+        return int(row[0]) if row else 1
+
     def _first_hole(self) -> int | None:
         """The first sequence missing below the last the file holds (the log has every
-        entry from 1 on), or None."""
+        entry from the floor on), or None."""
+        floor = self.floor()
         low, high, count = self.db.execute(
-            "SELECT MIN(seq), MAX(seq), COUNT(*) FROM events"
+            "SELECT MIN(seq), MAX(seq), COUNT(*) FROM events WHERE seq >= ?", (floor,)
         ).fetchone()
-        if not count or (low == 1 and count == high):
+        if not count or (low == floor and count == high - floor + 1):
             return None
-        if low > 1:
-            return 1
+        if low > floor:
+            return floor
         row = self.db.execute(
-            "SELECT MIN(seq) + 1 FROM events AS e "
-            "WHERE NOT EXISTS (SELECT 1 FROM events WHERE seq = e.seq + 1)"
+            "SELECT MIN(seq) + 1 FROM events AS e WHERE seq >= ? "
+            "AND NOT EXISTS (SELECT 1 FROM events WHERE seq = e.seq + 1)",
+            (floor,),
         ).fetchone()
         return int(row[0])
+
+    def begin_at(self, seq: int) -> None:
+        """The entries before `seq` that the history lacks are gone from the log for
+        good (compacted behind snapshots): from now on it holds every entry from `seq`
+        on, and a restart does not look for the ones before (`_first_hole`). Written
+        in order with the rows handed over before and after."""
+        rows = _Rows(floor=seq)
+        if self._writer is not None:
+            self._writer.put(rows)
+        else:
+            rows.write(self.db.conn)
 
     def record_many(self, entries: Iterable[tuple[StateRecord, int]]) -> None:
         """Log entries with their sequences, in one transaction.
@@ -393,7 +414,14 @@ class _Writer:
                     if rows is None:
                         return
                     rows.write(self._conn)
-                    if self.failed_from is not None and rows.first_seq <= self.failed_from:
+                    if rows.floor is not None and self.failed_from is not None:
+                        # What is missing below the floor never comes: missing from it.
+                        self.failed_from = max(self.failed_from, rows.floor)
+                    if (
+                        rows.events
+                        and self.failed_from is not None
+                        and rows.first_seq <= self.failed_from
+                    ):
                         self.failed_from = None  # filled again from the first failed on
                 except Exception:
                     assert rows is not None
@@ -480,15 +508,24 @@ class _Rows:
     jobs: list[Row] = field(default_factory=list)
     attempts: list[tuple[str, Row]] = field(default_factory=list)
     last_seq: int = 0
+    # A new floor (`History.begin_at`), written with the rows.
+    floor: int | None = None
 
     @property
     def first_seq(self) -> int:
-        """The first entry's sequence (entries come in log order)."""
-        return cast(int, self.events[0][0])
+        """The first entry's sequence (entries come in log order); a floor alone
+        counts as its own."""
+        return cast(int, self.events[0][0]) if self.events else self.floor or 0
 
     def write(self, conn: sqlite3.Connection) -> None:
         """In one transaction."""
         with conn:
+            if self.floor is not None:
+                conn.execute(
+                    "INSERT INTO meta (key, value) VALUES ('floor', ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    (self.floor,),
+                )
             conn.executemany(_INSERT_EVENT, self.events)
             conn.executemany(_UPSERT_JOB, self.jobs)
             # In log order: a later entry's view of an attempt overwrites an earlier one's.

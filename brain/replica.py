@@ -1,10 +1,18 @@
-"""A brain's copy of the STATE log: snapshot, replay, follow.
+"""A brain's copy of the STATE log: snapshot, replay, follow, compact.
 
 Every brain, leader or standby, keeps a `BrainState` equal to the fold of the log: it
 loads the latest snapshot (brain/snapshots.py; else one left by an older version in the
 object store `alnair_snapshots`), replays the log after it, and, while standing by,
 follows new entries as the leader appends them, so that taking over needs only the last
 few. The sqlite history is filled from the same entries.
+
+The log is compacted behind snapshots: once a snapshot is stored, the brain that wrote it
+purges the entries before the snapshot it knew of before (a generation that brains still
+read), keeping at least the latest `keep_entries`. A read that begins later than it asked
+(`LogCompacted`) has fallen behind that: a standby, or a leader taking over, loads the
+latest snapshot again; a brain that has no readable snapshot to start from cannot build
+its state, and says so rather than lead with a partial one. A history filled from a
+compacted log holds every entry from the first the log still had (`History.begin_at`).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Final
 
 import nats.errors
@@ -25,7 +34,7 @@ from brain.state import BrainState
 from bus.client import Bus
 from schemas import subjects
 from schemas.base import decode
-from schemas.errors import InvalidMessage, SnapshotUnreadable
+from schemas.errors import AlnairError, InvalidMessage, SnapshotUnreadable
 from schemas.state import STATE_RECORD, BrainSnapshot, StateRecord
 
 log = logging.getLogger(__name__)
@@ -39,6 +48,21 @@ LEGACY_READ_TIMEOUT_S: Final = 60.0
 HISTORY_BATCH: Final = 512
 # After a failed snapshot, the next is not tried for this long (each costs the encoding).
 SNAPSHOT_RETRY_S: Final = 30.0
+# The latest entries a compaction always keeps (`Replica.keep_entries`): about 1.2 KB
+# each, about 6 to a job.
+LOG_KEEP_ENTRIES: Final = 1_000_000
+
+
+class LogCompacted(AlnairError, RuntimeError):
+    """A read of the STATE log began later than it asked: the entries before were
+    compacted behind snapshots."""
+
+    def __init__(self, wanted: int, first: int, last_seq: int) -> None:
+        super().__init__(
+            f"the STATE log begins at seq {first} (the entries before were compacted behind "
+            f"snapshots), and this brain's state (at seq {last_seq}) needs them from seq "
+            f"{wanted}: it must start from a snapshot that covers them"
+        )
 
 
 def snapshot_due(entries_since: int, jobs: int, every: int) -> bool:
@@ -53,9 +77,16 @@ def snapshot_due(entries_since: int, jobs: int, every: int) -> bool:
 
 
 class Replica:
-    def __init__(self, bus: Bus, history: History) -> None:
+    def __init__(
+        self, bus: Bus, history: History, *, keep_entries: int | None = LOG_KEEP_ENTRIES
+    ) -> None:
+        """`keep_entries`: compact the log behind snapshots, keeping at least this many
+        of the latest entries; None: never compact."""
+        if keep_entries is not None and keep_entries < 1:
+            raise ValueError(f"keep_entries must be at least 1, not {keep_entries}")
         self.bus = bus
         self.history = history
+        self.keep_entries = keep_entries
         self.state = BrainState()
         self.snapshots = SnapshotStore(bus)
         # The sequence the latest snapshot read or written covers, and how many log
@@ -119,20 +150,49 @@ class Replica:
         except Exception:
             log.exception("reading the history failed; what it lacks is not written now")
             written = self.state.last_seq
-        return await self._replay(min(written, self.state.last_seq) + 1)
+        try:
+            return await self._replay(min(written, self.state.last_seq) + 1)
+        except LogCompacted as error:
+            log.warning("%s; loading the latest snapshot", error)
+            await self.reload()
+            return self.replayed_at_load
 
     async def _replay(self, start: int) -> int:
         count = 0
         history: list[tuple[StateRecord, int]] = []
-        async for item, seq, subject in self.bus.read(
-            subjects.STREAM_STATE, STATE_RECORD, start_seq=start
-        ):
+        async for item, seq, subject in self._read(start):
             self._take(item, seq, subject, history=history)
             count += 1
             if len(history) >= HISTORY_BATCH:
                 self._write_history(history)
         self._write_history(history)
         return count
+
+    async def _read(
+        self, start: int, *, follow: bool = False, stop: asyncio.Event | None = None
+    ) -> AsyncIterator[tuple[StateRecord | InvalidMessage, int, str]]:
+        """The log's entries from `start` on (`Bus.read`). Where the first comes later,
+        the log was compacted past `start`: the history holds what it can from there
+        on (`History.begin_at`), and state, if it lacked any entry skipped, cannot be
+        rebuilt from the log (`LogCompacted`, before anything is folded in)."""
+        first = True
+        async for item, seq, subject in self.bus.read(
+            subjects.STREAM_STATE, STATE_RECORD, start_seq=start, follow=follow, stop=stop
+        ):
+            if first and seq > start:
+                if seq > self.state.last_seq + 1:
+                    raise LogCompacted(self.state.last_seq + 1, seq, self.state.last_seq)
+                if seq > self.history.last_seq_seen + 1:
+                    log.warning(
+                        "the history lacks seq %d to %d, which the log no longer holds "
+                        "(compacted behind snapshots): it holds every entry from %d on",
+                        self.history.last_seq_seen + 1,
+                        seq - 1,
+                        seq,
+                    )
+                    self.history.begin_at(seq)
+            first = False
+            yield item, seq, subject
 
     def _take(
         self,
@@ -173,16 +233,21 @@ class Replica:
     async def _follow(self, stop: asyncio.Event) -> None:
         while not stop.is_set() and not self.bus.nc.is_closed:
             try:
-                async for item, seq, subject in self.bus.read(
-                    subjects.STREAM_STATE,
-                    STATE_RECORD,
-                    start_seq=self.state.last_seq + 1,
-                    follow=True,
-                    stop=stop,
+                async for item, seq, subject in self._read(
+                    self.state.last_seq + 1, follow=True, stop=stop
                 ):
                     self._take(item, seq, subject)
             except asyncio.CancelledError:
                 raise
+            except LogCompacted as error:
+                # Fell behind a compaction (cut off for long, say): start again from the
+                # snapshot that covers what was compacted.
+                log.warning("%s; loading the latest snapshot", error)
+                try:
+                    await self.reload()
+                except Exception as reload_error:
+                    log.error("loading the latest snapshot failed (%r); retrying", reload_error)
+                    await asyncio.sleep(1.0)
             except Exception as error:
                 if stop.is_set():
                     return
@@ -242,7 +307,7 @@ class Replica:
     async def _store(self, snapshot: BrainSnapshot) -> int:
         encoded = await asyncio.to_thread(encode_snapshot, snapshot)
         manifest = await self.snapshots.write(encoded)
-        self.snapshot_seq = max(self.snapshot_seq, snapshot.last_seq)
+        before, self.snapshot_seq = self.snapshot_seq, max(self.snapshot_seq, snapshot.last_seq)
         log.info(
             "snapshot at seq %d: %d jobs, %d bytes (%d raw) in %d chunks",
             manifest.last_seq,
@@ -251,7 +316,26 @@ class Replica:
             manifest.raw_size,
             len(manifest.chunks),
         )
+        await self._compact(before, snapshot.last_seq)
         return snapshot.last_seq
+
+    async def _compact(self, before: int, covered: int) -> None:
+        """Purge the log's entries up to `before` (the snapshot this brain knew of
+        before the one just stored at `covered`), keeping the latest `keep_entries`:
+        a brain that cannot read the newest snapshot (torn by a crash, say) starts from
+        the one before, which every generation kept (brain/snapshots.py) covers. A
+        purge that fails is logged; the next snapshot tries again."""
+        if self.keep_entries is None or before < 1:
+            return
+        keep_from = min(before + 1, covered + 1 - self.keep_entries)
+        if keep_from <= 1:
+            return
+        try:
+            await self.bus.js.purge_stream(subjects.STREAM_STATE, seq=keep_from)
+        except (nats.errors.Error, TimeoutError) as error:
+            log.warning("compacting the log before seq %d failed (%r)", keep_from, error)
+            return
+        log.info("log compacted: entries before seq %d purged", keep_from)
 
     def write_snapshot_soon(self, *, taken_at: float, epoch: int) -> bool:
         """Take a snapshot of the fold now and store it in the background, unless one is

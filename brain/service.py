@@ -86,7 +86,7 @@ from brain.pacing import PassPacer
 from brain.profiles import Profiler, ProfileStore, profiles_path
 from brain.progress import ProgressTracker
 from brain.reconciler import Reconciler
-from brain.replica import Replica, snapshot_due
+from brain.replica import LOG_KEEP_ENTRIES, Replica, snapshot_due
 from brain.resizes import Resizes
 from brain.scheduler import Scheduler
 from brain.state import BrainState, accounted, job_view
@@ -167,6 +167,9 @@ class BrainConfig:
     # Write a snapshot after this many log entries, to bound a restart's replay, or
     # after as many as the jobs it holds if that is more (`snapshot_due`).
     snapshot_every: int = 1000
+    # Compact the log behind snapshots, keeping at least this many of the latest
+    # entries (brain/replica.py); 0: keep every entry for ever.
+    log_keep_entries: int = LOG_KEEP_ENTRIES
     # Where this brain's HTTP API listens, if anywhere (shown by `alnair status`).
     http_address: str | None = None
     # Failure classes, retries and back-off, input blacklisting, pre-run.
@@ -221,6 +224,11 @@ class BrainConfig:
             raise InvalidBrainConfig(
                 f"snapshot_every must be at least 1, not {self.snapshot_every}"
             )
+        if self.log_keep_entries < 0:
+            raise InvalidBrainConfig(
+                f"log_keep_entries (--log-keep-entries) must be at least 0 (0: keep "
+                f"every entry), not {self.log_keep_entries}"
+            )
 
 
 class InvalidBrainConfig(AlnairError, ValueError):
@@ -246,7 +254,7 @@ class Brain:
         self.clock = clock
         self.monotonic = monotonic
         self.history = History(self.config.history_path)
-        self.replica = Replica(bus, self.history)
+        self.replica = Replica(bus, self.history, keep_entries=self.config.log_keep_entries or None)
         self.lease = Lease(bus, ttl_s=self.config.lease_ttl_s)
         # 0 while standing by; the lease revision it was taken at while leading.
         self.epoch = 0

@@ -199,23 +199,56 @@ class SnapshotStore:
 
     async def latest_manifest(self) -> SnapshotManifest | None:
         """The newest manifest; None if no snapshot was ever stored here."""
+        found = await self._manifest()
+        return None if found is None else found[1]
+
+    async def _manifest(
+        self, *, first_after: int | None = None
+    ) -> tuple[int, SnapshotManifest] | None:
+        """The newest manifest, or the first stored after stream seq `first_after` (the
+        oldest kept, from 0), with its stream sequence; None if there is none."""
         try:
-            msg = await self.bus.js.get_msg(
-                subjects.STREAM_SNAPSHOTS, subject=subjects.SNAPSHOT_MANIFEST
-            )
+            if first_after is None:
+                msg = await self.bus.js.get_msg(
+                    subjects.STREAM_SNAPSHOTS, subject=subjects.SNAPSHOT_MANIFEST
+                )
+            else:
+                msg = await self.bus.js.get_msg(
+                    subjects.STREAM_SNAPSHOTS,
+                    seq=first_after + 1,
+                    subject=subjects.SNAPSHOT_MANIFEST,
+                    next=True,
+                )
         except nats.js.errors.NotFoundError:  # no stream, or no manifest in it
             return None
         try:
-            return decode(msg.data or b"", SnapshotManifest)
+            return int(msg.seq or 0), decode(msg.data or b"", SnapshotManifest)
         except InvalidMessage as error:
             raise SnapshotUnreadable(f"its manifest is invalid: {error.reason}") from None
 
     async def read(self) -> BrainSnapshot | None:
-        """The latest snapshot; None if there is none; SnapshotUnreadable if there is
-        one that cannot be used."""
-        manifest = await self.latest_manifest()
-        if manifest is None:
+        """The latest snapshot that can be used: the newest, else the generation before
+        it (kept for this: the newest torn or damaged); None if there is none;
+        SnapshotUnreadable, with the newest's reason, if neither can be used."""
+        newest = await self._manifest()
+        if newest is None:
             return None
+        try:
+            return await self._read(newest[1])
+        except SnapshotUnreadable as error:
+            try:
+                before = await self._manifest(first_after=0)
+            except SnapshotUnreadable:
+                raise error from None
+            if before is None or before[0] >= newest[0]:
+                raise
+            log.error("%s; reading the snapshot before it, at seq %d", error, before[1].last_seq)
+            try:
+                return await self._read(before[1])
+            except SnapshotUnreadable:
+                raise error from None
+
+    async def _read(self, manifest: SnapshotManifest) -> BrainSnapshot:
         parts: list[bytes] = []
         for index, seq in enumerate(manifest.chunks):
             parts.append(await self._chunk(manifest, index, seq))

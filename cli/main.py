@@ -759,6 +759,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
             if args.job_credential_ttl is None
             else args.job_credential_ttl or None  # 0: never expires
         ),
+        **({} if args.log_keep_entries is None else {"log_keep_entries": args.log_keep_entries}),
     )
     bus = await Bus.connect(
         _with_tls(
@@ -1129,6 +1130,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a node has to confirm a launch before it is requeued",
+    )
+    p.add_argument(
+        "--log-keep-entries",
+        type=int,
+        metavar="N",
+        help="compact the STATE log behind snapshots, keeping at least the latest N "
+        "entries (default a million: about 1.2 KB each, 6 a job); 0: keep every entry",
     )
     p.add_argument(
         "--http",
