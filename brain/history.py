@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# Log entries `History.prune` removes in one transaction.
+PRUNE_BATCH: Final = 20_000
+
 
 class History:
     def __init__(self, path: Path | None) -> None:
@@ -212,6 +215,22 @@ class History:
             return query(self.db.conn)
         return await asyncio.wrap_future(self._writer.read(query))
 
+    async def prune(self, before_ts: float, *, batch: int = PRUNE_BATCH) -> int:
+        """Forget what ended before `before_ts`: the log entries older than that (from
+        the oldest, so the history still holds every entry from its new floor on; the
+        last entry is always kept, so the history knows where it is), and the jobs that
+        finished before it, with their attempts. A job still live keeps its row. In
+        transactions of at most `batch` entries, each queued on the writer's thread as a
+        read is: writes and queries handed over meanwhile go between them. The file
+        stops growing (sqlite reuses the pages); it does not shrink. Returns the entries
+        removed."""
+        removed = 0
+        while True:
+            step = await self.read(partial(_prune_some, before_ts, batch))
+            removed += step
+            if step < batch:
+                return removed
+
     async def read_attempts(self, job_id: str) -> list[dict[str, Any]]:
         """Every attempt of a job, oldest first, with the columns `AttemptRow` names."""
         return await self.read(partial(_attempts, job_id))
@@ -245,6 +264,37 @@ class History:
         if self._writer is not None:
             self._writer.close()
         self.db.close()
+
+
+_TERMINAL: Final = tuple(state.value for state in JobState if state.terminal)
+
+
+def _prune_some(before_ts: float, batch: int, conn: sqlite3.Connection) -> int:
+    """One transaction of `History.prune`: up to `batch` of the oldest entries older than
+    `before_ts`, the floor moved past them, and the jobs that finished before it."""
+    with conn:
+        last = conn.execute("SELECT MAX(seq) FROM events").fetchone()[0]
+        if last is None:
+            return 0
+        keep = conn.execute(
+            "SELECT MIN(seq) FROM events WHERE ts >= ? OR seq = ?", (before_ts, last)
+        ).fetchone()[0]
+        low = conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
+        cut = min(keep, low + batch)
+        removed = conn.execute("DELETE FROM events WHERE seq < ?", (cut,)).rowcount
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES ('floor', ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = MAX(value, excluded.value)",
+            (cut,),
+        )
+        marks = ", ".join("?" for _ in _TERMINAL)
+        gone = f"finished_at < ? AND state IN ({marks})"
+        conn.execute(
+            f"DELETE FROM attempts WHERE job_id IN (SELECT job_id FROM jobs WHERE {gone})",
+            (before_ts, *_TERMINAL),
+        )
+        conn.execute(f"DELETE FROM jobs WHERE {gone}", (before_ts, *_TERMINAL))
+    return int(removed)
 
 
 def _attempts(job_id: str, conn: sqlite3.Connection) -> list[dict[str, Any]]:

@@ -144,6 +144,9 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 # else (4 % of the loop at most), rather than a stall of tens of ms at every tick and
 # pass of a large cluster.
 PROFILES_EVERY_S: Final = 0.05
+# How often a brain with `history_keep_days` prunes its history (and once at start).
+PRUNE_EVERY_S: Final = 3600.0
+DAY_S: Final = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,9 @@ class BrainConfig:
     # Compact the log behind snapshots, keeping at least this many of the latest
     # entries (brain/replica.py); 0: keep every entry for ever.
     log_keep_entries: int = LOG_KEEP_ENTRIES
+    # Forget, from this brain's sqlite history, what ended more than this many days ago
+    # (`History.prune`, every `PRUNE_EVERY_S`); None: keep it all.
+    history_keep_days: float | None = None
     # Where this brain's HTTP API listens, if anywhere (shown by `alnair status`).
     http_address: str | None = None
     # Failure classes, retries and back-off, input blacklisting, pre-run.
@@ -223,6 +229,13 @@ class BrainConfig:
         if self.snapshot_every < 1:
             raise InvalidBrainConfig(
                 f"snapshot_every must be at least 1, not {self.snapshot_every}"
+            )
+        if self.history_keep_days is not None and not (
+            math.isfinite(self.history_keep_days) and self.history_keep_days > 0
+        ):
+            raise InvalidBrainConfig(
+                "history_keep_days (--history-keep-days) must be a number of days more "
+                f"than 0, not {self.history_keep_days:g}"
             )
         if self.log_keep_entries < 0:
             raise InvalidBrainConfig(
@@ -307,6 +320,7 @@ class Brain:
         self._leader_subs: list[Subscription] = []
         self._events: Consumer | None = None
         self._election: asyncio.Task[None] | None = None
+        self._pruner: asyncio.Task[None] | None = None
         # Loops end on this flag, not on cancellation alone: nats-py turns a
         # cancellation into ConnectionClosedError once the connection is closed.
         self._closing = False
@@ -426,6 +440,8 @@ class Brain:
         await self.replica.load()
         self.replica.follow()
         self._election = self.bus.spawn(self.leadership.elect_forever(), name="brain-election")
+        if self.config.history_keep_days is not None:
+            self._pruner = self.bus.spawn(self._prune_forever(), name="history-prune")
         log.info(
             "brain %s up: %d jobs and %d nodes at seq %d; policy %s; queues %s",
             self.instance,
@@ -438,9 +454,10 @@ class Brain:
 
     async def stop(self) -> None:
         self._closing = True
-        if self._election is not None:
-            self._election.cancel()
-            await asyncio.wait({self._election}, timeout=3.0)
+        for task in (self._election, self._pruner):
+            if task is not None:
+                task.cancel()
+                await asyncio.wait({task}, timeout=3.0)
         await self.leadership.stop_leading("brain shutting down", planned=True)
         await self.lease.release()
         await self.replica.stop_following()
@@ -669,6 +686,24 @@ class Brain:
             await asyncio.sleep(self.config.tick_s)
             self._loop_lag_s = max(0.0, self.monotonic() - due)
             await self._inbox.put(Tick())
+
+    async def _prune_forever(self) -> None:
+        """Every brain keeps its own history: each forgets what ended more than
+        `history_keep_days` ago, at start and every `PRUNE_EVERY_S`."""
+        assert self.config.history_keep_days is not None
+        keep_s = self.config.history_keep_days * DAY_S
+        while not self._closing:
+            try:
+                removed = await self.history.prune(self.clock() - keep_s)
+                if removed:
+                    log.info(
+                        "history: %d entries older than %g days forgotten",
+                        removed,
+                        self.config.history_keep_days,
+                    )
+            except Exception:
+                log.exception("pruning the history failed; tried again in %g s", PRUNE_EVERY_S)
+            await asyncio.sleep(PRUNE_EVERY_S)
 
     async def _profiles_forever(self) -> None:
         """Recompute the profiles due; one that changed in a way policy acts on (a

@@ -760,6 +760,7 @@ async def cmd_brain(args: argparse.Namespace) -> int:
             else args.job_credential_ttl or None  # 0: never expires
         ),
         **({} if args.log_keep_entries is None else {"log_keep_entries": args.log_keep_entries}),
+        history_keep_days=args.history_keep_days,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -1130,6 +1131,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="seconds a node has to confirm a launch before it is requeued",
+    )
+    p.add_argument(
+        "--history-keep-days",
+        type=float,
+        metavar="DAYS",
+        help="forget, from this brain's sqlite history, the jobs that ended and the log "
+        "entries older than DAYS (checked hourly; default: keep everything)",
     )
     p.add_argument(
         "--log-keep-entries",

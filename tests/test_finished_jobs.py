@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
+import pytest
+
 from brain.core.failures import NodeFailure
 from brain.core.model import Ask
-from brain.service import Brain
+from brain.service import Brain, BrainConfig, InvalidBrainConfig
 from brain.state import FINISHED_KEPT, BrainState
 from schemas import subjects
 from schemas.api import (
@@ -31,6 +33,7 @@ from schemas.api import (
 )
 from schemas.jobs import AttemptFailure, FailureClass, JobSpec, JobState
 from schemas.state import Cause, CauseKind, JobChanged
+from tests.conftest import eventually
 from tests.statelog import append_records, finished_job_records, live_job_record
 
 JOBS = FINISHED_KEPT + 300
@@ -222,3 +225,21 @@ async def test_a_page_reads_at_most_so_many_jobs_from_the_history(
     assert await every_job(brain, ListJobsRequest(limit=100_000)) == [
         str(n) for n in range(1, JOBS + 1)
     ]
+
+
+async def test_a_brain_forgets_history_older_than_it_keeps(brain_factory, connect) -> None:
+    """`--history-keep-days`: a brain started over jobs that ended long ago (the
+    synthetic log's are from 2023) fills its history from the log, then forgets them;
+    the log, and so the state, still hold what they held."""
+    bus = await connect("setup")
+    await append_records(bus, finished_job_records(5))  # 15 entries
+    brain = await brain_factory(history_keep_days=1.0)
+
+    async def forgotten() -> bool:
+        return brain.history.floor() == 15 and await brain.history.read_last_job("3") is None
+
+    await eventually(forgotten)
+    assert brain.history.last_seq() == 15
+    assert brain.state.jobs["3"].state is JobState.SUCCEEDED
+    with pytest.raises(InvalidBrainConfig, match=r"history_keep_days \(--history-keep-days\)"):
+        BrainConfig(history_keep_days=0.0)

@@ -16,7 +16,7 @@ from brain.history import History
 from schemas.api import AttemptRow
 from schemas.jobs import AttemptFailure, FailureClass, JobState
 from schemas.state import Cause, CauseKind, JobChanged
-from tests.statelog import START_TS, live_job_record, node_record
+from tests.statelog import START_TS, finished_job_records, live_job_record, node_record
 
 RUNNING = live_job_record(1, gpus=2, node="n1")
 
@@ -164,3 +164,42 @@ async def test_the_brain_s_reads_run_behind_the_writes_handed_over_before_them(
     history.close()
     with pytest.raises(RuntimeError, match="the history is closed"):
         await history.read_last_job("1")
+
+
+def timed(entries: list[JobChanged]) -> list[tuple[JobChanged, int]]:
+    """Entries at seq 1, 2, ... with ts 1000 + seq; a finished job ended at its record's ts."""
+    out = []
+    for seq, record in enumerate(entries, start=1):
+        job = record.job
+        if job.state.terminal:
+            job = job.model_copy(update={"finished_at": 1000.0 + seq})
+        out.append((record.model_copy(update={"ts": 1000.0 + seq, "job": job}), seq))
+    return out
+
+
+async def test_pruning_forgets_what_ended_before_and_keeps_a_floor(tmp_path: Path) -> None:
+    """`--history-keep-days`: the oldest entries go, in batches, with the jobs that
+    finished before the cut; a live job, and the last entry, stay; a restart knows the
+    history holds every entry from its new floor on."""
+    path = tmp_path / "history.db"
+    history = History(path)
+    # Jobs 1..10 submitted (seq 1..10), started (11..20), finished (21..30); job 11 runs.
+    entries = [*finished_job_records(10), live_job_record(11, gpus=1, node="n1")]
+    history.record_many(timed(entries))
+    assert await history.prune(1025.5, batch=7) == 25
+    history.close()
+
+    again = History(path)
+    assert again.floor() == 26 and again.last_seq() == 31
+    assert again.job_events("3") == []
+    assert await again.read_last_job("3") is None  # finished at 1023
+    kept = await again.read_last_job("7")  # finished at 1027
+    assert kept is not None and kept.state is JobState.SUCCEEDED
+    # Past everything: the last entry stays, so the history still knows where it is.
+    assert await again.prune(1e12) == 5
+    assert again.floor() == 31 and again.last_seq() == 31
+    assert await again.read_last_job("10") is None
+    live = await again.read_last_job("11")
+    assert live is not None and live.state is JobState.RUNNING
+    assert await again.prune(1e12) == 0
+    again.close()
