@@ -151,7 +151,8 @@ class History:
 
     def floor(self) -> int:
         """The first sequence the history holds every entry from: 1, unless it was
-        filled from a log whose earlier entries were compacted away (`begin_at`)."""
+        filled from a log whose earlier entries were compacted away (`begin_at`), or
+        pruned (`prune`). It only rises."""
         row = self.db.execute("SELECT value FROM meta WHERE key = 'floor'").fetchone()
         return int(row[0]) if row else 1
 
@@ -267,6 +268,10 @@ class History:
 
 
 _TERMINAL: Final = tuple(state.value for state in JobState if state.terminal)
+_RAISE_FLOOR: Final = (
+    "INSERT INTO meta (key, value) VALUES ('floor', ?) "
+    "ON CONFLICT (key) DO UPDATE SET value = MAX(value, excluded.value)"
+)
 
 
 def _prune_some(before_ts: float, batch: int, conn: sqlite3.Connection) -> int:
@@ -282,11 +287,7 @@ def _prune_some(before_ts: float, batch: int, conn: sqlite3.Connection) -> int:
         low = conn.execute("SELECT MIN(seq) FROM events").fetchone()[0]
         cut = min(keep, low + batch)
         removed = conn.execute("DELETE FROM events WHERE seq < ?", (cut,)).rowcount
-        conn.execute(
-            "INSERT INTO meta (key, value) VALUES ('floor', ?) "
-            "ON CONFLICT (key) DO UPDATE SET value = MAX(value, excluded.value)",
-            (cut,),
-        )
+        conn.execute(_RAISE_FLOOR, (cut,))
         marks = ", ".join("?" for _ in _TERMINAL)
         gone = f"finished_at < ? AND state IN ({marks})"
         conn.execute(
@@ -571,11 +572,7 @@ class _Rows:
         """In one transaction."""
         with conn:
             if self.floor is not None:
-                conn.execute(
-                    "INSERT INTO meta (key, value) VALUES ('floor', ?) "
-                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                    (self.floor,),
-                )
+                conn.execute(_RAISE_FLOOR, (self.floor,))
             conn.executemany(_INSERT_EVENT, self.events)
             conn.executemany(_UPSERT_JOB, self.jobs)
             # In log order: a later entry's view of an attempt overwrites an earlier one's.
