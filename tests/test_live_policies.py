@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from agents.agent import Agent
 from brain.core import ClusterSnapshot, Policy
+from brain.service import Brain
 from brain.state import BrainState
 from bus.client import Bus
 from cli import why as why_cli
@@ -19,6 +21,15 @@ from schemas.jobs import JobSpec, JobState
 from schemas.progress import Progress
 from schemas.state import CauseKind
 from tests.conftest import eventually
+
+
+async def started(brain: Brain, agent: Agent, spec: JobSpec) -> str:
+    """Submit `spec` and wait until `agent` runs it; returns its job id."""
+    submitted = await brain.api.handle("default", SubmitRequest(spec=spec))
+    assert isinstance(submitted, JobReply)
+    job_id = submitted.job.job_id
+    await eventually(lambda: agent.launcher.find(job_id))
+    return job_id
 
 
 async def test_finished_job_carries_its_attained_service(brain_factory, agent_factory) -> None:
@@ -47,10 +58,7 @@ async def test_why_counts_the_service_of_the_run_in_progress(brain_factory, agen
     agent = await agent_factory("n1", gpus=2)
     await eventually(lambda: brain.state.nodes)
     sleeper = JobSpec(command=(sys.executable, "-c", "import time; time.sleep(600)"), gpus=2)
-    submitted = await brain.api.handle("default", SubmitRequest(spec=sleeper))
-    assert isinstance(submitted, JobReply)
-    job_id = submitted.job.job_id
-    await eventually(lambda: agent.launcher.find(job_id))
+    job_id = await started(brain, agent, sleeper)
 
     async def why() -> WhyReply:
         reply = await brain.api.handle("default", WhyRequest(job_id=job_id))
@@ -189,10 +197,7 @@ async def test_the_brain_learns_how_far_succeeded_jobs_progress_reports_were_off
     supervisor = await connect("supervisor")
     await eventually(lambda: brain.state.nodes)
     spec = JobSpec(command=(sys.executable, "-c", "import time; time.sleep(1.5)"), gpus=1)
-    submitted = await brain.api.handle("default", SubmitRequest(spec=spec))
-    assert isinstance(submitted, JobReply)
-    job_id = submitted.job.job_id
-    await eventually(lambda: agent.launcher.find(job_id))
+    job_id = await started(brain, agent, spec)
     # Its reports: a hundredth of its work a second, so 100 s in all.
     for step, ts in ((10, 1.0), (20, 2.0)):
         report = Progress(
