@@ -93,7 +93,7 @@ from brain.state import BrainState, accounted, job_view
 from brain.submissions import Submissions
 from brain.telemetry import LatestTelemetry
 from brain.tenants import job_event_refusal
-from bus.client import Bus, Consumer
+from bus.client import DAY_S, Bus, Consumer
 from schemas import subjects
 from schemas.api import (
     BlacklistRequest,
@@ -146,7 +146,6 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 PROFILES_EVERY_S: Final = 0.05
 # How often a brain with `history_keep_days` prunes its history (and once at start).
 PRUNE_EVERY_S: Final = 3600.0
-DAY_S: Final = 86_400.0
 
 
 @dataclass(frozen=True, slots=True)
