@@ -679,6 +679,14 @@ async def cmd_events(args: argparse.Namespace) -> int:
     import nats.js.errors
 
     async def run(bus: Any) -> int:
+        info = await bus.js.stream_info(subjects.STREAM_STATE)
+        first = int(info.state.first_seq)
+        if info.state.messages and first > args.since:
+            print(
+                f"the log begins at seq {first}: the entries before were compacted behind "
+                "the brain's snapshots",
+                file=sys.stderr,
+            )
         async for item, seq, subject in bus.read(
             subjects.STREAM_STATE, STATE_RECORD, start_seq=args.since, follow=args.follow
         ):

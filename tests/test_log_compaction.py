@@ -5,6 +5,7 @@ nats-server with a synthetic log (tests/statelog.py): each job is 3 entries."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from schemas.api import JobReply, SubmitRequest
 from schemas.jobs import JobSpec, JobState
 from tests.conftest import eventually
 from tests.statelog import append_records, finished_job_records
+from tests.test_cli import alnair
 
 
 async def first_seq(bus: Bus) -> int:
@@ -149,3 +151,17 @@ async def test_a_live_leader_compacts_and_a_standby_started_after_takes_over(
     await eventually(lambda: standby.leading.is_set(), timeout_s=30)
     assert sorted(standby.state.jobs) == sorted(ids)
     assert all(standby.state.jobs[i].state is JobState.PENDING for i in ids)
+
+
+async def test_alnair_events_says_where_a_compacted_log_begins(
+    connect, nats_server, tmp_path: Path
+) -> None:
+    bus = await connect("setup")
+    replica = await leader(bus, tmp_path, keep_entries=1)
+    await grow(bus, replica, 10, first=31)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ALNAIR_")}
+    env["ALNAIR_HOME"] = str(tmp_path / "home")
+    code, out, err = await alnair("events", "--nats", nats_server.url, "--since", "5", env=env)
+    assert code == 0, err
+    assert "the log begins at seq 91: the entries before were compacted" in err
+    assert out.split()[0] == "91" and len(out.splitlines()) == 30
