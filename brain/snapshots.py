@@ -18,6 +18,7 @@ was being written still finds its chunks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import zlib
@@ -236,17 +237,15 @@ class SnapshotStore:
         try:
             return await self._read(newest[1])
         except SnapshotUnreadable as error:
-            try:
-                before = await self._manifest(first_after=0)
-            except SnapshotUnreadable:
-                raise error from None
-            if before is None or before[0] >= newest[0]:
-                raise
-            log.error("%s; reading the snapshot before it, at seq %d", error, before[1].last_seq)
-            try:
-                return await self._read(before[1])
-            except SnapshotUnreadable:
-                raise error from None
+            unreadable = error
+        with contextlib.suppress(SnapshotUnreadable):
+            oldest = await self._manifest(first_after=0)
+            if oldest is not None and oldest[0] < newest[0]:
+                log.error(
+                    "%s; reading the snapshot before it, at seq %d", unreadable, oldest[1].last_seq
+                )
+                return await self._read(oldest[1])
+        raise unreadable
 
     async def _read(self, manifest: SnapshotManifest) -> BrainSnapshot:
         parts: list[bytes] = []

@@ -13,6 +13,7 @@ not another's."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import os
@@ -23,10 +24,8 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
@@ -54,8 +53,6 @@ from tests.test_confine import (
 )
 
 __all__ = ["cgroup_parent", "keys", "place", "secure_server", "users"]  # fixtures, by name
-
-T = TypeVar("T")
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to chown and switch users)")
 
@@ -223,18 +220,20 @@ def open_place() -> Iterator[Path]:
 
 
 @needs_root
-def test_a_confined_job_says_its_simulated_gpu_memory_and_no_one_elses(open_place: Path) -> None:
+async def test_a_confined_job_says_its_simulated_gpu_memory_and_no_one_elses(
+    open_place: Path,
+) -> None:
     """A job run as its tenant's user writes what its processes use on a simulated GPU;
     a file it writes for a process of another user (here this test's) counts for
     nothing, so no job can make another look over its memory limit."""
     gpus = SimulatedGpus("n1", 2, "H100", memory_dir=open_place / "sim-gpu-memory")
     where = gpus.job_env((1,))[SIM_GPU_MEMORY_ENV]
     script = f'echo 512 > "$D/$$"; echo 99999 > "$D/{os.getpid()}"; sleep 30'
-    job = subprocess.Popen(
-        ["/bin/sh", "-c", script], env={"D": where}, user=USER_A.uid, group=USER_A.gid
+    job = await asyncio.create_subprocess_exec(
+        "/bin/sh", "-c", script, env={"D": where}, user=USER_A.uid, group=USER_A.gid
     )
     try:
-        said = eventually_sync(lambda: gpus.declared(1).get(job.pid))
+        said = await eventually(lambda: gpus.declared(1).get(job.pid))
         assert said == (512.0, None)
         assert os.getpid() not in gpus.declared(1)
         assert sorted(os.listdir(where)) == [str(job.pid)]  # the forged file is gone
@@ -243,16 +242,8 @@ def test_a_confined_job_says_its_simulated_gpu_memory_and_no_one_elses(open_plac
         assert stat.S_IMODE(os.stat(Path(where).parent).st_mode) == 0o711
     finally:
         job.kill()
-        job.wait()
+        await job.wait()
         gpus.close()
-
-
-def eventually_sync(probe: Callable[[], T | None], timeout_s: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout_s
-    while (value := probe()) is None:
-        assert time.monotonic() < deadline, "never came true"
-        time.sleep(0.02)
-    return value
 
 
 @needs_root
