@@ -58,6 +58,16 @@ class Launches:
         self._cluster_key = cluster_key
         self._tokens = tokens
 
+    def _needs_key(self, job: JobRecord) -> bool:
+        return job.spec.elastic or self._tokens is not None
+
+    async def ready(self, job: JobRecord) -> None:
+        """Have at hand what the job's launch needs from outside the state (the cluster
+        key, read from JetStream the first time): raises if it cannot be had, before
+        its placement is stored rather than after, when the launch could not go out."""
+        if self._needs_key(job):
+            await self._cluster_key()
+
     async def send(self, job: JobRecord) -> None:
         """Command every node of the job's attempt that has not confirmed its start."""
         now = self._clock()
@@ -68,11 +78,10 @@ class Launches:
         # that signs the supervisor's worker starts.
         remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
         env = dict(job.spec.env)
+        key = await self._cluster_key() if self._needs_key(job) else b""
         if job.spec.elastic:
-            key = await self._cluster_key()
             env[EXEC_SECRET_ENV] = secrets.exec_secret(key, job.job_id, job.attempt)
         if self._tokens is not None:
-            key = await self._cluster_key()
             env[secrets.JOB_TOKEN_ENV] = secrets.job_token(key, job.job_id, job.attempt)
             if self._tokens.renew_s is not None:
                 env[secrets.JOB_RENEW_ENV] = f"{self._tokens.renew_s:g}"

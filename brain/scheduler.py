@@ -69,6 +69,9 @@ DECIDE_IN_THREAD_AFTER_S: Final = 0.05
 # half; an owner reads a waiting reason on a person's time scale. A pass that left
 # them out owes them: the tick makes state dirty once they are due (`due`).
 EXPLAIN_WAITS_EVERY_S: Final = 5.0
+# A pass that failed (JetStream out of reach for a launch's key, say) is tried again
+# after this long even if nothing else happens: its jobs still wait.
+RETRY_FAILED_PASS_S: Final = 2.0
 
 
 class SchedulerSettings(Protocol):
@@ -95,6 +98,10 @@ class Writes(JobRecords, Protocol):
     def unit(self) -> AbstractAsyncContextManager[None]:
         """A unit of work as the writer: what it stages is stored as one group, and
         the commands it sent go out after, before the writer is let go."""
+        ...
+
+    async def launch_ready(self, job: JobRecord) -> None:
+        """Raises if the job's launch could not be built now (brain/launches.py)."""
         ...
 
     async def send_launches(self, job: JobRecord) -> None: ...
@@ -175,6 +182,12 @@ class Scheduler:
             self.dirty = True
         if self.waits_owed and self._monotonic() >= self.waits_due:
             self.dirty = True
+
+    def failed(self) -> None:
+        """A pass failed before it was through: the next is due after
+        `RETRY_FAILED_PASS_S`, whether or not state changes meanwhile."""
+        retry_at = self._clock() + RETRY_FAILED_PASS_S
+        self.wake_at = retry_at if self.wake_at is None else min(self.wake_at, retry_at)
 
     async def run_pass(self) -> None:
         """One pass: snapshot, decide(), the decisions applied, then the waits noted."""
@@ -361,6 +374,10 @@ class Scheduler:
                 "prerun": "running" if job.prerun == "pending" else job.prerun,
             }
         )
+        # Before the placement is staged: a launch that cannot be built (the cluster key
+        # out of reach) leaves the job pending for a later pass, not running on nodes
+        # never told to start it until the launch times out.
+        await self._writes.launch_ready(running)
         await self._writes.job_changed(
             running,
             job.state,

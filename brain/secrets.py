@@ -14,22 +14,54 @@ launch must carry the same one). Nothing secret enters the job's record.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import hmac
+import logging
 import os
+import time
 from typing import Final
 
+import nats.errors
 import nats.js.errors
 
 from bus.client import Bus
 
+log = logging.getLogger(__name__)
+
 SECRETS_BUCKET: Final = "alnair_secrets"
 EXEC_KEY: Final = "exec"
+# How long `exec_key` asks again while the bucket's stream cannot answer: in a JetStream
+# cluster a bucket just created has no stream leader for a moment (its first write gets
+# no responders), and one whose server died elects another.
+KEY_RETRY_FOR_S: Final = 15.0
+# JetStream not answering yet, as the KV client raises it.
+NOT_ANSWERING: Final = (
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.errors.NoRespondersError,
+    TimeoutError,  # nats.errors.TimeoutError is one
+)
 
 
-async def exec_key(bus: Bus) -> bytes:
-    """The cluster's key, created once (create-if-absent: racing brains agree)."""
+async def exec_key(bus: Bus, *, retry_for_s: float = KEY_RETRY_FOR_S) -> bytes:
+    """The cluster's key, created once (create-if-absent: racing brains agree); asked
+    again, with back-off, while JetStream cannot answer, for up to `retry_for_s`."""
+    deadline = time.monotonic() + retry_for_s
+    delay = 0.1
+    while True:
+        try:
+            return await _read_or_make_key(bus)
+        except NOT_ANSWERING as error:
+            if time.monotonic() + delay >= deadline:
+                raise
+            log.info("the cluster key's bucket does not answer yet (%r): asking again", error)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+async def _read_or_make_key(bus: Bus) -> bytes:
     try:
         bucket = await bus.js.key_value(SECRETS_BUCKET)
     except nats.js.errors.BucketNotFoundError:

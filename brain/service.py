@@ -759,6 +759,7 @@ class Brain:
                 leaving = isinstance(error, ApiError) and not self.leading.is_set()
                 if not leaving:  # else: leadership ended mid-pass; the next plans anew
                     log.exception("scheduling cycle failed")
+                    self.scheduler.failed()
             if self.scheduler.dirty:
                 self._pass_wanted.set()
             self._pacer.ran(began, self.monotonic())
@@ -1069,6 +1070,9 @@ class _Shell:
         self, job: JobRecord, reason: str, *, except_node: str | None = None
     ) -> None:
         await self._brain._stop_parts(job, reason, except_node=except_node)
+
+    async def launch_ready(self, job: JobRecord) -> None:
+        await self._brain.launches.ready(job)
 
     async def send_launches(self, job: JobRecord) -> None:
         await self._brain.launches.send(job)

@@ -59,6 +59,8 @@ class Shell:
     records: int = 0
     writer: asyncio.Lock = field(default_factory=asyncio.Lock)
     units: int = 0
+    # What building a launch raises (the cluster key out of reach), if anything.
+    launch_error: Exception | None = None
 
     @contextlib.asynccontextmanager
     async def unit(self) -> AsyncIterator[None]:
@@ -125,6 +127,10 @@ class Shell:
         for grant in job.grants:
             if grant.node != except_node and not grant.exited:
                 await self.stop(job.job_id, grant.node, reason, job.attempt)
+
+    async def launch_ready(self, job: JobRecord) -> None:
+        if self.launch_error is not None:
+            raise self.launch_error
 
     async def send_launches(self, job: JobRecord) -> None:
         self.launches += [g.node for g in job.grants if g.pid is None and not g.exited]

@@ -137,6 +137,31 @@ async def test_a_pass_places_a_waiting_job_and_sends_its_launches() -> None:
     assert not scheduler.dirty and shell.units == 1  # nothing waits: no second unit
 
 
+async def test_a_launch_that_cannot_be_built_leaves_its_job_waiting_and_a_pass_due() -> None:
+    """The cluster key out of reach (a JetStream cluster electing the bucket's leader):
+    the placement is not stored, so no job runs on nodes never told to start it; the
+    pass is tried again after a back-off though nothing else changes."""
+    shell = cluster("n1")
+    shell.add_job(1, gpus=2)
+    scheduler, _ = part(shell)
+    shell.causes.clear()
+    shell.launch_error = TimeoutError()
+    with pytest.raises(TimeoutError):
+        await scheduler.run_pass()
+    scheduler.failed()
+    assert shell.state.jobs["1"].state is JobState.PENDING
+    assert shell.causes == [] and shell.launches == []
+    scheduler.dirty = False
+    scheduler.due()
+    assert not scheduler.dirty  # not yet: the back-off
+    shell.clock.now += scheduling.RETRY_FAILED_PASS_S
+    scheduler.due()
+    assert scheduler.dirty
+    shell.launch_error = None
+    await scheduler.run_pass()
+    assert shell.state.jobs["1"].state is JobState.RUNNING and shell.launches == ["n1"]
+
+
 async def test_a_placement_whose_gpus_were_taken_meanwhile_is_decided_again() -> None:
     """decide() may run in a thread while the inbox goes on: a job that took the GPUs
     in between keeps them, and the next pass decides again."""
