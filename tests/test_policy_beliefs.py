@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from brain.core import (
     DEFAULT_ERROR_PRIOR,
@@ -57,6 +59,45 @@ def test_scaled_gittins_remaining(case: RemainingCase) -> None:
     distribution = ServiceDistribution.from_samples(list(case.samples))
     got = distribution.scaled_gittins_remaining(case.scale, case.done)
     assert got == (None if case.expected is None else pytest.approx(case.expected))
+
+
+@pytest.mark.parametrize("case", REMAINING_CASES, ids=[c.name for c in REMAINING_CASES])
+def test_remaining_indexer_says_the_same(case: RemainingCase) -> None:
+    distribution = ServiceDistribution.from_samples(list(case.samples))
+    got = distribution.remaining_indexer()(case.scale, case.done)
+    assert got == (None if case.expected is None else pytest.approx(case.expected))
+
+
+_SAMPLES = st.lists(st.floats(0.01, 1e6), min_size=1, max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    samples=_SAMPLES,
+    censored=st.lists(st.floats(0.01, 1e6), max_size=30),
+    queries=st.lists(
+        st.tuples(st.floats(0.001, 1e4), st.floats(0.0, 1.0), st.floats(0.0, 3.0)),
+        min_size=1,
+        max_size=20,
+    ),
+)
+def test_remaining_indexer_is_scaled_gittins_remaining(
+    samples: list[float], censored: list[float], queries: list[tuple[float, float, float]]
+) -> None:
+    """The look-ahead over the lower hull (`remaining_indexer`) against the definition
+    (every look-ahead tried), on distributions with and without censored samples, asked
+    for `done` below, at and above each sample's scaled value."""
+    distribution = ServiceDistribution.from_samples(samples).with_censored(censored)
+    remaining = distribution.remaining_indexer()
+    values = distribution.values
+    for scale, where, past in queries:
+        done = values[int(where * (len(values) - 1))] * scale * past
+        expected = distribution.scaled_gittins_remaining(scale, done)
+        got = remaining(scale, done)
+        if expected is None:
+            assert got is None
+        else:
+            assert got == pytest.approx(expected, rel=1e-9, abs=1e-9 * scale * values[-1])
 
 
 def test_exact_index_is_the_reciprocal_and_zero_past_the_samples() -> None:

@@ -241,6 +241,70 @@ class ServiceDistribution:
         )
         return max(best, 0.0)
 
+    def remaining_indexer(self) -> Callable[[float, float], float | None]:
+        """`scaled_gittins_remaining` for many (scale, done) in turn, the same values
+        (to rounding) for each: worked out once in time linear in the samples, then each
+        a bisection and a short walk, where `scaled_gittins_remaining` goes over every
+        sample above `done / scale` (`progress-gittins` asks for one per waiting job
+        per cycle; `gittins-size` one per service seen).
+
+        Why it holds: with `W_k`, `V_k` the running totals up to sample k, `v_k` its
+        value and `x = done / scale`, the look-ahead to sample k (at or above the
+        first sample above x, `s`) is worth `scale` x the slope from the point
+        P = (W_{s-1}, V_{s-1} + x (W - W_{s-1})) to Q_k = (W_k, A_k), where
+        A_k = V_k + v_k (W - W_k) and W is the total weight. The Q_k do not depend on
+        the query, and P lies left of every Q_k with k >= s (weights are positive),
+        so the least slope is at a vertex of the lower convex hull of Q_s, Q_{s+1},
+        ...; along that chain the slope from P falls and then rises. The chain of each
+        suffix is Q_s and then the chain of the suffix its first vertex after Q_s
+        begins (`after`), so one pass from the right builds them all."""
+        values = self.values
+        if not values:
+            return lambda scale, done: None
+        weights, weighted = self.cumulative_weight, self.cumulative_weighted_value
+        total = weights[-1]
+        heights = [
+            v_k + value * (total - w_k)
+            for value, w_k, v_k in zip(values, weights, weighted, strict=True)
+        ]
+        after = [-1] * len(values)
+        chain: list[int] = []  # the lower hull of the suffix, its first vertex last
+        for start in range(len(values) - 1, -1, -1):
+            x0, y0 = weights[start], heights[start]
+            while len(chain) >= 2:
+                a, b = chain[-1], chain[-2]
+                # `a` is off the hull unless the slope from `start` to it is below the
+                # slope from it to `b` (cross-multiplied: both runs are positive).
+                if (heights[a] - y0) * (weights[b] - weights[a]) < (heights[b] - heights[a]) * (
+                    weights[a] - x0
+                ):
+                    break
+                chain.pop()
+            after[start] = chain[-1] if chain else -1
+            chain.append(start)
+        right = bisect.bisect_right
+
+        def remaining(scale: float, done: float) -> float | None:
+            if scale <= 0.0:
+                return None
+            x = done / scale
+            start = right(values, x)
+            if start >= len(values):
+                return None
+            base_w = weights[start - 1] if start else 0.0
+            base_v = weighted[start - 1] if start else 0.0
+            height = base_v + x * (total - base_w)
+            at = start
+            best = (heights[at] - height) / (weights[at] - base_w)
+            while (ahead := after[at]) >= 0:
+                slope = (heights[ahead] - height) / (weights[ahead] - base_w)
+                if slope >= best:
+                    break
+                at, best = ahead, slope
+            return max(scale * best, 0.0)
+
+        return remaining
+
     def gittins_index_exact(self, attained: float) -> float:
         """The Gittins index of a job that has attained this much service, over
         every look-ahead (the supremum, which lies at a sample): what Gittins' policy

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, NamedTuple
@@ -41,18 +42,66 @@ def job_sequence(job_id: str) -> tuple[int, str]:
     return (int(job_id), "") if job_id.isdigit() else (1 << 62, job_id)
 
 
-# The indices of `gittins-size` and `progress-gittins`, cached by distribution (by
-# value: a frozen dataclass) and job: a waiting job's service and a learned
-# distribution stay the same over many cycles, and each index is linear in the
-# distribution's samples, where a look-up hashes them once.
-@functools.lru_cache(maxsize=1 << 16)
-def _exact_index(distribution: ServiceDistribution, attained: float) -> float:
-    return distribution.gittins_index_exact(attained)
+class _Indices:
+    """What `gittins-size` and `progress-gittins` make of one distribution object, kept
+    from one cycle to the next while it is in use (`indices_of`): a learned
+    distribution stays the same object over many cycles, and so do a waiting job's
+    service and belief. Keyed by identity, not value: hashing a distribution's samples
+    for every look-up cost more than most look-ups saved."""
+
+    __slots__ = ("_compact", "_exact", "_remaining", "_scaled", "distribution")
+
+    def __init__(self, distribution: ServiceDistribution) -> None:
+        self.distribution = distribution  # held: its id is no other object's meanwhile
+        self._compact: Callable[[float, float], float | None] | None = None
+        self._exact: dict[float, float] = {}
+        self._remaining: Callable[[float, float], float | None] | None = None
+        self._scaled: dict[tuple[float, float], float | None] = {}
+
+    def exact(self, attained: float) -> float:
+        """`ServiceDistribution.gittins_index_exact` of the distribution compressed to
+        `GITTINS_POINTS` (each index is then linear in at most that many samples)."""
+        index = self._exact.get(attained)
+        if index is None:
+            if self._compact is None:
+                compact = self.distribution.compressed(GITTINS_POINTS)
+                self._compact = compact.remaining_indexer()
+            left = self._compact(1.0, attained)
+            index = 0.0 if left is None else math.inf if left <= 0.0 else 1.0 / left
+            if len(self._exact) >= _MEMO_LIMIT:
+                self._exact.clear()
+            self._exact[attained] = index
+        return index
+
+    def scaled(self, scale: float, done: float) -> float | None:
+        """`ServiceDistribution.scaled_gittins_remaining`."""
+        key = (scale, done)
+        if key in self._scaled:
+            return self._scaled[key]
+        if self._remaining is None:
+            self._remaining = self.distribution.remaining_indexer()
+        left = self._scaled[key] = self._remaining(scale, done)
+        if len(self._scaled) > _MEMO_LIMIT:
+            self._scaled.clear()
+        return left
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _scaled_remaining(distribution: ServiceDistribution, scale: float, done: float) -> float | None:
-    return distribution.scaled_gittins_remaining(scale, done)
+# The distributions whose indices are kept (the latest used), and how many indices
+# each keeps before it starts again.
+_INDICES_KEPT: Final = 16
+_MEMO_LIMIT: Final = 1 << 16
+_INDICES: dict[int, _Indices] = {}
+_INDICES_LOCK = threading.Lock()  # the live brain may decide in a worker thread
+
+
+def indices_of(distribution: ServiceDistribution) -> _Indices:
+    with _INDICES_LOCK:
+        kept = _INDICES.get(id(distribution))
+        if kept is None or kept.distribution is not distribution:
+            if len(_INDICES) >= _INDICES_KEPT:
+                del _INDICES[next(iter(_INDICES))]
+            kept = _INDICES[id(distribution)] = _Indices(distribution)
+        return kept
 
 
 def submission_key(job: JobView) -> tuple[float, tuple[int, str]]:
@@ -303,7 +352,6 @@ class _GittinsIndices:
         self._tiresias = tiresias
         self._by_class = by_class
         self.classes = context.service_by_class if by_class else None
-        self._compact: dict[int, ServiceDistribution] = {}
         self.seen: dict[float | tuple[int, float], _Known] = {}
         # One float per band, shared by every rank that begins with it: sorting by rank
         # compares equal first keys by identity, not value.
@@ -340,10 +388,7 @@ class _GittinsIndices:
             distribution = self.classes.of(gpus) or distribution
         if self._tiresias:
             return distribution.gittins_index_tiresias(attained, quantum)
-        small = self._compact.get(id(distribution))
-        if small is None:
-            small = self._compact[id(distribution)] = distribution.compressed(GITTINS_POINTS)
-        return _exact_index(small, attained)
+        return indices_of(distribution).exact(attained)
 
 
 # What `_GittinsIndices` knows of a service: its LAS band, the band and the negated
@@ -528,7 +573,11 @@ def _by_remaining(
     return Ordered(tuple(ranked), head_of_line_blocking=False)
 
 
-def believed_remaining_gpu_seconds(job: JobView, ratios: ServiceDistribution) -> float | None:
+def believed_remaining_gpu_seconds(
+    job: JobView,
+    ratios: ServiceDistribution,
+    scaled_remaining: Callable[[float, float], float | None] | None = None,
+) -> float | None:
     """Remaining GPU-time from the job's progress reports, the belief they carry
     taken as evidence rather than truth: its actual total is its believed total
     (1 / rate, in seconds at the speed it runs) times a ratio drawn from `ratios`
@@ -549,7 +598,9 @@ def believed_remaining_gpu_seconds(job: JobView, ratios: ServiceDistribution) ->
     believed_s = 1.0 / rate
     # Past its believed total a job's fraction stops moving: its run time says more.
     done_s = job.executed_seconds if job.executed_seconds > believed_s else done / rate
-    remaining = _scaled_remaining(ratios, believed_s, done_s)
+    if scaled_remaining is None:
+        scaled_remaining = indices_of(ratios).scaled
+    remaining = scaled_remaining(believed_s, done_s)
     if remaining is None:
         remaining = max(done_s - believed_s, 0.0)
     return job.gpu_size * remaining
@@ -559,8 +610,9 @@ def progress_gittins(jobs: Sequence[JobView], context: OrderContext) -> Ordered:
     """`progress`, with each job's believed total weighed by how wrong finished
     jobs' beliefs turned out to be (`believed_remaining_gpu_seconds`)."""
     ratios = context.error_distribution or DEFAULT_ERROR_PRIOR
+    scaled = indices_of(ratios).scaled
     return _by_remaining(
-        jobs, context, lambda job: believed_remaining_gpu_seconds(job, ratios), "believed"
+        jobs, context, lambda job: believed_remaining_gpu_seconds(job, ratios, scaled), "believed"
     )
 
 
