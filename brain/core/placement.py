@@ -30,27 +30,30 @@ class _Buckets:
     memmove, never a scan of the cluster.
     """
 
-    __slots__ = ("_names",)
+    __slots__ = ("rows",)
 
     def __init__(self) -> None:
-        self._names: list[list[str]] = [[]]
+        # `rows[count]`: the nodes with `count` GPUs free, by name. Read and moved in
+        # place by `FreeGpus` on its hot paths (a move is one deletion and one insort,
+        # written out there rather than behind a call).
+        self.rows: list[list[str]] = [[]]
 
     def load(self, free_counts: Iterable[tuple[str, int]]) -> None:
         """Fill an empty index in one go (a sort per count, not an insert per node)."""
         for name, count in free_counts:
             if count > 0:
                 self._row(count).append(name)
-        for row in self._names:
+        for row in self.rows:
             row.sort()
 
     def _row(self, count: int) -> list[str]:
-        while len(self._names) <= count:
-            self._names.append([])
-        return self._names[count]
+        while len(self.rows) <= count:
+            self.rows.append([])
+        return self.rows[count]
 
     def most_free(self) -> int:
-        for count in range(len(self._names) - 1, 0, -1):
-            if self._names[count]:
+        for count in range(len(self.rows) - 1, 0, -1):
+            if self.rows[count]:
                 return count
         return 0
 
@@ -59,8 +62,8 @@ class _Buckets:
         these nodes do not have that many."""
         needed = gpus
         nodes = 0
-        for count in range(len(self._names) - 1, 0, -1):
-            have = len(self._names[count])
+        for count in range(len(self.rows) - 1, 0, -1):
+            have = len(self.rows[count])
             if have * count >= needed:
                 return nodes + -(-needed // count)
             needed -= have * count
@@ -208,7 +211,7 @@ class FreeGpus:
             return
         delta = after - before
         self._total_free += delta
-        rows = self._all._names
+        rows = self._all.rows
         if before > 0:
             row = rows[before]
             del row[bisect.bisect_left(row, node)]
@@ -329,7 +332,7 @@ class FreeGpus:
         """The node with the fewest free GPUs that has at least `gpus` (ties: by name),
         or None. Asked for every placement: the buckets' rows walked by index, not over a
         slice of them (a list built at every placement)."""
-        rows = self._all._names
+        rows = self._all.rows
         count = gpus if gpus > 1 else 1
         while count < len(rows):
             row = rows[count]
@@ -352,7 +355,7 @@ class FreeGpus:
         # Roomiest first, ties by name: the rows walked in plain loops, as a generator
         # left early is closed with an exception (a frame object and a traceback), at
         # every gang placed; and without `lowest` or `min`, calls for each node.
-        for row in reversed(buckets._names):
+        for row in reversed(buckets.rows):
             for node in row:
                 if needed == 0:
                     return tuple(grants)
