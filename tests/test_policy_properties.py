@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import assume, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from brain.core import (
@@ -32,7 +32,9 @@ class World:
 
 
 @st.composite
-def worlds(draw: st.DrawFn, *, with_quotas: bool = True) -> World:
+def worlds(draw: st.DrawFn, *, with_quotas: bool = True, always_quotas: bool = False) -> World:
+    """A small cluster with running and pending jobs; configured queues in half the
+    worlds (`with_quotas`), or in every one (`always_quotas`)."""
     node_count = draw(st.integers(1, 4))
     nodes: list[NodeView] = []
     busy: dict[str, set[int]] = {}
@@ -92,7 +94,7 @@ def worlds(draw: st.DrawFn, *, with_quotas: bool = True) -> World:
     # A node drained or lost whole is not in the snapshot at all.
     nodes = [n for n in nodes if n.gpus]
     queues: tuple[QueueQuota, ...] = ()
-    if with_quotas and draw(st.booleans()):
+    if always_quotas or (with_quotas and draw(st.booleans())):
         capacity = sum(len(n.gpus) for n in nodes)
         left = capacity
         made = []
@@ -185,8 +187,10 @@ def test_a_preemption_names_the_first_job_placed_on_its_gpus(world: World, polic
         assert named == (takers[0] if takers else placed[0][0])
 
 
+# Worlds with queues only: drawn so, not filtered, which left two draws in three out and
+# failed Hypothesis' filter_too_much health check about once in seven runs.
 @settings(max_examples=150, deadline=None)
-@given(worlds(), policies)
+@given(worlds(always_quotas=True), policies)
 def test_a_guaranteed_quota_is_always_reachable(world: World, policy: Policy) -> None:
     snapshot = world.snapshot
     assume(snapshot.queues)
@@ -205,7 +209,9 @@ def test_a_guaranteed_quota_is_always_reachable(world: World, policy: Policy) ->
             assert {j.job_id for j in mine} <= running_after, quota
 
 
-@settings(max_examples=150, deadline=None)
+# Most worlds have no job waiting past a guard drawn apart from them (about 58 % are
+# left out): the filtering is understood, and the health check that counts it is off.
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(worlds(with_quotas=False), guarded_policies)
 def test_no_job_starves_beyond_the_guard(world: World, policy: Policy) -> None:
     guard = policy.starvation_guard_s
