@@ -43,20 +43,29 @@ def job_sequence(job_id: str) -> tuple[int, str]:
 
 
 class _Indices:
-    """What `gittins-size` and `progress-gittins` make of one distribution object, kept
-    from one cycle to the next while it is in use (`indices_of`): a learned
-    distribution stays the same object over many cycles, and so do a waiting job's
-    service and belief. Keyed by identity, not value: hashing a distribution's samples
-    for every look-up cost more than most look-ups saved."""
+    """What `gittins`, `gittins-size` and `progress-gittins` make of one distribution
+    object, kept from one cycle to the next while it is in use (`indices_of`): a
+    learned distribution stays the same object over many cycles, and so do a waiting
+    job's service and belief. Keyed by identity, not value: hashing a distribution's
+    samples for every look-up cost more than most look-ups saved."""
 
-    __slots__ = ("_compact", "_exact", "_remaining", "_scaled", "distribution")
+    __slots__ = ("_compact", "_exact", "_indexers", "_remaining", "_scaled", "distribution")
 
     def __init__(self, distribution: ServiceDistribution) -> None:
         self.distribution = distribution  # held: its id is no other object's meanwhile
         self._compact: Callable[[float, float], float | None] | None = None
         self._exact: dict[float, float] = {}
+        self._indexers: dict[float, Callable[[float], float]] = {}
         self._remaining: Callable[[float, float], float | None] | None = None
         self._scaled: dict[tuple[float, float], float | None] = {}
+
+    def at_quantum(self, quantum: float) -> Callable[[float], float]:
+        """`ServiceDistribution.gittins_indexer` (`gittins`): its tail sums are linear
+        in the samples, thousands once many jobs finished, for every cycle."""
+        indexer = self._indexers.get(quantum)
+        if indexer is None:
+            indexer = self._indexers[quantum] = self.distribution.gittins_indexer(quantum)
+        return indexer
 
     def exact(self, attained: float) -> float:
         """`ServiceDistribution.gittins_index_exact` of the distribution compressed to
@@ -364,7 +373,7 @@ class _GittinsIndices:
         self._plain: Callable[[float], float] | None = None
         if not tiresias and not by_class:
             quantum = context.gittins_quantum_gpu_s
-            self._plain = context.distribution.gittins_indexer(quantum)
+            self._plain = indices_of(context.distribution).at_quantum(quantum)
 
     def add(self, key: float | tuple[int, float], gpus: int, attained: float) -> _Known:
         context = self._context
