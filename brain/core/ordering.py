@@ -76,10 +76,10 @@ class _Indices:
                 compact = self.distribution.compressed(GITTINS_POINTS)
                 self._compact = compact.remaining_indexer()
             left = self._compact(1.0, attained)
-            index = 0.0 if left is None else math.inf if left <= 0.0 else 1.0 / left
-            if len(self._exact) >= _MEMO_LIMIT:
-                self._exact.clear()
-            self._exact[attained] = index
+            index = self._exact[attained] = (
+                0.0 if left is None else math.inf if left <= 0.0 else 1.0 / left
+            )
+            _MEMO.added()
         return index
 
     def scaled(self, scale: float, done: float) -> float | None:
@@ -90,17 +90,44 @@ class _Indices:
         if self._remaining is None:
             self._remaining = self.distribution.remaining_indexer()
         left = self._scaled[key] = self._remaining(scale, done)
-        if len(self._scaled) > _MEMO_LIMIT:
-            self._scaled.clear()
+        _MEMO.added()
         return left
 
+    def held(self) -> int:
+        return len(self._exact) + len(self._scaled)
 
-# The distributions whose indices are kept (the latest used), and how many indices
-# each keeps before it starts again.
+    def forget(self) -> None:
+        """The indices computed (what keeps the distribution's chains stays)."""
+        self._exact.clear()
+        self._scaled.clear()
+
+
+class _MemoBudget:
+    """How many indices the kept distributions hold together: past `limit` (about
+    20 MB), every one's are forgotten and computed again as they are asked for. A
+    running job's belief moves every cycle, so without a bound the indices of the
+    distribution in use would grow for as long as it is."""
+
+    __slots__ = ("held", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def added(self) -> None:
+        self.held += 1
+        if self.held > self.limit:
+            with _INDICES_LOCK:
+                for kept in _INDICES.values():
+                    kept.forget()
+                self.held = 0
+
+
+# The distributions whose indices are kept (the latest used).
 _INDICES_KEPT: Final = 16
-_MEMO_LIMIT: Final = 1 << 16
 _INDICES: dict[int, _Indices] = {}
 _INDICES_LOCK = threading.Lock()  # the live brain may decide in a worker thread
+_MEMO = _MemoBudget(1 << 17)
 
 
 def indices_of(distribution: ServiceDistribution) -> _Indices:
@@ -108,7 +135,7 @@ def indices_of(distribution: ServiceDistribution) -> _Indices:
         kept = _INDICES.get(id(distribution))
         if kept is None or kept.distribution is not distribution:
             if len(_INDICES) >= _INDICES_KEPT:
-                del _INDICES[next(iter(_INDICES))]
+                _MEMO.held -= _INDICES.pop(next(iter(_INDICES))).held()
             kept = _INDICES[id(distribution)] = _Indices(distribution)
         return kept
 
