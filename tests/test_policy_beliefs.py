@@ -22,6 +22,7 @@ from brain.core import (
     Policy,
     ServiceDistribution,
     decide,
+    ordering,
     reads,
 )
 from brain.core.distribution import ERROR_POINTS, ServiceByClass, gpu_class
@@ -359,3 +360,20 @@ def test_progress_gittins_with_exact_beliefs_is_progress() -> None:
     plain = simulate(trace(), config)
     weighed = simulate(trace(), replace(config, policy=Policy(order="progress-gittins")))
     assert [o.finished_at for o in weighed.outcomes] == [o.finished_at for o in plain.outcomes]
+
+
+def test_kept_indices_are_bounded_and_still_right(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the bound every kept distribution forgets its indices; asked again, each is
+    computed again, the same."""
+    monkeypatch.setattr(ordering, "_INDICES", {})
+    monkeypatch.setattr(ordering, "_MEMO", ordering._MemoBudget(3))
+    distribution = ServiceDistribution.from_samples([1.0, 2.0, 4.0, 8.0])
+    kept = ordering.indices_of(distribution)
+    asks = [(10.0, done) for done in (0.0, 5.0, 15.0, 30.0, 50.0)]
+    first = [kept.scaled(scale, done) for scale, done in asks]
+    assert kept.held() <= 3 and ordering._MEMO.held <= 3
+    again = [kept.scaled(scale, done) for scale, done in asks]
+    expected = [distribution.scaled_gittins_remaining(scale, done) for scale, done in asks]
+    assert first == again
+    assert again == [None if e is None else pytest.approx(e) for e in expected]
+    assert ordering.indices_of(distribution) is kept
