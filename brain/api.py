@@ -20,6 +20,7 @@ from nats.aio.subscription import Subscription
 from brain.census import CensusCache
 from brain.core.ordering import job_sequence
 from brain.history import FinishedQuery
+from brain.inbox import WriteRequest
 from brain.port import BrainPort
 from brain.queues import queue_status
 from brain.state import served, share_memory_limit
@@ -199,6 +200,10 @@ class ApiServer:
         and drain or resume nodes. Callers authenticate the tenant: NATS by the subject,
         HTTP by the bearer token."""
         try:
+            if not isinstance(request, WriteRequest):
+                # A read answers from state as stored, never from a unit's records while
+                # its group is being appended (a failed append would take them back).
+                await self.brain.settled()
             return await self._dispatch(tenant, request, operator)
         except ApiError as error:
             return ErrorReply(code=error.code, error=error.message)
@@ -244,6 +249,7 @@ class ApiServer:
                         "forbidden", f"only an operator may edit the blacklist, not {tenant}"
                     )
                 await brain.call(tenant, request)
+            await brain.settled()
             state = brain.state
             return BlacklistReply(
                 entries=tuple(state.blacklist.values()),
@@ -447,7 +453,10 @@ class ApiServer:
             for b in await brain.lease.brains()
             if b.brain_id != me.brain_id and not (me.leader and b.leader)
         ]
-        counts = {state.value: n for state, n in brain.state.counts_by_state().items()}
+        census = await self.census()
+        # State read last, with nothing awaited after the writer was seen free.
+        await brain.settled()
+        state = brain.state
         return StatusReply(
             brains=(me, *sorted(others, key=lambda b: b.since)),
             epoch=brain.epoch,
@@ -455,11 +464,11 @@ class ApiServer:
             brain_pid=brain.pid,
             started_at=brain.started_at,
             policy=brain.config.policy.describe(),
-            jobs_by_state=counts,
-            nodes=len(brain.state.nodes),
-            gpus=brain.state.capacity(),
-            census=await self.census(),
-            waiting=brain.state.waits_by_kind(),
+            jobs_by_state={s.value: n for s, n in state.counts_by_state().items()},
+            nodes=len(state.nodes),
+            gpus=state.capacity(),
+            census=census,
+            waiting=state.waits_by_kind(),
         )
 
     async def census(self) -> GpuCensus:

@@ -93,6 +93,13 @@ class BrainPort(Protocol):
 
     def info(self) -> BrainInfo: ...
 
+    async def settled(self) -> None:
+        """Returns once no unit of work is under way: state then holds only what is
+        stored. A read answers from state right after, without awaiting in between.
+        Raises ApiError `unavailable` while state is ahead of the log (a group it did
+        not take, until the brain reads it again)."""
+        ...
+
     async def job_record(self, job_id: str) -> JobRecord | None: ...
 
     def last_seen_ago(self, node: str) -> float | None: ...

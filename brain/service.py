@@ -1003,6 +1003,25 @@ class Brain:
 
     # -- views -----------------------------------------------------------------------
 
+    async def settled(self) -> None:
+        """Returns once the writer is free. A unit applies its records to state as it
+        stages them and stores them as a group at its end: while it awaits (its
+        commit's append, above all), state holds records that are not stored yet, and
+        would not be if the append failed. Released, the lock is not taken again by
+        the next unit before this returns and its caller reads (asyncio runs the
+        waiter later), so a read that awaits nothing after this sees stored state.
+
+        A group the log did not take leaves state ahead of it until the brain, stepping
+        down, reads it again: meanwhile reads are refused as `unavailable`."""
+        writer = self._writer
+        while writer.locked():
+            async with writer:
+                pass
+        if self.journal.tainted:
+            raise ApiError(
+                "unavailable", "brain stepping down: its state is being read again from the log"
+            )
+
     async def job_record(self, job_id: str) -> JobRecord | None:
         """The job as it stands: from memory, or, for a finished job no longer held
         there, from the history (a projection of the log)."""
