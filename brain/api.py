@@ -200,9 +200,10 @@ class ApiServer:
         and drain or resume nodes. Callers authenticate the tenant: NATS by the subject,
         HTTP by the bearer token."""
         try:
-            if not isinstance(request, WriteRequest):
+            if not isinstance(request, WriteRequest | StatusRequest):
                 # A read answers from state as stored, never from a unit's records while
                 # its group is being appended (a failed append would take them back).
+                # Status awaits other answers first, and waits for the writer after them.
                 await self.brain.settled()
             return await self._dispatch(tenant, request, operator)
         except ApiError as error:
