@@ -304,6 +304,7 @@ class Brain:
         # How late the last tick woke up: how far behind the event loop runs.
         self._loop_lag_s = 0.0
         self._exec_key = b""  # the cluster's key for worker starts (brain/secrets.py)
+        self._key_read = asyncio.Lock()  # one read of it at a time
         self.credentials = (
             JobCredentials(
                 load_signer(self.config.callout_seed),
@@ -532,6 +533,7 @@ class Brain:
             self.bus.spawn(self._schedule_forever(), name="brain-scheduler"),
             self.bus.spawn(self._tick_forever(), name="brain-tick"),
             self.bus.spawn(self._profiles_forever(), name="brain-profiles"),
+            self.bus.spawn(self._read_cluster_key(), name="brain-cluster-key"),
             self.bus.spawn(
                 self.hearing.watch(self.ingest_bus, every_s=self.config.tick_s),
                 name="brain-hearing",
@@ -653,9 +655,29 @@ class Brain:
             raise HandBack(error.message) from None  # the next leader records it
 
     async def _cluster_key(self) -> bytes:
-        if not self._exec_key:  # read (or made) when first needed, not at start
-            self._exec_key = await secrets.exec_key(self.bus)
+        """The cluster key, read (or made) once; a caller that waited for another's
+        read takes what it read, or, if that failed, reads itself."""
+        if not self._exec_key:
+            async with self._key_read:
+                if not self._exec_key:
+                    self._exec_key = await secrets.exec_key(self.bus)
         return self._exec_key
+
+    async def _read_cluster_key(self) -> None:
+        """As a tenure begins, read the cluster key if launches will need it: every
+        launch of a brain that admits jobs (`credentials`: each carries a token under
+        it), and an elastic job's. Off the writer: read in a pass instead, it would hold
+        every unit while JetStream cannot answer (a bucket just made, in a cluster,
+        elects its stream's leader first), up to `secrets.KEY_RETRY_FOR_S`. A cluster
+        with neither is not given a bucket it does not need."""
+        if self.credentials is None and not any(
+            job.spec.elastic for job in self.state.jobs.values()
+        ):
+            return
+        try:
+            await self._cluster_key()
+        except Exception as error:
+            log.warning("the cluster key could not be read (%r): read again when needed", error)
 
     def _running(self, job_id: str, attempt: int) -> bool:
         """Whether this attempt runs (its job's NATS token admits it only then)."""

@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 
 from agents.agent import Agent, AgentConfig
 from agents.confine import Confinement
 from agents.gpu import SimulatedGpus
+from brain import secrets
 from brain.credentials import DEFAULT_TTL_S
 from brain.service import Brain, BrainConfig
 from bus.auth import CALLOUT_SEED_FILE, Identity, write_cluster_keys
@@ -201,6 +203,25 @@ async def secure_cluster(
         for bus in opened:
             with contextlib.suppress(Exception):
                 await bus.close()
+
+
+async def test_a_brain_that_admits_jobs_reads_the_cluster_key_as_it_begins_leading(
+    secure_server, keys, tmp_path
+) -> None:
+    """Every launch of a brain with the auth callout carries a token under the cluster
+    key: the brain reads (here: makes) it when its tenure begins, not in the pass that
+    places the first job, which would hold every unit meanwhile."""
+    async with secure_cluster(secure_server, keys[0], tmp_path, {}) as (brain, _):
+
+        async def stored() -> bool:
+            try:
+                bucket = await brain.bus.js.key_value(secrets.SECRETS_BUCKET)
+                return (await bucket.get(secrets.EXEC_KEY)).value is not None
+            except nats.js.errors.BucketNotFoundError:
+                return False
+
+        assert await eventually(stored)
+        assert not brain.state.jobs
 
 
 async def grows_to_two_and_ends(brain: Brain, tenant: Bus, job: JobRecord, stop: Path) -> JobRecord:
