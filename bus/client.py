@@ -302,7 +302,7 @@ class Bus:
                 kwargs["disconnected_cb"] = _reload_on_disconnect(options, context, closing)
         try:
             nc = await handshake.connect(kwargs, again=forever)
-        except (TimeoutError, OSError, nats.errors.NoServersError) as error:
+        except _GAVE_UP as error:
             raise _cannot_connect(options, error) from error
         bus = cls(nc, component=options.name, replicas=replicas)
         bus.options = options
@@ -1112,6 +1112,10 @@ def _cannot_connect(options: ConnectOptions, error: Exception) -> BusError:
     )
 
 
+# How nats-py says a first connection gave up (`Bus.connect` names it `_cannot_connect`).
+_GAVE_UP: Final = (TimeoutError, OSError, nats.errors.NoServersError)
+
+
 class _FirstHandshake:
     """A first connection past a failed TLS handshake. nats-py, after one fails on a
     first connection, waits for ever for the dropped socket to close (nats-io/nats.py
@@ -1134,6 +1138,7 @@ class _FirstHandshake:
     async def connect(self, kwargs: dict[str, Any], *, again: bool) -> NatsClient:
         while True:
             self.failed.clear()
+            self.error = None
             attempt = asyncio.ensure_future(nats.connect(**kwargs))
             failed = asyncio.ensure_future(self.failed.wait())
             try:
@@ -1147,6 +1152,11 @@ class _FirstHandshake:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await attempt
             if not attempt.cancelled():
+                given_up = attempt.exception()
+                if self.error is not None and isinstance(given_up, _GAVE_UP):
+                    # nats-py gave up by itself, through its reconnect attempts, before
+                    # it hung: with "no servers available", whose cause is the handshake.
+                    raise self.error from given_up
                 return attempt.result()
             assert self.error is not None
             if not again:
