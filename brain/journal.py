@@ -4,13 +4,17 @@ A handler (an inbox item, a scheduling pass) *stages* each record it makes: the 
 gets the next sequence and is applied to state at once, so the handler reads its own
 writes, but nothing outside this process sees it yet. At the end of a unit of work
 (one inbox batch, one pass's decisions) `commit` appends everything staged as one
-group, pipelined and fenced (`Bus.append_many`), then publishes the commands the unit
-queued with `send_after`, and only then writes the group's history rows in one sqlite
-transaction and tells the observers (a projection, off the path from a placement to its
-Launch). So:
+group, pipelined and fenced (`Bus.append_many`), hands the commands the unit queued
+with `send_after` to the journal's sender, and writes the group's history rows and
+tells the observers (a projection, off the path from a placement to its Launch). So:
 
 - no command, and no reply to a caller, goes out before the records it follows are
   stored (the commit comes first; the shell answers callers after it);
+- commands go out in the order their units committed, by a sender task of their own:
+  a command stream slow to take them (its leader moving, say) holds up no unit of the
+  writer, and so no caller and no read; what the sender has not sent when leadership
+  ends is dropped (`stop_sending`), and the next leader sends again what the log says
+  is unconfirmed;
 - a group is stored contiguously, right after the last stored record, or the commit
   fails; a failed commit leaves state ahead of the log, so the journal is `tainted`
   and the brain must step down and load state from the log again (`Replica.reload`)
@@ -19,10 +23,13 @@ Launch). So:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from pydantic import BaseModel
 
@@ -31,6 +38,10 @@ from schemas import subjects
 from schemas.state import StateRecord
 
 log = logging.getLogger(__name__)
+
+# Commands the sender pipelines in one send at most: the units that queued behind a
+# slow stream go out together, this many at a time.
+SEND_MAX: Final = 1024
 
 
 class Log(Protocol):
@@ -59,11 +70,20 @@ class Journal:
     staged: list[tuple[str, StateRecord, int]] = field(default_factory=list)
     outbox: list[tuple[str, BaseModel, str]] = field(default_factory=list)
     tainted: bool = False
-    # Counters for /metrics and benches: groups committed, records in them, and
-    # commands that did not go out.
+    # Committed units' commands not yet sent, in commit order (the sender's queue).
+    unsent: deque[tuple[str, BaseModel, str]] = field(default_factory=deque)
+    # Counters for /metrics and benches: groups committed, records in them, commands
+    # sent, and commands that did not go out (given up on, or dropped at a step-down).
     groups: int = 0
     records: int = 0
+    commands_sent: int = 0
     commands_unsent: int = 0
+    _sender: asyncio.Task[None] | None = None
+    _in_flight: int = 0  # commands the sender is sending now
+    _sent: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._sent.set()  # nothing queued
 
     def stage(self, record: StateRecord, subject: str) -> int:
         """Apply `record` now; it is stored at the next commit. Returns its sequence."""
@@ -82,8 +102,9 @@ class Journal:
         return bool(self.staged or self.outbox)
 
     async def commit(self) -> None:
-        """Store what is staged, then send what is queued. Raises what the append
-        raised (SequenceConflict, BusTimeout, ...) with the journal tainted.
+        """Store what is staged, then queue what the unit would send. Raises what the
+        append raised (SequenceConflict, BusTimeout, ...) with the journal tainted, and
+        then sends nothing the unit queued.
 
         Commands that do not go out (the bus retries them for half a minute) fail
         nothing: the records they follow are stored, so the callers who staged them are
@@ -108,22 +129,69 @@ class Journal:
                 raise
             self.groups += 1
             self.records += len(staged)
-        try:
-            # The records are stored: their commands may go. The history and the
-            # observers come after, off the path from a placement to its Launch.
-            if outbox:
-                await self.bus.publish_many_durable(outbox)
-        except Exception as error:
-            self.commands_unsent += len(outbox)
-            log.warning(
-                "%d command(s) did not go out (%r); what they follow is stored, and "
-                "they are sent again or undone where they are watched",
-                len(outbox),
-                error,
+        # The records are stored: their commands may go. The history and the observers
+        # come after, off the path from a placement to its Launch.
+        if outbox:
+            self._queue(outbox)
+        if staged:
+            self._project(staged)
+
+    def _queue(self, outbox: list[tuple[str, BaseModel, str]]) -> None:
+        self.unsent.extend(outbox)
+        self._sent.clear()
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(
+                self._send_queued(), name="journal-sender"
             )
+
+    async def _send_queued(self) -> None:
+        """Send the queue, oldest first, until it is empty (then the task ends; the
+        next commit with commands starts another)."""
+        try:
+            while self.unsent:
+                batch = [self.unsent.popleft() for _ in range(min(SEND_MAX, len(self.unsent)))]
+                self._in_flight = len(batch)
+                try:
+                    await self.bus.publish_many_durable(batch)
+                except Exception as error:
+                    self.commands_unsent += len(batch)
+                    log.warning(
+                        "%d command(s) did not go out (%r); what they follow is stored, "
+                        "and they are sent again or undone where they are watched",
+                        len(batch),
+                        error,
+                    )
+                else:
+                    self.commands_sent += len(batch)
+                self._in_flight = 0
         finally:
-            if staged:
-                self._project(staged)
+            if not self.unsent:
+                self._sent.set()
+
+    async def sent(self) -> None:
+        """Wait until every command committed so far was sent (or given up on)."""
+        await self._sent.wait()
+
+    async def stop_sending(self, grace_s: float = 0.0) -> int:
+        """Leadership ends: let the sender finish within `grace_s`, then drop what it
+        has not sent (a later leader sends again what the log says is unconfirmed).
+        Returns how many commands were dropped."""
+        if grace_s > 0 and not self._sent.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sent.wait(), grace_s)
+        sender, self._sender = self._sender, None
+        if sender is not None and not sender.done():
+            sender.cancel()
+            await asyncio.wait({sender})
+        # What the cancelled send had in hand may have reached the stream, or not.
+        dropped = len(self.unsent) + self._in_flight
+        if dropped:
+            log.warning("%d command(s) not known to have gone out at a step-down", dropped)
+            self.commands_unsent += dropped
+        self.unsent.clear()
+        self._in_flight = 0
+        self._sent.set()
+        return dropped
 
     def _project(self, staged: list[tuple[str, StateRecord, int]]) -> None:
         """Write stored records to the history and tell the observers."""

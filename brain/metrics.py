@@ -307,6 +307,16 @@ class _ClusterCollector(Collector):
             "alnair_journal_records", "State records committed to the log.", value=journal.records
         )
         yield CounterMetricFamily(
+            "alnair_journal_commands_sent",
+            "Commands published after their records were stored.",
+            value=journal.commands_sent,
+        )
+        yield GaugeMetricFamily(
+            "alnair_journal_commands_queued",
+            "Commands whose records are stored, waiting for the journal's sender.",
+            value=len(journal.unsent),
+        )
+        yield CounterMetricFamily(
             "alnair_journal_commands_unsent",
             "Commands that did not go out after their records were stored (sent again or "
             "undone where they are watched).",

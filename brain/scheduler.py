@@ -96,8 +96,8 @@ class Writes(JobRecords, Protocol):
         ...
 
     def unit(self) -> AbstractAsyncContextManager[None]:
-        """A unit of work as the writer: what it stages is stored as one group, and
-        the commands it sent go out after, before the writer is let go."""
+        """A unit of work as the writer: what it stages is stored as one group before
+        the writer is let go, and the commands it sent go out after, in order."""
         ...
 
     async def launch_ready(self, job: JobRecord) -> None:

@@ -146,6 +146,8 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 PROFILES_EVERY_S: Final = 0.05
 # How often a brain with `history_keep_days` prunes its history (and once at start).
 PRUNE_EVERY_S: Final = 3600.0
+# How long a brain stepping down lets the commands of its stored groups go out.
+COMMANDS_GRACE_S: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -569,6 +571,9 @@ class Brain:
             task.cancel()
         if others:
             await asyncio.wait(others, timeout=3.0)
+        # Commands of stored groups still queued get a moment to go out; the rest are
+        # dropped (the next leader sends again what the log says is unconfirmed).
+        await self.journal.stop_sending(grace_s=COMMANDS_GRACE_S)
         self._inbox.refuse_waiting(f"brain stepped down: {reason}")
         self.journal.discard()  # staged by a unit cut short: never stored
         if self.journal.tainted:

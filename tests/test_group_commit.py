@@ -18,10 +18,17 @@ from brain.service import Brain
 from bus.client import Bus
 from cli.client import submit as client_submit
 from schemas import subjects
-from schemas.api import JOB_RESULT, ErrorReply, JobReply, SubmitRequest
+from schemas.api import (
+    JOB_RESULT,
+    ErrorReply,
+    JobReply,
+    StatusReply,
+    StatusRequest,
+    SubmitRequest,
+)
 from schemas.base import encode
 from schemas.errors import ApiError, MessageTooLarge, NoDefiniteAnswer, SequenceConflict
-from schemas.jobs import MAX_SPEC_BYTES, JobSpec
+from schemas.jobs import MAX_SPEC_BYTES, JobSpec, JobState
 from schemas.state import (
     STATE_RECORD,
     BlacklistChanged,
@@ -345,3 +352,52 @@ async def test_a_spec_too_big_for_the_log_is_refused_at_submit(
     assert brain.leading.is_set()
     fine = await brain.api.handle(TENANT, SubmitRequest(spec=JobSpec(command=("true",), gpus=64)))
     assert isinstance(fine, JobReply)
+
+
+async def test_a_command_stream_that_takes_nothing_holds_up_no_caller_or_read(
+    brain_factory: Callable[..., Awaitable[Brain]], agent_factory
+) -> None:
+    """The node command stream takes nothing for a while (its leader moving, say): the
+    placed job's Launch waits in the journal's sender, while submissions are answered
+    and reads answer with the placement stored. Once the stream takes commands again
+    the Launch goes out and the job starts."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    await eventually(lambda: "n1" in brain.state.nodes)
+    bus = brain.journal.bus
+    stream_back = asyncio.Event()
+    stalled: list[str] = []
+
+    async def stalled_then_sent(messages: list, **kwargs: object) -> None:
+        stalled.extend(msg_id for _, _, msg_id in messages)
+        await stream_back.wait()
+        await type(bus).publish_many_durable(bus, messages, **kwargs)  # type: ignore[arg-type]
+
+    bus.publish_many_durable = stalled_then_sent  # type: ignore[method-assign]
+    try:
+        spec = JobSpec(name="placed", command=("sleep", "30"), gpus=1)
+        placed = await brain.bus.request(
+            subjects.api(TENANT, "submit"), SubmitRequest(spec=spec), JOB_RESULT
+        )
+        assert isinstance(placed, JobReply)
+        await eventually(lambda: stalled)  # placed; its Launch is held by the stream
+        assert brain.state.jobs[placed.job.job_id].state is JobState.RUNNING
+        # Were the Launch sent within the unit that placed the job, that unit would
+        # hold the writer, and so this read, as long as the stream takes nothing.
+        status = await asyncio.wait_for(brain.api.handle(TENANT, StatusRequest()), 20)
+        assert isinstance(status, StatusReply) and status.jobs_by_state["RUNNING"] == 1
+        other = JobSpec(name="after", command=("sleep", "30"), gpus=2)
+        answered = await brain.bus.request(
+            subjects.api(TENANT, "submit"), SubmitRequest(spec=other), JOB_RESULT
+        )
+        assert isinstance(answered, JobReply)
+        running = brain.state.jobs[placed.job.job_id]
+        assert all(grant.pid is None for grant in running.grants)  # not launched yet
+    finally:
+        stream_back.set()
+        del bus.publish_many_durable  # the bus's own again
+    await eventually(
+        lambda: all(g.pid is not None for g in brain.state.jobs[placed.job.job_id].grants),
+        timeout_s=30,
+    )
+    assert brain.journal.commands_unsent == 0

@@ -84,6 +84,7 @@ async def test_staged_records_are_read_at_once_and_stored_as_one_group() -> None
     assert log.calls == [] and seen == []
 
     await made.commit()
+    await made.sent()
 
     assert log.appends == 1 and log.calls == [("append", 3), ("command", "s-1")]
     assert history.transactions == 1 and history.rows == [1, 2, 3]
@@ -107,6 +108,7 @@ async def test_commands_alone_go_out_without_an_append() -> None:
     made, _, log, history, _ = journal()
     made.send_after("alnair.node.a.cmd", stop("s-1"), "s-1")
     await made.commit()
+    await made.sent()
     assert log.calls == [("command", "s-1")] and log.appends == 0
     assert history.transactions == 0
 
@@ -120,15 +122,18 @@ async def test_discard_drops_what_a_unit_cut_short_staged() -> None:
     assert log.calls == []
 
 
-async def test_commands_go_out_before_the_history_is_written() -> None:
-    """The history is a projection: a placement's Launch waits for the log's
-    acknowledgement only, not for the sqlite write after it."""
-    made, _, _, history, seen = journal()
+async def test_the_history_is_written_without_waiting_for_commands() -> None:
+    """The history is a projection, and commands have a sender of their own: a
+    placement's Launch waits for the log's acknowledgement only, and the group's
+    history rows for neither the sqlite write nor the command stream."""
+    made, log, history, seen = stalled_journal()
     made.stage(node_record("a", 8), "alnair.state.node.a")
     made.send_after("alnair.node.a.cmd", stop("s-1"), "s-1")
     await made.commit()
-    assert history.seen_calls == [[("append", 1), ("command", "s-1")]]
-    assert seen == [1]
+    assert history.seen_calls == [[("append", 1)]] and seen == [1]
+    log.go.set()
+    await made.sent()
+    assert log.calls == [("append", 1), ("command", "s-1")]
 
 
 async def test_commands_that_do_not_go_out_fail_nothing_that_was_stored() -> None:
@@ -143,8 +148,68 @@ async def test_commands_that_do_not_go_out_fail_nothing_that_was_stored() -> Non
     made.stage(node_record("a", 8), "alnair.state.node.a")
     made.send_after("alnair.node.a.cmd", stop("s-1"), "s-1")
     await made.commit()
+    await made.sent()
     assert history.rows == [1] and seen == [1] and not made.tainted
-    assert (made.groups, made.commands_unsent) == (1, 1)
+    assert (made.groups, made.commands_sent, made.commands_unsent) == (1, 0, 1)
+
+
+@dataclass
+class StalledLog(MemoryLog):
+    """A command stream that takes nothing until `go` is set (its leader moving, say);
+    each send it is asked for is kept, in order."""
+
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+    sends: list[list[str]] = field(default_factory=list)
+
+    async def publish_many_durable(self, messages: list[tuple[str, BaseModel, str]]) -> None:
+        self.sends.append([msg_id for _, _, msg_id in messages])
+        await self.go.wait()
+        await super().publish_many_durable(messages)
+
+
+def stalled_journal() -> tuple[Journal, StalledLog, MemoryHistory, list[int]]:
+    state, log, seen = BrainState(), StalledLog(), []
+    history = MemoryHistory(log=log)
+    made = Journal(log, history, lambda: state, [lambda record, seq: seen.append(seq)])
+    return made, log, history, seen
+
+
+async def test_a_command_stream_that_takes_nothing_holds_no_unit_and_keeps_the_order() -> None:
+    """Units commit (and their callers are answered) while the commands of an earlier
+    one wait for the stream; once it takes them, every unit's commands go out in the
+    order the units committed, those that queued meanwhile in one send."""
+    made, log, _, _ = stalled_journal()
+    for unit in range(1, 4):
+        made.stage(node_record(f"n{unit}", 8), f"alnair.state.node.n{unit}")
+        made.send_after("alnair.node.a.cmd", stop(f"s-{unit}a"), f"s-{unit}a")
+        made.send_after("alnair.node.b.cmd", stop(f"s-{unit}b"), f"s-{unit}b")
+        await made.commit()
+        await asyncio.sleep(0)  # the sender takes the first unit's commands
+    assert made.groups == 3 and list(log.entries) and log.commands == []
+    assert log.sends == [["s-1a", "s-1b"]] and len(made.unsent) == 4
+    log.go.set()
+    await made.sent()
+    assert log.sends == [["s-1a", "s-1b"], ["s-2a", "s-2b", "s-3a", "s-3b"]]
+    assert log.commands == ["s-1a", "s-1b", "s-2a", "s-2b", "s-3a", "s-3b"]
+    assert (made.commands_sent, made.commands_unsent) == (6, 0)
+
+
+async def test_stepping_down_drops_what_the_sender_has_not_sent() -> None:
+    """Leadership ends: the commands still queued (and the send in hand) are dropped
+    and counted; a later tenure's commands go out from an empty queue."""
+    made, log, _, _ = stalled_journal()
+    for unit in range(1, 3):
+        made.send_after("alnair.node.a.cmd", stop(f"s-{unit}"), f"s-{unit}")
+        await made.commit()
+        await asyncio.sleep(0)
+    assert await made.stop_sending(grace_s=0.01) == 2
+    assert (made.commands_sent, made.commands_unsent, len(made.unsent)) == (0, 2, 0)
+    await made.sent()  # nothing is waited for
+    log.go.set()
+    made.send_after("alnair.node.a.cmd", stop("s-3"), "s-3")
+    await made.commit()
+    await made.sent()
+    assert log.commands == ["s-3"] and made.commands_sent == 1
 
 
 class SlowLog(MemoryLog):

@@ -161,6 +161,11 @@ async def test_gpus_under_dcgm_names_and_the_schedulers_series(
     groups = value(metrics["alnair_journal_groups"], "alnair_journal_groups_total")
     stored = value(metrics["alnair_journal_records"], "alnair_journal_records_total")
     assert groups is not None and stored is not None and 1 <= groups <= stored
+    # The running job's Launch went out through the journal's sender; nothing waits.
+    sent = value(metrics["alnair_journal_commands_sent"], "alnair_journal_commands_sent_total")
+    assert sent is not None and sent >= 1
+    queued = metrics["alnair_journal_commands_queued"]
+    assert value(queued, "alnair_journal_commands_queued") == 0
     assert value(metrics["alnair_gpus_allocated"], "alnair_gpus_allocated") == 1
     mean = value(
         metrics["alnair_job_gpu_util_mean_percent"],
