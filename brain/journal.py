@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 # Commands the sender pipelines in one send at most: the units that queued behind a
 # slow stream go out together, this many at a time.
 SEND_MAX: Final = 1024
+# Commands queued for the sender at most: past it (a command stream down for minutes
+# while passes go on placing) the oldest are dropped and counted as unsent.
+QUEUED_MAX: Final = 100_000
 
 
 class Log(Protocol):
@@ -72,6 +75,7 @@ class Journal:
     tainted: bool = False
     # Committed units' commands not yet sent, in commit order (the sender's queue).
     unsent: deque[tuple[str, BaseModel, str]] = field(default_factory=deque)
+    queued_max: int = QUEUED_MAX
     # Counters for /metrics and benches: groups committed, records in them, commands
     # sent, and commands that did not go out (given up on, or dropped at a step-down).
     groups: int = 0
@@ -137,7 +141,18 @@ class Journal:
             self._project(staged)
 
     def _queue(self, outbox: list[tuple[str, BaseModel, str]]) -> None:
-        self.unsent.extend(outbox)
+        unsent = self.unsent
+        unsent.extend(outbox)
+        if len(unsent) > self.queued_max:
+            over = len(unsent) - self.queued_max
+            for _ in range(over):
+                unsent.popleft()
+            self.commands_unsent += over
+            log.warning(
+                "%d command(s) dropped unsent: %d wait for the command stream already",
+                over,
+                self.queued_max,
+            )
         self._sent.clear()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(

@@ -254,3 +254,20 @@ async def test_a_snapshot_covers_only_what_was_stored_when_it_was_asked_for() ->
 
     assert made.tainted and replica.state.last_seq == 1
     assert snapshots.written == [0]
+
+
+async def test_the_sender_queue_is_bounded_by_dropping_the_oldest() -> None:
+    """A command stream down while units go on committing: past `queued_max` the
+    oldest queued commands are dropped and counted (each is sent again or undone where
+    it is watched); the newest go out once the stream is back."""
+    made, log, _, _ = stalled_journal()
+    made.queued_max = 3
+    for unit in range(1, 7):
+        made.send_after("alnair.node.a.cmd", stop(f"s-{unit}"), f"s-{unit}")
+        await made.commit()
+        await asyncio.sleep(0)
+    assert [msg_id for _, _, msg_id in made.unsent] == ["s-4", "s-5", "s-6"]
+    assert made.commands_unsent == 2  # s-2 and s-3; s-1 is in hand
+    log.go.set()
+    await made.sent()
+    assert log.commands == ["s-1", "s-4", "s-5", "s-6"]
