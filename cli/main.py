@@ -956,7 +956,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="job name (default: the program's name)")
     p.add_argument("--queue", default="default", help="queue (default: default)")
     p.add_argument("--priority", type=int, default=0, help="priority, -1000..1000")
-    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the job's processes (repeat for more)",
+    )
     p.add_argument("--cwd", help="working directory on the node (default: the current one)")
     p.add_argument(
         "--duration",
