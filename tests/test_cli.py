@@ -151,7 +151,8 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
         job_id = out.split()[2]
 
         async def succeeded() -> dict | None:
-            _, out, _ = await alnair("jobs", "--json", env=cli_env)
+            code, out, err = await alnair("jobs", "--json", env=cli_env)
+            assert code == 0, err
             jobs = {j["job_id"]: j for j in json.loads(out)}
             job = jobs.get(job_id)
             return job if job and job["state"] == "SUCCEEDED" else None
@@ -166,6 +167,7 @@ async def test_up_submit_watch_and_stop(cli_env, tmp_path) -> None:
         assert follower.stdout is not None
         while "SUCCEEDED" not in states:
             line = await asyncio.wait_for(follower.stdout.readline(), timeout=30)
+            assert line, f"`alnair events --follow` ended ({await follower.wait()})"
             record = json.loads(line)
             if record["kind"] == "job" and record["job"]["job_id"] == job_id:
                 states.append(record["job"]["state"])
