@@ -133,8 +133,8 @@ class Journal:
                 raise
             self.groups += 1
             self.records += len(staged)
-        # The records are stored: their commands may go. The history and the observers
-        # come after, off the path from a placement to its Launch.
+        # The records are stored: their commands may go, by the sender, and the history
+        # and the observers may learn of them (neither on the path to a Launch).
         if outbox:
             self._queue(outbox)
         if staged:
