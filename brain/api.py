@@ -470,6 +470,7 @@ class ApiServer:
             gpus=state.capacity(),
             census=census,
             waiting=state.waits_by_kind(),
+            commands_queued=brain.commands_queued(),
         )
 
     async def census(self) -> GpuCensus:

@@ -140,6 +140,11 @@ class Journal:
         if staged:
             self._project(staged)
 
+    @property
+    def in_flight(self) -> int:
+        """Commands the sender has in hand, not yet known to be stored."""
+        return self._in_flight
+
     def _queue(self, outbox: list[tuple[str, BaseModel, str]]) -> None:
         unsent = self.unsent
         unsent.extend(outbox)

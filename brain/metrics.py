@@ -313,8 +313,8 @@ class _ClusterCollector(Collector):
         )
         yield GaugeMetricFamily(
             "alnair_journal_commands_queued",
-            "Commands whose records are stored, waiting for the journal's sender.",
-            value=len(journal.unsent),
+            "Commands whose records are stored, not yet taken by the command stream.",
+            value=len(journal.unsent) + journal.in_flight,
         )
         yield CounterMetricFamily(
             "alnair_journal_commands_unsent",

@@ -108,6 +108,10 @@ class BrainPort(Protocol):
         """The node's shared GPUs, as its latest heartbeat said."""
         ...
 
+    def commands_queued(self) -> int:
+        """Commands whose records are stored that the command stream has not taken yet."""
+        ...
+
     async def call(
         self, tenant: str, request: WriteRequest, *, operator: bool = False
     ) -> object: ...

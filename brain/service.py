@@ -1068,6 +1068,9 @@ class Brain:
         beat = self.ingest.latest_beat(node)
         return beat.shares if beat is not None else ()
 
+    def commands_queued(self) -> int:
+        return len(self.journal.unsent) + self.journal.in_flight
+
     @property
     def pid(self) -> int:
         return os.getpid()

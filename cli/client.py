@@ -23,6 +23,7 @@ from schemas.errors import (
     BusDenied,
     BusError,
     BusTimeout,
+    InvalidMessage,
     NoDefiniteAnswer,
 )
 from schemas.jobs import JobRecord, JobSpec
@@ -68,6 +69,12 @@ async def call(
         result = await bus.request(subject, request, reply, timeout_s=timeout_s)
     except BusDenied:
         raise BusError(_denied(tenant, verb, subject)) from None
+    except InvalidMessage as error:
+        raise InvalidMessage(
+            f"the brain's answer to {verb} is not one this alnair can read ({error.reason}); "
+            "a brain newer than this alnair answers with fields it does not know: upgrade "
+            "alnair to the brain's version"
+        ) from None
     if isinstance(result, ErrorReply):
         raise ApiError(result.code, result.error)
     return result

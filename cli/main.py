@@ -602,6 +602,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
         print("jobs:    " + ", ".join(f"{k.lower()} {v}" for k, v in reply.jobs_by_state.items()))
         if reply.waiting:
             print("waiting: " + ", ".join(f"{kind} {n}" for kind, n in reply.waiting.items()))
+        if reply.commands_queued:
+            print(f"commands: {reply.commands_queued} stored, not yet taken by the command stream")
         print("\n".join(nats.lines()))
         return 0
 

@@ -6,9 +6,17 @@ an identity to its tenant's subjects, so the subject is the authenticated tenant
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    field_validator,
+)
 
 from schemas.base import Message, NodeName, QueueName
 from schemas.jobs import (
@@ -350,6 +358,10 @@ class StatusReply(Message):
     # Pending jobs by the kind of their wait (`JobRecord.wait_kind`; "unexplained": no
     # pass has said yet), most first.
     waiting: dict[str, int] = Field(default_factory=dict)
+    # Commands whose records are stored, not yet taken by the command stream (the
+    # journal's sender's queue): more than a pass's worth for long means the stream
+    # is not taking them.
+    commands_queued: int = 0
 
 
 REQUEST_TYPES: Final[dict[str, type[Message]]] = {
@@ -368,12 +380,35 @@ REQUEST_TYPES: Final[dict[str, type[Message]]] = {
     "queues": ListQueuesRequest,
 }
 
-JOB_RESULT: Final = TypeAdapter(ErrorReply | JobReply)
-JOBS_RESULT: Final = TypeAdapter(ErrorReply | JobsReply)
-NODES_RESULT: Final = TypeAdapter(ErrorReply | NodesReply)
-NODE_RESULT: Final = TypeAdapter(ErrorReply | NodeReply)
-STATUS_RESULT: Final = TypeAdapter(ErrorReply | StatusReply)
-HISTORY_RESULT: Final = TypeAdapter(ErrorReply | HistoryReply)
-BLACKLIST_RESULT: Final = TypeAdapter(ErrorReply | BlacklistReply)
-WHY_RESULT: Final = TypeAdapter(ErrorReply | WhyReply)
-QUEUES_RESULT: Final = TypeAdapter(ErrorReply | QueuesReply)
+_R = TypeVar("_R", bound=Message)
+
+
+def _said_ok(value: Any) -> bool | None:
+    return value.get("ok") if isinstance(value, dict) else getattr(value, "ok", None)
+
+
+def _result(reply: type[_R]) -> TypeAdapter[ErrorReply | _R]:
+    """An answer: `ErrorReply` or `reply`, told apart by `ok`, so that one that fails
+    validation is reported against what it says it is, not against both (an older
+    client reading a newer brain's reply names the field it does not know:
+    "StatusReply.commands_queued: Extra inputs are not permitted")."""
+    name = reply.__name__
+
+    def which(value: Any) -> str:
+        return "ErrorReply" if _said_ok(value) is False else name
+
+    # A union built at run time, for each reply type: no static type to check.
+    tagged: Any = Annotated[reply, Tag(name)]
+    either: Any = Annotated[Annotated[ErrorReply, Tag("ErrorReply")] | tagged, Discriminator(which)]
+    return TypeAdapter(either)
+
+
+JOB_RESULT: Final = _result(JobReply)
+JOBS_RESULT: Final = _result(JobsReply)
+NODES_RESULT: Final = _result(NodesReply)
+NODE_RESULT: Final = _result(NodeReply)
+STATUS_RESULT: Final = _result(StatusReply)
+HISTORY_RESULT: Final = _result(HistoryReply)
+BLACKLIST_RESULT: Final = _result(BlacklistReply)
+WHY_RESULT: Final = _result(WhyReply)
+QUEUES_RESULT: Final = _result(QueuesReply)

@@ -12,13 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from nats.aio.msg import Msg
 
 from bus.server import EmbeddedNats
 from cli import up, why
+from cli.client import call
 from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text, queues_table
 from cli.main import build_parser, main
-from schemas.api import QueueStatus, WhyReply
+from schemas import subjects
+from schemas.api import STATUS_RESULT, QueueStatus, StatusReply, StatusRequest, WhyReply
+from schemas.errors import InvalidMessage
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from tests.conftest import REPO, eventually, pids_running
 
@@ -581,3 +585,32 @@ async def test_up_starts_each_dead_nats_server_again_on_its_own(
     await asyncio.wait_for(supervisor, timeout=30)
     out = capsys.readouterr().out
     assert "n1 exited with -9; restarting in 2s" in out and "n2 is back on nats://n2" in out
+
+
+async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connect) -> None:
+    """A brain newer than the CLI answers with a field the CLI's schema does not know:
+    the CLI names that field (not every field of the error reply it is not) and says
+    to upgrade, rather than a validation dump."""
+    brain, client = await connect("newer-brain"), await connect("older-cli")
+    answer = StatusReply(
+        epoch=1,
+        brain_host="h",
+        brain_pid=1,
+        started_at=0.0,
+        policy="fifo",
+        jobs_by_state={},
+        nodes=0,
+        gpus=0,
+    ).model_dump(mode="json")
+    answer["added_later"] = 1
+
+    async def respond(msg: Msg) -> None:
+        await msg.respond(json.dumps(answer).encode())
+
+    await brain.nc.subscribe(subjects.api("team", "status"), cb=respond)
+    await brain.nc.flush()
+    with pytest.raises(InvalidMessage) as refused:
+        await call(client, "team", "status", StatusRequest(), STATUS_RESULT)
+    said = str(refused.value)
+    assert "StatusReply.added_later: Extra inputs are not permitted" in said
+    assert "upgrade alnair" in said and "ErrorReply" not in said

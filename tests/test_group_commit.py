@@ -386,6 +386,7 @@ async def test_a_command_stream_that_takes_nothing_holds_up_no_caller_or_read(
         # hold the writer, and so this read, as long as the stream takes nothing.
         status = await asyncio.wait_for(brain.api.handle(TENANT, StatusRequest()), 20)
         assert isinstance(status, StatusReply) and status.jobs_by_state["RUNNING"] == 1
+        assert status.commands_queued >= 1  # the operator sees the stream is not taking them
         other = JobSpec(name="after", command=("sleep", "30"), gpus=2)
         answered = await brain.bus.request(
             subjects.api(TENANT, "submit"), SubmitRequest(spec=other), JOB_RESULT
