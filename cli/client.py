@@ -70,10 +70,14 @@ async def call(
     except BusDenied:
         raise BusError(_denied(tenant, verb, subject)) from None
     except InvalidMessage as error:
+        # Replies are told apart by `ok` (schemas/api.py, `_result`): a reason about the
+        # reply's own fields means the brain said it did what was asked.
+        wrote = verb not in READ_ONLY_VERBS and not error.reason.startswith("ErrorReply")
+        done = "; the brain says it was done" if wrote else ""
         raise InvalidMessage(
-            f"the brain's answer to {verb} is not one this alnair can read ({error.reason}); "
-            "a brain newer than this alnair answers with fields it does not know: upgrade "
-            "alnair to the brain's version"
+            f"the brain's answer to {verb} is not one this alnair can read ({error.reason})"
+            f"{done}; a brain newer than this alnair answers with fields it does not know: "
+            "upgrade alnair to the brain's version"
         ) from None
     if isinstance(result, ErrorReply):
         raise ApiError(result.code, result.error)

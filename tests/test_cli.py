@@ -21,10 +21,20 @@ from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text, queues_table
 from cli.main import build_parser, main
 from schemas import subjects
-from schemas.api import STATUS_RESULT, QueueStatus, StatusReply, StatusRequest, WhyReply
+from schemas.api import (
+    JOB_RESULT,
+    STATUS_RESULT,
+    JobReply,
+    QueueStatus,
+    StatusReply,
+    StatusRequest,
+    SubmitRequest,
+    WhyReply,
+)
 from schemas.errors import InvalidMessage
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from tests.conftest import REPO, eventually, pids_running
+from tests.statelog import live_job_record
 
 CLI = [sys.executable, "-m", "cli"]
 
@@ -590,9 +600,9 @@ async def test_up_starts_each_dead_nats_server_again_on_its_own(
 async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connect) -> None:
     """A brain newer than the CLI answers with a field the CLI's schema does not know:
     the CLI names that field (not every field of the error reply it is not) and says
-    to upgrade, rather than a validation dump."""
+    to upgrade, rather than a validation dump; to a write, that the brain did it."""
     brain, client = await connect("newer-brain"), await connect("older-cli")
-    answer = StatusReply(
+    status = StatusReply(
         epoch=1,
         brain_host="h",
         brain_pid=1,
@@ -601,16 +611,26 @@ async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connec
         jobs_by_state={},
         nodes=0,
         gpus=0,
-    ).model_dump(mode="json")
-    answer["added_later"] = 1
+    )
+    submitted = JobReply(job=live_job_record(1, gpus=1).job)
+    for verb, reply in (("status", status), ("submit", submitted)):
+        answer = reply.model_dump(mode="json") | {"added_later": 1}
 
-    async def respond(msg: Msg) -> None:
-        await msg.respond(json.dumps(answer).encode())
+        async def respond(msg: Msg, answer: dict = answer) -> None:
+            await msg.respond(json.dumps(answer).encode())
 
-    await brain.nc.subscribe(subjects.api("team", "status"), cb=respond)
+        await brain.nc.subscribe(subjects.api("team", verb), cb=respond)
     await brain.nc.flush()
+
     with pytest.raises(InvalidMessage) as refused:
         await call(client, "team", "status", StatusRequest(), STATUS_RESULT)
     said = str(refused.value)
     assert "StatusReply.added_later: Extra inputs are not permitted" in said
     assert "upgrade alnair" in said and "ErrorReply" not in said
+    assert "done" not in said  # a read
+
+    spec = JobSpec(command=("true",), gpus=1)
+    with pytest.raises(InvalidMessage) as refused:
+        await call(client, "team", "submit", SubmitRequest(spec=spec), JOB_RESULT)
+    said = str(refused.value)
+    assert "JobReply.added_later" in said and "the brain says it was done" in said
