@@ -24,7 +24,6 @@ tells the observers (a projection, off the path from a placement to its Launch).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -84,10 +83,6 @@ class Journal:
     commands_unsent: int = 0
     _sender: asyncio.Task[None] | None = None
     _in_flight: int = 0  # commands the sender is sending now
-    _sent: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def __post_init__(self) -> None:
-        self._sent.set()  # nothing queued
 
     def stage(self, record: StateRecord, subject: str) -> int:
         """Apply `record` now; it is stored at the next commit. Returns its sequence."""
@@ -141,9 +136,10 @@ class Journal:
             self._project(staged)
 
     @property
-    def in_flight(self) -> int:
-        """Commands the sender has in hand, not yet known to be stored."""
-        return self._in_flight
+    def queued(self) -> int:
+        """Commands whose records are stored that the command stream has not taken yet:
+        the sender's queue and the send in hand."""
+        return len(self.unsent) + self._in_flight
 
     def _queue(self, outbox: list[tuple[str, BaseModel, str]]) -> None:
         unsent = self.unsent
@@ -158,7 +154,6 @@ class Journal:
                 over,
                 self.queued_max,
             )
-        self._sent.clear()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(
                 self._send_queued(), name="journal-sender"
@@ -167,50 +162,45 @@ class Journal:
     async def _send_queued(self) -> None:
         """Send the queue, oldest first, until it is empty (then the task ends; the
         next commit with commands starts another)."""
-        try:
-            while self.unsent:
-                batch = [self.unsent.popleft() for _ in range(min(SEND_MAX, len(self.unsent)))]
-                self._in_flight = len(batch)
-                try:
-                    await self.bus.publish_many_durable(batch)
-                except Exception as error:
-                    self.commands_unsent += len(batch)
-                    log.warning(
-                        "%d command(s) did not go out (%r); what they follow is stored, "
-                        "and they are sent again or undone where they are watched",
-                        len(batch),
-                        error,
-                    )
-                else:
-                    self.commands_sent += len(batch)
-                self._in_flight = 0
-        finally:
-            if not self.unsent:
-                self._sent.set()
+        while self.unsent:
+            batch = [self.unsent.popleft() for _ in range(min(SEND_MAX, len(self.unsent)))]
+            self._in_flight = len(batch)
+            try:
+                await self.bus.publish_many_durable(batch)
+            except Exception as error:
+                self.commands_unsent += len(batch)
+                log.warning(
+                    "%d command(s) did not go out (%r); what they follow is stored, "
+                    "and they are sent again or undone where they are watched",
+                    len(batch),
+                    error,
+                )
+            else:
+                self.commands_sent += len(batch)
+            self._in_flight = 0
 
     async def sent(self) -> None:
         """Wait until every command committed so far was sent (or given up on)."""
-        await self._sent.wait()
+        if self._sender is not None:
+            await asyncio.shield(self._sender)
 
     async def stop_sending(self, grace_s: float = 0.0) -> int:
         """Leadership ends: let the sender finish within `grace_s`, then drop what it
         has not sent (a later leader sends again what the log says is unconfirmed).
         Returns how many commands were dropped."""
-        if grace_s > 0 and not self._sent.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sent.wait(), grace_s)
+        if self._sender is not None and grace_s > 0:
+            await asyncio.wait({self._sender}, timeout=grace_s)
         sender, self._sender = self._sender, None
         if sender is not None and not sender.done():
             sender.cancel()
             await asyncio.wait({sender})
         # What the cancelled send had in hand may have reached the stream, or not.
-        dropped = len(self.unsent) + self._in_flight
+        dropped = self.queued
         if dropped:
             log.warning("%d command(s) not known to have gone out at a step-down", dropped)
             self.commands_unsent += dropped
         self.unsent.clear()
         self._in_flight = 0
-        self._sent.set()
         return dropped
 
     def _project(self, staged: list[tuple[str, StateRecord, int]]) -> None:

@@ -314,7 +314,7 @@ class _ClusterCollector(Collector):
         yield GaugeMetricFamily(
             "alnair_journal_commands_queued",
             "Commands whose records are stored, not yet taken by the command stream.",
-            value=len(journal.unsent) + journal.in_flight,
+            value=journal.queued,
         )
         yield CounterMetricFamily(
             "alnair_journal_commands_unsent",

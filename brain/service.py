@@ -1069,7 +1069,7 @@ class Brain:
         return beat.shares if beat is not None else ()
 
     def commands_queued(self) -> int:
-        return len(self.journal.unsent) + self.journal.in_flight
+        return self.journal.queued
 
     @property
     def pid(self) -> int:

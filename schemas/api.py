@@ -383,10 +383,6 @@ REQUEST_TYPES: Final[dict[str, type[Message]]] = {
 _R = TypeVar("_R", bound=Message)
 
 
-def _said_ok(value: Any) -> bool | None:
-    return value.get("ok") if isinstance(value, dict) else getattr(value, "ok", None)
-
-
 def _result(reply: type[_R]) -> TypeAdapter[ErrorReply | _R]:
     """An answer: `ErrorReply` or `reply`, told apart by `ok`, so that one that fails
     validation is reported against what it says it is, not against both (an older
@@ -395,7 +391,8 @@ def _result(reply: type[_R]) -> TypeAdapter[ErrorReply | _R]:
     name = reply.__name__
 
     def which(value: Any) -> str:
-        return "ErrorReply" if _said_ok(value) is False else name
+        ok = value.get("ok") if isinstance(value, dict) else getattr(value, "ok", None)
+        return "ErrorReply" if ok is False else name
 
     # A union built at run time, for each reply type: no static type to check.
     tagged: Any = Annotated[reply, Tag(name)]
