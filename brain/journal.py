@@ -130,10 +130,13 @@ class Journal:
             self.records += len(staged)
         # The records are stored: their commands may go, by the sender, and the history
         # and the observers may learn of them (neither on the path to a Launch).
-        if outbox:
-            self._queue(outbox)
         if staged:
             self._project(staged)
+        if outbox:
+            self._queue(outbox)
+            # Let the sender put them on the wire now, before the unit's caller goes
+            # on (a pass goes on to its waiting reasons): one turn of the loop.
+            await asyncio.sleep(0)
 
     @property
     def queued(self) -> int:
