@@ -534,11 +534,11 @@ class Agent:
     # -- commands --------------------------------------------------------------------
 
     async def _consume_commands(self) -> None:
-        # The brain creates the streams; until it has, wait for them.
+        # `start` tried once. The brain creates the streams; until it has, try again.
         while not self._closing:
+            await asyncio.sleep(1.0)
             if await self._open_commands():
                 return
-            await asyncio.sleep(1.0)
 
     async def _open_commands(self) -> bool:
         try:
@@ -557,7 +557,11 @@ class Agent:
             TimeoutError,
         ) as error:
             # Said each time: a refusal that does not pass (a 400) must not go unseen.
-            log.info("%s: waiting to hear commands: %r", self.node, error)
+            if isinstance(error, nats.js.errors.NotFoundError):
+                why = f"no {subjects.STREAM_COMMANDS} stream yet (a leading brain makes it)"
+            else:
+                why = repr(error)
+            log.info("%s: waiting to hear commands: %s", self.node, why)
             return False
         return True
 

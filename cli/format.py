@@ -215,7 +215,24 @@ def record_line(record: StateRecord, seq: int) -> str:
 
 
 def _event_text(record: NodeEventRecorded) -> str:
+    """`resize_completed: job_id=2 ... duration_s=2.82 placement=node-1[0,1,2]`: the
+    event's fields as an operator reads them (none of Python's reprs)."""
     event = record.event
     fields = event.model_dump(exclude={"v", "event_id", "node", "ts", "kind", "log_tail"})
-    detail = " ".join(f"{k}={v}" for k, v in fields.items() if v not in (None, (), ""))
+    detail = " ".join(f"{k}={_field_text(v)}" for k, v in fields.items() if v not in (None, (), ""))
     return f"{event.kind}: {detail}"
+
+
+def _field_text(value: object) -> str:
+    """Seconds and MiB to two decimals at most, GPU indices as `0,1`, a placement as
+    `n1[0,1],n2[2]` (as `alnair jobs` writes grants)."""
+    if isinstance(value, float):
+        return f"{value:.2f}".rstrip("0").rstrip(".")
+    if isinstance(value, tuple):
+        return ",".join(
+            f"{item['node']}[{','.join(map(str, item['gpus']))}]"
+            if isinstance(item, dict)
+            else str(item)
+            for item in value
+        )
+    return str(value)

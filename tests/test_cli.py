@@ -18,7 +18,7 @@ from bus.server import EmbeddedNats
 from cli import up, why
 from cli.client import call
 from cli.config import ClusterInfo, resolve_nkey
-from cli.format import gpus_text, grants_text, queues_table
+from cli.format import gpus_text, grants_text, queues_table, record_line
 from cli.main import build_parser, main
 from schemas import subjects
 from schemas.api import (
@@ -32,7 +32,9 @@ from schemas.api import (
     WhyReply,
 )
 from schemas.errors import InvalidMessage
-from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
+from schemas.events import JobExited, JobStarted, ResizeCompleted
+from schemas.jobs import JobRecord, JobSpec, JobState, NodeGpus, NodeGrant
+from schemas.state import NodeEventRecorded
 from tests.conftest import REPO, eventually, pids_running
 from tests.statelog import live_job_record
 
@@ -301,6 +303,56 @@ def test_a_node_an_elastic_job_shrank_off_shows_its_idle_worker_host() -> None:
     )
     assert grants_text(job) == "n1[0,1],n2[idle]"
     assert gpus_text(job) == "2[1..4]"
+
+
+@pytest.mark.parametrize(
+    ("event", "says"),
+    [
+        (
+            ResizeCompleted(
+                event_id="e1",
+                node="node-1",
+                ts=0.0,
+                job_id="2",
+                command_id="resize-2-1",
+                from_size=4,
+                to_size=3,
+                ok=True,
+                duration_s=2.8216699679906014,
+                released_gpus=1,
+                placement=(NodeGpus(node="node-1", gpus=(0, 1, 2)), NodeGpus(node="n2", gpus=(5,))),
+            ),
+            "resize_completed: job_id=2 command_id=resize-2-1 from_size=4 to_size=3 ok=True "
+            "duration_s=2.82 released_gpus=1 placement=node-1[0,1,2],n2[5]",
+        ),
+        (
+            JobStarted(
+                event_id="e2",
+                node="node-1",
+                ts=0.0,
+                job_id="7",
+                attempt=1,
+                pid=31711,
+                gpus=(0, 1),
+                log_path="/logs/7-1.log",
+            ),
+            "job_started: job_id=7 attempt=1 pid=31711 gpus=0,1 log_path=/logs/7-1.log "
+            "limits_enforced=True",
+        ),
+        (
+            JobExited(
+                event_id="e3", node="n2", ts=0.0, job_id="7", attempt=1, exit_code=0, runtime_s=20.0
+            ),
+            "job_exited: job_id=7 attempt=1 exit_code=0 stopped=False runtime_s=20",
+        ),
+    ],
+)
+def test_events_print_a_node_events_fields_as_an_operator_reads_them(
+    event: ResizeCompleted | JobStarted | JobExited, says: str
+) -> None:
+    # Seen: `duration_s=2.8216699679906014 placement=({'node': 'node-1', 'gpus': (0, 1, 2)},)`.
+    record = NodeEventRecorded(record_id="r", ts=0.0, epoch=1, event=event)
+    assert record_line(record, 18).endswith(f" event                {says}")
 
 
 def test_queues_without_a_queues_file_borrow_nothing() -> None:
