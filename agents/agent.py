@@ -35,6 +35,7 @@ from agents.health import (
     simulated_fault,
     watch_nvml,
 )
+from agents.joblogs import DEFAULT_KEEP_DAYS, DEFAULT_MAX_MIB, LogKeeper
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
 from agents.logserve import LogServer
 from agents.mps import MpsError, ShareEnforcer, ShareUser, enforcer_for, share_env
@@ -82,6 +83,8 @@ def host_memory_mib() -> int:
 PROBES_IN_FLIGHT: Final = 4
 # How often confined jobs' TLS certificates are checked for renewal (agents/confine.py).
 CERT_CHECK_S: Final = 60.0
+# How often running attempts' logs are held to `job_log_max_mib`.
+LOG_CHECK_S: Final = 1.0
 
 AgentEvent = JobStarted | JobExited | LaunchFailed | CommandRejected | GpuFault
 
@@ -114,6 +117,11 @@ class AgentConfig:
     # core) and memory (MiB). None: what this machine has.
     cpu_milli: int | None = None
     memory_mib: int | None = None
+    # Job logs' disk use (agents/joblogs.py): what one attempt's log may hold (its
+    # oldest part is dropped past it), and how long a log outlives its attempt. None:
+    # unbounded, kept for good.
+    job_log_max_mib: int | None = DEFAULT_MAX_MIB
+    job_log_keep_days: float | None = DEFAULT_KEEP_DAYS
 
 
 class Agent:
@@ -176,6 +184,13 @@ class Agent:
             config.data_dir / "logs",
             lambda job_id, attempt: bool(self.launcher.find(job_id, attempt)),
         )
+        self.log_keeper = LogKeeper(
+            config.node,
+            config.data_dir / "logs",
+            max_bytes=None if config.job_log_max_mib is None else config.job_log_max_mib << 20,
+            keep_s=None if config.job_log_keep_days is None else config.job_log_keep_days * 86_400,
+            clock=clock,
+        )
 
     @property
     def node(self) -> str:
@@ -211,6 +226,7 @@ class Agent:
         self._loops.append(
             self.bus.spawn(self._every(self.config.telemetry_s, self.watch_shares), name="shares")
         )
+        self._loops.append(self.bus.spawn(self._every(LOG_CHECK_S, self.keep_logs), name="logs"))
         self._sender = self.bus.spawn(self._send_events(), name="events")
         self._inject_sub = await self.bus.nc.subscribe(
             subjects.node(self.node, "inject"), cb=self._on_inject
@@ -333,6 +349,15 @@ class Agent:
                     await result
             except Exception:
                 log.exception("%s: periodic task failed", self.node)
+
+    async def keep_logs(self) -> None:
+        """Bound the job logs' disk use: cap the running attempts' logs, and now and
+        then remove those of attempts long ended (agents/joblogs.py)."""
+        running = [job.log_path for job in self.launcher.running()]
+        self.log_keeper.cap(running)
+        if self.log_keeper.prune_due():
+            empty = await asyncio.to_thread(self.log_keeper.prune, running)
+            self.log_keeper.remove_empty(empty)
 
     async def _renew_certificates(self) -> None:
         """Renew the TLS client certificates of confined attempts past half their life

@@ -5,6 +5,9 @@ log files the launcher writes (`<data_dir>/logs/<job>/attempt-<n>.log`), one chu
 at most `MAX_LOG_CHUNK` bytes per request, and no faster than `bytes_per_s` over all
 readers together: answers wait their turn, so a reader paging through a large log
 cannot crowd out the agent's heartbeats. It reads files and nothing else.
+
+A log over its node's cap has lost its oldest part (agents/joblogs.py): a chunk asked
+from there begins with a line saying how much was dropped, then the kept part.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Final
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from agents.joblogs import data_start, dropped_note
 from bus.client import Bus
 from schemas import subjects
 from schemas.base import check_name, decode, encode
@@ -74,7 +78,8 @@ class LogServer:
             return
         answer = self.read_request(msg.data)
         if isinstance(answer, LogChunk):
-            await self._wait_for_allowance(answer.next_offset - answer.offset)
+            # What goes out, not the offsets it spans (a dropped part spans gigabytes).
+            await self._wait_for_allowance(len(answer.data.encode()))
         with contextlib.suppress(Exception):  # the reader gave up: nothing to do
             await msg.respond(encode(answer))
 
@@ -113,19 +118,28 @@ class LogServer:
                 size = os.fstat(log.fileno()).st_size
                 start = max(0, size + request.offset) if request.offset < 0 else request.offset
                 start = min(start, size)
-                log.seek(start)
-                raw = log.read(min(request.max_bytes, size - start))
+                # Past the part of a capped log its node dropped (agents/joblogs.py).
+                kept = data_start(log.fileno(), start)
+                log.seek(kept)
+                raw = log.read(min(request.max_bytes, size - kept))
         except FileNotFoundError:
             return LogMissing(node=self.node, error=f"no log of {where} on node {self.node}")
         except OSError as error:
             return LogMissing(node=self.node, error=f"cannot read the log of {where}: {error}")
+        if kept > start:
+            # The kept part begins at a block, in a line: from the next whole one.
+            cut = raw.find(b"\n") + 1
+            if 0 < cut < len(raw):
+                raw, kept = raw[cut:], kept + cut
         text, used = _utf8_prefix(raw)
+        if kept > start:
+            text = dropped_note(kept, self.node) + text
         return LogChunk(
             node=self.node,
             job_id=request.job_id,
             attempt=request.attempt,
             offset=start,
-            next_offset=start + used,
+            next_offset=kept + used,
             size=size,
             data=text,
             running=self._running(request.job_id, request.attempt),

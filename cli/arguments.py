@@ -36,3 +36,14 @@ def positive_number(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
     return value
+
+
+def number_or_zero(text: str) -> float:
+    """A finite number of 0 or more (0: the caller's "none" or "for good")."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more")
+    return value

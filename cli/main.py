@@ -22,10 +22,11 @@ from typing import Any, Final, Literal
 import yaml
 from pydantic import ValidationError
 
+from agents.joblogs import DEFAULT_KEEP_DAYS
 from bus.auth import inbox_prefix_for_seed
 from cli import confine, failures, why
 from cli import format as fmt
-from cli.arguments import positive_number, whole_number
+from cli.arguments import number_or_zero, positive_number, whole_number
 from cli.client import call, open_bus, submit
 from cli.config import alnair_home, resolve_nats, resolve_nkey, resolve_tls
 from schemas import subjects
@@ -650,12 +651,26 @@ def _write_out(text: str) -> None:
 
 def _local_log(job: JobRecord, node: str, attempt: int) -> bool:
     """The log as this machine's disk has it (the node's agent did not answer)."""
+    import codecs
+
+    from agents.joblogs import data_start, dropped_note
+
     for grant in job.grants:
         if grant.node == node and grant.log_path and attempt == job.attempt:
             path = Path(grant.log_path)
-            if path.is_file():
-                sys.stdout.write(path.read_text(errors="replace"))
-                return True
+            if not path.is_file():
+                continue
+            with path.open("rb") as log_file:
+                kept = data_start(log_file.fileno(), 0)  # past what a cap dropped
+                log_file.seek(kept)
+                if kept:  # from the first whole line, as the agent serves it
+                    kept += len(log_file.readline())
+                    sys.stdout.write(dropped_note(kept, node))
+                decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                while chunk := log_file.read(1 << 20):
+                    sys.stdout.write(decoder.decode(chunk))
+                sys.stdout.write(decoder.decode(b"", final=True))
+            return True
     return False
 
 
@@ -848,6 +863,12 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         fence_grace_s=args.fence_grace,
         cpu_milli=round(args.cpus * 1000) if args.cpus is not None else None,
         memory_mib=parse_mib(args.memory, "--memory") if args.memory is not None else None,
+        job_log_max_mib=(
+            None
+            if args.job_log_max.strip() == "0"
+            else parse_mib(args.job_log_max, "--job-log-max")
+        ),
+        job_log_keep_days=args.job_log_keep_days or None,
     )
     bus = await Bus.connect(
         _with_tls(
@@ -1209,6 +1230,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=3.0,
         help="seconds between SIGTERM and SIGKILL when fencing",
+    )
+    p.add_argument(
+        "--job-log-max",
+        metavar="SIZE",
+        default="1GiB",
+        help="what one attempt's log may hold on this node's disk: past it, its oldest "
+        "part is dropped and the newest half kept (0: unbounded; default: 1GiB)",
+    )
+    p.add_argument(
+        "--job-log-keep-days",
+        metavar="DAYS",
+        type=number_or_zero,
+        default=DEFAULT_KEEP_DAYS,
+        help="remove a job's log this many days after it was last written, once its "
+        f"attempt has ended (0: keep logs for good; default: {DEFAULT_KEEP_DAYS:g})",
     )
     p.set_defaults(fn=cmd_agent)
 

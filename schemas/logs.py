@@ -31,7 +31,9 @@ class LogChunk(Message):
     job_id: str
     attempt: int
     # The chunk covers [offset, next_offset) of a log `size` bytes long so far; ask
-    # again from next_offset for more.
+    # again from next_offset for more. Where the log's node dropped its oldest part
+    # (`alnair agent --job-log-max`), a chunk from there begins with a line saying so,
+    # then the kept part.
     offset: int
     next_offset: int
     size: int

@@ -118,7 +118,7 @@ async def agent_factory(
     agents: list[Agent] = []
     orphans: list[int] = []
 
-    async def make(node: str, gpus: int = 4, model: str = "A100") -> Agent:
+    async def make(node: str, gpus: int = 4, model: str = "A100", **config_fields: Any) -> Agent:
         config = AgentConfig(
             node=node,
             data_dir=tmp_path / "agents" / node,
@@ -126,6 +126,7 @@ async def agent_factory(
             telemetry_s=0.5,
             stop_grace_s=3.0,
             nats_url=nats_server.url,
+            **config_fields,
         )
         agent = Agent(await connect(f"agent:{node}"), config, SimulatedGpus(node, gpus, model))
         await agent.start()
