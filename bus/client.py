@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import json
 import logging
 import re
@@ -955,6 +956,25 @@ class Bus:
         except (nats.errors.TimeoutError, TimeoutError):
             pass
         return []
+
+    async def first_seq_since(self, stream: str, when: float) -> int:
+        """The sequence of `stream`'s first entry stored at or after `when` (seconds
+        since the epoch, by the server's clock), or of the next one to be stored when
+        there is none: where `read` starts to give what was stored since then."""
+        info = await self.js.stream_info(stream)
+        config = ConsumerConfig(
+            deliver_policy=DeliverPolicy.BY_START_TIME,
+            opt_start_time=datetime.datetime.fromtimestamp(when, datetime.UTC),
+            ack_policy=AckPolicy.NONE,
+            inactive_threshold=60.0,
+        )
+        psub = await self.js.pull_subscribe(">", durable=None, stream=stream, config=config)
+        try:
+            msgs = await self._fetch(psub, 1)
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+        return int(msgs[0].metadata.sequence.stream) if msgs else int(info.state.last_seq) + 1
 
     async def _pull_from(
         self, stream: str, seq: int, filter_subject: str | None

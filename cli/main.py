@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import difflib
 import json
 import logging
@@ -205,6 +206,33 @@ def parse_mib(text: str, option: str) -> int:
 
 # A log sequence: the log's first entry is 1.
 _sequence = whole_number(1, None, "a log sequence (1 or more)")
+
+_AGO: Final = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[smhd])", re.I)
+_SECONDS_PER: Final = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+@dataclasses.dataclass(frozen=True)
+class Since:
+    """`events --since` as a time (seconds since the epoch), not a log sequence."""
+
+    ts: float
+
+
+def _since(text: str) -> int | Since:
+    """`--since 120` (a log sequence), `--since 10m` (that long ago: s, m, h or d) or
+    `--since 2026-12-04T13:00` (a time: local unless it says its zone)."""
+    text = text.strip()
+    if text.isascii() and text.isdigit():
+        return _sequence(text)
+    if (ago := _AGO.fullmatch(text)) is not None:
+        return Since(time.time() - float(ago["n"]) * _SECONDS_PER[ago["unit"].lower()])
+    try:
+        return Since(datetime.datetime.fromisoformat(text).timestamp())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a log sequence (1 or more), a time ago such as 10m or 2h, "
+            "or a time such as 2026-12-04T13:00"
+        ) from None
 
 
 def gpus_arg(text: str) -> int | float:
@@ -698,14 +726,24 @@ async def cmd_events(args: argparse.Namespace) -> int:
     async def run(bus: Any) -> int:
         info = await bus.js.stream_info(subjects.STREAM_STATE)
         first = int(info.state.first_seq)
-        if info.state.messages and first > args.since:
-            print(
-                f"the log begins at seq {first}: the entries before were compacted behind "
-                "the brain's snapshots",
-                file=sys.stderr,
-            )
+        if isinstance(args.since, Since):
+            since = await bus.first_seq_since(subjects.STREAM_STATE, args.since.ts)
+            if since == first and info.state.messages and first > 1:
+                print(
+                    f"the log begins at seq {first}, after that time: the entries before "
+                    "were compacted behind the brain's snapshots",
+                    file=sys.stderr,
+                )
+        else:
+            since = args.since
+            if info.state.messages and first > since:
+                print(
+                    f"the log begins at seq {first}: the entries before were compacted "
+                    "behind the brain's snapshots",
+                    file=sys.stderr,
+                )
         async for item, seq, subject in bus.read(
-            subjects.STREAM_STATE, STATE_RECORD, start_seq=args.since, follow=args.follow
+            subjects.STREAM_STATE, STATE_RECORD, start_seq=since, follow=args.follow
         ):
             if isinstance(item, AlnairError):
                 print(f"{seq:>6} unreadable entry on {subject}: {item}", file=sys.stderr)
@@ -1121,7 +1159,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="only this kind (cause or event kind; repeat for several)",
     )
     p.add_argument(
-        "--since", type=_sequence, default=1, metavar="SEQ", help="start at this sequence"
+        "--since",
+        type=_since,
+        default=1,
+        metavar="SEQ|AGO|TIME",
+        help="start at this log sequence (120), this long ago (10m, 2h, 1d: s, m, h or d) "
+        "or at this time (2026-12-04T13:00, local unless a zone is given)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(fn=cmd_events)

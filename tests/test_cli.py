@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from cli import up, why
 from cli.client import call
 from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text, queues_table, record_line
-from cli.main import build_parser, main
+from cli.main import Since, build_parser, main
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
@@ -686,3 +687,27 @@ async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connec
         await call(client, "team", "submit", SubmitRequest(spec=spec), JOB_RESULT)
     said = str(refused.value)
     assert "JobReply.added_later" in said and "the brain says it was done" in said
+
+
+def test_events_since_takes_a_sequence_a_time_ago_or_a_time(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+
+    def since(text: str) -> object:
+        return parser.parse_args(["events", "--since", text]).since
+
+    assert since("120") == 120
+    before = time.time()
+    ago = since("10m")
+    assert isinstance(ago, Since) and before - 600 - 1 < ago.ts <= time.time() - 600
+    assert since("1.5h") == Since(pytest.approx(time.time() - 5400, abs=2))
+    zoned = since("2026-12-04T13:00:00+00:00")
+    assert zoned == Since(1_796_389_200.0)
+    with pytest.raises(SystemExit):
+        since("yesterday")
+    assert "'yesterday' is not a log sequence (1 or more), a time ago such as 10m" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        since("0")

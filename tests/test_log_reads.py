@@ -10,6 +10,7 @@ restarted) is gone from that consumer: the reader must notice and read it again.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -196,3 +197,18 @@ async def test_a_step_down_whose_reload_meets_a_server_restart_leads_again(
     names = sorted(j.spec.name for j in brain.state.jobs.values())
     assert names == ["before-0", "before-1", "before-2"]
     assert brain.state.last_seq == await brain.bus.last_seq(subjects.STREAM_STATE)
+
+
+async def test_a_read_from_a_time_starts_at_the_first_entry_stored_since(connect) -> None:
+    # `alnair events --since 10m`: the server's stored times, not the records' own.
+    bus = await connect("reader")
+    await fill(bus, 3)
+    await asyncio.sleep(0.3)
+    between = time.time()
+    await asyncio.sleep(0.3)
+    await bus.append_many(subjects.STREAM_STATE, entries(["late-0", "late-1"]), after=3)
+    assert await bus.first_seq_since(subjects.STREAM_STATE, between - 3600) == 1
+    assert await bus.first_seq_since(subjects.STREAM_STATE, between) == 4
+    assert await sequences(bus, start_seq=4) == [4, 5]
+    # After the last: the next to be stored, so a follower gets only what comes.
+    assert await bus.first_seq_since(subjects.STREAM_STATE, time.time() + 60) == 6
