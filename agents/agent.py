@@ -183,6 +183,7 @@ class Agent:
             config.node,
             config.data_dir / "logs",
             lambda job_id, attempt: bool(self.launcher.find(job_id, attempt)),
+            keep_days=config.job_log_keep_days,
         )
         self.log_keeper = LogKeeper(
             config.node,

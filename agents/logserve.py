@@ -51,8 +51,12 @@ class LogServer:
         *,
         bytes_per_s: float = DEFAULT_BYTES_PER_S,
         monotonic: Callable[[], float] = time.monotonic,
+        keep_days: float | None = None,
     ) -> None:
+        """`keep_days`: how long the agent keeps a log after its attempt (said to a
+        reader who asks for one that is not there)."""
         self.node = node
+        self._kept = "" if keep_days is None else f" (logs are kept {keep_days:g} days)"
         self.log_dir = log_dir
         self._running = running
         self.bytes_per_s = bytes_per_s
@@ -123,7 +127,9 @@ class LogServer:
                 log.seek(kept)
                 raw = log.read(min(request.max_bytes, size - kept))
         except FileNotFoundError:
-            return LogMissing(node=self.node, error=f"no log of {where} on node {self.node}")
+            return LogMissing(
+                node=self.node, error=f"no log of {where} on node {self.node}{self._kept}"
+            )
         except OSError as error:
             return LogMissing(node=self.node, error=f"cannot read the log of {where}: {error}")
         if kept > start:

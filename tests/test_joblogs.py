@@ -19,7 +19,7 @@ from agents.logserve import LogServer
 from bus.logs import copy_log
 from cli.main import _local_log
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
-from schemas.logs import LogChunk, LogRequest
+from schemas.logs import LogChunk, LogMissing, LogRequest
 from tests.conftest import eventually
 from tests.test_cluster_e2e import submit
 
@@ -184,6 +184,12 @@ def test_logs_of_attempts_long_ended_are_removed_and_running_ones_kept(tmp_path:
     assert keeper.prune_due()
     forever = LogKeeper("n1", logs, max_bytes=None, keep_s=None, clock=lambda: now)
     assert not forever.prune_due()
+    # A reader asking for a log removed is told how long logs are kept.
+    gone = LogServer("n1", logs, lambda job, attempt: False, keep_days=30).read(
+        LogRequest(job_id="2", attempt=1)
+    )
+    assert isinstance(gone, LogMissing)
+    assert gone.error == "no log of job 2 attempt 1 on node n1 (logs are kept 30 days)"
 
 
 @pytest.mark.usefixtures("punchable")
