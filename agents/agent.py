@@ -202,6 +202,11 @@ class Agent:
         if self.config.confinement is not None:
             self.config.confinement.check()
         leftovers = self.ledger.leftovers()  # before this agent launches anything
+        # The blacklist copies of attempts an earlier agent left behind (it crashed):
+        # none runs on for this agent but to be stopped.
+        for stale in (self.config.data_dir / "blacklists").glob("*.txt"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
         # Hear commands before announcing ourselves: a brain may place a job on the
         # first heartbeat, and the consumer takes only commands stored after it exists.
         await self._open_commands()
@@ -659,7 +664,11 @@ class Agent:
             env["ALNAIR_NATS"] = self.config.nats_url
         if self.config.job_nkey_seed:
             env["ALNAIR_NKEY"] = self.config.job_nkey_seed
-        env[BLACKLIST_FILE_ENV] = str(self._blacklist_file(command))
+        try:
+            env[BLACKLIST_FILE_ENV] = str(self._write_blacklist(command))
+        except OSError as error:  # a full disk, most likely: another node may run it
+            await self._launch_failed(command, self._cannot("prepare", error), retryable=True)
+            return
         if command.prerun:
             env["ALNAIR_PRERUN"] = "1"
         env.update(self.backend.job_env(command.gpus))
@@ -705,11 +714,27 @@ class Agent:
         )
         try:
             job = await self.launcher.launch(request, before_start=before_start)
-        except LaunchError as error:
+        except (LaunchError, OSError) as error:
             self._fence_after.pop((command.job_id, command.attempt), None)
-            await self._launch_failed(command, error.reason, retryable=error.retryable)
+            if isinstance(error, LaunchError):
+                await self._launch_failed(command, error.reason, retryable=error.retryable)
+            else:  # its log cannot be made (a full disk): another node may run it
+                await self._launch_failed(command, self._cannot("start", error), retryable=True)
             return
-        self.ledger.record(job.job_id, job.attempt, job.pid, job.launch_id)
+        try:
+            self.ledger.record(job.job_id, job.attempt, job.pid, job.launch_id)
+        except OSError as error:
+            # Unrecorded, it would run on unseen past a crash of this agent, beside its
+            # retry elsewhere: it does not run. The launch's failure goes out first, so
+            # its exit is of an attempt the brain has moved past (not a stop by its
+            # node, which would run it here again).
+            reason = self._cannot("record", error)
+            log.error("%s: job %s attempt %d: %s", self.node, job.job_id, job.attempt, reason)
+            await self._launch_failed(command, reason, retryable=True)
+            await self.launcher.stop(
+                job.job_id, job.attempt, reason=reason, grace_s=self.config.fence_grace_s
+            )
+            return
         log.info(
             "%s: started job %s attempt %d pid %d", self.node, job.job_id, job.attempt, job.pid
         )
@@ -728,12 +753,21 @@ class Agent:
         )
         self.backend.set_busy(self.launcher.busy_gpus())
 
-    def _blacklist_file(self, command: Launch) -> Path:
+    def _blacklist_file(self, job_id: str, attempt: int) -> Path:
+        """Where an attempt's copy of the cluster's input blacklist is, while it runs."""
+        return self.config.data_dir / "blacklists" / f"{job_id}-{attempt}.txt"
+
+    def _write_blacklist(self, command: Launch) -> Path:
         """The cluster's input blacklist for this attempt, one URI per line."""
-        path = self.config.data_dir / "blacklists" / f"{command.job_id}-{command.attempt}.txt"
+        path = self._blacklist_file(command.job_id, command.attempt)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(f"{uri}\n" for uri in command.blacklist))
         return path
+
+    def _cannot(self, what: str, error: OSError) -> str:
+        """A launch this node's files failed: `cannot start it on node n1: No space...`."""
+        where = f" ({error.filename})" if error.filename else ""
+        return f"cannot {what} it on node {self.node}: {error.strerror or error}{where}"
 
     async def _stop(self, command: Stop) -> None:
         await self.launcher.stop(
@@ -768,8 +802,12 @@ class Agent:
         self._fence_after.pop((job.job_id, job.attempt), None)
         self.contact.forget(job.job_id, job.attempt)
         self.backend.set_busy(self.launcher.busy_gpus())
+        with contextlib.suppress(OSError):
+            self._blacklist_file(job.job_id, job.attempt).unlink(missing_ok=True)
 
     async def _launch_failed(self, command: Launch, reason: str, *, retryable: bool) -> None:
+        with contextlib.suppress(OSError):
+            self._blacklist_file(command.job_id, command.attempt).unlink(missing_ok=True)
         await self._event(
             LaunchFailed(
                 event_id=uuid.uuid4().hex,
@@ -794,9 +832,6 @@ class Agent:
             while True:
                 try:
                     await self.bus.publish_durable(subject, event, msg_id=event.event_id)
-                    if isinstance(event, JobExited):
-                        self.ledger.forget(event.job_id, event.attempt)
-                    break
                 except Exception as error:  # whatever it is, the sender goes on
                     # Not stored (cut off, or refused by the stream): kept, and tried
                     # again, with the events behind it waiting in order.
@@ -807,4 +842,22 @@ class Agent:
                         error,
                     )
                     await asyncio.sleep(1.0)
+                    continue
+                if isinstance(event, JobExited):
+                    self._forget(event.job_id, event.attempt)
+                break
             self._outbox.task_done()
+
+    def _forget(self, job_id: str, attempt: int) -> None:
+        """Strike a stored exit's attempt from the process ledger. One that cannot be
+        struck (the disk gone bad) is stopped again by the next agent, and is gone."""
+        try:
+            self.ledger.forget(job_id, attempt)
+        except OSError as error:
+            log.warning(
+                "%s: job %s attempt %d ended, but stays in the process ledger: %s",
+                self.node,
+                job_id,
+                attempt,
+                error,
+            )

@@ -167,7 +167,9 @@ class LogKeeper:
         removed, empty = 0, []
         try:
             jobs = list(os.scandir(self.log_dir))
-        except FileNotFoundError:
+        except OSError as error:
+            if not isinstance(error, FileNotFoundError):
+                log.warning("%s: cannot look over the job logs: %s", self.node, error)
             return []
         for job in jobs:
             if not job.is_dir(follow_symlinks=False):
