@@ -648,8 +648,12 @@ class Agent:
         )
 
     async def _launch(self, command: Launch) -> None:
-        if command.expires_at < self.clock():
-            await self._reject(command, "launch expired before it reached the node")
+        late = self.clock() - command.expires_at
+        if late > 0:
+            # By this node's clock: the brain sets it from the node's heartbeats.
+            await self._reject(
+                command, f"launch expired {late:.1f} s before it reached node {self.node}"
+            )
             return
         env = dict(command.env)
         env.update(

@@ -79,6 +79,10 @@ class _Node:
     beat: Heartbeat | None = None
     # The last heartbeat's bytes without its time and sequence (`_without_clock`).
     raw: bytes | None = None
+    # How far this brain's clock is ahead of the node's (seconds; negative: behind), as
+    # the last heartbeat decoded said: its arrival, by this brain's wall clock, less the
+    # time the node wrote in it.
+    clock_offset: float = 0.0
 
 
 @dataclass
@@ -141,14 +145,18 @@ class NodeIngest:
         Its first heartbeat is news, so the loop compares it with the log's record."""
         self._nodes[node] = _Node(last_seen=now, instance=instance)
 
-    def heartbeat(self, beat: Heartbeat, now: float, raw: bytes | None = None) -> NodeNews | None:
+    def heartbeat(
+        self, beat: Heartbeat, now: float, raw: bytes | None = None, *, wall: float | None = None
+    ) -> NodeNews | None:
         """Note a (validated) heartbeat that arrived at `now`; the news in it, if any.
 
         `raw`, the bytes it was decoded from, makes the common case cheap: bytes equal to
-        the previous heartbeat's but for time and sequence say nothing new."""
+        the previous heartbeat's but for time and sequence say nothing new. `wall`, the
+        arrival by the wall clock, gives the node's clock offset (`clock_offset`)."""
         self.counts.heartbeats += 1
         stripped = _without_clock(raw) if raw is not None else None
         known = self._nodes.get(beat.node)
+        offset = 0.0 if wall is None else wall - beat.ts
         if known is None:
             self._nodes[beat.node] = _Node(
                 last_seen=now,
@@ -156,8 +164,11 @@ class NodeIngest:
                 reported=_Reported.of(beat),
                 beat=beat,
                 raw=stripped,
+                clock_offset=offset,
             )
             return self._forward(NodeNews("first", beat))
+        if wall is not None:
+            known.clock_offset = offset
         silent_s = now - known.last_seen
         previous = known.reported
         known.last_seen = max(known.last_seen, now)
@@ -234,6 +245,14 @@ class NodeIngest:
     def latest_telemetry(self) -> LatestTelemetry:
         """Each node's latest telemetry batch."""
         return self._telemetry
+
+    def clock_offset(self, node: str) -> float:
+        """How far this brain's wall clock is ahead of `node`'s (negative: behind), from
+        the last of its heartbeats decoded (the first, and each with news: a repeat is
+        not decoded); 0 for a node not heard from. A heartbeat's time in transit is in
+        it, a few milliseconds."""
+        known = self._nodes.get(node)
+        return known.clock_offset if known is not None else 0.0
 
     def known(self, node: str) -> bool:
         return node in self._nodes

@@ -50,13 +50,17 @@ class Launches:
         clock: Clock,
         cluster_key: Callable[[], Awaitable[bytes]],
         tokens: JobTokens | None = None,
+        clock_offset: Callable[[str], float] = lambda node: 0.0,
     ) -> None:
+        """`clock_offset`: how far this brain's clock is ahead of a node's
+        (`NodeIngest.clock_offset`), so that a launch expires by the node's clock."""
         self._state = state
         self._commands = commands
         self._settings = settings
         self._clock = clock
         self._cluster_key = cluster_key
         self._tokens = tokens
+        self._clock_offset = clock_offset
 
     def _needs_key(self, job: JobRecord) -> bool:
         return job.spec.elastic or self._tokens is not None
@@ -106,7 +110,9 @@ class Launches:
                     ),
                     env=env,
                     cwd=job.spec.cwd,
-                    expires_at=now + settings.launch_ttl_s,
+                    # In the node's clock: one set apart from this brain's by more
+                    # than the TTL would refuse, or keep, every launch.
+                    expires_at=now + settings.launch_ttl_s - self._clock_offset(grant.node),
                     node_rank=rank,
                     nodes=nodes,
                     blacklist=blacklist,

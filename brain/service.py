@@ -146,6 +146,8 @@ PASS_WAITS_FOR_INBOX_S: Final = 0.05
 PROFILES_EVERY_S: Final = 0.05
 # How often a brain with `history_keep_days` prunes its history (and once at start).
 PRUNE_EVERY_S: Final = 3600.0
+# A node's clock this far from the brain's is said (`Brain._check_clock`).
+CLOCK_SKEW_WARN_S: Final = 5.0
 # How long a brain stepping down lets the commands of its stored groups go out.
 COMMANDS_GRACE_S: Final = 1.0
 
@@ -287,6 +289,8 @@ class Brain:
         # Heartbeats and telemetry arrive on a connection of their own (`ingest_bus`,
         # opened at start) and stop in `ingest`; only their news reaches the inbox.
         self.ingest = NodeIngest(node_timeout_s=self.config.node_timeout_s)
+        # Nodes whose clocks differ from this brain's by CLOCK_SKEW_WARN_S or more.
+        self._skewed_clocks: set[str] = set()
         self.hearing = Hearing(monotonic)
         self.ingest_bus: Bus = bus
         # (node, job, attempt) -> when a stop for it was last sent (the reconciler's).
@@ -376,6 +380,7 @@ class Brain:
             clock=clock,
             cluster_key=self._cluster_key,
             tokens=self.credentials,
+            clock_offset=self.ingest.clock_offset,
         )
         self.attempts = Attempts(
             lambda: self.state,
@@ -612,11 +617,33 @@ class Brain:
     async def _on_heartbeat(self, beat: Heartbeat, msg: Msg) -> None:
         if not await self._from_own_node(beat.node, msg):
             return
-        news = self.ingest.heartbeat(beat, self.monotonic(), msg.data)
+        news = self.ingest.heartbeat(beat, self.monotonic(), msg.data, wall=self.clock())
+        self._check_clock(beat.node)
         if news is not None:
             # Only news reaches the inbox: a heartbeat that changes nothing moved the
             # node's last-seen time and is done.
             await self._inbox.put(HeartbeatNews(news))
+
+    def _check_clock(self, node: str) -> None:
+        """Say when a node's clock comes to differ from this brain's by
+        `CLOCK_SKEW_WARN_S` or more, and when it agrees again. Launches go by the node's
+        clock (`Launches`); logs, events and `alnair` read times from several clocks."""
+        offset = self.ingest.clock_offset(node)
+        skewed = abs(offset) >= CLOCK_SKEW_WARN_S
+        if skewed == (node in self._skewed_clocks):
+            return
+        if skewed:
+            self._skewed_clocks.add(node)
+            log.warning(
+                "node %s's clock is %.1f s %s this brain's: keep every host's clock "
+                "synchronised (NTP, chrony); its launches expire by its own clock",
+                node,
+                abs(offset),
+                "behind" if offset > 0 else "ahead of",
+            )
+        else:
+            self._skewed_clocks.discard(node)
+            log.info("node %s's clock agrees with this brain's again (%+.1f s)", node, -offset)
 
     def _repeated_heartbeat(self, msg: Msg) -> bool:
         """A node's last heartbeat again, but for its clock: noted without decoding."""

@@ -29,8 +29,9 @@ class Launch(_Command):
     command: tuple[str, ...] = Field(min_length=1)
     env: dict[str, str] = Field(default_factory=dict)
     cwd: str | None = None
-    # A launch that reaches an agent after this (brain clock) is refused: the node was
-    # away, and the brain has since given the job elsewhere.
+    # A launch that reaches an agent after this (by the node's clock, as the brain
+    # reckons it from the node's heartbeats) is refused: the node was away, and the
+    # brain has since given the job elsewhere.
     expires_at: float
     node_rank: int = Field(default=0, ge=0)
     nodes: tuple[NodeName, ...] = ()

@@ -118,7 +118,13 @@ async def agent_factory(
     agents: list[Agent] = []
     orphans: list[int] = []
 
-    async def make(node: str, gpus: int = 4, model: str = "A100", **config_fields: Any) -> Agent:
+    async def make(
+        node: str,
+        gpus: int = 4,
+        model: str = "A100",
+        clock: Callable[[], float] = time.time,
+        **config_fields: Any,
+    ) -> Agent:
         config = AgentConfig(
             node=node,
             data_dir=tmp_path / "agents" / node,
@@ -128,7 +134,8 @@ async def agent_factory(
             nats_url=nats_server.url,
             **config_fields,
         )
-        agent = Agent(await connect(f"agent:{node}"), config, SimulatedGpus(node, gpus, model))
+        bus = await connect(f"agent:{node}")
+        agent = Agent(bus, config, SimulatedGpus(node, gpus, model), clock=clock)
         await agent.start()
         agents.append(agent)
         return agent
