@@ -267,6 +267,8 @@ class ApiServer:
     def _cluster(self, request: ListNodesRequest | ListQueuesRequest) -> NodesReply | QueuesReply:
         """The nodes, or the queues: what every tenant may read of the cluster."""
         if isinstance(request, ListNodesRequest):
+            if request.name is not None:
+                return NodesReply(nodes=(self._node_status(request.name),))
             page, more = self._nodes(request.after, request.limit)
             return NodesReply(nodes=page, next_after=page[-1].record.name if more else None)
         state, config = self.brain.state, self.brain.config

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from brain import elastic
 from brain.attempts import current_attempt
+from brain.core import Policy
 from brain.core.failures import Classification
 from brain.state import BrainState
 from brain.writer import Clock, NodeRecords
@@ -46,6 +47,9 @@ class LivenessSettings(Protocol):
 
     @property
     def launch_ttl_s(self) -> float: ...
+
+    @property
+    def policy(self) -> Policy: ...
 
 
 class Heard(Protocol):
@@ -201,28 +205,71 @@ class Liveness:
             )
 
     async def drain(self, operator: str, request: DrainRequest) -> None:
-        """Take a node's GPUs out of scheduling; what runs there goes on. A drained node
-        stays drained through being lost and returning, until it is resumed."""
+        """Take a node's GPUs out of scheduling; what runs there goes on, or with
+        `requeue` is stopped and goes back to its queue. A drained node stays drained
+        through being lost and returning, until it is resumed."""
         node = self.known_node(request.node)
         if request.gpu is not None:
             await self._failures.drain_gpu(
                 node, request.gpu, f"drained by {operator}: {request.reason}"
             )
-            return
-        if node.drain_reason == request.reason:
-            return
+        elif node.drain_reason != request.reason:
+            await self._drain_node(operator, node, request.reason)
+        if request.requeue:
+            await self._requeue_from(operator, request)
+
+    async def _requeue_from(self, operator: str, request: DrainRequest) -> None:
+        """Stop every job with a part on the drained node (on the drained GPU) and put
+        it back in its queue, whole (it starts again from its checkpoint, as after a
+        preemption); but an elastic job that can shrink off what was drained does so in
+        place (`_evacuates`)."""
+        where = request.node if request.gpu is None else f"{request.node} GPU {request.gpu}"
+        state = self._state()
+        for job in state.running_on(request.node):
+            if state.on_lost_node(job):
+                # Its stop cannot arrive: the node's loss frees it once its agent has
+                # fenced it, as for a preemption (brain.scheduler).
+                continue
+            held = {gpu for g in job.grants if g.node == request.node for gpu in g.gpus}
+            if request.gpu is not None and request.gpu not in held:
+                continue
+            if self._evacuates(job, request.node, 1 if request.gpu is not None else len(held)):
+                continue
+            await self._failures.requeue(
+                job,
+                Cause(
+                    kind=CauseKind.NODE_DRAINED,
+                    node=request.node,
+                    job_id=job.job_id,
+                    message=f"requeued: {where} drained by {operator}: {request.reason}",
+                ),
+            )
+
+    def _evacuates(self, job: JobRecord, node: str, drained: int) -> bool:
+        """Whether an elastic job leaves `drained` of its GPUs on `node` by shrinking in
+        place, without a restart (docs/elastic.md, policy step 4: the elasticity stage
+        does it at the next pass): not pinned, down to its minimum at most, and not from
+        its supervisor's last GPU on its first node."""
+        if not job.spec.elastic or self._settings.policy.elasticity == "none":
+            return False
+        if job.pinned_gpus is not None or job.gpu_count - drained < job.spec.gpu_range[0]:
+            return False
+        first = job.grants[0]
+        return first.node != node or len(first.gpus) > drained
+
+    async def _drain_node(self, operator: str, node: NodeRecord, reason: str) -> None:
         await self._writes.node_changed(
             node.model_copy(
                 update={
                     "state": NodeState.DRAINED if node.state is NodeState.READY else node.state,
-                    "drain_reason": request.reason,
+                    "drain_reason": reason,
                 }
             ),
             node.state,
             Cause(
                 kind=CauseKind.NODE_DRAINED,
                 node=node.name,
-                message=f"drained by {operator}: {request.reason}",
+                message=f"drained by {operator}: {reason}",
             ),
         )
 

@@ -8,6 +8,7 @@ node's agent, which refuses it for real GPUs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -17,21 +18,25 @@ from pydantic import TypeAdapter
 
 from brain.core.failures import FailurePolicy, InvalidFailurePolicy
 from cli import format as fmt
+from cli.arguments import positive_number
 from cli.client import call
 from schemas import subjects
 from schemas.api import (
     BLACKLIST_RESULT,
     HISTORY_RESULT,
     NODE_RESULT,
+    NODES_RESULT,
     OPERATOR_TENANT,
     BlacklistRequest,
     DrainRequest,
     HistoryRequest,
+    ListNodesRequest,
     ResumeRequest,
 )
 from schemas.base import check_name
 from schemas.commands import InjectFault, InjectFaultReply
 from schemas.errors import AlnairError
+from schemas.nodes import NodeStatus
 
 WithBus = Callable[[argparse.Namespace, Callable[[Any], Awaitable[int]]], Awaitable[int]]
 ClientArgs = Callable[[argparse.ArgumentParser], None]
@@ -180,10 +185,38 @@ async def _inject(args: argparse.Namespace, bus: Any) -> int:
 
 
 async def _drain(args: argparse.Namespace, bus: Any) -> int:
-    request = DrainRequest(node=args.node, reason=args.reason, gpu=args.gpu)
+    request = DrainRequest(node=args.node, reason=args.reason, gpu=args.gpu, requeue=args.requeue)
     reply = await call(bus, OPERATOR_TENANT, "drain", request, NODE_RESULT)
     print(fmt.nodes_table((reply.node,)))
+    if args.wait is None:
+        return 0
+    # Until nothing runs on what was drained (its jobs ended, or were stopped and
+    # requeued): then the node, or the GPU, may be taken down.
+    deadline = time.monotonic() + args.wait
+    status = reply.node
+    while busy := _still_running(status, args.gpu):
+        if time.monotonic() >= deadline:
+            raise AlnairError(
+                f"{_drained_what(args)} still runs {busy} after {args.wait:g}s "
+                "(`alnair nodes`; `--requeue` stops what runs there)"
+            )
+        await asyncio.sleep(1.0)
+        request_node = ListNodesRequest(name=args.node)
+        (status,) = (await call(bus, args.tenant, "nodes", request_node, NODES_RESULT)).nodes
+    print(f"{_drained_what(args)} runs nothing now")
     return 0
+
+
+def _drained_what(args: argparse.Namespace) -> str:
+    return f"node {args.node}" if args.gpu is None else f"node {args.node} GPU {args.gpu}"
+
+
+def _still_running(node: NodeStatus, gpu: int | None) -> str:
+    """What still runs on a drained node, or on its drained GPU: "" when nothing."""
+    if gpu is None:
+        jobs = node.jobs
+        return f"job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}" if jobs else ""
+    return "a job" if gpu in node.allocated_gpus else ""
 
 
 async def _resume(args: argparse.Namespace, bus: Any) -> int:
@@ -262,6 +295,21 @@ def add_commands(sub: Any, client_args: ClientArgs, with_bus: WithBus) -> None:
     p.add_argument("node")
     p.add_argument("--gpu", type=int, help="drain only this GPU")
     p.add_argument("--reason", required=True, help="why (shown by `alnair nodes`)")
+    p.add_argument(
+        "--requeue",
+        action="store_true",
+        help="also stop what runs there and put it back in its queue (not a failure: "
+        "as a preemption, it starts again elsewhere from its checkpoint)",
+    )
+    p.add_argument(
+        "--wait",
+        type=positive_number,
+        nargs="?",
+        const=3600.0,
+        metavar="SECONDS",
+        help="then wait until nothing runs there (at most SECONDS, default 3600): the "
+        "node may then be taken down",
+    )
     p.set_defaults(fn=runner(_drain))
 
     p = sub.add_parser("resume", help="give a drained node's GPUs back to scheduling")

@@ -570,7 +570,7 @@ async def cmd_nodes(args: argparse.Namespace) -> int:
         nodes: list[NodeStatus] = []
         after: str | None = None
         while True:
-            request = ListNodesRequest(after=after)
+            request = ListNodesRequest(after=after, name=args.name)
             reply = await call(bus, args.tenant, "nodes", request, NODES_RESULT)
             nodes += reply.nodes
             if reply.next_after is None or not reply.nodes:
@@ -1129,6 +1129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("nodes", help="list nodes (like sinfo)")
     _client_args(p)
+    p.add_argument("name", nargs="?", help="only this node")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_nodes)
 

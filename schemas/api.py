@@ -93,6 +93,8 @@ class ListNodesRequest(Message):
     after: NodeName | None = None
     # At most this many (the first by name): a dashboard's page.
     limit: int = Field(default=100_000, ge=1, le=100_000)
+    # Only this node (`not_found` if the brain knows none of that name).
+    name: NodeName | None = None
 
 
 class StatusRequest(Message):
@@ -104,12 +106,16 @@ class ListQueuesRequest(Message):
 
 
 class DrainRequest(Message):
-    """Take a node's GPUs out of scheduling; what runs there keeps running."""
+    """Take a node's GPUs out of scheduling; what runs there keeps running, unless
+    `requeue` asks that it be stopped and go back to its queue."""
 
     node: NodeName
     reason: str = Field(default="drained by an operator", min_length=1, max_length=500)
     # One GPU of the node rather than all of it.
     gpu: int | None = Field(default=None, ge=0, le=255)
+    # Stop the jobs running there (on that GPU) and put them back in their queues, as
+    # a preemption does: not a failure, no retry spent (maintenance).
+    requeue: bool = False
 
 
 class ResumeRequest(Message):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from asyncio.subprocess import DEVNULL, PIPE
 from pathlib import Path
 
 from brain.core.failures import FailurePolicy
@@ -199,3 +200,52 @@ async def test_a_process_gone_with_its_agent_is_retried_and_never_left_running(
 
     await eventually(gone)
     await eventually(lambda: not restarted.ledger.leftovers())
+
+
+async def test_drain_for_maintenance_requeues_and_waits_until_the_node_runs_nothing(
+    brain_factory, agent_factory, nats_server, tmp_path: Path
+) -> None:
+    """`alnair drain NODE --requeue --wait` (a real CLI process): what ran there goes
+    back to its queue and runs elsewhere, spending no retry; the command returns once the
+    node runs nothing. Without --requeue, --wait gives up saying what still runs."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)  # the fuller fit: the job goes there first
+    await agent_factory("n2", gpus=4)
+    await eventually(lambda: len(brain.state.nodes) == 2)
+    job_id = await submit(brain.api, JobSpec(command=("sleep", "600"), gpus=1, cwd=str(tmp_path)))
+
+    def running_on(node: str) -> bool:
+        job = brain.state.jobs[job_id]
+        return (
+            job.state is JobState.RUNNING
+            and [g.node for g in job.grants] == [node]
+            and all(g.pid for g in job.grants)
+        )
+
+    await eventually(lambda: running_on("n1"))
+    env = {"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin", "ALNAIR_HOME": str(tmp_path)}
+    base = [sys.executable, "-m", "cli", "drain", "n1", "--nats", nats_server.url]
+
+    async def drain(*args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            *base, *args, env=env, stdout=PIPE, stderr=PIPE, stdin=DEVNULL
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    code, _, err = await drain("--reason", "BIOS update", "--wait", "2")
+    assert code == 1 and f"node n1 still runs job {job_id} after 2s" in err, err
+    assert running_on("n1")  # drained, not stopped
+
+    code, out, err = await drain("--reason", "BIOS update", "--requeue", "--wait", "60")
+    assert code == 0, err
+    assert out.rstrip().endswith("node n1 runs nothing now"), out
+    await eventually(lambda: running_on("n2"))
+    job = brain.state.jobs[job_id]
+    assert job.failures == () and job.attempt == 2
+    changes, _ = await brain.history.read_job_changes(job_id, 20)
+    assert any(
+        record.cause.message == "requeued: n1 drained by operator: BIOS update"
+        for _, record in changes
+    )

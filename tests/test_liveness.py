@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from brain.attempts import Attempts
+from brain.core import DEFAULT_POLICY, Policy
 from brain.core.failures import DEFAULT_FAILURE_POLICY
 from brain.liveness import Liveness, LostParts
 from schemas.api import DrainRequest, ResumeRequest
@@ -30,6 +31,7 @@ class Settings:
     fence_margin_s: float = 5.0
     keep_disconnected_s: float = 300.0
     launch_ttl_s: float = 60.0
+    policy: Policy = DEFAULT_POLICY
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Setup:
     attempts: Attempts
 
 
-def setup(*nodes: str, parts: LostParts | None = None) -> Setup:
+def setup(*nodes: str, parts: LostParts | None = None, settings: Settings | None = None) -> Setup:
     shell, heard, hearing = Shell(), Heard(), Hearing()
     monotonic, clock = Clock(1_000.0), Clock(START_TS + 1_000)
     for node in nodes:
@@ -84,7 +86,7 @@ def setup(*nodes: str, parts: LostParts | None = None) -> Setup:
         heard,
         hearing,
         parts or NoLostParts(),
-        settings=Settings(),
+        settings=settings or Settings(),
         clock=clock,
         monotonic=monotonic,
     )
@@ -331,3 +333,78 @@ async def test_a_resumed_node_is_no_longer_avoided_by_the_jobs_that_failed_there
         GpuFault(event_id="f", node="n2", ts=0.0, gpu=0, fault="xid", xid=79)
     )
     assert s.shell.state.jobs["1"].avoid_nodes == ("n2",)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "requeued"),
+    [(None, {"1", "2"}), (1, {"2"}), (7, set())],
+)
+async def test_a_drain_that_requeues_stops_what_runs_there_and_spends_no_retry(
+    gpu: int | None, requeued: set[str]
+) -> None:
+    s = setup("n1", "n2")
+    s.shell.add_job(1, gpus=1, node="n1")  # GPU 0
+    s.shell.put_job(  # GPUs 1, 2
+        s.shell.add_job(2, gpus=1, node="n1").model_copy(
+            update={"grants": (NodeGrant(node="n1", gpus=(1, 2), pid=1002),)}
+        )
+    )
+    s.shell.add_job(3, gpus=1, node="n2")
+
+    request = DrainRequest(node="n1", gpu=gpu, reason="BIOS update", requeue=True)
+    await s.liveness.drain("ops", request)
+
+    jobs = s.shell.state.jobs
+    assert {j for j in ("1", "2", "3") if jobs[j].state is JobState.PENDING} == requeued
+    where = "n1" if gpu is None else f"n1 GPU {gpu}"
+    for job_id in requeued:
+        assert jobs[job_id].failures == () and jobs[job_id].attempt == 1
+        assert jobs[job_id].reason == f"requeued: {where} drained by ops: BIOS update"
+    assert {(stop.job_id, stop.node) for stop in s.shell.stops} == {(j, "n1") for j in requeued}
+    node = s.shell.state.nodes["n1"]
+    if gpu is None:
+        assert (node.state, node.drain_reason) == (NodeState.DRAINED, "BIOS update")
+    else:
+        assert [d.index for d in node.drained_gpus] == [gpu]
+    # Again: drained already, nothing left to requeue.
+    causes = len(s.shell.causes)
+    await s.liveness.drain("ops", request)
+    assert len(s.shell.causes) == causes
+
+
+async def test_a_drain_leaves_a_lost_nodes_jobs_to_its_loss() -> None:
+    s = setup("n1")
+    s.shell.add_job(1, node="n1")
+    s.monotonic.now += 6.0  # lost, not yet fenced
+    await s.liveness.check_nodes()
+    assert s.shell.state.nodes["n1"].state is NodeState.LOST
+
+    await s.liveness.drain("ops", DrainRequest(node="n1", reason="dead PSU", requeue=True))
+
+    assert s.shell.state.jobs["1"].state is JobState.RUNNING
+    assert s.shell.stops == []
+
+
+@pytest.mark.parametrize(
+    ("elasticity", "pinned", "drained", "requeued"),
+    [
+        pytest.param("marginal-gain", None, "n1", False, id="shrinks off n1 in place"),
+        pytest.param("none", None, "n1", True, id="no elasticity stage: requeued"),
+        pytest.param("marginal-gain", 4, "n1", True, id="pinned: its size is the operator's"),
+        pytest.param("marginal-gain", None, "n2", True, id="its supervisor's node"),
+    ],
+)
+async def test_an_elastic_job_that_can_shrink_off_a_drained_node_is_not_requeued(
+    elasticity: str, pinned: int | None, drained: str, requeued: bool
+) -> None:
+    policy = Policy(elasticity=elasticity)
+    s = setup("n1", "n2", settings=Settings(policy=policy))
+    spec = JobSpec(command=("x",), gpus=2, elastic=True, min_gpus=1, max_gpus=4)
+    grants = (NodeGrant(node="n2", gpus=(0, 1), pid=7), NodeGrant(node="n1", gpus=(0, 1), pid=8))
+    s.shell.put_job(
+        s.shell.add_job(1, node="n2").model_copy(
+            update={"spec": spec, "grants": grants, "pinned_gpus": pinned}
+        )
+    )
+    await s.liveness.drain("ops", DrainRequest(node=drained, reason="swap", requeue=True))
+    assert (s.shell.state.jobs["1"].state is JobState.PENDING) is requeued

@@ -38,6 +38,8 @@ class DrainBody(BaseModel):
     reason: str = Field(default="drained by an operator", min_length=1, max_length=500)
     # One GPU of the node rather than all of it.
     gpu: int | None = Field(default=None, ge=0, le=255)
+    # Also stop what runs there and put it back in its queue (`DrainRequest.requeue`).
+    requeue: bool = False
 
 
 class ResizeBody(BaseModel):
@@ -331,13 +333,19 @@ def _paths() -> dict[str, Any]:
             "get": _operation(
                 "Nodes, by name, their GPUs' latest telemetry and what runs on them",
                 _json(_ref("NodesReply"), "nodes"),
-                errors=(400,),
+                errors=(400, 404),
                 parameters=[
                     {
                         "name": "after",
                         "in": "query",
                         "schema": {"type": "string", "pattern": NAME_PATTERN},
                         "description": "only nodes after this one (a reply's next_after)",
+                    },
+                    {
+                        "name": "name",
+                        "in": "query",
+                        "schema": {"type": "string", "pattern": NAME_PATTERN},
+                        "description": "only this node (404 if there is none)",
                     },
                     {
                         "name": "limit",

@@ -414,8 +414,9 @@ class HttpServer:
 
     async def _nodes(self, request: web.Request) -> web.Response:
         data: dict[str, Any] = {}
-        if "after" in request.query:
-            data["after"] = request.query["after"]
+        for name in ("after", "name"):
+            if name in request.query:
+                data[name] = request.query[name]
         if "limit" in request.query:
             limit = request.query["limit"]
             data["limit"] = _integer(limit)
@@ -428,7 +429,12 @@ class HttpServer:
         self._caller(request)
         raw = await request.read()
         body = self._decode(DrainBody, raw, "drain") if raw.strip() else DrainBody()
-        data = {"node": request.match_info["node"], "reason": body.reason, "gpu": body.gpu}
+        data = {
+            "node": request.match_info["node"],
+            "reason": body.reason,
+            "gpu": body.gpu,
+            "requeue": body.requeue,
+        }
         return await self._call(request, self._decode(DrainRequest, data, "drain"))
 
     async def _resume(self, request: web.Request) -> web.Response:
