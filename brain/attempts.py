@@ -26,11 +26,18 @@ from brain.core.failures import (
     decide_retry,
     fault_action,
 )
-from brain.state import BrainState
+from brain.state import BrainState, served
 from brain.writer import Clock, JobRecords, NodeRecords, Stops
 from schemas.errors import ApiError
 from schemas.events import CommandRejected, GpuFault, JobExited, JobStarted, LaunchFailed
-from schemas.jobs import AttemptFailure, FailureClass, JobRecord, JobState, job_limits
+from schemas.jobs import (
+    AttemptFailure,
+    FailureClass,
+    JobRecord,
+    JobState,
+    clock_text,
+    job_limits,
+)
 from schemas.nodes import DrainedGpu, NodeRecord, NodeState
 from schemas.state import Cause, CauseKind
 
@@ -319,6 +326,47 @@ class Attempts:
         await self._writes.job_changed(pending, job.state, cause)
         await self._writes.stop_parts(job, f"retrying elsewhere: {classification.reason}")
         await self._drain_black_holes(failure)
+
+    async def check_time_limits(self) -> None:
+        """Stop every running job that has run its time limit (`JobSpec.time_limit_s`,
+        its run time over all its attempts): FAILED, a user failure, never retried (a
+        retry would have no time left). Looks over the time-limited jobs only."""
+        state = self._state()
+        if not state.time_limited:
+            return
+        now = self._clock()
+        for job_id in list(state.time_limited):
+            job = state.jobs[job_id]
+            limit = job.spec.time_limit_s
+            _, ran = served(job, now)
+            if limit is None or ran < limit:
+                continue
+            reason = f"time limit {clock_text(limit)} reached"
+            node = job.nodes[0] if job.nodes else ""
+            failure = AttemptFailure(
+                attempt=max(1, job.attempt),
+                failure_class=FailureClass.USER,
+                reason=reason,
+                nodes=job.nodes,
+                at_fault=(),
+                at=now,
+            )
+            ended = job.model_copy(
+                update={
+                    "state": JobState.FAILED,
+                    "finished_at": now,
+                    "failures": (*job.failures, failure),
+                    "reason": reason,
+                }
+            )
+            cause = Cause(
+                kind=CauseKind.FAILURE_CLASSIFIED,
+                node=node or None,
+                job_id=job_id,
+                message=f"{reason} after {clock_text(ran)} run; not retried",
+            )
+            await self._writes.job_changed(ended, job.state, cause)
+            await self._writes.stop_parts(job, reason)
 
     async def _drain_black_holes(self, failure: AttemptFailure) -> None:
         """Drain the nodes an infrastructure failure is blamed on that have become

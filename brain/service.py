@@ -851,6 +851,7 @@ class Brain:
         await self.reconciler.reconcile_all()
         await self.liveness.check_vanished()
         await self.liveness.check_launches()
+        await self.attempts.check_time_limits()
         await self.blacklist.check_preruns()
         await self.resizes.check_resizes()
         self.scheduler.due()  # decide() asked to be called again, or owes reasons

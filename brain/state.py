@@ -118,6 +118,8 @@ class BrainState:
     wait_details: dict[str, WaitCause] = field(default_factory=dict, compare=False)
     # Elastic jobs pending or running: without one, an elasticity stage does not run.
     live_elastic: int = field(default=0, compare=False)
+    # Running jobs with a time limit (`JobSpec.time_limit_s`): what the tick looks over.
+    time_limited: set[str] = field(default_factory=set, compare=False)
     # The latest infrastructure failures blamed on each node (`AttemptFailure.at_fault`),
     # oldest first, from the job records as they are applied: what the black-hole rule
     # reads (brain/core/failures.py). Kept in snapshots, so a brain loaded from one
@@ -340,6 +342,10 @@ class BrainState:
             self.live_elastic -= 1
         if job.state in _LIVE and job.spec.elastic:
             self.live_elastic += 1
+        if job.state is JobState.RUNNING and job.spec.time_limit_s is not None:
+            self.time_limited.add(job_id)
+        else:
+            self.time_limited.discard(job_id)
         self.wait_details.pop(job_id, None)  # the record says why, until refreshed
         if previous is not None:
             self.by_state[previous.state].discard(job_id)

@@ -47,3 +47,36 @@ def number_or_zero(text: str) -> float:
     if not 0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of 0 or more")
     return value
+
+
+_DURATION: Final = re.compile(r"(?P<n>[0-9]+(?:\.[0-9]+)?)\s*(?P<unit>[smhd])", re.I)
+_CLOCK: Final = re.compile(r"(?:(?P<d>[0-9]+)-)?(?:(?P<h>[0-9]+):)?(?P<m>[0-9]+):(?P<s>[0-9]+)")
+_UNIT_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
+
+
+def duration_seconds(text: str) -> float:
+    """`90m`, `2h`, `1.5d`, `45s`, or Slurm's clock forms `1:30:00`, `2-00:00:00`, `30:00`
+    (minutes and seconds), as seconds above 0. A bare number is refused: Slurm reads
+    minutes there, other tools seconds. ValueError says what it takes."""
+    text = text.strip()
+    if (unit := _DURATION.fullmatch(text)) is not None:
+        seconds = float(unit["n"]) * _UNIT_S[unit["unit"].lower()]
+    elif (clock := _CLOCK.fullmatch(text)) is not None:
+        days, hours = int(clock["d"] or 0), int(clock["h"] or 0)
+        seconds = float(((days * 24 + hours) * 60 + int(clock["m"])) * 60 + int(clock["s"]))
+    else:
+        raise ValueError(
+            f"{text!r} is not a duration: give a unit (45s, 90m, 2h, 1d) or a clock "
+            "(1:30:00, 2-00:00:00)"
+        )
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"{text!r} is not a duration above 0")
+    return seconds
+
+
+def duration(text: str) -> float:
+    """`duration_seconds` as an argparse type."""
+    try:
+        return duration_seconds(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

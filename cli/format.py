@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 
 from schemas.api import GpuCensus, QueueStatus, utilisation_bucket
-from schemas.jobs import JobRecord
+from schemas.jobs import JobRecord, clock_text
 from schemas.nodes import NodeRecord, NodeStatus
 from schemas.state import JobChanged, NodeChanged, NodeEventRecorded, StateRecord
 from schemas.telemetry import GpuShares
@@ -24,17 +24,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0, int(seconds))
-    days, rest = divmod(seconds, 86_400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
-    if hours:
-        return f"{hours}:{minutes:02d}:{secs:02d}"
-    return f"{minutes}:{secs:02d}"
+    return "-" if seconds is None else clock_text(seconds)
 
 
 def job_time(job: JobRecord, now: float) -> str:

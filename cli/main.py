@@ -27,7 +27,13 @@ from agents.joblogs import DEFAULT_KEEP_DAYS
 from bus.auth import inbox_prefix_for_seed
 from cli import confine, failures, why
 from cli import format as fmt
-from cli.arguments import number_or_zero, positive_number, whole_number
+from cli.arguments import (
+    duration,
+    duration_seconds,
+    number_or_zero,
+    positive_number,
+    whole_number,
+)
 from cli.client import call, open_bus, submit
 from cli.config import alnair_home, resolve_nats, resolve_nkey, resolve_tls
 from schemas import subjects
@@ -269,6 +275,8 @@ def _policy_hints(args: argparse.Namespace) -> dict[str, Any]:
     hints: dict[str, Any] = {}
     if args.duration is not None:
         hints["declared_duration_s"] = args.duration
+    if args.time is not None:
+        hints["time_limit_s"] = args.time
     if args.network_sensitive:
         hints["network_sensitive"] = True
     if args.on_disconnect is not None:
@@ -315,8 +323,10 @@ def _spec_from_yaml(path: Path, args: argparse.Namespace) -> JobSpec:
     return _validated(data, str(path))
 
 
-# A job file may give sizes as the flags take them (`gpu_memory: 20GiB`).
+# A job file may give sizes and times as the flags take them (`gpu_memory: 20GiB`,
+# `time_limit: 2h`).
 _YAML_SIZES: Final = {"gpu_memory": "gpu_memory_mib", "memory": "memory_mib"}
+_YAML_TIMES: Final = {"time_limit": "time_limit_s"}
 
 
 def _yaml_fields(data: dict[Any, Any], path: Path) -> dict[str, Any]:
@@ -330,7 +340,15 @@ def _yaml_fields(data: dict[Any, Any], path: Path) -> dict[str, Any]:
             if spec_name in fields:
                 raise UsageError(f"invalid job in {path}: {name} and {spec_name}: give one")
             fields[spec_name] = parse_mib(str(fields.pop(name)), name)
-    known = set(JobSpec.model_fields) | set(_YAML_SIZES)
+    for name, spec_name in _YAML_TIMES.items():
+        if name in fields:
+            if spec_name in fields:
+                raise UsageError(f"invalid job in {path}: {name} and {spec_name}: give one")
+            try:
+                fields[spec_name] = duration_seconds(str(fields.pop(name)))
+            except ValueError as error:
+                raise UsageError(f"invalid job in {path}: {name}: {error}") from None
+    known = set(JobSpec.model_fields) | set(_YAML_SIZES) | set(_YAML_TIMES)
     for name in fields:
         if name not in known:
             near = difflib.get_close_matches(str(name), sorted(known), n=1)
@@ -1030,6 +1048,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="how long the job runs on its GPUs, if known (the srtf order ranks by it)",
+    )
+    p.add_argument(
+        "--time",
+        type=duration,
+        metavar="LIMIT",
+        help="the most the job may run, over all its attempts (90m, 2h, 1:30:00, "
+        "2-00:00:00): past it, it is stopped and FAILED, not retried",
     )
     p.add_argument(
         "--network-sensitive",

@@ -69,6 +69,12 @@ def _summary(reply: WhyReply) -> list[str]:
     hints = []
     if spec.declared_duration_s is not None:
         hints.append(f"declared duration {spec.declared_duration_s:g} s")
+    if spec.time_limit_s is not None:
+        ran = job.executed_seconds if executed is None else executed
+        limit = f"time limit {fmt.duration(spec.time_limit_s)}"
+        if not job.state.terminal:
+            limit += f", {fmt.duration(max(0.0, spec.time_limit_s - ran))} left"
+        hints.append(limit)
     if spec.network_sensitive:
         hints.append("network-sensitive (never spread over switches)")
     if spec.elastic:

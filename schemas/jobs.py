@@ -94,6 +94,20 @@ class AttemptFailure(BaseModel):
     log_tail: tuple[str, ...] = ()
 
 
+def clock_text(seconds: float) -> str:
+    """A length of time as `squeue` writes one: `1:30` (m:ss), `2:00:00`, `1-02:00:00`
+    (days-h:mm:ss): `alnair jobs`' TIME, and time limits in reasons."""
+    whole = max(0, int(seconds))
+    days, rest = divmod(whole, 86_400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}"
+    if hours:
+        return f"{hours}:{minutes:02d}:{secs:02d}"
+    return f"{minutes}:{secs:02d}"
+
+
 class JobSpec(BaseModel):
     """What a user asks for. Validated at the API edge; field errors name the field."""
 
@@ -114,6 +128,12 @@ class JobSpec(BaseModel):
     # How long the job runs on its GPUs, if its submitter knows: the `srtf` order ranks
     # by what is left of it. Other orders ignore it.
     declared_duration_s: float | None = Field(
+        default=None, gt=0, le=MAX_DECLARED_DURATION_S, allow_inf_nan=False
+    )
+    # The most it may run, in seconds, over all its attempts (its run time, as `alnair
+    # why` counts it): past it the brain stops it, FAILED, "time limit 2:00:00 reached"
+    # (Slurm's --time). None: no limit.
+    time_limit_s: float | None = Field(
         default=None, gt=0, le=MAX_DECLARED_DURATION_S, allow_inf_nan=False
     )
     # Network-bound (e.g. all-reduce heavy): never spread over switches to start sooner.

@@ -415,3 +415,34 @@ async def test_a_node_where_job_after_job_fails_is_drained_as_a_black_hole() -> 
     )
     await fail(8, "n1", START_TS + 2700)
     assert shell.state.nodes["n1"].state is NodeState.READY
+
+
+async def test_a_job_past_its_time_limit_is_stopped_and_failed_not_retried() -> None:
+    # Its run time over every attempt: 50 s before this run, which began at START_TS + 1.
+    shell = Shell()
+    shell.add_node("n1")
+    clock = Clock(START_TS + 1)
+    a = Attempts(lambda: shell.state, shell, Joins(), policy=POLICY, clock=clock)
+    job = shell.add_job(1, node="n1")
+    spec = job.spec.model_copy(update={"time_limit_s": 60.0})
+    shell.put_job(job.model_copy(update={"spec": spec, "executed_seconds": 50.0}))
+    shell.add_job(2, node="n1")  # no limit: never looked at
+    assert shell.state.time_limited == {"1"}
+
+    clock.now = START_TS + 1 + 9.5
+    await a.check_time_limits()
+    assert shell.state.jobs["1"].state is JobState.RUNNING and shell.stops == []
+
+    clock.now = START_TS + 1 + 10.5
+    await a.check_time_limits()
+    ended = shell.state.jobs["1"]
+    assert (ended.state, ended.reason) == (JobState.FAILED, "time limit 1:00 reached")
+    (failure,) = ended.failures
+    assert failure.failure_class is FailureClass.USER and failure.nodes == ("n1",)
+    assert shell.causes[-1].kind is CauseKind.FAILURE_CLASSIFIED
+    assert shell.causes[-1].message == "time limit 1:00 reached after 1:00 run; not retried"
+    assert [(s.job_id, s.node, s.reason) for s in shell.stops] == [
+        ("1", "n1", "time limit 1:00 reached")
+    ]
+    assert shell.state.time_limited == set()
+    assert shell.state.jobs["2"].state is JobState.RUNNING

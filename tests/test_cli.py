@@ -20,7 +20,7 @@ from cli import up, why
 from cli.client import call
 from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text, queues_table, record_line
-from cli.main import Since, build_parser, main
+from cli.main import Since, UsageError, _spec_from_yaml, build_parser, main
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
@@ -711,3 +711,39 @@ def test_events_since_takes_a_sequence_a_time_ago_or_a_time(
     )
     with pytest.raises(SystemExit):
         since("0")
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("45s", 45.0),
+        ("90m", 5400.0),
+        ("2h", 7200.0),
+        ("1.5d", 129_600.0),
+        ("1:30:00", 5400.0),
+        ("30:00", 1800.0),
+        ("2-00:00:00", 172_800.0),
+    ],
+)
+def test_submit_time_takes_a_duration_with_a_unit_or_a_clock(text: str, seconds: float) -> None:
+    args = build_parser().parse_args(["submit", "--gpus", "1", "--time", text, "--", "true"])
+    assert args.time == seconds
+
+
+@pytest.mark.parametrize("text", ["3600", "0s", "2 hours", "1:2:3:4"])
+def test_submit_time_refuses_what_is_not_a_duration(
+    text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["submit", "--gpus", "1", "--time", text, "--", "true"])
+    assert "argument --time: " in capsys.readouterr().err
+
+
+def test_a_job_file_gives_its_time_limit_as_the_flag_does(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text("command: train.py\ngpus: 1\ntime_limit: 90m\n")
+    args = build_parser().parse_args(["submit", str(job)])
+    assert _spec_from_yaml(job, args).time_limit_s == 5400.0
+    job.write_text("command: train.py\ngpus: 1\ntime_limit: soon\n")
+    with pytest.raises(UsageError, match="time_limit: 'soon' is not a duration"):
+        _spec_from_yaml(job, args)

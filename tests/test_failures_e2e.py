@@ -249,3 +249,20 @@ async def test_drain_for_maintenance_requeues_and_waits_until_the_node_runs_noth
         record.cause.message == "requeued: n1 drained by operator: BIOS update"
         for _, record in changes
     )
+
+
+async def test_a_job_that_runs_past_its_time_limit_is_stopped_and_not_retried(
+    brain_factory, agent_factory, tmp_path: Path
+) -> None:
+    brain = await brain_factory()
+    agent = await agent_factory("n1", gpus=1)
+    await eventually(lambda: len(brain.state.nodes) == 1)
+    spec = JobSpec(command=("sleep", "600"), gpus=1, cwd=str(tmp_path), time_limit_s=2.0)
+    job_id = await submit(brain.api, spec)
+    await eventually(lambda: agent.launcher.find(job_id))
+    await eventually(lambda: brain.state.jobs[job_id].state is JobState.FAILED, timeout_s=30)
+    job = brain.state.jobs[job_id]
+    assert job.reason == "time limit 0:02 reached" and job.attempt == 1
+    await eventually(lambda: not agent.launcher.find(job_id))  # its process stopped
+    await asyncio.sleep(1.0)
+    assert brain.state.jobs[job_id].attempt == 1  # never retried
