@@ -55,7 +55,7 @@ from schemas.api import (
     StatusRequest,
 )
 from schemas.base import check_name, describe_invalid
-from schemas.errors import AlnairError, ApiError
+from schemas.errors import AlnairError, ApiError, BrainUnavailable, BusTimeout
 from schemas.jobs import JobRecord, JobSpec, JobState, share_request
 from schemas.nodes import NodeStatus
 from schemas.state import (
@@ -406,10 +406,29 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             if spec.elastic:
                 low, high = spec.gpu_range
                 size += f", elastic {low}..{high}"
-            print(f"submitted job {job.job_id} ({size}, queue {spec.queue})")
-        return 0
+            print(f"submitted job {job.job_id} ({size}, queue {spec.queue})", flush=True)
+        return 0 if not args.wait else await _wait_for_end(bus, args.tenant, job.job_id)
 
     return await _with_bus(args, run)
+
+
+async def _wait_for_end(bus: Any, tenant: str, job_id: str) -> int:
+    """`submit --wait` (as `sbatch --wait`): until the job ends; the exit status is the
+    job's own exit code when it ran to one, 0 for SUCCEEDED, else 1. A brain that does
+    not answer for a while (a failover) is asked again."""
+    ask = GetJobRequest(job_id=job_id)
+    while True:
+        try:
+            job = (await call(bus, tenant, "job", ask, JOB_RESULT)).job
+        except (BrainUnavailable, BusTimeout):
+            job = None
+        if job is not None and job.state.terminal:
+            break
+        await asyncio.sleep(1.0)
+    print(f"job {job.job_id} {job.state.value}: {job.reason or job.state.value}")
+    if job.state is JobState.SUCCEEDED:
+        return 0
+    return job.exit_code if job.exit_code else 1
 
 
 # -- queries --------------------------------------------------------------------------
@@ -1092,6 +1111,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="submissions with the same key (and tenant) create one job: a retry is "
         "answered with it (default: a fresh key per command, reused by its own retries)",
+    )
+    p.add_argument(
+        "--wait",
+        action="store_true",
+        help="then wait until the job ends, and exit with its exit code (0 when it "
+        "SUCCEEDED, 1 when it ended without one), as `sbatch --wait`",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS..., or job.yaml")
     p.set_defaults(fn=cmd_submit)

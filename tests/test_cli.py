@@ -747,3 +747,24 @@ def test_a_job_file_gives_its_time_limit_as_the_flag_does(tmp_path: Path) -> Non
     job.write_text("command: train.py\ngpus: 1\ntime_limit: soon\n")
     with pytest.raises(UsageError, match="time_limit: 'soon' is not a duration"):
         _spec_from_yaml(job, args)
+
+
+@pytest.mark.parametrize(
+    ("code", "exits", "says"),
+    [
+        ("pass", 0, "SUCCEEDED: exited 0"),
+        ("import sys; sys.exit(3)", 3, "FAILED: user error, not retried: exit code 3"),
+    ],
+)
+async def test_submit_wait_returns_when_the_job_ends_with_its_exit_code(
+    brain_factory, agent_factory, nats_server, tmp_path: Path, code: str, exits: int, says: str
+) -> None:
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=1)
+    await eventually(lambda: len(brain.state.nodes) == 1)
+    env = {"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "ALNAIR_HOME": str(tmp_path)}
+    argv = ["submit", "--wait", "--nats", nats_server.url, "--gpus", "1"]
+    returned, out, err = await alnair(*argv, "--", sys.executable, "-c", code, env=env)
+    assert returned == exits, (out, err)
+    first, last = out.splitlines()
+    assert first.startswith("submitted job 1 ") and last.startswith(f"job 1 {says}"), out
