@@ -852,6 +852,7 @@ class Brain:
         await self.liveness.check_vanished()
         await self.liveness.check_launches()
         await self.attempts.check_time_limits()
+        await self.submissions.cancel_orphans()
         await self.blacklist.check_preruns()
         await self.resizes.check_resizes()
         self.scheduler.due()  # decide() asked to be called again, or owes reasons

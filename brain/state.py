@@ -120,6 +120,13 @@ class BrainState:
     live_elastic: int = field(default=0, compare=False)
     # Running jobs with a time limit (`JobSpec.time_limit_s`): what the tick looks over.
     time_limited: set[str] = field(default_factory=set, compare=False)
+    # Dependencies (`JobSpec.after`): pending jobs some of whose jobs to run after have
+    # not SUCCEEDED yet, with those (left out of decisions: `_pending_job_views`);
+    # pending jobs one of whose ended otherwise, with why (the tick cancels them); and
+    # who runs after each job.
+    blocked: dict[str, set[str]] = field(default_factory=dict, compare=False)
+    doomed: dict[str, str] = field(default_factory=dict, compare=False)
+    _dependents: dict[str, set[str]] = field(default_factory=dict, compare=False)
     # The latest infrastructure failures blamed on each node (`AttemptFailure.at_fault`),
     # oldest first, from the job records as they are applied: what the black-hole rule
     # reads (brain/core/failures.py). Kept in snapshots, so a brain loaded from one
@@ -309,6 +316,13 @@ class BrainState:
         if len(job.failures) > known:
             self._blame(job.job_id, job.failures[known:])
         self.jobs[job.job_id] = job
+        if job.spec.after:
+            self._follow(job)
+        waiting = self._dependents.get(job.job_id)
+        if waiting and job.state.terminal and (previous is None or not previous.state.terminal):
+            for other in sorted(waiting):
+                if (dependent := self.jobs.get(other)) is not None:
+                    self._follow(dependent)
         if job.job_id.isdigit():
             self.last_job_number = max(self.last_job_number, int(job.job_id))
         if job.idempotency_key is not None:
@@ -324,6 +338,37 @@ class BrainState:
         elif job.job_id in self.finished:
             del self.finished[job.job_id]
             self._forget_ask(job)
+
+    def _follow(self, job: JobRecord) -> None:
+        """Whether a job with `after` waits for them, may go, or never can. A job to run
+        after that is gone from memory has ended, and SUCCEEDED: a submission after one
+        that ended otherwise is refused, and its dependents are doomed when it ends."""
+        job_id = job.job_id
+        if job.state is not JobState.PENDING:
+            self.blocked.pop(job_id, None)
+            self.doomed.pop(job_id, None)
+            for before in job.spec.after:
+                dependents = self._dependents.get(before)
+                if dependents is not None:
+                    dependents.discard(job_id)
+                    if not dependents:
+                        del self._dependents[before]
+            return
+        unmet = set()
+        for before in job.spec.after:
+            self._dependents.setdefault(before, set()).add(job_id)
+            other = self.jobs.get(before)
+            if other is None or other.state is JobState.SUCCEEDED:
+                continue
+            if other.state.terminal and job_id not in self.doomed:
+                self.doomed[job_id] = (
+                    f"job {before}, which it was to run after, ended {other.state.value}"
+                )
+            unmet.add(before)
+        if unmet:
+            self.blocked[job_id] = unmet
+        else:
+            self.blocked.pop(job_id, None)
 
     def _forget_ask(self, job: JobRecord) -> None:
         ask = job_ask(job)
@@ -425,7 +470,8 @@ class BrainState:
         "unexplained": no pass has said why yet."""
         counts: dict[str, int] = {}
         for job_id in self.by_state[JobState.PENDING]:
-            kind = self.jobs[job_id].wait_kind or "unexplained"
+            kind = "after_jobs" if job_id in self.blocked else self.jobs[job_id].wait_kind
+            kind = kind or "unexplained"
             counts[kind] = counts.get(kind, 0) + 1
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
@@ -747,6 +793,8 @@ class BrainState:
             else:
                 built_with[job_id] = seen
         stale.clear()
+        if self.blocked:  # waiting for jobs to run after: not to be decided on yet
+            return tuple(views[i] for i in self._ordered[JobState.PENDING] if i not in self.blocked)
         return tuple(map(views.__getitem__, self._ordered[JobState.PENDING]))
 
     def on_lost_node(self, job: JobRecord) -> bool:

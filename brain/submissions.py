@@ -91,13 +91,19 @@ class Submissions:
                     )
                 return finished
         self._refuse_if_never_runs(state, request)
+        waits_for = await self._jobs_before(tenant, spec.after)
         job = JobRecord(
             job_id=state.next_job_id(),
             tenant=tenant,
             spec=spec,
             state=JobState.PENDING,
             submitted_at=self._clock(),
-            reason="submitted",
+            reason=(
+                f"waiting for job{'s' if len(waits_for) > 1 else ''} {', '.join(waits_for)} "
+                "to succeed"
+                if waits_for
+                else "submitted"
+            ),
             idempotency_key=request.idempotency_key,
             prerun="pending" if settings.failures.wants_prerun(spec.queue, spec.gpus) else None,
         )
@@ -110,6 +116,39 @@ class Submissions:
         )
         self._submitted()
         return job
+
+    async def _jobs_before(self, tenant: str, after: tuple[str, ...]) -> list[str]:
+        """Of the jobs a submission is to run after (`JobSpec.after`), those that have
+        not SUCCEEDED yet; refused: one that is not the tenant's, or that ended
+        otherwise (the job could never start)."""
+        waits = []
+        for job_id in after:
+            job = self._state().jobs.get(job_id) or await self._job_record(job_id)
+            if job is None or job.tenant != tenant:
+                raise ApiError("invalid", f"after: tenant {tenant} has no job {job_id}")
+            if job.state is JobState.SUCCEEDED:
+                continue
+            if job.state.terminal:
+                raise ApiError(
+                    "invalid",
+                    f"after: job {job_id} ended {job.state.value}: this job could never start",
+                )
+            waits.append(job_id)
+        return waits
+
+    async def cancel_orphans(self) -> None:
+        """Cancel the pending jobs one of whose jobs to run after ended otherwise than
+        SUCCEEDED (`BrainState.doomed`): they can never start."""
+        state = self._state()
+        for job_id, why in list(state.doomed.items()):
+            job = state.jobs.get(job_id)
+            if job is None or job.state is not JobState.PENDING:
+                continue
+            cancelled = job.model_copy(
+                update={"state": JobState.CANCELLED, "finished_at": self._clock(), "reason": why}
+            )
+            cause = Cause(kind=CauseKind.CANCELLED, message=why, job_id=job_id)
+            await self._writes.job_changed(cancelled, job.state, cause)
 
     def _refuse_if_never_runs(self, state: BrainState, request: SubmitRequest) -> None:
         spec, settings = request.spec, self._settings

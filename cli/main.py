@@ -277,6 +277,9 @@ def _policy_hints(args: argparse.Namespace) -> dict[str, Any]:
         hints["declared_duration_s"] = args.duration
     if args.time is not None:
         hints["time_limit_s"] = args.time
+    if args.after:
+        # `--after 5,7 --after 9`: the jobs it runs after, once each has SUCCEEDED.
+        hints["after"] = [j.strip() for value in args.after for j in value.split(",") if j.strip()]
     if args.network_sensitive:
         hints["network_sensitive"] = True
     if args.on_disconnect is not None:
@@ -331,23 +334,11 @@ _YAML_TIMES: Final = {"time_limit": "time_limit_s"}
 
 def _yaml_fields(data: dict[Any, Any], path: Path) -> dict[str, Any]:
     """A job file's fields as the spec takes them, or a refusal that says what to write:
-    sizes with units converted; a field that is not one named, with the nearest that is;
-    an environment value that YAML read as a number or a boolean told to be quoted (its
-    text as written is gone by then: `0.10` reads 0.1)."""
-    fields = dict(data)
-    for name, spec_name in _YAML_SIZES.items():
-        if name in fields:
-            if spec_name in fields:
-                raise UsageError(f"invalid job in {path}: {name} and {spec_name}: give one")
-            fields[spec_name] = parse_mib(str(fields.pop(name)), name)
-    for name, spec_name in _YAML_TIMES.items():
-        if name in fields:
-            if spec_name in fields:
-                raise UsageError(f"invalid job in {path}: {name} and {spec_name}: give one")
-            try:
-                fields[spec_name] = duration_seconds(str(fields.pop(name)))
-            except ValueError as error:
-                raise UsageError(f"invalid job in {path}: {name}: {error}") from None
+    sizes and times with units converted (`_with_units`); a field that is not one named,
+    with the nearest that is; job ids YAML read as numbers as text; an environment value
+    that YAML read as a number or a boolean told to be quoted (its text as written is
+    gone by then: `0.10` reads 0.1)."""
+    fields = _with_units(dict(data), path)
     known = set(JobSpec.model_fields) | set(_YAML_SIZES) | set(_YAML_TIMES)
     for name in fields:
         if name not in known:
@@ -357,6 +348,10 @@ def _yaml_fields(data: dict[Any, Any], path: Path) -> dict[str, Any]:
                 f"invalid job in {path}: {name} is not a job field{hint}; the fields are "
                 f"{', '.join(sorted(known))}"
             )
+    after = fields.get("after")
+    if isinstance(after, list | tuple):
+        # `after: [5, 7]`: job ids, which YAML reads as numbers.
+        fields["after"] = [str(job_id) if isinstance(job_id, int) else job_id for job_id in after]
     env = fields.get("env")
     if isinstance(env, dict):
         for key, value in env.items():
@@ -365,6 +360,24 @@ def _yaml_fields(data: dict[Any, Any], path: Path) -> dict[str, Any]:
                     f"invalid job in {path}: env.{key}: YAML read {value!r}, not text: quote "
                     f'it ({key}: "{value}"); environment values are strings'
                 )
+    return fields
+
+
+def _with_units(fields: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`gpu_memory: 20GiB` as `gpu_memory_mib`, `time_limit: 2h` as `time_limit_s`."""
+    for name, spec_name in (*_YAML_SIZES.items(), *_YAML_TIMES.items()):
+        if name not in fields:
+            continue
+        if spec_name in fields:
+            raise UsageError(f"invalid job in {path}: {name} and {spec_name}: give one")
+        text = str(fields.pop(name))
+        if name in _YAML_SIZES:
+            fields[spec_name] = parse_mib(text, name)
+            continue
+        try:
+            fields[spec_name] = duration_seconds(text)
+        except ValueError as error:
+            raise UsageError(f"invalid job in {path}: {name}: {error}") from None
     return fields
 
 
@@ -1067,6 +1080,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="how long the job runs on its GPUs, if known (the srtf order ranks by it)",
+    )
+    p.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="JOB[,JOB]",
+        help="start only once these jobs have SUCCEEDED (repeat, or comma-separate); if "
+        "one ends otherwise, this job is cancelled (Slurm's --dependency=afterok)",
     )
     p.add_argument(
         "--time",

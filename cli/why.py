@@ -69,6 +69,11 @@ def _summary(reply: WhyReply) -> list[str]:
     hints = []
     if spec.declared_duration_s is not None:
         hints.append(f"declared duration {spec.declared_duration_s:g} s")
+    if spec.after:
+        hints.append(
+            f"runs once job{'s' if len(spec.after) > 1 else ''} {', '.join(spec.after)} "
+            f"{'have' if len(spec.after) > 1 else 'has'} SUCCEEDED"
+        )
     if spec.time_limit_s is not None:
         ran = job.executed_seconds if executed is None else executed
         limit = f"time limit {fmt.duration(spec.time_limit_s)}"

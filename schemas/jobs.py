@@ -12,6 +12,8 @@ from schemas.base import NodeName, QueueName, TenantName
 MAX_GPUS_PER_JOB: Final = 4096
 # A declared run time beyond this (about ten years) is a mistake, not a plan.
 MAX_DECLARED_DURATION_S: Final = 3.2e8
+# Jobs one job may wait for (`JobSpec.after`).
+MAX_AFTER: Final = 64
 _ENV_NAME_CHARS: Final = frozenset(
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_"
 )
@@ -164,6 +166,17 @@ class JobSpec(BaseModel):
     # profile shows it leaves room (low utilisation, memory headroom); they are moved
     # off again before its GPU runs out of memory (docs/sharing.md, "Co-location").
     shareable: bool = False
+    # Jobs that must have SUCCEEDED before this one may start (Slurm's
+    # --dependency=afterok): it waits for them, and is cancelled if one ends otherwise.
+    after: tuple[str, ...] = Field(default=(), max_length=MAX_AFTER)
+
+    @field_validator("after")
+    @classmethod
+    def _job_ids(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for job_id in value:
+            if not 1 <= len(job_id) <= 64:
+                raise ValueError(f"invalid job id {job_id!r}: 1 to 64 characters")
+        return tuple(dict.fromkeys(value))
 
     @field_validator("gpu_types")
     @classmethod
