@@ -48,6 +48,16 @@ def _disk(path: Path) -> int:
     return path.stat().st_blocks * 512
 
 
+def _capped_log(tmp_path: Path) -> tuple[Path, bytes]:
+    """Job 7's first log, 3 MiB of numbered lines written, capped at 1 MiB."""
+    path = tmp_path / "logs" / "7" / "attempt-1.log"
+    path.parent.mkdir(parents=True)
+    written = _lines(0, 3 * MIB // 13)
+    path.write_bytes(written)
+    LogKeeper("n1", tmp_path / "logs", max_bytes=MIB, keep_s=None).cap([path])
+    return path, written
+
+
 @pytest.mark.usefixtures("punchable")
 def test_a_log_over_its_cap_keeps_its_newest_part_while_its_job_appends_on(
     tmp_path: Path,
@@ -80,11 +90,7 @@ def test_a_log_over_its_cap_keeps_its_newest_part_while_its_job_appends_on(
 def test_a_reader_of_a_capped_log_is_told_what_was_dropped_and_gets_the_rest(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "logs" / "7" / "attempt-1.log"
-    path.parent.mkdir(parents=True)
-    written = _lines(0, 3 * MIB // 13)
-    path.write_bytes(written)
-    LogKeeper("n1", tmp_path / "logs", max_bytes=MIB, keep_s=None).cap([path])
+    path, written = _capped_log(tmp_path)
     server = LogServer("n1", tmp_path / "logs", lambda job, attempt: False)
     pages, offset = [], 0
     while True:
@@ -114,11 +120,7 @@ def test_alnair_logs_reading_this_machines_disk_skips_the_dropped_part_too(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The CLI's fallback when the node's agent does not answer and the log is here.
-    path = tmp_path / "logs" / "7" / "attempt-1.log"
-    path.parent.mkdir(parents=True)
-    written = _lines(0, 3 * MIB // 13)
-    path.write_bytes(written)
-    LogKeeper("n1", tmp_path / "logs", max_bytes=MIB, keep_s=None).cap([path])
+    path, _ = _capped_log(tmp_path)
     job = JobRecord(
         job_id="7",
         tenant="default",
