@@ -443,6 +443,7 @@ class ApiServer:
             last_seen_s_ago=brain.last_seen_ago(name),
             latest=batch.samples if batch is not None else (),
             shares=brain.shares(name),
+            running=brain.processes(name),
         )
 
     async def _status(self) -> StatusReply:

@@ -16,7 +16,7 @@ from schemas.api import BrainInfo
 from schemas.jobs import JobRecord
 from schemas.profiles import JobProfile
 from schemas.state import JobChanged
-from schemas.telemetry import GpuShares
+from schemas.telemetry import GpuShares, RunningJob
 
 
 class HistoryReads(Protocol):
@@ -106,6 +106,10 @@ class BrainPort(Protocol):
 
     def shares(self, node: str) -> tuple[GpuShares, ...]:
         """The node's shared GPUs, as its latest heartbeat said."""
+        ...
+
+    def processes(self, node: str) -> tuple[RunningJob, ...]:
+        """What the node's latest heartbeat said runs there."""
         ...
 
     def commands_queued(self) -> int:

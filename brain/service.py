@@ -132,7 +132,7 @@ from schemas.state import (
     NodeEventRecorded,
     StateRecord,
 )
-from schemas.telemetry import GpuShares, Heartbeat, TelemetryBatch
+from schemas.telemetry import GpuShares, Heartbeat, RunningJob, TelemetryBatch
 
 log = logging.getLogger(__name__)
 
@@ -1096,6 +1096,10 @@ class Brain:
     def shares(self, node: str) -> tuple[GpuShares, ...]:
         beat = self.ingest.latest_beat(node)
         return beat.shares if beat is not None else ()
+
+    def processes(self, node: str) -> tuple[RunningJob, ...]:
+        beat = self.ingest.latest_beat(node)
+        return beat.running if beat is not None else ()
 
     def commands_queued(self) -> int:
         return self.journal.queued

@@ -212,11 +212,14 @@ def _drained_what(args: argparse.Namespace) -> str:
 
 
 def _still_running(node: NodeStatus, gpu: int | None) -> str:
-    """What still runs on a drained node, or on its drained GPU: "" when nothing."""
-    if gpu is None:
-        jobs = node.jobs
-        return f"job{'s' if len(jobs) > 1 else ''} {', '.join(jobs)}" if jobs else ""
-    return "a job" if gpu in node.allocated_gpus else ""
+    """What still runs on a drained node, or on its drained GPU: "" when nothing. The
+    jobs the brain gives it, and the processes its agent reports (a job stopped there
+    runs until its process has exited)."""
+    jobs = set(node.jobs if gpu is None else ())
+    jobs.update(p.job_id for p in node.running if gpu is None or gpu in p.gpus)
+    if gpu is not None and gpu in node.allocated_gpus and not jobs:
+        return "a job"
+    return f"job{'s' if len(jobs) > 1 else ''} {', '.join(sorted(jobs))}" if jobs else ""
 
 
 async def _resume(args: argparse.Namespace, bus: Any) -> int:

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.base import NodeName
-from schemas.telemetry import GpuInfo, GpuSample, GpuShares
+from schemas.telemetry import GpuInfo, GpuSample, GpuShares, RunningJob
 
 
 class NodeState(StrEnum):
@@ -77,3 +77,7 @@ class NodeStatus(BaseModel):
     latest: tuple[GpuSample, ...] = ()
     # Shared GPUs as the agent last reported them (shares, memory limits and use).
     shares: tuple[GpuShares, ...] = ()
+    # The processes its agent's latest heartbeat reports running: `jobs` is what the
+    # brain gives the node, this what still runs there (a stopped job's process until it
+    # has exited). Empty for a node not heard from.
+    running: tuple[RunningJob, ...] = ()

@@ -209,7 +209,7 @@ async def test_drain_for_maintenance_requeues_and_waits_until_the_node_runs_noth
     back to its queue and runs elsewhere, spending no retry; the command returns once the
     node runs nothing. Without --requeue, --wait gives up saying what still runs."""
     brain = await brain_factory()
-    await agent_factory("n1", gpus=2)  # the fuller fit: the job goes there first
+    n1 = await agent_factory("n1", gpus=2)  # the fuller fit: the job goes there first
     await agent_factory("n2", gpus=4)
     await eventually(lambda: len(brain.state.nodes) == 2)
     job_id = await submit(brain.api, JobSpec(command=("sleep", "600"), gpus=1, cwd=str(tmp_path)))
@@ -241,6 +241,7 @@ async def test_drain_for_maintenance_requeues_and_waits_until_the_node_runs_noth
     code, out, err = await drain("--reason", "BIOS update", "--requeue", "--wait", "60")
     assert code == 0, err
     assert out.rstrip().endswith("node n1 runs nothing now"), out
+    assert not n1.launcher.running()  # its process too has gone: the node may go down
     await eventually(lambda: running_on("n2"))
     job = brain.state.jobs[job_id]
     assert job.failures == () and job.attempt == 2
