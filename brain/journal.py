@@ -18,7 +18,12 @@ tells the observers (a projection, off the path from a placement to its Launch).
 - a group is stored contiguously, right after the last stored record, or the commit
   fails; a failed commit leaves state ahead of the log, so the journal is `tainted`
   and the brain must step down and load state from the log again (`Replica.reload`)
-  before it may lead: nobody was acknowledged for anything in the group.
+  before it may lead: nobody was acknowledged for anything in the group;
+- a tainted journal stores nothing more, and sends nothing, until state is loaded
+  again: a unit that runs before the step-down (a scheduling pass that was waiting
+  for the writer) works on state that holds the refused group, and the fence alone
+  would not stop its records: where another writer's entries took as many sequences
+  as the refused group, the next group fits right after them (`StateAhead`).
 """
 
 from __future__ import annotations
@@ -44,6 +49,18 @@ SEND_MAX: Final = 1024
 # Commands queued for the sender at most: past it (a command stream down for minutes
 # while passes go on placing) the oldest are dropped and counted as unsent.
 QUEUED_MAX: Final = 100_000
+
+
+class StateAhead(RuntimeError):
+    """A commit on a tainted journal: state holds records the log refused, so nothing
+    derived from it may be stored. Not an ApiError: a unit that meets it is lost whole,
+    and the brain steps down (as for the commit that tainted it)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "state is ahead of the log (a group was not stored): nothing more is stored "
+            "until it is loaded again"
+        )
 
 
 class Log(Protocol):
@@ -103,7 +120,8 @@ class Journal:
     async def commit(self) -> None:
         """Store what is staged, then queue what the unit would send. Raises what the
         append raised (SequenceConflict, BusTimeout, ...) with the journal tainted, and
-        then sends nothing the unit queued.
+        then sends nothing the unit queued. On a tainted journal it stores and sends
+        nothing, and raises StateAhead.
 
         Commands that do not go out (the bus retries them for half a minute) fail
         nothing: the records they follow are stored, so the callers who staged them are
@@ -115,6 +133,8 @@ class Journal:
         (brain/resizes.py)."""
         staged, self.staged = self.staged, []
         outbox, self.outbox = self.outbox, []
+        if self.tainted and (staged or outbox):
+            raise StateAhead()
         if staged:
             first = staged[0][2]
             try:

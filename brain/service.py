@@ -887,6 +887,10 @@ class Brain:
         before any command that follows it goes out and before any caller is answered."""
         if not self.leading.is_set():
             raise ApiError("unavailable", "this brain is not the leader")
+        if self.journal.tainted:
+            # A group was refused and the step-down has not come round yet: what this
+            # unit would derive from state could not be stored (brain/journal.py).
+            raise ApiError("unavailable", "this brain is stepping down to read its state again")
         assert self._writer.locked(), "records are staged by the writer only"
         self.journal.stage(record, subject)
 

@@ -194,6 +194,46 @@ async def test_callers_of_a_group_cut_short_by_a_step_down_are_answered(
     assert not any(j.spec.name == "cut-short" for j in brain.state.jobs.values())
 
 
+async def test_a_pass_between_a_refused_group_and_the_step_down_stores_nothing(
+    brain_factory: Callable[..., Awaitable[Brain]], connect, monkeypatch
+) -> None:
+    """The rival's one entry took the sequence of the refused group's one record, so a
+    pass's group, staged on state that still holds the refused job, fits the fence.
+    Before the brain has stepped down, such a pass must store nothing: the log would
+    hold the job nobody was told exists (the flake CI met, with the pass noting why
+    "lost" waits). The step-down is held off here until the pass has run."""
+    brain = await brain_factory()
+    for i in range(3):
+        await submit(brain, f"before-{i}")
+    step_down = asyncio.Event()
+    real_stop = brain._stop_leading
+
+    async def held(reason: str) -> None:
+        await step_down.wait()
+        await real_stop(reason)
+
+    monkeypatch.setattr(brain, "_stop_leading", held)
+    await refuse_a_group(brain, connect)
+    assert brain.journal.tainted and brain.leading.is_set()
+    last = await brain.bus.last_seq(subjects.STREAM_STATE)
+    assert any(j.spec.name == "lost" for j in brain.state.jobs.values())  # not read again yet
+
+    brain.scheduler.dirty = True
+    brain.scheduler.waits_due = 0.0  # the pass explains why "lost" waits: a record
+    with pytest.raises(ApiError) as refused:
+        await brain.scheduler.run_pass()
+    assert refused.value.code == "unavailable"
+    assert await brain.bus.last_seq(subjects.STREAM_STATE) == last
+
+    step_down.set()
+    await eventually(lambda: not brain.journal.tainted and brain.leading.is_set(), timeout_s=30)
+    assert sorted(j.spec.name for j in brain.state.jobs.values()) == [
+        "before-0",
+        "before-1",
+        "before-2",
+    ]
+
+
 async def refuse_a_group(brain: Brain, connect: Callable[[str], Awaitable[Bus]]) -> None:
     """A node `intruder` appended behind the leader's back: its next group (submitting
     job "lost") is refused, nobody is told the job exists, and it steps down to read

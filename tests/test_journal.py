@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel
 
 from brain.history import History
-from brain.journal import Journal
+from brain.journal import Journal, StateAhead
 from brain.replica import Replica
 from brain.snapshots import EncodedSnapshot
 from brain.state import BrainState
@@ -102,6 +102,26 @@ async def test_a_refused_group_taints_the_journal_and_sends_nothing() -> None:
     # State ran ahead of the log: the brain must load it again before leading.
     assert made.tainted and "a" in state.nodes
     assert log.commands == [] and history.rows == [] and seen == []
+
+
+async def test_a_tainted_journal_stores_nothing_more_though_the_fence_fits() -> None:
+    """Another writer took as many sequences as the refused group: a unit that ran
+    before the step-down (a pass waiting for the writer) stages its records right after
+    them, and the fence alone would take them. The log would then hold records made
+    from state it never stored (the refused group's job, noted as waiting)."""
+    made, _, log, history, seen = journal()
+    log.entries.append(("alnair.state.node.rival", node_record("rival", 8), "rival"))
+    made.stage(node_record("refused", 8), "alnair.state.node.refused")  # seq 1, refused
+    with pytest.raises(SequenceConflict):
+        await made.commit()
+    made.stage(node_record("derived", 8), "alnair.state.node.derived")  # seq 2: fits
+    made.send_after("alnair.node.a.cmd", stop("s-1"), "s-1")
+    with pytest.raises(StateAhead):
+        await made.commit()
+    await made.sent()
+    assert [msg_id for _, _, msg_id in log.entries] == ["rival"]
+    assert log.commands == [] and history.rows == [] and seen == []
+    assert made.tainted and not made.dirty
 
 
 async def test_commands_alone_go_out_without_an_append() -> None:
