@@ -99,7 +99,13 @@ class Attempts:
         self._clock = clock
 
     async def requeue(self, job: JobRecord, cause: Cause) -> None:
-        """Back to PENDING, keeping its attempt count; stop whatever still runs."""
+        """Back to PENDING, keeping its attempt count; stop whatever still runs. A job
+        that has run its time limit by now ends instead (`_end_at_time_limit`): placed
+        again, it would run until the next tick stopped it."""
+        ran = self._ran_out(job, self._clock())
+        if ran is not None:
+            await self._end_at_time_limit(job, ran, f"{cause.message}; ")
+            return
         pending = job.model_copy(
             update={
                 "state": JobState.PENDING,
@@ -304,6 +310,13 @@ class Attempts:
             await self._writes.stop_parts(job, f"failed: {classification.reason}", except_node=node)
             await self._drain_black_holes(failure)
             return
+        ran = self._ran_out(job, now)
+        if ran is not None:
+            # A retry would have no time left: the attempt's failure is kept, and the
+            # job ends at its limit.
+            await self._end_at_time_limit(job, ran, f"{what}; ", failure=failure, at=node)
+            await self._drain_black_holes(failure)
+            return
         pending = job.model_copy(
             update={
                 "state": JobState.PENDING,
@@ -337,12 +350,37 @@ class Attempts:
         now = self._clock()
         for job_id in list(state.time_limited):
             job = state.jobs[job_id]
-            limit = job.spec.time_limit_s
-            _, ran = served(job, now)
-            if limit is None or ran < limit:
-                continue
-            reason = f"time limit {clock_text(limit)} reached"
-            node = job.nodes[0] if job.nodes else ""
+            ran = self._ran_out(job, now)
+            if ran is not None:
+                await self._end_at_time_limit(job, ran)
+
+    @staticmethod
+    def _ran_out(job: JobRecord, now: float) -> float | None:
+        """How long `job` has run, if that is its time limit or more; else None."""
+        limit = job.spec.time_limit_s
+        if limit is None:
+            return None
+        _, ran = served(job, now)
+        return ran if ran >= limit else None
+
+    async def _end_at_time_limit(
+        self,
+        job: JobRecord,
+        ran: float,
+        before: str = "",
+        *,
+        failure: AttemptFailure | None = None,
+        at: str | None = None,
+    ) -> None:
+        """End `job`, which has run `ran` seconds, at its time limit: FAILED, never
+        retried, whatever of it runs stopped. `before`: what else happened to it now (a
+        preemption, a failed attempt), for the cause; `failure`: the attempt's own, on
+        `at`, recorded in place of a time-limit failure (its exit and log tail say more)."""
+        assert job.spec.time_limit_s is not None
+        now = self._clock()
+        reason = f"time limit {clock_text(job.spec.time_limit_s)} reached"
+        node = at or (job.nodes[0] if job.nodes else "")
+        if failure is None:
             failure = AttemptFailure(
                 attempt=max(1, job.attempt),
                 failure_class=FailureClass.USER,
@@ -351,22 +389,24 @@ class Attempts:
                 at_fault=(),
                 at=now,
             )
-            ended = job.model_copy(
-                update={
-                    "state": JobState.FAILED,
-                    "finished_at": now,
-                    "failures": (*job.failures, failure),
-                    "reason": reason,
-                }
-            )
-            cause = Cause(
-                kind=CauseKind.FAILURE_CLASSIFIED,
-                node=node or None,
-                job_id=job_id,
-                message=f"{reason} after {clock_text(ran)} run; not retried",
-            )
-            await self._writes.job_changed(ended, job.state, cause)
-            await self._writes.stop_parts(job, reason)
+        ended = job.model_copy(
+            update={
+                "state": JobState.FAILED,
+                "finished_at": now,
+                "exit_code": failure.exit_code,
+                "signal": failure.signal,
+                "failures": (*job.failures, failure),
+                "reason": reason,
+            }
+        )
+        cause = Cause(
+            kind=CauseKind.FAILURE_CLASSIFIED,
+            node=node or None,
+            job_id=job.job_id,
+            message=f"{before}{reason} after {clock_text(ran)} run; not retried",
+        )
+        await self._writes.job_changed(ended, job.state, cause)
+        await self._writes.stop_parts(job, reason, except_node=at)
 
     async def _drain_black_holes(self, failure: AttemptFailure) -> None:
         """Drain the nodes an infrastructure failure is blamed on that have become

@@ -446,3 +446,46 @@ async def test_a_job_past_its_time_limit_is_stopped_and_failed_not_retried() -> 
     ]
     assert shell.state.time_limited == set()
     assert shell.state.jobs["2"].state is JobState.RUNNING
+
+
+def limited_job(shell: Shell, clock: Clock) -> Attempts:
+    """Job 1 running on n1 with a 60 s limit, 50 s of it run before this run began (at
+    START_TS + 1); the clock at 10.5 s into the run: its limit is reached."""
+    shell.add_node("n1")
+    job = shell.add_job(1, node="n1")
+    spec = job.spec.model_copy(update={"time_limit_s": 60.0})
+    shell.put_job(job.model_copy(update={"spec": spec, "executed_seconds": 50.0}))
+    clock.now = START_TS + 1 + 10.5
+    return Attempts(lambda: shell.state, shell, Joins(), policy=POLICY, clock=clock)
+
+
+async def test_a_job_requeued_past_its_time_limit_ends_instead_of_waiting_to_run_again() -> None:
+    """Preempted (or its node lost) at its limit, before the tick that would stop it:
+    queued again, it would be placed and run until the next tick."""
+    shell, clock = Shell(), Clock(START_TS + 1)
+    a = limited_job(shell, clock)
+    await a.requeue(shell.state.jobs["1"], Cause(kind=CauseKind.PREEMPTED, message="room"))
+    ended = shell.state.jobs["1"]
+    assert (ended.state, ended.reason) == (JobState.FAILED, "time limit 1:00 reached")
+    assert shell.causes[-1].message == "room; time limit 1:00 reached after 1:00 run; not retried"
+    assert [(s.node, s.reason) for s in shell.stops] == [("n1", "time limit 1:00 reached")]
+
+    # With time left (9.5 s run of 60), a requeue is a requeue.
+    shell.put_job(shell.add_job(2, node="n1").model_copy(update={"spec": ended.spec}))
+    await a.requeue(shell.state.jobs["2"], Cause(kind=CauseKind.PREEMPTED, message="room"))
+    assert shell.state.jobs["2"].state is JobState.PENDING
+
+
+async def test_a_failed_attempt_past_its_time_limit_is_not_retried() -> None:
+    """A failure that would be retried, at the limit: the attempt's own failure is kept
+    (its exit says why it ended), and the job ends."""
+    shell, clock = Shell(), Clock(START_TS + 1)
+    a = limited_job(shell, clock)
+    why = Classification(FailureClass.INFRASTRUCTURE, "the node's GPU fell off the bus")
+    await a.fail_attempt(shell.state.jobs["1"], "n1", why)
+    ended = shell.state.jobs["1"]
+    assert (ended.state, ended.reason) == (JobState.FAILED, "time limit 1:00 reached")
+    (failure,) = ended.failures
+    assert failure.failure_class is FailureClass.INFRASTRUCTURE
+    assert shell.causes[-1].message.endswith("time limit 1:00 reached after 1:00 run; not retried")
+    assert shell.stops == []  # nothing else of it runs: its one part failed on n1
