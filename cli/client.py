@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from pydantic import TypeAdapter
 
@@ -55,6 +55,12 @@ async def open_bus(
     )
 
 
+# How long a command asks again while no brain answers, or a read is answered
+# `unavailable`: a failover (the lease's TTL, 5 s by default, then the takeover) or a
+# NATS server restarting under the brain, not a cluster that is down.
+FAILOVER_WAIT_S: Final = 10.0
+
+
 async def call(
     bus: Bus,
     tenant: str,
@@ -63,6 +69,39 @@ async def call(
     reply: TypeAdapter[ErrorReply | R],
     *,
     timeout_s: float = 10.0,
+    failover_s: float = FAILOVER_WAIT_S,
+) -> R:
+    """Ask the brain. Through a failover for up to `failover_s`, it asks again while no
+    brain is subscribed (nobody got the request: safe for every verb) and, for a read,
+    while the brain answers `unavailable` (a write so answered may have been stored:
+    its caller decides, as `submit` does with its key)."""
+    deadline = time.monotonic() + failover_s
+    delay = 0.1
+    while True:
+        try:
+            return await _call_once(bus, tenant, verb, request, reply, timeout_s=timeout_s)
+        except BrainUnavailable as error:
+            if time.monotonic() + delay > deadline:
+                if failover_s > 0:
+                    raise BrainUnavailable(error.subject, asked_for_s=failover_s) from None
+                raise
+        except ApiError as error:
+            if error.code != "unavailable" or verb not in READ_ONLY_VERBS:
+                raise
+            if time.monotonic() + delay > deadline:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+async def _call_once(
+    bus: Bus,
+    tenant: str,
+    verb: str,
+    request: Message,
+    reply: TypeAdapter[ErrorReply | R],
+    *,
+    timeout_s: float,
 ) -> R:
     subject = subjects.api(tenant, verb)
     try:
@@ -120,7 +159,7 @@ async def submit(
     delay = 0.1
     while True:
         try:
-            reply: JobReply = await call(bus, tenant, "submit", request, JOB_RESULT)
+            reply: JobReply = await call(bus, tenant, "submit", request, JOB_RESULT, failover_s=0.0)
             return reply.job
         except (BrainUnavailable, BusTimeout) as error:
             retryable: Exception = error

@@ -333,7 +333,13 @@ async def _wait_ready(
         while time.monotonic() < deadline:
             with contextlib.suppress(AlnairError):
                 reply = await call(
-                    bus, tenant, "nodes", ListNodesRequest(), NODES_RESULT, timeout_s=2.0
+                    bus,
+                    tenant,
+                    "nodes",
+                    ListNodesRequest(),
+                    NODES_RESULT,
+                    timeout_s=2.0,
+                    failover_s=0.0,  # this loop asks again, until its own deadline
                 )
                 # Its own nodes, heard by this brain: a record replayed from an earlier
                 # cluster's log (its agent not started yet, or failing) does not count.

@@ -91,9 +91,10 @@ class BusDenied(BusError):
 
 
 class BrainUnavailable(BusError):
-    def __init__(self, subject: str) -> None:
+    def __init__(self, subject: str, *, asked_for_s: float = 0.0) -> None:
+        asked = f" (asked for {asked_for_s:g} s)" if asked_for_s > 0 else ""
         super().__init__(
-            f"no brain is answering on {subject}: is the cluster up "
+            f"no brain is answering on {subject}{asked}: is the cluster up "
             "(`make up` / `alnair up`, or `alnair brain`)?"
         )
         self.subject = subject

@@ -18,21 +18,27 @@ from nats.aio.msg import Msg
 from bus.server import EmbeddedNats
 from cli import up, why
 from cli.client import call
+from cli.client import submit as client_submit
 from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text, queues_table, record_line
 from cli.main import Since, UsageError, _spec_from_yaml, build_parser, main
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
+    JOBS_RESULT,
     STATUS_RESULT,
+    CancelRequest,
+    ErrorReply,
     JobReply,
+    ListJobsRequest,
     QueueStatus,
     StatusReply,
     StatusRequest,
     SubmitRequest,
     WhyReply,
 )
-from schemas.errors import InvalidMessage
+from schemas.base import encode
+from schemas.errors import ApiError, BrainUnavailable, InvalidMessage
 from schemas.events import JobExited, JobStarted, ResizeCompleted
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGpus, NodeGrant
 from schemas.state import NodeEventRecorded
@@ -691,6 +697,59 @@ async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connec
         await call(client, "team", "submit", SubmitRequest(spec=spec), JOB_RESULT)
     said = str(refused.value)
     assert "JobReply.added_later" in said and "the brain says it was done" in said
+
+
+async def test_a_command_asks_again_through_a_failover_and_a_write_is_not_repeated(
+    connect,
+) -> None:
+    """No brain subscribed yet (a failover, a NATS restart under the brain): the request
+    reached nobody, so any verb asks again until one answers. A brain answering
+    `unavailable` (stepping down) is asked again by a read; a write so answered may
+    have been stored, and its caller is told."""
+    brain, client = await connect("brain"), await connect("cli")
+    status = StatusReply(
+        epoch=1,
+        brain_host="h",
+        brain_pid=1,
+        started_at=0.0,
+        policy="fifo",
+        jobs_by_state={},
+        nodes=0,
+        gpus=0,
+    )
+    asked: list[str] = []
+
+    async def stepping_down_once(msg: Msg) -> None:
+        verb = msg.subject.rsplit(".", 1)[1]
+        asked.append(verb)
+        if asked.count(verb) == 1:
+            refused = ErrorReply(code="unavailable", error="brain stepped down")
+            await msg.respond(encode(refused))
+        else:
+            await msg.respond(encode(status if verb == "status" else submitted))
+
+    submitted = JobReply(job=live_job_record(1, gpus=1).job)
+
+    async def subscribe_later() -> None:
+        await asyncio.sleep(0.5)
+        await brain.nc.subscribe(f"{subjects.PREFIX}.api.team.*", cb=stepping_down_once)
+        await brain.nc.flush()
+
+    later = asyncio.ensure_future(subscribe_later())
+    reply = await call(client, "team", "status", StatusRequest(), STATUS_RESULT)
+    await later
+    assert reply == status and asked == ["status", "status"]
+
+    spec = JobSpec(command=("true",), gpus=1)
+    with pytest.raises(ApiError) as refused:
+        await call(client, "team", "cancel", CancelRequest(job_id="1"), JOB_RESULT)
+    assert refused.value.code == "unavailable" and asked.count("cancel") == 1
+    # `submit` asks again itself, with its idempotency key.
+    assert (await client_submit(client, "team", spec)).job_id == "1"
+
+    with pytest.raises(BrainUnavailable) as nobody:
+        await call(client, "other", "jobs", ListJobsRequest(), JOBS_RESULT, failover_s=0.3)
+    assert "(asked for 0.3 s)" in str(nobody.value)
 
 
 def test_events_since_takes_a_sequence_a_time_ago_or_a_time(
