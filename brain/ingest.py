@@ -15,9 +15,10 @@ anything reaches it. It never touches the brain's state or the log.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from brain.telemetry import LatestTelemetry
@@ -70,6 +71,31 @@ class _Reported:
         )
 
 
+# A heartbeat's arrival less the time its node wrote in it is the clocks' offset plus
+# its time in transit and in the brain's queues, which is never negative and is at
+# times seconds (a brain behind on heartbeats): the least of a window's says the offset.
+# Two windows, so an offset that grew (a node's clock set back) is seen within two.
+OFFSET_WINDOW_S: Final = 30.0
+
+
+@dataclass(slots=True)
+class _Offset:
+    least: float = math.inf  # this window's least
+    before: float = math.inf  # the last window's
+    since: float = -math.inf  # when this window began (monotonic)
+
+    def add(self, sample: float, now: float) -> None:
+        if now - self.since >= OFFSET_WINDOW_S:
+            self.before, self.least, self.since = self.least, sample, now
+        elif sample < self.least:
+            self.least = sample
+
+    @property
+    def value(self) -> float:
+        least = min(self.least, self.before)
+        return 0.0 if least == math.inf else least
+
+
 @dataclass(slots=True)
 class _Node:
     last_seen: float
@@ -79,10 +105,11 @@ class _Node:
     beat: Heartbeat | None = None
     # The last heartbeat's bytes without its time and sequence (`_without_clock`).
     raw: bytes | None = None
-    # How far this brain's clock is ahead of the node's (seconds; negative: behind), as
-    # the last heartbeat decoded said: its arrival, by this brain's wall clock, less the
-    # time the node wrote in it.
-    clock_offset: float = 0.0
+    # How far this brain's clock is ahead of the node's (seconds; negative: behind):
+    # the least of its heartbeats' arrival, by this brain's wall clock, less the time
+    # the node wrote in it, over this window of OFFSET_WINDOW_S and the last
+    # (`_Offset`).
+    offset: _Offset = field(default_factory=_Offset)
 
 
 @dataclass
@@ -156,19 +183,19 @@ class NodeIngest:
         self.counts.heartbeats += 1
         stripped = _without_clock(raw) if raw is not None else None
         known = self._nodes.get(beat.node)
-        offset = 0.0 if wall is None else wall - beat.ts
         if known is None:
-            self._nodes[beat.node] = _Node(
+            known = self._nodes[beat.node] = _Node(
                 last_seen=now,
                 instance=beat.instance,
                 reported=_Reported.of(beat),
                 beat=beat,
                 raw=stripped,
-                clock_offset=offset,
             )
+            if wall is not None:
+                known.offset.add(wall - beat.ts, now)
             return self._forward(NodeNews("first", beat))
         if wall is not None:
-            known.clock_offset = offset
+            known.offset.add(wall - beat.ts, now)
         silent_s = now - known.last_seen
         previous = known.reported
         known.last_seen = max(known.last_seen, now)
@@ -196,10 +223,11 @@ class NodeIngest:
             return self._forward(NodeNews("changed", beat))
         return None
 
-    def repeat(self, node: str, raw: bytes, now: float) -> bool:
-        """Whether `raw`, arrived at `now` on `node`'s heartbeat subject, is that node's
-        last heartbeat again but for a well-formed time and sequence; if so it is noted
-        (the node's last-seen time moves) and needs no decoding: the bytes it repeats
+    def repeat(self, node: str, raw: bytes, now: float, *, wall: float | None = None) -> bool:
+        """Whether `raw`, arrived at `now` (`wall` by the wall clock) on `node`'s heartbeat
+        subject, is that node's last heartbeat again but for a well-formed time and
+        sequence; if so it is noted (the node's last-seen time moves, its time gives
+        the clock offset) and needs no decoding: the bytes it repeats
         were validated when they first came, on the same subject. At thousands of nodes
         this is nearly every heartbeat, and decoding one costs ten times the comparison.
         A heartbeat after silence, or after news the loop could not act on, is never a
@@ -221,6 +249,9 @@ class NodeIngest:
             return False
         self.counts.heartbeats += 1
         known.last_seen = max(known.last_seen, now)
+        if wall is not None:
+            # `,"ts":<number>,"seq":`, matched above: the number is a float's.
+            known.offset.add(wall - float(raw[start + 6 : raw.index(b",", start + 6)]), now)
         return True
 
     def unsettle(self, node: str) -> None:
@@ -247,12 +278,12 @@ class NodeIngest:
         return self._telemetry
 
     def clock_offset(self, node: str) -> float:
-        """How far this brain's wall clock is ahead of `node`'s (negative: behind), from
-        the last of its heartbeats decoded (the first, and each with news: a repeat is
-        not decoded); 0 for a node not heard from. A heartbeat's time in transit is in
-        it, a few milliseconds."""
+        """How far this brain's wall clock is ahead of `node`'s (negative: behind): the
+        least difference between a heartbeat's arrival and the time in it over the last
+        one to two OFFSET_WINDOW_S (a heartbeat's time in transit and queued only adds
+        to it); 0 for a node not heard from."""
         known = self._nodes.get(node)
-        return known.clock_offset if known is not None else 0.0
+        return known.offset.value if known is not None else 0.0
 
     def known(self, node: str) -> bool:
         return node in self._nodes

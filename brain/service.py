@@ -648,7 +648,13 @@ class Brain:
     def _repeated_heartbeat(self, msg: Msg) -> bool:
         """A node's last heartbeat again, but for its clock: noted without decoding."""
         parts = msg.subject.split(".")
-        return len(parts) == 4 and self.ingest.repeat(parts[2], msg.data, self.monotonic())
+        if len(parts) != 4:
+            return False
+        node = parts[2]
+        if not self.ingest.repeat(node, msg.data, self.monotonic(), wall=self.clock()):
+            return False
+        self._check_clock(node)
+        return True
 
     async def _on_telemetry(self, batch: TelemetryBatch, msg: Msg) -> None:
         if await self._from_own_node(batch.node, msg):

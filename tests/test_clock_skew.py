@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from brain.ingest import NodeIngest
+from brain.ingest import OFFSET_WINDOW_S, NodeIngest
+from schemas.base import encode
 from schemas.jobs import JobSpec, JobState
 from tests.conftest import eventually
 from tests.test_cluster_e2e import submit
@@ -37,12 +38,29 @@ async def test_a_node_whose_clock_is_off_by_more_than_a_launchs_life_runs_its_jo
     assert said.startswith("node n1's clock is 120.") and f"s {where} this brain's" in said
 
 
-def test_a_nodes_clock_offset_is_from_its_last_heartbeat_decoded() -> None:
+def test_a_nodes_clock_offset_is_the_least_its_heartbeats_say_over_a_window() -> None:
+    """Arrival less the time written is the offset plus the heartbeat's time in transit
+    and queued: a brain seconds behind on heartbeats must not take its lag for a
+    node's clock. Repeats, never decoded, count too (their time read from the bytes)."""
     ingest = NodeIngest(node_timeout_s=5.0)
     assert ingest.clock_offset("n1") == 0.0  # not heard from: taken as agreeing
-    ingest.heartbeat(beat("n1", seq=0), now=1.0, wall=1030.5)  # written at 1000.0
+    ingest.heartbeat(b := beat("n1", seq=0), 1.0, encode(b), wall=1030.5)  # written at 1000.0
     assert ingest.clock_offset("n1") == 30.5
-    ingest.heartbeat(beat("n1", seq=1), now=2.0, wall=1001.25)
+    ingest.heartbeat(b := beat("n1", seq=1), 2.0, encode(b), wall=1001.25)
     assert ingest.clock_offset("n1") == 0.25
-    ingest.heartbeat(beat("n1", seq=2), now=3.0)  # no wall clock given: kept
+    ingest.heartbeat(b := beat("n1", seq=2), 3.0, encode(b), wall=1009.0)  # queued for 7 s
     assert ingest.clock_offset("n1") == 0.25
+    ingest.heartbeat(b := beat("n1", seq=3), 4.0, encode(b))  # no wall clock given: kept
+    assert ingest.clock_offset("n1") == 0.25
+    assert ingest.repeat("n1", encode(beat("n1", seq=4)), 5.0, wall=1004.125)
+    assert ingest.clock_offset("n1") == 0.125
+
+    # The node's clock set back by 10 s: seen within two windows, not before.
+    now = 5.0
+    while now < 5.0 + 2 * OFFSET_WINDOW_S:
+        now += 1.0
+        seq = int(now)
+        assert ingest.repeat("n1", encode(beat("n1", seq=seq)), now, wall=1000.0 + seq + 10.25)
+        if now < 5.0 + OFFSET_WINDOW_S:
+            assert ingest.clock_offset("n1") == 0.125
+    assert ingest.clock_offset("n1") == 10.25
