@@ -333,8 +333,7 @@ class BrainState:
             else:
                 self.finished[job.job_id] = None
                 self._asks[job_ask(job)] += 1
-            while len(self.finished) > FINISHED_KEPT:
-                self._let_go(next(iter(self.finished)))
+            self._let_go_oldest()
         elif job.job_id in self.finished:
             del self.finished[job.job_id]
             self._forget_ask(job)
@@ -342,7 +341,8 @@ class BrainState:
     def _follow(self, job: JobRecord) -> None:
         """Whether a job with `after` waits for them, may go, or never can. A job to run
         after that is gone from memory has ended, and SUCCEEDED: a submission after one
-        that ended otherwise is refused, and its dependents are doomed when it ends."""
+        that ended otherwise is refused, its dependents are doomed when it ends, and it
+        stays in memory while they are pending (`_let_go_oldest`)."""
         job_id = job.job_id
         if job.state is not JobState.PENDING:
             self.blocked.pop(job_id, None)
@@ -448,6 +448,21 @@ class BrainState:
                 here.discard(attempt)
                 if not here:
                     del self._attempts_on[node]
+
+    def _let_go_oldest(self) -> None:
+        """Past FINISHED_KEPT, the finished jobs that ended longest ago leave memory; but
+        not one a pending job is to run after: how it ended says whether that job may
+        ever start, after a restart from a snapshot too (`_follow`). It is kept, as if
+        it had just ended, until no pending job waits on it."""
+        finished, waited_on = self.finished, self._dependents
+        looked = 0
+        while len(finished) > FINISHED_KEPT and looked < len(finished):
+            oldest = next(iter(finished))
+            if oldest in waited_on:
+                finished.move_to_end(oldest)
+                looked += 1
+                continue
+            self._let_go(oldest)
 
     def _let_go(self, job_id: str) -> None:
         """A finished job leaves memory (the log and the history keep it)."""

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import brain.state as state_module
+from brain.state import BrainState
 from schemas.api import ErrorReply, SubmitRequest
 from schemas.jobs import JobSpec, JobState
 from tests.conftest import eventually
@@ -63,6 +65,33 @@ def test_a_job_whose_job_to_run_after_fails_is_doomed_and_so_on_down_a_chain() -
     assert shell.state.doomed == {"3": "job 2, which it was to run after, ended CANCELLED"}
     _ended(shell, "3", JobState.CANCELLED)
     assert shell.state.doomed == {} and shell.state.blocked == {}
+
+
+def test_a_finished_job_a_pending_one_waits_on_stays_in_memory_and_in_snapshots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Finished jobs past the kept number leave memory, and one gone is taken for
+    SUCCEEDED: had the job a pending one runs after failed and left before the tick
+    cancelled its dependent, a brain restarted from a snapshot would have run it."""
+    monkeypatch.setattr(state_module, "FINISHED_KEPT", 2)
+    shell = Shell()
+    shell.add_node("n1")
+    shell.add_job(1, node="n1")
+    _after(shell, 2, "1")
+    _ended(shell, "1", JobState.FAILED)
+    for number in range(3, 7):  # four more end after it
+        shell.add_job(number, node="n1")
+        _ended(shell, str(number), JobState.SUCCEEDED)
+    assert "1" in shell.state.jobs and set(shell.state.finished) == {"6", "1"}
+    again = BrainState.from_snapshot(shell.state.to_snapshot(taken_at=0.0, epoch=1))
+    assert again.doomed == {"2": "job 1, which it was to run after, ended FAILED"}
+
+    # Its dependent cancelled, it is let go with the next to end.
+    job = shell.state.jobs["2"]
+    shell.put_job(job.model_copy(update={"state": JobState.CANCELLED, "finished_at": 2.0}))
+    shell.add_job(7, node="n1")
+    _ended(shell, "7", JobState.SUCCEEDED)
+    assert "1" not in shell.state.jobs and set(shell.state.finished) == {"2", "7"}
 
 
 async def test_jobs_run_after_others_and_are_cancelled_when_those_fail(
