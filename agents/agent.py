@@ -35,7 +35,13 @@ from agents.health import (
     simulated_fault,
     watch_nvml,
 )
-from agents.joblogs import DEFAULT_KEEP_DAYS, DEFAULT_MAX_MIB, LogKeeper
+from agents.joblogs import (
+    DEFAULT_KEEP_DAYS,
+    DEFAULT_MAX_MIB,
+    DEFAULT_MAX_TOTAL_SHARE,
+    LogKeeper,
+    filesystem_bytes,
+)
 from agents.launcher import ExitStatus, JobProcess, Launcher, LaunchError, LaunchRequest
 from agents.logserve import LogServer
 from agents.mps import MpsError, ShareEnforcer, ShareUser, enforcer_for, share_env
@@ -118,10 +124,14 @@ class AgentConfig:
     cpu_milli: int | None = None
     memory_mib: int | None = None
     # Job logs' disk use (agents/joblogs.py): what one attempt's log may hold (its
-    # oldest part is dropped past it), and how long a log outlives its attempt. None:
-    # unbounded, kept for good.
+    # oldest part is dropped past it), how long a log outlives its attempt, and what
+    # all of them may hold together, in MiB or else as a share of their filesystem
+    # (ended attempts' logs are removed, least recently written first, past it). None:
+    # unbounded, kept for good, no bound together.
     job_log_max_mib: int | None = DEFAULT_MAX_MIB
     job_log_keep_days: float | None = DEFAULT_KEEP_DAYS
+    job_logs_max_total_mib: int | None = None
+    job_logs_max_total_share: float | None = DEFAULT_MAX_TOTAL_SHARE
 
 
 class Agent:
@@ -179,17 +189,26 @@ class Agent:
             else config.confinement.runtime_root / "mps"
         )
         self.shares: ShareEnforcer = enforcer_for(backend.kind, config.node, mps_root)
+        log_dir = config.data_dir / "logs"
+        if config.job_logs_max_total_mib is not None:
+            max_total: int | None = config.job_logs_max_total_mib << 20
+        elif config.job_logs_max_total_share is not None:
+            max_total = int(filesystem_bytes(log_dir) * config.job_logs_max_total_share)
+        else:
+            max_total = None
         self.logs = LogServer(
             config.node,
-            config.data_dir / "logs",
+            log_dir,
             lambda job_id, attempt: bool(self.launcher.find(job_id, attempt)),
             keep_days=config.job_log_keep_days,
+            max_total=max_total,
         )
         self.log_keeper = LogKeeper(
             config.node,
-            config.data_dir / "logs",
+            log_dir,
             max_bytes=None if config.job_log_max_mib is None else config.job_log_max_mib << 20,
             keep_s=None if config.job_log_keep_days is None else config.job_log_keep_days * 86_400,
+            max_total=max_total,
             clock=clock,
         )
 

@@ -12,7 +12,10 @@ and say what was dropped (agents/logserve.py). A filesystem that cannot punch ho
 said once, and its logs grow as the job writes them.
 
 A log whose attempt no longer runs here, last written more than `keep_s` ago, is
-removed, and its job's directory with the last of them.
+removed, and its job's directory with the last of them; and while all the logs together
+hold more than `max_total` on disk, those of ended attempts are removed, the least
+recently written first (as journald keeps its files within `SystemMaxUse`). Running
+attempts' logs are never removed: each is held to `max_bytes`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import ctypes
 import errno
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Collection
@@ -34,8 +38,20 @@ log = logging.getLogger(__name__)
 # What a log may hold on disk by default, and how long one is kept after its attempt.
 DEFAULT_MAX_MIB: Final = 1024
 DEFAULT_KEEP_DAYS: Final = 30.0
+# What all the logs may hold together by default: this share of their filesystem.
+DEFAULT_MAX_TOTAL_SHARE: Final = 0.10
 # How often the logs of ended attempts are looked over.
-PRUNE_EVERY_S: Final = 3600.0
+PRUNE_EVERY_S: Final = 300.0
+
+
+def filesystem_bytes(path: Path) -> int:
+    """The size of the filesystem `path` is on (or will be: its nearest existing
+    ancestor's)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    stats = os.statvfs(path)
+    return stats.f_blocks * stats.f_frsize
+
 
 # <linux/falloc.h>
 _FALLOC_FL_KEEP_SIZE: Final = 0x01
@@ -90,12 +106,14 @@ def dropped_note(dropped: int, node: str) -> str:
 class LogKeeper:
     """Keeps one agent's job logs within bounds: `cap` the running attempts' logs (each
     second), `prune` the ended ones (each `PRUNE_EVERY_S`). `max_bytes` None: logs grow
-    as they are written; `keep_s` None: kept for good."""
+    as they are written; `keep_s` None: kept for good; `max_total` None: no bound on
+    all of them together."""
 
     node: str
     log_dir: Path
     max_bytes: int | None = DEFAULT_MAX_MIB * 1024 * 1024
     keep_s: float | None = DEFAULT_KEEP_DAYS * 86_400
+    max_total: int | None = None
     clock: Callable[[], float] = time.time
     _unpunchable: bool = field(default=False, init=False)
     _pruned_at: float | None = field(default=None, init=False)
@@ -150,55 +168,99 @@ class LogKeeper:
         )
         return max(0, used - after)
 
+    def _survey(
+        self, running: Collection[Path]
+    ) -> tuple[int, list[tuple[float, str, int, str]], dict[str, int]] | None:
+        """What the logs hold on disk together; the logs of ended attempts, as (last
+        written, path, bytes, job directory); how many files each job directory holds.
+        None: the log directory cannot be read."""
+        try:
+            jobs = [job for job in os.scandir(self.log_dir) if job.is_dir(follow_symlinks=False)]
+        except OSError as error:
+            if not isinstance(error, FileNotFoundError):
+                log.warning("%s: cannot look over the job logs: %s", self.node, error)
+            return None
+        total = 0
+        ended: list[tuple[float, str, int, str]] = []
+        left: dict[str, int] = {}
+        for job in jobs:
+            left[job.path] = 0
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(job.path):
+                    try:
+                        status = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    left[job.path] += 1
+                    used = status.st_blocks * 512
+                    total += used
+                    if Path(entry.path).resolve() not in running:
+                        ended.append((status.st_mtime, entry.path, used, job.path))
+        return total, ended, left
+
     def prune_due(self) -> bool:
-        return self.keep_s is not None and (
+        return (self.keep_s is not None or self.max_total is not None) and (
             self._pruned_at is None or self.clock() - self._pruned_at >= PRUNE_EVERY_S
         )
 
     def prune(self, running: Collection[Path]) -> list[Path]:
-        """Remove the logs last written more than `keep_s` ago, but those of `running`
-        attempts; the job directories left empty, for `remove_empty`. Walks the whole
-        log directory: run it in a thread."""
+        """Remove the logs of ended attempts (never those of `running` ones) last
+        written more than `keep_s` ago, then, least recently written first, as many
+        more as take every log together within `max_total`; the job directories left
+        empty, for `remove_empty`. Walks the whole log directory: run it in a thread."""
         self._pruned_at = now = self.clock()
-        if self.keep_s is None:
+        if self.keep_s is None and self.max_total is None:
             return []
-        before = now - self.keep_s
-        keep = {path.resolve() for path in running}
-        removed, empty = 0, []
-        try:
-            jobs = list(os.scandir(self.log_dir))
-        except OSError as error:
-            if not isinstance(error, FileNotFoundError):
-                log.warning("%s: cannot look over the job logs: %s", self.node, error)
+        before = -math.inf if self.keep_s is None else now - self.keep_s
+        survey = self._survey({path.resolve() for path in running})
+        if survey is None:
             return []
-        for job in jobs:
-            if not job.is_dir(follow_symlinks=False):
+        total, ended, left = survey
+        ended.sort()
+        aged = room = 0
+        for written, path, used, job_path in ended:
+            old = written < before
+            if not old and (self.max_total is None or total <= self.max_total):
+                break  # the rest were written later
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                log.warning("%s: cannot remove the log %s: %s", self.node, path, error)
                 continue
-            left = 0
-            for entry in os.scandir(job.path):
-                try:
-                    old = entry.stat(follow_symlinks=False).st_mtime < before
-                except FileNotFoundError:
-                    continue
-                if not old or Path(entry.path).resolve() in keep:
-                    left += 1
-                    continue
-                try:
-                    os.unlink(entry.path)
-                    removed += 1
-                except OSError as error:
-                    left += 1
-                    log.warning("%s: cannot remove old log %s: %s", self.node, entry.path, error)
-            if not left:
-                empty.append(Path(job.path))
-        if removed:
+            total -= used
+            left[job_path] -= 1
+            if old:
+                aged += 1
+            else:
+                room += 1
+        if aged:
+            assert self.keep_s is not None
             log.info(
                 "%s: removed %d job logs last written over %g days ago",
                 self.node,
-                removed,
+                aged,
                 self.keep_s / 86_400,
             )
-        return empty
+        if room:
+            log.info(
+                "%s: removed the %d least recently written logs of ended attempts: job "
+                "logs held over %d MiB (--job-logs-max-total)",
+                self.node,
+                room,
+                (self.max_total or 0) >> 20,
+            )
+        if self.max_total is not None and total > self.max_total:
+            log.warning(
+                "%s: job logs still hold %d MiB, over --job-logs-max-total (%d MiB): "
+                "what is left is running attempts' (each held to --job-log-max, never "
+                "removed while it runs) or could not be removed",
+                self.node,
+                total >> 20,
+                self.max_total >> 20,
+            )
+        return [Path(path) for path, count in left.items() if count == 0]
 
     @staticmethod
     def remove_empty(directories: Collection[Path]) -> None:

@@ -52,11 +52,16 @@ class LogServer:
         bytes_per_s: float = DEFAULT_BYTES_PER_S,
         monotonic: Callable[[], float] = time.monotonic,
         keep_days: float | None = None,
+        max_total: int | None = None,
     ) -> None:
-        """`keep_days`: how long the agent keeps a log after its attempt (said to a
-        reader who asks for one that is not there)."""
+        """`keep_days`: how long the agent keeps a log after its attempt, and
+        `max_total` what they may hold together (said to a reader who asks for one
+        that is not there)."""
         self.node = node
-        self._kept = "" if keep_days is None else f" (logs are kept {keep_days:g} days)"
+        kept = [] if keep_days is None else [f"logs are kept {keep_days:g} days"]
+        if max_total is not None:
+            kept.append(f"the oldest are removed once all hold over {max_total >> 20} MiB")
+        self._kept = f" ({'; '.join(kept)})" if kept else ""
         self.log_dir = log_dir
         self._running = running
         self.bytes_per_s = bytes_per_s

@@ -10,6 +10,7 @@ import datetime
 import difflib
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -23,7 +24,7 @@ from typing import Any, Final, Literal
 import yaml
 from pydantic import ValidationError
 
-from agents.joblogs import DEFAULT_KEEP_DAYS
+from agents.joblogs import DEFAULT_KEEP_DAYS, DEFAULT_MAX_TOTAL_SHARE
 from bus.auth import inbox_prefix_for_seed
 from cli import confine, failures, why
 from cli import format as fmt
@@ -208,6 +209,26 @@ def parse_mib(text: str, option: str) -> int:
     if mib < 1 or (not mib.is_integer() and mib < 1024):
         raise UsageError(f"{option} {text!r} is less than a MiB or not a whole number of MiB")
     return round(mib)
+
+
+def _logs_total(text: str) -> tuple[int | None, float | None]:
+    """`agent --job-logs-max-total`: a size (`50GiB`), a share of the logs' filesystem
+    (`10%`), or 0 (no bound), as AgentConfig's (MiB, share)."""
+    text = text.strip()
+    if text == "0":
+        return None, None
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            percent = math.nan
+        if not 0 < percent <= 100:
+            raise UsageError(
+                f"--job-logs-max-total takes a share of the disk from 0 to 100% (such as "
+                f"10%), a size (such as 50GiB) or 0, not {text!r}"
+            )
+        return None, percent / 100
+    return parse_mib(text, "--job-logs-max-total"), None
 
 
 # A log sequence: the log's first entry is 1.
@@ -934,6 +955,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
     from bus.client import Bus, ConnectOptions
 
     check_name("node", args.node)
+    logs_total = _logs_total(args.job_logs_max_total)
     data_dir = Path(args.data_dir) if args.data_dir else alnair_home() / "agents" / args.node
     backend = open_backend(args.gpus, node=args.node, data_dir=data_dir)
     servers = resolve_nats(args.nats)
@@ -957,6 +979,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
             else parse_mib(args.job_log_max, "--job-log-max")
         ),
         job_log_keep_days=args.job_log_keep_days or None,
+        job_logs_max_total_mib=logs_total[0],
+        job_logs_max_total_share=logs_total[1],
     )
     bus = await Bus.connect(
         _with_tls(
@@ -1360,6 +1384,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_KEEP_DAYS,
         help="remove a job's log this many days after it was last written, once its "
         f"attempt has ended (0: keep logs for good; default: {DEFAULT_KEEP_DAYS:g})",
+    )
+    p.add_argument(
+        "--job-logs-max-total",
+        metavar="SIZE|N%",
+        default=f"{DEFAULT_MAX_TOTAL_SHARE * 100:g}%",
+        help="what all job logs on this node may hold together, as a size or a share of "
+        "their filesystem: past it, ended attempts' logs are removed, least recently "
+        f"written first (0: no bound; default: {DEFAULT_MAX_TOTAL_SHARE * 100:g}%%)",
     )
     p.set_defaults(fn=cmd_agent)
 

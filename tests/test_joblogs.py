@@ -17,7 +17,7 @@ from agents import joblogs
 from agents.joblogs import PRUNE_EVERY_S, LogKeeper, data_start, punch_head
 from agents.logserve import LogServer
 from bus.logs import copy_log
-from cli.main import _local_log
+from cli.main import UsageError, _local_log, _logs_total
 from schemas.jobs import JobRecord, JobSpec, JobState, NodeGrant
 from schemas.logs import LogChunk, LogMissing, LogRequest
 from tests.conftest import eventually
@@ -192,6 +192,66 @@ def test_logs_of_attempts_long_ended_are_removed_and_running_ones_kept(tmp_path:
     )
     assert isinstance(gone, LogMissing)
     assert gone.error == "no log of job 2 attempt 1 on node n1 (logs are kept 30 days)"
+
+
+def test_past_the_nodes_total_the_least_recently_written_ended_logs_go_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Many attempts, each within its own cap, fill the disk as much as one unbounded
+    log: all of them together are held to `max_total` too. Running logs stay, however
+    old; the ended ones go oldest first, until the rest fit."""
+    caplog.set_level(logging.INFO, "agents.joblogs")
+    now = 10 * DAY
+    logs = tmp_path / "logs"
+
+    def log_file(job: str, age_s: float, mib: int = 1) -> Path:
+        path = logs / job / "attempt-1.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * (mib * MIB))
+        os.utime(path, (now - age_s, now - age_s))
+        return path
+
+    running_oldest = log_file("1", 900)
+    ended = [log_file(str(job), 800 - job * 100) for job in range(2, 7)]  # 2 the oldest
+    total = sum(_disk(p) for p in (running_oldest, *ended))
+    keeper = LogKeeper(
+        "n1", logs, max_bytes=None, keep_s=None, max_total=total - 2 * MIB, clock=lambda: now
+    )
+    assert keeper.prune_due()
+    empty = keeper.prune([running_oldest])
+    assert [p.exists() for p in (running_oldest, *ended)] == [True, False, False, True, True, True]
+    assert sorted(empty) == [logs / "2", logs / "3"]
+    assert "removed the 2 least recently written logs of ended attempts" in caplog.text
+
+    # Running logs alone over it: said, and left.
+    alone = LogKeeper("n1", logs, max_bytes=None, keep_s=None, max_total=MIB // 2)
+    alone.prune([running_oldest])
+    assert running_oldest.exists() and not any(p.exists() for p in ended)
+    assert "job logs still hold 1 MiB, over --job-logs-max-total (0 MiB)" in caplog.text
+
+    gone = LogServer("n1", logs, lambda job, attempt: False, keep_days=30, max_total=50 * MIB)
+    missing = gone.read(LogRequest(job_id="2", attempt=1))
+    assert isinstance(missing, LogMissing)
+    assert missing.error == (
+        "no log of job 2 attempt 1 on node n1 (logs are kept 30 days; the oldest are "
+        "removed once all hold over 50 MiB)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "fields"),
+    [("10%", (None, 0.1)), ("50GiB", (50 * 1024, None)), ("0", (None, None))],
+)
+def test_the_agents_total_for_job_logs_is_a_share_of_the_disk_or_a_size(
+    text: str, fields: tuple[int | None, float | None]
+) -> None:
+    assert _logs_total(text) == fields
+
+
+@pytest.mark.parametrize("text", ["0%", "150%", "lots%", "-5GiB"])
+def test_a_total_for_job_logs_that_is_not_one_is_refused_by_name(text: str) -> None:
+    with pytest.raises(UsageError, match="--job-logs-max-total"):
+        _logs_total(text)
 
 
 @pytest.mark.usefixtures("punchable")
