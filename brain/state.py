@@ -316,7 +316,7 @@ class BrainState:
         if len(job.failures) > known:
             self._blame(job.job_id, job.failures[known:])
         self.jobs[job.job_id] = job
-        if job.spec.after:
+        if job.spec.after or job.spec.after_any:
             self._follow(job)
         waiting = self._dependents.get(job.job_id)
         if waiting and job.state.terminal and (previous is None or not previous.state.terminal):
@@ -339,15 +339,16 @@ class BrainState:
             self._forget_ask(job)
 
     def _follow(self, job: JobRecord) -> None:
-        """Whether a job with `after` waits for them, may go, or never can. A job to run
-        after that is gone from memory has ended, and SUCCEEDED: a submission after one
-        that ended otherwise is refused, its dependents are doomed when it ends, and it
-        stays in memory while they are pending (`_let_go_oldest`)."""
+        """Whether a job with `after` or `after_any` waits for them, may go, or never
+        can. A job to run after that is gone from memory has ended, and SUCCEEDED: a
+        submission after one that ended otherwise is refused, its dependents are doomed
+        when it ends, and it stays in memory while they are pending (`_let_go_oldest`)."""
         job_id = job.job_id
+        spec = job.spec
         if job.state is not JobState.PENDING:
             self.blocked.pop(job_id, None)
             self.doomed.pop(job_id, None)
-            for before in job.spec.after:
+            for before in (*spec.after, *spec.after_any):
                 dependents = self._dependents.get(before)
                 if dependents is not None:
                     dependents.discard(job_id)
@@ -355,7 +356,7 @@ class BrainState:
                         del self._dependents[before]
             return
         unmet = set()
-        for before in job.spec.after:
+        for before in spec.after:
             self._dependents.setdefault(before, set()).add(job_id)
             other = self.jobs.get(before)
             if other is None or other.state is JobState.SUCCEEDED:
@@ -365,6 +366,11 @@ class BrainState:
                     f"job {before}, which it was to run after, ended {other.state.value}"
                 )
             unmet.add(before)
+        for before in spec.after_any:
+            self._dependents.setdefault(before, set()).add(job_id)
+            other = self.jobs.get(before)
+            if other is not None and not other.state.terminal:
+                unmet.add(before)
         if unmet:
             self.blocked[job_id] = unmet
         else:

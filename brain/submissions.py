@@ -91,19 +91,15 @@ class Submissions:
                     )
                 return finished
         self._refuse_if_never_runs(state, request)
-        waits_for = await self._jobs_before(tenant, spec.after)
+        to_succeed = await self._jobs_before(tenant, spec.after)
+        to_end = await self._jobs_before(tenant, spec.after_any, succeeded=False)
         job = JobRecord(
             job_id=state.next_job_id(),
             tenant=tenant,
             spec=spec,
             state=JobState.PENDING,
             submitted_at=self._clock(),
-            reason=(
-                f"waiting for job{'s' if len(waits_for) > 1 else ''} {', '.join(waits_for)} "
-                "to succeed"
-                if waits_for
-                else "submitted"
-            ),
+            reason=_waiting_for(to_succeed, to_end),
             idempotency_key=request.idempotency_key,
             prerun="pending" if settings.failures.wants_prerun(spec.queue, spec.gpus) else None,
         )
@@ -117,16 +113,20 @@ class Submissions:
         self._submitted()
         return job
 
-    async def _jobs_before(self, tenant: str, after: tuple[str, ...]) -> list[str]:
-        """Of the jobs a submission is to run after (`JobSpec.after`), those that have
-        not SUCCEEDED yet; refused: one that is not the tenant's, or that ended
-        otherwise (the job could never start)."""
+    async def _jobs_before(
+        self, tenant: str, after: tuple[str, ...], *, succeeded: bool = True
+    ) -> list[str]:
+        """Of the jobs a submission is to run after (`JobSpec.after`, or with not
+        `succeeded` `after_any`), those that have not SUCCEEDED (ended) yet; refused:
+        one that is not the tenant's, or for `after` one that ended otherwise (the job
+        could never start)."""
+        field = "after" if succeeded else "after_any"
         waits = []
         for job_id in after:
             job = self._state().jobs.get(job_id) or await self._job_record(job_id)
             if job is None or job.tenant != tenant:
-                raise ApiError("invalid", f"after: tenant {tenant} has no job {job_id}")
-            if job.state is JobState.SUCCEEDED:
+                raise ApiError("invalid", f"{field}: tenant {tenant} has no job {job_id}")
+            if job.state is JobState.SUCCEEDED or (job.state.terminal and not succeeded):
                 continue
             if job.state.terminal:
                 raise ApiError(
@@ -207,3 +207,14 @@ class Submissions:
         await self._writes.stop_parts(job, "cancelled")
         # As stored (its service accounted up to the cancellation), as a retry sees it.
         return await self._job_record(job_id) or cancelled
+
+
+def _waiting_for(to_succeed: list[str], to_end: list[str]) -> str:
+    """A new job's reason while jobs it runs after have not SUCCEEDED (`to_succeed`) or
+    ended (`to_end`)."""
+    said = [
+        f"job{'s' if len(ids) > 1 else ''} {', '.join(ids)} to {what}"
+        for ids, what in ((to_succeed, "succeed"), (to_end, "end"))
+        if ids
+    ]
+    return f"waiting for {' and '.join(said)}" if said else "submitted"

@@ -298,9 +298,12 @@ def _policy_hints(args: argparse.Namespace) -> dict[str, Any]:
         hints["declared_duration_s"] = args.duration
     if args.time is not None:
         hints["time_limit_s"] = args.time
-    if args.after:
-        # `--after 5,7 --after 9`: the jobs it runs after, once each has SUCCEEDED.
-        hints["after"] = [j.strip() for value in args.after for j in value.split(",") if j.strip()]
+    # `--after 5,7 --after 9`: the jobs it runs after, once each has SUCCEEDED;
+    # `--after-any`: once each has ended, however.
+    for option, field in (("after", "after"), ("after_any", "after_any")):
+        values = getattr(args, option)
+        if values:
+            hints[field] = [j.strip() for value in values for j in value.split(",") if j.strip()]
     if args.network_sensitive:
         hints["network_sensitive"] = True
     if args.on_disconnect is not None:
@@ -369,10 +372,11 @@ def _yaml_fields(data: dict[Any, Any], path: Path) -> dict[str, Any]:
                 f"invalid job in {path}: {name} is not a job field{hint}; the fields are "
                 f"{', '.join(sorted(known))}"
             )
-    after = fields.get("after")
-    if isinstance(after, list | tuple):
-        # `after: [5, 7]`: job ids, which YAML reads as numbers.
-        fields["after"] = [str(job_id) if isinstance(job_id, int) else job_id for job_id in after]
+    for field in ("after", "after_any"):
+        after = fields.get(field)
+        if isinstance(after, list | tuple):
+            # `after: [5, 7]`: job ids, which YAML reads as numbers.
+            fields[field] = [str(job_id) if isinstance(job_id, int) else job_id for job_id in after]
     env = fields.get("env")
     if isinstance(env, dict):
         for key, value in env.items():
@@ -1112,6 +1116,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JOB[,JOB]",
         help="start only once these jobs have SUCCEEDED (repeat, or comma-separate); if "
         "one ends otherwise, this job is cancelled (Slurm's --dependency=afterok)",
+    )
+    p.add_argument(
+        "--after-any",
+        action="append",
+        default=[],
+        metavar="JOB[,JOB]",
+        help="start only once these jobs have ended, however they ended (repeat, or "
+        "comma-separate; Slurm's --dependency=afterany)",
     )
     p.add_argument(
         "--time",

@@ -169,8 +169,11 @@ class JobSpec(BaseModel):
     # Jobs that must have SUCCEEDED before this one may start (Slurm's
     # --dependency=afterok): it waits for them, and is cancelled if one ends otherwise.
     after: tuple[str, ...] = Field(default=(), max_length=MAX_AFTER)
+    # Jobs that must have ended, however, before this one may start (Slurm's
+    # --dependency=afterany): a clean-up, a report, the next step of a sweep.
+    after_any: tuple[str, ...] = Field(default=(), max_length=MAX_AFTER)
 
-    @field_validator("after")
+    @field_validator("after", "after_any")
     @classmethod
     def _job_ids(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for job_id in value:
@@ -188,6 +191,16 @@ class JobSpec(BaseModel):
                 raise ValueError(f"invalid GPU type {name!r}")
             names.append(name)
         return tuple(sorted(set(names)))
+
+    @model_validator(mode="after")
+    def _one_kind_of_wait(self) -> JobSpec:
+        both = sorted(set(self.after) & set(self.after_any))
+        if both:
+            raise ValueError(
+                f"after_any: job {both[0]} is in after too: it runs after a job that "
+                "SUCCEEDED (after) or one that ended however (after_any), not both"
+            )
+        return self
 
     @model_validator(mode="after")
     def _share_rules(self) -> JobSpec:

@@ -21,7 +21,7 @@ from cli.client import call
 from cli.client import submit as client_submit
 from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text, queues_table, record_line
-from cli.main import Since, UsageError, _spec_from_yaml, build_parser, main
+from cli.main import Since, UsageError, _spec_from_yaml, build_parser, load_spec, main
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
@@ -800,6 +800,18 @@ def test_submit_time_refuses_what_is_not_a_duration(
     with pytest.raises(SystemExit):
         build_parser().parse_args(["submit", "--gpus", "1", "--time", text, "--", "true"])
     assert "argument --time: " in capsys.readouterr().err
+
+
+def test_jobs_to_run_after_come_from_flags_or_a_job_file(tmp_path: Path) -> None:
+    argv = ["submit", "--gpus", "1", "--after", "5,7", "--after", "9", "--after-any", "3"]
+    spec = load_spec(build_parser().parse_args([*argv, "--", "train.py"]))
+    assert (spec.after, spec.after_any) == (("5", "7", "9"), ("3",))
+    job = tmp_path / "job.yaml"
+    job.write_text("command: train.py\ngpus: 1\nafter: [5, 7]\nafter_any: [3]\n")
+    spec = _spec_from_yaml(job, build_parser().parse_args(["submit", str(job)]))
+    assert (spec.after, spec.after_any) == (("5", "7"), ("3",))
+    with pytest.raises(UsageError, match="after_any: job 3 is in after too"):
+        load_spec(build_parser().parse_args([*argv, "--after", "3", "--", "train.py"]))
 
 
 def test_a_job_file_gives_its_time_limit_as_the_flag_does(tmp_path: Path) -> None:

@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 import brain.state as state_module
 from brain.state import BrainState
-from schemas.api import ErrorReply, SubmitRequest
+from schemas.api import ErrorReply, JobReply, SubmitRequest
 from schemas.jobs import JobSpec, JobState
 from tests.conftest import eventually
 from tests.parts import Shell
@@ -94,6 +95,26 @@ def test_a_finished_job_a_pending_one_waits_on_stays_in_memory_and_in_snapshots(
     assert "1" not in shell.state.jobs and set(shell.state.finished) == {"2", "7"}
 
 
+def test_a_job_after_any_waits_for_its_jobs_to_end_however_they_end() -> None:
+    shell = Shell()
+    shell.add_node("n1")
+    shell.add_job(1, node="n1")
+    shell.add_job(2, node="n1")
+    job = shell.add_job(3)
+    spec = job.spec.model_copy(update={"after": ("1",), "after_any": ("2",)})
+    shell.put_job(job.model_copy(update={"spec": spec}))
+    assert shell.state.blocked == {"3": {"1", "2"}}
+    _ended(shell, "2", JobState.FAILED)  # ended: enough for after_any
+    assert shell.state.blocked == {"3": {"1"}} and shell.state.doomed == {}
+    _ended(shell, "1", JobState.SUCCEEDED)
+    assert shell.state.blocked == {} and _pending_views(shell) == ["3"]
+
+
+def test_a_job_is_in_after_or_after_any_not_both() -> None:
+    with pytest.raises(ValidationError, match="after_any: job 2 is in after too"):
+        JobSpec(command=("true",), gpus=1, after=("1", "2"), after_any=("2",))
+
+
 async def test_jobs_run_after_others_and_are_cancelled_when_those_fail(
     brain_factory, agent_factory, tmp_path: Path
 ) -> None:
@@ -109,8 +130,11 @@ async def test_jobs_run_after_others_and_are_cancelled_when_those_fail(
     failing = await submit(brain.api, job("import time, sys; time.sleep(1); sys.exit(3)"))
     then = await submit(brain.api, job("pass", first))
     never = await submit(brain.api, job("pass", first, failing))
+    cleanup = job("pass").model_copy(update={"after_any": (failing,)})
+    regardless = await submit(brain.api, cleanup)
     assert brain.state.jobs[then].reason == f"waiting for job {first} to succeed"
     assert brain.state.jobs[never].reason == f"waiting for jobs {first}, {failing} to succeed"
+    assert brain.state.jobs[regardless].reason == f"waiting for job {failing} to end"
 
     await eventually(lambda: brain.state.jobs[never].state is JobState.CANCELLED, timeout_s=30)
     assert brain.state.jobs[never].reason == (
@@ -120,6 +144,10 @@ async def test_jobs_run_after_others_and_are_cancelled_when_those_fail(
     await eventually(lambda: brain.state.jobs[then].state is JobState.SUCCEEDED, timeout_s=30)
     started = brain.state.jobs[then].started_at
     assert started is not None and started >= brain.state.jobs[first].finished_at
+    # After any: it ran once the failing job had ended.
+    await eventually(lambda: brain.state.jobs[regardless].state is JobState.SUCCEEDED)
+    started = brain.state.jobs[regardless].started_at
+    assert started is not None and started >= brain.state.jobs[failing].finished_at
 
 
 @pytest.mark.parametrize(
@@ -128,10 +156,12 @@ async def test_jobs_run_after_others_and_are_cancelled_when_those_fail(
         ("99", "default", "after: tenant default has no job 99"),
         ("1", "alice", "after: tenant alice has no job 1"),
         ("2", "default", "after: job 2 ended FAILED: this job could never start"),
+        ("any:99", "default", "after_any: tenant default has no job 99"),
+        ("any:2", "default", None),  # ended: nothing to wait for
     ],
 )
 async def test_a_submission_after_a_job_it_could_never_follow_is_refused(
-    brain_factory, agent_factory, tmp_path: Path, after: str, tenant: str, says: str
+    brain_factory, agent_factory, tmp_path: Path, after: str, tenant: str, says: str | None
 ) -> None:
     brain = await brain_factory()
     await agent_factory("n1", gpus=2)
@@ -140,6 +170,11 @@ async def test_a_submission_after_a_job_it_could_never_follow_is_refused(
     await submit(brain.api, spec)  # job 1, running
     failing = await submit(brain.api, spec.model_copy(update={"command": ("false",)}))
     await eventually(lambda: brain.state.jobs[failing].state is JobState.FAILED, timeout_s=30)
-    request = SubmitRequest(spec=spec.model_copy(update={"after": (after,)}))
+    field, job_id = ("after_any", after[4:]) if after.startswith("any:") else ("after", after)
+    request = SubmitRequest(spec=spec.model_copy(update={field: (job_id,)}))
     reply = await brain.api.handle(tenant, request)
-    assert isinstance(reply, ErrorReply) and (reply.code, reply.error) == ("invalid", says)
+    if says is None:
+        assert isinstance(reply, JobReply) and reply.job.reason == "submitted"
+        assert reply.job.job_id not in brain.state.blocked
+    else:
+        assert isinstance(reply, ErrorReply) and (reply.code, reply.error) == ("invalid", says)
