@@ -69,11 +69,12 @@ def _summary(reply: WhyReply) -> list[str]:
     hints = []
     if spec.declared_duration_s is not None:
         hints.append(f"declared duration {spec.declared_duration_s:g} s")
-    if spec.after:
-        hints.append(
-            f"runs once job{'s' if len(spec.after) > 1 else ''} {', '.join(spec.after)} "
-            f"{'have' if len(spec.after) > 1 else 'has'} SUCCEEDED"
-        )
+    hints += [
+        f"runs once job{'s' if len(ids) > 1 else ''} {', '.join(ids)} "
+        f"{'have' if len(ids) > 1 else 'has'} {what}"
+        for ids, what in ((spec.after, "SUCCEEDED"), (spec.after_any, "ended"))
+        if ids
+    ]
     if spec.time_limit_s is not None:
         ran = job.executed_seconds if executed is None else executed
         limit = f"time limit {fmt.duration(spec.time_limit_s)}"

@@ -407,6 +407,19 @@ def test_why_says_what_the_job_asked_for(fields: dict[str, object], says: str) -
     assert header == f"job 2 (job), queue default, {says}, attempt 0"
 
 
+def test_why_says_which_jobs_a_job_runs_after_and_how() -> None:
+    job = JobRecord(
+        job_id="9",
+        tenant="default",
+        spec=JobSpec(command=("true",), gpus=1, after=("5", "7"), after_any=("8",)),
+        state=JobState.PENDING,
+        submitted_at=0.0,
+    )
+    said = why.render(WhyReply(job=job, decisions=()))
+    assert "runs once jobs 5, 7 have SUCCEEDED" in said
+    assert "runs once job 8 has ended" in said
+
+
 @pytest.mark.parametrize(
     ("state", "grants", "says"),
     [
