@@ -606,6 +606,8 @@ class Brain:
                 await self.launches.send(job)
 
     async def _maybe_snapshot(self) -> None:
+        if self.journal.tainted:
+            return  # state holds records the log refused: never in a snapshot
         since = self.state.last_seq - self.replica.snapshot_seq
         if not snapshot_due(since, len(self.state.jobs), self.config.snapshot_every):
             return
