@@ -47,7 +47,7 @@ from nats.js.api import (
 from pydantic import BaseModel, TypeAdapter
 
 from schemas import subjects
-from schemas.base import decode, encode
+from schemas.base import decode, encode, encode_request
 from schemas.dlq import DLQ_PAYLOAD_PREVIEW_BYTES, DeadLetter
 from schemas.errors import (
     BrainUnavailable,
@@ -1020,14 +1020,17 @@ class Bus:
         reply: Decoder[R],
         *,
         timeout_s: float = 5.0,
+        compact: bool = False,
     ) -> R:
         """Ask and decode the answer. A publish the server refuses this identity
         (its permissions) raises `BusDenied` at once rather than waiting out the
-        timeout: the server says so, asynchronously, and nothing will answer."""
+        timeout: the server says so, asynchronously, and nothing will answer.
+        `compact`: without the fields at their defaults (`encode_request`)."""
         refused: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiting = self._refusals.setdefault(subject.lower(), set())
         waiting.add(refused)
-        asking = asyncio.ensure_future(self.nc.request(subject, encode(message), timeout=timeout_s))
+        data = encode_request(message) if compact else encode(message)
+        asking = asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout_s))
         try:
             either: set[asyncio.Future[Any]] = {asking, refused}
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)

@@ -105,7 +105,8 @@ async def _call_once(
 ) -> R:
     subject = subjects.api(tenant, verb)
     try:
-        result = await bus.request(subject, request, reply, timeout_s=timeout_s)
+        # Compact: a newer alnair asks an older brain anything it knows how to answer.
+        result = await bus.request(subject, request, reply, timeout_s=timeout_s, compact=True)
     except BusDenied:
         raise BusError(_denied(tenant, verb, subject)) from None
     except InvalidMessage as error:

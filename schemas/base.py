@@ -7,6 +7,7 @@ instead of silently half-understood.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Final, Literal, TypeVar
 
@@ -55,6 +56,18 @@ M = TypeVar("M")
 
 def encode(message: BaseModel) -> bytes:
     return message.model_dump_json(exclude_none=False).encode()
+
+
+def encode_request(message: BaseModel) -> bytes:
+    """An API request without the fields at their defaults (`alnair` asking a brain):
+    one that uses nothing an older brain lacks is one that brain reads, though every
+    message refuses fields it does not know. What is left out means the default, on
+    either side; but the schema version `v` is always said: it is what a brain of
+    another version refuses."""
+    fields = message.model_dump(mode="json", exclude_defaults=True)
+    if "v" in type(message).model_fields:
+        fields = {"v": message.model_dump(include={"v"})["v"], **fields}
+    return json.dumps(fields, separators=(",", ":"), allow_nan=False).encode()
 
 
 def describe_invalid(error: ValidationError, whole: str = "message") -> str:
