@@ -19,7 +19,7 @@ from brain.attempts import launch_id
 from brain.state import BrainState, share_memory_limit
 from brain.writer import Clock, NodeCommands
 from schemas.commands import Launch
-from schemas.jobs import JobRecord, job_limits
+from schemas.jobs import ARRAY_INDEX_ENV, JobRecord, job_limits
 from schemas.workers import EXEC_SECRET_ENV
 
 
@@ -82,6 +82,8 @@ class Launches:
         # that signs the supervisor's worker starts.
         remote = tuple((g.node, len(g.gpus)) for g in job.grants[1:])
         env = dict(job.spec.env)
+        if job.spec.array_index is not None:
+            env[ARRAY_INDEX_ENV] = str(job.spec.array_index)
         key = await self._cluster_key() if self._needs_key(job) else b""
         if job.spec.elastic:
             env[EXEC_SECRET_ENV] = secrets.exec_secret(key, job.job_id, job.attempt)

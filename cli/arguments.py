@@ -7,6 +7,7 @@ import argparse
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Final
 
 # ASCII digits only (`str.isdigit` takes `²`, which `int` refuses), and few enough that
@@ -78,5 +79,62 @@ def duration(text: str) -> float:
     """`duration_seconds` as an argparse type."""
     try:
         return duration_seconds(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+# Jobs one `alnair submit --array` makes at most (Slurm's MaxArraySize is 1,001 by
+# default): each is a submission, answered once stored.
+MAX_ARRAY_JOBS: Final = 10_000
+_ARRAY_PART: Final = re.compile(r"(?P<first>[0-9]+)(?:-(?P<last>[0-9]+)(?::(?P<step>[0-9]+))?)?")
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """`--array 0-9`, `1,3,5`, `0-99:10`, with `%4` after: the indices, and how many of
+    the array may run at once (None: as many as are placed)."""
+
+    indices: tuple[int, ...]
+    at_once: int | None = None
+
+
+def array_spec(text: str) -> ArraySpec:
+    """`--array` as Slurm's sbatch takes it: ranges (`0-9`), steps (`0-99:10`), lists
+    (`1,3,5`) and a limit on how many run at once (`0-31%4`). ValueError says why not."""
+    from schemas.jobs import MAX_ARRAY_INDEX
+
+    ranges, _, limit = text.strip().partition("%")
+    indices: list[int] = []
+    for part in ranges.split(","):
+        found = _ARRAY_PART.fullmatch(part.strip())
+        if found is None:
+            raise ValueError(
+                f"takes indices such as 0-9, 0-99:10 or 1,3,5, with %N to run at "
+                f"most N at once; not {text!r}"
+            )
+        first = int(found["first"])
+        last = int(found["last"]) if found["last"] is not None else first
+        step = int(found["step"] or 1)
+        if last < first or step < 1:
+            raise ValueError(f"{part.strip()!r} is an empty range")
+        if last > MAX_ARRAY_INDEX:
+            raise ValueError(f"an index is at most {MAX_ARRAY_INDEX:,}, not {last}")
+        if (last - first) // step + 1 + len(indices) > MAX_ARRAY_JOBS:
+            raise ValueError(f"an array is at most {MAX_ARRAY_JOBS:,} jobs")
+        indices.extend(range(first, last + 1, step))
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{text!r} names an index twice")
+    at_once = None
+    if limit:
+        if not limit.isdigit() or int(limit) < 1:
+            raise ValueError(f"%N runs at most N at once, N 1 or more; not %{limit}")
+        at_once = int(limit)
+    return ArraySpec(tuple(indices), at_once)
+
+
+def array_argument(text: str) -> ArraySpec:
+    """`array_spec` as an argparse type."""
+    try:
+        return array_spec(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None

@@ -17,6 +17,7 @@ import shlex
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -29,6 +30,8 @@ from bus.auth import inbox_prefix_for_seed
 from cli import confine, failures, why
 from cli import format as fmt
 from cli.arguments import (
+    ArraySpec,
+    array_argument,
     duration,
     duration_seconds,
     number_or_zero,
@@ -432,6 +435,8 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     key = args.idempotency_key
     if key is not None and not 1 <= len(key) <= 128:
         raise UsageError(f"--idempotency-key must be 1 to 128 characters, not {len(key)}")
+    if args.array is not None:
+        return await _submit_array(args, spec, args.array)
 
     async def run(bus: Any) -> int:
         job = await submit(
@@ -448,6 +453,72 @@ async def cmd_submit(args: argparse.Namespace) -> int:
         return 0 if not args.wait else await _wait_for_end(bus, args.tenant, job.job_id)
 
     return await _with_bus(args, run)
+
+
+async def _submit_array(args: argparse.Namespace, spec: JobSpec, array: ArraySpec) -> int:
+    """`submit --array`: one job per index, in order, each with the array's key and its
+    index as its idempotency key, so the same command again (with `--idempotency-key`)
+    makes no job twice. With `%N`, the job at position k runs after (however it ends)
+    the one at k - N: at most N run at once."""
+    base = args.idempotency_key or uuid.uuid4().hex
+    if len(base) > 120:
+        raise UsageError("--idempotency-key of an array must be at most 120 characters")
+    specs = []
+    for index in array.indices:
+        fields = spec.model_dump() | {"name": f"{spec.name[:110]}[{index}]", "array_index": index}
+        specs.append(_validated(fields, "--array"))
+
+    async def run(bus: Any) -> int:
+        ids: list[str] = []
+        for position, (index, element) in enumerate(zip(array.indices, specs, strict=True)):
+            if array.at_once is not None and position >= array.at_once:
+                before = ids[position - array.at_once]
+                element = element.model_copy(update={"after_any": (*element.after_any, before)})
+            try:
+                job = await submit(
+                    bus,
+                    args.tenant,
+                    element,
+                    idempotency_key=f"{base}-{index}",
+                    retry_for_s=args.retry_for,
+                )
+            except AlnairError as error:
+                done = f"jobs {_id_ranges(ids)} were submitted; " if ids else ""
+                raise AlnairError(
+                    f"index {index} of the array was not submitted ({error}); {done}the same "
+                    f"command with --idempotency-key {base} submits the rest, none twice"
+                ) from None
+            ids.append(job.job_id)
+            if args.json:
+                print(job.model_dump_json(), flush=True)
+        if not args.json:
+            at_once = f", at most {array.at_once} at once" if array.at_once else ""
+            print(
+                f"submitted jobs {_id_ranges(ids)} (an array of {len(ids)}{at_once}; "
+                f"{spec.gpu_request} each, queue {spec.queue})",
+                flush=True,
+            )
+        if not args.wait:
+            return 0
+        codes = [await _wait_for_end(bus, args.tenant, job_id) for job_id in ids]
+        return max(codes)
+
+    return await _with_bus(args, run)
+
+
+def _id_ranges(ids: list[str]) -> str:
+    """Job ids as runs: `12-21,25` (ids that are not numbers as they are)."""
+    runs: list[list[int]] = []
+    words: list[str] = []
+    for job_id in ids:
+        if not job_id.isdigit():
+            words.append(job_id)
+        elif runs and int(job_id) == runs[-1][1] + 1:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(job_id), int(job_id)])
+    said = [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+    return ",".join(said + words)
 
 
 async def _wait_for_end(bus: Any, tenant: str, job_id: str) -> int:
@@ -1174,6 +1245,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="then wait until the job ends, and exit with its exit code (0 when it "
         "SUCCEEDED, 1 when it ended without one), as `sbatch --wait`",
+    )
+    p.add_argument(
+        "--array",
+        type=array_argument,
+        metavar="INDICES[%N]",
+        help="a job array, as sbatch's: one job per index (0-9, 0-99:10, 1,3,5), named "
+        "NAME[i], each seeing its index as $ALNAIR_ARRAY_INDEX; %%N runs at most N at once "
+        "(each waits for the one N before it to end)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS..., or job.yaml")
     p.set_defaults(fn=cmd_submit)

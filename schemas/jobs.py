@@ -12,6 +12,10 @@ from schemas.base import NodeName, QueueName, TenantName
 MAX_GPUS_PER_JOB: Final = 4096
 # A declared run time beyond this (about ten years) is a mistake, not a plan.
 MAX_DECLARED_DURATION_S: Final = 3.2e8
+# The largest index of a job array (`JobSpec.array_index`), and where a job reads its
+# own (the brain puts it in the launch's environment).
+MAX_ARRAY_INDEX: Final = 1_000_000
+ARRAY_INDEX_ENV: Final = "ALNAIR_ARRAY_INDEX"
 # Jobs one job may wait for (`JobSpec.after`).
 MAX_AFTER: Final = 64
 _ENV_NAME_CHARS: Final = frozenset(
@@ -172,6 +176,9 @@ class JobSpec(BaseModel):
     # Jobs that must have ended, however, before this one may start (Slurm's
     # --dependency=afterany): a clean-up, a report, the next step of a sweep.
     after_any: tuple[str, ...] = Field(default=(), max_length=MAX_AFTER)
+    # Its index in a job array (`alnair submit --array 0-9`): the job sees it as
+    # $ALNAIR_ARRAY_INDEX (Slurm's $SLURM_ARRAY_TASK_ID).
+    array_index: int | None = Field(default=None, ge=0, le=MAX_ARRAY_INDEX)
 
     @field_validator("after", "after_any")
     @classmethod

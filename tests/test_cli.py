@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 
 from bus.server import EmbeddedNats
 from cli import up, why
+from cli.arguments import ArraySpec, array_spec
 from cli.client import call
 from cli.client import submit as client_submit
 from cli.config import ClusterInfo, resolve_nkey
@@ -856,3 +857,64 @@ async def test_submit_wait_returns_when_the_job_ends_with_its_exit_code(
     assert returned == exits, (out, err)
     first, last = out.splitlines()
     assert first.startswith("submitted job 1 ") and last.startswith(f"job 1 {says}"), out
+
+
+@pytest.mark.parametrize(
+    ("text", "indices", "at_once"),
+    [
+        ("0-3", (0, 1, 2, 3), None),
+        ("0-9:3", (0, 3, 6, 9), None),
+        ("1,3,5%2", (1, 3, 5), 2),
+        ("7", (7,), None),
+        ("0-2,10-11%1", (0, 1, 2, 10, 11), 1),
+    ],
+)
+def test_array_takes_indices_as_sbatch_does(
+    text: str, indices: tuple[int, ...], at_once: int | None
+) -> None:
+    assert array_spec(text) == ArraySpec(indices, at_once)
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("3-1", "empty range"),
+        ("0-2000000", "at most 1,000,000"),
+        ("0-20000", "is at most 10,000 jobs"),
+        ("a-b", "indices such as 0-9"),
+        ("0-5%0", "N 1 or more"),
+        ("1,1", "names an index twice"),
+    ],
+)
+def test_array_refuses_what_is_not_one_and_says_why(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        array_spec(text)
+
+
+async def test_an_array_runs_a_job_per_index_at_most_n_at_once(
+    brain_factory, agent_factory, nats_server, tmp_path: Path
+) -> None:
+    """`submit --array 0-3%2 --wait`: four jobs, each seeing its index, named NAME[i];
+    each of the last two runs after the one two before it has ended; the command
+    exits once all have, with the highest exit code."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=4)
+    await eventually(lambda: len(brain.state.nodes) == 1)
+    env = {"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "ALNAIR_HOME": str(tmp_path)}
+    code = "import os, sys; sys.exit(int(os.environ['ALNAIR_ARRAY_INDEX']) == 3)"
+    argv = ["submit", "--array", "0-3%2", "--wait", "--nats", nats_server.url, "--gpus", "1"]
+    argv += ["--name", "sweep", "--", sys.executable, "-c", code]
+    returned, out, err = await alnair(*argv, env=env)
+    assert returned == 1, (out, err)  # index 3 exited 1
+    lines = out.splitlines()
+    assert lines[0] == (
+        "submitted jobs 1-4 (an array of 4, at most 2 at once; 1 GPU each, queue default)"
+    )
+    jobs = [brain.state.jobs[str(n)] for n in range(1, 5)]
+    assert [j.spec.name for j in jobs] == ["sweep[0]", "sweep[1]", "sweep[2]", "sweep[3]"]
+    assert [j.spec.array_index for j in jobs] == [0, 1, 2, 3]
+    assert [j.spec.after_any for j in jobs] == [(), (), ("1",), ("2",)]
+    assert [j.state for j in jobs] == [JobState.SUCCEEDED] * 3 + [JobState.FAILED]
+    for later, earlier in ((jobs[2], jobs[0]), (jobs[3], jobs[1])):
+        assert later.started_at is not None and earlier.finished_at is not None
+        assert later.started_at >= earlier.finished_at
