@@ -30,6 +30,7 @@ from bus.auth import inbox_prefix_for_seed
 from cli import confine, failures, why
 from cli import format as fmt
 from cli.arguments import (
+    MAX_ARRAY_JOBS,
     ArraySpec,
     array_argument,
     duration,
@@ -640,9 +641,28 @@ async def cmd_job(args: argparse.Namespace) -> int:
     return await _with_bus(args, run)
 
 
+_ID_RANGE: Final = re.compile(r"([0-9]+)-([0-9]+)")
+
+
+def _job_ids(words: Sequence[str]) -> list[str]:
+    """Job ids as `alnair cancel` takes them: ids, and runs of them (`12-21`, an array
+    as `submit --array` names it)."""
+    ids: list[str] = []
+    for word in words:
+        run = _ID_RANGE.fullmatch(word)
+        if run is None:
+            ids.append(word)
+            continue
+        first, last = int(run[1]), int(run[2])
+        if last < first or last - first >= MAX_ARRAY_JOBS:
+            raise UsageError(f"{word}: a run of job ids is FIRST-LAST, at most {MAX_ARRAY_JOBS:,}")
+        ids.extend(str(n) for n in range(first, last + 1))
+    return list(dict.fromkeys(ids))
+
+
 async def cmd_cancel(args: argparse.Namespace) -> int:
     # Every id is checked before any job is cancelled.
-    requests = [CancelRequest(job_id=job_id) for job_id in args.job]
+    requests = [CancelRequest(job_id=job_id) for job_id in _job_ids(args.job)]
 
     async def run(bus: Any) -> int:
         refused = 0
@@ -1282,7 +1302,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cancel", help="cancel jobs")
     _client_args(p)
-    p.add_argument("job", nargs="+", help="job ids")
+    p.add_argument("job", nargs="+", help="job ids, or runs of them (12-21)")
     p.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser(

@@ -22,7 +22,7 @@ from cli.client import call
 from cli.client import submit as client_submit
 from cli.config import ClusterInfo, resolve_nkey
 from cli.format import gpus_text, grants_text, queues_table, record_line
-from cli.main import Since, UsageError, _spec_from_yaml, build_parser, load_spec, main
+from cli.main import Since, UsageError, _job_ids, _spec_from_yaml, build_parser, load_spec, main
 from schemas import subjects
 from schemas.api import (
     JOB_RESULT,
@@ -918,3 +918,9 @@ async def test_an_array_runs_a_job_per_index_at_most_n_at_once(
     for later, earlier in ((jobs[2], jobs[0]), (jobs[3], jobs[1])):
         assert later.started_at is not None and earlier.finished_at is not None
         assert later.started_at >= earlier.finished_at
+
+
+def test_cancel_takes_runs_of_job_ids_as_an_array_is_named() -> None:
+    assert _job_ids(["3", "12-15", "14", "7-7"]) == ["3", "12", "13", "14", "15", "7"]
+    with pytest.raises(UsageError, match="9-2: a run of job ids is FIRST-LAST"):
+        _job_ids(["9-2"])
