@@ -293,16 +293,7 @@ class Attempts:
                 if decision.state is JobState.UNSUCCESSFUL
                 else CauseKind.FAILURE_CLASSIFIED
             )
-            ended = job.model_copy(
-                update={
-                    "state": decision.state,
-                    "finished_at": now,
-                    "exit_code": failure.exit_code,
-                    "signal": failure.signal,
-                    "failures": failures,
-                    "reason": decision.cause,
-                }
-            )
+            ended = _ended(job, decision.state, now, failures, decision.cause)
             cause = Cause(
                 kind=kind, node=node, job_id=job.job_id, message=f"{what}; {decision.verdict}"
             )
@@ -389,16 +380,7 @@ class Attempts:
                 at_fault=(),
                 at=now,
             )
-        ended = job.model_copy(
-            update={
-                "state": JobState.FAILED,
-                "finished_at": now,
-                "exit_code": failure.exit_code,
-                "signal": failure.signal,
-                "failures": (*job.failures, failure),
-                "reason": reason,
-            }
-        )
+        ended = _ended(job, JobState.FAILED, now, (*job.failures, failure), reason)
         cause = Cause(
             kind=CauseKind.FAILURE_CLASSIFIED,
             node=node or None,
@@ -530,3 +512,25 @@ def _asked_limits(job: JobRecord, node: str) -> list[str]:
     if spec.cpus is not None or spec.cpus_per_gpu is not None:
         asked.append(f"{cpus:g} CPU{'' if cpus == 1 else 's'}")
     return asked
+
+
+def _ended(
+    job: JobRecord,
+    state: JobState,
+    now: float,
+    failures: tuple[AttemptFailure, ...],
+    reason: str,
+) -> JobRecord:
+    """`job` ended in `state` at `now` by the last of its `failures`, whose exit code and
+    signal are the job's."""
+    last = failures[-1]
+    return job.model_copy(
+        update={
+            "state": state,
+            "finished_at": now,
+            "exit_code": last.exit_code,
+            "signal": last.signal,
+            "failures": failures,
+            "reason": reason,
+        }
+    )

@@ -674,12 +674,8 @@ async def test_up_starts_each_dead_nats_server_again_on_its_own(
     assert "n1 exited with -9; restarting in 2s" in out and "n2 is back on nats://n2" in out
 
 
-async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connect) -> None:
-    """A brain newer than the CLI answers with a field the CLI's schema does not know:
-    the CLI names that field (not every field of the error reply it is not) and says
-    to upgrade, rather than a validation dump; to a write, that the brain did it."""
-    brain, client = await connect("newer-brain"), await connect("older-cli")
-    status = StatusReply(
+def _status() -> StatusReply:
+    return StatusReply(
         epoch=1,
         brain_host="h",
         brain_pid=1,
@@ -689,6 +685,14 @@ async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connec
         nodes=0,
         gpus=0,
     )
+
+
+async def test_a_reply_from_a_newer_brain_names_the_field_and_the_upgrade(connect) -> None:
+    """A brain newer than the CLI answers with a field the CLI's schema does not know:
+    the CLI names that field (not every field of the error reply it is not) and says
+    to upgrade, rather than a validation dump; to a write, that the brain did it."""
+    brain, client = await connect("newer-brain"), await connect("older-cli")
+    status = _status()
     submitted = JobReply(job=live_job_record(1, gpus=1).job)
     for verb, reply in (("status", status), ("submit", submitted)):
         answer = reply.model_dump(mode="json") | {"added_later": 1}
@@ -721,16 +725,7 @@ async def test_a_command_asks_again_through_a_failover_and_a_write_is_not_repeat
     `unavailable` (stepping down) is asked again by a read; a write so answered may
     have been stored, and its caller is told."""
     brain, client = await connect("brain"), await connect("cli")
-    status = StatusReply(
-        epoch=1,
-        brain_host="h",
-        brain_pid=1,
-        started_at=0.0,
-        policy="fifo",
-        jobs_by_state={},
-        nodes=0,
-        gpus=0,
-    )
+    status = _status()
     asked: list[str] = []
 
     async def stepping_down_once(msg: Msg) -> None:
