@@ -84,11 +84,16 @@ class _Offset:
     before: float = math.inf  # the last window's
     since: float = -math.inf  # when this window began (monotonic)
 
-    def add(self, sample: float, now: float) -> None:
+    def add(self, sample: float, now: float) -> bool:
+        """Take a sample at `now`; whether `value` may have moved (a new window began, or
+        the sample is its least so far): most samples move nothing."""
         if now - self.since >= OFFSET_WINDOW_S:
             self.before, self.least, self.since = self.least, sample, now
-        elif sample < self.least:
+            return True
+        if sample < self.least:
             self.least = sample
+            return True
+        return False
 
     @property
     def value(self) -> float:
@@ -161,6 +166,9 @@ class NodeIngest:
         self.counts = IngestCounts()
         self._nodes: dict[str, _Node] = {}
         self._telemetry = LatestTelemetry()
+        # Nodes whose clock offset may have moved since the brain last looked (it takes
+        # them, a tick at a time, to say which clocks differ: not at every heartbeat).
+        self.clocks_moved: set[str] = set()
 
     def reset(self) -> None:
         """Forget every node's liveness (a new tenure starts from the log); keep the
@@ -183,6 +191,7 @@ class NodeIngest:
         self.counts.heartbeats += 1
         stripped = _without_clock(raw) if raw is not None else None
         known = self._nodes.get(beat.node)
+        first = known is None
         if known is None:
             known = self._nodes[beat.node] = _Node(
                 last_seen=now,
@@ -191,11 +200,10 @@ class NodeIngest:
                 beat=beat,
                 raw=stripped,
             )
-            if wall is not None:
-                known.offset.add(wall - beat.ts, now)
-            return self._forward(NodeNews("first", beat))
         if wall is not None:
-            known.offset.add(wall - beat.ts, now)
+            self._clock_sample(beat.node, known, wall - beat.ts, now)
+        if first:
+            return self._forward(NodeNews("first", beat))
         silent_s = now - known.last_seen
         previous = known.reported
         known.last_seen = max(known.last_seen, now)
@@ -251,8 +259,13 @@ class NodeIngest:
         known.last_seen = max(known.last_seen, now)
         if wall is not None:
             # `,"ts":<number>,"seq":`, matched above: the number is a float's.
-            known.offset.add(wall - float(raw[start + 6 : raw.index(b",", start + 6)]), now)
+            sent = float(raw[start + 6 : raw.index(b",", start + 6)])
+            self._clock_sample(node, known, wall - sent, now)
         return True
+
+    def _clock_sample(self, node: str, known: _Node, sample: float, now: float) -> None:
+        if known.offset.add(sample, now):
+            self.clocks_moved.add(node)
 
     def unsettle(self, node: str) -> None:
         """The loop could not act on the node's news (a failed append): its next

@@ -620,16 +620,21 @@ class Brain:
         if not await self._from_own_node(beat.node, msg):
             return
         news = self.ingest.heartbeat(beat, self.monotonic(), msg.data, wall=self.clock())
-        self._check_clock(beat.node)
         if news is not None:
             # Only news reaches the inbox: a heartbeat that changes nothing moved the
             # node's last-seen time and is done.
             await self._inbox.put(HeartbeatNews(news))
 
-    def _check_clock(self, node: str) -> None:
+    def _check_clocks(self) -> None:
         """Say when a node's clock comes to differ from this brain's by
-        `CLOCK_SKEW_WARN_S` or more, and when it agrees again. Launches go by the node's
-        clock (`Launches`); logs, events and `alnair` read times from several clocks."""
+        `CLOCK_SKEW_WARN_S` or more, and when it agrees again, of the nodes whose offset
+        may have moved since the last look (a tick's). Launches go by the node's clock
+        (`Launches`); logs, events and `alnair` read times from several clocks."""
+        moved, self.ingest.clocks_moved = self.ingest.clocks_moved, set()
+        for node in moved:
+            self._check_clock(node)
+
+    def _check_clock(self, node: str) -> None:
         offset = self.ingest.clock_offset(node)
         skewed = abs(offset) >= CLOCK_SKEW_WARN_S
         if skewed == (node in self._skewed_clocks):
@@ -650,13 +655,9 @@ class Brain:
     def _repeated_heartbeat(self, msg: Msg) -> bool:
         """A node's last heartbeat again, but for its clock: noted without decoding."""
         parts = msg.subject.split(".")
-        if len(parts) != 4:
-            return False
-        node = parts[2]
-        if not self.ingest.repeat(node, msg.data, self.monotonic(), wall=self.clock()):
-            return False
-        self._check_clock(node)
-        return True
+        return len(parts) == 4 and self.ingest.repeat(
+            parts[2], msg.data, self.monotonic(), wall=self.clock()
+        )
 
     async def _on_telemetry(self, batch: TelemetryBatch, msg: Msg) -> None:
         if await self._from_own_node(batch.node, msg):
@@ -746,6 +747,7 @@ class Brain:
             due = self.monotonic() + self.config.tick_s
             await asyncio.sleep(self.config.tick_s)
             self._loop_lag_s = max(0.0, self.monotonic() - due)
+            self._check_clocks()
             await self._inbox.put(Tick())
 
     async def _prune_forever(self) -> None:

@@ -144,11 +144,7 @@ class Submissions:
             job = state.jobs.get(job_id)
             if job is None or job.state is not JobState.PENDING:
                 continue
-            cancelled = job.model_copy(
-                update={"state": JobState.CANCELLED, "finished_at": self._clock(), "reason": why}
-            )
-            cause = Cause(kind=CauseKind.CANCELLED, message=why, job_id=job_id)
-            await self._writes.job_changed(cancelled, job.state, cause)
+            await self._cancel(job, why, why)
 
     def _refuse_if_never_runs(self, state: BrainState, request: SubmitRequest) -> None:
         spec, settings = request.spec, self._settings
@@ -192,21 +188,22 @@ class Submissions:
             return job
         if job.state.terminal:
             raise ApiError("conflict", f"job {job_id} already ended {job.state.value}")
-        cancelled = job.model_copy(
-            update={
-                "state": JobState.CANCELLED,
-                "finished_at": self._clock(),
-                "reason": "cancelled by its owner",
-            }
+        cancelled = await self._cancel(
+            job, "cancelled by its owner", f"cancelled by tenant {tenant}"
         )
-        await self._writes.job_changed(
-            cancelled,
-            job.state,
-            Cause(kind=CauseKind.CANCELLED, message=f"cancelled by tenant {tenant}", job_id=job_id),
-        )
-        await self._writes.stop_parts(job, "cancelled")
         # As stored (its service accounted up to the cancellation), as a retry sees it.
         return await self._job_record(job_id) or cancelled
+
+    async def _cancel(self, job: JobRecord, reason: str, message: str) -> JobRecord:
+        """End `job` CANCELLED for `reason` (the cause's `message`), stopping what of it
+        runs."""
+        cancelled = job.model_copy(
+            update={"state": JobState.CANCELLED, "finished_at": self._clock(), "reason": reason}
+        )
+        cause = Cause(kind=CauseKind.CANCELLED, message=message, job_id=job.job_id)
+        await self._writes.job_changed(cancelled, job.state, cause)
+        await self._writes.stop_parts(job, "cancelled")
+        return cancelled
 
 
 def _waiting_for(to_succeed: list[str], to_end: list[str]) -> str:

@@ -55,13 +55,19 @@ _CLOCK: Final = re.compile(r"(?:(?P<d>[0-9]+)-)?(?:(?P<h>[0-9]+):)?(?P<m>[0-9]+)
 _UNIT_S: Final = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
 
 
+def unit_seconds(text: str) -> float | None:
+    """`45s`, `90m`, `2h`, `1.5d` as seconds; None for anything else."""
+    unit = _DURATION.fullmatch(text.strip())
+    return None if unit is None else float(unit["n"]) * _UNIT_S[unit["unit"].lower()]
+
+
 def duration_seconds(text: str) -> float:
     """`90m`, `2h`, `1.5d`, `45s`, or Slurm's clock forms `1:30:00`, `2-00:00:00`, `30:00`
     (minutes and seconds), as seconds above 0. A bare number is refused: Slurm reads
     minutes there, other tools seconds. ValueError says what it takes."""
     text = text.strip()
-    if (unit := _DURATION.fullmatch(text)) is not None:
-        seconds = float(unit["n"]) * _UNIT_S[unit["unit"].lower()]
+    if (in_units := unit_seconds(text)) is not None:
+        seconds = in_units
     elif (clock := _CLOCK.fullmatch(text)) is not None:
         days, hours = int(clock["d"] or 0), int(clock["h"] or 0)
         seconds = float(((days * 24 + hours) * 60 + int(clock["m"])) * 60 + int(clock["s"]))

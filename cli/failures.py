@@ -194,6 +194,7 @@ async def _drain(args: argparse.Namespace, bus: Any) -> int:
     # requeued): then the node, or the GPU, may be taken down.
     deadline = time.monotonic() + args.wait
     status = reply.node
+    ask = ListNodesRequest(name=args.node)
     while busy := _still_running(status, args.gpu):
         if time.monotonic() >= deadline:
             raise AlnairError(
@@ -201,8 +202,7 @@ async def _drain(args: argparse.Namespace, bus: Any) -> int:
                 "(`alnair nodes`; `--requeue` stops what runs there)"
             )
         await asyncio.sleep(1.0)
-        request_node = ListNodesRequest(name=args.node)
-        (status,) = (await call(bus, args.tenant, "nodes", request_node, NODES_RESULT)).nodes
+        (status,) = (await call(bus, args.tenant, "nodes", ask, NODES_RESULT)).nodes
     print(f"{_drained_what(args)} runs nothing now")
     return 0
 

@@ -37,6 +37,7 @@ from cli.arguments import (
     duration_seconds,
     number_or_zero,
     positive_number,
+    unit_seconds,
     whole_number,
 )
 from cli.client import call, open_bus, submit
@@ -238,9 +239,6 @@ def _logs_total(text: str) -> tuple[int | None, float | None]:
 # A log sequence: the log's first entry is 1.
 _sequence = whole_number(1, None, "a log sequence (1 or more)")
 
-_AGO: Final = re.compile(r"(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>[smhd])", re.I)
-_SECONDS_PER: Final = {"s": 1, "m": 60, "h": 3600, "d": 86_400}
-
 
 @dataclasses.dataclass(frozen=True)
 class Since:
@@ -255,8 +253,8 @@ def _since(text: str) -> int | Since:
     text = text.strip()
     if text.isascii() and text.isdigit():
         return _sequence(text)
-    if (ago := _AGO.fullmatch(text)) is not None:
-        return Since(time.time() - float(ago["n"]) * _SECONDS_PER[ago["unit"].lower()])
+    if (ago := unit_seconds(text)) is not None:
+        return Since(time.time() - ago)
     try:
         return Since(datetime.datetime.fromisoformat(text).timestamp())
     except ValueError:

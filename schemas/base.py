@@ -65,8 +65,8 @@ def encode_request(message: BaseModel) -> bytes:
     either side; but the schema version `v` is always said: it is what a brain of
     another version refuses."""
     fields = message.model_dump(mode="json", exclude_defaults=True)
-    if "v" in type(message).model_fields:
-        fields = {"v": message.model_dump(include={"v"})["v"], **fields}
+    if isinstance(message, Message):
+        fields = {"v": message.v, **fields}
     return json.dumps(fields, separators=(",", ":"), allow_nan=False).encode()
 
 

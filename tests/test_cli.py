@@ -772,8 +772,10 @@ def test_events_since_takes_a_sequence_a_time_ago_or_a_time(
     assert since("120") == 120
     before = time.time()
     ago = since("10m")
-    assert isinstance(ago, Since) and before - 600 - 1 < ago.ts <= time.time() - 600
-    assert since("1.5h") == Since(pytest.approx(time.time() - 5400, abs=2))
+    assert isinstance(ago, Since) and before - 600 <= ago.ts <= time.time() - 600
+    before = time.time()
+    ago = since("1.5h")
+    assert isinstance(ago, Since) and before - 5400 <= ago.ts <= time.time() - 5400
     zoned = since("2026-12-04T13:00:00+00:00")
     assert zoned == Since(1_796_389_200.0)
     with pytest.raises(SystemExit):
