@@ -1120,4 +1120,7 @@ def job_view(
         progress_rate_per_s=progress.progress_rate_per_s,
         demand=job_demand(job.spec),
         shareable=job.spec.shareable,
+        # An array is its tenant's: another's of the same name is another array.
+        array=None if job.spec.array is None else f"{job.tenant}/{job.spec.array}",
+        array_limit=job.spec.array_limit,
     )

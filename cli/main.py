@@ -457,22 +457,25 @@ async def cmd_submit(args: argparse.Namespace) -> int:
 async def _submit_array(args: argparse.Namespace, spec: JobSpec, array: ArraySpec) -> int:
     """`submit --array`: one job per index, in order, each with the array's key and its
     index as its idempotency key, so the same command again (with `--idempotency-key`)
-    makes no job twice. With `%N`, the job at position k runs after (however it ends)
-    the one at k - N: at most N run at once."""
+    makes no job twice. The array is named by that key; with `%N`, at most N of its
+    jobs hold GPUs at once (`JobSpec.array_limit`: the brain starts the next as one
+    ends)."""
     base = args.idempotency_key or uuid.uuid4().hex
     if len(base) > 120:
         raise UsageError("--idempotency-key of an array must be at most 120 characters")
     specs = []
     for index in array.indices:
-        fields = spec.model_dump() | {"name": f"{spec.name[:110]}[{index}]", "array_index": index}
+        fields = spec.model_dump() | {
+            "name": f"{spec.name[:110]}[{index}]",
+            "array_index": index,
+            "array": base,
+            "array_limit": array.at_once,
+        }
         specs.append(_validated(fields, "--array"))
 
     async def run(bus: Any) -> int:
         ids: list[str] = []
-        for position, (index, element) in enumerate(zip(array.indices, specs, strict=True)):
-            if array.at_once is not None and position >= array.at_once:
-                before = ids[position - array.at_once]
-                element = element.model_copy(update={"after_any": (*element.after_any, before)})
+        for index, element in zip(array.indices, specs, strict=True):
             try:
                 job = await submit(
                     bus,
@@ -1270,7 +1273,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="INDICES[%N]",
         help="a job array, as sbatch's: one job per index (0-9, 0-99:10, 1,3,5), named "
         "NAME[i], each seeing its index as $ALNAIR_ARRAY_INDEX; %%N runs at most N at once "
-        "(each waits for the one N before it to end)",
+        "(the next starts as one ends)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS..., or job.yaml")
     p.set_defaults(fn=cmd_submit)

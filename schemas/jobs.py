@@ -179,6 +179,13 @@ class JobSpec(BaseModel):
     # Its index in a job array (`alnair submit --array 0-9`): the job sees it as
     # $ALNAIR_ARRAY_INDEX (Slurm's $SLURM_ARRAY_TASK_ID).
     array_index: int | None = Field(default=None, ge=0, le=MAX_ARRAY_INDEX)
+    # The array it belongs to: one name for all its jobs, the submitter's own (`alnair
+    # submit --array` gives the array's idempotency key), within its tenant.
+    array: str | None = Field(default=None, min_length=1, max_length=128)
+    # At most this many of the array's jobs run at once (sbatch's `--array 0-99%10`):
+    # the others wait, "array_limit", while this many of its jobs hold GPUs, whatever
+    # ranks ahead of them. A job's own limit counts for it.
+    array_limit: int | None = Field(default=None, ge=1, le=MAX_ARRAY_INDEX)
 
     @field_validator("after", "after_any")
     @classmethod
@@ -207,6 +214,8 @@ class JobSpec(BaseModel):
                 f"after_any: job {both[0]} is in after too: it runs after a job that "
                 "SUCCEEDED (after) or one that ended however (after_any), not both"
             )
+        if self.array_limit is not None and self.array is None:
+            raise ValueError("array_limit: a limit is of an array: give array too")
         return self
 
     @model_validator(mode="after")

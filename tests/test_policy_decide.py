@@ -677,6 +677,39 @@ def test_build_jobs_are_never_preempted_and_never_borrow() -> None:
     assert "fixed quota" in waiting(decisions)["dev2"]
 
 
+@pytest.mark.parametrize("order", ["fifo", "priority", "las", "gittins"])
+def test_an_array_runs_no_more_than_its_limit_and_holds_no_one_back(order: str) -> None:
+    """sbatch's %N: with one of its jobs running, an array limited to 2 starts one more;
+    the rest wait, saying so, take no GPUs from the budget and block no one (not even
+    under fifo's head of line): the job behind them starts, and no running job of the
+    array is preempted for one of its own."""
+    sweep = {"array": "alice/sweep", "array_limit": 2}
+    snapshot = cluster(
+        node("n0", gpus=4, busy=(0,)),
+        node("n1", gpus=4),
+        running_jobs=(running("1", "n0", (0,), **sweep),),
+        pending_jobs=(
+            *(pending(str(n), 1, at=float(n), **sweep) for n in range(2, 6)),
+            pending("6", 4, at=6.0),
+            pending("7", 1, at=7.0, array="bob/sweep", array_limit=2),
+        ),
+    )
+    decisions = decide(snapshot, 10.0, Policy(order=order))
+    assert set(placed(decisions)) == {"2", "6", "7"}
+    assert preempted(decisions) == set()
+    said = "2 of its array's jobs run, as many as it allows at once"
+    assert waiting(decisions) == {"3": said, "4": said, "5": said}
+    assert {w.cause.kind for w in decisions.waits} == {"array_limit"}
+
+
+def test_a_job_of_an_array_without_a_limit_is_not_counted() -> None:
+    snapshot = cluster(
+        node("n0", gpus=4),
+        pending_jobs=tuple(pending(str(n), 1, at=float(n), array="a/x") for n in range(1, 5)),
+    )
+    assert set(placed(decide(snapshot, 10.0, Policy()))) == {"1", "2", "3", "4"}
+
+
 def test_outranked_cause_names_the_winner() -> None:
     snapshot = cluster(
         node("n0", gpus=1, busy=(0,)),

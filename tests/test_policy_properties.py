@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, assume, given, settings
@@ -31,6 +32,10 @@ class World:
     now: float
 
 
+# Job arrays the worlds' jobs may belong to, with their limits (None: no limit).
+ARRAY_LIMITS: dict[str | None, int | None] = {"a/x": 1, "b/y": 2, "c/z": None}
+
+
 @st.composite
 def worlds(draw: st.DrawFn, *, with_quotas: bool = True, always_quotas: bool = False) -> World:
     """A small cluster with running and pending jobs; configured queues in half the
@@ -48,7 +53,10 @@ def worlds(draw: st.DrawFn, *, with_quotas: bool = True, always_quotas: bool = F
     job_ids = iter(range(1000))
 
     def job_fields() -> dict[str, object]:
+        array = draw(st.sampled_from((None, *ARRAY_LIMITS)))
         return {
+            "array": array,
+            "array_limit": ARRAY_LIMITS.get(array),
             "submitted_at": draw(st.floats(0, now)),
             "queue": draw(st.sampled_from(QUEUE_NAMES)),
             "priority": draw(st.integers(0, 3)),
@@ -120,6 +128,19 @@ guarded_policies = st.builds(
     preemption=st.sampled_from(sorted(PREEMPTIONS)),
     starvation_guard_s=st.floats(1, 50_000),
 )
+
+
+@settings(max_examples=150, deadline=None)
+@given(worlds(), policies)
+def test_an_array_never_starts_past_its_limit(world: World, policy: Policy) -> None:
+    decisions = decide(world.snapshot, world.now, policy)
+    for array, limit in ARRAY_LIMITS.items():
+        if limit is None:
+            continue
+        running = sum(1 for j in world.snapshot.running if j.array == array)
+        members = {j.job_id for j in world.snapshot.pending if j.array == array}
+        started = sum(1 for p in decisions.placements if p.job_id in members)
+        assert started <= max(0, limit - running)
 
 
 def final_allocation(world: World, decisions: Decisions) -> dict[str, set[tuple[str, int]]]:
@@ -203,10 +224,17 @@ def test_a_guaranteed_quota_is_always_reachable(world: World, policy: Policy) ->
     decisions = decide(snapshot, world.now, policy)
     running_after = set(final_allocation(world, decisions))
     jobs = (*snapshot.running, *snapshot.pending)
+    # But for the jobs of an array that runs as many as it allows, before the decisions
+    # or after them: a job preempted in a cycle gives its array's turn back in the next.
+    before = Counter(j.array for j in snapshot.running)
+    after = Counter(j.array for j in jobs if j.job_id in running_after)
     for quota in snapshot.queues:
         mine = [j for j in jobs if j.queue == quota.name]
         if sum(j.gpus for j in mine) <= quota.guaranteed_gpus:
-            assert {j.job_id for j in mine} <= running_after, quota
+            for job in mine:
+                if job.job_id not in running_after:
+                    assert job.array_limit is not None, quota
+                    assert max(before[job.array], after[job.array]) >= job.array_limit, quota
 
 
 # Most worlds have no job waiting past a guard drawn apart from them (about 58 % are
@@ -217,10 +245,14 @@ def test_no_job_starves_beyond_the_guard(world: World, policy: Policy) -> None:
     guard = policy.starvation_guard_s
     assert guard is not None
     capacity = sum(len(n.gpus) for n in world.snapshot.nodes)
+    running = Counter(j.array for j in world.snapshot.running)
+    # Not a job whose array runs as many jobs as it allows: that one waits its turn.
     starving = [
         j
         for j in world.snapshot.pending
-        if world.now - j.waiting_since() >= guard and j.gpus <= capacity
+        if world.now - j.waiting_since() >= guard
+        and j.gpus <= capacity
+        and (j.array_limit is None or running[j.array] < j.array_limit)
     ]
     assume(starving)
     longest_wait = min(j.waiting_since() for j in starving)

@@ -143,6 +143,7 @@ def test_round_trip(message) -> None:
 REQUESTS = [
     SubmitRequest(spec=SPEC, idempotency_key="k"),
     SubmitRequest(spec=SPEC.model_copy(update={"after_any": ("3",), "time_limit_s": 60.0})),
+    SubmitRequest(spec=SPEC.model_copy(update={"array": "sweep", "array_limit": 4})),
     CancelRequest(job_id="4"),
     ListJobsRequest(states=(JobState.RUNNING,), limit=10),
     ListNodesRequest(name="n1"),
@@ -219,6 +220,11 @@ def test_oversized_is_rejected_before_parsing() -> None:
         ({"command": ["x"], "gpus": 1, "env": {"A": "x\0y"}}, "env: A's value contains a NUL"),
         ({"command": ["x"], "gpus": 1, "cwd": "/tmp/\0"}, "spec: cwd: the working directory"),
         ({"command": ["x"], "gpus": 1, "cwd": "rel/dir"}, "must be an absolute path"),
+        (
+            {"command": ["x"], "gpus": 1, "array_limit": 4},
+            "array_limit: a limit is of an array: give array too",
+        ),
+        ({"command": ["x"], "gpus": 1, "array": "a", "array_limit": 0}, "array_limit"),
     ],
 )
 def test_job_spec_rejects(fields: dict, fragment: str) -> None:

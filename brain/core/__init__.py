@@ -10,6 +10,7 @@ from brain.core.distribution import (
 from brain.core.elastic import ELASTICITIES
 from brain.core.model import (
     Action,
+    AtArrayLimit,
     AtFixedQuota,
     BackingOff,
     BandCrossed,
@@ -67,6 +68,7 @@ __all__ = [
     "PREEMPTIONS",
     "QUEUE_ORDERS",
     "Action",
+    "AtArrayLimit",
     "AtFixedQuota",
     "BackingOff",
     "BandCrossed",

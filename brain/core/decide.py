@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import sys
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from operator import attrgetter, itemgetter
@@ -47,6 +47,7 @@ from brain.core.distribution import DEFAULT_SERVICE_PRIOR
 from brain.core.elastic import ELASTICITIES, RIGID, Sizing, service_bucket
 from brain.core.model import (
     Action,
+    AtArrayLimit,
     AtFixedQuota,
     BackingOff,
     ClusterSnapshot,
@@ -314,6 +315,9 @@ class _Cycle:
     short: list[tuple[_Entry, int, int]] = field(default_factory=list)
     # Running whole-GPU jobs with shares beside them (`shares.hosting`): never victims.
     hosts: AbstractSet[str] = frozenset()
+    # How many jobs of each array hold GPUs, or are selected to (`JobView.array`), for a
+    # cycle with a job whose array has a limit; None: none has (`_array_counts`).
+    arrays: dict[str, int] | None = None
 
     def explains(self, job_id: str) -> bool:
         """Is this job's `Wait` wanted, if it waits?"""
@@ -512,7 +516,8 @@ def _share_class(entry: _Entry, rank_entitles: bool) -> tuple[float, ...]:
 # left (none below 0), its rank's label, and whether a blocker is set. A cycle has one
 # blocker at most, set once: whether it has been is all the key needs of it (hashing
 # the record would call its Python-level `__hash__` for every wait). A held job's cause
-# is keyed by its queue alone (`AtFixedQuota`).
+# is keyed by its queue alone (`AtFixedQuota`), a capped one's by its array's limit
+# (`AtArrayLimit`).
 _WaitKey = tuple[int, int, int, str, bool]
 
 
@@ -544,8 +549,9 @@ def _select(
     actions = cycle.actions
     policy = cycle.policy
     explain, also = cycle.waits, cycle.explain
-    reasons: dict[_WaitKey | str, WaitCause] = {}
+    reasons: dict[_WaitKey | str | int | None, WaitCause] = {}
     outside = cycle.outside
+    arrays = cycle.arrays
     for group in groups:
         standing, starving, hold = group.standing, group.starving, group.hold
         pinned = standing is Standing.PINNED
@@ -575,18 +581,24 @@ def _select(
                 if not rigid:
                     select(job, need)
                 continue
-            if need <= budget and blocked_by is None and need <= capacity and not held:
+            # Held to its array's limit (sbatch's %N), a job is as one held to its
+            # queue's fixed quota: it takes nothing from the budget, holds no job back.
+            capped = arrays is not None and _at_limit(arrays, job)
+            if need <= budget and blocked_by is None and need <= capacity and not (held or capped):
                 budget -= need
-                if not rigid:
-                    select(job, need)
+                if not rigid or arrays is not None:
+                    _selected(job, need, None if rigid else select, arrays)
                 to_place.append(_Entry(ranked, standing, starving, hold))
                 continue
             if explain or (also and job.job_id in also):
                 # Most waits of a cycle repeat a cause built for a job before them; a
-                # held job's is its queue's alone (`AtFixedQuota`).
+                # held job's is its queue's alone (`AtFixedQuota`), a capped one's its
+                # limit's (`AtArrayLimit`).
                 key = (
                     job.queue
                     if held
+                    else job.array_limit
+                    if capped
                     else (
                         need,
                         job.gpus,
@@ -598,14 +610,14 @@ def _select(
                 cause = reasons.get(key)
                 if cause is None:
                     cause = reasons[key] = _wait_cause(
-                        group, ranked, need, capacity, budget, blocked_by, cycle
+                        group, ranked, need, capacity, budget, blocked_by, cycle, capped
                     )
                 actions.append(Wait(job.job_id, cause))
             if (
                 short is not None
                 and blocked_by is None
                 and need <= capacity
-                and not held
+                and not (held or capped)
                 and job.demand is None
             ):
                 short.append((_Entry(ranked, standing, starving, hold), budget, need))
@@ -615,12 +627,32 @@ def _select(
                 (head_of_line_blocking or starving)
                 and blocked_by is None
                 and need <= capacity
-                and not held
+                and not (held or capped)
             ):
                 # Not naming the blocker (`QueuedBehind`): the head changes at every
                 # placement.
                 blocked_by = QueuedBehind(STARVING if starving else policy.order)
     return to_place, victims
+
+
+def _at_limit(arrays: Mapping[str, int], job: JobView) -> bool:
+    """Do as many jobs of its array hold GPUs (or are selected to) as its limit allows?"""
+    limit, array = job.array_limit, job.array
+    return limit is not None and array is not None and arrays.get(array, 0) >= limit
+
+
+def _selected(
+    job: JobView,
+    need: int,
+    select: Callable[[JobView, int], None] | None,
+    arrays: dict[str, int] | None,
+) -> None:
+    """A pending job selected to be placed: told to a stage that resizes (`select`),
+    and counted in its array (`_Cycle.arrays`)."""
+    if select is not None:
+        select(job, need)
+    if arrays is not None and job.array is not None:
+        arrays[job.array] = arrays.get(job.array, 0) + 1
 
 
 def _note_shares(cycle: _Cycle) -> None:
@@ -640,8 +672,12 @@ def _wait_cause(
     budget: int,
     blocked_by: QueuedBehind | None,
     cycle: _Cycle,
+    capped: bool,
 ) -> WaitCause:
-    """Why a selected-out job (`ranked`, of `group`) waits."""
+    """Why a selected-out job (`ranked`, of `group`) waits; `capped`: held to its array's
+    limit."""
+    if capped:
+        return AtArrayLimit(ranked.job.array_limit or 0)
     entry = _Entry(ranked, group.standing, group.starving, group.hold)
     cause = _pending_wait_cause(
         entry, need, capacity, budget, blocked_by, cycle.policy, len(cycle.share_gpus)
@@ -1161,19 +1197,31 @@ def decide(
     return decisions
 
 
-def _checked_demands(jobs: Sequence[JobView]) -> set[Demand]:
-    """The demands the jobs make (most make none), checking that every job asks for a
-    GPU or more. One walk, in snapshot order, before ranking: a pass in the order the
-    jobs were built reads memory in order, one in rank order does not; and one loop in
-    the interpreter, whose specialised reads cost less than a `map` with an
-    `attrgetter` for each of the two."""
+def _checked_demands(jobs: Sequence[JobView]) -> tuple[set[Demand], bool]:
+    """The demands the jobs make (most make none), and whether any job's array has a
+    limit, checking that every job asks for a GPU or more. One walk, in snapshot order,
+    before ranking: a pass in the order the jobs were built reads memory in order, one
+    in rank order does not; and one loop in the interpreter, whose specialised reads
+    cost less than a `map` with an `attrgetter` for each of the three."""
     demands: set[Demand] = set()
+    limited = False
     for job in jobs:
         if job.gpus < 1:
             raise InvalidSnapshot(f"job {job.job_id} asks for {job.gpus} GPUs")
         if job.demand is not None:
             demands.add(job.demand)
-    return demands
+        if job.array_limit is not None:
+            limited = True
+    return demands, limited
+
+
+def _array_counts(running: Sequence[JobView]) -> dict[str, int]:
+    """How many running jobs of each array there are (`_Cycle.arrays`)."""
+    counts: dict[str, int] = {}
+    for job in running:
+        if job.array is not None:
+            counts[job.array] = counts.get(job.array, 0) + 1
+    return counts
 
 
 _AVOID_NODES: Final = attrgetter("avoid_nodes")
@@ -1221,7 +1269,7 @@ def _decide(
     )
     snapshot = stage.views(snapshot)
     jobs = (*snapshot.running, *snapshot.pending)
-    demands = _checked_demands(jobs)
+    demands, limited = _checked_demands(jobs)
     if ranking is None:
         ordered = order(jobs, context)
         by_rank = rank_order(ordered.ranked)
@@ -1240,6 +1288,7 @@ def _decide(
         explain=explain,
         unavoided=unavoided,
         outside=ledger.held_outside(snapshot.running),
+        arrays=_array_counts(snapshot.running) if limited else None,
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
     groups = _selection_order(by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands))

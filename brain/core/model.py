@@ -264,6 +264,11 @@ class JobView:
     demand: Demand | None = None
     # A whole-GPU job that lets shares run beside it while its profile leaves room.
     shareable: bool = False
+    # The job array it belongs to (any name, one per array: the shell's, within a
+    # tenant), and how many of the array's jobs may hold GPUs at once (sbatch's %N):
+    # past it, it waits (`AtArrayLimit`). None: no array, or no limit.
+    array: str | None = None
+    array_limit: int | None = None
 
     @property
     def shared(self) -> bool:
@@ -424,6 +429,19 @@ class AtFixedQuota:
 
 
 @record
+class AtArrayLimit:
+    """As many of its array's jobs as its limit allows hold GPUs (`JobView.array_limit`):
+    it starts when one of them ends or is preempted, whatever ranks ahead of it."""
+
+    limit: int
+
+    kind = "array_limit"
+
+    def describe(self) -> str:
+        return f"{self.limit} of its array's jobs run, as many as it allows at once"
+
+
+@record
 class LargerThanCluster:
     """It needs more GPUs than the cluster has schedulable, free or not."""
 
@@ -506,7 +524,14 @@ class MakingRoom:
 
 
 WaitCause = (
-    BackingOff | AtFixedQuota | LargerThanCluster | QueuedBehind | RankedOut | NoFit | MakingRoom
+    BackingOff
+    | AtFixedQuota
+    | AtArrayLimit
+    | LargerThanCluster
+    | QueuedBehind
+    | RankedOut
+    | NoFit
+    | MakingRoom
 )
 
 
