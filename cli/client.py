@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Sequence
@@ -55,10 +56,14 @@ async def open_bus(
     )
 
 
+log = logging.getLogger(__name__)
+
 # How long a command asks again while no brain answers, or a read is answered
 # `unavailable`: a failover (the lease's TTL, 5 s by default, then the takeover) or a
 # NATS server restarting under the brain, not a cluster that is down.
 FAILOVER_WAIT_S: Final = 10.0
+# The first pause before asking again (each after doubles, to a second).
+FIRST_RETRY_S: Final = 0.1
 
 
 async def call(
@@ -76,7 +81,7 @@ async def call(
     while the brain answers `unavailable` (a write so answered may have been stored:
     its caller decides, as `submit` does with its key)."""
     deadline = time.monotonic() + failover_s
-    delay = 0.1
+    delay = FIRST_RETRY_S
     while True:
         try:
             return await _call_once(bus, tenant, verb, request, reply, timeout_s=timeout_s)
@@ -85,11 +90,16 @@ async def call(
                 if failover_s > 0:
                     raise BrainUnavailable(error.subject, asked_for_s=failover_s) from None
                 raise
+            said = f"no brain is answering on {error.subject}"
         except ApiError as error:
             if error.code != "unavailable" or verb not in READ_ONLY_VERBS:
                 raise
             if time.monotonic() + delay > deadline:
                 raise
+            said = f"the brain cannot answer {verb} now ({error.message})"
+        if delay == FIRST_RETRY_S:
+            # Once: a person waiting on a command that is silent for 10 s thinks it hung.
+            log.warning("%s; asking again for up to %.0f s", said, failover_s)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
 

@@ -99,6 +99,8 @@ async def test_errors_name_what_is_wrong(cli_env, nats_server) -> None:
     assert code == 1 and "no cluster found" in err
     code, _, err = await alnair("jobs", "--nats", nats_server.url, env=cli_env)
     assert code == 1 and "no brain is answering" in err
+    # While it asks again, it says so, once: ten silent seconds look like a hang.
+    assert err.count("asking again for up to 10 s") == 1, err
     code, _, err = await alnair("events", "--nats", nats_server.url, env=cli_env)
     assert code == 1 and "there is no STATE log on this NATS" in err, err
     code, _, err = await alnair("submit", "--nats", nats_server.url, "--", "true", env=cli_env)
