@@ -837,6 +837,18 @@ def test_a_job_file_gives_its_time_limit_as_the_flag_does(tmp_path: Path) -> Non
         _spec_from_yaml(job, args)
 
 
+def test_a_job_file_names_its_array_and_limit(tmp_path: Path) -> None:
+    """Jobs submitted one by one (a sweep driver's) share a limit by naming one array."""
+    job = tmp_path / "job.yaml"
+    job.write_text("command: train.py\ngpus: 1\narray: lr-sweep\narray_limit: 4\n")
+    args = build_parser().parse_args(["submit", str(job)])
+    spec = _spec_from_yaml(job, args)
+    assert (spec.array, spec.array_limit) == ("lr-sweep", 4)
+    job.write_text("command: train.py\ngpus: 1\narray_limit: 4\n")
+    with pytest.raises(UsageError, match="array_limit: a limit is of an array: give array too"):
+        _spec_from_yaml(job, args)
+
+
 @pytest.mark.parametrize(
     ("code", "exits", "says"),
     [
