@@ -702,6 +702,30 @@ def test_an_array_runs_no_more_than_its_limit_and_holds_no_one_back(order: str) 
     assert {w.cause.kind for w in decisions.waits} == {"array_limit"}
 
 
+def test_a_job_its_array_holds_back_takes_no_guarantee_from_its_queue() -> None:
+    """LAS ranks the array's new job first, but its array runs its one: were it charged
+    to its queue's guarantee, the queue's other running job would stand over quota, and
+    a borrowing job of another queue would preempt it."""
+    sweep = {"array": "a/sweep", "array_limit": 1}
+    served = {"queue": "q", "attained_gpu_seconds": 20_000.0, "service_level": 2}
+    snapshot = cluster(
+        node("n0", gpus=2, busy=(0, 1)),
+        running_jobs=(
+            running("1", "n0", (0,), **served, **sweep),
+            running("2", "n0", (1,), **served),
+        ),
+        pending_jobs=(pending("3", 1, at=5.0, queue="q", **sweep), pending("4", 1, at=6.0)),
+        queues=(QueueQuota("q", 2, "train"),),
+    )
+    decisions = decide(snapshot, 10.0, Policy(order="las"))
+    assert preempted(decisions) == set()
+    assert placed(decisions) == {}
+    assert {w.job_id: w.cause.kind for w in decisions.waits} == {
+        "3": "array_limit",
+        "4": "ranked_out",
+    }
+
+
 def test_a_job_of_an_array_without_a_limit_is_not_counted() -> None:
     snapshot = cluster(
         node("n0", gpus=4),

@@ -336,6 +336,7 @@ def _standings(
     snapshot: ClusterSnapshot,
     jobs: Sequence[JobView],
     smallest: int,
+    arrays: Mapping[str, int] | None,
 ) -> list[Standing] | None:
     """Each job's quota standing (`quota.standings_in_order`), in the order of `by_rank`,
     the queues walked by (hold, rank); None when no queue is configured (every job is
@@ -345,11 +346,13 @@ def _standings(
         return None
     ranked_jobs = [r.job for r in by_rank]
     if min(holds, default=0) == max(holds, default=0):
-        return standings_in_order(ranked_jobs, queues, unordered=jobs, smallest=smallest)
+        return standings_in_order(
+            ranked_jobs, queues, unordered=jobs, smallest=smallest, arrays=arrays
+        )
     # Stable: within one hold, still by rank.
     walk = sorted(range(len(ranked_jobs)), key=holds.__getitem__)
     walked = standings_in_order(
-        [ranked_jobs[i] for i in walk], queues, unordered=jobs, smallest=smallest
+        [ranked_jobs[i] for i in walk], queues, unordered=jobs, smallest=smallest, arrays=arrays
     )
     result = [Standing.OVER_QUOTA] * len(ranked_jobs)
     for position, standing in zip(walk, walked, strict=True):
@@ -381,6 +384,7 @@ def _selection_order(
     policy: Policy,
     hold: Preemption,
     smallest: int,
+    arrays: Mapping[str, int] | None,
 ) -> list[_Group]:
     """Every job in selection order: by (standing, hold, starving first and longest
     waiting first among them, rank, submission, id), as runs of one class each.
@@ -389,16 +393,17 @@ def _selection_order(
     and the selection order are stable partitions of it, so that a cycle sorts its jobs
     once (sorting tuples is most of what ranking costs). `jobs` are the jobs ranked, in
     snapshot order, for walks that need no order; `smallest` the least any of them takes
-    of a guarantee (`quota.smallest_ask`)."""
+    of a guarantee (`quota.smallest_ask`); `arrays` how many jobs of each array run, for
+    a cycle with a job whose array has a limit (`_Cycle.arrays`)."""
     uniform = UNIFORM_HOLDS.get(hold)
     guard = policy.starvation_guard_s
     if guard is None and uniform is not None:
         # Every job holds alike: no list of holds to build and scan.
-        return _by_standing(by_rank, uniform if by_rank else 0, snapshot, jobs, smallest)
+        return _by_standing(by_rank, uniform if by_rank else 0, snapshot, jobs, smallest, arrays)
     holds = [hold(r.job) for r in by_rank] if uniform is None else [uniform] * len(by_rank)
     if guard is None and min(holds, default=0) == max(holds, default=0):
-        return _by_standing(by_rank, holds[0] if holds else 0, snapshot, jobs, smallest)
-    standing_of = _standings(by_rank, holds, snapshot, jobs, smallest)
+        return _by_standing(by_rank, holds[0] if holds else 0, snapshot, jobs, smallest, arrays)
+    standing_of = _standings(by_rank, holds, snapshot, jobs, smallest, arrays)
     over = Standing.OVER_QUOTA
     standing_list = standing_of or [over] * len(by_rank)
     groups: dict[tuple[int, int, bool], list[Ranked]] = {}
@@ -426,6 +431,7 @@ def _by_standing(
     snapshot: ClusterSnapshot,
     jobs: Sequence[JobView],
     smallest: int,
+    arrays: Mapping[str, int] | None,
 ) -> list[_Group]:
     """`_selection_order` when every job has the same hold and nobody can starve (no guard):
     the rank order, partitioned by standing alone (with no quotas, one partition), in
@@ -434,7 +440,7 @@ def _by_standing(
     queues = quota_of(snapshot.queues)
     if not queues:
         return [_Group(Standing.OVER_QUOTA, hold, False, by_rank)]
-    walk = QuotaWalk(queues, jobs, smallest)
+    walk = QuotaWalk(queues, jobs, smallest, arrays)
     walked = walk.standings(map(_JOB, by_rank))
     partitions: list[list[Ranked]] = [[] for _ in Standing]
     appends = [partition.append for partition in partitions]
@@ -592,13 +598,13 @@ def _select(
                 continue
             if explain or (also and job.job_id in also):
                 # Most waits of a cycle repeat a cause built for a job before them; a
-                # held job's is its queue's alone (`AtFixedQuota`), a capped one's its
-                # limit's (`AtArrayLimit`).
+                # capped job's is its limit's alone (`AtArrayLimit`), a held one's its
+                # queue's (`AtFixedQuota`).
                 key = (
-                    job.queue
-                    if held
-                    else job.array_limit
+                    job.array_limit
                     if capped
+                    else job.queue
+                    if held
                     else (
                         need,
                         job.gpus,
@@ -1291,7 +1297,9 @@ def _decide(
         arrays=_array_counts(snapshot.running) if limited else None,
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
-    groups = _selection_order(by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands))
+    groups = _selection_order(
+        by_rank, snapshot, jobs, now, policy, hold, smallest_ask(demands), cycle.arrays
+    )
     # The stages that index or sort the selection order job by job, and only they, have
     # it as entries: most cycles (no stage that resizes, no share) never do.
     entries = _flat(groups) if stage.resizes or cycle.sharing else []

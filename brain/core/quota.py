@@ -11,7 +11,7 @@ This module decides standings only; the pipeline in `decide` turns them into ran
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from enum import IntEnum
 from operator import attrgetter
@@ -84,14 +84,17 @@ def standings_in_order(
     *,
     unordered: Sequence[JobView] | None = None,
     smallest: int | None = None,
+    arrays: Mapping[str, int] | None = None,
 ) -> list[Standing]:
     """Each job's standing, in the order of `jobs_by_rank` (best-ranked first): one walk,
     no lookup by job id. A job of a queue nobody configured is over quota.
 
     `unordered`: the same jobs in any order, for the walk that needs no order (what
     pinned jobs use), when the caller has them laid out in memory as they were built;
-    `smallest`: the least any of them asks (`smallest_ask`), when the caller knows it."""
-    walk = QuotaWalk(queues, jobs_by_rank if unordered is None else unordered, smallest)
+    `smallest`: the least any of them asks (`smallest_ask`), when the caller knows it;
+    `arrays`: how many jobs of each array run, when a job's array has a limit
+    (`QuotaWalk`)."""
+    walk = QuotaWalk(queues, jobs_by_rank if unordered is None else unordered, smallest, arrays)
     result = walk.standings(iter(jobs_by_rank))
     rest = walk.rest
     result += [rest(job) for job in jobs_by_rank[len(result) :]]
@@ -104,14 +107,26 @@ class QuotaWalk:
     guarantee has room left (the first few thousand of a busy cluster's jobs); `rest`
     is the standing of every job after those, which its queue and grants alone decide:
     over quota, but for the jobs of `build` queues (`of_builds`, the queues that have
-    any)."""
+    any).
+
+    A waiting job of an array with a limit (`JobView.array_limit`) is charged only while
+    fewer of its array's jobs run or were walked before it than the limit: past it, the
+    cycle passes it over (it waits `array_limit`), and the guarantee it would have taken
+    stays with its queue's other jobs."""
 
     def __init__(
-        self, queues: dict[str, QueueQuota], every: Sequence[JobView], smallest: int | None
+        self,
+        queues: dict[str, QueueQuota],
+        every: Sequence[JobView],
+        smallest: int | None,
+        arrays: Mapping[str, int] | None = None,
     ) -> None:
         """`every`: the jobs in any order (the walks that need none read them as they lie
-        in memory); `smallest`: the least any of them asks (`smallest_ask`), if known."""
+        in memory); `smallest`: the least any of them asks (`smallest_ask`), if known;
+        `arrays`: how many jobs of each array run, for a cycle with a job whose array
+        has a limit (None: none has)."""
         self._queues = queues
+        self._arrays = None if arrays is None else dict(arrays)
         builds = frozenset(name for name, quota in queues.items() if quota.job_class == "build")
         self._used, self.of_builds = _pinned_use(every, builds)
         # No job asks less than the smallest share (a GPU, where none is shared), so once
@@ -129,7 +144,7 @@ class QuotaWalk:
     def standings(self, jobs_by_rank: Iterator[JobView]) -> list[Standing]:
         """The standings of the jobs `jobs_by_rank` yields, as far as any guarantee has
         room: it stops reading there (or where they end)."""
-        queues, used, smallest = self._queues, self._used, self._smallest
+        queues, used, smallest, arrays = self._queues, self._used, self._smallest, self._arrays
         if not queues:
             # The common case in a single-tenant cluster (and in Tiresias' traces).
             return []
@@ -151,6 +166,9 @@ class QuotaWalk:
             if job.grants and build:
                 append(Standing.PINNED)
                 continue
+            if arrays is not None and _capped(arrays, job):
+                append(Standing.HELD if build else Standing.OVER_QUOTA)
+                continue
             left = room[job.queue] - (job.gpus * MILLI if job.demand is None else charge(job))
             if left < 0:
                 append(Standing.HELD if build else Standing.OVER_QUOTA)
@@ -170,3 +188,16 @@ class QuotaWalk:
 
 
 _OVER_EITHER: Final = (Standing.OVER_QUOTA, Standing.OVER_QUOTA)
+
+
+def _capped(arrays: dict[str, int], job: JobView) -> bool:
+    """Is a waiting job past its array's limit, its array's jobs walked so far counted
+    (`arrays`)? If not, it is counted now."""
+    limit, array = job.array_limit, job.array
+    if job.grants or limit is None or array is None:
+        return False
+    walked = arrays.get(array, 0)
+    if walked >= limit:
+        return True
+    arrays[array] = walked + 1
+    return False
