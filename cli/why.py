@@ -75,6 +75,10 @@ def _summary(reply: WhyReply) -> list[str]:
         for ids, what in ((spec.after, "SUCCEEDED"), (spec.after_any, "ended"))
         if ids
     ]
+    if spec.array is not None:
+        index = "" if spec.array_index is None else f" index {spec.array_index} of"
+        limit = "" if spec.array_limit is None else f", at most {spec.array_limit} at once"
+        hints.append(f"{index} array {spec.array}{limit}".lstrip())
     if spec.time_limit_s is not None:
         ran = job.executed_seconds if executed is None else executed
         limit = f"time limit {fmt.duration(spec.time_limit_s)}"

@@ -423,6 +423,15 @@ def test_why_says_which_jobs_a_job_runs_after_and_how() -> None:
     assert "runs once job 8 has ended" in said
 
 
+def test_why_names_a_jobs_array_and_its_limit() -> None:
+    spec = JobSpec(command=("true",), gpus=1, array="3f2a", array_index=7, array_limit=4)
+    job = JobRecord(
+        job_id="9", tenant="default", spec=spec, state=JobState.PENDING, submitted_at=0.0
+    )
+    said = why.render(WhyReply(job=job, decisions=()))
+    assert "index 7 of array 3f2a, at most 4 at once" in said
+
+
 @pytest.mark.parametrize(
     ("state", "grants", "says"),
     [
