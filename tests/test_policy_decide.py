@@ -726,6 +726,34 @@ def test_a_job_its_array_holds_back_takes_no_guarantee_from_its_queue() -> None:
     }
 
 
+def test_admission_counts_an_arrays_jobs_as_selection_does() -> None:
+    """Its one running job counted once (not again when admission walks it), and a job
+    of the array held to its own queue's fixed quota not at all: the array, limited to 2,
+    runs one, so job 4 has room in its array and in its queue's guarantee, and starts."""
+    sweep = {"array": "a/sweep", "array_limit": 2}
+    snapshot = cluster(
+        node("n0", gpus=2, busy=(0, 1)),
+        node("n1", gpus=1),
+        running_jobs=(
+            running("1", "n0", (0,), queue="b", **sweep),
+            running("2", "n0", (1,), queue="full"),
+        ),
+        pending_jobs=(
+            pending("3", 1, at=1.0, queue="full", **sweep),
+            pending("4", 1, at=2.0, queue="c", **sweep),
+        ),
+        queues=(
+            QueueQuota("b", 1, "train"),
+            QueueQuota("full", 1, "build"),
+            QueueQuota("c", 1, "build"),
+        ),
+    )
+    decisions = decide(snapshot, 10.0, Policy())
+    assert set(placed(decisions)) == {"4"}
+    # Held by its queue, and (job 4 selected) by its array now too: the array says it.
+    assert {w.job_id: w.cause.kind for w in decisions.waits} == {"3": "array_limit"}
+
+
 def test_a_job_of_an_array_without_a_limit_is_not_counted() -> None:
     snapshot = cluster(
         node("n0", gpus=4),

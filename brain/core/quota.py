@@ -11,6 +11,7 @@ This module decides standings only; the pipeline in `decide` turns them into ran
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from enum import IntEnum
@@ -110,9 +111,11 @@ class QuotaWalk:
     any).
 
     A waiting job of an array with a limit (`JobView.array_limit`) is charged only while
-    fewer of its array's jobs run or were walked before it than the limit: past it, the
+    fewer of its array's jobs run or were charged before it than the limit: past it, the
     cycle passes it over (it waits `array_limit`), and the guarantee it would have taken
-    stays with its queue's other jobs."""
+    stays with its queue's other jobs. (Charged, it counts; walked but not charged, it
+    does not: a job held to its fixed quota never runs, and one over quota is selected
+    after every job within quota.)"""
 
     def __init__(
         self,
@@ -126,7 +129,7 @@ class QuotaWalk:
         `arrays`: how many jobs of each array run, for a cycle with a job whose array
         has a limit (None: none has)."""
         self._queues = queues
-        self._arrays = None if arrays is None else dict(arrays)
+        self._arrays = None if arrays is None else Counter(arrays)
         builds = frozenset(name for name, quota in queues.items() if quota.job_class == "build")
         self._used, self.of_builds = _pinned_use(every, builds)
         # No job asks less than the smallest share (a GPU, where none is shared), so once
@@ -175,6 +178,8 @@ class QuotaWalk:
                 continue
             room[job.queue] = left
             append(Standing.IN_QUOTA)
+            if arrays is not None and job.array is not None and not job.grants:
+                arrays[job.array] += 1  # (its running jobs are counted already)
             if left < smallest:
                 open_queues -= 1
                 if not open_queues:
@@ -190,14 +195,8 @@ class QuotaWalk:
 _OVER_EITHER: Final = (Standing.OVER_QUOTA, Standing.OVER_QUOTA)
 
 
-def _capped(arrays: dict[str, int], job: JobView) -> bool:
-    """Is a waiting job past its array's limit, its array's jobs walked so far counted
-    (`arrays`)? If not, it is counted now."""
+def _capped(arrays: Mapping[str, int], job: JobView) -> bool:
+    """Is a waiting job past its array's limit, counting its array's running jobs and
+    those charged before it (`arrays`)?"""
     limit, array = job.array_limit, job.array
-    if job.grants or limit is None or array is None:
-        return False
-    walked = arrays.get(array, 0)
-    if walked >= limit:
-        return True
-    arrays[array] = walked + 1
-    return False
+    return not job.grants and limit is not None and array is not None and arrays[array] >= limit
