@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import sys
 from bisect import bisect_right
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
@@ -90,6 +91,7 @@ from brain.core.preemption import PREEMPTIONS, UNIFORM_HOLDS, Preemption
 from brain.core.quota import (
     QuotaWalk,
     Standing,
+    at_array_limit,
     quota_of,
     smallest_ask,
     standings_in_order,
@@ -316,8 +318,8 @@ class _Cycle:
     # Running whole-GPU jobs with shares beside them (`shares.hosting`): never victims.
     hosts: AbstractSet[str] = frozenset()
     # How many jobs of each array hold GPUs, or are selected to (`JobView.array`), for a
-    # cycle with a job whose array has a limit; None: none has (`_array_counts`).
-    arrays: dict[str, int] | None = None
+    # cycle with a job whose array has a limit; None: none has.
+    arrays: Counter[str] | None = None
 
     def explains(self, job_id: str) -> bool:
         """Is this job's `Wait` wanted, if it waits?"""
@@ -589,7 +591,7 @@ def _select(
                 continue
             # Held to its array's limit (sbatch's %N), a job is as one held to its
             # queue's fixed quota: it takes nothing from the budget, holds no job back.
-            capped = arrays is not None and _at_limit(arrays, job)
+            capped = arrays is not None and at_array_limit(arrays, job)
             if need <= budget and blocked_by is None and need <= capacity and not (held or capped):
                 budget -= need
                 if not rigid or arrays is not None:
@@ -641,24 +643,18 @@ def _select(
     return to_place, victims
 
 
-def _at_limit(arrays: Mapping[str, int], job: JobView) -> bool:
-    """Do as many jobs of its array hold GPUs (or are selected to) as its limit allows?"""
-    limit, array = job.array_limit, job.array
-    return limit is not None and array is not None and arrays.get(array, 0) >= limit
-
-
 def _selected(
     job: JobView,
     need: int,
     select: Callable[[JobView, int], None] | None,
-    arrays: dict[str, int] | None,
+    arrays: Counter[str] | None,
 ) -> None:
     """A pending job selected to be placed: told to a stage that resizes (`select`),
     and counted in its array (`_Cycle.arrays`)."""
     if select is not None:
         select(job, need)
     if arrays is not None and job.array is not None:
-        arrays[job.array] = arrays.get(job.array, 0) + 1
+        arrays[job.array] += 1
 
 
 def _note_shares(cycle: _Cycle) -> None:
@@ -1221,15 +1217,6 @@ def _checked_demands(jobs: Sequence[JobView]) -> tuple[set[Demand], bool]:
     return demands, limited
 
 
-def _array_counts(running: Sequence[JobView]) -> dict[str, int]:
-    """How many running jobs of each array there are (`_Cycle.arrays`)."""
-    counts: dict[str, int] = {}
-    for job in running:
-        if job.array is not None:
-            counts[job.array] = counts.get(job.array, 0) + 1
-    return counts
-
-
 _AVOID_NODES: Final = attrgetter("avoid_nodes")
 
 
@@ -1294,7 +1281,9 @@ def _decide(
         explain=explain,
         unavoided=unavoided,
         outside=ledger.held_outside(snapshot.running),
-        arrays=_array_counts(snapshot.running) if limited else None,
+        arrays=Counter(j.array for j in snapshot.running if j.array is not None)
+        if limited
+        else None,
     )
     cycle.actions.extend(w for w in backoff_waits if cycle.explains(w.job_id))
     groups = _selection_order(

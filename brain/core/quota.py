@@ -169,7 +169,7 @@ class QuotaWalk:
             if job.grants and build:
                 append(Standing.PINNED)
                 continue
-            if arrays is not None and _capped(arrays, job):
+            if arrays is not None and not job.grants and at_array_limit(arrays, job):
                 append(Standing.HELD if build else Standing.OVER_QUOTA)
                 continue
             left = room[job.queue] - (job.gpus * MILLI if job.demand is None else charge(job))
@@ -195,8 +195,9 @@ class QuotaWalk:
 _OVER_EITHER: Final = (Standing.OVER_QUOTA, Standing.OVER_QUOTA)
 
 
-def _capped(arrays: Mapping[str, int], job: JobView) -> bool:
-    """Is a waiting job past its array's limit, counting its array's running jobs and
-    those charged before it (`arrays`)?"""
+def at_array_limit(counts: Mapping[str, int], job: JobView) -> bool:
+    """Do as many of its array's jobs as its limit allows count in `counts` (by array:
+    those running, and those a walk has taken so far)? The one test of admission's walk
+    (`QuotaWalk`) and selection's (brain/core/decide.py)."""
     limit, array = job.array_limit, job.array
-    return not job.grants and limit is not None and array is not None and arrays[array] >= limit
+    return limit is not None and array is not None and counts.get(array, 0) >= limit
