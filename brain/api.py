@@ -335,6 +335,7 @@ class ApiServer:
         state = self.brain.state
         wanted = set(request.states) if request.states else None
         queues = set(request.queues) if request.queues else None
+        arrays = set(request.arrays) if request.arrays else None
         before = None if request.before is None else job_sequence(request.before)
         jobs = [
             j
@@ -342,6 +343,7 @@ class ApiServer:
             if (operator or j.tenant == tenant)
             and (wanted is None or j.state in wanted)
             and (queues is None or j.spec.queue in queues)
+            and (arrays is None or j.spec.array in arrays)
             and (before is None or job_sequence(j.job_id) < before)
         ]
         jobs.sort(key=lambda j: job_sequence(j.job_id))
@@ -375,6 +377,7 @@ class ApiServer:
             states=states,
             tenant=tenant,
             queues=request.queues,
+            arrays=request.arrays,
             before=request.before,
             # One more than it may take: whether any is left out.
             limit=take + 1,

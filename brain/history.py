@@ -106,9 +106,12 @@ class History:
                     "nodes": str,
                     "reason": str,
                     "command": str,
+                    "array": str,
                 },
                 pk="job_id",
             )
+        elif "array" not in {c.name for c in db.table("jobs").columns}:
+            self._add_arrays()
         if "attempts" not in db.table_names():
             db.table("attempts").create(
                 {
@@ -130,8 +133,27 @@ class History:
             db.execute("ALTER TABLE attempts ADD COLUMN failure_class TEXT")
         # Listings walk jobs newest first by number (`_finished_ids`).
         db.execute(f"CREATE INDEX IF NOT EXISTS jobs_by_number ON jobs({_BY_NUMBER})")
+        # An array's jobs, for a listing of one (most jobs are of none: not indexed).
+        db.execute(
+            "CREATE INDEX IF NOT EXISTS jobs_by_array ON jobs(array) WHERE array IS NOT NULL"
+        )
         # `floor`: the first sequence this history holds every entry from (`begin_at`).
         db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER)")
+
+    def _add_arrays(self) -> None:
+        """Give a history written before jobs named their array (`JobSpec.array`) the
+        column, filled from each job's last entry; only an array's jobs name one."""
+        with self.db.conn:
+            self.db.execute("ALTER TABLE jobs ADD COLUMN array TEXT")
+            self.db.execute(
+                "UPDATE jobs SET array = ("
+                "SELECT json_extract(body, '$.job.spec.array') FROM events "
+                "WHERE events.job_id = jobs.job_id AND state IS NOT NULL "
+                "ORDER BY seq DESC LIMIT 1"
+                ") WHERE job_id IN ("
+                "SELECT job_id FROM events "
+                'WHERE state IS NOT NULL AND instr(body, \'"array":"\') > 0)'
+            )
 
     def last_seq(self) -> int:
         """The last sequence the history holds every entry up to: before a group whose
@@ -346,8 +368,8 @@ _BY_NUMBER: Final = "length(job_id), job_id"
 class FinishedQuery:
     """Finished jobs to list from the history (the brain's memory holds only the
     latest ones): in `states` (terminal ones), of `tenant` (None: any), of `queues`
-    (None: any), numbered below `before` (None: the newest), at most `limit`, none of
-    `skip` (the jobs the caller answers from memory)."""
+    and of `arrays` (None: any), numbered below `before` (None: the newest), at most
+    `limit`, none of `skip` (the jobs the caller answers from memory)."""
 
     states: tuple[JobState, ...]
     tenant: str | None
@@ -355,6 +377,7 @@ class FinishedQuery:
     before: str | None
     limit: int
     skip: frozenset[str] = frozenset()
+    arrays: tuple[str, ...] | None = None
 
 
 def _finished_ids(query: FinishedQuery, conn: sqlite3.Connection) -> list[str]:
@@ -374,6 +397,9 @@ def _finished_ids(query: FinishedQuery, conn: sqlite3.Connection) -> list[str]:
     if query.queues is not None:
         where.append(f"queue IN ({', '.join('?' * len(query.queues))})")
         params.extend(query.queues)
+    if query.arrays is not None:
+        where.append(f"array IN ({', '.join('?' * len(query.arrays))})")
+        params.extend(query.arrays)
     batch = query.limit + len(query.skip)
     found: list[str] = []
     before = query.before
@@ -526,7 +552,7 @@ def _upsert(table: str, key: tuple[str, ...], columns: tuple[str, ...]) -> str:
 
 _JOB_COLUMNS: Final = (
     "tenant", "name", "queue", "gpus", "state", "attempt", "submitted_at", "started_at",
-    "finished_at", "exit_code", "signal", "nodes", "reason", "command",
+    "finished_at", "exit_code", "signal", "nodes", "reason", "command", "array",
 )  # fmt: skip
 _UPSERT_JOB: Final = _upsert("jobs", ("job_id",), _JOB_COLUMNS)
 # A failed attempt's row keeps where it ran; its end and class are added.
@@ -616,6 +642,7 @@ class _Rows:
                 ",".join(job.nodes),
                 job.reason,
                 json.dumps(list(job.spec.command)),
+                job.spec.array,
             )
         )
         for failure in job.failures:

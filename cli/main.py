@@ -496,8 +496,8 @@ async def _submit_array(args: argparse.Namespace, spec: JobSpec, array: ArraySpe
         if not args.json:
             at_once = f", at most {array.at_once} at once" if array.at_once else ""
             print(
-                f"submitted jobs {_id_ranges(ids)} (an array of {len(ids)}{at_once}; "
-                f"{spec.gpu_request} each, queue {spec.queue})",
+                f"submitted jobs {_id_ranges(ids)} (array {base} of {len(ids)}{at_once}; "
+                f"{spec.gpu_request} each, queue {spec.queue}; alnair jobs --array {base})",
                 flush=True,
             )
         if not args.wait:
@@ -602,12 +602,13 @@ def elastic_json(job: JobRecord) -> dict[str, Any]:
 async def cmd_jobs(args: argparse.Namespace) -> int:
     states = tuple(JobState(s.upper()) for s in args.state) if args.state else None
     queues = tuple(args.queue) if args.queue else None
+    arrays = tuple(args.array) if args.array else None
 
     async def run(bus: Any) -> int:
         # Page by page, newest first, until `--limit`: one answer holds what one NATS
         # message can (jobs with a large environment fill it sooner).
         jobs: list[JobRecord] = []
-        request = ListJobsRequest(states=states, queues=queues, limit=args.limit)
+        request = ListJobsRequest(states=states, queues=queues, arrays=arrays, limit=args.limit)
         while True:
             reply = await call(bus, args.tenant, "jobs", request, JOBS_RESULT)
             jobs[:0] = reply.jobs
@@ -1290,6 +1291,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--queue", action="append", metavar="QUEUE", help="only jobs of this queue (repeatable)"
+    )
+    p.add_argument(
+        "--array",
+        action="append",
+        metavar="ARRAY",
+        help="only jobs of this array, as `submit --array` names it (repeatable)",
     )
     p.add_argument("--limit", type=int, default=200, help="at most this many, newest")
     p.add_argument("--json", action="store_true")

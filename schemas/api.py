@@ -21,6 +21,7 @@ from pydantic import (
 from schemas.base import Message, NodeName, QueueName
 from schemas.jobs import (
     MAX_GPUS_PER_JOB,
+    ArrayName,
     FailureClass,
     JobRecord,
     JobSpec,
@@ -77,6 +78,8 @@ class ListJobsRequest(Message):
     states: tuple[JobState, ...] | None = None
     # Only jobs of these queues; None: every queue.
     queues: tuple[QueueName, ...] | None = Field(default=None, max_length=64)
+    # Only jobs of these arrays (`JobSpec.array`, the caller's tenant's); None: any job.
+    arrays: tuple[ArrayName, ...] | None = Field(default=None, max_length=64)
     limit: int = Field(default=1000, ge=1, le=100_000)
     # Only jobs listed before this one (by job id, the order the log took them in):
     # the next page, from a reply's `next_before`.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,6 +16,8 @@ MAX_DECLARED_DURATION_S: Final = 3.2e8
 # own (the brain puts it in the launch's environment).
 MAX_ARRAY_INDEX: Final = 1_000_000
 ARRAY_INDEX_ENV: Final = "ALNAIR_ARRAY_INDEX"
+# A job array's name (`JobSpec.array`), within its tenant.
+ArrayName = Annotated[str, Field(min_length=1, max_length=128)]
 # Jobs one job may wait for (`JobSpec.after`).
 MAX_AFTER: Final = 64
 _ENV_NAME_CHARS: Final = frozenset(
@@ -181,7 +183,7 @@ class JobSpec(BaseModel):
     array_index: int | None = Field(default=None, ge=0, le=MAX_ARRAY_INDEX)
     # The array it belongs to: one name for all its jobs, the submitter's own (`alnair
     # submit --array` gives the array's idempotency key), within its tenant.
-    array: str | None = Field(default=None, min_length=1, max_length=128)
+    array: ArrayName | None = None
     # At most this many of the array's jobs run at once (sbatch's `--array 0-99%10`):
     # the others wait, "array_limit", while this many of its jobs hold GPUs, whatever
     # ranks ahead of them. A job's own limit counts for it.

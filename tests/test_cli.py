@@ -923,17 +923,18 @@ async def test_an_array_runs_a_job_per_index_at_most_n_at_once(
     env = {"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "ALNAIR_HOME": str(tmp_path)}
     code = "import os, sys; sys.exit(int(os.environ['ALNAIR_ARRAY_INDEX']) == 3)"
     argv = ["submit", "--array", "0-3%2", "--wait", "--nats", nats_server.url, "--gpus", "1"]
-    argv += ["--name", "sweep", "--", sys.executable, "-c", code]
+    argv += ["--name", "sweep", "--idempotency-key", "sweep-7", "--", sys.executable, "-c", code]
     returned, out, err = await alnair(*argv, env=env)
     assert returned == 1, (out, err)  # index 3 exited 1
     lines = out.splitlines()
     assert lines[0] == (
-        "submitted jobs 1-4 (an array of 4, at most 2 at once; 1 GPU each, queue default)"
+        "submitted jobs 1-4 (array sweep-7 of 4, at most 2 at once; 1 GPU each, queue default; "
+        "alnair jobs --array sweep-7)"
     )
     jobs = [brain.state.jobs[str(n)] for n in range(1, 5)]
     assert [j.spec.name for j in jobs] == ["sweep[0]", "sweep[1]", "sweep[2]", "sweep[3]"]
     assert [j.spec.array_index for j in jobs] == [0, 1, 2, 3]
-    assert len({j.spec.array for j in jobs}) == 1 and jobs[0].spec.array is not None
+    assert {j.spec.array for j in jobs} == {"sweep-7"}
     assert [j.spec.array_limit for j in jobs] == [2] * 4
     assert [j.state for j in jobs] == [JobState.SUCCEEDED] * 3 + [JobState.FAILED]
     runs = [(j.started_at, j.finished_at) for j in jobs]
@@ -941,6 +942,15 @@ async def test_an_array_runs_a_job_per_index_at_most_n_at_once(
         assert started is not None
         at_once = sum(1 for s, f in runs if s is not None and f is not None and s <= started < f)
         assert at_once <= 2
+    # Listed by the name it printed, and only its own jobs.
+    argv = ["submit", "--nats", nats_server.url, "--gpus", "1", "--", sys.executable, "-V"]
+    returned, out, err = await alnair(*argv, env=env)
+    assert returned == 0, (out, err)
+    for array, ids in (("sweep-7", ["1", "2", "3", "4"]), ("sweep-8", [])):
+        argv = ["jobs", "--array", array, "--json", "--nats", nats_server.url]
+        returned, out, err = await alnair(*argv, env=env)
+        assert returned == 0, (out, err)
+        assert [j["job_id"] for j in json.loads(out)] == ids
 
 
 def test_cancel_takes_runs_of_job_ids_as_an_array_is_named() -> None:

@@ -213,6 +213,27 @@ async def test_listings_go_on_into_the_finished_jobs_gone_from_memory(
     assert [j.job_id for j in ops.jobs] == ["97", "98", "99"]
 
 
+async def test_an_array_is_listed_from_memory_and_from_the_history_alike(
+    brain_factory: Callable[..., Awaitable[Brain]], connect
+) -> None:
+    """Every tenth job is of array "sweep": a listing by array finds those gone from
+    memory (the history's) and those still in it, and no other job."""
+
+    def of_sweep(record: JobChanged) -> JobChanged:
+        if int(record.job.job_id) % 10:
+            return record
+        spec = record.job.spec.model_copy(update={"array": "sweep"})
+        return record.model_copy(update={"job": record.job.model_copy(update={"spec": spec})})
+
+    await append_records(await connect("setup"), map(of_sweep, finished_job_records(JOBS)))
+    brain = await brain_factory()
+    assert "10" not in brain.state.jobs and str(JOBS) in brain.state.jobs
+    sweep = await every_job(brain, ListJobsRequest(arrays=("sweep",), limit=7))
+    assert sweep == [str(n) for n in range(10, JOBS + 1, 10)]
+    reply = await listed(brain, ListJobsRequest(arrays=("other",)))
+    assert reply.jobs == () and reply.next_before is None
+
+
 async def test_a_page_reads_at_most_so_many_jobs_from_the_history(
     brain_factory: Callable[..., Awaitable[Brain]], connect, monkeypatch
 ) -> None:

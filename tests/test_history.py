@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from brain import history as history_module
-from brain.history import History
+from brain.history import FinishedQuery, History
 from schemas.api import AttemptRow
 from schemas.jobs import AttemptFailure, FailureClass, JobState
 from schemas.state import Cause, CauseKind, JobChanged
@@ -202,4 +203,52 @@ async def test_pruning_forgets_what_ended_before_and_keeps_a_floor(tmp_path: Pat
     live = await again.read_last_job("11")
     assert live is not None and live.state is JobState.RUNNING
     assert await again.prune(1e12) == 0
+    again.close()
+
+
+def of_array(record: JobChanged, array: str | None) -> JobChanged:
+    spec = record.job.spec.model_copy(update={"array": array})
+    return record.model_copy(update={"job": record.job.model_copy(update={"spec": spec})})
+
+
+async def test_finished_jobs_are_listed_by_array_also_from_a_history_older_than_arrays(
+    tmp_path: Path,
+) -> None:
+    """Jobs 1..30 finished; every third is of array "sweep". A listing by array reads
+    the column; a file written before the column existed gets it when opened, filled
+    from each job's last entry (a job that left its array, as no job does, is not of
+    it: the last entry says)."""
+    entries = [
+        of_array(r, "sweep" if int(r.job.job_id) % 3 == 0 else None)
+        for r in finished_job_records(30)
+    ]
+    query = FinishedQuery(
+        states=(JobState.SUCCEEDED,), tenant=None, queues=None, before=None, limit=100
+    )
+    sweep = replace(query, arrays=("sweep",))
+    expected = [str(n) for n in range(30, 0, -1) if n % 3 == 0]
+    path = tmp_path / "history.db"
+    history = History(path)
+    history.record_many((record, seq) for seq, record in enumerate(entries, start=1))
+    assert await history.read_finished_ids(sweep) == expected
+    assert len(await history.read_finished_ids(query)) == 30
+    history.close()
+
+    # As an older brain left it: no column (nor its index), and job 3 re-entered
+    # without its array after it was of one.
+    last_of_3 = [r for r in entries if r.job.job_id == "3"][-1]
+    assert last_of_3.job.spec.array == "sweep"
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("DROP INDEX jobs_by_array")
+        conn.execute("ALTER TABLE jobs DROP COLUMN array")
+        conn.execute(
+            "INSERT INTO events (seq, ts, kind, job_id, node, state, message, epoch, body) "
+            "VALUES (?, ?, 'exited', '3', '', 'SUCCEEDED', '', 1, ?)",
+            (len(entries) + 1, START_TS, of_array(last_of_3, None).model_dump_json()),
+        )
+    conn.close()
+    again = History(path)
+    assert await again.read_finished_ids(sweep) == expected[:-1]  # not job 3
+    assert await again.read_finished_ids(replace(query, arrays=("other",))) == []
     again.close()

@@ -73,6 +73,8 @@ async def test_submit_show_list_cancel_as_over_nats(
     await eventually(running)
     status, body = await api.call("GET", "/v1/jobs?state=RUNNING")
     assert status == 200 and [j["job_id"] for j in body["jobs"]] == [job_id]
+    status, body = await api.call("GET", "/v1/jobs?array=sweep&array=other")
+    assert status == 200 and body["jobs"] == []  # it is of no array
 
     # Another tenant neither sees nor touches it, and is told so in the NATS API's words.
     status, http_refusal = await api.call("GET", f"/v1/jobs/{job_id}", "bob")
@@ -151,6 +153,7 @@ async def test_invalid_requests_get_the_nats_apis_errors(
         ("GET", "/v1/jobs/1/why?limit=%C2%B2", 400, "limit"),
         ("GET", "/v1/jobs/1/logs?attempt=%C2%B2", 400, "attempt"),
         ("GET", "/v1/jobs?state=SLEEPING", 400, "states"),
+        ("GET", "/v1/jobs?array=", 400, "arrays"),
         ("POST", "/v1/jobs", 400, "invalid submit request"),  # no body
         ("GET", "/v1/events?since=0", 400, "since"),
         ("GET", "/v1/events?kind=node_drained&kind=bogus", 400, "no kind 'bogus'"),

@@ -185,6 +185,18 @@ def _paths() -> dict[str, Any]:
             "description": "only jobs of these queues",
         },
         {
+            "name": "array",
+            "in": "query",
+            "schema": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1, "maxLength": 128},
+                "maxItems": 64,
+            },
+            "style": "form",
+            "explode": True,
+            "description": "only jobs of these arrays (`JobSpec.array`)",
+        },
+        {
             "name": "limit",
             "in": "query",
             "schema": {"type": "integer", "minimum": 1, "maximum": 100_000, "default": 1000},

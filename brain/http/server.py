@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# The longest request line read (aiohttp's default is 8,190 bytes): a listing's query
+# may name 64 arrays of 128 characters each, percent-encoded, and queues and states
+# beside them; a longer line is refused (400) before the API sees it.
+MAX_REQUEST_LINE: Final = 128 * 1024
 DASHBOARD_DIR: Final = Path(__file__).resolve().parent.parent / "dashboard"
 STATUS_OF: Final[dict[str, int]] = {
     "invalid": 400,
@@ -198,7 +202,9 @@ class HttpServer:
         sock.setblocking(False)
         self.port = int(sock.getsockname()[1])
         # Open event streams are cancelled by stop(); nothing else needs long to finish.
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=2.0)
+        self._runner = web.AppRunner(
+            self.app, access_log=None, shutdown_timeout=2.0, max_line_size=MAX_REQUEST_LINE
+        )
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         await self.metrics.start()
@@ -339,6 +345,9 @@ class HttpServer:
         queues = request.query.getall("queue", [])
         if queues:
             data["queues"] = queues
+        arrays = request.query.getall("array", [])
+        if arrays:
+            data["arrays"] = arrays
         if "limit" in request.query:
             limit = request.query["limit"]
             data["limit"] = _integer(limit)
