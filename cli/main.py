@@ -605,17 +605,8 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
     arrays = tuple(args.array) if args.array else None
 
     async def run(bus: Any) -> int:
-        # Page by page, newest first, until `--limit`: one answer holds what one NATS
-        # message can (jobs with a large environment fill it sooner).
-        jobs: list[JobRecord] = []
         request = ListJobsRequest(states=states, queues=queues, arrays=arrays, limit=args.limit)
-        while True:
-            reply = await call(bus, args.tenant, "jobs", request, JOBS_RESULT)
-            jobs[:0] = reply.jobs
-            if reply.next_before is None or not reply.jobs or len(jobs) >= args.limit:
-                break
-            update = {"limit": args.limit - len(jobs), "before": reply.next_before}
-            request = request.model_copy(update=update)
+        jobs = await _listed(bus, args.tenant, request)
         if args.json:
             print(json.dumps([job_json(j) for j in jobs], indent=2))
         else:
@@ -623,6 +614,21 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
 
     return await _with_bus(args, run)
+
+
+async def _listed(bus: Any, tenant: str, request: ListJobsRequest) -> list[JobRecord]:
+    """The newest `request.limit` jobs it matches, oldest first: page by page, newest
+    first, as one answer holds what one NATS message can (jobs with a large environment
+    fill it sooner)."""
+    jobs: list[JobRecord] = []
+    limit = request.limit
+    while True:
+        reply = await call(bus, tenant, "jobs", request, JOBS_RESULT)
+        jobs[:0] = reply.jobs
+        if reply.next_before is None or not reply.jobs or len(jobs) >= limit:
+            return jobs
+        update = {"limit": limit - len(jobs), "before": reply.next_before}
+        request = request.model_copy(update=update)
 
 
 async def cmd_job(args: argparse.Namespace) -> int:
@@ -663,15 +669,32 @@ def _job_ids(words: Sequence[str]) -> list[str]:
 
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel jobs by id, and (`--array`) every job of an array that has not ended (as
+    `scancel` an array's id): those are listed first, so a job of it that ends meanwhile
+    is not a refusal."""
+    if not args.job and not args.array:
+        raise UsageError("name the jobs to cancel: ids, runs of them (12-21), or --array")
     # Every id is checked before any job is cancelled.
     requests = [CancelRequest(job_id=job_id) for job_id in _job_ids(args.job)]
 
     async def run(bus: Any) -> int:
+        arrays: list[str] = []
+        if args.array:
+            live = tuple(state for state in JobState if not state.terminal)
+            listing = ListJobsRequest(states=live, arrays=tuple(args.array), limit=100_000)
+            arrays = [job.job_id for job in await _listed(bus, args.tenant, listing)]
+            if not arrays:
+                names = ", ".join(args.array)
+                print(f"alnair cancel: no job of array {names} is left to cancel", file=sys.stderr)
+        ids = [request.job_id for request in requests]
+        requests.extend(CancelRequest(job_id=job_id) for job_id in arrays if job_id not in ids)
         refused = 0
         for request in requests:
             try:
                 reply = await call(bus, args.tenant, "cancel", request, JOB_RESULT)
             except ApiError as error:
+                if error.code == "conflict" and request.job_id in arrays:
+                    continue  # it ended after the listing: nothing to cancel
                 # The others are still cancelled (like scancel): say which was not.
                 print(f"alnair cancel: {error}", file=sys.stderr)
                 refused += 1
@@ -1310,7 +1333,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cancel", help="cancel jobs")
     _client_args(p)
-    p.add_argument("job", nargs="+", help="job ids, or runs of them (12-21)")
+    p.add_argument("job", nargs="*", help="job ids, or runs of them (12-21)")
+    p.add_argument(
+        "--array",
+        action="append",
+        metavar="ARRAY",
+        help="every job of this array that has not ended, as `submit --array` names it "
+        "(repeatable)",
+    )
     p.set_defaults(fn=cmd_cancel)
 
     p = sub.add_parser(

@@ -953,6 +953,35 @@ async def test_an_array_runs_a_job_per_index_at_most_n_at_once(
         assert [j["job_id"] for j in json.loads(out)] == ids
 
 
+async def test_an_array_is_cancelled_by_its_name(
+    brain_factory, agent_factory, nats_server, tmp_path: Path
+) -> None:
+    """`cancel --array NAME`: every job of the array not yet ended, running or waiting
+    its turn (`%1`), and no other job; asked again, there is none left, which is no
+    error. With neither ids nor an array, it says what to name."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=2)
+    await eventually(lambda: len(brain.state.nodes) == 1)
+    env = {"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "ALNAIR_HOME": str(tmp_path)}
+    nats = ("--nats", nats_server.url)
+    sleeper = ("--gpus", "1", "--", "sleep", "600")
+    argv = ["submit", "--array", "0-2%1", "--idempotency-key", "sweep-9", *nats, *sleeper]
+    returned, out, err = await alnair(*argv, env=env)
+    assert returned == 0, (out, err)
+    returned, out, err = await alnair("submit", *nats, *sleeper, env=env)  # job 4
+    assert returned == 0, (out, err)
+    await eventually(lambda: brain.state.jobs["1"].state is JobState.RUNNING)
+    returned, out, err = await alnair("cancel", "--array", "sweep-9", *nats, env=env)
+    assert returned == 0, (out, err)
+    assert out.splitlines() == [f"job {n} CANCELLED" for n in (1, 2, 3)]
+    assert brain.state.jobs["4"].state is not JobState.CANCELLED
+    returned, out, err = await alnair("cancel", "--array", "sweep-9", *nats, env=env)
+    assert returned == 0 and out == "", (out, err)
+    assert "no job of array sweep-9 is left to cancel" in err
+    returned, out, err = await alnair("cancel", *nats, env=env)
+    assert returned == 1 and "name the jobs to cancel" in err, (out, err)
+
+
 def test_cancel_takes_runs_of_job_ids_as_an_array_is_named() -> None:
     assert _job_ids(["3", "12-15", "14", "7-7"]) == ["3", "12", "13", "14", "15", "7"]
     with pytest.raises(UsageError, match="9-2: a run of job ids is FIRST-LAST"):
