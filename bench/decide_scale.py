@@ -17,6 +17,13 @@ first run passes `--timeout` seconds is killed and reported as such) and, by tur
 pass and most of the live brain's), counts its placements, preemptions and waits, prints a
 table and writes bench/results/decide-scale-<stamp>.json.
 
+The raw baseline, timed by turns with them on the same snapshot (CPU time): `bare_decide`,
+the same kind of cycle written as plainly as Python allows (rank, fill the GPUs by count,
+preempt the running jobs past them, place the rest best-fit), without what Alnair decides
+beyond that (quotas, holds, the starvation guard, locality, elasticity, shares, reasons).
+`cpu / bare` is how many times its cost a `decide` takes: the figure to compare from run
+to run on a shared machine, where both move with the load.
+
 Sizes: 1k = 1,000 nodes, 4,000 running, 10,000 pending (the issue's case); 5k and 20k
 scale all three by 5 and 20.
 
@@ -219,10 +226,94 @@ class Result:
     preemptions: int
     waits: int
     timed_out: bool
+    # The raw baseline, by turns with the others: `bare_decide`'s CPU seconds (median),
+    # placements and preemptions.
+    median_bare_cpu_s: float | None = None
+    bare_placements: int = 0
+    bare_preemptions: int = 0
 
 
 def _policy(order: str) -> Policy:
     return Policy(order=order)
+
+
+# The bare scheduler's rank of a job (smaller first), by order, as Alnair's orders rank
+# (fifo and priority: running jobs first, so neither preempts among equals), without
+# bands kept in the view, indices or labels. Gittins is ranked as LAS (its index is a
+# look-up per service; the sort is the work).
+_BARE_RANKS: Final = {
+    "fifo": lambda j: (not j.grants, j.submitted_at),
+    "priority": lambda j: (-j.priority, not j.grants, j.submitted_at),
+    "las": lambda j: (_level(j.attained_gpu_seconds), j.submitted_at),
+    "gittins": lambda j: (_level(j.attained_gpu_seconds), j.submitted_at),
+}
+
+
+def bare_decide(
+    snapshot: ClusterSnapshot, order: str
+) -> tuple[list[tuple[str, list[Grant]]], list[str]]:
+    """The raw baseline: the same kind of cycle written as plainly as Python allows.
+    Every job by rank; the GPUs go to the first that fit by count (fifo: up to the
+    first pending job that does not, as Alnair's and Tiresias' fifo); running jobs past
+    them are preempted (all at once, their GPUs freed); each pending job within them is
+    placed best-fit (the node with the fewest free GPUs that holds it; a gang larger
+    than a node takes the emptiest nodes whole). No quotas, holds, starvation guard,
+    locality, elasticity, shares or reasons: what `decide` does beyond this is its
+    features' cost. Returns (placements, preempted job ids)."""
+    jobs = sorted((*snapshot.running, *snapshot.pending), key=_BARE_RANKS[order])
+    budget = sum(len(n.gpus) for n in snapshot.nodes)
+    to_place: list[JobView] = []
+    preempted: list[str] = []
+    free = {n.name: sorted(n.free) for n in snapshot.nodes}
+    blocking = order == "fifo"
+    for job in jobs:
+        if job.gpus <= budget:
+            budget -= job.gpus
+            if not job.grants:
+                to_place.append(job)
+        elif not job.grants:
+            if blocking:
+                budget = 0
+        else:
+            preempted.append(job.job_id)
+            for grant in job.grants:
+                free[grant.node].extend(grant.gpus)
+    # Nodes by free count, each row a set (no tie-break by name: a baseline).
+    rows: list[set[str]] = [set() for _ in range(GPUS_PER_NODE + 1)]
+    for name, gpus in free.items():
+        gpus.sort()
+        rows[len(gpus)].add(name)
+    placements: list[tuple[str, list[Grant]]] = []
+    for job in to_place:
+        chosen = _bare_fit(rows, job.gpus)
+        if not chosen:
+            continue
+        grants = []
+        for name, take in chosen:
+            gpus = free[name]
+            rows[len(gpus)].discard(name)
+            grants.append(Grant(name, tuple(gpus[:take])))
+            del gpus[:take]
+            rows[len(gpus)].add(name)
+        placements.append((job.job_id, grants))
+    return placements, preempted
+
+
+def _bare_fit(rows: list[set[str]], need: int) -> list[tuple[str, int]]:
+    """`bare_decide`'s nodes for a job of `need` GPUs, and how many each gives."""
+    if need <= GPUS_PER_NODE:
+        for count in range(need, GPUS_PER_NODE + 1):
+            if rows[count]:
+                return [(next(iter(rows[count])), need)]
+        return []
+    chosen: list[tuple[str, int]] = []
+    for count in range(GPUS_PER_NODE, 0, -1):
+        for name in rows[count]:
+            chosen.append((name, min(count, need)))
+            need -= count
+            if need <= 0:
+                return chosen
+    return []
 
 
 def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
@@ -232,7 +323,9 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
     times: list[float] = []
     cpu: list[float] = []
     quiet: list[float] = []
+    bare: list[float] = []
     counts = (0, 0, 0)
+    bare_counts = (0, 0)
     for _ in range(repeat):
         # As the brain's pass calls it: the cyclic collector paused until the decisions
         # are freed (brain/scheduler.py), which is not this decide's work either.
@@ -247,6 +340,11 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
             quiet_decisions = decide(snapshot, NOW, policy, waits=False)
             quiet.append(time.process_time() - started_cpu)
             del quiet_decisions
+            started_cpu = time.process_time()
+            placed, preempted = bare_decide(snapshot, order)
+            bare.append(time.process_time() - started_cpu)
+            bare_counts = (len(placed), len(preempted))
+            del placed, preempted
     conn.send(  # type: ignore[attr-defined]
         Result(
             size.label,
@@ -260,6 +358,8 @@ def _time_case(size: Size, order: str, repeat: int, conn: object) -> None:
             statistics.median(quiet),
             *counts,
             False,
+            statistics.median(bare),
+            *bare_counts,
         )
     )
 
@@ -305,12 +405,22 @@ def print_table(results: list[Result], timeout_s: float) -> None:
         "no-waits cpu ms",
         "place",
         "preempt",
+        "bare cpu ms",
+        "bare place",
+        "bare preempt",
+        "cpu / bare",
     )
     lines = [header]
     for r in results:
         median = f"> {timeout_s * 1000:,.0f}" if r.median_s is None else f"{r.median_s * 1000:,.1f}"
         cpu = "-" if r.median_cpu_s is None else f"{r.median_cpu_s * 1000:,.1f}"
         quiet = "-" if r.median_quiet_cpu_s is None else f"{r.median_quiet_cpu_s * 1000:,.1f}"
+        bare = "-" if r.median_bare_cpu_s is None else f"{r.median_bare_cpu_s * 1000:,.1f}"
+        ratio = (
+            "-"
+            if r.median_cpu_s is None or not r.median_bare_cpu_s
+            else f"{r.median_cpu_s / r.median_bare_cpu_s:.2f}"
+        )
         lines.append(
             (
                 r.size,
@@ -323,6 +433,10 @@ def print_table(results: list[Result], timeout_s: float) -> None:
                 quiet,
                 f"{r.placements:,}",
                 f"{r.preemptions:,}",
+                bare,
+                f"{r.bare_placements:,}",
+                f"{r.bare_preemptions:,}",
+                ratio,
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
@@ -484,6 +598,14 @@ def main(argv: list[str] | None = None) -> int:
             "placements": r.placements,
             "preemptions": r.preemptions,
             "waits": r.waits,
+            "median_bare_cpu_ms": None
+            if r.median_bare_cpu_s is None
+            else round(r.median_bare_cpu_s * 1000, 2),
+            "bare_placements": r.bare_placements,
+            "bare_preemptions": r.bare_preemptions,
+            "cpu_over_bare": None
+            if r.median_cpu_s is None or not r.median_bare_cpu_s
+            else round(r.median_cpu_s / r.median_bare_cpu_s, 3),
         }
         for r in results
     ]
