@@ -682,7 +682,15 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
         if args.array:
             live = tuple(state for state in JobState if not state.terminal)
             listing = ListJobsRequest(states=live, arrays=tuple(args.array), limit=100_000)
-            arrays = [job.job_id for job in await _listed(bus, args.tenant, listing)]
+            listed = await _listed(bus, args.tenant, listing)
+            tenants = sorted({job.tenant for job in listed})
+            if len(tenants) > 1:
+                # An array is named within its tenant; the operator sees every tenant's.
+                raise UsageError(
+                    f"--array {', '.join(args.array)} names jobs of tenants "
+                    f"{', '.join(tenants)}: cancel as the tenant, or by job id"
+                )
+            arrays = [job.job_id for job in listed]
             if not arrays:
                 names = ", ".join(args.array)
                 print(f"alnair cancel: no job of array {names} is left to cancel", file=sys.stderr)

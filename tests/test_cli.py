@@ -957,7 +957,8 @@ async def test_an_array_is_cancelled_by_its_name(
     brain_factory, agent_factory, nats_server, tmp_path: Path
 ) -> None:
     """`cancel --array NAME`: every job of the array not yet ended, running or waiting
-    its turn (`%1`), and no other job; asked again, there is none left, which is no
+    its turn (`%1`), and no other job, not even another tenant's array of that name (the
+    operator, who sees both, is refused); asked again, there is none left, which is no
     error. With neither ids nor an array, it says what to name."""
     brain = await brain_factory()
     await agent_factory("n1", gpus=2)
@@ -965,16 +966,23 @@ async def test_an_array_is_cancelled_by_its_name(
     env = {"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "ALNAIR_HOME": str(tmp_path)}
     nats = ("--nats", nats_server.url)
     sleeper = ("--gpus", "1", "--", "sleep", "600")
-    argv = ["submit", "--array", "0-2%1", "--idempotency-key", "sweep-9", *nats, *sleeper]
-    returned, out, err = await alnair(*argv, env=env)
+    argv = ["submit", "--array", "0-2%1", "--idempotency-key", "sweep-9", *nats]
+    returned, out, err = await alnair(*argv, *sleeper, env=env)
     assert returned == 0, (out, err)
     returned, out, err = await alnair("submit", *nats, *sleeper, env=env)  # job 4
     assert returned == 0, (out, err)
+    returned, out, err = await alnair(*argv, "--tenant", "bob", *sleeper, env=env)  # jobs 5-7
+    assert returned == 0, (out, err)
     await eventually(lambda: brain.state.jobs["1"].state is JobState.RUNNING)
+    returned, out, err = await alnair(
+        "cancel", "--array", "sweep-9", "--tenant", "operator", *nats, env=env
+    )
+    assert returned == 1 and "names jobs of tenants bob, default" in err, (out, err)
     returned, out, err = await alnair("cancel", "--array", "sweep-9", *nats, env=env)
     assert returned == 0, (out, err)
     assert out.splitlines() == [f"job {n} CANCELLED" for n in (1, 2, 3)]
-    assert brain.state.jobs["4"].state is not JobState.CANCELLED
+    for job_id in ("4", "5", "6", "7"):
+        assert brain.state.jobs[job_id].state is not JobState.CANCELLED
     returned, out, err = await alnair("cancel", "--array", "sweep-9", *nats, env=env)
     assert returned == 0 and out == "", (out, err)
     assert "no job of array sweep-9 is left to cancel" in err
