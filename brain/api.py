@@ -51,6 +51,8 @@ from schemas.api import (
     StatusReply,
     StatusRequest,
     SubmitRequest,
+    ThrottleReply,
+    ThrottleRequest,
     WhyEntry,
     WhyReply,
     WhyRequest,
@@ -72,6 +74,7 @@ Reply = (
     | HistoryReply
     | BlacklistReply
     | WhyReply
+    | ThrottleReply
     | ErrorReply
 )
 
@@ -214,11 +217,7 @@ class ApiServer:
 
     async def _dispatch(self, tenant: str, request: Message, operator: bool) -> Reply:
         brain = self.brain
-        if isinstance(request, SubmitRequest):
-            job = await brain.call(tenant, request)
-            assert isinstance(job, JobRecord)
-            return JobReply(job=job)
-        if isinstance(request, CancelRequest):
+        if isinstance(request, SubmitRequest | CancelRequest):
             job = await brain.call(tenant, request)
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
@@ -227,6 +226,11 @@ class ApiServer:
             job = await brain.call(tenant, request, operator=operator)
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
+        if isinstance(request, ThrottleRequest):
+            # A tenant throttles its own arrays (an array is named within its tenant).
+            jobs = await brain.call(tenant, request)
+            assert isinstance(jobs, list)
+            return ThrottleReply(array=request.array, limit=request.limit, jobs=tuple(jobs))
         if isinstance(request, GetJobRequest | HistoryRequest | WhyRequest):
             return await self._about_job(tenant, request, operator=operator)
         if isinstance(request, ListJobsRequest):

@@ -24,6 +24,7 @@ from schemas.api import (
     ResizeRequest,
     ResumeRequest,
     SubmitRequest,
+    ThrottleRequest,
 )
 from schemas.errors import ApiError
 from schemas.events import NodeEvent
@@ -32,7 +33,13 @@ log = logging.getLogger(__name__)
 
 # The API requests that change state: each is handled by the writer, in order.
 WriteRequest = (
-    SubmitRequest | CancelRequest | ResizeRequest | DrainRequest | ResumeRequest | BlacklistRequest
+    SubmitRequest
+    | CancelRequest
+    | ResizeRequest
+    | DrainRequest
+    | ResumeRequest
+    | BlacklistRequest
+    | ThrottleRequest
 )
 
 

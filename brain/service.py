@@ -103,6 +103,7 @@ from schemas.api import (
     ResizeRequest,
     ResumeRequest,
     SubmitRequest,
+    ThrottleRequest,
 )
 from schemas.commands import NodeCommand, Stop
 from schemas.errors import AlnairError, ApiError, HandBack
@@ -884,6 +885,8 @@ class Brain:
                 await self._edit_blacklist(tenant, request)
             case ResizeRequest():
                 return await self._resize_request(tenant, request, operator=operator)
+            case ThrottleRequest():
+                return await self.submissions.throttle(tenant, request)
         return None
 
     # -- journal ---------------------------------------------------------------------

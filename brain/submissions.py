@@ -21,11 +21,12 @@ from brain import queues as queue_config
 from brain.core import QueueQuota
 from brain.core.failures import FailurePolicy
 from brain.core.model import gpus_said
+from brain.core.ordering import job_sequence
 from brain.core.shares import never_fits
 from brain.state import BrainState, job_demand
 from brain.tenants import check_tenant
 from brain.writer import Clock, JobRecords, Stops
-from schemas.api import SubmitRequest
+from schemas.api import SubmitRequest, ThrottleRequest
 from schemas.errors import ApiError
 from schemas.jobs import MAX_SPEC_BYTES, JobRecord, JobState
 from schemas.state import Cause, CauseKind
@@ -193,6 +194,36 @@ class Submissions:
         )
         # As stored (its service accounted up to the cancellation), as a retry sees it.
         return await self._job_record(job_id) or cancelled
+
+    async def throttle(self, tenant: str, request: ThrottleRequest) -> list[str]:
+        """Hold every job of the tenant's array that has not ended to `request.limit`
+        (`JobSpec.array_limit`; None: no limit): the ids, in job order. Jobs already
+        held to it are not journaled again, so a request retried changes nothing."""
+        array, limit = request.array, request.limit
+        jobs = sorted(
+            (
+                job
+                for job in self._state().jobs.values()
+                if job.tenant == tenant and job.spec.array == array and not job.state.terminal
+            ),
+            key=lambda job: job_sequence(job.job_id),
+        )
+        if not jobs:
+            raise ApiError("not_found", f"tenant {tenant} has no job of array {array} left to run")
+        said = f"at most {limit} at once" if limit is not None else "no limit"
+        for job in jobs:
+            was = job.spec.array_limit
+            if was == limit:
+                continue
+            spec = job.spec.model_copy(update={"array_limit": limit})
+            before = f"at most {was} at once" if was is not None else "no limit"
+            cause = Cause(
+                kind=CauseKind.ARRAY_THROTTLED,
+                message=f"array {array} throttled by tenant {tenant}: {said} (was {before})",
+                job_id=job.job_id,
+            )
+            await self._writes.job_changed(job.model_copy(update={"spec": spec}), job.state, cause)
+        return [job.job_id for job in jobs]
 
     async def _cancel(self, job: JobRecord, reason: str, message: str) -> JobRecord:
         """End `job` CANCELLED for `reason` (the cause's `message`), stopping what of it

@@ -51,6 +51,7 @@ from schemas.api import (
     OPERATOR_TENANT,
     QUEUES_RESULT,
     STATUS_RESULT,
+    THROTTLE_RESULT,
     CancelRequest,
     GetJobRequest,
     HistoryRequest,
@@ -59,10 +60,11 @@ from schemas.api import (
     ListQueuesRequest,
     ResizeRequest,
     StatusRequest,
+    ThrottleRequest,
 )
 from schemas.base import check_name, describe_invalid
 from schemas.errors import AlnairError, ApiError, BrainUnavailable, BusTimeout
-from schemas.jobs import JobRecord, JobSpec, JobState, share_request
+from schemas.jobs import MAX_ARRAY_INDEX, JobRecord, JobSpec, JobState, share_request
 from schemas.nodes import NodeStatus
 from schemas.state import (
     STATE_RECORD,
@@ -713,6 +715,37 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return await _with_bus(args, run)
 
 
+def _throttle_limit(text: str) -> int | None:
+    if text == "none":
+        return None
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_ARRAY_INDEX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a number of jobs (1 to {MAX_ARRAY_INDEX:,}) nor 'none'"
+        )
+    return limit
+
+
+async def cmd_throttle(args: argparse.Namespace) -> int:
+    """How many of an array's jobs hold GPUs at once, changed while it runs."""
+    request = ThrottleRequest(array=args.array, limit=args.limit)
+
+    async def run(bus: Any) -> int:
+        reply = await call(bus, args.tenant, "throttle", request, THROTTLE_RESULT)
+        said = "no limit" if reply.limit is None else f"at most {reply.limit} at once"
+        jobs = len(reply.jobs)
+        print(
+            f"array {reply.array}: {said} ({jobs} job{'' if jobs == 1 else 's'} not ended: "
+            f"{_id_ranges(list(reply.jobs))})"
+        )
+        return 0
+
+    return await _with_bus(args, run)
+
+
 def _resize_size(text: str) -> int | Literal["auto"]:
     if text == "auto":
         return "auto"
@@ -1350,6 +1383,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable)",
     )
     p.set_defaults(fn=cmd_cancel)
+
+    p = sub.add_parser(
+        "throttle",
+        help="change how many of an array's jobs run at once (none: no limit), as "
+        "scontrol's ArrayTaskThrottle",
+    )
+    _client_args(p)
+    p.add_argument("array", help="the array, as `submit --array` names it")
+    p.add_argument("limit", type=_throttle_limit, help="at most this many at once, or none")
+    p.set_defaults(fn=cmd_throttle)
 
     p = sub.add_parser(
         "resize", help="pin a running elastic job at N GPUs (auto: let the policy size it)"

@@ -20,6 +20,7 @@ from pydantic import (
 
 from schemas.base import Message, NodeName, QueueName
 from schemas.jobs import (
+    MAX_ARRAY_INDEX,
     MAX_GPUS_PER_JOB,
     ArrayName,
     FailureClass,
@@ -248,6 +249,26 @@ class NodeReply(Message):
     node: NodeStatus
 
 
+class ThrottleRequest(Message):
+    """An array's limit, changed while it runs (`alnair throttle ARRAY N`).
+
+    As Slurm's `scontrol update ArrayTaskThrottle`: every job of the caller's array
+    (`JobSpec.array`) that has not ended takes `limit` as its `array_limit`; None lifts
+    the limit. Running jobs past a lowered limit run on: the next starts once fewer than
+    `limit` hold GPUs."""
+
+    array: ArrayName
+    limit: int | None = Field(ge=1, le=MAX_ARRAY_INDEX)
+
+
+class ThrottleReply(Message):
+    ok: Literal[True] = True
+    array: str
+    limit: int | None
+    # The array's jobs that have not ended, each now held to `limit`, by job id.
+    jobs: tuple[str, ...]
+
+
 class AttemptRow(BaseModel):
     """One attempt of a job as the history keeps it."""
 
@@ -387,6 +408,7 @@ REQUEST_TYPES: Final[dict[str, type[Message]]] = {
     "why": WhyRequest,
     "resize": ResizeRequest,
     "queues": ListQueuesRequest,
+    "throttle": ThrottleRequest,
 }
 
 _R = TypeVar("_R", bound=Message)
@@ -418,3 +440,4 @@ HISTORY_RESULT: Final = _result(HistoryReply)
 BLACKLIST_RESULT: Final = _result(BlacklistReply)
 WHY_RESULT: Final = _result(WhyReply)
 QUEUES_RESULT: Final = _result(QueuesReply)
+THROTTLE_RESULT: Final = _result(ThrottleReply)

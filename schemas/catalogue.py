@@ -154,6 +154,7 @@ ENTRIES: Final = (
             api.BlacklistReply,
             api.WhyReply,
             api.QueuesReply,
+            api.ThrottleReply,
             api.ErrorReply,
         ),
         "`ok` tells a refusal (`ErrorReply`, with `code` one of invalid, not_found, "

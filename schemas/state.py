@@ -56,6 +56,8 @@ class CauseKind(StrEnum):
     # back to the policy (`alnair resize JOB auto`).
     RESIZE_PINNED = "resize_pinned"
     RESIZE_UNPINNED = "resize_unpinned"
+    # Its array's limit changed (`alnair throttle ARRAY N`): the job's `array_limit`.
+    ARRAY_THROTTLED = "array_throttled"
 
 
 class Preemption(BaseModel):

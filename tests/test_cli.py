@@ -990,6 +990,54 @@ async def test_an_array_is_cancelled_by_its_name(
     assert returned == 1 and "name the jobs to cancel" in err, (out, err)
 
 
+async def test_an_arrays_limit_is_changed_while_it_runs(
+    brain_factory, agent_factory, nats_server, tmp_path: Path
+) -> None:
+    """`throttle ARRAY N`: an array of four submitted `%1` on a 4-GPU node runs one at a
+    time until its limit is raised to 3, then three; `none` lifts it (all four); lowered
+    to 2, the four run on (the limit preempts no one); the journal says each job's
+    change, once. An array the tenant does not have is refused, naming it."""
+    brain = await brain_factory()
+    await agent_factory("n1", gpus=4)
+    await eventually(lambda: len(brain.state.nodes) == 1)
+    env = {"PYTHONPATH": str(REPO), "PATH": os.environ["PATH"], "ALNAIR_HOME": str(tmp_path)}
+    nats = ("--nats", nats_server.url)
+    argv = ["submit", "--array", "0-3%1", "--idempotency-key", "grid", *nats]
+    returned, out, err = await alnair(*argv, "--gpus", "1", "--", "sleep", "600", env=env)
+    assert returned == 0, (out, err)
+
+    def running() -> int:
+        return sum(1 for j in brain.state.jobs.values() if j.state is JobState.RUNNING)
+
+    await eventually(lambda: running() == 1)
+    returned, out, err = await alnair("throttle", "grid", "3", *nats, env=env)
+    assert returned == 0, (out, err)
+    assert out.strip() == "array grid: at most 3 at once (4 jobs not ended: 1-4)"
+    await eventually(lambda: running() == 3)
+    assert {j.spec.array_limit for j in brain.state.jobs.values()} == {3}
+    returned, out, err = await alnair("throttle", "grid", "none", *nats, env=env)
+    assert returned == 0 and out.strip().startswith("array grid: no limit"), (out, err)
+    await eventually(lambda: running() == 4)
+    for _ in range(2):  # the second changes nothing, and journals nothing
+        returned, out, err = await alnair("throttle", "grid", "2", *nats, env=env)
+        assert returned == 0, (out, err)
+    await asyncio.sleep(0.5)
+    assert running() == 4
+    returned, out, err = await alnair("events", "--job", "2", "--json", *nats, env=env)
+    assert returned == 0, (out, err)
+    records = [json.loads(line) for line in out.splitlines()]
+    said = [r["cause"]["message"] for r in records if r["kind"] == "job"]
+    assert [m for m in said if "throttled" in m] == [
+        "array grid throttled by tenant default: at most 3 at once (was at most 1 at once)",
+        "array grid throttled by tenant default: no limit (was at most 3 at once)",
+        "array grid throttled by tenant default: at most 2 at once (was no limit)",
+    ]
+    returned, out, err = await alnair("throttle", "nope", "2", *nats, env=env)
+    assert returned == 1 and "tenant default has no job of array nope left to run" in err
+    returned, out, err = await alnair("throttle", "grid", "0", *nats, env=env)
+    assert returned == 2 and "'0' is neither a number of jobs" in err, (out, err)
+
+
 def test_cancel_takes_runs_of_job_ids_as_an_array_is_named() -> None:
     assert _job_ids(["3", "12-15", "14", "7-7"]) == ["3", "12", "13", "14", "15", "7"]
     with pytest.raises(UsageError, match="9-2: a run of job ids is FIRST-LAST"):

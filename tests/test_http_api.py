@@ -75,6 +75,9 @@ async def test_submit_show_list_cancel_as_over_nats(
     assert status == 200 and [j["job_id"] for j in body["jobs"]] == [job_id]
     status, body = await api.call("GET", "/v1/jobs?array=sweep&array=other")
     assert status == 200 and body["jobs"] == []  # it is of no array
+    throttle = {"array": "sweep", "limit": 2}
+    status, body = await api.call("POST", "/v1/arrays/throttle", json=throttle)
+    assert status == 404 and "tenant alice has no job of array sweep" in body["error"]
 
     # Another tenant neither sees nor touches it, and is told so in the NATS API's words.
     status, http_refusal = await api.call("GET", f"/v1/jobs/{job_id}", "bob")
@@ -154,6 +157,7 @@ async def test_invalid_requests_get_the_nats_apis_errors(
         ("GET", "/v1/jobs/1/logs?attempt=%C2%B2", 400, "attempt"),
         ("GET", "/v1/jobs?state=SLEEPING", 400, "states"),
         ("GET", "/v1/jobs?array=", 400, "arrays"),
+        ("POST", "/v1/arrays/throttle", 400, "invalid throttle request"),  # no body
         ("POST", "/v1/jobs", 400, "invalid submit request"),  # no body
         ("GET", "/v1/events?since=0", 400, "since"),
         ("GET", "/v1/events?kind=node_drained&kind=bogus", 400, "no kind 'bogus'"),

@@ -20,6 +20,8 @@ from schemas.api import (
     QueuesReply,
     StatusReply,
     SubmitRequest,
+    ThrottleReply,
+    ThrottleRequest,
     WhyReply,
 )
 from schemas.jobs import MAX_GPUS_PER_JOB, JobState
@@ -65,6 +67,8 @@ _MODELS: Final[tuple[tuple[type[BaseModel], JsonSchemaMode], ...]] = (
     (SubmitRequest, "validation"),
     (DrainBody, "validation"),
     (ResizeBody, "validation"),
+    (ThrottleRequest, "validation"),
+    (ThrottleReply, "serialization"),
     (JobReply, "serialization"),
     (JobsReply, "serialization"),
     (NodesReply, "serialization"),
@@ -279,6 +283,16 @@ def _paths() -> dict[str, Any]:
                 parameters=[JOB_ID],
                 body="ResizeBody",
                 operation_id="resizeJob",
+            )
+        },
+        "/v1/arrays/throttle": {
+            "post": _operation(
+                "Change how many of one of the caller's job arrays may hold GPUs at once: "
+                "every job of it that has not ended takes the limit (null: none)",
+                _json(_ref("ThrottleReply"), "the array's jobs that have not ended"),
+                errors=(400, 404),
+                body="ThrottleRequest",
+                operation_id="throttleArray",
             )
         },
         "/v1/jobs/{job_id}/why": {

@@ -49,6 +49,7 @@ from schemas.api import (
     ResumeRequest,
     StatusRequest,
     SubmitRequest,
+    ThrottleRequest,
     WhyRequest,
 )
 from schemas.base import MAX_MESSAGE_BYTES, Message, decode
@@ -177,6 +178,7 @@ class HttpServer:
         r.add_delete("/v1/jobs/{job_id}", self._cancel)
         r.add_post("/v1/jobs/{job_id}/cancel", self._cancel)
         r.add_post("/v1/jobs/{job_id}/resize", self._resize)
+        r.add_post("/v1/arrays/throttle", self._throttle)
         r.add_get("/v1/jobs/{job_id}/why", self._why)
         r.add_get("/v1/jobs/{job_id}/logs", self._logs)
         r.add_get("/v1/nodes", self._nodes)
@@ -420,6 +422,11 @@ class HttpServer:
         body = self._decode(ResizeBody, await request.read(), "resize")
         data = {"job_id": request.match_info["job_id"], "gpus": body.gpus}
         return await self._call(request, self._decode(ResizeRequest, data, "resize"))
+
+    async def _throttle(self, request: web.Request) -> web.Response:
+        self._caller(request)  # refuse an unknown caller before reading its body
+        message = self._decode(ThrottleRequest, await request.read(), "throttle")
+        return await self._call(request, message)
 
     async def _nodes(self, request: web.Request) -> web.Response:
         data: dict[str, Any] = {}
