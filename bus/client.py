@@ -1129,7 +1129,7 @@ HANDSHAKE_RETRY_S: Final = 2.0
 
 
 def _cannot_connect(options: ConnectOptions, error: Exception) -> BusError:
-    hint = TLS_HINT if isinstance(error, ssl.SSLError) else ""
+    hint = TLS_HINT if isinstance(error, ssl.SSLError | _DroppedBeforeTls) else ""
     return BusError(
         f"cannot connect to NATS at {', '.join(options.servers)}: {error or 'timeout'}{hint}"
     )
@@ -1137,6 +1137,21 @@ def _cannot_connect(options: ConnectOptions, error: Exception) -> BusError:
 
 # How nats-py says a first connection gave up (`Bus.connect` names it `_cannot_connect`).
 _GAVE_UP: Final = (TimeoutError, OSError, nats.errors.NoServersError)
+# How a server is seen to close a connection on its client, not refuse it.
+_DROPS: Final = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+class _DroppedBeforeTls(ConnectionError):
+    """A first TLS connection that the server closed, every time, before it was up,
+    with no TLS error seen: a server verifying clients closes on one without a
+    certificate, and the client reads its alert, or, as often under load, only the
+    closed socket (a reset, a broken pipe). Named with the TLS hint, as the alert is."""
+
+    def __init__(self, dropped: Exception) -> None:
+        super().__init__(
+            f"the server closed the connection before TLS was up "
+            f"({type(dropped).__name__}: {dropped})"
+        )
 
 
 class _FirstHandshake:
@@ -1150,6 +1165,8 @@ class _FirstHandshake:
     def __init__(self) -> None:
         self.failed = asyncio.Event()
         self.error: ssl.SSLError | None = None
+        # The last time the server closed the connection on it (`_DroppedBeforeTls`).
+        self.dropped: Exception | None = None
 
     def saw(self, error: Exception) -> None:
         """Any error the connection reports (those after a first connection, too:
@@ -1157,6 +1174,8 @@ class _FirstHandshake:
         if isinstance(error, ssl.SSLError):
             self.error = error
             self.failed.set()
+        elif isinstance(error, _DROPS):
+            self.dropped = error
 
     async def connect(self, kwargs: dict[str, Any], *, again: bool) -> NatsClient:
         while True:
@@ -1180,6 +1199,8 @@ class _FirstHandshake:
                     # nats-py gave up by itself, through its reconnect attempts, before
                     # it hung: with "no servers available", whose cause is the handshake.
                     raise self.error from given_up
+                if self.dropped is not None and "tls" in kwargs and isinstance(given_up, _GAVE_UP):
+                    raise _DroppedBeforeTls(self.dropped) from given_up
                 return attempt.result()
             assert self.error is not None
             if not again:

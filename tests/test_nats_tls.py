@@ -8,11 +8,12 @@ import contextlib
 import logging
 import socket
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
 
-from bus.client import Bus, ConnectOptions
+from bus.client import TLS_HINT, Bus, ConnectOptions
 from bus.server import EmbeddedNats
 from bus.tls import TlsFiles, write_tls_files
 from schemas import subjects
@@ -151,15 +152,49 @@ async def test_a_failed_handshake_is_named_not_waited_on_for_ever(
     """nats-py waits for ever after a first connection's failed TLS handshake
     (nats-io/nats.py#718): a CLI or a job's SDK with the wrong CA hung. Each is told."""
     other = write_tls_files(tmp_path / "other")
-    for wrong in (
-        {"tls_ca": None, "tls_cert": None, "tls_key": None},  # trusts no CA of ours
-        {"tls_ca": str(other.ca)},  # trusts another
-        {"tls_cert": None, "tls_key": None},  # has no certificate for a verifying server
+    # Without a certificate, the client reads the server's alert, or (as often under
+    # load) only the connection it closed: named alike (`_DroppedBeforeTls`).
+    closed = r"(\[SSL: |the server closed the connection before TLS was up)"
+    for wrong, said in (
+        ({"tls_ca": None, "tls_cert": None, "tls_key": None}, r"\[SSL: "),  # trusts no CA of ours
+        ({"tls_ca": str(other.ca)}, r"\[SSL: "),  # trusts another
+        ({"tls_cert": None, "tls_key": None}, closed),  # no certificate for a verifying server
     ):
         options = tls_options(tls_server, tls_files, max_reconnect_attempts=1, **wrong)
-        with pytest.raises(BusError, match=r"\[SSL: .*\(TLS: is the CA given"):
+        with pytest.raises(BusError, match=said + r".*\(TLS: is the CA given"):
             # The deadline only keeps a regression from hanging the suite.
             await asyncio.wait_for(Bus.connect(options), timeout=60)
+
+
+async def test_a_tls_connection_the_server_only_closes_is_named_as_a_tls_refusal(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A first connection whose every attempt the server closed (a reset, a broken pipe)
+    before TLS was up, no TLS error read: the TLS hint, not a bare "no servers
+    available". Without TLS, a reset is only what it is."""
+
+    async def closed_twice(**kwargs: Any) -> None:
+        await kwargs["error_cb"](ConnectionResetError("Connection lost"))
+        await kwargs["error_cb"](BrokenPipeError(32, "Broken pipe"))
+        raise nats.errors.NoServersError()
+
+    monkeypatch.setattr(nats, "connect", closed_twice)
+    ca = str(write_tls_files(tmp_path).ca)
+    tls = ConnectOptions(
+        servers=("tls://127.0.0.1:1",), name="c", tls_ca=ca, max_reconnect_attempts=1
+    )
+    with pytest.raises(BusError) as refused:
+        await Bus.connect(tls)
+    assert str(refused.value) == (
+        "cannot connect to NATS at tls://127.0.0.1:1: the server closed the connection before "
+        "TLS was up (BrokenPipeError: [Errno 32] Broken pipe)" + TLS_HINT
+    )
+    plain = ConnectOptions(servers=("nats://127.0.0.1:1",), name="c", max_reconnect_attempts=1)
+    with pytest.raises(BusError) as refused:
+        await Bus.connect(plain)
+    assert str(refused.value) == (
+        "cannot connect to NATS at nats://127.0.0.1:1: nats: no servers available for connection"
+    )
 
 
 async def test_a_component_connects_once_its_server_shakes_hands(
