@@ -64,7 +64,14 @@ from schemas.api import (
 )
 from schemas.base import check_name, describe_invalid
 from schemas.errors import AlnairError, ApiError, BrainUnavailable, BusTimeout
-from schemas.jobs import MAX_ARRAY_INDEX, JobRecord, JobSpec, JobState, share_request
+from schemas.jobs import (
+    MAX_ARRAY_INDEX,
+    MAX_GPUS_PER_JOB,
+    JobRecord,
+    JobSpec,
+    JobState,
+    share_request,
+)
 from schemas.nodes import NodeStatus
 from schemas.state import (
     STATE_RECORD,
@@ -696,14 +703,15 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
             if not arrays:
                 names = ", ".join(args.array)
                 print(f"alnair cancel: no job of array {names} is left to cancel", file=sys.stderr)
-        ids = [request.job_id for request in requests]
-        requests.extend(CancelRequest(job_id=job_id) for job_id in arrays if job_id not in ids)
+        named = {request.job_id for request in requests}
+        requests.extend(CancelRequest(job_id=job_id) for job_id in arrays if job_id not in named)
+        listed_ids = set(arrays)
         refused = 0
         for request in requests:
             try:
                 reply = await call(bus, args.tenant, "cancel", request, JOB_RESULT)
             except ApiError as error:
-                if error.code == "conflict" and request.job_id in arrays:
+                if error.code == "conflict" and request.job_id in listed_ids:
                     continue  # it ended after the listing: nothing to cancel
                 # The others are still cancelled (like scancel): say which was not.
                 print(f"alnair cancel: {error}", file=sys.stderr)
@@ -715,18 +723,23 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     return await _with_bus(args, run)
 
 
-def _throttle_limit(text: str) -> int | None:
-    if text == "none":
+def _count_or(text: str, word: str, of: str, most: int) -> int | None:
+    """A count from 1 to `most` of `of`, or None for `word` (an argument's type)."""
+    if text == word:
         return None
     try:
-        limit = int(text)
+        count = int(text)
     except ValueError:
-        limit = 0
-    if not 1 <= limit <= MAX_ARRAY_INDEX:
+        count = 0
+    if not 1 <= count <= most:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a number of jobs (1 to {MAX_ARRAY_INDEX:,}) nor 'none'"
+            f"{text!r} is neither a number of {of} (1 to {most:,}) nor {word!r}"
         )
-    return limit
+    return count
+
+
+def _throttle_limit(text: str) -> int | None:
+    return _count_or(text, "none", "jobs", MAX_ARRAY_INDEX)
 
 
 async def cmd_throttle(args: argparse.Namespace) -> int:
@@ -747,17 +760,8 @@ async def cmd_throttle(args: argparse.Namespace) -> int:
 
 
 def _resize_size(text: str) -> int | Literal["auto"]:
-    if text == "auto":
-        return "auto"
-    try:
-        size = int(text)
-    except ValueError:
-        size = 0
-    if size < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither a number of GPUs (1 or more) nor 'auto'"
-        )
-    return size
+    size = _count_or(text, "auto", "GPUs", MAX_GPUS_PER_JOB)
+    return "auto" if size is None else size
 
 
 async def cmd_resize(args: argparse.Namespace) -> int:

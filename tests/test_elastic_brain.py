@@ -633,7 +633,7 @@ async def test_cli_submit_elastic_resize_and_show(
     code, out, err = await alnair("job", *where, job_id, env=env)
     assert code == 0 and json.loads(out)["elastic"]["pinned_gpus"] is None, err
     code, _, err = await alnair("resize", *where, job_id, "two", env=env)
-    assert code != 0 and "neither a number of GPUs (1 or more) nor 'auto'" in err
+    assert code != 0 and "neither a number of GPUs (1 to 4,096) nor 'auto'" in err
 
 
 # -- the pure parts: brain/elastic.py and brain/progress.py ------------------------------
