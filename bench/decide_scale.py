@@ -1,7 +1,7 @@
 """How long one `decide()` takes on a large cluster: times and action counts, not a test.
 
     .venv/bin/python bench/decide_scale.py [--size 1k 5k 20k] [--order fifo las ...]
-        [--repeat 3] [--timeout 120] [--profile las@1k]
+        [--repeat 3] [--timeout 120] [--profile las@1k] [--stages gittins@5k]
 
 Builds seeded synthetic snapshots: nodes of 8 GPUs, 32 nodes to a switch; running jobs
 of 1, 2, 4, 8 and 16 GPUs packed onto them (the cluster nearly full), with attained
@@ -30,6 +30,12 @@ scale all three by 5 and 20.
 `--profile ORDER@SIZE` runs that case once under cProfile and prints the top functions
 by cumulative and by own time instead.
 
+`--stages ORDER@SIZE` times instead each stage of `decide` in that case (the order's
+ranks, their sort, the standings, the selection walk, placing and releasing, settling the
+victims, ...): CPU time around each of the module's stage functions, the median of
+`--repeat` decides, without the profiler's cost per call; what is left is the rest (the
+ledger, assembling the actions). Results: bench/results/decide-stages-<stamp>.json.
+
 `--instructions ORDER@SIZE ...` counts instead what one decide executes, with valgrind's
 cachegrind: the instructions of a process that builds the snapshot and decides once (as
 the pass calls it, the decisions freed before the collector runs again), less those of one
@@ -45,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import cProfile
+import importlib
 import multiprocessing
 import os
 import pstats
@@ -56,9 +64,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+from unittest import mock
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -237,6 +247,10 @@ def _policy(order: str) -> Policy:
     return Policy(order=order)
 
 
+def _bare_band_rank(job: JobView) -> tuple[int, float]:
+    return (_level(job.attained_gpu_seconds), job.submitted_at)
+
+
 # The bare scheduler's rank of a job (smaller first), by order, as Alnair's orders rank
 # (fifo and priority: running jobs first, so neither preempts among equals), without
 # bands kept in the view, indices or labels. Gittins is ranked as LAS (its index is a
@@ -244,8 +258,8 @@ def _policy(order: str) -> Policy:
 _BARE_RANKS: Final = {
     "fifo": lambda j: (not j.grants, j.submitted_at),
     "priority": lambda j: (-j.priority, not j.grants, j.submitted_at),
-    "las": lambda j: (_level(j.attained_gpu_seconds), j.submitted_at),
-    "gittins": lambda j: (_level(j.attained_gpu_seconds), j.submitted_at),
+    "las": _bare_band_rank,
+    "gittins": _bare_band_rank,
 }
 
 
@@ -449,9 +463,21 @@ def print_table(results: list[Result], timeout_s: float) -> None:
         )
 
 
-def profile(case: str) -> None:
+def _case(flag: str, case: str) -> tuple[str, Size]:
+    """ORDER@SIZE (SIZE 1k when left out), or exit naming what is wrong."""
     order, _, label = case.partition("@")
-    snapshot = build_snapshot(SIZES_BY_LABEL[label or "1k"])
+    size = SIZES_BY_LABEL.get(label or "1k")
+    if order not in ORDERS or size is None:
+        raise SystemExit(
+            f"{flag}: {case!r} is not ORDER@SIZE: ORDER one of {', '.join(ORDERS)};"
+            f" SIZE one of {', '.join(SIZES_BY_LABEL)}"
+        )
+    return order, size
+
+
+def profile(case: str) -> None:
+    order, size = _case("--profile", case)
+    snapshot = build_snapshot(size)
     profiler = cProfile.Profile()
     with collector_paused():
         profiler.enable()
@@ -460,6 +486,77 @@ def profile(case: str) -> None:
     stats = pstats.Stats(profiler)
     stats.sort_stats("cumulative").print_stats(25)
     stats.sort_stats("tottime").print_stats(15)
+
+
+# What `--stages` times: the functions of brain/core/decide.py that a cycle calls once
+# each, in the order it calls them, by what they do.
+STAGES: Final = (
+    ("_retry_stage", "back-offs"),
+    ("_avoidance_stage", "nodes to avoid"),
+    ("_checked_demands", "demands checked"),
+    ("rank_order", "the ranks' sort"),
+    ("_selection_order", "standings"),
+    ("_select", "selection walk"),
+    ("_place_all", "placing and releasing"),
+    ("_settle_victims", "settling victims"),
+    ("_starvation_wakes", "starvation wakes"),
+    ("_placed_crossings", "band crossings"),
+)
+
+
+def stages(order: str, size: Size, repeat: int) -> list[tuple[str, float]]:
+    """Each stage's CPU seconds in one decide (the median of `repeat`), the order's ranks
+    first, then the rest of the cycle and the whole: the stage functions are wrapped for
+    the time of it, and put back after."""
+    snapshot, policy = build_snapshot(size), _policy(order)
+    core = importlib.import_module("brain.core.decide")
+    spent: dict[str, list[float]] = {}
+
+    def timed(name: str, stage: Callable[..., object]) -> Callable[..., object]:
+        def run(*args: object, **kwargs: object) -> object:
+            started = time.process_time()
+            try:
+                return stage(*args, **kwargs)
+            finally:
+                spent.setdefault(name, []).append(time.process_time() - started)
+
+        return run
+
+    ranks = "the order's ranks"
+    totals: list[float] = []
+    with contextlib.ExitStack() as wrapped:
+        for name, what in STAGES:
+            wrapped.enter_context(mock.patch.object(core, name, timed(what, getattr(core, name))))
+        wrapped.enter_context(
+            mock.patch.dict(core.ORDERINGS, {order: timed(ranks, core.ORDERINGS[order])})
+        )
+        for _ in range(repeat):
+            with collector_paused():
+                started = time.process_time()
+                decisions = decide(snapshot, NOW, policy)
+                totals.append(time.process_time() - started)
+                del decisions
+    rows = [(ranks, statistics.median(spent[ranks]))]
+    rows += [(what, statistics.median(spent[what])) for _, what in STAGES if what in spent]
+    total = statistics.median(totals)
+    rows += [("the rest", max(0.0, total - sum(t for _, t in rows))), ("decide", total)]
+    return rows
+
+
+def print_stages(case: str, repeat: int, note: str) -> int:
+    rows = stages(*_case("--stages", case), repeat)
+    total = rows[-1][1]
+    width = max(len(what) for what, _ in rows)
+    print(f"{case}, CPU ms, the median of {repeat} decides")
+    for what, seconds in rows:
+        print(f"  {what.ljust(width)}  {seconds * 1000:8.1f}  {seconds / total:6.1%}")
+    json_path, _ = record(
+        "decide-stages",
+        {"case": case, "repeat": repeat, "note": note},
+        [{"stage": what, "cpu_ms": round(seconds * 1000, 2)} for what, seconds in rows],
+    )
+    print(f"results: {json_path.relative_to(REPO)}")
+    return 0
 
 
 # One process of `count_instructions`: build the case's snapshot, decide `decides` times.
@@ -511,13 +608,8 @@ def count_instructions(checkout: Path, case: str) -> int:
 
 
 def instructions(cases: list[str], before: Path | None, note: str) -> int:
-    for case in cases:
-        order, _, label = case.partition("@")
-        if order not in ORDERS or label not in SIZES_BY_LABEL:
-            raise SystemExit(
-                f"--instructions: {case!r} is not ORDER@SIZE: ORDER one of {', '.join(ORDERS)};"
-                f" SIZE one of {', '.join(SIZES_BY_LABEL)}"
-            )
+    # Each as ORDER@SIZE, the size named (1k when left out).
+    cases = [f"{order}@{size.label}" for order, size in (_case("--instructions", c) for c in cases)]
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind (cachegrind) on the PATH")
     if before is not None and not (before / "bench" / "decide_scale.py").is_file():
@@ -554,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per decide")
     parser.add_argument("--profile", metavar="ORDER@SIZE")
+    parser.add_argument("--stages", metavar="ORDER@SIZE", help="time each stage of decide")
     parser.add_argument(
         "--instructions", metavar="ORDER@SIZE", nargs="+", help="count one decide's instructions"
     )
@@ -565,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile(args.profile)
         return 0
+    if args.stages:
+        return print_stages(args.stages, args.repeat, args.note)
     if args.instructions:
         return instructions(args.instructions, args.before, args.note)
     if args.before is not None:

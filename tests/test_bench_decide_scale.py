@@ -1,11 +1,14 @@
 """bench/decide_scale.py's raw baseline (`bare_decide`) does the work it is timed for: a
-baseline that granted a GPU twice, or placed nothing, would flatter nothing honestly."""
+baseline that granted a GPU twice, or placed nothing, would flatter nothing honestly. Its
+stage timer (`stages`) times every stage and leaves the core as it found it."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
-from bench.decide_scale import ORDERS, Size, bare_decide, build_snapshot
+from bench.decide_scale import ORDERS, STAGES, Size, bare_decide, build_snapshot, stages
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -29,3 +32,20 @@ def test_the_bare_baseline_grants_free_gpus_once_each(order: str) -> None:
         assert not preempted  # fifo preempts no one, as Alnair's
     else:
         assert preempted  # new jobs outrank long-running ones
+
+
+def test_the_stages_add_up_and_are_put_back() -> None:
+    core = importlib.import_module("brain.core.decide")
+    before = {name: getattr(core, name) for name, _ in STAGES}
+    orderings = dict(core.ORDERINGS)
+    rows = stages("gittins", Size("s", 40, 150, 300), repeat=2)
+    timed = dict(rows)
+    assert rows[0][0] == "the order's ranks"
+    assert {what for _, what in STAGES} <= timed.keys()
+    assert all(seconds >= 0.0 for seconds in timed.values())
+    # The stages are within the whole (the mean of two, each run's within its own).
+    within = sum(seconds for what, seconds in rows if what not in ("the rest", "decide"))
+    assert within <= timed["decide"] + 1e-6
+    assert {name: getattr(core, name) for name, _ in STAGES} == before
+    put_back = dict(core.ORDERINGS)
+    assert put_back == orderings
