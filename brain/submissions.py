@@ -210,16 +210,15 @@ class Submissions:
         )
         if not jobs:
             raise ApiError("not_found", f"tenant {tenant} has no job of array {array} left to run")
-        said = f"at most {limit} at once" if limit is not None else "no limit"
+        said = _at_once(limit)
         for job in jobs:
             was = job.spec.array_limit
             if was == limit:
                 continue
             spec = job.spec.model_copy(update={"array_limit": limit})
-            before = f"at most {was} at once" if was is not None else "no limit"
             cause = Cause(
                 kind=CauseKind.ARRAY_THROTTLED,
-                message=f"array {array} throttled by tenant {tenant}: {said} (was {before})",
+                message=f"array {array} throttled by tenant {tenant}: {said} (was {_at_once(was)})",
                 job_id=job.job_id,
             )
             await self._writes.job_changed(job.model_copy(update={"spec": spec}), job.state, cause)
@@ -246,3 +245,8 @@ def _waiting_for(to_succeed: list[str], to_end: list[str]) -> str:
         if ids
     ]
     return f"waiting for {' and '.join(said)}" if said else "submitted"
+
+
+def _at_once(limit: int | None) -> str:
+    """An array's limit (`JobSpec.array_limit`), as a throttle's cause says it."""
+    return "no limit" if limit is None else f"at most {limit} at once"

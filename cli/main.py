@@ -687,7 +687,7 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
     requests = [CancelRequest(job_id=job_id) for job_id in _job_ids(args.job)]
 
     async def run(bus: Any) -> int:
-        arrays: list[str] = []
+        of_arrays: list[str] = []  # the ids of the named arrays' jobs not ended
         if args.array:
             live = tuple(state for state in JobState if not state.terminal)
             listing = ListJobsRequest(states=live, arrays=tuple(args.array), limit=100_000)
@@ -699,13 +699,13 @@ async def cmd_cancel(args: argparse.Namespace) -> int:
                     f"--array {', '.join(args.array)} names jobs of tenants "
                     f"{', '.join(tenants)}: cancel as the tenant, or by job id"
                 )
-            arrays = [job.job_id for job in listed]
-            if not arrays:
+            of_arrays = [job.job_id for job in listed]
+            if not of_arrays:
                 names = ", ".join(args.array)
                 print(f"alnair cancel: no job of array {names} is left to cancel", file=sys.stderr)
         named = {request.job_id for request in requests}
-        requests.extend(CancelRequest(job_id=job_id) for job_id in arrays if job_id not in named)
-        listed_ids = set(arrays)
+        requests.extend(CancelRequest(job_id=job_id) for job_id in of_arrays if job_id not in named)
+        listed_ids = set(of_arrays)
         refused = 0
         for request in requests:
             try:
