@@ -217,12 +217,12 @@ class ApiServer:
 
     async def _dispatch(self, tenant: str, request: Message, operator: bool) -> Reply:
         brain = self.brain
-        if isinstance(request, SubmitRequest | CancelRequest):
+        if isinstance(request, SubmitRequest):
             job = await brain.call(tenant, request)
             assert isinstance(job, JobRecord)
             return JobReply(job=job)
-        if isinstance(request, ResizeRequest):
-            # An operator may resize any tenant's job; a tenant only its own.
+        if isinstance(request, CancelRequest | ResizeRequest):
+            # An operator may cancel or resize any tenant's job; a tenant only its own.
             job = await brain.call(tenant, request, operator=operator)
             assert isinstance(job, JobRecord)
             return JobReply(job=job)

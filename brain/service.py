@@ -876,7 +876,7 @@ class Brain:
             case SubmitRequest():
                 return await self.submissions.submit(tenant, request)
             case CancelRequest(job_id=job_id):
-                return await self.submissions.cancel(tenant, job_id)
+                return await self.submissions.cancel(tenant, job_id, operator=operator)
             case DrainRequest():
                 await self._drain(tenant, request)
             case ResumeRequest():

@@ -180,18 +180,21 @@ class Submissions:
             if never is not None:
                 raise ApiError("invalid", f"no node could ever run this job: {never}")
 
-    async def cancel(self, tenant: str, job_id: str) -> JobRecord:
+    async def cancel(self, tenant: str, job_id: str, *, operator: bool = False) -> JobRecord:
+        """End a job of `tenant`'s, or (`operator`) of any tenant's, CANCELLED."""
         job = await self._job_record(job_id)
-        if job is None or job.tenant != tenant:
+        if job is None or (job.tenant != tenant and not operator):
             raise ApiError("not_found", f"no job {job_id} for tenant {tenant}")
         if job.state is JobState.CANCELLED:
             # Asked again (a retry whose first answer was lost): what it asked for holds.
             return job
         if job.state.terminal:
             raise ApiError("conflict", f"job {job_id} already ended {job.state.value}")
-        cancelled = await self._cancel(
-            job, "cancelled by its owner", f"cancelled by tenant {tenant}"
-        )
+        if job.tenant == tenant:
+            reason, message = "cancelled by its owner", f"cancelled by tenant {tenant}"
+        else:
+            reason = message = f"cancelled by an operator ({tenant})"
+        cancelled = await self._cancel(job, reason, message)
         # As stored (its service accounted up to the cancellation), as a retry sees it.
         return await self._job_record(job_id) or cancelled
 

@@ -106,6 +106,15 @@ async def test_submit_show_list_cancel_as_over_nats(
     status, again = await api.call("POST", f"/v1/jobs/{job_id}/cancel")
     assert status == 200 and again["job"] == body["job"]
 
+    # An operator cancels any tenant's job, and the record says who did.
+    status, body = await api.call("POST", "/v1/jobs", json=SLEEPER)
+    assert status == 201, body
+    other = body["job"]["job_id"]
+    status, body = await api.call("POST", f"/v1/jobs/{other}/cancel", "operator")
+    assert status == 200 and body["job"]["tenant"] == "alice"
+    assert body["job"]["state"] == "CANCELLED"
+    assert body["job"]["reason"] == "cancelled by an operator (operator)"
+
 
 async def test_tokens_are_required_and_name_the_tenant(
     brain_factory: Callable[..., Awaitable[Brain]],

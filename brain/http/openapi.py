@@ -272,7 +272,11 @@ def _paths() -> dict[str, Any]:
             ),
         },
         "/v1/jobs/{job_id}/cancel": {
-            "post": cancel("Cancel a job (its processes are stopped)", "cancelJob")
+            "post": cancel(
+                "Cancel a job (its processes are stopped): the caller's own, or, with an "
+                "operator token, any tenant's",
+                "cancelJob",
+            )
         },
         "/v1/jobs/{job_id}/resize": {
             "post": _operation(
