@@ -65,7 +65,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 from unittest import mock
@@ -527,9 +527,10 @@ def stages(order: str, size: Size, repeat: int) -> list[tuple[str, float]]:
     with contextlib.ExitStack() as wrapped:
         for name, what in STAGES:
             wrapped.enter_context(mock.patch.object(core, name, timed(what, getattr(core, name))))
-        wrapped.enter_context(
-            mock.patch.dict(core.ORDERINGS, {order: timed(ranks, core.ORDERINGS[order])})
-        )
+        # The plugin with its ranking timed: its flags (`view_only`, ...) stay its own.
+        plugin = core.ORDERINGS[order]
+        timed_plugin = replace(plugin, rank=timed(ranks, plugin.rank))
+        wrapped.enter_context(mock.patch.dict(core.ORDERINGS, {order: timed_plugin}))
         for _ in range(repeat):
             with collector_paused():
                 started = time.process_time()

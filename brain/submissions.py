@@ -193,7 +193,7 @@ class Submissions:
         if job.tenant == tenant:
             reason, message = "cancelled by its owner", f"cancelled by tenant {tenant}"
         else:
-            reason = message = f"cancelled by an operator ({tenant})"
+            reason = message = "cancelled by an operator"
         cancelled = await self._cancel(job, reason, message)
         # As stored (its service accounted up to the cancellation), as a retry sees it.
         return await self._job_record(job_id) or cancelled

@@ -42,7 +42,6 @@ def test_the_stages_add_up_and_are_put_back() -> None:
     timed = dict(rows)
     assert rows[0][0] == "the order's ranks"
     assert {what for _, what in STAGES} <= timed.keys()
-    assert all(seconds >= 0.0 for seconds in timed.values())
     # The stages are within the whole (the mean of two, each run's within its own).
     within = sum(seconds for what, seconds in rows if what not in ("the rest", "decide"))
     assert within <= timed["decide"] + 1e-6

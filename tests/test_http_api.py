@@ -113,7 +113,7 @@ async def test_submit_show_list_cancel_as_over_nats(
     status, body = await api.call("POST", f"/v1/jobs/{other}/cancel", "operator")
     assert status == 200 and body["job"]["tenant"] == "alice"
     assert body["job"]["state"] == "CANCELLED"
-    assert body["job"]["reason"] == "cancelled by an operator (operator)"
+    assert body["job"]["reason"] == "cancelled by an operator"
 
 
 async def test_tokens_are_required_and_name_the_tenant(
